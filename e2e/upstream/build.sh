@@ -5,8 +5,9 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-k8s_version=$(awk '$1 == "k8s.io/kubernetes" {print $2; exit}' "$here/go.mod")
-etcd_version=$(awk '$1 == "go.etcd.io/etcd/server/v3" {print $2; exit}' "$here/etcd/go.mod")
+k8s_version=$(grep -oE 'k8s\.io/kubernetes v[0-9]+\.[0-9]+\.[0-9]+' "$here/go.mod" | head -1 | cut -d' ' -f2)
+etcd_version=$(grep -oE 'go\.etcd\.io/etcd/server/v3 v[0-9]+\.[0-9]+\.[0-9]+' "$here/etcd/go.mod" | head -1 | cut -d' ' -f2)
+[[ -n "$k8s_version" && -n "$etcd_version" ]] || { echo "build.sh: cannot read the pinned versions" >&2; exit 1; }
 cache_root=${MIGDRA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/migdra}
 # The key covers the pinned versions and every go.mod/go.sum line, so any pin change rebuilds.
 key=$(cat "$here/go.mod" "$here/go.sum" "$here/etcd/go.mod" "$here/etcd/go.sum" | sha256sum | cut -c1-12)

@@ -1,0 +1,3 @@
+fn main() {
+    // Wired up once the driver lands; see lib.rs.
+}

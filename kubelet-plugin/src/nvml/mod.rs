@@ -1,0 +1,167 @@
+//! The GPU backend: everything migdra asks of NVML, behind a small trait.
+//!
+//! The production implementation ([`NvmlBackend`]) is nvml-wrapper plus raw calls through its
+//! `-sys` function table where the safe API lacks GPU/compute-instance calls. Tests run that
+//! same implementation against the fake NVML library (`e2e/fake-nvml`); there is no second,
+//! Rust-level mock of NVML.
+
+mod nvml_backend;
+
+use migdra_api::geometry::{Architecture, MigProfile};
+pub use nvml_backend::NvmlBackend;
+
+/// A GPU as discovered through NVML.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuDescription {
+    /// NVML enumeration index (what the backend methods take).
+    pub index: u32,
+    /// Device minor (`/dev/nvidia<minor>`).
+    pub minor: u32,
+    /// `GPU-…` UUID.
+    pub uuid: String,
+    /// Product name.
+    pub product_name: String,
+    /// PCI bus ID (`0000:3b:00.0`), when NVML reports it.
+    pub pci_bus_id: Option<String>,
+    /// NUMA node, when NVML reports it.
+    pub numa_node: Option<i64>,
+    /// Total memory in MiB.
+    pub memory_mib: u64,
+    /// Architecture, when it is one migdra knows.
+    pub architecture: Option<Architecture>,
+    /// CUDA compute capability (major, minor).
+    pub cuda_compute_capability: Option<(i32, i32)>,
+    /// MIG state; `None` when the GPU is not MIG-capable (GetMigMode answers NOT_SUPPORTED).
+    pub mig: Option<MigDescription>,
+}
+
+/// MIG state of a MIG-capable GPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MigDescription {
+    /// Current mode.
+    pub enabled: bool,
+    /// Pending mode (differs from `enabled` on Ampere until a GPU reset).
+    pub pending_enabled: bool,
+    /// GPU-instance profiles (index order) with their possible placements.
+    pub profiles: Vec<MigProfile>,
+}
+
+/// A compute instance inside a GPU instance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ComputeInstanceRecord {
+    /// Compute-instance ID within its GPU instance.
+    pub id: u32,
+    /// Compute-instance profile ID.
+    pub profile_id: u32,
+    /// `MIG-…` UUID of the MIG device this compute instance forms.
+    pub mig_uuid: String,
+}
+
+/// A GPU instance that exists on a GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuInstanceRecord {
+    /// GPU-instance ID.
+    pub id: u32,
+    /// GPU-instance profile ID.
+    pub profile_id: u32,
+    /// Placement start (memory slices).
+    pub start: u32,
+    /// Placement size (memory slices).
+    pub size: u32,
+    /// Its compute instances (empty for a GI left without a CI).
+    pub compute_instances: Vec<ComputeInstanceRecord>,
+}
+
+/// What a newly created full compute instance is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CreatedComputeInstance {
+    /// Compute-instance ID.
+    pub id: u32,
+    /// `MIG-…` UUID of the new MIG device.
+    pub mig_uuid: String,
+}
+
+/// Result of a MIG mode change request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MigModeChange {
+    /// The mode is now in effect.
+    Applied,
+    /// The mode is pending a GPU reset (Ampere).
+    PendingReset,
+}
+
+/// NVML return codes migdra distinguishes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NvmlErrorKind {
+    /// NVML_ERROR_INVALID_ARGUMENT (2).
+    InvalidArgument,
+    /// NVML_ERROR_NOT_SUPPORTED (3).
+    NotSupported,
+    /// NVML_ERROR_NO_PERMISSION (4).
+    NoPermission,
+    /// NVML_ERROR_NOT_FOUND (6).
+    NotFound,
+    /// NVML_ERROR_GPU_IS_LOST (15).
+    GpuLost,
+    /// NVML_ERROR_RESET_REQUIRED (16).
+    ResetRequired,
+    /// NVML_ERROR_IN_USE (19).
+    InUse,
+    /// NVML_ERROR_INSUFFICIENT_RESOURCES (23): occupied, overlapping or over budget.
+    InsufficientResources,
+    /// Any other failure, including a missing library or symbol.
+    Other,
+}
+
+/// A failed backend call, with what was being done.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{operation} failed: {message}")]
+pub struct BackendError {
+    /// What was being done, e.g. `create GPU instance 3g.40gb@4 on GPU 0`.
+    pub operation: String,
+    /// The NVML error class.
+    pub kind: NvmlErrorKind,
+    /// NVML's message or the underlying error.
+    pub message: String,
+}
+
+/// Everything migdra needs from NVML. GPUs are addressed by NVML index.
+///
+/// Implementations must be safe to call from several threads; migdra serialises operations
+/// per GPU itself.
+pub trait GpuBackend: Send + Sync {
+    /// NVIDIA driver version (`nvmlSystemGetDriverVersion`).
+    fn driver_version(&self) -> Result<String, BackendError>;
+
+    /// Discovers every GPU, its MIG mode and, for MIG-capable GPUs, every GPU-instance profile
+    /// with its real profile ID and its possible placements.
+    fn discover(&self) -> Result<Vec<GpuDescription>, BackendError>;
+
+    /// Lists the GPU instances of a GPU with their compute instances. Empty when MIG is off.
+    fn list_gpu_instances(&self, gpu: u32) -> Result<Vec<GpuInstanceRecord>, BackendError>;
+
+    /// Switches MIG mode.
+    fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigModeChange, BackendError>;
+
+    /// Creates a GPU instance of `profile_id` at `start` and returns its GPU-instance ID.
+    /// An occupied or over-budget placement fails with `InsufficientResources`.
+    fn create_gpu_instance(&self, gpu: u32, profile_id: u32, start: u32) -> Result<u32, BackendError>;
+
+    /// Creates the compute instance that spans the whole GPU instance.
+    fn create_full_compute_instance(
+        &self,
+        gpu: u32,
+        gpu_instance: u32,
+    ) -> Result<CreatedComputeInstance, BackendError>;
+
+    /// Destroys a compute instance. A missing GPU or compute instance fails with `NotFound`.
+    fn destroy_compute_instance(&self, gpu: u32, gpu_instance: u32, compute_instance: u32)
+    -> Result<(), BackendError>;
+
+    /// Destroys a GPU instance (its compute instances must be gone first, or `InUse`).
+    /// A missing GPU instance fails with `NotFound`.
+    fn destroy_gpu_instance(&self, gpu: u32, gpu_instance: u32) -> Result<(), BackendError>;
+
+    /// Probes a GPU; `Err` (for example `GpuLost`) means it is unhealthy.
+    fn probe_health(&self, gpu: u32) -> Result<(), BackendError>;
+}
