@@ -10,6 +10,7 @@ use std::sync::LazyLock;
 
 use crate::{
     geometry::{Architecture, Engines, MigGeometry, MigProfile},
+    inventory::{GpuHealth, GpuInventory, MigInventory},
     nvml_constants::*,
     profile::ProfileName,
 };
@@ -59,6 +60,36 @@ impl GpuModel {
     /// Memory slices of the GPU.
     pub fn memory_slices(&self) -> u32 {
         self.geometry().budget.memory_slices
+    }
+
+    /// A deterministic `GPU-…` UUID for GPU `minor` of this model (used by the fake GPU and
+    /// by tests; real UUIDs come from NVML).
+    pub fn uuid(&self, minor: u32) -> String {
+        let key = self.key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        format!("GPU-{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}", key >> 32, (key >> 16) & 0xffff, key & 0xfff, minor & 0xfff, u64::from(minor))
+    }
+
+    /// The inventory a healthy GPU of this model reports, without instances.
+    pub fn inventory(&self, minor: u32, mig_enabled: bool) -> GpuInventory {
+        GpuInventory {
+            minor,
+            index: minor,
+            uuid: self.uuid(minor),
+            product_name: self.product_name.to_string(),
+            architecture: Some(self.architecture),
+            cuda_compute_capability: Some(format!("{}.{}", self.cuda_compute_capability.0, self.cuda_compute_capability.1)),
+            pci_bus_id: Some(format!("0000:{:02x}:00.0", 0x10 + minor)),
+            numa_node: Some(i64::from(minor / 4)),
+            memory_mib: self.memory_mib,
+            mig: Some(MigInventory {
+                enabled: mig_enabled,
+                change_pending: false,
+                mode_switchable: self.architecture.mig_mode_switchable(),
+                geometry: self.geometry(),
+                instances: Vec::new(),
+            }),
+            health: GpuHealth::healthy(),
+        }
     }
 }
 

@@ -169,8 +169,9 @@ pub enum InstanceOwner {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MigInstance {
-    /// Profile name.
-    pub profile: ProfileName,
+    /// Profile name, when the profile ID is one the GPU reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<ProfileName>,
     /// GPU-instance profile ID and placement start.
     pub placement: Placement,
     /// NVML GPU-instance ID.

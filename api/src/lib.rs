@@ -7,4 +7,6 @@ pub mod device_name;
 pub mod geometry;
 pub mod inventory;
 pub mod nvml_constants;
+pub mod policy;
 pub mod profile;
+pub mod slices;

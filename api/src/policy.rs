@@ -1,0 +1,357 @@
+//! The `MigPolicy` custom resource: which nodes offer which profiles, whether whole GPUs are
+//! offered, and in which order devices are published (the only lever against fragmentation,
+//! because the scheduler takes the first device that fits).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::profile::{ProfileName, ProfileVariant};
+
+/// Spec of a [`MigPolicy`].
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "gpu.migdra.dev",
+    version = "v1alpha1",
+    kind = "MigPolicy",
+    plural = "migpolicies",
+    shortname = "migp",
+    printcolumn = r#"{"name":"Priority","type":"integer","jsonPath":".spec.priority"}"#,
+    printcolumn = r#"{"name":"Order","type":"string","jsonPath":".spec.deviceOrder"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct MigPolicySpec {
+    /// Nodes the policy applies to. Absent or empty selects every node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<LabelSelector>,
+    /// When several policies select a node, the highest priority wins; ties go to the
+    /// alphabetically first name.
+    #[serde(default)]
+    pub priority: i32,
+    /// Profiles to offer. Each entry is an exact profile name (`3g.40gb`, `1g.10gb+me`) or a
+    /// slice class (`1g`, `3g`, `1g+me`) that matches every profile of that size and variant.
+    /// Empty offers every profile the GPU supports.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub profiles: Vec<String>,
+    /// Profiles never to offer, in the same syntax.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude_profiles: Vec<String>,
+    /// Offer whole GPUs (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub whole_gpus: Option<bool>,
+    /// Offer MIG partitions (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<bool>,
+    /// Order of the published devices (default `Packed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_order: Option<DeviceOrder>,
+    /// What to do with the devices of an unhealthy GPU (default `Omit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unhealthy_gpus: Option<UnhealthyGpus>,
+}
+
+/// How devices are ordered in the pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum DeviceOrder {
+    /// Fill one GPU before the next; within a GPU, smaller profiles first; each profile's
+    /// placements that use a memory slice smaller profiles cannot (slice 7 on 8-slice GPUs)
+    /// first, then ascending start, so partly used blocks fill before new ones are broken.
+    #[default]
+    Packed,
+    /// Profile-table order and ascending placement start, GPU by GPU: what plain iteration
+    /// gives. Kept as the baseline the packing simulation compares against.
+    Naive,
+    /// Spread across GPUs: the same per-GPU order as `Packed`, but interleaved so consecutive
+    /// claims land on different GPUs (less contention per GPU, more fragmentation).
+    Spread,
+}
+
+/// What happens to the devices of an unhealthy GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum UnhealthyGpus {
+    /// Leave them out of the pool.
+    #[default]
+    Omit,
+    /// Publish them with a `NoSchedule` taint (needs the DRADeviceTaints feature).
+    Taint,
+}
+
+/// One entry of a profile list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProfileMatcher {
+    /// An exact name.
+    Exact(ProfileName),
+    /// Every profile with this many compute slices and this variant.
+    Class {
+        /// Compute slices.
+        compute_slices: u32,
+        /// Variant.
+        variant: ProfileVariant,
+    },
+}
+
+/// A profile-list entry that parses as neither form.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid profile entry {0:?}: use a profile name such as 3g.40gb or a class such as 3g or 1g+me")]
+pub struct InvalidProfileMatcher(pub String);
+
+impl ProfileMatcher {
+    /// Parses `3g.40gb`, `1g.10gb+me`, `3g` or `1g+me`.
+    pub fn parse(s: &str) -> Result<Self, InvalidProfileMatcher> {
+        if let Ok(name) = s.parse::<ProfileName>() {
+            return Ok(Self::Exact(name));
+        }
+        // A class is a name without the memory part: reuse the name parser with a dummy size.
+        let (g, suffix) = s.split_once('g').ok_or_else(|| InvalidProfileMatcher(s.to_string()))?;
+        let probe = format!("{g}g.1gb{suffix}");
+        let name = probe.parse::<ProfileName>().map_err(|_| InvalidProfileMatcher(s.to_string()))?;
+        Ok(Self::Class { compute_slices: name.compute_slices, variant: name.variant })
+    }
+
+    /// True when `profile` matches.
+    pub fn matches(&self, profile: &ProfileName) -> bool {
+        match self {
+            Self::Exact(name) => name == profile,
+            Self::Class { compute_slices, variant } => {
+                profile.compute_slices == *compute_slices && profile.variant == *variant
+            }
+        }
+    }
+}
+
+/// The settings that apply to one node, after defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EffectivePolicy {
+    /// Policy name, when one applied.
+    pub name: Option<String>,
+    /// Offered profiles (empty = all).
+    pub profiles: Vec<ProfileMatcher>,
+    /// Excluded profiles.
+    pub exclude_profiles: Vec<ProfileMatcher>,
+    /// Offer whole GPUs.
+    pub whole_gpus: bool,
+    /// Offer MIG partitions.
+    pub mig: bool,
+    /// Device order.
+    pub device_order: DeviceOrder,
+    /// Unhealthy GPU handling.
+    pub unhealthy_gpus: UnhealthyGpus,
+}
+
+impl Default for EffectivePolicy {
+    fn default() -> Self {
+        Self {
+            name: None,
+            profiles: Vec::new(),
+            exclude_profiles: Vec::new(),
+            whole_gpus: true,
+            mig: true,
+            device_order: DeviceOrder::default(),
+            unhealthy_gpus: UnhealthyGpus::default(),
+        }
+    }
+}
+
+impl EffectivePolicy {
+    /// True when the policy offers `profile`.
+    pub fn offers(&self, profile: &ProfileName) -> bool {
+        self.mig
+            && (self.profiles.is_empty() || self.profiles.iter().any(|m| m.matches(profile)))
+            && !self.exclude_profiles.iter().any(|m| m.matches(profile))
+    }
+}
+
+/// Why a policy cannot be applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// A bad profile entry.
+    #[error("MigPolicy {policy}: {source}")]
+    Profile {
+        /// Policy name.
+        policy: String,
+        /// Cause.
+        #[source]
+        source: InvalidProfileMatcher,
+    },
+    /// A bad selector.
+    #[error("MigPolicy {policy}: invalid nodeSelector: {reason}")]
+    Selector {
+        /// Policy name.
+        policy: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl MigPolicy {
+    fn policy_name(&self) -> String {
+        self.metadata.name.clone().unwrap_or_default()
+    }
+
+    /// True when the policy's selector matches `labels`.
+    pub fn selects(&self, labels: &BTreeMap<String, String>) -> Result<bool, PolicyError> {
+        match &self.spec.node_selector {
+            None => Ok(true),
+            Some(selector) => label_selector_matches(selector, labels)
+                .map_err(|reason| PolicyError::Selector { policy: self.policy_name(), reason }),
+        }
+    }
+
+    /// The effective settings of this policy.
+    pub fn effective(&self) -> Result<EffectivePolicy, PolicyError> {
+        let parse = |entries: &[String]| {
+            entries
+                .iter()
+                .map(|e| ProfileMatcher::parse(e))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|source| PolicyError::Profile { policy: self.policy_name(), source })
+        };
+        let defaults = EffectivePolicy::default();
+        Ok(EffectivePolicy {
+            name: Some(self.policy_name()),
+            profiles: parse(&self.spec.profiles)?,
+            exclude_profiles: parse(&self.spec.exclude_profiles)?,
+            whole_gpus: self.spec.whole_gpus.unwrap_or(defaults.whole_gpus),
+            mig: self.spec.mig.unwrap_or(defaults.mig),
+            device_order: self.spec.device_order.unwrap_or(defaults.device_order),
+            unhealthy_gpus: self.spec.unhealthy_gpus.unwrap_or(defaults.unhealthy_gpus),
+        })
+    }
+}
+
+/// Picks the policy for a node: among the policies whose selector matches, the highest
+/// priority, then the first name. No match gives the defaults. A policy with an invalid
+/// selector or profile list is an error for every node it could apply to, rather than being
+/// silently skipped (which would publish a different set of devices than the admin asked).
+pub fn policy_for_node<'a>(
+    policies: impl IntoIterator<Item = &'a MigPolicy>,
+    labels: &BTreeMap<String, String>,
+) -> Result<EffectivePolicy, PolicyError> {
+    let mut matching: Vec<&MigPolicy> = Vec::new();
+    for policy in policies {
+        if policy.selects(labels)? {
+            matching.push(policy);
+        }
+    }
+    matching.sort_by(|a, b| b.spec.priority.cmp(&a.spec.priority).then_with(|| a.policy_name().cmp(&b.policy_name())));
+    match matching.first() {
+        Some(policy) => policy.effective(),
+        None => Ok(EffectivePolicy::default()),
+    }
+}
+
+/// Evaluates a Kubernetes label selector (matchLabels AND matchExpressions).
+pub fn label_selector_matches(selector: &LabelSelector, labels: &BTreeMap<String, String>) -> Result<bool, String> {
+    for (key, value) in selector.match_labels.iter().flatten() {
+        if labels.get(key) != Some(value) {
+            return Ok(false);
+        }
+    }
+    for expr in selector.match_expressions.iter().flatten() {
+        let values = expr.values.as_deref().unwrap_or_default();
+        let present = labels.get(&expr.key);
+        let ok = match expr.operator.as_str() {
+            "In" if values.is_empty() => return Err(format!("operator In on {} needs values", expr.key)),
+            "NotIn" if values.is_empty() => return Err(format!("operator NotIn on {} needs values", expr.key)),
+            "In" => present.is_some_and(|v| values.contains(v)),
+            "NotIn" => present.is_none_or(|v| !values.contains(v)),
+            "Exists" => present.is_some(),
+            "DoesNotExist" => present.is_none(),
+            other => return Err(format!("unknown operator {other}")),
+        };
+        if !ok {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
+
+    use super::*;
+
+    fn policy(name: &str, priority: i32, selector: Option<LabelSelector>) -> MigPolicy {
+        let mut p = MigPolicy::new(name, MigPolicySpec { priority, node_selector: selector, ..Default::default() });
+        p.spec.profiles = vec!["3g".into()];
+        p
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn matchers() {
+        let m = ProfileMatcher::parse("1g+me").unwrap();
+        assert!(m.matches(&"1g.10gb+me".parse().unwrap()));
+        assert!(!m.matches(&"1g.10gb".parse().unwrap()));
+        let exact = ProfileMatcher::parse("3g.40gb").unwrap();
+        assert!(exact.matches(&"3g.40gb".parse().unwrap()));
+        assert!(!exact.matches(&"3g.20gb".parse().unwrap()));
+        for bad in ["", "g", "3", "3x", "3g.", "1g+xx", "foo"] {
+            assert!(ProfileMatcher::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn highest_priority_matching_policy_wins() {
+        let sel = |k: &str, op: &str, v: &[&str]| LabelSelector {
+            match_expressions: Some(vec![LabelSelectorRequirement {
+                key: k.into(),
+                operator: op.into(),
+                values: Some(v.iter().map(|s| s.to_string()).collect()),
+            }]),
+            ..Default::default()
+        };
+        let policies = [
+            policy("b-all", 0, None),
+            policy("a-h100", 10, Some(sel("gpu", "In", &["h100"]))),
+            policy("c-h100", 10, Some(sel("gpu", "In", &["h100"]))),
+            policy("z-a100", 20, Some(sel("gpu", "In", &["a100"]))),
+        ];
+        assert_eq!(policy_for_node(&policies, &labels(&[("gpu", "h100")])).unwrap().name.as_deref(), Some("a-h100"));
+        assert_eq!(policy_for_node(&policies, &labels(&[])).unwrap().name.as_deref(), Some("b-all"));
+        assert_eq!(policy_for_node(&policies[1..2], &labels(&[])).unwrap(), EffectivePolicy::default());
+        let broken = policy("x", 0, Some(sel("gpu", "In", &[])));
+        assert!(policy_for_node([&broken], &labels(&[])).is_err());
+    }
+
+    #[test]
+    fn selector_operators() {
+        let req = |op: &str, values: Option<Vec<String>>| LabelSelector {
+            match_expressions: Some(vec![LabelSelectorRequirement { key: "k".into(), operator: op.into(), values }]),
+            ..Default::default()
+        };
+        let with = labels(&[("k", "v")]);
+        let without = labels(&[]);
+        assert!(label_selector_matches(&req("Exists", None), &with).unwrap());
+        assert!(!label_selector_matches(&req("Exists", None), &without).unwrap());
+        assert!(label_selector_matches(&req("DoesNotExist", None), &without).unwrap());
+        assert!(label_selector_matches(&req("NotIn", Some(vec!["x".into()])), &with).unwrap());
+        assert!(!label_selector_matches(&req("NotIn", Some(vec!["v".into()])), &with).unwrap());
+        assert!(label_selector_matches(&req("Bogus", None), &with).is_err());
+        let ml = LabelSelector { match_labels: Some(labels(&[("k", "v")])), ..Default::default() };
+        assert!(label_selector_matches(&ml, &with).unwrap());
+        assert!(!label_selector_matches(&ml, &without).unwrap());
+    }
+
+    #[test]
+    fn offers_respects_lists_and_mig_switch() {
+        let mut p = EffectivePolicy::default();
+        let g1: ProfileName = "1g.10gb".parse().unwrap();
+        assert!(p.offers(&g1));
+        p.exclude_profiles = vec![ProfileMatcher::parse("1g").unwrap()];
+        assert!(!p.offers(&g1));
+        p.exclude_profiles.clear();
+        p.profiles = vec![ProfileMatcher::parse("3g").unwrap()];
+        assert!(!p.offers(&g1));
+        assert!(p.offers(&"3g.40gb".parse().unwrap()));
+        p.mig = false;
+        assert!(!p.offers(&"3g.40gb".parse().unwrap()));
+    }
+}

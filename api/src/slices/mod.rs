@@ -1,0 +1,394 @@
+//! The slice model: a node's GPU inventory plus its policy become the node's ResourceSlice
+//! pool (Kubernetes 1.35+ layout).
+//!
+//! * One counter set per MIG-offering GPU (`gpu-<minor>`): a counter per memory slice
+//!   (`memory-slice-<i>`, value 1) plus the engine and memory budgets (`multiprocessors`,
+//!   `copy-engines`, `decoders`, `encoders`, `jpeg-engines`, `ofa-engines`, `memory`), so
+//!   the scheduler enforces every NVML limit: overlapping placements, and budget limits such
+//!   as the single `+me` instance (one OFA engine).
+//! * One device per offered (GPU, profile, placement), consuming exactly the memory slices it
+//!   covers plus its engines and memory; one whole-GPU device per GPU consuming everything.
+//! * Counter sets live in counter-only slices (at most 8 sets each); devices fill device-only
+//!   slices (at most 64 each) in the published order, which is the scheduler's first-fit order.
+//!
+//! Placements occupied by instances migdra did not create are left out, and their engines
+//! are subtracted from the budgets; so are unhealthy GPUs (or they are tainted, by policy).
+
+pub mod allocator;
+pub mod order;
+pub mod packing;
+pub mod quantity;
+pub mod validate;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::{
+    api::resource::v1::{
+        Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceCounterConsumption, DeviceTaint,
+        ResourcePool, ResourceSliceSpec,
+    },
+    apimachinery::pkg::api::resource::Quantity,
+};
+
+use crate::{
+    device_name::DeviceName,
+    geometry::{Engines, MigGeometry, MigProfile},
+    inventory::{GpuInventory, InstanceOwner},
+    policy::{EffectivePolicy, UnhealthyGpus},
+};
+
+/// Devices per slice when devices consume counters (1.35+ limit).
+pub const MAX_DEVICES_PER_SLICE: usize = 64;
+/// Counter sets per slice (1.35+ limit).
+pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
+/// The counter holding the memory budget, in MiB.
+pub const MEMORY_COUNTER: &str = "memory";
+/// Taint key on devices of unhealthy GPUs (policy `Taint`).
+pub const UNHEALTHY_TAINT: &str = "gpu.migdra.dev/unhealthy";
+
+/// Counter values by counter name. `memory` is in MiB; everything else is a count.
+pub type Counters = BTreeMap<String, u64>;
+
+/// What a planned device is.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PlannedKind {
+    /// A whole GPU.
+    Gpu,
+    /// A MIG partition.
+    Mig {
+        /// Its profile.
+        profile: MigProfile,
+        /// Placement start.
+        start: u32,
+    },
+}
+
+/// A device of the pool before it is rendered: what ordering, simulation and rendering need.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannedDevice {
+    /// Parent GPU's minor.
+    pub gpu_minor: u32,
+    /// Device name.
+    pub name: DeviceName,
+    /// What it is.
+    pub kind: PlannedKind,
+    /// Counter set it consumes from (none for a GPU published without counters).
+    pub counter_set: Option<String>,
+    /// What it consumes.
+    pub consumes: Counters,
+    /// Set when the parent GPU is unhealthy and the policy taints rather than omits.
+    pub unhealthy: Option<String>,
+}
+
+/// The structure of a node's pool: counter sets and ordered devices.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PoolPlan {
+    /// Counter sets by name, in GPU order.
+    pub counter_sets: Vec<(String, Counters)>,
+    /// Devices in published (first-fit) order.
+    pub devices: Vec<PlannedDevice>,
+}
+
+impl PoolPlan {
+    /// Number of device slices this plan renders to.
+    pub fn device_slices(&self) -> usize {
+        self.devices.len().div_ceil(MAX_DEVICES_PER_SLICE)
+    }
+
+    /// Number of counter slices this plan renders to.
+    pub fn counter_slices(&self) -> usize {
+        self.counter_sets.len().div_ceil(MAX_COUNTER_SETS_PER_SLICE)
+    }
+
+    /// Total slices, at least one (an empty pool still publishes one slice, so the scheduler
+    /// sees a complete, empty pool rather than none).
+    pub fn slice_count(&self) -> usize {
+        (self.device_slices() + self.counter_slices()).max(1)
+    }
+}
+
+/// The counter set name of a GPU.
+pub fn counter_set_name(minor: u32) -> String {
+    format!("gpu-{minor}")
+}
+
+/// The memory-slice counter name.
+pub fn memory_slice_counter(i: u32) -> String {
+    format!("memory-slice-{i}")
+}
+
+fn engine_counters(engines: Engines, memory_mib: u64) -> Counters {
+    let mut counters: Counters =
+        engines.named().into_iter().filter(|(_, v)| *v > 0).map(|(k, v)| (k.to_string(), u64::from(v))).collect();
+    if memory_mib > 0 {
+        counters.insert(MEMORY_COUNTER.to_string(), memory_mib);
+    }
+    counters
+}
+
+/// Plans a node's pool: which devices exist, what they consume, in which order.
+pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
+    let mut plan = PoolPlan::default();
+    let mut per_gpu: Vec<(u32, Option<MigGeometry>, Vec<PlannedDevice>)> = Vec::new();
+    let mut gpus: Vec<&GpuInventory> = gpus.iter().collect();
+    gpus.sort_by_key(|g| g.minor);
+    for gpu in gpus {
+        let unhealthy = (!gpu.health.healthy).then(|| gpu.health.reason.clone().unwrap_or_else(|| "unhealthy".into()));
+        if unhealthy.is_some() && policy.unhealthy_gpus == UnhealthyGpus::Omit {
+            continue;
+        }
+        let mut devices = Vec::new();
+        let offers_mig = gpu.mig.as_ref().filter(|m| policy.mig && (m.enabled || m.mode_switchable));
+        let foreign: Vec<_> = gpu
+            .mig
+            .iter()
+            .flat_map(|m| &m.instances)
+            .filter(|i| i.owner == InstanceOwner::Foreign)
+            .collect();
+        let whole_possible = match &gpu.mig {
+            None => true,
+            Some(m) => (!m.enabled || m.mode_switchable) && foreign.is_empty(),
+        };
+
+        let mut geometry_used = None;
+        if let Some(mig) = offers_mig {
+            let geometry = &mig.geometry;
+            let set = counter_set_name(gpu.minor);
+            // Budgets minus what foreign instances hold; their memory slices are not offered.
+            let mut budget_engines = geometry.budget.engines;
+            let mut budget_memory = geometry.budget.memory_mib;
+            let mut blocked = vec![false; geometry.budget.memory_slices as usize];
+            for instance in &foreign {
+                if let Some(p) = geometry.profile_by_id(instance.placement.profile_id) {
+                    budget_engines = saturating_sub(budget_engines, p.engines);
+                    budget_memory = budget_memory.saturating_sub(p.memory_mib);
+                    for s in p.memory_range(instance.placement.start) {
+                        if let Some(b) = blocked.get_mut(s as usize) {
+                            *b = true;
+                        }
+                    }
+                }
+            }
+            let mut counters = engine_counters(budget_engines, budget_memory);
+            for i in 0..geometry.budget.memory_slices {
+                counters.insert(memory_slice_counter(i), u64::from(!blocked[i as usize]));
+            }
+            for (profile, start) in geometry.all_placements() {
+                if !policy.offers(&profile.name) {
+                    continue;
+                }
+                if profile.memory_range(start).any(|s| blocked.get(s as usize).copied().unwrap_or(true)) {
+                    continue;
+                }
+                let mut consumes = engine_counters(profile.engines, profile.memory_mib);
+                for s in profile.memory_range(start) {
+                    consumes.insert(memory_slice_counter(s), 1);
+                }
+                if !consumes.iter().all(|(k, v)| counters.get(k).is_some_and(|have| have >= v)) {
+                    continue; // the remaining budget can never hold it
+                }
+                devices.push(PlannedDevice {
+                    gpu_minor: gpu.minor,
+                    name: DeviceName::Mig { minor: gpu.minor, profile: profile.name, start },
+                    kind: PlannedKind::Mig { profile: profile.clone(), start },
+                    counter_set: Some(set.clone()),
+                    consumes,
+                    unhealthy: unhealthy.clone(),
+                });
+            }
+            if whole_possible && policy.whole_gpus {
+                // The whole GPU takes every counter, so it excludes, and is excluded by, any
+                // partition.
+                devices.push(PlannedDevice {
+                    gpu_minor: gpu.minor,
+                    name: DeviceName::Gpu { minor: gpu.minor },
+                    kind: PlannedKind::Gpu,
+                    counter_set: Some(set.clone()),
+                    consumes: counters.clone(),
+                    unhealthy: unhealthy.clone(),
+                });
+            }
+            if !devices.is_empty() {
+                plan.counter_sets.push((set, counters));
+                geometry_used = Some(geometry.clone());
+            }
+        } else if whole_possible && policy.whole_gpus {
+            devices.push(PlannedDevice {
+                gpu_minor: gpu.minor,
+                name: DeviceName::Gpu { minor: gpu.minor },
+                kind: PlannedKind::Gpu,
+                counter_set: None,
+                consumes: Counters::new(),
+                unhealthy: unhealthy.clone(),
+            });
+        }
+        per_gpu.push((gpu.minor, geometry_used, devices));
+    }
+    plan.devices = order::order(per_gpu, policy.device_order);
+    plan
+}
+
+fn saturating_sub(a: Engines, b: Engines) -> Engines {
+    Engines {
+        multiprocessors: a.multiprocessors.saturating_sub(b.multiprocessors),
+        copy_engines: a.copy_engines.saturating_sub(b.copy_engines),
+        decoders: a.decoders.saturating_sub(b.decoders),
+        encoders: a.encoders.saturating_sub(b.encoders),
+        jpeg_engines: a.jpeg_engines.saturating_sub(b.jpeg_engines),
+        ofa_engines: a.ofa_engines.saturating_sub(b.ofa_engines),
+    }
+}
+
+/// Identity of the pool being rendered.
+#[derive(Clone, Debug)]
+pub struct PoolIdentity<'a> {
+    /// DRA driver name.
+    pub driver: &'a str,
+    /// Node name.
+    pub node: &'a str,
+    /// Pool name.
+    pub pool: &'a str,
+    /// Pool generation.
+    pub generation: i64,
+    /// NVIDIA driver version, when known.
+    pub driver_version: Option<&'a str>,
+}
+
+/// Renders a plan into slice specs: counter slices first, then device slices in order.
+pub fn render_pool(id: &PoolIdentity<'_>, gpus: &[GpuInventory], plan: &PoolPlan) -> Vec<ResourceSliceSpec> {
+    let count = i64::try_from(plan.slice_count()).unwrap_or(i64::MAX);
+    let base = || ResourceSliceSpec {
+        driver: id.driver.to_string(),
+        node_name: Some(id.node.to_string()),
+        pool: ResourcePool { name: id.pool.to_string(), generation: id.generation, resource_slice_count: count },
+        ..ResourceSliceSpec::default()
+    };
+    let mut slices = Vec::with_capacity(plan.slice_count());
+    for chunk in plan.counter_sets.chunks(MAX_COUNTER_SETS_PER_SLICE) {
+        let sets = chunk
+            .iter()
+            .map(|(name, counters)| CounterSet { name: name.clone(), counters: render_counters(counters) })
+            .collect();
+        slices.push(ResourceSliceSpec { shared_counters: Some(sets), ..base() });
+    }
+    let by_minor: BTreeMap<u32, &GpuInventory> = gpus.iter().map(|g| (g.minor, g)).collect();
+    for chunk in plan.devices.chunks(MAX_DEVICES_PER_SLICE) {
+        let devices = chunk.iter().filter_map(|d| by_minor.get(&d.gpu_minor).map(|g| render_device(id, g, d))).collect();
+        slices.push(ResourceSliceSpec { devices: Some(devices), ..base() });
+    }
+    if slices.is_empty() {
+        slices.push(ResourceSliceSpec { devices: Some(Vec::new()), ..base() });
+    }
+    slices
+}
+
+fn render_counters(counters: &Counters) -> BTreeMap<String, Counter> {
+    counters
+        .iter()
+        .map(|(name, value)| {
+            let q = if name == MEMORY_COUNTER { quantity::mebibytes(*value) } else { value.to_string() };
+            (name.clone(), Counter { value: Quantity(q) })
+        })
+        .collect()
+}
+
+fn string(s: impl Into<String>) -> DeviceAttribute {
+    DeviceAttribute { string: Some(s.into()), ..Default::default() }
+}
+
+fn int(i: i64) -> DeviceAttribute {
+    DeviceAttribute { int: Some(i), ..Default::default() }
+}
+
+fn version(v: String) -> DeviceAttribute {
+    DeviceAttribute { version: Some(v), ..Default::default() }
+}
+
+/// Normalises a dotted version into semver: `580.82.07` becomes `580.82.7`, `9.0` becomes
+/// `9.0.0`. `None` when it is not made of one to three numbers.
+pub fn semver(v: &str) -> Option<String> {
+    let parts: Vec<u64> = v.split('.').map(|p| p.parse().ok()).collect::<Option<_>>()?;
+    match parts.as_slice() {
+        [a] => Some(format!("{a}.0.0")),
+        [a, b] => Some(format!("{a}.{b}.0")),
+        [a, b, c] => Some(format!("{a}.{b}.{c}")),
+        _ => None,
+    }
+}
+
+fn render_device(id: &PoolIdentity<'_>, gpu: &GpuInventory, device: &PlannedDevice) -> Device {
+    let mut attributes = BTreeMap::new();
+    attributes.insert("productName".to_string(), string(truncate(&gpu.product_name, 64)));
+    if let Some(cc) = gpu.cuda_compute_capability.as_deref().and_then(semver) {
+        attributes.insert("cudaComputeCapability".to_string(), version(cc));
+    }
+    if let Some(v) = id.driver_version.and_then(semver) {
+        attributes.insert("driverVersion".to_string(), version(v));
+    }
+    if let Some(arch) = gpu.architecture {
+        attributes.insert("architecture".to_string(), string(arch.to_string()));
+    }
+    if let Some(bus) = &gpu.pci_bus_id {
+        attributes.insert("pciBusID".to_string(), string(bus.clone()));
+    }
+    if let Some(numa) = gpu.numa_node {
+        attributes.insert("numaNode".to_string(), int(numa));
+    }
+    let mut capacity = BTreeMap::new();
+    let cap = |v: String| DeviceCapacity { value: Quantity(v), ..Default::default() };
+    match &device.kind {
+        PlannedKind::Gpu => {
+            attributes.insert("type".to_string(), string("gpu"));
+            attributes.insert("uuid".to_string(), string(gpu.uuid.clone()));
+            if let Some(bus) = &gpu.pci_bus_id {
+                attributes.insert("resource.kubernetes.io/pciBusID".to_string(), string(bus.clone()));
+            }
+            capacity.insert("memory".to_string(), cap(quantity::mebibytes(gpu.memory_mib)));
+        }
+        PlannedKind::Mig { profile, start } => {
+            attributes.insert("type".to_string(), string("mig"));
+            attributes.insert("profile".to_string(), string(profile.name.to_string()));
+            attributes.insert("parentUUID".to_string(), string(gpu.uuid.clone()));
+            attributes.insert("placementStart".to_string(), int(i64::from(*start)));
+            attributes.insert("memorySlices".to_string(), int(i64::from(profile.memory_slices)));
+            attributes.insert("computeSlices".to_string(), int(i64::from(profile.compute_slices)));
+            capacity.insert("memory".to_string(), cap(quantity::mebibytes(profile.memory_mib)));
+            let e = profile.engines;
+            for (name, value) in [
+                ("multiprocessors", e.multiprocessors),
+                ("copyEngines", e.copy_engines),
+                ("decoders", e.decoders),
+                ("encoders", e.encoders),
+                ("jpegEngines", e.jpeg_engines),
+                ("ofaEngines", e.ofa_engines),
+            ] {
+                capacity.insert(name.to_string(), cap(value.to_string()));
+            }
+        }
+    }
+    let consumes_counters = device.counter_set.as_ref().map(|set| {
+        vec![DeviceCounterConsumption { counter_set: set.clone(), counters: render_counters(&device.consumes) }]
+    });
+    let taints = device.unhealthy.as_ref().map(|_| {
+        vec![DeviceTaint { key: UNHEALTHY_TAINT.to_string(), effect: "NoSchedule".to_string(), ..Default::default() }]
+    });
+    Device {
+        name: device.name.to_string(),
+        attributes: Some(attributes),
+        capacity: Some(capacity),
+        consumes_counters,
+        taints,
+        ..Default::default()
+    }
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,334 @@
+//! Client-side validation of a whole pool before anything is written. The API server checks
+//! each slice on its own, but not references between slices; a pool with a duplicate device,
+//! a duplicate counter set or a reference to a missing counter is marked invalid by the
+//! scheduler as a whole and silently never allocated from. This validator enforces the 1.35+
+//! limits and every cross-reference.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::resource::v1::{Device, ResourceSliceSpec};
+
+use super::quantity;
+use crate::device_name::is_dns_label;
+
+/// Limits of `resource.k8s.io/v1` (Kubernetes 1.35+).
+pub mod limits {
+    /// Devices per slice.
+    pub const DEVICES_PER_SLICE: usize = 128;
+    /// Devices per slice when any device has taints or consumes counters.
+    pub const DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS: usize = 64;
+    /// Counter sets per slice.
+    pub const COUNTER_SETS_PER_SLICE: usize = 8;
+    /// Counters per counter set.
+    pub const COUNTERS_PER_SET: usize = 32;
+    /// Counter-consumption entries per device.
+    pub const CONSUMPTIONS_PER_DEVICE: usize = 2;
+    /// Counters per consumption entry.
+    pub const COUNTERS_PER_CONSUMPTION: usize = 32;
+    /// Attributes plus capacities per device.
+    pub const ATTRIBUTES_AND_CAPACITIES: usize = 32;
+    /// Length of string and version attribute values.
+    pub const ATTRIBUTE_VALUE_LENGTH: usize = 64;
+    /// Taints per device.
+    pub const TAINTS_PER_DEVICE: usize = 16;
+    /// Driver name length.
+    pub const DRIVER_NAME_LENGTH: usize = 63;
+    /// Pool name length.
+    pub const POOL_NAME_LENGTH: usize = 253;
+    /// Identifier part of a qualified name.
+    pub const IDENTIFIER_LENGTH: usize = 32;
+    /// Domain part of a qualified name.
+    pub const DOMAIN_LENGTH: usize = 63;
+}
+
+/// One way a pool breaks the rules. `slice` is the index in the pool.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    /// No slices.
+    #[error("a pool needs at least one slice")]
+    Empty,
+    /// Driver name is not a DNS subdomain of at most 63 characters.
+    #[error("driver name {0:?} is not a DNS subdomain of at most 63 characters")]
+    DriverName(String),
+    /// Pool name invalid.
+    #[error("pool name {0:?} must be DNS subdomains joined by '/', at most 253 characters")]
+    PoolName(String),
+    /// Slices disagree on driver, pool, generation, count or node.
+    #[error("slice {slice}: {field} differs from slice 0")]
+    Inconsistent {
+        /// Slice index.
+        slice: usize,
+        /// Field.
+        field: &'static str,
+    },
+    /// resourceSliceCount does not match.
+    #[error("resourceSliceCount is {declared}, but the pool has {actual} slices")]
+    SliceCount {
+        /// Declared.
+        declared: i64,
+        /// Actual.
+        actual: usize,
+    },
+    /// Negative generation.
+    #[error("pool generation {0} is negative")]
+    Generation(i64),
+    /// A slice with both devices and counters, or neither.
+    #[error("slice {slice}: a slice holds either devices or sharedCounters, not both")]
+    Mixed {
+        /// Slice index.
+        slice: usize,
+    },
+    /// No node selection.
+    #[error("slice {slice}: exactly one of nodeName, nodeSelector, allNodes or perDeviceNodeSelection must be set")]
+    NodeSelection {
+        /// Slice index.
+        slice: usize,
+    },
+    /// Too many devices.
+    #[error("slice {slice}: {count} devices exceed the limit of {limit}")]
+    TooManyDevices {
+        /// Slice index.
+        slice: usize,
+        /// Devices.
+        count: usize,
+        /// Limit.
+        limit: usize,
+    },
+    /// Too many counter sets.
+    #[error("slice {slice}: {count} counter sets exceed the limit of {}", limits::COUNTER_SETS_PER_SLICE)]
+    TooManyCounterSets {
+        /// Slice index.
+        slice: usize,
+        /// Sets.
+        count: usize,
+    },
+    /// Counter-set name invalid or empty set.
+    #[error("counter set {set:?}: {reason}")]
+    CounterSet {
+        /// Set name.
+        set: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Counter set defined twice in the pool.
+    #[error("counter set {0:?} is defined more than once in the pool")]
+    DuplicateCounterSet(String),
+    /// Device name invalid.
+    #[error("device name {0:?} is not a DNS label")]
+    DeviceName(String),
+    /// Device defined twice in the pool.
+    #[error("device {0:?} appears more than once in the pool")]
+    DuplicateDevice(String),
+    /// Something wrong with one device.
+    #[error("device {device:?}: {reason}")]
+    Device {
+        /// Device name.
+        device: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+fn is_dns_subdomain(s: &str, max: usize) -> bool {
+    !s.is_empty() && s.len() <= max && s.split('.').all(is_dns_label)
+}
+
+fn is_c_identifier(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= limits::IDENTIFIER_LENGTH
+        && s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// `<identifier>` or `<dns subdomain>/<identifier>`.
+pub fn is_qualified_name(s: &str) -> bool {
+    match s.split_once('/') {
+        None => is_c_identifier(s),
+        Some((domain, id)) => is_dns_subdomain(domain, limits::DOMAIN_LENGTH) && is_c_identifier(id),
+    }
+}
+
+fn is_semver(v: &str) -> bool {
+    let (core, _) = v.split_once(['-', '+']).unwrap_or((v, ""));
+    let parts: Vec<&str> = core.split('.').collect();
+    parts.len() == 3
+        && parts.iter().all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && (p.len() == 1 || !p.starts_with('0')))
+}
+
+/// Validates a whole pool. Returns every problem found, not just the first.
+pub fn validate_pool(slices: &[ResourceSliceSpec]) -> Result<(), Vec<PoolError>> {
+    let mut errors = Vec::new();
+    let Some(first) = slices.first() else { return Err(vec![PoolError::Empty]) };
+    if !is_dns_subdomain(&first.driver, limits::DRIVER_NAME_LENGTH) {
+        errors.push(PoolError::DriverName(first.driver.clone()));
+    }
+    let pool = &first.pool;
+    if pool.name.len() > limits::POOL_NAME_LENGTH || !pool.name.split('/').all(|p| is_dns_subdomain(p, 253)) {
+        errors.push(PoolError::PoolName(pool.name.clone()));
+    }
+    if pool.generation < 0 {
+        errors.push(PoolError::Generation(pool.generation));
+    }
+    if usize::try_from(pool.resource_slice_count).ok() != Some(slices.len()) {
+        errors.push(PoolError::SliceCount { declared: pool.resource_slice_count, actual: slices.len() });
+    }
+
+    // Counter sets of the whole pool, for the cross-references below.
+    let mut sets: BTreeMap<&str, BTreeMap<&str, u128>> = BTreeMap::new();
+    for (i, slice) in slices.iter().enumerate() {
+        if slice.driver != first.driver {
+            errors.push(PoolError::Inconsistent { slice: i, field: "driver" });
+        }
+        if slice.pool.name != pool.name {
+            errors.push(PoolError::Inconsistent { slice: i, field: "pool.name" });
+        }
+        if slice.pool.generation != pool.generation {
+            errors.push(PoolError::Inconsistent { slice: i, field: "pool.generation" });
+        }
+        if slice.pool.resource_slice_count != pool.resource_slice_count {
+            errors.push(PoolError::Inconsistent { slice: i, field: "pool.resourceSliceCount" });
+        }
+        if slice.node_name != first.node_name {
+            errors.push(PoolError::Inconsistent { slice: i, field: "nodeName" });
+        }
+        let selections = [
+            slice.node_name.is_some(),
+            slice.node_selector.is_some(),
+            slice.all_nodes == Some(true),
+            slice.per_device_node_selection == Some(true),
+        ];
+        if selections.iter().filter(|s| **s).count() != 1 {
+            errors.push(PoolError::NodeSelection { slice: i });
+        }
+        let has_devices = slice.devices.as_ref().is_some_and(|d| !d.is_empty());
+        let has_counters = slice.shared_counters.as_ref().is_some_and(|c| !c.is_empty());
+        if has_devices && has_counters {
+            errors.push(PoolError::Mixed { slice: i });
+        }
+        let counter_sets = slice.shared_counters.as_deref().unwrap_or_default();
+        if counter_sets.len() > limits::COUNTER_SETS_PER_SLICE {
+            errors.push(PoolError::TooManyCounterSets { slice: i, count: counter_sets.len() });
+        }
+        for set in counter_sets {
+            if !is_dns_label(&set.name) {
+                errors.push(PoolError::CounterSet { set: set.name.clone(), reason: "name is not a DNS label".into() });
+            }
+            if set.counters.is_empty() || set.counters.len() > limits::COUNTERS_PER_SET {
+                errors.push(PoolError::CounterSet {
+                    set: set.name.clone(),
+                    reason: format!("has {} counters; 1 to {} are allowed", set.counters.len(), limits::COUNTERS_PER_SET),
+                });
+            }
+            let mut values = BTreeMap::new();
+            for (name, counter) in &set.counters {
+                if !is_dns_label(name) {
+                    errors.push(PoolError::CounterSet { set: set.name.clone(), reason: format!("counter {name:?} is not a DNS label") });
+                }
+                match quantity::parse(&counter.value.0) {
+                    Some(v) => {
+                        values.insert(name.as_str(), v);
+                    }
+                    None => errors.push(PoolError::CounterSet {
+                        set: set.name.clone(),
+                        reason: format!("counter {name}: {:?} is not a non-negative integer quantity", counter.value.0),
+                    }),
+                }
+            }
+            if sets.insert(set.name.as_str(), values).is_some() {
+                errors.push(PoolError::DuplicateCounterSet(set.name.clone()));
+            }
+        }
+    }
+
+    let mut names = BTreeSet::new();
+    for (i, slice) in slices.iter().enumerate() {
+        let devices = slice.devices.as_deref().unwrap_or_default();
+        let constrained = devices.iter().any(|d| {
+            d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()) || d.taints.as_ref().is_some_and(|t| !t.is_empty())
+        });
+        let limit = if constrained { limits::DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS } else { limits::DEVICES_PER_SLICE };
+        if devices.len() > limit {
+            errors.push(PoolError::TooManyDevices { slice: i, count: devices.len(), limit });
+        }
+        for device in devices {
+            if !is_dns_label(&device.name) {
+                errors.push(PoolError::DeviceName(device.name.clone()));
+            }
+            if !names.insert(device.name.as_str()) {
+                errors.push(PoolError::DuplicateDevice(device.name.clone()));
+            }
+            validate_device(device, &sets, &mut errors);
+        }
+    }
+    if errors.is_empty() { Ok(()) } else { Err(errors) }
+}
+
+fn validate_device(device: &Device, sets: &BTreeMap<&str, BTreeMap<&str, u128>>, errors: &mut Vec<PoolError>) {
+    let mut fail = |reason: String| errors.push(PoolError::Device { device: device.name.clone(), reason });
+    let attributes = device.attributes.as_ref();
+    let capacity = device.capacity.as_ref();
+    let total = attributes.map_or(0, |a| a.len()) + capacity.map_or(0, |c| c.len());
+    if total > limits::ATTRIBUTES_AND_CAPACITIES {
+        fail(format!("{total} attributes and capacities exceed {}", limits::ATTRIBUTES_AND_CAPACITIES));
+    }
+    for (name, value) in attributes.into_iter().flatten() {
+        if !is_qualified_name(name) {
+            fail(format!("attribute name {name:?} is not a qualified name"));
+        }
+        let set = [value.bool.is_some(), value.int.is_some(), value.string.is_some(), value.version.is_some()];
+        if set.iter().filter(|s| **s).count() != 1 {
+            fail(format!("attribute {name} must set exactly one of bool, int, string, version"));
+        }
+        if let Some(s) = &value.string
+            && s.len() > limits::ATTRIBUTE_VALUE_LENGTH
+        {
+            fail(format!("attribute {name} is longer than {} bytes", limits::ATTRIBUTE_VALUE_LENGTH));
+        }
+        if let Some(v) = &value.version
+            && (v.len() > limits::ATTRIBUTE_VALUE_LENGTH || !is_semver(v))
+        {
+            fail(format!("attribute {name}: {v:?} is not a semantic version of at most 64 bytes"));
+        }
+    }
+    for (name, cap) in capacity.into_iter().flatten() {
+        if !is_qualified_name(name) {
+            fail(format!("capacity name {name:?} is not a qualified name"));
+        }
+        if quantity::parse(&cap.value.0).is_none() {
+            fail(format!("capacity {name}: {:?} is not a non-negative integer quantity", cap.value.0));
+        }
+    }
+    if device.taints.as_ref().is_some_and(|t| t.len() > limits::TAINTS_PER_DEVICE) {
+        fail(format!("more than {} taints", limits::TAINTS_PER_DEVICE));
+    }
+    let consumptions = device.consumes_counters.as_deref().unwrap_or_default();
+    if consumptions.len() > limits::CONSUMPTIONS_PER_DEVICE {
+        fail(format!("{} counter consumptions exceed {}", consumptions.len(), limits::CONSUMPTIONS_PER_DEVICE));
+    }
+    let mut seen_sets = BTreeSet::new();
+    for consumption in consumptions {
+        if !seen_sets.insert(consumption.counter_set.as_str()) {
+            fail(format!("consumes counter set {} twice", consumption.counter_set));
+        }
+        if consumption.counters.len() > limits::COUNTERS_PER_CONSUMPTION {
+            fail(format!("consumes {} counters from one set; at most {}", consumption.counters.len(), limits::COUNTERS_PER_CONSUMPTION));
+        }
+        let Some(set) = sets.get(consumption.counter_set.as_str()) else {
+            fail(format!("consumes from counter set {:?}, which the pool does not define", consumption.counter_set));
+            continue;
+        };
+        for (name, counter) in &consumption.counters {
+            let Some(available) = set.get(name.as_str()) else {
+                fail(format!("consumes counter {name:?}, which counter set {} does not define", consumption.counter_set));
+                continue;
+            };
+            match quantity::parse(&counter.value.0) {
+                None => fail(format!("consumption of {name}: {:?} is not a non-negative integer quantity", counter.value.0)),
+                Some(need) if need > *available => fail(format!(
+                    "consumes {need} of counter {name}, more than the {available} its set holds: it could never be allocated"
+                )),
+                Some(_) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,3 @@
+fn main() {
+    // The controller lands with its own issue; the binary exists so the workspace builds.
+}

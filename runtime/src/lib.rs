@@ -1,0 +1,190 @@
+//! Process plumbing shared by `migdra-controller` and `migdra-kubelet-plugin`: logging setup,
+//! the HTTP endpoint for metrics and probes, and shutdown on signals.
+
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::{body::Incoming, service::service_fn};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::{EnvFilter, fmt, prelude::*};
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Installs the global tracing subscriber. `filter` uses `RUST_LOG` syntax (e.g. `info` or
+/// `migdra=debug,kube=info`).
+pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let filter = EnvFilter::try_new(filter)?;
+    let registry = tracing_subscriber::registry().with(filter);
+    match format {
+        LogFormat::Text => registry.with(fmt::layer().with_target(true)).try_init()?,
+        LogFormat::Json => registry.with(fmt::layer().json().flatten_event(true).with_current_span(false)).try_init()?,
+    }
+    Ok(())
+}
+
+/// A cancellation token that fires on SIGTERM or SIGINT.
+pub fn shutdown_on_signals() -> Result<CancellationToken, std::io::Error> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let token = CancellationToken::new();
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let fire = token.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
+        }
+        fire.cancel();
+    });
+    Ok(token)
+}
+
+/// A readiness flag the HTTP endpoint reports on `/readyz`.
+#[derive(Clone, Debug, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    /// Sets the flag.
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Relaxed);
+    }
+
+    /// Reads the flag.
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Renders the metrics text on demand.
+pub type MetricsRenderer = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// Errors of the HTTP endpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    /// Binding the address failed.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// Address.
+        addr: SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Binds `addr` and serves `/metrics` (OpenMetrics text), `/healthz` (always 200 while the
+/// process serves) and `/readyz` (200 when `ready` is set) until `shutdown` fires. Returns
+/// the bound address (useful with port 0) and the serving task.
+pub async fn serve_http(
+    addr: SocketAddr,
+    metrics: MetricsRenderer,
+    ready: Readiness,
+    shutdown: CancellationToken,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), HttpError> {
+    let listener = TcpListener::bind(addr).await.map_err(|source| HttpError::Bind { addr, source })?;
+    let bound = listener.local_addr().map_err(|source| HttpError::Bind { addr, source })?;
+    let task = tokio::spawn(async move {
+        loop {
+            let (stream, _) = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accepting an HTTP connection failed");
+                        continue;
+                    }
+                },
+            };
+            let metrics = metrics.clone();
+            let ready = ready.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |req| {
+                    let metrics = metrics.clone();
+                    let ready = ready.clone();
+                    async move { Ok::<_, Infallible>(respond(&req, &metrics, &ready)) }
+                });
+                if let Err(e) = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await
+                {
+                    tracing::debug!(error = %e, "HTTP connection ended with an error");
+                }
+            });
+        }
+    });
+    Ok((bound, task))
+}
+
+fn respond(req: &Request<Incoming>, metrics: &MetricsRenderer, ready: &Readiness) -> Response<Full<Bytes>> {
+    let (status, content_type, body) = match req.uri().path() {
+        "/metrics" => (StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics()),
+        "/healthz" | "/livez" => (StatusCode::OK, "text/plain", "ok\n".to_string()),
+        "/readyz" if ready.get() => (StatusCode::OK, "text/plain", "ready\n".to_string()),
+        "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, "text/plain", "not ready\n".to_string()),
+        _ => (StatusCode::NOT_FOUND, "text/plain", "not found\n".to_string()),
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    if let Ok(value) = header::HeaderValue::from_str(content_type) {
+        response.headers_mut().insert(header::CONTENT_TYPE, value);
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut out = String::new();
+        stream.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn serves_metrics_and_probes() {
+        let ready = Readiness::default();
+        let shutdown = CancellationToken::new();
+        let (addr, task) = serve_http(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::new(|| "# EOF\n".to_string()),
+            ready.clone(),
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        assert!(get(addr, "/metrics").await.ends_with("# EOF\n"));
+        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
+        assert!(get(addr, "/readyz").await.starts_with("HTTP/1.1 503"));
+        ready.set(true);
+        assert!(get(addr, "/readyz").await.starts_with("HTTP/1.1 200"));
+        assert!(get(addr, "/nope").await.starts_with("HTTP/1.1 404"));
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+}
