@@ -18,7 +18,14 @@ const ORDERS: [DeviceOrder; 3] = [DeviceOrder::Packed, DeviceOrder::Naive, Devic
 
 fn plan(model: &catalog::GpuModel, gpus: u32, order: DeviceOrder) -> PoolPlan {
     let inventory: Vec<_> = (0..gpus).map(|m| model.inventory(m, true)).collect();
-    plan_pool(&inventory, &EffectivePolicy { device_order: order, whole_gpus: false, ..Default::default() })
+    plan_pool(
+        &inventory,
+        &EffectivePolicy {
+            device_order: order,
+            whole_gpus: false,
+            ..Default::default()
+        },
+    )
 }
 
 fn main() {
@@ -27,9 +34,15 @@ fn main() {
     const LONG_STREAMS: u64 = 100;
     const LONG_LEN: usize = 400;
     const GPUS: u32 = 2;
-    println!("Short arrival-only streams: {SHORT_STREAMS} streams of {SHORT_LEN} claims on 1 GPU (claims placed, summed)");
-    println!("  best placement = exhaustive search over placements, every claim that fits is placed (the best any order can do)");
-    println!("  best subset    = exhaustive search that may also refuse claims (an offline bound no scheduler reaches)");
+    println!(
+        "Short arrival-only streams: {SHORT_STREAMS} streams of {SHORT_LEN} claims on 1 GPU (claims placed, summed)"
+    );
+    println!(
+        "  best placement = exhaustive search over placements, every claim that fits is placed (the best any order can do)"
+    );
+    println!(
+        "  best subset    = exhaustive search that may also refuse claims (an offline bound no scheduler reaches)"
+    );
     println!(
         "{:<16} {:>8} {:>8} {:>8} {:>15} {:>12}   {:>14}",
         "model", "packed", "naive", "spread", "best placement", "best subset", "packed = best"
@@ -43,7 +56,13 @@ fn main() {
         for seed in 1..=SHORT_STREAMS {
             let requests: Vec<_> = packing::random_stream(&profiles, seed, SHORT_LEN, 0)
                 .into_iter()
-                .filter_map(|e| if let Event::Arrive { profile, .. } = e { Some(profile) } else { None })
+                .filter_map(|e| {
+                    if let Event::Arrive { profile, .. } = e {
+                        Some(profile)
+                    } else {
+                        None
+                    }
+                })
                 .collect();
             let best = packing::optimum_online(&geometry, 1, &requests);
             online += best;
@@ -62,7 +81,9 @@ fn main() {
         );
     }
     println!();
-    println!("Long streams with releases: {LONG_STREAMS} streams of {LONG_LEN} claims on {GPUS} GPUs, mean hold 6 arrivals (acceptance %)");
+    println!(
+        "Long streams with releases: {LONG_STREAMS} streams of {LONG_LEN} claims on {GPUS} GPUs, mean hold 6 arrivals (acceptance %)"
+    );
     println!("{:<16} {:>8} {:>8} {:>8}", "model", "packed", "naive", "spread");
     for model in catalog::models() {
         let profiles = packing::stream_profiles(&model.geometry());
@@ -77,6 +98,12 @@ fn main() {
             }
         }
         let pct = |a: usize| 100.0 * a as f64 / total as f64;
-        println!("{:<16} {:>7.1}% {:>7.1}% {:>7.1}%", model.key, pct(accepted[0]), pct(accepted[1]), pct(accepted[2]));
+        println!(
+            "{:<16} {:>7.1}% {:>7.1}% {:>7.1}%",
+            model.key,
+            pct(accepted[0]),
+            pct(accepted[1]),
+            pct(accepted[2])
+        );
     }
 }

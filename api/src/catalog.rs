@@ -65,8 +65,17 @@ impl GpuModel {
     /// A deterministic `GPU-…` UUID for GPU `minor` of this model (used by the fake GPU and
     /// by tests; real UUIDs come from NVML).
     pub fn uuid(&self, minor: u32) -> String {
-        let key = self.key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-        format!("GPU-{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}", key >> 32, (key >> 16) & 0xffff, key & 0xfff, minor & 0xfff, u64::from(minor))
+        let key = self.key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+        format!(
+            "GPU-{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+            key >> 32,
+            (key >> 16) & 0xffff,
+            key & 0xfff,
+            minor & 0xfff,
+            u64::from(minor)
+        )
     }
 
     /// The inventory a healthy GPU of this model reports, without instances.
@@ -77,7 +86,10 @@ impl GpuModel {
             uuid: self.uuid(minor),
             product_name: self.product_name.to_string(),
             architecture: Some(self.architecture),
-            cuda_compute_capability: Some(format!("{}.{}", self.cuda_compute_capability.0, self.cuda_compute_capability.1)),
+            cuda_compute_capability: Some(format!(
+                "{}.{}",
+                self.cuda_compute_capability.0, self.cuda_compute_capability.1
+            )),
             pci_bus_id: Some(format!("0000:{:02x}:00.0", 0x10 + minor)),
             numa_node: Some(i64::from(minor / 4)),
             memory_mib: self.memory_mib,
@@ -95,12 +107,24 @@ impl GpuModel {
 
 /// One row of a profile table: index, ID, name, compute slices, memory slices, instance
 /// count, starts, SM, CE, DEC, ENC, JPEG, OFA, MiB.
-type Row = (u32, u32, &'static str, u32, u32, u32, &'static [u32], [u32; 6], u64);
+type Row = (
+    u32,
+    u32,
+    &'static str,
+    u32,
+    u32,
+    u32,
+    &'static [u32],
+    [u32; 6],
+    u64,
+);
 
 fn profiles(rows: &[Row]) -> Vec<MigProfile> {
     rows.iter()
         .map(|&(index, id, name, cs, ms, count, starts, e, mib)| MigProfile {
-            name: name.parse::<ProfileName>().unwrap_or_else(|err| panic!("catalog profile name: {err}")),
+            name: name
+                .parse::<ProfileName>()
+                .unwrap_or_else(|err| panic!("catalog profile name: {err}")),
             gi_profile_id: id,
             gi_profile_index: index,
             compute_slices: cs,
@@ -225,13 +249,65 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
             compute_slices: 4,
             max_mig_devices: 4,
             profiles: profiles(&[
-                (GI_PROFILE_1_SLICE, 14, "1g.6gb", 1, 1, 4, &[0, 1, 2, 3], [14, 1, 1, 0, 0, 0], 5952),
-                (GI_PROFILE_2_SLICE, 5, "2g.12gb", 2, 2, 2, &[0, 2], [28, 2, 2, 0, 0, 0], 11968),
-                (GI_PROFILE_4_SLICE, 0, "4g.24gb", 4, 4, 1, ZERO, [56, 4, 4, 0, 1, 1], 24000),
-                (GI_PROFILE_1_SLICE_REV1, 21, "1g.6gb+me", 1, 1, 1, &[0, 1, 2, 3], [14, 1, 1, 0, 1, 1], 5952),
-                (GI_PROFILE_2_SLICE_REV1, 6, "2g.12gb+me", 2, 2, 1, &[0, 2], [28, 2, 2, 0, 1, 1], 11968),
+                (
+                    GI_PROFILE_1_SLICE,
+                    14,
+                    "1g.6gb",
+                    1,
+                    1,
+                    4,
+                    &[0, 1, 2, 3],
+                    [14, 1, 1, 0, 0, 0],
+                    5952,
+                ),
+                (
+                    GI_PROFILE_2_SLICE,
+                    5,
+                    "2g.12gb",
+                    2,
+                    2,
+                    2,
+                    &[0, 2],
+                    [28, 2, 2, 0, 0, 0],
+                    11968,
+                ),
+                (
+                    GI_PROFILE_4_SLICE,
+                    0,
+                    "4g.24gb",
+                    4,
+                    4,
+                    1,
+                    ZERO,
+                    [56, 4, 4, 0, 1, 1],
+                    24000,
+                ),
+                (
+                    GI_PROFILE_1_SLICE_REV1,
+                    21,
+                    "1g.6gb+me",
+                    1,
+                    1,
+                    1,
+                    &[0, 1, 2, 3],
+                    [14, 1, 1, 0, 1, 1],
+                    5952,
+                ),
+                (
+                    GI_PROFILE_2_SLICE_REV1,
+                    6,
+                    "2g.12gb+me",
+                    2,
+                    2,
+                    1,
+                    &[0, 2],
+                    [28, 2, 2, 0, 1, 1],
+                    11968,
+                ),
             ]),
-            data: DataQuality::Partial("4g memory is 23.44-23.50 GiB by driver; 1g decoder count is 0 in the docs, 1 on hardware"),
+            data: DataQuality::Partial(
+                "4g memory is 23.44-23.50 GiB by driver; 1g decoder count is 0 in the docs, 1 on hardware",
+            ),
         },
         GpuModel {
             key: "H100-80GB",
@@ -281,7 +357,9 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                 ["1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"],
                 [11264, 23552, 23552, 47616, 47616, 95232],
             ),
-            data: DataQuality::Partial("shared by H100 96GB and GH200 96GB; SM and engine counts assumed equal to H100 SXM"),
+            data: DataQuality::Partial(
+                "shared by H100 96GB and GH200 96GB; SM and engine counts assumed equal to H100 SXM",
+            ),
         },
         GpuModel {
             key: "H200-141GB",
@@ -370,7 +448,12 @@ mod tests {
 
     fn id_of(model: &GpuModel, name: &str) -> u32 {
         let name: ProfileName = name.parse().unwrap();
-        model.profiles.iter().find(|p| p.name == name).unwrap().gi_profile_id
+        model
+            .profiles
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap()
+            .gi_profile_id
     }
 
     #[test]
@@ -380,13 +463,23 @@ mod tests {
             let mut ids = HashSet::new();
             let mut indexes = HashSet::new();
             for p in &m.profiles {
-                assert!(ids.insert(p.gi_profile_id), "{}: duplicate profile id {}", m.key, p.gi_profile_id);
+                assert!(
+                    ids.insert(p.gi_profile_id),
+                    "{}: duplicate profile id {}",
+                    m.key,
+                    p.gi_profile_id
+                );
                 assert!(indexes.insert(p.gi_profile_index), "{}: duplicate index", m.key);
                 assert!(p.gi_profile_index < GI_PROFILE_COUNT);
                 assert!(p.compute_slices <= m.compute_slices, "{} {}", m.key, p.name);
                 assert_eq!(p.name.compute_slices, p.compute_slices, "{} {}", m.key, p.name);
                 for s in &p.placements {
-                    assert!(s + p.memory_slices <= g.budget.memory_slices, "{} {}@{s}", m.key, p.name);
+                    assert!(
+                        s + p.memory_slices <= g.budget.memory_slices,
+                        "{} {}@{s}",
+                        m.key,
+                        p.name
+                    );
                     assert_eq!(s % p.memory_slices, 0, "{} {}@{s} is not aligned", m.key, p.name);
                 }
                 // No instance limit is stricter than what placements and budgets enforce, so the
@@ -421,7 +514,10 @@ mod tests {
     fn zero_waste_layouts_fit_and_overlaps_do_not() {
         let h100 = model("H100-80GB").unwrap();
         let g = h100.geometry();
-        let p = |name: &str, start| Placement { profile_id: id_of(h100, name), start };
+        let p = |name: &str, start| Placement {
+            profile_id: id_of(h100, name),
+            start,
+        };
         for layout in [
             vec![p("7g.80gb", 0)],
             vec![p("4g.40gb", 0), p("3g.40gb", 4)],
@@ -430,7 +526,8 @@ mod tests {
             (0..7).map(|s| p("1g.10gb", s)).collect(),
             vec![p("1g.20gb", 0), p("1g.20gb", 2), p("1g.20gb", 4), p("1g.20gb", 6)],
         ] {
-            g.check_layout(&layout).unwrap_or_else(|e| panic!("{layout:?}: {e}"));
+            g.check_layout(&layout)
+                .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
         }
         assert!(matches!(
             g.check_layout(&[p("3g.40gb", 4), p("2g.20gb", 4)]),
@@ -445,9 +542,18 @@ mod tests {
             g.check_layout(&[p("1g.10gb+me", 0), p("1g.10gb+me", 3)]),
             Err(PlacementError::InstanceLimit { .. } | PlacementError::Budget { .. })
         ));
-        assert!(matches!(g.check_add(&[], p("3g.40gb", 2)), Err(PlacementError::InvalidStart { .. })));
         assert!(matches!(
-            g.check_add(&[], Placement { profile_id: 99, start: 0 }),
+            g.check_add(&[], p("3g.40gb", 2)),
+            Err(PlacementError::InvalidStart { .. })
+        ));
+        assert!(matches!(
+            g.check_add(
+                &[],
+                Placement {
+                    profile_id: 99,
+                    start: 0
+                }
+            ),
             Err(PlacementError::UnknownProfile(99))
         ));
     }

@@ -23,7 +23,11 @@ use crate::inventory::API_VERSION;
 pub const DEVICE_CONFIG_KIND: &str = "DeviceConfig";
 
 /// Environment variables a user may not set, because migdra sets them to select the device.
-const RESERVED_ENV: &[&str] = &["NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "NVIDIA_MIG_CONFIG_DEVICES"];
+const RESERVED_ENV: &[&str] = &[
+    "NVIDIA_VISIBLE_DEVICES",
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_MIG_CONFIG_DEVICES",
+];
 
 /// Configuration of the devices of one or more requests.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,7 +55,9 @@ pub enum ConfigError {
     #[error("unsupported kind {0:?}: expected {DEVICE_CONFIG_KIND}")]
     Kind(String),
     /// An environment variable name that is not a C identifier.
-    #[error("invalid environment variable name {0:?}: use letters, digits and '_', not starting with a digit")]
+    #[error(
+        "invalid environment variable name {0:?}: use letters, digits and '_', not starting with a digit"
+    )]
     EnvName(String),
     /// An environment variable migdra owns.
     #[error("environment variable {0} is set by migdra and cannot be configured")]
@@ -70,7 +76,10 @@ impl DeviceConfig {
             return Err(ConfigError::Kind(config.kind));
         }
         for name in config.env.keys() {
-            let valid = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            let valid = name
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
                 && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
             if !valid {
                 return Err(ConfigError::EnvName(name.clone()));
@@ -84,7 +93,8 @@ impl DeviceConfig {
 
     /// Applies `later` on top of `self`: later entries win, key by key.
     pub fn merge(&mut self, later: &DeviceConfig) {
-        self.env.extend(later.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        self.env
+            .extend(later.env.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
 }
 
@@ -104,8 +114,7 @@ pub fn resolve(entries: &[ConfigEntry<'_>], request: &str) -> Result<DeviceConfi
     let base = request.split('/').next().unwrap_or(request);
     let mut resolved = DeviceConfig::default();
     for entry in entries {
-        let applies =
-            entry.requests.is_empty() || entry.requests.iter().any(|r| r == request || r == base);
+        let applies = entry.requests.is_empty() || entry.requests.iter().any(|r| r == request || r == base);
         if applies {
             resolved.merge(&DeviceConfig::parse(entry.parameters)?);
         }
@@ -163,15 +172,27 @@ mod tests {
         let gpu = vec!["gpu".to_string()];
         let other = vec!["other".to_string()];
         let entries = [
-            ConfigEntry { requests: &all, parameters: &class },
-            ConfigEntry { requests: &gpu, parameters: &claim_all },
-            ConfigEntry { requests: &other, parameters: &claim_other },
+            ConfigEntry {
+                requests: &all,
+                parameters: &class,
+            },
+            ConfigEntry {
+                requests: &gpu,
+                parameters: &claim_all,
+            },
+            ConfigEntry {
+                requests: &other,
+                parameters: &claim_other,
+            },
         ];
         let resolved = resolve(&entries, "gpu/mig-2g").unwrap();
         assert_eq!(resolved.env["A"], "claim");
         assert_eq!(resolved.env["B"], "class");
         // An entry for another request is not applied, so its errors do not matter here...
-        let with_broken = [ConfigEntry { requests: &other, parameters: &broken }];
+        let with_broken = [ConfigEntry {
+            requests: &other,
+            parameters: &broken,
+        }];
         assert!(resolve(&with_broken, "gpu").is_ok());
         // ...but it fails the request it applies to.
         assert!(resolve(&with_broken, "other").is_err());

@@ -52,7 +52,11 @@ impl fmt::Display for DeviceName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DeviceName::Gpu { minor } => write!(f, "gpu-{minor}"),
-            DeviceName::Mig { minor, profile, start } => write!(f, "gpu-{minor}-mig-{}-{start}", profile.to_label()),
+            DeviceName::Mig {
+                minor,
+                profile,
+                start,
+            } => write!(f, "gpu-{minor}-mig-{}-{start}", profile.to_label()),
         }
     }
 }
@@ -75,7 +79,11 @@ impl FromStr for DeviceName {
         let (label, start) = rest.rsplit_once('-').ok_or_else(invalid)?;
         let start = parse_canonical_u32(start).ok_or_else(invalid)?;
         let profile = ProfileName::from_label(label).map_err(|_| invalid())?;
-        Ok(DeviceName::Mig { minor, profile, start })
+        Ok(DeviceName::Mig {
+            minor,
+            profile,
+            start,
+        })
     }
 }
 
@@ -92,7 +100,8 @@ fn parse_canonical_u32(s: &str) -> Option<u32> {
 pub fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !s.starts_with('-')
         && !s.ends_with('-')
 }
@@ -106,10 +115,17 @@ mod tests {
 
     #[test]
     fn examples() {
-        let mig = DeviceName::Mig { minor: 3, profile: "1g.10gb+me".parse().unwrap(), start: 6 };
+        let mig = DeviceName::Mig {
+            minor: 3,
+            profile: "1g.10gb+me".parse().unwrap(),
+            start: 6,
+        };
         assert_eq!(mig.to_string(), "gpu-3-mig-1g10gb-me-6");
         assert_eq!("gpu-3-mig-1g10gb-me-6".parse::<DeviceName>().unwrap(), mig);
-        assert_eq!("gpu-12".parse::<DeviceName>().unwrap(), DeviceName::Gpu { minor: 12 });
+        assert_eq!(
+            "gpu-12".parse::<DeviceName>().unwrap(),
+            DeviceName::Gpu { minor: 12 }
+        );
     }
 
     #[test]
@@ -136,7 +152,12 @@ mod tests {
     fn every_catalog_placement_has_a_dns_label_name() {
         for model in catalog::models() {
             for (profile, start) in model.geometry().all_placements() {
-                let name = DeviceName::Mig { minor: 255, profile: profile.name, start }.to_string();
+                let name = DeviceName::Mig {
+                    minor: 255,
+                    profile: profile.name,
+                    start,
+                }
+                .to_string();
                 assert!(is_dns_label(&name), "{name}");
             }
         }

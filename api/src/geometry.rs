@@ -45,21 +45,24 @@ impl Engines {
         }
     }
 
-    /// Component-wise sum.
-    pub fn add(self, other: Engines) -> Engines {
+    /// Component-wise difference, floored at zero.
+    pub fn saturating_sub(self, other: Engines) -> Engines {
         Engines {
-            multiprocessors: self.multiprocessors + other.multiprocessors,
-            copy_engines: self.copy_engines + other.copy_engines,
-            decoders: self.decoders + other.decoders,
-            encoders: self.encoders + other.encoders,
-            jpeg_engines: self.jpeg_engines + other.jpeg_engines,
-            ofa_engines: self.ofa_engines + other.ofa_engines,
+            multiprocessors: self.multiprocessors.saturating_sub(other.multiprocessors),
+            copy_engines: self.copy_engines.saturating_sub(other.copy_engines),
+            decoders: self.decoders.saturating_sub(other.decoders),
+            encoders: self.encoders.saturating_sub(other.encoders),
+            jpeg_engines: self.jpeg_engines.saturating_sub(other.jpeg_engines),
+            ofa_engines: self.ofa_engines.saturating_sub(other.ofa_engines),
         }
     }
 
     /// True when every component of `self` is at most the one of `budget`.
     pub fn fits_in(self, budget: Engines) -> bool {
-        self.named().iter().zip(budget.named()).all(|((_, used), (_, limit))| *used <= limit)
+        self.named()
+            .iter()
+            .zip(budget.named())
+            .all(|((_, used), (_, limit))| *used <= limit)
     }
 
     /// The components with their counter names (DNS labels), in a fixed order.
@@ -72,6 +75,21 @@ impl Engines {
             ("jpeg-engines", self.jpeg_engines),
             ("ofa-engines", self.ofa_engines),
         ]
+    }
+}
+
+impl std::ops::Add for Engines {
+    type Output = Engines;
+
+    fn add(self, other: Engines) -> Engines {
+        Engines {
+            multiprocessors: self.multiprocessors + other.multiprocessors,
+            copy_engines: self.copy_engines + other.copy_engines,
+            decoders: self.decoders + other.decoders,
+            encoders: self.encoders + other.encoders,
+            jpeg_engines: self.jpeg_engines + other.jpeg_engines,
+            ofa_engines: self.ofa_engines + other.ofa_engines,
+        }
     }
 }
 
@@ -128,9 +146,15 @@ impl MigBudget {
             .flat_map(|p| p.placements.iter().map(move |s| s + p.memory_slices))
             .max()
             .unwrap_or(0);
-        let engines = profiles.iter().fold(Engines::default(), |acc, p| acc.max(p.engines));
+        let engines = profiles
+            .iter()
+            .fold(Engines::default(), |acc, p| acc.max(p.engines));
         let largest_profile_memory = profiles.iter().map(|p| p.memory_mib).max().unwrap_or(0);
-        MigBudget { memory_slices, engines, memory_mib: total_memory_mib.max(largest_profile_memory) }
+        MigBudget {
+            memory_slices,
+            engines,
+            memory_mib: total_memory_mib.max(largest_profile_memory),
+        }
     }
 }
 
@@ -225,13 +249,17 @@ impl MigGeometry {
 
     /// Every (profile, start) pair the GPU offers, in profile-table order.
     pub fn all_placements(&self) -> impl Iterator<Item = (&MigProfile, u32)> {
-        self.profiles.iter().flat_map(|p| p.placements.iter().map(move |s| (p, *s)))
+        self.profiles
+            .iter()
+            .flat_map(|p| p.placements.iter().map(move |s| (p, *s)))
     }
 
     /// Decides whether `new` can be created next to the `existing` GPU instances, checking in
     /// the order NVML does: profile, start, overlap, instance count, budgets.
     pub fn check_add(&self, existing: &[Placement], new: Placement) -> Result<(), PlacementError> {
-        let profile = self.profile_by_id(new.profile_id).ok_or(PlacementError::UnknownProfile(new.profile_id))?;
+        let profile = self
+            .profile_by_id(new.profile_id)
+            .ok_or(PlacementError::UnknownProfile(new.profile_id))?;
         if !profile.placements.contains(&new.start) {
             return Err(PlacementError::InvalidStart {
                 profile: profile.name,
@@ -244,8 +272,9 @@ impl MigGeometry {
         let mut used_engines = Engines::default();
         let mut used_memory = 0;
         for placed in existing {
-            let other =
-                self.profile_by_id(placed.profile_id).ok_or(PlacementError::UnknownProfile(placed.profile_id))?;
+            let other = self
+                .profile_by_id(placed.profile_id)
+                .ok_or(PlacementError::UnknownProfile(placed.profile_id))?;
             let other_range = other.memory_range(placed.start);
             if range.start < other_range.end && other_range.start < range.end {
                 return Err(PlacementError::Overlap {
@@ -258,13 +287,16 @@ impl MigGeometry {
             if other.gi_profile_id == profile.gi_profile_id {
                 same_profile += 1;
             }
-            used_engines = used_engines.add(other.engines);
+            used_engines = used_engines + other.engines;
             used_memory += other.memory_mib;
         }
         if same_profile >= profile.instance_count {
-            return Err(PlacementError::InstanceLimit { profile: profile.name, limit: profile.instance_count });
+            return Err(PlacementError::InstanceLimit {
+                profile: profile.name,
+                limit: profile.instance_count,
+            });
         }
-        let after = used_engines.add(profile.engines);
+        let after = used_engines + profile.engines;
         let budgets = self.budget.engines.named();
         for (((resource, used), (_, total)), (_, limit)) in
             used_engines.named().into_iter().zip(after.named()).zip(budgets)
@@ -301,12 +333,17 @@ impl MigGeometry {
 
     /// How many more instances of `profile_id` fit next to `existing` (NVML's remaining capacity).
     pub fn remaining_capacity(&self, existing: &[Placement], profile_id: u32) -> u32 {
-        let Some(profile) = self.profile_by_id(profile_id) else { return 0 };
+        let Some(profile) = self.profile_by_id(profile_id) else {
+            return 0;
+        };
         // Greedy over starts is exact here: placements of one profile never overlap each other.
         let mut layout = existing.to_vec();
         let mut count = 0;
         for start in &profile.placements {
-            let candidate = Placement { profile_id, start: *start };
+            let candidate = Placement {
+                profile_id,
+                start: *start,
+            };
             if self.check_add(&layout, candidate).is_ok() {
                 layout.push(candidate);
                 count += 1;
@@ -320,7 +357,11 @@ impl MigGeometry {
 /// range (full = 0, halves = 1..2, quarters = 3..6, eighths = 7..14). Some boards number the
 /// halves swapped; `swap_halves` models that. Never infer a placement from this ID.
 pub fn gpu_instance_id(start: u32, size: u32, total_slices: u32, swap_halves: bool) -> u32 {
-    let physical_start = if swap_halves && total_slices >= 2 { start ^ (total_slices / 2) } else { start };
+    let physical_start = if swap_halves && total_slices >= 2 {
+        start ^ (total_slices / 2)
+    } else {
+        start
+    };
     let size = size.max(1);
     let level = (total_slices / size).max(1).ilog2();
     (1 << level) - 1 + physical_start / size

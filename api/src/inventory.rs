@@ -134,7 +134,10 @@ pub struct GpuHealth {
 impl GpuHealth {
     /// A healthy GPU.
     pub fn healthy() -> Self {
-        Self { healthy: true, reason: None }
+        Self {
+            healthy: true,
+            reason: None,
+        }
     }
 }
 

@@ -105,19 +105,27 @@ impl ProfileMatcher {
             return Ok(Self::Exact(name));
         }
         // A class is a name without the memory part: reuse the name parser with a dummy size.
-        let (g, suffix) = s.split_once('g').ok_or_else(|| InvalidProfileMatcher(s.to_string()))?;
+        let (g, suffix) = s
+            .split_once('g')
+            .ok_or_else(|| InvalidProfileMatcher(s.to_string()))?;
         let probe = format!("{g}g.1gb{suffix}");
-        let name = probe.parse::<ProfileName>().map_err(|_| InvalidProfileMatcher(s.to_string()))?;
-        Ok(Self::Class { compute_slices: name.compute_slices, variant: name.variant })
+        let name = probe
+            .parse::<ProfileName>()
+            .map_err(|_| InvalidProfileMatcher(s.to_string()))?;
+        Ok(Self::Class {
+            compute_slices: name.compute_slices,
+            variant: name.variant,
+        })
     }
 
     /// True when `profile` matches.
     pub fn matches(&self, profile: &ProfileName) -> bool {
         match self {
             Self::Exact(name) => name == profile,
-            Self::Class { compute_slices, variant } => {
-                profile.compute_slices == *compute_slices && profile.variant == *variant
-            }
+            Self::Class {
+                compute_slices,
+                variant,
+            } => profile.compute_slices == *compute_slices && profile.variant == *variant,
         }
     }
 }
@@ -195,8 +203,12 @@ impl MigPolicy {
     pub fn selects(&self, labels: &BTreeMap<String, String>) -> Result<bool, PolicyError> {
         match &self.spec.node_selector {
             None => Ok(true),
-            Some(selector) => label_selector_matches(selector, labels)
-                .map_err(|reason| PolicyError::Selector { policy: self.policy_name(), reason }),
+            Some(selector) => {
+                label_selector_matches(selector, labels).map_err(|reason| PolicyError::Selector {
+                    policy: self.policy_name(),
+                    reason,
+                })
+            }
         }
     }
 
@@ -207,7 +219,10 @@ impl MigPolicy {
                 .iter()
                 .map(|e| ProfileMatcher::parse(e))
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(|source| PolicyError::Profile { policy: self.policy_name(), source })
+                .map_err(|source| PolicyError::Profile {
+                    policy: self.policy_name(),
+                    source,
+                })
         };
         let defaults = EffectivePolicy::default();
         Ok(EffectivePolicy {
@@ -236,7 +251,12 @@ pub fn policy_for_node<'a>(
             matching.push(policy);
         }
     }
-    matching.sort_by(|a, b| b.spec.priority.cmp(&a.spec.priority).then_with(|| a.policy_name().cmp(&b.policy_name())));
+    matching.sort_by(|a, b| {
+        b.spec
+            .priority
+            .cmp(&a.spec.priority)
+            .then_with(|| a.policy_name().cmp(&b.policy_name()))
+    });
     match matching.first() {
         Some(policy) => policy.effective(),
         None => Ok(EffectivePolicy::default()),
@@ -244,7 +264,10 @@ pub fn policy_for_node<'a>(
 }
 
 /// Evaluates a Kubernetes label selector (matchLabels AND matchExpressions).
-pub fn label_selector_matches(selector: &LabelSelector, labels: &BTreeMap<String, String>) -> Result<bool, String> {
+pub fn label_selector_matches(
+    selector: &LabelSelector,
+    labels: &BTreeMap<String, String>,
+) -> Result<bool, String> {
     for (key, value) in selector.match_labels.iter().flatten() {
         if labels.get(key) != Some(value) {
             return Ok(false);
@@ -255,7 +278,9 @@ pub fn label_selector_matches(selector: &LabelSelector, labels: &BTreeMap<String
         let present = labels.get(&expr.key);
         let ok = match expr.operator.as_str() {
             "In" if values.is_empty() => return Err(format!("operator In on {} needs values", expr.key)),
-            "NotIn" if values.is_empty() => return Err(format!("operator NotIn on {} needs values", expr.key)),
+            "NotIn" if values.is_empty() => {
+                return Err(format!("operator NotIn on {} needs values", expr.key));
+            }
             "In" => present.is_some_and(|v| values.contains(v)),
             "NotIn" => present.is_none_or(|v| !values.contains(v)),
             "Exists" => present.is_some(),
@@ -276,13 +301,23 @@ mod tests {
     use super::*;
 
     fn policy(name: &str, priority: i32, selector: Option<LabelSelector>) -> MigPolicy {
-        let mut p = MigPolicy::new(name, MigPolicySpec { priority, node_selector: selector, ..Default::default() });
+        let mut p = MigPolicy::new(
+            name,
+            MigPolicySpec {
+                priority,
+                node_selector: selector,
+                ..Default::default()
+            },
+        );
         p.spec.profiles = vec!["3g".into()];
         p
     }
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -314,9 +349,21 @@ mod tests {
             policy("c-h100", 10, Some(sel("gpu", "In", &["h100"]))),
             policy("z-a100", 20, Some(sel("gpu", "In", &["a100"]))),
         ];
-        assert_eq!(policy_for_node(&policies, &labels(&[("gpu", "h100")])).unwrap().name.as_deref(), Some("a-h100"));
-        assert_eq!(policy_for_node(&policies, &labels(&[])).unwrap().name.as_deref(), Some("b-all"));
-        assert_eq!(policy_for_node(&policies[1..2], &labels(&[])).unwrap(), EffectivePolicy::default());
+        assert_eq!(
+            policy_for_node(&policies, &labels(&[("gpu", "h100")]))
+                .unwrap()
+                .name
+                .as_deref(),
+            Some("a-h100")
+        );
+        assert_eq!(
+            policy_for_node(&policies, &labels(&[])).unwrap().name.as_deref(),
+            Some("b-all")
+        );
+        assert_eq!(
+            policy_for_node(&policies[1..2], &labels(&[])).unwrap(),
+            EffectivePolicy::default()
+        );
         let broken = policy("x", 0, Some(sel("gpu", "In", &[])));
         assert!(policy_for_node([&broken], &labels(&[])).is_err());
     }
@@ -324,7 +371,11 @@ mod tests {
     #[test]
     fn selector_operators() {
         let req = |op: &str, values: Option<Vec<String>>| LabelSelector {
-            match_expressions: Some(vec![LabelSelectorRequirement { key: "k".into(), operator: op.into(), values }]),
+            match_expressions: Some(vec![LabelSelectorRequirement {
+                key: "k".into(),
+                operator: op.into(),
+                values,
+            }]),
             ..Default::default()
         };
         let with = labels(&[("k", "v")]);
@@ -335,7 +386,10 @@ mod tests {
         assert!(label_selector_matches(&req("NotIn", Some(vec!["x".into()])), &with).unwrap());
         assert!(!label_selector_matches(&req("NotIn", Some(vec!["v".into()])), &with).unwrap());
         assert!(label_selector_matches(&req("Bogus", None), &with).is_err());
-        let ml = LabelSelector { match_labels: Some(labels(&[("k", "v")])), ..Default::default() };
+        let ml = LabelSelector {
+            match_labels: Some(labels(&[("k", "v")])),
+            ..Default::default()
+        };
         assert!(label_selector_matches(&ml, &with).unwrap());
         assert!(!label_selector_matches(&ml, &without).unwrap());
     }

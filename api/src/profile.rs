@@ -66,7 +66,9 @@ pub struct ProfileName {
 
 /// A profile name that does not follow NVIDIA's `<G>g.<GB>gb[suffix]` form.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid MIG profile name {name:?}: expected <G>g.<GB>gb with an optional +me, -me, +me.all or +gfx suffix")]
+#[error(
+    "invalid MIG profile name {name:?}: expected <G>g.<GB>gb with an optional +me, -me, +me.all or +gfx suffix"
+)]
 pub struct InvalidProfileName {
     /// The rejected input.
     pub name: String,
@@ -75,17 +77,28 @@ pub struct InvalidProfileName {
 impl ProfileName {
     /// Builds a name from its parts.
     pub fn new(compute_slices: u32, memory_gb: u32, variant: ProfileVariant) -> Self {
-        Self { compute_slices, memory_gb, variant }
+        Self {
+            compute_slices,
+            memory_gb,
+            variant,
+        }
     }
 
     /// The DNS-label-safe spelling used in device names: `3g.40gb+me` becomes `3g40gb-me`.
     pub fn to_label(&self) -> String {
-        format!("{}g{}gb{}", self.compute_slices, self.memory_gb, self.variant.label_suffix())
+        format!(
+            "{}g{}gb{}",
+            self.compute_slices,
+            self.memory_gb,
+            self.variant.label_suffix()
+        )
     }
 
     /// Parses the spelling produced by [`ProfileName::to_label`].
     pub fn from_label(label: &str) -> Result<Self, InvalidProfileName> {
-        let invalid = || InvalidProfileName { name: label.to_string() };
+        let invalid = || InvalidProfileName {
+            name: label.to_string(),
+        };
         let (g, rest) = split_number(label).ok_or_else(invalid)?;
         let rest = rest.strip_prefix('g').ok_or_else(invalid)?;
         let (gb, rest) = split_number(rest).ok_or_else(invalid)?;
@@ -100,7 +113,13 @@ impl ProfileName {
 
 impl fmt::Display for ProfileName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}g.{}gb{}", self.compute_slices, self.memory_gb, self.variant.suffix())
+        write!(
+            f,
+            "{}g.{}gb{}",
+            self.compute_slices,
+            self.memory_gb,
+            self.variant.suffix()
+        )
     }
 }
 
@@ -173,15 +192,38 @@ mod tests {
     fn parses_nvidia_spellings() {
         let p: ProfileName = "1g.10gb+me".parse().unwrap();
         assert_eq!(p, ProfileName::new(1, 10, ProfileVariant::MediaEngines));
-        assert_eq!("MIG 7g.80gb".parse::<ProfileName>().unwrap().to_string(), "7g.80gb");
-        assert_eq!("2g.24gb+me.all".parse::<ProfileName>().unwrap().variant, ProfileVariant::AllMediaEngines);
-        assert_eq!("1g.12gb-me".parse::<ProfileName>().unwrap().variant, ProfileVariant::NoMediaEngines);
-        assert_eq!("4g.48gb+gfx".parse::<ProfileName>().unwrap().variant, ProfileVariant::Graphics);
+        assert_eq!(
+            "MIG 7g.80gb".parse::<ProfileName>().unwrap().to_string(),
+            "7g.80gb"
+        );
+        assert_eq!(
+            "2g.24gb+me.all".parse::<ProfileName>().unwrap().variant,
+            ProfileVariant::AllMediaEngines
+        );
+        assert_eq!(
+            "1g.12gb-me".parse::<ProfileName>().unwrap().variant,
+            ProfileVariant::NoMediaEngines
+        );
+        assert_eq!(
+            "4g.48gb+gfx".parse::<ProfileName>().unwrap().variant,
+            ProfileVariant::Graphics
+        );
     }
 
     #[test]
     fn rejects_malformed_names() {
-        for bad in ["", "1g", "1g.10", "1g.10gb+", "1g.10gb+xx", "g.10gb", "01g.10gb", "0g.5gb", "1g.10GB", "1c.1g.10gb"] {
+        for bad in [
+            "",
+            "1g",
+            "1g.10",
+            "1g.10gb+",
+            "1g.10gb+xx",
+            "g.10gb",
+            "01g.10gb",
+            "0g.5gb",
+            "1g.10GB",
+            "1c.1g.10gb",
+        ] {
             assert!(bad.parse::<ProfileName>().is_err(), "{bad:?} should be rejected");
         }
     }
@@ -190,7 +232,11 @@ mod tests {
     fn label_is_dns_safe() {
         let p: ProfileName = "1g.10gb+me.all".parse().unwrap();
         assert_eq!(p.to_label(), "1g10gb-meall");
-        assert!(p.to_label().chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'));
+        assert!(
+            p.to_label()
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        );
     }
 
     fn any_profile() -> impl Strategy<Value = ProfileName> {

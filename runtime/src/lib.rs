@@ -35,7 +35,9 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), Box<dyn std::
     let registry = tracing_subscriber::registry().with(filter);
     match format {
         LogFormat::Text => registry.with(fmt::layer().with_target(true)).try_init()?,
-        LogFormat::Json => registry.with(fmt::layer().json().flatten_event(true).with_current_span(false)).try_init()?,
+        LogFormat::Json => registry
+            .with(fmt::layer().json().flatten_event(true).with_current_span(false))
+            .try_init()?,
     }
     Ok(())
 }
@@ -99,8 +101,12 @@ pub async fn serve_http(
     ready: Readiness,
     shutdown: CancellationToken,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), HttpError> {
-    let listener = TcpListener::bind(addr).await.map_err(|source| HttpError::Bind { addr, source })?;
-    let bound = listener.local_addr().map_err(|source| HttpError::Bind { addr, source })?;
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| HttpError::Bind { addr, source })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|source| HttpError::Bind { addr, source })?;
     let task = tokio::spawn(async move {
         loop {
             let (stream, _) = tokio::select! {
@@ -135,10 +141,18 @@ pub async fn serve_http(
 
 fn respond(req: &Request<Incoming>, metrics: &MetricsRenderer, ready: &Readiness) -> Response<Full<Bytes>> {
     let (status, content_type, body) = match req.uri().path() {
-        "/metrics" => (StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics()),
+        "/metrics" => (
+            StatusCode::OK,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            metrics(),
+        ),
         "/healthz" | "/livez" => (StatusCode::OK, "text/plain", "ok\n".to_string()),
         "/readyz" if ready.get() => (StatusCode::OK, "text/plain", "ready\n".to_string()),
-        "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, "text/plain", "not ready\n".to_string()),
+        "/readyz" => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
+            "not ready\n".to_string(),
+        ),
         _ => (StatusCode::NOT_FOUND, "text/plain", "not found\n".to_string()),
     };
     let mut response = Response::new(Full::new(Bytes::from(body)));

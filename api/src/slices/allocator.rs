@@ -17,20 +17,31 @@ pub struct Allocator<'a> {
 impl<'a> Allocator<'a> {
     /// Nothing allocated.
     pub fn new(plan: &'a PoolPlan) -> Self {
-        Self { plan, available: plan.counter_sets.iter().cloned().collect(), allocated: BTreeSet::new() }
+        Self {
+            plan,
+            available: plan.counter_sets.iter().cloned().collect(),
+            allocated: BTreeSet::new(),
+        }
     }
 
     /// True when device `index` could be allocated now.
     pub fn fits(&self, index: usize) -> bool {
-        let Some(device) = self.plan.devices.get(index) else { return false };
+        let Some(device) = self.plan.devices.get(index) else {
+            return false;
+        };
         if self.allocated.contains(&index) {
             return false;
         }
         match &device.counter_set {
             None => true,
             Some(set) => {
-                let Some(left) = self.available.get(set) else { return false };
-                device.consumes.iter().all(|(name, need)| left.get(name).is_some_and(|have| have >= need))
+                let Some(left) = self.available.get(set) else {
+                    return false;
+                };
+                device
+                    .consumes
+                    .iter()
+                    .all(|(name, need)| left.get(name).is_some_and(|have| have >= need))
             }
         }
     }
@@ -55,7 +66,8 @@ impl<'a> Allocator<'a> {
 
     /// First fit: the first device in pool order that matches and fits; allocates it.
     pub fn allocate(&mut self, matches: impl Fn(&PlannedDevice) -> bool) -> Option<usize> {
-        let index = (0..self.plan.devices.len()).find(|i| matches(&self.plan.devices[*i]) && self.fits(*i))?;
+        let index =
+            (0..self.plan.devices.len()).find(|i| matches(&self.plan.devices[*i]) && self.fits(*i))?;
         self.take(index);
         Some(index)
     }

@@ -118,8 +118,12 @@ pub fn memory_slice_counter(i: u32) -> String {
 }
 
 fn engine_counters(engines: Engines, memory_mib: u64) -> Counters {
-    let mut counters: Counters =
-        engines.named().into_iter().filter(|(_, v)| *v > 0).map(|(k, v)| (k.to_string(), u64::from(v))).collect();
+    let mut counters: Counters = engines
+        .named()
+        .into_iter()
+        .filter(|(_, v)| *v > 0)
+        .map(|(k, v)| (k.to_string(), u64::from(v)))
+        .collect();
     if memory_mib > 0 {
         counters.insert(MEMORY_COUNTER.to_string(), memory_mib);
     }
@@ -133,12 +137,16 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
     let mut gpus: Vec<&GpuInventory> = gpus.iter().collect();
     gpus.sort_by_key(|g| g.minor);
     for gpu in gpus {
-        let unhealthy = (!gpu.health.healthy).then(|| gpu.health.reason.clone().unwrap_or_else(|| "unhealthy".into()));
+        let unhealthy =
+            (!gpu.health.healthy).then(|| gpu.health.reason.clone().unwrap_or_else(|| "unhealthy".into()));
         if unhealthy.is_some() && policy.unhealthy_gpus == UnhealthyGpus::Omit {
             continue;
         }
         let mut devices = Vec::new();
-        let offers_mig = gpu.mig.as_ref().filter(|m| policy.mig && (m.enabled || m.mode_switchable));
+        let offers_mig = gpu
+            .mig
+            .as_ref()
+            .filter(|m| policy.mig && (m.enabled || m.mode_switchable));
         let foreign: Vec<_> = gpu
             .mig
             .iter()
@@ -160,7 +168,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
             let mut blocked = vec![false; geometry.budget.memory_slices as usize];
             for instance in &foreign {
                 if let Some(p) = geometry.profile_by_id(instance.placement.profile_id) {
-                    budget_engines = saturating_sub(budget_engines, p.engines);
+                    budget_engines = budget_engines.saturating_sub(p.engines);
                     budget_memory = budget_memory.saturating_sub(p.memory_mib);
                     for s in p.memory_range(instance.placement.start) {
                         if let Some(b) = blocked.get_mut(s as usize) {
@@ -177,20 +185,33 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                 if !policy.offers(&profile.name) {
                     continue;
                 }
-                if profile.memory_range(start).any(|s| blocked.get(s as usize).copied().unwrap_or(true)) {
+                if profile
+                    .memory_range(start)
+                    .any(|s| blocked.get(s as usize).copied().unwrap_or(true))
+                {
                     continue;
                 }
                 let mut consumes = engine_counters(profile.engines, profile.memory_mib);
                 for s in profile.memory_range(start) {
                     consumes.insert(memory_slice_counter(s), 1);
                 }
-                if !consumes.iter().all(|(k, v)| counters.get(k).is_some_and(|have| have >= v)) {
+                if !consumes
+                    .iter()
+                    .all(|(k, v)| counters.get(k).is_some_and(|have| have >= v))
+                {
                     continue; // the remaining budget can never hold it
                 }
                 devices.push(PlannedDevice {
                     gpu_minor: gpu.minor,
-                    name: DeviceName::Mig { minor: gpu.minor, profile: profile.name, start },
-                    kind: PlannedKind::Mig { profile: profile.clone(), start },
+                    name: DeviceName::Mig {
+                        minor: gpu.minor,
+                        profile: profile.name,
+                        start,
+                    },
+                    kind: PlannedKind::Mig {
+                        profile: profile.clone(),
+                        start,
+                    },
                     counter_set: Some(set.clone()),
                     consumes,
                     unhealthy: unhealthy.clone(),
@@ -228,17 +249,6 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
     plan
 }
 
-fn saturating_sub(a: Engines, b: Engines) -> Engines {
-    Engines {
-        multiprocessors: a.multiprocessors.saturating_sub(b.multiprocessors),
-        copy_engines: a.copy_engines.saturating_sub(b.copy_engines),
-        decoders: a.decoders.saturating_sub(b.decoders),
-        encoders: a.encoders.saturating_sub(b.encoders),
-        jpeg_engines: a.jpeg_engines.saturating_sub(b.jpeg_engines),
-        ofa_engines: a.ofa_engines.saturating_sub(b.ofa_engines),
-    }
-}
-
 /// Identity of the pool being rendered.
 #[derive(Clone, Debug)]
 pub struct PoolIdentity<'a> {
@@ -260,24 +270,43 @@ pub fn render_pool(id: &PoolIdentity<'_>, gpus: &[GpuInventory], plan: &PoolPlan
     let base = || ResourceSliceSpec {
         driver: id.driver.to_string(),
         node_name: Some(id.node.to_string()),
-        pool: ResourcePool { name: id.pool.to_string(), generation: id.generation, resource_slice_count: count },
+        pool: ResourcePool {
+            name: id.pool.to_string(),
+            generation: id.generation,
+            resource_slice_count: count,
+        },
         ..ResourceSliceSpec::default()
     };
     let mut slices = Vec::with_capacity(plan.slice_count());
     for chunk in plan.counter_sets.chunks(MAX_COUNTER_SETS_PER_SLICE) {
         let sets = chunk
             .iter()
-            .map(|(name, counters)| CounterSet { name: name.clone(), counters: render_counters(counters) })
+            .map(|(name, counters)| CounterSet {
+                name: name.clone(),
+                counters: render_counters(counters),
+            })
             .collect();
-        slices.push(ResourceSliceSpec { shared_counters: Some(sets), ..base() });
+        slices.push(ResourceSliceSpec {
+            shared_counters: Some(sets),
+            ..base()
+        });
     }
     let by_minor: BTreeMap<u32, &GpuInventory> = gpus.iter().map(|g| (g.minor, g)).collect();
     for chunk in plan.devices.chunks(MAX_DEVICES_PER_SLICE) {
-        let devices = chunk.iter().filter_map(|d| by_minor.get(&d.gpu_minor).map(|g| render_device(id, g, d))).collect();
-        slices.push(ResourceSliceSpec { devices: Some(devices), ..base() });
+        let devices = chunk
+            .iter()
+            .filter_map(|d| by_minor.get(&d.gpu_minor).map(|g| render_device(id, g, d)))
+            .collect();
+        slices.push(ResourceSliceSpec {
+            devices: Some(devices),
+            ..base()
+        });
     }
     if slices.is_empty() {
-        slices.push(ResourceSliceSpec { devices: Some(Vec::new()), ..base() });
+        slices.push(ResourceSliceSpec {
+            devices: Some(Vec::new()),
+            ..base()
+        });
     }
     slices
 }
@@ -286,22 +315,35 @@ fn render_counters(counters: &Counters) -> BTreeMap<String, Counter> {
     counters
         .iter()
         .map(|(name, value)| {
-            let q = if name == MEMORY_COUNTER { quantity::mebibytes(*value) } else { value.to_string() };
+            let q = if name == MEMORY_COUNTER {
+                quantity::mebibytes(*value)
+            } else {
+                value.to_string()
+            };
             (name.clone(), Counter { value: Quantity(q) })
         })
         .collect()
 }
 
 fn string(s: impl Into<String>) -> DeviceAttribute {
-    DeviceAttribute { string: Some(s.into()), ..Default::default() }
+    DeviceAttribute {
+        string: Some(s.into()),
+        ..Default::default()
+    }
 }
 
 fn int(i: i64) -> DeviceAttribute {
-    DeviceAttribute { int: Some(i), ..Default::default() }
+    DeviceAttribute {
+        int: Some(i),
+        ..Default::default()
+    }
 }
 
 fn version(v: String) -> DeviceAttribute {
-    DeviceAttribute { version: Some(v), ..Default::default() }
+    DeviceAttribute {
+        version: Some(v),
+        ..Default::default()
+    }
 }
 
 /// Normalises a dotted version into semver: `580.82.07` becomes `580.82.7`, `9.0` becomes
@@ -335,7 +377,10 @@ fn render_device(id: &PoolIdentity<'_>, gpu: &GpuInventory, device: &PlannedDevi
         attributes.insert("numaNode".to_string(), int(numa));
     }
     let mut capacity = BTreeMap::new();
-    let cap = |v: String| DeviceCapacity { value: Quantity(v), ..Default::default() };
+    let cap = |v: String| DeviceCapacity {
+        value: Quantity(v),
+        ..Default::default()
+    };
     match &device.kind {
         PlannedKind::Gpu => {
             attributes.insert("type".to_string(), string("gpu"));
@@ -351,7 +396,10 @@ fn render_device(id: &PoolIdentity<'_>, gpu: &GpuInventory, device: &PlannedDevi
             attributes.insert("parentUUID".to_string(), string(gpu.uuid.clone()));
             attributes.insert("placementStart".to_string(), int(i64::from(*start)));
             attributes.insert("memorySlices".to_string(), int(i64::from(profile.memory_slices)));
-            attributes.insert("computeSlices".to_string(), int(i64::from(profile.compute_slices)));
+            attributes.insert(
+                "computeSlices".to_string(),
+                int(i64::from(profile.compute_slices)),
+            );
             capacity.insert("memory".to_string(), cap(quantity::mebibytes(profile.memory_mib)));
             let e = profile.engines;
             for (name, value) in [
@@ -367,10 +415,17 @@ fn render_device(id: &PoolIdentity<'_>, gpu: &GpuInventory, device: &PlannedDevi
         }
     }
     let consumes_counters = device.counter_set.as_ref().map(|set| {
-        vec![DeviceCounterConsumption { counter_set: set.clone(), counters: render_counters(&device.consumes) }]
+        vec![DeviceCounterConsumption {
+            counter_set: set.clone(),
+            counters: render_counters(&device.consumes),
+        }]
     });
     let taints = device.unhealthy.as_ref().map(|_| {
-        vec![DeviceTaint { key: UNHEALTHY_TAINT.to_string(), effect: "NoSchedule".to_string(), ..Default::default() }]
+        vec![DeviceTaint {
+            key: UNHEALTHY_TAINT.to_string(),
+            effect: "NoSchedule".to_string(),
+            ..Default::default()
+        }]
     });
     Device {
         name: device.name.to_string(),

@@ -12,7 +12,12 @@ use crate::{
 /// Memory slices that no placement of the smallest size can cover. On 8-slice GPUs this is
 /// slice 7: 1g instances can never use it, only the double-memory 1g at 6, 3g at 4 and 7g.
 pub fn dead_slices(geometry: &MigGeometry) -> Vec<u32> {
-    let smallest = geometry.profiles.iter().map(|p| p.memory_slices).min().unwrap_or(1);
+    let smallest = geometry
+        .profiles
+        .iter()
+        .map(|p| p.memory_slices)
+        .min()
+        .unwrap_or(1);
     (0..geometry.budget.memory_slices)
         .filter(|s| {
             !geometry
@@ -56,7 +61,10 @@ fn naive_key(geometry: Option<&MigGeometry>, device: &PlannedDevice) -> (u8, usi
     match (&device.kind, geometry) {
         (PlannedKind::Mig { profile, start }, Some(g)) => (
             1,
-            g.profiles.iter().position(|p| p.gi_profile_id == profile.gi_profile_id).unwrap_or(usize::MAX),
+            g.profiles
+                .iter()
+                .position(|p| p.gi_profile_id == profile.gi_profile_id)
+                .unwrap_or(usize::MAX),
             *start,
         ),
         _ => (0, 0, 0),
@@ -64,7 +72,10 @@ fn naive_key(geometry: Option<&MigGeometry>, device: &PlannedDevice) -> (u8, usi
 }
 
 /// Orders the devices of a node, given per GPU (in minor order) its geometry and devices.
-pub fn order(per_gpu: Vec<(u32, Option<MigGeometry>, Vec<PlannedDevice>)>, strategy: DeviceOrder) -> Vec<PlannedDevice> {
+pub fn order(
+    per_gpu: Vec<(u32, Option<MigGeometry>, Vec<PlannedDevice>)>,
+    strategy: DeviceOrder,
+) -> Vec<PlannedDevice> {
     match strategy {
         DeviceOrder::Naive => per_gpu
             .into_iter()

@@ -54,7 +54,12 @@ impl Rng {
 
 /// The profiles a stream draws from: every plain (non-media) profile of the geometry.
 pub fn stream_profiles(geometry: &MigGeometry) -> Vec<ProfileName> {
-    geometry.profiles.iter().filter(|p| p.name.variant == ProfileVariant::Standard).map(|p| p.name).collect()
+    geometry
+        .profiles
+        .iter()
+        .filter(|p| p.name.variant == ProfileVariant::Standard)
+        .map(|p| p.name)
+        .collect()
 }
 
 /// A random stream of `arrivals` claims drawn uniformly from `profiles`; each claim is released
@@ -69,7 +74,10 @@ pub fn random_stream(profiles: &[ProfileName], seed: u64, arrivals: usize, mean_
             let (_, gone) = departures.remove(0);
             events.push(Event::Depart { id: gone });
         }
-        events.push(Event::Arrive { id, profile: profiles[rng.below(profiles.len())] });
+        events.push(Event::Arrive {
+            id,
+            profile: profiles[rng.below(profiles.len())],
+        });
         if mean_hold > 0 {
             departures.push((id + 1 + rng.below(2 * mean_hold), id));
         }
@@ -85,7 +93,9 @@ pub fn first_fit(plan: &PoolPlan, events: &[Event]) -> (usize, usize) {
     for event in events {
         match event {
             Event::Arrive { id, profile } => {
-                let hit = allocator.allocate(|d| matches!(&d.kind, PlannedKind::Mig { profile: p, .. } if p.name == *profile));
+                let hit = allocator.allocate(
+                    |d| matches!(&d.kind, PlannedKind::Mig { profile: p, .. } if p.name == *profile),
+                );
                 match hit {
                     Some(index) => {
                         placed.insert(*id, index);
@@ -128,7 +138,10 @@ pub fn optimum(geometry: &MigGeometry, gpus: usize, requests: &[ProfileName]) ->
                     continue;
                 }
                 for start in &profile.placements {
-                    let candidate = Placement { profile_id: profile.gi_profile_id, start: *start };
+                    let candidate = Placement {
+                        profile_id: profile.gi_profile_id,
+                        start: *start,
+                    };
                     if geometry.check_add(&layouts[gpu], candidate).is_ok() {
                         layouts[gpu].push(candidate);
                         search(geometry, layouts, rest, placed + 1, best);
@@ -148,7 +161,13 @@ pub fn optimum(geometry: &MigGeometry, gpus: usize, requests: &[ProfileName]) ->
 /// that fits somewhere must be placed (as a scheduler must), choosing each placement with
 /// hindsight: the best any device order could do on this stream. Exhaustive, for small inputs.
 pub fn optimum_online(geometry: &MigGeometry, gpus: usize, requests: &[ProfileName]) -> usize {
-    fn search(geometry: &MigGeometry, layouts: &mut Vec<Vec<Placement>>, requests: &[ProfileName], placed: usize, best: &mut usize) {
+    fn search(
+        geometry: &MigGeometry,
+        layouts: &mut Vec<Vec<Placement>>,
+        requests: &[ProfileName],
+        placed: usize,
+        best: &mut usize,
+    ) {
         if placed + requests.len() <= *best {
             return;
         }
@@ -163,7 +182,10 @@ pub fn optimum_online(geometry: &MigGeometry, gpus: usize, requests: &[ProfileNa
                     continue;
                 }
                 for start in &profile.placements {
-                    let candidate = Placement { profile_id: profile.gi_profile_id, start: *start };
+                    let candidate = Placement {
+                        profile_id: profile.gi_profile_id,
+                        start: *start,
+                    };
                     if geometry.check_add(&layouts[gpu], candidate).is_ok() {
                         fitted = true;
                         layouts[gpu].push(candidate);
@@ -184,6 +206,10 @@ pub fn optimum_online(geometry: &MigGeometry, gpus: usize, requests: &[ProfileNa
 
 /// First-fit acceptance of arrival-only requests.
 pub fn first_fit_arrivals(plan: &PoolPlan, requests: &[ProfileName]) -> usize {
-    let events: Vec<Event> = requests.iter().enumerate().map(|(id, p)| Event::Arrive { id, profile: *p }).collect();
+    let events: Vec<Event> = requests
+        .iter()
+        .enumerate()
+        .map(|(id, p)| Event::Arrive { id, profile: *p })
+        .collect();
     first_fit(plan, &events).0
 }

@@ -31,7 +31,11 @@ pub fn parse(q: &str) -> Option<u128> {
 
 /// A MiB amount as a quantity (`81559Mi`), or `0`.
 pub fn mebibytes(mib: u64) -> String {
-    if mib == 0 { "0".to_string() } else { format!("{mib}Mi") }
+    if mib == 0 {
+        "0".to_string()
+    } else {
+        format!("{mib}Mi")
+    }
 }
 
 #[cfg(test)]

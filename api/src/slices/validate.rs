@@ -79,7 +79,9 @@ pub enum PoolError {
         slice: usize,
     },
     /// No node selection.
-    #[error("slice {slice}: exactly one of nodeName, nodeSelector, allNodes or perDeviceNodeSelection must be set")]
+    #[error(
+        "slice {slice}: exactly one of nodeName, nodeSelector, allNodes or perDeviceNodeSelection must be set"
+    )]
     NodeSelection {
         /// Slice index.
         slice: usize,
@@ -95,7 +97,10 @@ pub enum PoolError {
         limit: usize,
     },
     /// Too many counter sets.
-    #[error("slice {slice}: {count} counter sets exceed the limit of {}", limits::COUNTER_SETS_PER_SLICE)]
+    #[error(
+        "slice {slice}: {count} counter sets exceed the limit of {}",
+        limits::COUNTER_SETS_PER_SLICE
+    )]
     TooManyCounterSets {
         /// Slice index.
         slice: usize,
@@ -136,7 +141,9 @@ fn is_dns_subdomain(s: &str, max: usize) -> bool {
 fn is_c_identifier(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= limits::IDENTIFIER_LENGTH
-        && s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && s.chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
@@ -152,13 +159,17 @@ fn is_semver(v: &str) -> bool {
     let (core, _) = v.split_once(['-', '+']).unwrap_or((v, ""));
     let parts: Vec<&str> = core.split('.').collect();
     parts.len() == 3
-        && parts.iter().all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && (p.len() == 1 || !p.starts_with('0')))
+        && parts.iter().all(|p| {
+            !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && (p.len() == 1 || !p.starts_with('0'))
+        })
 }
 
 /// Validates a whole pool. Returns every problem found, not just the first.
 pub fn validate_pool(slices: &[ResourceSliceSpec]) -> Result<(), Vec<PoolError>> {
     let mut errors = Vec::new();
-    let Some(first) = slices.first() else { return Err(vec![PoolError::Empty]) };
+    let Some(first) = slices.first() else {
+        return Err(vec![PoolError::Empty]);
+    };
     if !is_dns_subdomain(&first.driver, limits::DRIVER_NAME_LENGTH) {
         errors.push(PoolError::DriverName(first.driver.clone()));
     }
@@ -170,26 +181,44 @@ pub fn validate_pool(slices: &[ResourceSliceSpec]) -> Result<(), Vec<PoolError>>
         errors.push(PoolError::Generation(pool.generation));
     }
     if usize::try_from(pool.resource_slice_count).ok() != Some(slices.len()) {
-        errors.push(PoolError::SliceCount { declared: pool.resource_slice_count, actual: slices.len() });
+        errors.push(PoolError::SliceCount {
+            declared: pool.resource_slice_count,
+            actual: slices.len(),
+        });
     }
 
     // Counter sets of the whole pool, for the cross-references below.
     let mut sets: BTreeMap<&str, BTreeMap<&str, u128>> = BTreeMap::new();
     for (i, slice) in slices.iter().enumerate() {
         if slice.driver != first.driver {
-            errors.push(PoolError::Inconsistent { slice: i, field: "driver" });
+            errors.push(PoolError::Inconsistent {
+                slice: i,
+                field: "driver",
+            });
         }
         if slice.pool.name != pool.name {
-            errors.push(PoolError::Inconsistent { slice: i, field: "pool.name" });
+            errors.push(PoolError::Inconsistent {
+                slice: i,
+                field: "pool.name",
+            });
         }
         if slice.pool.generation != pool.generation {
-            errors.push(PoolError::Inconsistent { slice: i, field: "pool.generation" });
+            errors.push(PoolError::Inconsistent {
+                slice: i,
+                field: "pool.generation",
+            });
         }
         if slice.pool.resource_slice_count != pool.resource_slice_count {
-            errors.push(PoolError::Inconsistent { slice: i, field: "pool.resourceSliceCount" });
+            errors.push(PoolError::Inconsistent {
+                slice: i,
+                field: "pool.resourceSliceCount",
+            });
         }
         if slice.node_name != first.node_name {
-            errors.push(PoolError::Inconsistent { slice: i, field: "nodeName" });
+            errors.push(PoolError::Inconsistent {
+                slice: i,
+                field: "nodeName",
+            });
         }
         let selections = [
             slice.node_name.is_some(),
@@ -207,22 +236,35 @@ pub fn validate_pool(slices: &[ResourceSliceSpec]) -> Result<(), Vec<PoolError>>
         }
         let counter_sets = slice.shared_counters.as_deref().unwrap_or_default();
         if counter_sets.len() > limits::COUNTER_SETS_PER_SLICE {
-            errors.push(PoolError::TooManyCounterSets { slice: i, count: counter_sets.len() });
+            errors.push(PoolError::TooManyCounterSets {
+                slice: i,
+                count: counter_sets.len(),
+            });
         }
         for set in counter_sets {
             if !is_dns_label(&set.name) {
-                errors.push(PoolError::CounterSet { set: set.name.clone(), reason: "name is not a DNS label".into() });
+                errors.push(PoolError::CounterSet {
+                    set: set.name.clone(),
+                    reason: "name is not a DNS label".into(),
+                });
             }
             if set.counters.is_empty() || set.counters.len() > limits::COUNTERS_PER_SET {
                 errors.push(PoolError::CounterSet {
                     set: set.name.clone(),
-                    reason: format!("has {} counters; 1 to {} are allowed", set.counters.len(), limits::COUNTERS_PER_SET),
+                    reason: format!(
+                        "has {} counters; 1 to {} are allowed",
+                        set.counters.len(),
+                        limits::COUNTERS_PER_SET
+                    ),
                 });
             }
             let mut values = BTreeMap::new();
             for (name, counter) in &set.counters {
                 if !is_dns_label(name) {
-                    errors.push(PoolError::CounterSet { set: set.name.clone(), reason: format!("counter {name:?} is not a DNS label") });
+                    errors.push(PoolError::CounterSet {
+                        set: set.name.clone(),
+                        reason: format!("counter {name:?} is not a DNS label"),
+                    });
                 }
                 match quantity::parse(&counter.value.0) {
                     Some(v) => {
@@ -230,7 +272,10 @@ pub fn validate_pool(slices: &[ResourceSliceSpec]) -> Result<(), Vec<PoolError>>
                     }
                     None => errors.push(PoolError::CounterSet {
                         set: set.name.clone(),
-                        reason: format!("counter {name}: {:?} is not a non-negative integer quantity", counter.value.0),
+                        reason: format!(
+                            "counter {name}: {:?} is not a non-negative integer quantity",
+                            counter.value.0
+                        ),
                     }),
                 }
             }
@@ -244,11 +289,20 @@ pub fn validate_pool(slices: &[ResourceSliceSpec]) -> Result<(), Vec<PoolError>>
     for (i, slice) in slices.iter().enumerate() {
         let devices = slice.devices.as_deref().unwrap_or_default();
         let constrained = devices.iter().any(|d| {
-            d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()) || d.taints.as_ref().is_some_and(|t| !t.is_empty())
+            d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
+                || d.taints.as_ref().is_some_and(|t| !t.is_empty())
         });
-        let limit = if constrained { limits::DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS } else { limits::DEVICES_PER_SLICE };
+        let limit = if constrained {
+            limits::DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS
+        } else {
+            limits::DEVICES_PER_SLICE
+        };
         if devices.len() > limit {
-            errors.push(PoolError::TooManyDevices { slice: i, count: devices.len(), limit });
+            errors.push(PoolError::TooManyDevices {
+                slice: i,
+                count: devices.len(),
+                limit,
+            });
         }
         for device in devices {
             if !is_dns_label(&device.name) {
@@ -263,31 +317,55 @@ pub fn validate_pool(slices: &[ResourceSliceSpec]) -> Result<(), Vec<PoolError>>
     if errors.is_empty() { Ok(()) } else { Err(errors) }
 }
 
-fn validate_device(device: &Device, sets: &BTreeMap<&str, BTreeMap<&str, u128>>, errors: &mut Vec<PoolError>) {
-    let mut fail = |reason: String| errors.push(PoolError::Device { device: device.name.clone(), reason });
+fn validate_device(
+    device: &Device,
+    sets: &BTreeMap<&str, BTreeMap<&str, u128>>,
+    errors: &mut Vec<PoolError>,
+) {
+    let mut fail = |reason: String| {
+        errors.push(PoolError::Device {
+            device: device.name.clone(),
+            reason,
+        })
+    };
     let attributes = device.attributes.as_ref();
     let capacity = device.capacity.as_ref();
     let total = attributes.map_or(0, |a| a.len()) + capacity.map_or(0, |c| c.len());
     if total > limits::ATTRIBUTES_AND_CAPACITIES {
-        fail(format!("{total} attributes and capacities exceed {}", limits::ATTRIBUTES_AND_CAPACITIES));
+        fail(format!(
+            "{total} attributes and capacities exceed {}",
+            limits::ATTRIBUTES_AND_CAPACITIES
+        ));
     }
     for (name, value) in attributes.into_iter().flatten() {
         if !is_qualified_name(name) {
             fail(format!("attribute name {name:?} is not a qualified name"));
         }
-        let set = [value.bool.is_some(), value.int.is_some(), value.string.is_some(), value.version.is_some()];
+        let set = [
+            value.bool.is_some(),
+            value.int.is_some(),
+            value.string.is_some(),
+            value.version.is_some(),
+        ];
         if set.iter().filter(|s| **s).count() != 1 {
-            fail(format!("attribute {name} must set exactly one of bool, int, string, version"));
+            fail(format!(
+                "attribute {name} must set exactly one of bool, int, string, version"
+            ));
         }
         if let Some(s) = &value.string
             && s.len() > limits::ATTRIBUTE_VALUE_LENGTH
         {
-            fail(format!("attribute {name} is longer than {} bytes", limits::ATTRIBUTE_VALUE_LENGTH));
+            fail(format!(
+                "attribute {name} is longer than {} bytes",
+                limits::ATTRIBUTE_VALUE_LENGTH
+            ));
         }
         if let Some(v) = &value.version
             && (v.len() > limits::ATTRIBUTE_VALUE_LENGTH || !is_semver(v))
         {
-            fail(format!("attribute {name}: {v:?} is not a semantic version of at most 64 bytes"));
+            fail(format!(
+                "attribute {name}: {v:?} is not a semantic version of at most 64 bytes"
+            ));
         }
     }
     for (name, cap) in capacity.into_iter().flatten() {
@@ -295,15 +373,26 @@ fn validate_device(device: &Device, sets: &BTreeMap<&str, BTreeMap<&str, u128>>,
             fail(format!("capacity name {name:?} is not a qualified name"));
         }
         if quantity::parse(&cap.value.0).is_none() {
-            fail(format!("capacity {name}: {:?} is not a non-negative integer quantity", cap.value.0));
+            fail(format!(
+                "capacity {name}: {:?} is not a non-negative integer quantity",
+                cap.value.0
+            ));
         }
     }
-    if device.taints.as_ref().is_some_and(|t| t.len() > limits::TAINTS_PER_DEVICE) {
+    if device
+        .taints
+        .as_ref()
+        .is_some_and(|t| t.len() > limits::TAINTS_PER_DEVICE)
+    {
         fail(format!("more than {} taints", limits::TAINTS_PER_DEVICE));
     }
     let consumptions = device.consumes_counters.as_deref().unwrap_or_default();
     if consumptions.len() > limits::CONSUMPTIONS_PER_DEVICE {
-        fail(format!("{} counter consumptions exceed {}", consumptions.len(), limits::CONSUMPTIONS_PER_DEVICE));
+        fail(format!(
+            "{} counter consumptions exceed {}",
+            consumptions.len(),
+            limits::CONSUMPTIONS_PER_DEVICE
+        ));
     }
     let mut seen_sets = BTreeSet::new();
     for consumption in consumptions {
@@ -311,19 +400,32 @@ fn validate_device(device: &Device, sets: &BTreeMap<&str, BTreeMap<&str, u128>>,
             fail(format!("consumes counter set {} twice", consumption.counter_set));
         }
         if consumption.counters.len() > limits::COUNTERS_PER_CONSUMPTION {
-            fail(format!("consumes {} counters from one set; at most {}", consumption.counters.len(), limits::COUNTERS_PER_CONSUMPTION));
+            fail(format!(
+                "consumes {} counters from one set; at most {}",
+                consumption.counters.len(),
+                limits::COUNTERS_PER_CONSUMPTION
+            ));
         }
         let Some(set) = sets.get(consumption.counter_set.as_str()) else {
-            fail(format!("consumes from counter set {:?}, which the pool does not define", consumption.counter_set));
+            fail(format!(
+                "consumes from counter set {:?}, which the pool does not define",
+                consumption.counter_set
+            ));
             continue;
         };
         for (name, counter) in &consumption.counters {
             let Some(available) = set.get(name.as_str()) else {
-                fail(format!("consumes counter {name:?}, which counter set {} does not define", consumption.counter_set));
+                fail(format!(
+                    "consumes counter {name:?}, which counter set {} does not define",
+                    consumption.counter_set
+                ));
                 continue;
             };
             match quantity::parse(&counter.value.0) {
-                None => fail(format!("consumption of {name}: {:?} is not a non-negative integer quantity", counter.value.0)),
+                None => fail(format!(
+                    "consumption of {name}: {:?} is not a non-negative integer quantity",
+                    counter.value.0
+                )),
                 Some(need) if need > *available => fail(format!(
                     "consumes {need} of counter {name}, more than the {available} its set holds: it could never be allocated"
                 )),

@@ -3,8 +3,20 @@
 //!
 //! The servers know nothing about GPUs: they translate the kubelet's protocols to
 //! [`DraDriver`] calls and health snapshots.
+//!
+//! [`dra`] and [`health`] are the DRA-socket services, [`registration`] is served behind the
+//! [`authority_proxy`] (the kubelet's `:authority` on that socket is not valid for `h2`), and
+//! [`server`] binds both sockets in the order the kubelet needs: start with [`PluginServer`].
+
+pub mod authority_proxy;
+pub mod dra;
+pub mod health;
+pub mod registration;
+pub mod server;
 
 use std::{collections::HashMap, future::Future};
+
+pub use server::{DraServing, PluginServer, PluginServerConfig, PluginServing, ServerError, SocketKind};
 
 /// A claim as the kubelet names it in NodePrepareResources / NodeUnprepareResources.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -43,8 +55,10 @@ pub trait DraDriver: Send + Sync + 'static {
     /// Prepares claims; returns one outcome per claim UID.
     fn prepare(&self, claims: Vec<ClaimRef>) -> impl Future<Output = HashMap<String, PrepareOutcome>> + Send;
     /// Unprepares claims; returns one outcome per claim UID.
-    fn unprepare(&self, claims: Vec<ClaimRef>)
-    -> impl Future<Output = HashMap<String, UnprepareOutcome>> + Send;
+    fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> impl Future<Output = HashMap<String, UnprepareOutcome>> + Send;
 }
 
 /// Health of one published device, for the resource-health stream.

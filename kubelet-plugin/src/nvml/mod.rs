@@ -155,8 +155,12 @@ pub trait GpuBackend: Send + Sync {
     ) -> Result<CreatedComputeInstance, BackendError>;
 
     /// Destroys a compute instance. A missing GPU or compute instance fails with `NotFound`.
-    fn destroy_compute_instance(&self, gpu: u32, gpu_instance: u32, compute_instance: u32)
-    -> Result<(), BackendError>;
+    fn destroy_compute_instance(
+        &self,
+        gpu: u32,
+        gpu_instance: u32,
+        compute_instance: u32,
+    ) -> Result<(), BackendError>;
 
     /// Destroys a GPU instance (its compute instances must be gone first, or `InUse`).
     /// A missing GPU instance fails with `NotFound`.

@@ -1,0 +1,410 @@
+//! Container Device Interface specs: one transient spec file per claim that tells the
+//! container runtime which device nodes and environment a container gets.
+//!
+//! Every device node is written with an explicit type, major and minor, so the runtime
+//! creates it inside the container even when the host node does not exist (the kernel driver
+//! does not create `/dev/nvidia-caps/*` for instances made through NVML) and the CDI library
+//! never has to stat a host path.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    path::{Path, PathBuf},
+};
+
+use serde::Serialize;
+
+use crate::checkpoint::write_atomically;
+
+/// CDI spec version we write: explicit device-node fields need nothing newer, dots in the
+/// vendor name and annotations are covered by 0.6.0.
+pub const CDI_VERSION: &str = "0.6.0";
+/// CDI class of per-claim specs.
+pub const CDI_CLASS: &str = "claim";
+/// Major number of `/dev/nvidia*` (fixed by the NVIDIA kernel driver).
+const NVIDIA_MAJOR: u32 = 195;
+/// Minor of `/dev/nvidiactl`.
+const NVIDIACTL_MINOR: u32 = 255;
+
+/// CDI failures.
+#[derive(Debug, thiserror::Error)]
+pub enum CdiError {
+    /// A /proc file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A /proc file lacks what we need.
+    #[error("{path}: {what}")]
+    Missing {
+        /// File.
+        path: PathBuf,
+        /// What is missing.
+        what: String,
+    },
+    /// Writing or removing a spec failed.
+    #[error("CDI spec {path}: {source}")]
+    Write {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Writing a spec failed.
+    #[error(transparent)]
+    Atomic(#[from] crate::checkpoint::CheckpointError),
+    /// Encoding failed.
+    #[error("encoding a CDI spec: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+/// A device node in a CDI spec.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceNode {
+    /// Path inside the container.
+    pub path: String,
+    /// `c` for character devices.
+    #[serde(rename = "type")]
+    pub node_type: String,
+    /// Major number.
+    pub major: u32,
+    /// Minor number.
+    pub minor: u32,
+    /// Permission bits.
+    pub file_mode: u32,
+}
+
+fn char_node(path: String, major: u32, minor: u32, file_mode: u32) -> DeviceNode {
+    DeviceNode {
+        path,
+        node_type: "c".into(),
+        major,
+        minor,
+        file_mode,
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ContainerEdits {
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    env: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    device_nodes: Vec<DeviceNode>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SpecDevice {
+    name: String,
+    container_edits: ContainerEdits,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Spec {
+    cdi_version: &'static str,
+    kind: String,
+    annotations: BTreeMap<String, String>,
+    devices: Vec<SpecDevice>,
+}
+
+/// What goes into the container for one allocated device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimDevice {
+    /// Device name in the pool (becomes part of the CDI device name).
+    pub device_name: String,
+    /// Parent GPU device minor.
+    pub gpu_minor: u32,
+    /// `(GPU instance, compute instance)` for a MIG device.
+    pub mig: Option<(u32, u32)>,
+    /// Environment variables (`NVIDIA_VISIBLE_DEVICES` and the configured ones).
+    pub env: BTreeMap<String, String>,
+}
+
+/// Major numbers of the NVIDIA character devices, from `/proc/devices`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Majors {
+    /// `nvidia-uvm`, when the module is loaded.
+    pub uvm: Option<u32>,
+    /// `nvidia-caps`, when MIG capabilities exist.
+    pub caps: Option<u32>,
+}
+
+/// Writes and removes per-claim CDI specs.
+#[derive(Clone, Debug)]
+pub struct CdiWriter {
+    spec_dir: PathBuf,
+    vendor: String,
+    proc_root: PathBuf,
+}
+
+impl CdiWriter {
+    /// `vendor` is the DRA driver name; `proc_root` is where `/proc` is (for majors and
+    /// capability minors).
+    pub fn new(
+        spec_dir: impl Into<PathBuf>,
+        vendor: impl Into<String>,
+        proc_root: impl Into<PathBuf>,
+    ) -> Self {
+        Self {
+            spec_dir: spec_dir.into(),
+            vendor: vendor.into(),
+            proc_root: proc_root.into(),
+        }
+    }
+
+    /// `<vendor>/claim`.
+    pub fn kind(&self) -> String {
+        format!("{}/{CDI_CLASS}", self.vendor)
+    }
+
+    /// The fully qualified CDI device ID of a claim's device.
+    pub fn device_id(&self, claim_uid: &str, device_name: &str) -> String {
+        format!("{}={claim_uid}-{device_name}", self.kind())
+    }
+
+    /// Path of a claim's spec file.
+    pub fn spec_path(&self, claim_uid: &str) -> PathBuf {
+        self.spec_dir
+            .join(format!("{}-{CDI_CLASS}_{claim_uid}.json", self.vendor))
+    }
+
+    /// Reads the character-device majors.
+    pub fn majors(&self) -> Result<Majors, CdiError> {
+        let path = self.proc_root.join("devices");
+        let text = fs::read_to_string(&path).map_err(|source| CdiError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        let mut majors = Majors {
+            uvm: None,
+            caps: None,
+        };
+        let mut in_char = false;
+        for line in text.lines() {
+            let line = line.trim();
+            if line.ends_with(':') {
+                in_char = line == "Character devices:";
+                continue;
+            }
+            let Some((major, name)) = line.split_once(char::is_whitespace) else {
+                continue;
+            };
+            if !in_char {
+                continue;
+            }
+            let Ok(major) = major.parse() else { continue };
+            match name.trim() {
+                "nvidia-uvm" => majors.uvm = Some(major),
+                "nvidia-caps" => majors.caps = Some(major),
+                _ => {}
+            }
+        }
+        Ok(majors)
+    }
+
+    /// Minor and mode of a MIG capability, from the per-instance access file, which exists
+    /// only while the instance exists (so a stale minor is never handed out).
+    pub fn capability(&self, gpu_minor: u32, gi: u32, ci: Option<u32>) -> Result<(u32, u32), CdiError> {
+        let mut path = self
+            .proc_root
+            .join(format!("driver/nvidia/capabilities/gpu{gpu_minor}/mig/gi{gi}"));
+        if let Some(ci) = ci {
+            path.push(format!("ci{ci}"));
+        }
+        path.push("access");
+        let text = fs::read_to_string(&path).map_err(|source| CdiError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<u32>().ok()))
+                .ok_or_else(|| CdiError::Missing {
+                    path: path.clone(),
+                    what: format!("no {name} line"),
+                })
+        };
+        Ok((
+            field("DeviceFileMinor:")?,
+            field("DeviceFileMode:").unwrap_or(0o444),
+        ))
+    }
+
+    /// The device nodes a container needs for a device.
+    pub fn device_nodes(&self, device: &ClaimDevice, majors: Majors) -> Result<Vec<DeviceNode>, CdiError> {
+        let mut nodes = vec![
+            char_node(
+                format!("/dev/nvidia{}", device.gpu_minor),
+                NVIDIA_MAJOR,
+                device.gpu_minor,
+                0o666,
+            ),
+            char_node("/dev/nvidiactl".into(), NVIDIA_MAJOR, NVIDIACTL_MINOR, 0o666),
+        ];
+        if let Some(uvm) = majors.uvm {
+            nodes.push(char_node("/dev/nvidia-uvm".into(), uvm, 0, 0o666));
+            nodes.push(char_node("/dev/nvidia-uvm-tools".into(), uvm, 1, 0o666));
+        }
+        if let Some((gi, ci)) = device.mig {
+            let caps = majors.caps.ok_or_else(|| CdiError::Missing {
+                path: self.proc_root.join("devices"),
+                what: "no nvidia-caps character device (MIG capabilities unavailable)".into(),
+            })?;
+            for (minor, mode) in [
+                self.capability(device.gpu_minor, gi, None)?,
+                self.capability(device.gpu_minor, gi, Some(ci))?,
+            ] {
+                nodes.push(char_node(
+                    format!("/dev/nvidia-caps/nvidia-cap{minor}"),
+                    caps,
+                    minor,
+                    mode,
+                ));
+            }
+        }
+        Ok(nodes)
+    }
+
+    /// Writes a claim's spec atomically (runtimes read the directory concurrently).
+    pub fn write_claim_spec(&self, claim_uid: &str, devices: &[ClaimDevice]) -> Result<PathBuf, CdiError> {
+        fs::create_dir_all(&self.spec_dir).map_err(|source| CdiError::Write {
+            path: self.spec_dir.clone(),
+            source,
+        })?;
+        let majors = self.majors()?;
+        let mut spec_devices = Vec::with_capacity(devices.len());
+        for device in devices {
+            spec_devices.push(SpecDevice {
+                name: format!("{claim_uid}-{}", device.device_name),
+                container_edits: ContainerEdits {
+                    env: device.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+                    device_nodes: self.device_nodes(device, majors)?,
+                },
+            });
+        }
+        let spec = Spec {
+            cdi_version: CDI_VERSION,
+            kind: self.kind(),
+            annotations: BTreeMap::from([(format!("{}/claim-uid", self.vendor), claim_uid.to_string())]),
+            devices: spec_devices,
+        };
+        let path = self.spec_path(claim_uid);
+        let mut bytes = serde_json::to_vec_pretty(&spec)?;
+        bytes.push(b'\n');
+        write_atomically(&path, &bytes, 0o644)?;
+        Ok(path)
+    }
+
+    /// Removes a claim's spec; a missing file is fine.
+    pub fn remove_claim_spec(&self, claim_uid: &str) -> Result<(), CdiError> {
+        let path = self.spec_path(claim_uid);
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(CdiError::Write { path, source }),
+        }
+    }
+
+    /// True when a claim's spec exists.
+    pub fn has_claim_spec(&self, claim_uid: &str) -> bool {
+        self.spec_path(claim_uid).exists()
+    }
+
+    /// The spec directory.
+    pub fn spec_dir(&self) -> &Path {
+        &self.spec_dir
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn proc_root(dir: &Path) {
+        fs::write(
+            dir.join("devices"),
+            "Character devices:\n  1 mem\n195 nvidia\n195 nvidiactl\n510 nvidia-uvm\n508 nvidia-caps\n\nBlock devices:\n  8 sd\n",
+        )
+        .unwrap();
+        let gi = dir.join("driver/nvidia/capabilities/gpu1/mig/gi2");
+        fs::create_dir_all(gi.join("ci0")).unwrap();
+        fs::write(
+            gi.join("access"),
+            "DeviceFileMinor: 156\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
+        )
+        .unwrap();
+        fs::write(
+            gi.join("ci0/access"),
+            "DeviceFileMinor: 157\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn writes_mig_spec_with_explicit_nodes() {
+        let dir = tempfile::tempdir().unwrap();
+        proc_root(dir.path());
+        let writer = CdiWriter::new(dir.path().join("cdi"), "gpu.migdra.dev", dir.path());
+        let device = ClaimDevice {
+            device_name: "gpu-1-mig-3g40gb-4".into(),
+            gpu_minor: 1,
+            mig: Some((2, 0)),
+            env: BTreeMap::from([("NVIDIA_VISIBLE_DEVICES".into(), "MIG-abc".into())]),
+        };
+        let path = writer.write_claim_spec("uid-1", &[device]).unwrap();
+        assert!(path.ends_with("gpu.migdra.dev-claim_uid-1.json"));
+        let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(spec["kind"], "gpu.migdra.dev/claim");
+        let dev = &spec["devices"][0];
+        assert_eq!(dev["name"], "uid-1-gpu-1-mig-3g40gb-4");
+        assert_eq!(dev["containerEdits"]["env"][0], "NVIDIA_VISIBLE_DEVICES=MIG-abc");
+        let nodes = dev["containerEdits"]["deviceNodes"].as_array().unwrap();
+        let paths: Vec<&str> = nodes.iter().map(|n| n["path"].as_str().unwrap()).collect();
+        assert_eq!(
+            paths,
+            [
+                "/dev/nvidia1",
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia-uvm-tools",
+                "/dev/nvidia-caps/nvidia-cap156",
+                "/dev/nvidia-caps/nvidia-cap157"
+            ]
+        );
+        assert_eq!(nodes[4]["major"], 508);
+        assert_eq!(nodes[4]["fileMode"], 292);
+        assert_eq!(nodes[2]["major"], 510);
+        assert!(nodes.iter().all(|n| n["type"] == "c"));
+        assert_eq!(
+            writer.device_id("uid-1", "gpu-1"),
+            "gpu.migdra.dev/claim=uid-1-gpu-1"
+        );
+        writer.remove_claim_spec("uid-1").unwrap();
+        assert!(!path.exists());
+        writer.remove_claim_spec("uid-1").unwrap();
+    }
+
+    #[test]
+    fn missing_capability_file_fails_instead_of_guessing() {
+        let dir = tempfile::tempdir().unwrap();
+        proc_root(dir.path());
+        let writer = CdiWriter::new(dir.path().join("cdi"), "gpu.migdra.dev", dir.path());
+        let device = ClaimDevice {
+            device_name: "gpu-1-mig-1g10gb-0".into(),
+            gpu_minor: 1,
+            mig: Some((9, 0)),
+            env: BTreeMap::new(),
+        };
+        let err = writer.write_claim_spec("uid-2", &[device]).unwrap_err();
+        assert!(err.to_string().contains("gi9"), "{err}");
+        assert!(!writer.has_claim_spec("uid-2"));
+    }
+}

@@ -1,0 +1,444 @@
+//! The on-disk record of what the plugin has prepared, and how far it got.
+//!
+//! Every claim moves through `PrepareStarted -> PrepareCompleted -> UnprepareStarted -> gone`.
+//! The record of a claim is written *before* the plugin touches the GPU for it, so after a
+//! crash every MIG instance the plugin created can be found from this file: anything it does
+//! not describe was made by someone else and is never touched.
+//!
+//! The file is `{"checksum": "sha256:<hex>", "data": {...}}`, where the checksum covers the
+//! exact bytes of `data` as written. Readers never re-serialise before checking, so adding a
+//! field in a later version cannot break an older binary's checksum (the failure mode of
+//! NVIDIA's driver, #1080). Writes are atomic (temp file, fsync, rename, fsync dir) and the
+//! file is root-only (0600 in a 0700 directory).
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    io::Write,
+    os::unix::fs::{DirBuilderExt, PermissionsExt},
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use sha2::{Digest, Sha256};
+
+/// Format version of `data`.
+pub const CHECKPOINT_VERSION: u32 = 1;
+
+/// Where a claim is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClaimState {
+    /// The plugin may have started creating instances for the claim.
+    PrepareStarted,
+    /// Everything for the claim exists and was handed to the kubelet.
+    PrepareCompleted,
+    /// The plugin may have started destroying the claim's instances.
+    UnprepareStarted,
+}
+
+/// What a device of a claim is on the hardware.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "type")]
+pub enum DeviceKind {
+    /// A whole GPU.
+    Gpu,
+    /// A MIG instance. The placement is recorded before creation; the IDs and UUID after.
+    Mig {
+        /// GPU-instance profile ID.
+        profile_id: u32,
+        /// Placement start.
+        start: u32,
+        /// Placement size.
+        size: u32,
+        /// GPU-instance ID, once created.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu_instance: Option<u32>,
+        /// Compute-instance ID, once created.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        compute_instance: Option<u32>,
+        /// MIG UUID, once created.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mig_uuid: Option<String>,
+    },
+}
+
+/// One allocated device of a claim.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceRecord {
+    /// The allocation result's request (may be `<request>/<subrequest>`).
+    pub request: String,
+    /// Pool name.
+    pub pool: String,
+    /// Device name in the pool.
+    pub device: String,
+    /// Parent GPU UUID.
+    pub gpu_uuid: String,
+    /// Parent GPU device minor.
+    pub gpu_minor: u32,
+    /// What it is.
+    #[serde(flatten)]
+    pub kind: DeviceKind,
+    /// Extra environment from the resolved opaque configuration.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+}
+
+/// One claim's record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimRecord {
+    /// Claim namespace.
+    pub namespace: String,
+    /// Claim name.
+    pub name: String,
+    /// Where the claim is.
+    pub state: ClaimState,
+    /// Its devices.
+    pub devices: Vec<DeviceRecord>,
+}
+
+impl ClaimRecord {
+    /// `namespace/name`.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// The checkpoint's content.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointData {
+    /// Format version.
+    pub version: u32,
+    /// Boot ID of the boot this checkpoint belongs to. MIG instances never survive a reboot.
+    pub boot_id: String,
+    /// Claims by UID.
+    pub claims: BTreeMap<String, ClaimRecord>,
+}
+
+#[derive(Serialize)]
+struct FileOut<'a> {
+    checksum: String,
+    data: &'a RawValue,
+}
+
+#[derive(Deserialize)]
+struct FileIn<'a> {
+    checksum: String,
+    #[serde(borrow)]
+    data: &'a RawValue,
+}
+
+/// Checkpoint failures.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// Reading, writing or renaming failed.
+    #[error("checkpoint {path}: {source}")]
+    Io {
+        /// File or directory.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a checkpoint, or its checksum does not match.
+    #[error("checkpoint {path} is corrupt: {reason}")]
+    Corrupt {
+        /// File.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Serialising failed (cannot happen for these types, but is not unwrapped).
+    #[error("serialising the checkpoint: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+/// How a checkpoint was loaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LoadOutcome {
+    /// No file existed.
+    Fresh,
+    /// The file was read.
+    Loaded,
+    /// The file belonged to an earlier boot and was discarded.
+    PreviousBoot {
+        /// Its boot ID.
+        old_boot_id: String,
+    },
+    /// The file was corrupt; it was moved aside to this path and an empty checkpoint used.
+    CorruptMovedAside(PathBuf),
+}
+
+/// The checkpoint file.
+#[derive(Debug)]
+pub struct Checkpoint {
+    path: PathBuf,
+    data: CheckpointData,
+}
+
+impl Checkpoint {
+    /// Opens `<dir>/checkpoint.json` for boot `boot_id`, creating the directory (0700).
+    /// A checkpoint from another boot, or a corrupt one, yields an empty checkpoint.
+    pub fn open(dir: &Path, boot_id: &str) -> Result<(Self, LoadOutcome), CheckpointError> {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|source| CheckpointError::Io {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        let path = dir.join("checkpoint.json");
+        let empty = CheckpointData {
+            version: CHECKPOINT_VERSION,
+            boot_id: boot_id.to_string(),
+            claims: BTreeMap::new(),
+        };
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok((Self { path, data: empty }, LoadOutcome::Fresh));
+            }
+            Err(source) => return Err(CheckpointError::Io { path, source }),
+        };
+        match decode(&bytes) {
+            Ok(data) if data.boot_id == boot_id => Ok((Self { path, data }, LoadOutcome::Loaded)),
+            Ok(data) => {
+                let checkpoint = Self { path, data: empty };
+                checkpoint.persist()?;
+                Ok((
+                    checkpoint,
+                    LoadOutcome::PreviousBoot {
+                        old_boot_id: data.boot_id,
+                    },
+                ))
+            }
+            Err(reason) => {
+                let aside = dir.join(format!("checkpoint.json.corrupt-{}", std::process::id()));
+                fs::rename(&path, &aside).map_err(|source| CheckpointError::Io {
+                    path: path.clone(),
+                    source,
+                })?;
+                tracing::error!(path = %path.display(), %reason, aside = %aside.display(), "checkpoint is corrupt; starting empty");
+                let checkpoint = Self { path, data: empty };
+                checkpoint.persist()?;
+                Ok((checkpoint, LoadOutcome::CorruptMovedAside(aside)))
+            }
+        }
+    }
+
+    /// The path of the file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The current content.
+    pub fn data(&self) -> &CheckpointData {
+        &self.data
+    }
+
+    /// A claim's record.
+    pub fn claim(&self, uid: &str) -> Option<&ClaimRecord> {
+        self.data.claims.get(uid)
+    }
+
+    /// Sets a claim's record and writes the file. On a write failure the in-memory state is
+    /// left as it was, so memory never claims more than the disk holds.
+    pub fn put(&mut self, uid: &str, record: ClaimRecord) -> Result<(), CheckpointError> {
+        let previous = self.data.claims.insert(uid.to_string(), record);
+        self.persist_or_restore(uid, previous)
+    }
+
+    /// Removes a claim's record and writes the file.
+    pub fn remove(&mut self, uid: &str) -> Result<(), CheckpointError> {
+        let Some(previous) = self.data.claims.remove(uid) else {
+            return Ok(());
+        };
+        self.persist_or_restore(uid, Some(previous))
+    }
+
+    fn persist_or_restore(
+        &mut self,
+        uid: &str,
+        previous: Option<ClaimRecord>,
+    ) -> Result<(), CheckpointError> {
+        let result = self.persist();
+        if result.is_err() {
+            match previous {
+                Some(record) => self.data.claims.insert(uid.to_string(), record),
+                None => self.data.claims.remove(uid),
+            };
+        }
+        result
+    }
+
+    fn persist(&self) -> Result<(), CheckpointError> {
+        let bytes = encode(&self.data)?;
+        write_atomically(&self.path, &bytes, 0o600)
+    }
+}
+
+fn encode(data: &CheckpointData) -> Result<Vec<u8>, CheckpointError> {
+    let raw = serde_json::value::to_raw_value(data)?;
+    let checksum = checksum(raw.get().as_bytes());
+    let mut bytes = serde_json::to_vec(&FileOut { checksum, data: &raw })?;
+    bytes.push(b'\n');
+    Ok(bytes)
+}
+
+fn decode(bytes: &[u8]) -> Result<CheckpointData, String> {
+    let file: FileIn<'_> = serde_json::from_slice(bytes).map_err(|e| format!("not a checkpoint: {e}"))?;
+    let actual = checksum(file.data.get().as_bytes());
+    if actual != file.checksum {
+        return Err(format!(
+            "checksum mismatch (file says {}, content hashes to {actual})",
+            file.checksum
+        ));
+    }
+    let data: CheckpointData =
+        serde_json::from_str(file.data.get()).map_err(|e| format!("bad content: {e}"))?;
+    if data.version > CHECKPOINT_VERSION {
+        return Err(format!(
+            "version {} is newer than this binary's {CHECKPOINT_VERSION}",
+            data.version
+        ));
+    }
+    Ok(data)
+}
+
+fn checksum(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+/// Writes `bytes` to `path` so that readers see either the old or the new file, never a mix:
+/// a temp file in the same directory, fsync, rename over the target, fsync the directory.
+pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> Result<(), CheckpointError> {
+    let io = |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".tmp-")
+        .tempfile_in(dir)
+        .map_err(io)?;
+    tmp.as_file()
+        .set_permissions(fs::Permissions::from_mode(mode))
+        .map_err(io)?;
+    tmp.write_all(bytes).map_err(io)?;
+    tmp.as_file().sync_all().map_err(io)?;
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
+    Ok(())
+}
+
+/// Reads the kernel's boot ID.
+pub fn read_boot_id(path: &Path) -> Result<String, CheckpointError> {
+    fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .map_err(|source| CheckpointError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(state: ClaimState) -> ClaimRecord {
+        ClaimRecord {
+            namespace: "ns".into(),
+            name: "claim".into(),
+            state,
+            devices: vec![DeviceRecord {
+                request: "gpu".into(),
+                pool: "node/gpu.migdra.dev".into(),
+                device: "gpu-0-mig-3g40gb-4".into(),
+                gpu_uuid: "GPU-1".into(),
+                gpu_minor: 0,
+                kind: DeviceKind::Mig {
+                    profile_id: 9,
+                    start: 4,
+                    size: 4,
+                    gpu_instance: Some(2),
+                    compute_instance: Some(0),
+                    mig_uuid: Some("MIG-1".into()),
+                },
+                env: BTreeMap::new(),
+            }],
+        }
+    }
+
+    #[test]
+    fn round_trips_and_is_root_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut cp, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        assert_eq!(outcome, LoadOutcome::Fresh);
+        cp.put("uid-1", record(ClaimState::PrepareCompleted)).unwrap();
+        let mode = fs::metadata(cp.path()).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let (cp2, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        assert_eq!(outcome, LoadOutcome::Loaded);
+        assert_eq!(cp2.claim("uid-1"), Some(&record(ClaimState::PrepareCompleted)));
+    }
+
+    #[test]
+    fn another_boot_starts_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut cp, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        cp.put("uid-1", record(ClaimState::PrepareCompleted)).unwrap();
+        let (cp2, outcome) = Checkpoint::open(dir.path(), "boot-b").unwrap();
+        assert_eq!(
+            outcome,
+            LoadOutcome::PreviousBoot {
+                old_boot_id: "boot-a".into()
+            }
+        );
+        assert!(cp2.data().claims.is_empty());
+        assert_eq!(cp2.data().boot_id, "boot-b");
+    }
+
+    #[test]
+    fn tampered_file_is_moved_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut cp, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        cp.put("uid-1", record(ClaimState::PrepareStarted)).unwrap();
+        let text = fs::read_to_string(cp.path())
+            .unwrap()
+            .replace("PrepareStarted", "PrepareCompleted");
+        fs::write(cp.path(), text).unwrap();
+        let (cp2, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        let LoadOutcome::CorruptMovedAside(aside) = outcome else {
+            panic!("expected corrupt, got {outcome:?}")
+        };
+        assert!(aside.exists());
+        assert!(cp2.data().claims.is_empty());
+    }
+
+    #[test]
+    fn unknown_fields_from_a_newer_writer_keep_the_checksum_valid() {
+        // A later version adds a field: the checksum is over the bytes as written, so this
+        // binary still accepts the file and ignores the field.
+        let dir = tempfile::tempdir().unwrap();
+        let data = r#"{"version":1,"bootId":"boot-a","claims":{},"futureField":{"x":1}}"#;
+        let file = format!(r#"{{"checksum":"{}","data":{data}}}"#, checksum(data.as_bytes()));
+        fs::write(dir.path().join("checkpoint.json"), file).unwrap();
+        let (_, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        assert_eq!(outcome, LoadOutcome::Loaded);
+    }
+
+    #[test]
+    fn remove_is_persisted() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut cp, _) = Checkpoint::open(dir.path(), "b").unwrap();
+        cp.put("u", record(ClaimState::UnprepareStarted)).unwrap();
+        cp.remove("u").unwrap();
+        cp.remove("never-there").unwrap();
+        let (cp2, _) = Checkpoint::open(dir.path(), "b").unwrap();
+        assert!(cp2.claim("u").is_none());
+    }
+}

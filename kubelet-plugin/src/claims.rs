@@ -1,0 +1,228 @@
+//! Reading ResourceClaims: the GET the plugin does per claim at prepare time, and the pure
+//! interpretation of the allocation (which devices are ours, with which configuration).
+
+use std::future::Future;
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::{Api, Client};
+use migdra_api::{
+    config::{self, ConfigEntry, ConfigError, DeviceConfig},
+    device_name::{DeviceName, InvalidDeviceName},
+};
+
+/// Where claims come from. The production source is the API server; tests may use others.
+pub trait ClaimSource: Send + Sync + 'static {
+    /// GETs a claim; `Ok(None)` when it does not exist.
+    fn get(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> impl Future<Output = Result<Option<ResourceClaim>, kube::Error>> + Send;
+}
+
+/// Claims read from the API server.
+#[derive(Clone)]
+pub struct KubeClaims {
+    client: Client,
+}
+
+impl KubeClaims {
+    /// Reads claims with `client`.
+    pub fn new(client: Client) -> Self {
+        Self { client }
+    }
+}
+
+impl ClaimSource for KubeClaims {
+    async fn get(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, kube::Error> {
+        Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
+            .get_opt(name)
+            .await
+    }
+}
+
+/// Why a claim cannot be prepared on this node. Each message is what the user sees in the
+/// pod's `FailedPrepareDynamicResources` event, so it says what is wrong and with what.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The GET failed.
+    #[error("reading ResourceClaim {claim}: {source}")]
+    Api {
+        /// `namespace/name`.
+        claim: String,
+        /// Cause.
+        #[source]
+        source: kube::Error,
+    },
+    /// The claim does not exist (any more).
+    #[error("ResourceClaim {claim} not found")]
+    NotFound {
+        /// `namespace/name`.
+        claim: String,
+    },
+    /// The claim was deleted and re-created under the same name.
+    #[error(
+        "ResourceClaim {claim} has UID {actual}, but the kubelet asked for UID {expected}: the claim was replaced"
+    )]
+    Replaced {
+        /// `namespace/name`.
+        claim: String,
+        /// UID the kubelet asked for.
+        expected: String,
+        /// UID found.
+        actual: String,
+    },
+    /// Nothing allocated.
+    #[error("ResourceClaim {claim} is not allocated")]
+    NotAllocated {
+        /// `namespace/name`.
+        claim: String,
+    },
+    /// Allocated from another node's pool.
+    #[error(
+        "ResourceClaim {claim}: device {device} was allocated from pool {pool}, but this node serves pool {expected}"
+    )]
+    OtherPool {
+        /// `namespace/name`.
+        claim: String,
+        /// Device name.
+        device: String,
+        /// Its pool.
+        pool: String,
+        /// This node's pool.
+        expected: String,
+    },
+    /// A device name that is not one of ours.
+    #[error("ResourceClaim {claim}: {source}")]
+    DeviceName {
+        /// `namespace/name`.
+        claim: String,
+        /// Cause.
+        #[source]
+        source: InvalidDeviceName,
+    },
+    /// Bad opaque configuration.
+    #[error("ResourceClaim {claim}, request {request}: {source}")]
+    Config {
+        /// `namespace/name`.
+        claim: String,
+        /// Request the configuration applies to.
+        request: String,
+        /// Cause.
+        #[source]
+        source: ConfigError,
+    },
+    /// Admin access asks for monitoring access to a device in use, which MIG devices created on
+    /// demand cannot offer.
+    #[error("ResourceClaim {claim}: adminAccess is not supported by this driver (device {device})")]
+    AdminAccess {
+        /// `namespace/name`.
+        claim: String,
+        /// Device name.
+        device: String,
+    },
+}
+
+/// One of our devices in a claim's allocation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllocatedDevice {
+    /// Allocation result's request (may be `<request>/<subrequest>`).
+    pub request: String,
+    /// Pool name.
+    pub pool: String,
+    /// Device name as allocated.
+    pub device: String,
+    /// Parsed device name.
+    pub name: DeviceName,
+    /// Resolved opaque configuration.
+    pub config: DeviceConfig,
+}
+
+/// Extracts this driver's devices from a claim, validating that the claim is the one the
+/// kubelet asked for, that it is allocated from this node's pool, and that every opaque
+/// configuration for our driver that applies to our devices is valid.
+pub fn allocated_devices(
+    claim: &ResourceClaim,
+    expected_uid: &str,
+    driver: &str,
+    pool: &str,
+) -> Result<Vec<AllocatedDevice>, ClaimError> {
+    let key = format!(
+        "{}/{}",
+        claim.metadata.namespace.as_deref().unwrap_or_default(),
+        claim.metadata.name.as_deref().unwrap_or_default()
+    );
+    let actual = claim.metadata.uid.as_deref().unwrap_or_default();
+    if actual != expected_uid {
+        return Err(ClaimError::Replaced {
+            claim: key,
+            expected: expected_uid.into(),
+            actual: actual.into(),
+        });
+    }
+    let allocation = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .ok_or_else(|| ClaimError::NotAllocated { claim: key.clone() })?;
+
+    // Class configuration first, then the claim's, each in order (the API keeps that order
+    // within each source; sorting stably by source restores it across sources).
+    let mut configs: Vec<_> = allocation
+        .config
+        .iter()
+        .flatten()
+        .filter_map(|c| c.opaque.as_ref().filter(|o| o.driver == driver).map(|o| (c, o)))
+        .collect();
+    configs.sort_by_key(|(c, _)| if c.source == "FromClass" { 0 } else { 1 });
+    let no_requests: Vec<String> = Vec::new();
+    let entries: Vec<ConfigEntry<'_>> = configs
+        .iter()
+        .map(|(c, o)| ConfigEntry {
+            requests: c.requests.as_ref().unwrap_or(&no_requests),
+            parameters: &o.parameters.0,
+        })
+        .collect();
+
+    let mut devices = Vec::new();
+    for result in allocation.results.iter().flatten().filter(|r| r.driver == driver) {
+        if result.pool != pool {
+            return Err(ClaimError::OtherPool {
+                claim: key,
+                device: result.device.clone(),
+                pool: result.pool.clone(),
+                expected: pool.into(),
+            });
+        }
+        if result.admin_access == Some(true) {
+            return Err(ClaimError::AdminAccess {
+                claim: key,
+                device: result.device.clone(),
+            });
+        }
+        let name: DeviceName = result.device.parse().map_err(|source| ClaimError::DeviceName {
+            claim: key.clone(),
+            source,
+        })?;
+        let config = config::resolve(&entries, &result.request).map_err(|source| ClaimError::Config {
+            claim: key.clone(),
+            request: result.request.clone(),
+            source,
+        })?;
+        devices.push(AllocatedDevice {
+            request: result.request.clone(),
+            pool: result.pool.clone(),
+            device: result.device.clone(),
+            name,
+            config,
+        });
+    }
+    Ok(devices)
+}
+
+/// The base request name (`<request>` of `<request>/<subrequest>`), which is what the kubelet
+/// matches containers' claim references against.
+pub fn base_request(request: &str) -> &str {
+    request.split('/').next().unwrap_or(request)
+}

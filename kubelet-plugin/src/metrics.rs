@@ -1,0 +1,166 @@
+//! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`).
+
+use std::{sync::Arc, time::Duration};
+
+use migdra_api::inventory::{GpuInventory, InstanceOwner};
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
+};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClaimLabels {
+    operation: &'static str,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OperationLabels {
+    operation: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ActionLabels {
+    action: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OwnerLabels {
+    owner: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HealthLabels {
+    health: &'static str,
+}
+
+/// The plugin's metrics. Cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    claims: Family<ClaimLabels, Counter>,
+    call_duration: Family<OperationLabels, Histogram>,
+    recoveries: Family<ActionLabels, Counter>,
+    prepared_claims: Gauge,
+    mig_instances: Family<OwnerLabels, Gauge>,
+    gpus: Family<HealthLabels, Gauge>,
+    registry: Arc<Registry>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates the metrics and their registry.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("migdra_kubelet_plugin");
+        let claims = Family::<ClaimLabels, Counter>::default();
+        registry.register(
+            "claims",
+            "Claims prepared or unprepared, by result",
+            claims.clone(),
+        );
+        let call_duration = Family::<OperationLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new([
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ])
+        });
+        registry.register(
+            "call_duration_seconds",
+            "Duration of kubelet prepare/unprepare calls",
+            call_duration.clone(),
+        );
+        let recoveries = Family::<ActionLabels, Counter>::default();
+        registry.register(
+            "recoveries",
+            "Repairs of interrupted operations at start",
+            recoveries.clone(),
+        );
+        let prepared_claims = Gauge::default();
+        registry.register(
+            "prepared_claims",
+            "Claims currently recorded in the checkpoint",
+            prepared_claims.clone(),
+        );
+        let mig_instances = Family::<OwnerLabels, Gauge>::default();
+        registry.register(
+            "mig_instances",
+            "MIG GPU instances on the node, by creator",
+            mig_instances.clone(),
+        );
+        let gpus = Family::<HealthLabels, Gauge>::default();
+        registry.register("gpus", "GPUs on the node, by health", gpus.clone());
+        Self {
+            claims,
+            call_duration,
+            recoveries,
+            prepared_claims,
+            mig_instances,
+            gpus,
+            registry: Arc::new(registry),
+        }
+    }
+
+    /// Counts one claim's outcome.
+    pub fn claim(&self, operation: &'static str, ok: bool) {
+        let result = if ok { "success" } else { "error" };
+        self.claims
+            .get_or_create(&ClaimLabels { operation, result })
+            .inc();
+    }
+
+    /// Observes the duration of one kubelet call.
+    pub fn call(&self, operation: &'static str, duration: Duration) {
+        self.call_duration
+            .get_or_create(&OperationLabels { operation })
+            .observe(duration.as_secs_f64());
+    }
+
+    /// Counts one startup repair.
+    pub fn recovery(&self, action: &'static str) {
+        self.recoveries.get_or_create(&ActionLabels { action }).inc();
+    }
+
+    /// Updates the gauges from an inventory.
+    pub fn observe_inventory(&self, inventory: &[GpuInventory], prepared_claims: usize) {
+        self.prepared_claims
+            .set(i64::try_from(prepared_claims).unwrap_or(i64::MAX));
+        let instances = inventory
+            .iter()
+            .filter_map(|g| g.mig.as_ref())
+            .flat_map(|m| &m.instances);
+        let (mut ours, mut foreign) = (0, 0);
+        for instance in instances {
+            match instance.owner {
+                InstanceOwner::Migdra => ours += 1,
+                InstanceOwner::Foreign => foreign += 1,
+            }
+        }
+        self.mig_instances
+            .get_or_create(&OwnerLabels { owner: "migdra" })
+            .set(ours);
+        self.mig_instances
+            .get_or_create(&OwnerLabels { owner: "foreign" })
+            .set(foreign);
+        let healthy = inventory.iter().filter(|g| g.health.healthy).count();
+        let total = inventory.len();
+        self.gpus
+            .get_or_create(&HealthLabels { health: "healthy" })
+            .set(healthy as i64);
+        self.gpus
+            .get_or_create(&HealthLabels { health: "unhealthy" })
+            .set((total - healthy) as i64);
+    }
+
+    /// Renders the OpenMetrics text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "encoding metrics failed");
+        }
+        out
+    }
+}

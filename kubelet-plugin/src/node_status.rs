@@ -1,0 +1,191 @@
+//! The node's `GpuNode`: created with a Node owner reference (so it is garbage-collected with
+//! the node) and kept current with the inventory, the kubelet registration state and a
+//! heartbeat, from which the controller decides whether to publish this node's pool.
+
+use std::time::Duration;
+
+use k8s_openapi::{
+    api::core::v1::Node,
+    apimachinery::pkg::apis::meta::v1::{OwnerReference, Time},
+    jiff::Timestamp,
+};
+use kube::{
+    Api, Client, Resource,
+    api::{Patch, PatchParams},
+};
+use migdra_api::inventory::{API_VERSION, GpuInventory, GpuNode, PluginStatus};
+use serde_json::json;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    claims::ClaimSource,
+    driver::Driver,
+    grpc::{DeviceHealthReport, RegistrationState},
+    nvml::GpuBackend,
+};
+
+/// Field manager of the plugin's writes.
+pub const FIELD_MANAGER: &str = "migdra-kubelet-plugin";
+
+/// Writes this node's GpuNode.
+#[derive(Clone)]
+pub struct NodeStatusWriter {
+    api: Api<GpuNode>,
+    nodes: Api<Node>,
+    node: String,
+    driver: String,
+    started: Timestamp,
+    heartbeat_interval: Duration,
+}
+
+impl NodeStatusWriter {
+    /// A writer for `node`, serving `driver`.
+    pub fn new(client: Client, node: &str, driver: &str, heartbeat_interval: Duration) -> Self {
+        Self {
+            api: Api::all(client.clone()),
+            nodes: Api::all(client),
+            node: node.to_string(),
+            driver: driver.to_string(),
+            started: Timestamp::now(),
+            heartbeat_interval,
+        }
+    }
+
+    /// Creates or adopts the GpuNode (metadata and spec), owned by the Node.
+    pub async fn ensure_object(&self) -> Result<(), kube::Error> {
+        let node = self.nodes.get(&self.node).await?;
+        let owner = OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: self.node.clone(),
+            uid: node.meta().uid.clone().unwrap_or_default(),
+            ..OwnerReference::default()
+        };
+        let object = json!({
+            "apiVersion": API_VERSION,
+            "kind": "GpuNode",
+            "metadata": { "name": self.node, "ownerReferences": [owner] },
+            "spec": { "nodeName": self.node, "driver": self.driver },
+        });
+        self.api
+            .patch(
+                &self.node,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(object),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Writes the plugin's part of the status.
+    pub async fn publish(
+        &self,
+        registration: &RegistrationState,
+        driver_version: Option<String>,
+        gpus: &[GpuInventory],
+    ) -> Result<(), kube::Error> {
+        let plugin = PluginStatus {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            registered: registration.registered,
+            registration_error: registration.error.clone(),
+            start_time: Time(self.started),
+            heartbeat_time: Time(Timestamp::now()),
+            heartbeat_interval_seconds: u32::try_from(self.heartbeat_interval.as_secs()).unwrap_or(u32::MAX),
+            driver_version,
+        };
+        let status = json!({
+            "apiVersion": API_VERSION,
+            "kind": "GpuNode",
+            "status": { "plugin": plugin, "gpus": gpus },
+        });
+        self.api
+            .patch_status(
+                &self.node,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(status),
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// Refreshes the inventory and device health every `interval`, and immediately when the
+/// kubelet's registration state changes, until `shutdown`; then reports the plugin as
+/// unregistered so the controller withdraws the pool without waiting for the heartbeat to
+/// go stale.
+pub async fn run<B: GpuBackend + 'static, C: ClaimSource>(
+    driver: Driver<B, C>,
+    writer: Option<NodeStatusWriter>,
+    mut registration: watch::Receiver<RegistrationState>,
+    health: watch::Sender<Vec<DeviceHealthReport>>,
+    interval: Duration,
+    shutdown: CancellationToken,
+) {
+    let driver_version = driver.backend().driver_version().ok();
+    let mut object_ready = false;
+    let mut registration_open = true;
+    loop {
+        let snapshot = {
+            let driver = driver.clone();
+            tokio::task::spawn_blocking(move || driver.inventory()).await
+        };
+        let inventory = match snapshot {
+            Ok(Ok(inventory)) => Some(inventory),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "GPU discovery failed");
+                None
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "inventory task failed");
+                None
+            }
+        };
+        if let Some(inventory) = &inventory {
+            let reports = driver.device_health(inventory);
+            health.send_if_modified(|current| {
+                let changed = *current != reports;
+                if changed {
+                    *current = reports;
+                }
+                changed
+            });
+        }
+        if let (Some(writer), Some(inventory)) = (&writer, &inventory) {
+            if !object_ready {
+                match writer.ensure_object().await {
+                    Ok(()) => object_ready = true,
+                    Err(e) => tracing::warn!(error = %e, "creating the GpuNode failed; retrying"),
+                }
+            }
+            if object_ready {
+                let state = registration.borrow().clone();
+                if let Err(e) = writer.publish(&state, driver_version.clone(), inventory).await {
+                    tracing::warn!(error = %e, "updating the GpuNode status failed; retrying");
+                    object_ready = false;
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(interval) => {}
+            changed = registration.changed(), if registration_open => {
+                // A closed channel means the registration server is gone; from then on the
+                // timer alone drives the heartbeat.
+                registration_open = changed.is_ok();
+            }
+        }
+    }
+    if let (Some(writer), Ok(Ok(inventory))) = (&writer, {
+        let driver = driver.clone();
+        tokio::task::spawn_blocking(move || driver.inventory()).await
+    }) {
+        let gone = RegistrationState {
+            registered: false,
+            error: Some("plugin shut down".into()),
+        };
+        if let Err(e) = writer.publish(&gone, driver_version, &inventory).await {
+            tracing::warn!(error = %e, "reporting shutdown in the GpuNode failed");
+        }
+    }
+}

@@ -1,0 +1,815 @@
+//! The production [`GpuBackend`]: nvml-wrapper's safe API where it exists and is correct,
+//! raw calls through its function table (resolved with `nvml_sym`, checked with `nvml_try`)
+//! for the GPU/compute-instance calls it lacks or gets wrong (possible placements).
+//!
+//! Never calls the `NvmlLib::nvmlXxx()` convenience methods: they panic when a symbol is
+//! missing from the loaded library.
+#![allow(unsafe_code)]
+
+use std::{
+    collections::HashMap,
+    ffi::{OsStr, c_char},
+    path::Path,
+    ptr,
+    sync::{Mutex, PoisonError},
+};
+
+use migdra_api::{
+    geometry::{Architecture, Engines, MigProfile},
+    nvml_constants::{
+        CI_ENGINE_PROFILE_SHARED, CI_PROFILE_1_SLICE_REV1, CI_PROFILE_COUNT, GI_PROFILE_1_SLICE_ALL_ME,
+        GI_PROFILE_1_SLICE_GFX, GI_PROFILE_1_SLICE_NO_ME, GI_PROFILE_1_SLICE_REV1, GI_PROFILE_2_SLICE_ALL_ME,
+        GI_PROFILE_2_SLICE_GFX, GI_PROFILE_2_SLICE_NO_ME, GI_PROFILE_2_SLICE_REV1, GI_PROFILE_3_SLICE_GFX,
+        GI_PROFILE_4_SLICE_GFX, GI_PROFILE_COUNT, full_compute_instance_profile,
+    },
+    profile::{ProfileName, ProfileVariant},
+};
+use nvml_wrapper::{
+    Device, Nvml,
+    error::{NvmlError, nvml_sym, nvml_try},
+};
+use nvml_wrapper_sys::bindings::{
+    nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t, nvmlDevice_t,
+    nvmlDeviceArchitecture_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    nvmlGpuInstanceProfileInfo_v2_t, nvmlGpuInstanceProfileInfo_v3_t, nvmlMemory_t,
+};
+
+use super::{
+    BackendError, ComputeInstanceRecord, CreatedComputeInstance, GpuBackend, GpuDescription,
+    GpuInstanceRecord, MigDescription, MigModeChange, NvmlErrorKind,
+};
+
+/// `nvmlGpuInstanceProfileInfo_v2_t` version (`sizeof | 2 << 24`; the -sys crate has none).
+const GI_PROFILE_INFO_V2: u32 = 0x0200_0098;
+/// `nvmlGpuInstanceProfileInfo_v3_t` version.
+const GI_PROFILE_INFO_V3: u32 = 0x0300_0098;
+/// NVML_ERROR_INSUFFICIENT_RESOURCES, which nvml-wrapper 0.13 has no variant for.
+const INSUFFICIENT_RESOURCES: u32 = 23;
+/// NVML_ERROR_ARGUMENT_VERSION_MISMATCH.
+const ARGUMENT_VERSION_MISMATCH: u32 = 25;
+/// Upper bound of GPU instances of one profile (GI IDs run 0..=14).
+const MAX_GPU_INSTANCES: u32 = 15;
+/// Upper bound of compute instances in one GPU instance (CI IDs run 0..=7).
+const MAX_COMPUTE_INSTANCES: u32 = 8;
+const MIB: u64 = 1024 * 1024;
+
+/// A device handle NVML gave us.
+#[derive(Clone, Copy)]
+struct RawDevice(nvmlDevice_t);
+
+// SAFETY: an NVML device handle is an opaque token valid process-wide until nvmlShutdown
+// (which only happens when the owning `Nvml` drops, after every user of the backend), and
+// NVML is documented thread-safe, so it may be used from any thread.
+unsafe impl Send for RawDevice {}
+// SAFETY: as above; the handle is never dereferenced by us, only passed back to NVML.
+unsafe impl Sync for RawDevice {}
+
+/// The production GPU backend over the NVIDIA Management Library.
+pub struct NvmlBackend {
+    // Declared before `nvml` so cached handles are gone before NVML shuts down.
+    devices: Mutex<HashMap<u32, RawDevice>>,
+    nvml: Nvml,
+}
+
+impl std::fmt::Debug for NvmlBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvmlBackend").finish_non_exhaustive()
+    }
+}
+
+fn kind_of(err: &NvmlError) -> NvmlErrorKind {
+    match err {
+        NvmlError::InvalidArg => NvmlErrorKind::InvalidArgument,
+        NvmlError::NotSupported => NvmlErrorKind::NotSupported,
+        NvmlError::NoPermission => NvmlErrorKind::NoPermission,
+        NvmlError::NotFound => NvmlErrorKind::NotFound,
+        NvmlError::GpuLost => NvmlErrorKind::GpuLost,
+        NvmlError::ResetRequired => NvmlErrorKind::ResetRequired,
+        NvmlError::InUse => NvmlErrorKind::InUse,
+        NvmlError::UnexpectedVariant(INSUFFICIENT_RESOURCES) => NvmlErrorKind::InsufficientResources,
+        _ => NvmlErrorKind::Other,
+    }
+}
+
+fn nvml_message(err: &NvmlError) -> String {
+    match err {
+        NvmlError::UnexpectedVariant(INSUFFICIENT_RESOURCES) => {
+            "insufficient resources (placement occupied, overlapping or over budget)".to_string()
+        }
+        other => other.to_string(),
+    }
+}
+
+fn error(operation: impl Into<String>, err: &NvmlError) -> BackendError {
+    BackendError {
+        operation: operation.into(),
+        kind: kind_of(err),
+        message: nvml_message(err),
+    }
+}
+
+/// Skippable answers when walking profile indexes: the model lacks the profile, or the
+/// index is beyond what the driver knows.
+fn is_absent_profile(err: &NvmlError) -> bool {
+    matches!(err, NvmlError::NotSupported | NvmlError::InvalidArg)
+}
+
+/// Normalises NVML's `00000000:3B:00.0` to the Kubernetes spelling `0000:3b:00.0`.
+fn normalize_bus_id(bus_id: &str) -> String {
+    let lower = bus_id.to_ascii_lowercase();
+    match lower.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => format!("{}:{rest}", &domain[domain.len() - 4..]),
+        _ => lower,
+    }
+}
+
+/// go-nvlib's memory size in a profile name: the profile's share of memory rounded up to
+/// eighths, times the device memory rounded up to whole GiB, rounded.
+fn profile_memory_gb(device_memory_bytes: u64, profile_memory_mib: u64) -> u32 {
+    const GIB: u64 = 1024 * MIB;
+    if device_memory_bytes == 0 {
+        return 0;
+    }
+    let fraction = (profile_memory_mib * MIB) as f64 / device_memory_bytes as f64;
+    let eighths = (fraction * 8.0).ceil() / 8.0;
+    let device_gib = device_memory_bytes.div_ceil(GIB) as f64;
+    (eighths * device_gib).round() as u32
+}
+
+/// The name variant go-nvlib derives from a GPU-instance profile index.
+fn variant_of_index(index: u32) -> ProfileVariant {
+    match index {
+        GI_PROFILE_1_SLICE_REV1 | GI_PROFILE_2_SLICE_REV1 => ProfileVariant::MediaEngines,
+        GI_PROFILE_1_SLICE_NO_ME | GI_PROFILE_2_SLICE_NO_ME => ProfileVariant::NoMediaEngines,
+        GI_PROFILE_1_SLICE_ALL_ME | GI_PROFILE_2_SLICE_ALL_ME => ProfileVariant::AllMediaEngines,
+        GI_PROFILE_1_SLICE_GFX | GI_PROFILE_2_SLICE_GFX | GI_PROFILE_4_SLICE_GFX | GI_PROFILE_3_SLICE_GFX => {
+            ProfileVariant::Graphics
+        }
+        _ => ProfileVariant::Standard,
+    }
+}
+
+fn c_string(chars: &[c_char]) -> Option<String> {
+    let bytes: Vec<u8> = chars.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
+    String::from_utf8(bytes).ok()
+}
+
+impl NvmlBackend {
+    /// Loads NVML from `lib_path` (default: `libnvidia-ml.so.1` through the loader's search
+    /// path) and initialises it.
+    pub fn new(lib_path: Option<&Path>) -> Result<Self, BackendError> {
+        let mut builder = Nvml::builder();
+        if let Some(path) = lib_path {
+            builder.lib_path(path.as_os_str());
+        }
+        let nvml = builder.init().map_err(|e| {
+            let what = lib_path
+                .map(Path::as_os_str)
+                .unwrap_or(OsStr::new("libnvidia-ml.so.1"));
+            error(format!("initialise NVML from {}", what.to_string_lossy()), &e)
+        })?;
+        Ok(Self {
+            devices: Mutex::new(HashMap::new()),
+            nvml,
+        })
+    }
+
+    /// The device handle of GPU `index`, cached: NVML handle lookups can be slow under load.
+    fn device(&self, index: u32) -> Result<Device<'_>, BackendError> {
+        let mut cache = self.devices.lock().unwrap_or_else(PoisonError::into_inner);
+        let raw = match cache.get(&index) {
+            Some(raw) => *raw,
+            None => {
+                let device = self
+                    .nvml
+                    .device_by_index(index)
+                    .map_err(|e| error(format!("get handle of GPU {index}"), &e))?;
+                // SAFETY: reading the handle out of a Device we own; it stays valid while
+                // `self.nvml` is initialised.
+                let raw = RawDevice(unsafe { device.handle() });
+                cache.insert(index, raw);
+                raw
+            }
+        };
+        // SAFETY: the handle came from `device_by_index` on this very `Nvml`.
+        Ok(unsafe { Device::new(raw.0, &self.nvml) })
+    }
+
+    fn architecture(&self, device: &Device<'_>) -> Result<Option<Architecture>, NvmlError> {
+        let f = nvml_sym(self.nvml.lib().nvmlDeviceGetArchitecture.as_ref())?;
+        let mut arch: nvmlDeviceArchitecture_t = 0;
+        // SAFETY: valid device handle and a valid out pointer.
+        unsafe { nvml_try(f(device.handle(), &mut arch))? };
+        Ok(Architecture::from_nvml_value(arch))
+    }
+
+    /// Total memory in bytes (memory info v2, falling back to v1 for older drivers).
+    fn memory_total(&self, device: &Device<'_>) -> Result<u64, NvmlError> {
+        match device.memory_info() {
+            Ok(info) => Ok(info.total),
+            Err(NvmlError::FailedToLoadSymbol(_) | NvmlError::NotSupported) => {
+                let f = nvml_sym(self.nvml.lib().nvmlDeviceGetMemoryInfo.as_ref())?;
+                let mut info = nvmlMemory_t {
+                    total: 0,
+                    free: 0,
+                    used: 0,
+                };
+                // SAFETY: valid device handle and a valid out pointer.
+                unsafe { nvml_try(f(device.handle(), &mut info))? };
+                Ok(info.total)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn possible_placements(
+        &self,
+        device: &Device<'_>,
+        profile_id: u32,
+    ) -> Result<Vec<nvmlGpuInstancePlacement_t>, NvmlError> {
+        // Not `Device::possible_placements`: it never sets the vector's length.
+        let f = nvml_sym(
+            self.nvml
+                .lib()
+                .nvmlDeviceGetGpuInstancePossiblePlacements_v2
+                .as_ref(),
+        )?;
+        let mut count: u32 = 0;
+        // SAFETY: valid device handle; a NULL array asks for the count only.
+        unsafe { nvml_try(f(device.handle(), profile_id, ptr::null_mut(), &mut count))? };
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        let mut placements = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
+        // SAFETY: the buffer holds `count` entries, which NVML writes at most, updating count.
+        unsafe {
+            nvml_try(f(
+                device.handle(),
+                profile_id,
+                placements.as_mut_ptr(),
+                &mut count,
+            ))?
+        };
+        placements.truncate(count as usize);
+        Ok(placements)
+    }
+
+    /// The profile name from the versioned profile info (v3, else v2), when the driver
+    /// offers it (it may answer NOT_SUPPORTED while MIG is off).
+    fn versioned_profile_name(&self, device: &Device<'_>, index: u32) -> Option<String> {
+        let f = nvml_sym(self.nvml.lib().nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()).ok()?;
+        // SAFETY: a plain C struct of integers and char arrays; all-zero is a valid value.
+        let mut v3: nvmlGpuInstanceProfileInfo_v3_t = unsafe { std::mem::zeroed() };
+        v3.version = GI_PROFILE_INFO_V3;
+        // SAFETY: v2 and v3 have the same size (152 bytes) and the version field tells NVML
+        // which layout to write; the pointer is valid for the call.
+        let code = unsafe {
+            f(
+                device.handle(),
+                index,
+                ptr::from_mut(&mut v3).cast::<nvmlGpuInstanceProfileInfo_v2_t>(),
+            )
+        };
+        match nvml_try(code) {
+            Ok(()) => return c_string(&v3.name),
+            Err(NvmlError::UnexpectedVariant(ARGUMENT_VERSION_MISMATCH)) => {}
+            Err(_) => return None,
+        }
+        // SAFETY: as above.
+        let mut v2: nvmlGpuInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
+        v2.version = GI_PROFILE_INFO_V2;
+        // SAFETY: valid device handle and a valid, version-preset out struct.
+        unsafe { nvml_try(f(device.handle(), index, &mut v2)).ok()? };
+        c_string(&v2.name)
+    }
+
+    /// Every GPU-instance profile of a MIG-capable GPU, in index order, with real IDs and
+    /// possible placements.
+    fn discover_profiles(
+        &self,
+        gpu: u32,
+        device: &Device<'_>,
+        memory_bytes: u64,
+    ) -> Result<Vec<MigProfile>, BackendError> {
+        let mut profiles = Vec::new();
+        for index in 0..GI_PROFILE_COUNT {
+            let info = match device.profile_info(index) {
+                Ok(info) => info,
+                Err(e) if is_absent_profile(&e) => continue,
+                Err(e) => {
+                    return Err(error(
+                        format!("read GPU-instance profile index {index} of GPU {gpu}"),
+                        &e,
+                    ));
+                }
+            };
+            let placements = self.possible_placements(device, info.id).map_err(|e| {
+                error(
+                    format!("read placements of GPU-instance profile {} on GPU {gpu}", info.id),
+                    &e,
+                )
+            })?;
+            let Some(size) = placements.first().map(|p| p.size) else {
+                tracing::warn!(
+                    gpu,
+                    profile_id = info.id,
+                    "GPU-instance profile has no placements; skipped"
+                );
+                continue;
+            };
+            let derived = ProfileName::new(
+                info.slice_count,
+                profile_memory_gb(memory_bytes, info.memory_size_mb),
+                variant_of_index(index),
+            );
+            let name = self
+                .versioned_profile_name(device, index)
+                .and_then(|n| n.parse::<ProfileName>().ok())
+                .unwrap_or(derived);
+            profiles.push(MigProfile {
+                name,
+                gi_profile_id: info.id,
+                gi_profile_index: index,
+                compute_slices: info.slice_count,
+                memory_slices: size,
+                instance_count: info.instance_count,
+                placements: placements.iter().map(|p| p.start).collect(),
+                engines: Engines {
+                    multiprocessors: info.multiprocessor_count,
+                    copy_engines: info.copy_engine_count,
+                    decoders: info.decoder_count,
+                    encoders: info.encoder_count,
+                    jpeg_engines: info.jpeg_count,
+                    ofa_engines: info.ofa_count,
+                },
+                memory_mib: info.memory_size_mb,
+            });
+        }
+        Ok(profiles)
+    }
+
+    fn describe(&self, index: u32) -> Result<GpuDescription, BackendError> {
+        let device = self.device(index)?;
+        let op = |what: &str| format!("read {what} of GPU {index}");
+        let uuid = device.uuid().map_err(|e| error(op("UUID"), &e))?;
+        let product_name = device.name().map_err(|e| error(op("name"), &e))?;
+        let minor = device.minor_number().map_err(|e| error(op("minor number"), &e))?;
+        let memory_bytes = self.memory_total(&device).map_err(|e| error(op("memory"), &e))?;
+        let pci_bus_id = device.pci_info().ok().map(|p| normalize_bus_id(&p.bus_id));
+        let numa_node = device.numa_node_id().ok().map(i64::from);
+        let architecture = self.architecture(&device).ok().flatten();
+        let cuda_compute_capability = device.cuda_compute_capability().ok().map(|c| (c.major, c.minor));
+        let mig = match device.mig_mode() {
+            Ok(mode) => Some(MigDescription {
+                enabled: mode.current != 0,
+                pending_enabled: mode.pending != 0,
+                profiles: self.discover_profiles(index, &device, memory_bytes)?,
+            }),
+            Err(NvmlError::NotSupported) => None,
+            Err(e) => return Err(error(op("MIG mode"), &e)),
+        };
+        Ok(GpuDescription {
+            index,
+            minor,
+            uuid,
+            product_name,
+            pci_bus_id,
+            numa_node,
+            memory_mib: memory_bytes / MIB,
+            architecture,
+            cuda_compute_capability,
+            mig,
+        })
+    }
+
+    fn gpu_instance_by_id(&self, device: &Device<'_>, id: u32) -> Result<nvmlGpuInstance_t, NvmlError> {
+        let f = nvml_sym(self.nvml.lib().nvmlDeviceGetGpuInstanceById.as_ref())?;
+        let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+        // SAFETY: valid device handle and a valid out pointer.
+        unsafe { nvml_try(f(device.handle(), id, &mut gi))? };
+        Ok(gi)
+    }
+
+    fn gpu_instance_info(&self, gi: nvmlGpuInstance_t) -> Result<nvmlGpuInstanceInfo_t, NvmlError> {
+        let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceGetInfo.as_ref())?;
+        let mut info = nvmlGpuInstanceInfo_t {
+            device: ptr::null_mut(),
+            id: 0,
+            profileId: 0,
+            placement: nvmlGpuInstancePlacement_t { start: 0, size: 0 },
+        };
+        // SAFETY: `gi` is a live GPU-instance handle from NVML; valid out pointer.
+        unsafe { nvml_try(f(gi, &mut info))? };
+        Ok(info)
+    }
+
+    fn compute_profile_info(
+        &self,
+        gi: nvmlGpuInstance_t,
+        index: u32,
+    ) -> Result<nvmlComputeInstanceProfileInfo_t, NvmlError> {
+        let f = nvml_sym(
+            self.nvml
+                .lib()
+                .nvmlGpuInstanceGetComputeInstanceProfileInfo
+                .as_ref(),
+        )?;
+        let mut info = nvmlComputeInstanceProfileInfo_t {
+            id: 0,
+            sliceCount: 0,
+            instanceCount: 0,
+            multiprocessorCount: 0,
+            sharedCopyEngineCount: 0,
+            sharedDecoderCount: 0,
+            sharedEncoderCount: 0,
+            sharedJpegCount: 0,
+            sharedOfaCount: 0,
+        };
+        // SAFETY: live GPU-instance handle; valid out pointer.
+        unsafe { nvml_try(f(gi, index, CI_ENGINE_PROFILE_SHARED, &mut info))? };
+        Ok(info)
+    }
+
+    fn compute_instance_info(
+        &self,
+        ci: nvmlComputeInstance_t,
+    ) -> Result<nvmlComputeInstanceInfo_t, NvmlError> {
+        let f = nvml_sym(self.nvml.lib().nvmlComputeInstanceGetInfo_v2.as_ref())?;
+        let mut info = nvmlComputeInstanceInfo_t {
+            device: ptr::null_mut(),
+            gpuInstance: ptr::null_mut(),
+            id: 0,
+            profileId: 0,
+            placement: nvml_wrapper_sys::bindings::nvmlComputeInstancePlacement_t { start: 0, size: 0 },
+        };
+        // SAFETY: live compute-instance handle; valid out pointer.
+        unsafe { nvml_try(f(ci, &mut info))? };
+        Ok(info)
+    }
+
+    /// The `MIG-…` UUID of a MIG device handle.
+    fn mig_uuid(&self, mig_device: nvmlDevice_t) -> Result<String, NvmlError> {
+        // SAFETY: the handle came from NVML (ComputeInstanceGetInfo) on this `Nvml`.
+        let device = unsafe { Device::new(mig_device, &self.nvml) };
+        device.uuid()
+    }
+
+    fn gpu_instances_of_profile(
+        &self,
+        device: &Device<'_>,
+        profile_id: u32,
+        capacity: u32,
+    ) -> Result<Vec<nvmlGpuInstance_t>, NvmlError> {
+        let f = nvml_sym(self.nvml.lib().nvmlDeviceGetGpuInstances.as_ref())?;
+        // NVML has no size parameter here: the buffer must fit the profile's instance count.
+        let mut handles: Vec<nvmlGpuInstance_t> =
+            vec![ptr::null_mut(); capacity.max(MAX_GPU_INSTANCES) as usize];
+        let mut count: u32 = 0;
+        // SAFETY: valid device handle; the buffer holds at least as many entries as can exist.
+        unsafe { nvml_try(f(device.handle(), profile_id, handles.as_mut_ptr(), &mut count))? };
+        handles.truncate(count as usize);
+        Ok(handles)
+    }
+
+    fn compute_instances_of_profile(
+        &self,
+        gi: nvmlGpuInstance_t,
+        profile_id: u32,
+        capacity: u32,
+    ) -> Result<Vec<nvmlComputeInstance_t>, NvmlError> {
+        let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceGetComputeInstances.as_ref())?;
+        let mut handles: Vec<nvmlComputeInstance_t> =
+            vec![ptr::null_mut(); capacity.max(MAX_COMPUTE_INSTANCES) as usize];
+        let mut count: u32 = 0;
+        // SAFETY: live GPU-instance handle; the buffer holds more entries than can exist.
+        unsafe { nvml_try(f(gi, profile_id, handles.as_mut_ptr(), &mut count))? };
+        handles.truncate(count as usize);
+        Ok(handles)
+    }
+
+    fn compute_instances(&self, gi: nvmlGpuInstance_t) -> Result<Vec<ComputeInstanceRecord>, NvmlError> {
+        let mut records: Vec<ComputeInstanceRecord> = Vec::new();
+        for index in 0..CI_PROFILE_COUNT {
+            let info = match self.compute_profile_info(gi, index) {
+                Ok(info) => info,
+                Err(e) if is_absent_profile(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            for ci in self.compute_instances_of_profile(gi, info.id, info.instanceCount)? {
+                let ci_info = self.compute_instance_info(ci)?;
+                if records.iter().any(|r| r.id == ci_info.id) {
+                    continue;
+                }
+                records.push(ComputeInstanceRecord {
+                    id: ci_info.id,
+                    profile_id: ci_info.profileId,
+                    mig_uuid: self.mig_uuid(ci_info.device)?,
+                });
+            }
+        }
+        records.sort_by_key(|r| r.id);
+        Ok(records)
+    }
+
+    /// The GPU instance's compute slice count, from its profile's info.
+    fn gpu_instance_slices(&self, device: &Device<'_>, profile_id: u32) -> Result<Option<u32>, NvmlError> {
+        for index in 0..GI_PROFILE_COUNT {
+            match device.profile_info(index) {
+                Ok(info) if info.id == profile_id => return Ok(Some(info.slice_count)),
+                Ok(_) => {}
+                Err(e) if is_absent_profile(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    fn create_compute_instance(
+        &self,
+        gi: nvmlGpuInstance_t,
+        profile_id: u32,
+    ) -> Result<nvmlComputeInstance_t, NvmlError> {
+        let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceCreateComputeInstance.as_ref())?;
+        let mut ci: nvmlComputeInstance_t = ptr::null_mut();
+        // SAFETY: live GPU-instance handle; valid out pointer.
+        unsafe { nvml_try(f(gi, profile_id, &mut ci))? };
+        Ok(ci)
+    }
+
+    fn destroy_raw_compute_instance(&self, ci: nvmlComputeInstance_t) -> Result<(), NvmlError> {
+        let f = nvml_sym(self.nvml.lib().nvmlComputeInstanceDestroy.as_ref())?;
+        // SAFETY: live compute-instance handle.
+        unsafe { nvml_try(f(ci)) }
+    }
+
+    fn destroy_raw_gpu_instance(&self, gi: nvmlGpuInstance_t) -> Result<(), NvmlError> {
+        let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceDestroy.as_ref())?;
+        // SAFETY: live GPU-instance handle.
+        unsafe { nvml_try(f(gi)) }
+    }
+
+    /// Looks a GPU instance up for destruction: a GPU instance that is gone, or cannot exist
+    /// because MIG mode is off, is `NotFound`.
+    fn existing_gpu_instance(
+        &self,
+        device: &Device<'_>,
+        gpu: u32,
+        gpu_instance: u32,
+        operation: &str,
+    ) -> Result<nvmlGpuInstance_t, BackendError> {
+        match self.gpu_instance_by_id(device, gpu_instance) {
+            Ok(gi) => Ok(gi),
+            Err(NvmlError::NotSupported) => Err(BackendError {
+                operation: operation.to_string(),
+                kind: NvmlErrorKind::NotFound,
+                message: format!(
+                    "MIG mode is off on GPU {gpu}, so GPU instance {gpu_instance} does not exist"
+                ),
+            }),
+            Err(e) => Err(error(operation, &e)),
+        }
+    }
+}
+
+impl GpuBackend for NvmlBackend {
+    fn driver_version(&self) -> Result<String, BackendError> {
+        self.nvml
+            .sys_driver_version()
+            .map_err(|e| error("read driver version", &e))
+    }
+
+    fn discover(&self) -> Result<Vec<GpuDescription>, BackendError> {
+        let count = self.nvml.device_count().map_err(|e| error("count GPUs", &e))?;
+        // One failing GPU (lost, fallen off the bus) must not hide the others; the driver
+        // reports a GPU it knew but no longer discovers as unhealthy.
+        let mut gpus = Vec::new();
+        let mut last_error = None;
+        for index in 0..count {
+            match self.describe(index) {
+                Ok(gpu) => gpus.push(gpu),
+                Err(e) => {
+                    tracing::warn!(gpu = index, error = %e, "GPU could not be described; skipped");
+                    last_error = Some(e);
+                }
+            }
+        }
+        match last_error {
+            Some(e) if gpus.is_empty() => Err(e),
+            _ => Ok(gpus),
+        }
+    }
+
+    fn list_gpu_instances(&self, gpu: u32) -> Result<Vec<GpuInstanceRecord>, BackendError> {
+        let device = self.device(gpu)?;
+        let op = || format!("list GPU instances of GPU {gpu}");
+        match device.mig_mode() {
+            Ok(mode) if mode.current != 0 => {}
+            Ok(_) | Err(NvmlError::NotSupported) => return Ok(Vec::new()),
+            Err(e) => return Err(error(op(), &e)),
+        }
+        let mut records = Vec::new();
+        for index in 0..GI_PROFILE_COUNT {
+            let info = match device.profile_info(index) {
+                Ok(info) => info,
+                Err(e) if is_absent_profile(&e) => continue,
+                Err(e) => return Err(error(op(), &e)),
+            };
+            for gi in self
+                .gpu_instances_of_profile(&device, info.id, info.instance_count)
+                .map_err(|e| error(op(), &e))?
+            {
+                let gi_info = self.gpu_instance_info(gi).map_err(|e| error(op(), &e))?;
+                records.push(GpuInstanceRecord {
+                    id: gi_info.id,
+                    profile_id: gi_info.profileId,
+                    start: gi_info.placement.start,
+                    size: gi_info.placement.size,
+                    compute_instances: self.compute_instances(gi).map_err(|e| error(op(), &e))?,
+                });
+            }
+        }
+        records.sort_by_key(|r| r.id);
+        Ok(records)
+    }
+
+    fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigModeChange, BackendError> {
+        let device = self.device(gpu)?;
+        let op = format!(
+            "{} MIG mode on GPU {gpu}",
+            if enabled { "enable" } else { "disable" }
+        );
+        let activation = device.set_mig_mode(enabled).map_err(|e| error(&op, &e))?;
+        let mode = device.mig_mode().map_err(|e| error(&op, &e))?;
+        let wanted = u32::from(enabled);
+        if mode.current == wanted {
+            Ok(MigModeChange::Applied)
+        } else if mode.pending == wanted {
+            Ok(MigModeChange::PendingReset)
+        } else {
+            let err = NvmlError::from(activation);
+            Err(error(&op, &err))
+        }
+    }
+
+    fn create_gpu_instance(&self, gpu: u32, profile_id: u32, start: u32) -> Result<u32, BackendError> {
+        let device = self.device(gpu)?;
+        let op = format!("create GPU instance of profile {profile_id} at {start} on GPU {gpu}");
+        // Every placement of a profile has the same size; NVML validates the start.
+        let placements = self
+            .possible_placements(&device, profile_id)
+            .map_err(|e| error(&op, &e))?;
+        let size = placements.first().map(|p| p.size).ok_or_else(|| BackendError {
+            operation: op.clone(),
+            kind: NvmlErrorKind::InvalidArgument,
+            message: "the profile has no placements".to_string(),
+        })?;
+        let f = nvml_sym(self.nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement.as_ref())
+            .map_err(|e| error(&op, &e))?;
+        let placement = nvmlGpuInstancePlacement_t { start, size };
+        let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+        // SAFETY: valid device handle, a placement that lives across the call, valid out pointer.
+        unsafe { nvml_try(f(device.handle(), profile_id, &placement, &mut gi)) }
+            .map_err(|e| error(&op, &e))?;
+        match self.gpu_instance_info(gi) {
+            Ok(info) => Ok(info.id),
+            Err(e) => {
+                // Without its ID nobody could ever destroy it: roll back.
+                if let Err(undo) = self.destroy_raw_gpu_instance(gi) {
+                    tracing::warn!(gpu, profile_id, start, error = %undo, "rolling back an unidentifiable GPU instance failed");
+                }
+                Err(error(&op, &e))
+            }
+        }
+    }
+
+    fn create_full_compute_instance(
+        &self,
+        gpu: u32,
+        gpu_instance: u32,
+    ) -> Result<CreatedComputeInstance, BackendError> {
+        let device = self.device(gpu)?;
+        let op = format!("create the compute instance of GPU instance {gpu_instance} on GPU {gpu}");
+        let gi = self
+            .gpu_instance_by_id(&device, gpu_instance)
+            .map_err(|e| error(&op, &e))?;
+        let gi_info = self.gpu_instance_info(gi).map_err(|e| error(&op, &e))?;
+        let slices = self
+            .gpu_instance_slices(&device, gi_info.profileId)
+            .map_err(|e| error(&op, &e))?
+            .ok_or_else(|| BackendError {
+                operation: op.clone(),
+                kind: NvmlErrorKind::NotSupported,
+                message: format!(
+                    "GPU-instance profile {} is not among the GPU's profiles",
+                    gi_info.profileId
+                ),
+            })?;
+        let mut candidates: Vec<u32> = full_compute_instance_profile(slices).into_iter().collect();
+        if slices == 1 {
+            // Some GPUs (GH200) create the full CI of a 1-slice GI with the REV1 profile.
+            candidates.push(CI_PROFILE_1_SLICE_REV1);
+        }
+        let mut last_error = NvmlError::NotSupported;
+        let mut created = None;
+        for index in candidates {
+            let attempt = self
+                .compute_profile_info(gi, index)
+                .and_then(|p| self.create_compute_instance(gi, p.id));
+            match attempt {
+                Ok(ci) => {
+                    created = Some(ci);
+                    break;
+                }
+                Err(e @ (NvmlError::NotSupported | NvmlError::InvalidArg)) => last_error = e,
+                Err(e) => return Err(error(&op, &e)),
+            }
+        }
+        let ci = created.ok_or_else(|| error(&op, &last_error))?;
+        let identified = self.compute_instance_info(ci).and_then(|info| {
+            Ok(CreatedComputeInstance {
+                id: info.id,
+                mig_uuid: self.mig_uuid(info.device)?,
+            })
+        });
+        identified.map_err(|e| {
+            // A MIG device nobody can name is useless; do not leave it behind.
+            if let Err(undo) = self.destroy_raw_compute_instance(ci) {
+                tracing::warn!(gpu, gpu_instance, error = %undo, "rolling back an unidentifiable compute instance failed");
+            }
+            error(&op, &e)
+        })
+    }
+
+    fn destroy_compute_instance(
+        &self,
+        gpu: u32,
+        gpu_instance: u32,
+        compute_instance: u32,
+    ) -> Result<(), BackendError> {
+        let device = self.device(gpu)?;
+        let op = format!(
+            "destroy compute instance {compute_instance} of GPU instance {gpu_instance} on GPU {gpu}"
+        );
+        let gi = self.existing_gpu_instance(&device, gpu, gpu_instance, &op)?;
+        let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceGetComputeInstanceById.as_ref())
+            .map_err(|e| error(&op, &e))?;
+        let mut ci: nvmlComputeInstance_t = ptr::null_mut();
+        // SAFETY: live GPU-instance handle; valid out pointer.
+        unsafe { nvml_try(f(gi, compute_instance, &mut ci)) }.map_err(|e| error(&op, &e))?;
+        self.destroy_raw_compute_instance(ci).map_err(|e| error(&op, &e))
+    }
+
+    fn destroy_gpu_instance(&self, gpu: u32, gpu_instance: u32) -> Result<(), BackendError> {
+        let device = self.device(gpu)?;
+        let op = format!("destroy GPU instance {gpu_instance} on GPU {gpu}");
+        let gi = self.existing_gpu_instance(&device, gpu, gpu_instance, &op)?;
+        self.destroy_raw_gpu_instance(gi).map_err(|e| error(&op, &e))
+    }
+
+    fn probe_health(&self, gpu: u32) -> Result<(), BackendError> {
+        let device = self.device(gpu)?;
+        device
+            .uuid()
+            .map(|_| ())
+            .map_err(|e| error(format!("probe GPU {gpu}"), &e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_ids_use_the_kubernetes_spelling() {
+        assert_eq!(normalize_bus_id("00000000:3B:00.0"), "0000:3b:00.0");
+        assert_eq!(normalize_bus_id("0000:3b:00.0"), "0000:3b:00.0");
+    }
+
+    #[test]
+    fn derived_names_match_published_profile_names() {
+        let gib = 1024 * MIB;
+        // A100-40GB: 40960 MiB.
+        assert_eq!(profile_memory_gb(40 * gib, 4864), 5);
+        assert_eq!(profile_memory_gb(40 * gib, 9856), 10);
+        assert_eq!(profile_memory_gb(40 * gib, 40192), 40);
+        // B200: 183359 MiB, 1g is 22528 MiB and named 23gb.
+        assert_eq!(profile_memory_gb(183_359 * MIB, 22528), 23);
+        // H200: 3g at 71168 MiB of 143771 is 71gb.
+        assert_eq!(profile_memory_gb(143_771 * MIB, 71168), 71);
+        assert_eq!(
+            variant_of_index(GI_PROFILE_1_SLICE_REV1),
+            ProfileVariant::MediaEngines
+        );
+        assert_eq!(variant_of_index(9), ProfileVariant::Standard);
+    }
+
+    #[test]
+    fn insufficient_resources_has_its_own_kind() {
+        assert_eq!(
+            kind_of(&NvmlError::UnexpectedVariant(23)),
+            NvmlErrorKind::InsufficientResources
+        );
+        assert_eq!(kind_of(&NvmlError::UnexpectedVariant(25)), NvmlErrorKind::Other);
+        assert_eq!(kind_of(&NvmlError::InUse), NvmlErrorKind::InUse);
+    }
+}

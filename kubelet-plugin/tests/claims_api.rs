@@ -1,0 +1,197 @@
+//! Prepare and unprepare against a mocked API server: the claim GETs the plugin makes, and
+//! what it does with missing, unallocated, foreign-pool and replaced claims.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
+
+mod support;
+
+use std::{sync::Arc, time::Duration};
+
+use http::{Method, Request, Response, StatusCode};
+use kube::client::Body;
+use migdra_kubelet_plugin::{
+    claims::KubeClaims,
+    driver::{Driver, DriverConfig},
+    grpc::DraDriver,
+    metrics::Metrics,
+    nvml::NvmlBackend,
+};
+use serde_json::json;
+use support::*;
+use tower_test::mock;
+
+type Handle = mock::Handle<Request<Body>, Response<Body>>;
+
+fn not_found(name: &str) -> Response<Body> {
+    let status = json!({
+        "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404,
+        "message": format!("resourceclaims.resource.k8s.io \"{name}\" not found"),
+        "details": {"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"}
+    });
+    Response::builder()
+        .status(StatusCode::NOT_FOUND)
+        .body(Body::from(serde_json::to_vec(&status).unwrap()))
+        .unwrap()
+}
+
+/// Answers the expected GETs in any order (the plugin fetches a batch concurrently), checking
+/// each is a GET of a ResourceClaim by name in resource.k8s.io/v1.
+async fn serve_claims(
+    mut handle: Handle,
+    mut expected: Vec<(&'static str, Option<serde_json::Value>)>,
+) -> Handle {
+    while !expected.is_empty() {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+            .await
+            .expect("the plugin stopped asking")
+            .expect("mock closed");
+        assert_eq!(request.method(), Method::GET);
+        let path = request.uri().path().to_string();
+        let name = path
+            .strip_prefix("/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/")
+            .unwrap_or_else(|| panic!("unexpected request {path}"));
+        let position = expected
+            .iter()
+            .position(|(n, _)| *n == name)
+            .unwrap_or_else(|| panic!("unexpected GET of {name}"));
+        let (_, answer) = expected.remove(position);
+        match answer {
+            Some(object) => send.send_response(
+                Response::builder()
+                    .body(Body::from(serde_json::to_vec(&object).unwrap()))
+                    .unwrap(),
+            ),
+            None => send.send_response(not_found(name)),
+        }
+    }
+    handle
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prepare_reads_each_claim_and_rejects_the_wrong_ones() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "default");
+    let config = DriverConfig {
+        driver_name: DRIVER.into(),
+        node_name: NODE.into(),
+        state_dir: node.state_dir(),
+        boot_id: "boot-1".into(),
+        lock_timeout: Duration::from_secs(2),
+    };
+    let backend = NvmlBackend::new(Some(&node.host.lib_path())).unwrap();
+    let (driver, _) = Driver::start(
+        config,
+        Arc::new(backend),
+        KubeClaims::new(client),
+        node.cdi(),
+        None,
+        Metrics::new(),
+    )
+    .unwrap();
+
+    let good = serde_json::to_value(claim("uid-good", "good", &[("gpu", "gpu-0-mig-3g40gb-4")])).unwrap();
+    let mut unallocated = serde_json::to_value(claim("uid-unalloc", "unallocated", &[])).unwrap();
+    unallocated["status"] = json!({});
+    let other_node = serde_json::to_value(claim_with(
+        "uid-other",
+        "other-node",
+        "node-b/gpu.migdra.dev",
+        &[("gpu", "gpu-0-mig-3g40gb-4")],
+        json!([]),
+    ))
+    .unwrap();
+    let replaced =
+        serde_json::to_value(claim("uid-new", "replaced", &[("gpu", "gpu-0-mig-1g10gb-0")])).unwrap();
+    let server = tokio::spawn(serve_claims(
+        handle,
+        vec![
+            ("good", Some(good)),
+            ("missing", None),
+            ("unallocated", Some(unallocated)),
+            ("other-node", Some(other_node)),
+            ("replaced", Some(replaced)),
+        ],
+    ));
+    let out = driver
+        .prepare(vec![
+            claim_ref("uid-good", "good"),
+            claim_ref("uid-missing", "missing"),
+            claim_ref("uid-unalloc", "unallocated"),
+            claim_ref("uid-other", "other-node"),
+            claim_ref("uid-old", "replaced"),
+        ])
+        .await;
+    server.await.unwrap();
+    assert_eq!(out.len(), 5);
+    assert_eq!(
+        out["uid-good"].as_ref().unwrap()[0].device_name,
+        "gpu-0-mig-3g40gb-4"
+    );
+    assert_eq!(
+        out["uid-missing"].as_ref().unwrap_err(),
+        "ResourceClaim default/missing not found"
+    );
+    assert!(
+        out["uid-unalloc"]
+            .as_ref()
+            .unwrap_err()
+            .contains("is not allocated")
+    );
+    assert!(out["uid-other"].as_ref().unwrap_err().contains(
+        "allocated from pool node-b/gpu.migdra.dev, but this node serves pool node-a/gpu.migdra.dev"
+    ));
+    assert!(
+        out["uid-old"]
+            .as_ref()
+            .unwrap_err()
+            .contains("has UID uid-new, but the kubelet asked for UID uid-old")
+    );
+    assert_eq!(
+        node.instances(0).len(),
+        1,
+        "only the good claim created an instance"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prepared_claims_and_unprepare_need_no_api_calls() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "default");
+    let config = DriverConfig {
+        driver_name: DRIVER.into(),
+        node_name: NODE.into(),
+        state_dir: node.state_dir(),
+        boot_id: "boot-1".into(),
+        lock_timeout: Duration::from_secs(2),
+    };
+    let backend = NvmlBackend::new(Some(&node.host.lib_path())).unwrap();
+    let (driver, _) = Driver::start(
+        config,
+        Arc::new(backend),
+        KubeClaims::new(client),
+        node.cdi(),
+        None,
+        Metrics::new(),
+    )
+    .unwrap();
+    let good = serde_json::to_value(claim("uid-1", "c1", &[("gpu", "gpu-0-mig-3g40gb-4")])).unwrap();
+    let server = tokio::spawn(serve_claims(handle, vec![("c1", Some(good))]));
+    let first = driver.prepare(vec![claim_ref("uid-1", "c1")]).await;
+    let mut handle = server.await.unwrap();
+    assert!(first["uid-1"].is_ok());
+    // Answered from the checkpoint: the claim may even be gone from the API by now.
+    let again = driver.prepare(vec![claim_ref("uid-1", "c1")]).await;
+    assert_eq!(again["uid-1"], first["uid-1"]);
+    // Unprepare carries only namespace, UID and name, and needs nothing from the API.
+    let out = driver
+        .unprepare(vec![claim_ref("uid-1", "c1"), claim_ref("uid-unknown", "gone")])
+        .await;
+    assert!(out["uid-1"].is_ok() && out["uid-unknown"].is_ok());
+    assert_eq!(node.total_instances(), 0);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), handle.next_request())
+            .await
+            .is_err()
+    );
+}

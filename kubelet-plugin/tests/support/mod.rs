@@ -1,0 +1,214 @@
+//! Shared setup for the driver tests: a simulated GPU host (the fake NVML library loaded by
+//! the production NvmlBackend), a claim store, and claim builders.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use migdra_fake_nvml::{config::FakeConfig, testing::FakeGpuHost};
+use migdra_kubelet_plugin::{
+    cdi::CdiWriter,
+    claims::ClaimSource,
+    driver::{Driver, DriverConfig, RecoveryReport, StepHook},
+    grpc::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome},
+    metrics::Metrics,
+    nvml::NvmlBackend,
+};
+use serde_json::json;
+
+pub const DRIVER: &str = "gpu.migdra.dev";
+pub const NODE: &str = "node-a";
+pub const POOL: &str = "node-a/gpu.migdra.dev";
+
+/// Claims served from memory, as the API server would.
+#[derive(Clone, Default)]
+pub struct StaticClaims(pub Arc<Mutex<HashMap<(String, String), ResourceClaim>>>);
+
+impl StaticClaims {
+    pub fn put(&self, claim: ResourceClaim) {
+        let key = (
+            claim.metadata.namespace.clone().unwrap_or_default(),
+            claim.metadata.name.clone().unwrap_or_default(),
+        );
+        self.0.lock().unwrap().insert(key, claim);
+    }
+
+    pub fn remove(&self, namespace: &str, name: &str) {
+        self.0
+            .lock()
+            .unwrap()
+            .remove(&(namespace.to_string(), name.to_string()));
+    }
+}
+
+impl ClaimSource for StaticClaims {
+    async fn get(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, kube::Error> {
+        Ok(self
+            .0
+            .lock()
+            .unwrap()
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned())
+    }
+}
+
+/// A claim allocated from this node's pool.
+pub fn claim(uid: &str, name: &str, results: &[(&str, &str)]) -> ResourceClaim {
+    claim_with(uid, name, POOL, results, json!([]))
+}
+
+/// A claim with explicit pool and allocation config entries.
+pub fn claim_with(
+    uid: &str,
+    name: &str,
+    pool: &str,
+    results: &[(&str, &str)],
+    config: serde_json::Value,
+) -> ResourceClaim {
+    let results: Vec<_> = results
+        .iter()
+        .map(
+            |(request, device)| json!({"request": request, "driver": DRIVER, "pool": pool, "device": device}),
+        )
+        .collect();
+    serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default", "uid": uid},
+        "spec": {"devices": {"requests": []}},
+        "status": {"allocation": {"devices": {"results": results, "config": config}}},
+    }))
+    .unwrap()
+}
+
+pub fn claim_ref(uid: &str, name: &str) -> ClaimRef {
+    ClaimRef {
+        namespace: "default".into(),
+        uid: uid.into(),
+        name: name.into(),
+    }
+}
+
+/// A node: simulated GPUs, a state dir, a CDI dir and a claim store.
+pub struct Node {
+    pub host: FakeGpuHost,
+    pub dir: tempfile::TempDir,
+    pub claims: StaticClaims,
+    pub boot_id: String,
+}
+
+impl Node {
+    pub fn new(gpus: &[(&str, bool)]) -> Self {
+        Self::from_host(FakeGpuHost::with_gpus(gpus).unwrap())
+    }
+
+    pub fn with_config(config: FakeConfig) -> Self {
+        Self::from_host(FakeGpuHost::new(config).unwrap())
+    }
+
+    fn from_host(host: FakeGpuHost) -> Self {
+        Self {
+            host,
+            dir: tempfile::tempdir().unwrap(),
+            claims: StaticClaims::default(),
+            boot_id: "boot-1".into(),
+        }
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    pub fn cdi_dir(&self) -> PathBuf {
+        self.dir.path().join("cdi")
+    }
+
+    pub fn cdi(&self) -> CdiWriter {
+        CdiWriter::new(self.cdi_dir(), DRIVER, self.host.proc_root())
+    }
+
+    /// Starts a plugin process' driver (a new NVML session each time, as after a restart).
+    pub fn start(&self, hook: Option<StepHook>) -> (Driver<NvmlBackend, StaticClaims>, RecoveryReport) {
+        self.try_start(hook).expect("driver start")
+    }
+
+    pub fn try_start(
+        &self,
+        hook: Option<StepHook>,
+    ) -> Result<(Driver<NvmlBackend, StaticClaims>, RecoveryReport), migdra_kubelet_plugin::driver::DriverError>
+    {
+        let backend = NvmlBackend::new(Some(&self.host.lib_path())).expect("load the fake NVML");
+        let config = DriverConfig {
+            driver_name: DRIVER.into(),
+            node_name: NODE.into(),
+            state_dir: self.state_dir(),
+            boot_id: self.boot_id.clone(),
+            lock_timeout: Duration::from_secs(2),
+        };
+        Driver::start(
+            config,
+            Arc::new(backend),
+            self.claims.clone(),
+            self.cdi(),
+            hook,
+            Metrics::new(),
+        )
+    }
+
+    /// GPU instances on GPU `index`: (profile ID, start, compute-instance UUIDs).
+    pub fn instances(&self, index: usize) -> Vec<(u32, u32, Vec<String>)> {
+        let state = self.host.read_state().unwrap();
+        state.gpus[index]
+            .gpu_instances
+            .iter()
+            .map(|gi| {
+                (
+                    gi.profile_id,
+                    gi.start,
+                    gi.compute_instances.iter().map(|c| c.uuid.clone()).collect(),
+                )
+            })
+            .collect()
+    }
+
+    pub fn total_instances(&self) -> usize {
+        self.host
+            .read_state()
+            .unwrap()
+            .gpus
+            .iter()
+            .map(|g| g.gpu_instances.len())
+            .sum()
+    }
+
+    pub fn cdi_specs(&self) -> Vec<PathBuf> {
+        match std::fs::read_dir(self.cdi_dir()) {
+            Ok(entries) => entries
+                .map(|e| e.unwrap().path())
+                .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    pub fn cdi_spec(&self, uid: &str) -> serde_json::Value {
+        let path = self.cdi().spec_path(uid);
+        serde_json::from_slice(&std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+            .unwrap()
+    }
+}
+
+pub async fn prepare_one<D: DraDriver>(driver: &D, uid: &str, name: &str) -> PrepareOutcome {
+    let mut out = driver.prepare(vec![claim_ref(uid, name)]).await;
+    out.remove(uid).unwrap_or_else(|| Err("no outcome".into()))
+}
+
+pub async fn unprepare_one<D: DraDriver>(driver: &D, uid: &str, name: &str) -> UnprepareOutcome {
+    let mut out = driver.unprepare(vec![claim_ref(uid, name)]).await;
+    out.remove(uid).unwrap_or_else(|| Err("no outcome".into()))
+}
