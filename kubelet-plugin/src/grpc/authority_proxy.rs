@@ -89,6 +89,17 @@ pub enum ProxyError {
     Io(#[from] std::io::Error),
 }
 
+impl ProxyError {
+    /// True when the peer simply went away (reset, broken pipe), which is how the kubelet ends
+    /// a registration connection.
+    pub fn is_disconnect(&self) -> bool {
+        matches!(self, ProxyError::Io(e) if matches!(
+            e.kind(),
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof
+        ))
+    }
+}
+
 /// The server ends of proxied connections, to be fed to
 /// `tonic::transport::Server::serve_with_incoming_shutdown`. Ends when the proxy stops.
 pub struct ProxiedConnections {
@@ -150,6 +161,9 @@ impl AuthorityProxy {
                         open.spawn(async move {
                             match proxy_connection(client, near).await {
                                 Ok(()) => debug!("registration connection closed"),
+                                // The kubelet drops its connection right after registering;
+                                // a reset or broken pipe then is normal, anything else is not.
+                                Err(error) if error.is_disconnect() => debug!(%error, "registration connection closed by the peer"),
                                 Err(error) => warn!(%error, "registration connection closed"),
                             }
                         });

@@ -1,0 +1,321 @@
+//! Workloads for the tests and the demo: claim templates, pods, and what happened to them
+//! (allocation, container records of the fake runtime, events).
+
+use std::{collections::BTreeMap, path::Path, time::Duration};
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::{
+    core::v1::{Event, Pod},
+    resource::v1::{ResourceClaim, ResourceClaimTemplate},
+};
+use kube::{
+    Api, Client,
+    api::{DeleteParams, ListParams, PostParams},
+};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::cluster::{DRIVER, wait_until};
+
+/// Namespace of all test workloads.
+pub const NAMESPACE: &str = "default";
+
+/// CEL selecting one exact MIG profile.
+pub fn profile_is(profile: &str) -> String {
+    format!("device.attributes[\"{DRIVER}\"].profile == \"{profile}\"")
+}
+
+/// CEL selecting devices of one parent GPU (MIG) or that GPU itself.
+pub fn on_gpu(uuid: &str) -> String {
+    format!(
+        "(has(device.attributes[\"{DRIVER}\"].parentUUID) && device.attributes[\"{DRIVER}\"].parentUUID == \"{uuid}\") || \
+         (has(device.attributes[\"{DRIVER}\"].uuid) && device.attributes[\"{DRIVER}\"].uuid == \"{uuid}\")"
+    )
+}
+
+/// One request of a claim template.
+#[derive(Clone, Debug)]
+pub enum Request {
+    /// Exactly one device of `class` matching every CEL selector.
+    Exactly {
+        /// DeviceClass.
+        class: String,
+        /// CEL selectors.
+        selectors: Vec<String>,
+    },
+    /// The first alternative that can be satisfied: (subrequest name, class, selectors).
+    FirstAvailable(Vec<(String, String, Vec<String>)>),
+}
+
+fn selectors_json(selectors: &[String]) -> Value {
+    Value::Array(
+        selectors
+            .iter()
+            .map(|s| json!({"cel": {"expression": s}}))
+            .collect(),
+    )
+}
+
+/// Creates a ResourceClaimTemplate with one request named `gpu`, plus optional opaque config.
+pub async fn create_template(
+    client: &Client,
+    name: &str,
+    request: Request,
+    config: Option<Value>,
+) -> anyhow::Result<()> {
+    let request = match request {
+        Request::Exactly { class, selectors } => {
+            json!({"name": "gpu", "exactly": {"deviceClassName": class, "selectors": selectors_json(&selectors)}})
+        }
+        Request::FirstAvailable(alternatives) => {
+            json!({"name": "gpu", "firstAvailable": alternatives.iter().map(|(n, class, sel)| {
+            json!({"name": n, "deviceClassName": class, "selectors": selectors_json(sel)})
+        }).collect::<Vec<_>>()})
+        }
+    };
+    let mut spec = json!({"devices": {"requests": [request]}});
+    if let Some(parameters) = config {
+        spec["devices"]["config"] =
+            json!([{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": parameters}}]);
+    }
+    let template: ResourceClaimTemplate = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"spec": spec},
+    }))?;
+    Api::<ResourceClaimTemplate>::namespaced(client.clone(), NAMESPACE)
+        .create(&PostParams::default(), &template)
+        .await?;
+    Ok(())
+}
+
+/// Creates a pod with one container `main` running `command`, using a claim from `template`.
+/// `restart_never` makes a finished container end the pod.
+pub async fn create_pod(
+    client: &Client,
+    name: &str,
+    template: &str,
+    command: &[&str],
+    restart_never: bool,
+) -> anyhow::Result<()> {
+    create_pod_with(client, name, template, &[("main", command)], restart_never).await
+}
+
+/// Creates a pod whose containers all use the one claim made from `template`.
+pub async fn create_pod_with(
+    client: &Client,
+    name: &str,
+    template: &str,
+    containers: &[(&str, &[&str])],
+    restart_never: bool,
+) -> anyhow::Result<()> {
+    let containers: Vec<Value> = containers
+        .iter()
+        .map(|(n, cmd)| json!({"name": n, "image": "registry.k8s.io/e2e-test-images/busybox:1.36", "command": cmd, "resources": {"claims": [{"name": "gpu"}]}}))
+        .collect();
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app.kubernetes.io/part-of": "migdra-e2e"}},
+        "spec": {
+            "restartPolicy": if restart_never { "Never" } else { "Always" },
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": containers,
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+        }
+    }))?;
+    Api::<Pod>::namespaced(client.clone(), NAMESPACE)
+        .create(&PostParams::default(), &pod)
+        .await?;
+    Ok(())
+}
+
+/// The pod's phase.
+pub async fn phase(client: &Client, pod: &str) -> Option<String> {
+    Api::<Pod>::namespaced(client.clone(), NAMESPACE)
+        .get(pod)
+        .await
+        .ok()?
+        .status?
+        .phase
+}
+
+/// Waits until the pod reaches `want`.
+pub async fn wait_phase(client: &Client, pod: &str, want: &str, timeout: Duration) -> anyhow::Result<()> {
+    let result = wait_until(timeout, || async {
+        (phase(client, pod).await.as_deref() == Some(want)).then_some(())
+    })
+    .await;
+    let last = phase(client, pod).await;
+    result.with_context(|| format!("pod {pod} did not reach {want} (phase now {last:?})"))
+}
+
+/// The ResourceClaim generated for the pod's claim `gpu`.
+pub async fn pod_claim(client: &Client, pod: &str) -> anyhow::Result<ResourceClaim> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let name = wait_until(Duration::from_secs(30), || async {
+        let pod = pods.get(pod).await.ok()?;
+        pod.status?
+            .resource_claim_statuses?
+            .into_iter()
+            .find(|s| s.name == "gpu")?
+            .resource_claim_name
+    })
+    .await
+    .with_context(|| format!("pod {pod} has no generated claim"))?;
+    Ok(Api::<ResourceClaim>::namespaced(client.clone(), NAMESPACE)
+        .get(&name)
+        .await?)
+}
+
+/// The allocated (request, device) pairs of a claim.
+pub fn allocated(claim: &ResourceClaim) -> Vec<(String, String)> {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .map(|d| {
+            d.results
+                .iter()
+                .flatten()
+                .map(|r| (r.request.clone(), r.device.clone()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Deletes pods and waits until they are gone.
+pub async fn delete_pods(client: &Client, pods: &[&str]) -> anyhow::Result<()> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    for pod in pods {
+        let _ = api.delete(pod, &DeleteParams::default()).await;
+    }
+    for pod in pods {
+        wait_until(Duration::from_secs(90), || async {
+            api.get_opt(pod)
+                .await
+                .ok()
+                .and_then(|p| p.is_none().then_some(()))
+        })
+        .await
+        .with_context(|| format!("pod {pod} was not deleted"))?;
+    }
+    Ok(())
+}
+
+/// Deletes every test pod and claim template.
+pub async fn delete_all(client: &Client) -> anyhow::Result<()> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let pods = api
+        .list(&ListParams::default().labels("app.kubernetes.io/part-of=migdra-e2e"))
+        .await?;
+    let names: Vec<String> = pods
+        .items
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    delete_pods(client, &refs).await?;
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);
+    templates
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await?;
+    Ok(())
+}
+
+/// Events about a pod, newest last.
+pub async fn pod_events(client: &Client, pod: &str) -> anyhow::Result<Vec<Event>> {
+    let api: Api<Event> = Api::namespaced(client.clone(), NAMESPACE);
+    let list = api
+        .list(&ListParams::default().fields(&format!("involvedObject.name={pod}")))
+        .await?;
+    Ok(list.items)
+}
+
+/// What the fake runtime recorded about one container.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerRecord {
+    /// Pod name.
+    pub pod_name: String,
+    /// Container name.
+    pub container_name: String,
+    /// CDI devices the kubelet asked for.
+    #[serde(default)]
+    pub cdi_devices: Vec<String>,
+    /// Device nodes after CDI injection.
+    #[serde(default)]
+    pub device_nodes: Vec<DeviceNodeRecord>,
+    /// Environment after CDI injection.
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// created | running | exited.
+    pub state: String,
+    /// Exit code once exited.
+    #[serde(default)]
+    pub exit_code: Option<i32>,
+}
+
+/// A device node the container received.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceNodeRecord {
+    /// Path in the container.
+    pub path: String,
+    /// Major.
+    #[serde(default)]
+    pub major: i64,
+    /// Minor.
+    #[serde(default)]
+    pub minor: i64,
+}
+
+impl ContainerRecord {
+    /// An environment variable's value.
+    pub fn env_value(&self, name: &str) -> Option<&str> {
+        self.env
+            .iter()
+            .find_map(|e| e.strip_prefix(name).and_then(|rest| rest.strip_prefix('=')))
+    }
+}
+
+/// The latest record of a pod's container.
+pub fn container_record(records_dir: &Path, pod: &str, container: &str) -> anyhow::Result<ContainerRecord> {
+    let prefix = format!("{NAMESPACE}_{pod}_{container}_");
+    let mut newest: Option<(std::time::SystemTime, ContainerRecord)> = None;
+    for entry in std::fs::read_dir(records_dir)? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        if !name.starts_with(&prefix) || !name.ends_with(".json") {
+            continue;
+        }
+        let modified = entry.metadata()?.modified()?;
+        let record: ContainerRecord = serde_json::from_slice(&std::fs::read(entry.path())?)?;
+        if newest.as_ref().is_none_or(|(t, _)| modified > *t) {
+            newest = Some((modified, record));
+        }
+    }
+    match newest {
+        Some((_, record)) => Ok(record),
+        None => bail!("no container record for {pod}/{container}"),
+    }
+}
+
+/// Parses `gpu-<minor>-mig-<profile>-<start>` into (minor, profile label, start).
+pub fn parse_device(device: &str) -> anyhow::Result<migdra_api::device_name::DeviceName> {
+    Ok(device.parse()?)
+}
+
+/// Counts how many pods of a set are in each phase.
+pub async fn phases(client: &Client, pods: &[String]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for pod in pods {
+        *counts
+            .entry(phase(client, pod).await.unwrap_or_else(|| "Gone".into()))
+            .or_default() += 1;
+    }
+    counts
+}
