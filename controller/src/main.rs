@@ -1,3 +1,8 @@
-fn main() {
-    // The controller lands with its own issue; the binary exists so the workspace builds.
+//! `migdra-controller`: the cluster half of migdra.
+
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    migdra_controller::run(migdra_controller::cli::Args::parse()).await
 }

@@ -17,17 +17,10 @@ use std::{
 
 use anyhow::{Context, bail};
 use k8s_openapi::{
-    api::{core::v1::Node, resource::v1::DeviceClass},
-    apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+    api::core::v1::Node, apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
 };
-use kube::{
-    Api, Client, CustomResourceExt, ResourceExt,
-    api::{Patch, PatchParams, PostParams},
-};
-use migdra_api::{
-    inventory::{GpuNode, pool_name},
-    policy::MigPolicy,
-};
+use kube::{Api, Client, api::PostParams};
+use migdra_api::inventory::{GpuNode, pool_name};
 use migdra_fake_nvml::{
     config::{CONFIG_FILE_NAME, FakeConfig, GpuConfig},
     state::{FakeState, ensure_state, read_state, update_state},
@@ -43,6 +36,19 @@ pub const NODE: &str = "gpu-node-1";
 const ADMIN_TOKEN: &str = "migdra-e2e-admin";
 /// Token of the kubelet (system:node:<NODE>).
 const KUBELET_TOKEN: &str = "migdra-e2e-kubelet";
+/// Namespace the chart is installed into.
+pub const CHART_NAMESPACE: &str = "migdra-system";
+/// The chart's controller ServiceAccount (release name `migdra`).
+pub const CONTROLLER_ACCOUNT: &str = "migdra-controller";
+/// The chart's kubelet-plugin ServiceAccount.
+pub const PLUGIN_ACCOUNT: &str = "migdra-kubelet-plugin";
+/// Chart values for the e2e install: the binaries run as host processes, so the chart's own
+/// workloads stay idle; heartbeats are fast so tests see a dead plugin quickly.
+const CHART_VALUES: [&str; 3] = [
+    "controller.replicas=0",
+    "heartbeat.intervalSeconds=3",
+    "heartbeat.timeoutSeconds=20",
+];
 /// Feature gates for the API server and scheduler: the DRA features migdra uses, explicitly.
 const FEATURE_GATES: &str = "DRAPartitionableDevices=true,DRADeviceTaints=true,DRAPrioritizedList=true";
 
@@ -91,6 +97,8 @@ pub struct Layout {
     pub upstream_bin: PathBuf,
     /// migdra's binaries (target/<profile>).
     pub migdra_bin: PathBuf,
+    /// The helm binary.
+    pub helm: PathBuf,
     /// Admin kubeconfig.
     pub kubeconfig: PathBuf,
     /// The kubelet's root dir.
@@ -137,6 +145,8 @@ pub struct Cluster {
     components: BTreeMap<&'static str, Component>,
     ports: BTreeMap<&'static str, u16>,
     created_host_dirs: Vec<&'static str>,
+    controller_kubeconfig: Option<PathBuf>,
+    plugin_kubeconfig: Option<PathBuf>,
     torn_down: bool,
 }
 
@@ -190,6 +200,7 @@ impl Cluster {
     pub async fn start(config: ClusterConfig) -> anyhow::Result<Self> {
         let root = repo_root();
         let upstream_bin = script_output(&root.join("e2e/upstream/build.sh"))?;
+        let helm = script_output(&root.join("charts/tests/helm.sh"))?;
         let migdra_bin = migdra_bin_dir()?;
         fs::create_dir_all(&config.runs_dir)?;
         let stamp = std::time::SystemTime::now()
@@ -210,6 +221,7 @@ impl Cluster {
             run_dir: short,
             upstream_bin,
             migdra_bin,
+            helm,
             apiserver_port: free_port()?,
         };
         // The fake CRI is rebuilt each run (seconds, thanks to Go's build cache).
@@ -246,6 +258,8 @@ impl Cluster {
             components: BTreeMap::new(),
             ports: BTreeMap::new(),
             created_host_dirs,
+            controller_kubeconfig: None,
+            plugin_kubeconfig: None,
             torn_down: false,
         };
         if let Err(e) = cluster.boot(&config).await {
@@ -302,12 +316,14 @@ impl Cluster {
                 &format!("--feature-gates={FEATURE_GATES}"),
             ],
         )?;
-        self.install_api_objects().await?;
+        self.install_chart().await?;
         self.write_gpu_host(config)?;
         self.start_fake_cri()?;
         self.start_kubelet()?;
         self.wait_node_ready().await?;
         self.wait_default_service_account().await?;
+        self.controller_kubeconfig = Some(self.service_account_kubeconfig(CONTROLLER_ACCOUNT, false).await?);
+        self.plugin_kubeconfig = Some(self.service_account_kubeconfig(PLUGIN_ACCOUNT, true).await?);
         self.start_migdra_controller()?;
         self.start_plugin()?;
         self.wait_published(Duration::from_secs(90)).await?;
@@ -418,19 +434,72 @@ impl Cluster {
         }
     }
 
-    /// Installs migdra's CRDs and DeviceClasses (the chart's, for the launcher-only setup).
-    async fn install_api_objects(&self) -> anyhow::Result<()> {
+    /// Installs migdra's Helm chart (CRDs, DeviceClasses, ServiceAccounts, RBAC, the admission
+    /// policy). Its workloads stay idle: the controller Deployment is scaled to zero and the
+    /// plugin DaemonSet selects GPU-labelled nodes only; migdra's binaries run as host
+    /// processes instead, with tokens of the chart's ServiceAccounts.
+    async fn install_chart(&self) -> anyhow::Result<()> {
+        let l = &self.layout;
+        let chart = repo_root().join("charts/migdra");
+        let helm_home = l.run_dir.join("helm");
+        let helm = |args: &[&str]| -> anyhow::Result<std::process::Output> {
+            let output = Command::new(&l.helm)
+                .args(args)
+                .env("HELM_CONFIG_HOME", helm_home.join("config"))
+                .env("HELM_CACHE_HOME", helm_home.join("cache"))
+                .env("HELM_DATA_HOME", helm_home.join("data"))
+                .env("KUBECONFIG", &l.kubeconfig)
+                .output()
+                .context("running helm")?;
+            if !output.status.success() {
+                bail!(
+                    "helm {args:?} failed: {}",
+                    String::from_utf8_lossy(&output.stderr)
+                );
+            }
+            Ok(output)
+        };
+        let chart_arg = chart.to_string_lossy().to_string();
+        let mut install = vec![
+            "install",
+            "migdra",
+            &chart_arg,
+            "--namespace",
+            CHART_NAMESPACE,
+            "--create-namespace",
+        ];
+        install.extend(CHART_VALUES.iter().flat_map(|v| ["--set", *v]));
+        helm(&install)?;
+        // Keep the rendered manifests (default and non-default values) for the dry-run test.
+        for (file, extra) in [
+            ("chart-default.yaml", None),
+            (
+                "chart-custom.yaml",
+                Some(repo_root().join("charts/tests/values-custom.yaml")),
+            ),
+        ] {
+            let mut args = vec![
+                "template".to_string(),
+                "migdra".into(),
+                chart_arg.clone(),
+                "--namespace".into(),
+                CHART_NAMESPACE.into(),
+                "--include-crds".into(),
+            ];
+            if let Some(values) = extra {
+                args.push("-f".into());
+                args.push(values.to_string_lossy().to_string());
+            }
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            write(
+                &l.run_dir.join(file),
+                &String::from_utf8_lossy(&helm(&refs)?.stdout),
+            )?;
+        }
         let crds: Api<CustomResourceDefinition> = Api::all(self.client.clone());
-        for crd in [GpuNode::crd(), MigPolicy::crd()] {
-            let name = crd.name_any();
-            crds.patch(
-                &name,
-                &PatchParams::apply("migdra-e2e").force(),
-                &Patch::Apply(&crd),
-            )
-            .await?;
+        for name in ["gpunodes.gpu.migdra.dev", "migpolicies.gpu.migdra.dev"] {
             wait_until(Duration::from_secs(30), || async {
-                let crd = crds.get(&name).await.ok()?;
+                let crd = crds.get(name).await.ok()?;
                 let established = crd
                     .status?
                     .conditions?
@@ -441,11 +510,35 @@ impl Cluster {
             .await
             .with_context(|| format!("CRD {name} not established"))?;
         }
-        let classes: Api<DeviceClass> = Api::all(self.client.clone());
-        for class in device_classes() {
-            classes.create(&PostParams::default(), &class).await?;
-        }
         Ok(())
+    }
+
+    /// Requests a token of one of the chart's ServiceAccounts and writes a kubeconfig with it.
+    /// The plugin's token is bound to the Node, which gives it the node name the admission
+    /// policy checks.
+    async fn service_account_kubeconfig(&self, account: &str, bind_to_node: bool) -> anyhow::Result<PathBuf> {
+        let mut request = json!({
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"audiences": [], "expirationSeconds": 86400},
+        });
+        if bind_to_node {
+            let node = Api::<Node>::all(self.client.clone()).get(NODE).await?;
+            request["spec"]["boundObjectRef"] =
+                json!({"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": node.metadata.uid});
+        }
+        let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+            Api::namespaced(self.client.clone(), CHART_NAMESPACE);
+        let response: serde_json::Value = accounts
+            .create_subresource("token", account, &PostParams::default(), &request)
+            .await
+            .with_context(|| format!("requesting a token for {account}"))?;
+        let token = response["status"]["token"]
+            .as_str()
+            .context("no token in the TokenRequest response")?;
+        let path = self.layout.run_dir.join(format!("{account}.kubeconfig"));
+        write(&path, &kubeconfig_yaml(self.layout.apiserver_port, token))?;
+        Ok(path)
     }
 
     fn write_gpu_host(&self, config: &ClusterConfig) -> anyhow::Result<()> {
@@ -566,17 +659,21 @@ fileCheckFrequency: 5s
         .context("the default ServiceAccount was not created")
     }
 
-    /// Starts (or restarts) migdra's controller.
+    /// Starts (or restarts) migdra's controller, as the chart's controller ServiceAccount.
     pub fn start_migdra_controller(&mut self) -> anyhow::Result<()> {
         let l = self.layout.clone();
+        let kubeconfig = self
+            .controller_kubeconfig
+            .clone()
+            .context("no controller token yet")?;
         let http = self.port("controller-http")?;
         self.start_component(
             "migdra-controller",
             &l.migdra_bin.join("migdra-controller"),
             &[
-                &format!("--kubeconfig={}", l.kubeconfig.display()),
+                &format!("--kubeconfig={}", kubeconfig.display()),
                 &format!("--driver-name={DRIVER}"),
-                "--namespace=kube-system",
+                &format!("--namespace={CHART_NAMESPACE}"),
                 "--identity=e2e-controller",
                 &format!("--http-address=127.0.0.1:{http}"),
                 "--heartbeat-timeout-seconds=20",
@@ -585,16 +682,18 @@ fileCheckFrequency: 5s
         )
     }
 
-    /// Starts (or restarts) migdra's kubelet plugin.
+    /// Starts (or restarts) migdra's kubelet plugin, as the chart's plugin ServiceAccount with
+    /// a token bound to the node.
     pub fn start_plugin(&mut self) -> anyhow::Result<()> {
         let l = self.layout.clone();
+        let kubeconfig = self.plugin_kubeconfig.clone().context("no plugin token yet")?;
         let http = self.port("plugin-http")?;
         let grpc = self.port("plugin-grpc-health")?;
         self.start_component(
             "migdra-kubelet-plugin",
             &l.migdra_bin.join("migdra-kubelet-plugin"),
             &[
-                &format!("--kubeconfig={}", l.kubeconfig.display()),
+                &format!("--kubeconfig={}", kubeconfig.display()),
                 &format!("--node-name={NODE}"),
                 &format!("--driver-name={DRIVER}"),
                 &format!("--kubelet-root-dir={}", l.kubelet_root.display()),
@@ -688,6 +787,14 @@ fileCheckFrequency: 5s
         .context("migdra did not publish the node's pool")
     }
 
+    /// A client authenticated as the kubelet plugin (its node-bound ServiceAccount token).
+    pub async fn plugin_client(&self) -> anyhow::Result<Client> {
+        let path = self.plugin_kubeconfig.clone().context("no plugin token yet")?;
+        let kubeconfig = kube::config::Kubeconfig::read_from(&path)?;
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+        Ok(Client::try_from(config)?)
+    }
+
     /// The simulated GPUs' current state.
     pub fn gpus(&self) -> anyhow::Result<FakeState> {
         Ok(read_state(&self.layout.gpu_state_path())?)
@@ -736,7 +843,7 @@ fileCheckFrequency: 5s
         let run_dir = fs::canonicalize(&self.layout.run_dir).unwrap_or_else(|_| self.layout.run_dir.clone());
         unmount_under(&run_dir);
         unmount_under(&self.layout.run_dir);
-        remove_log_symlinks_into(&run_dir);
+        remove_log_symlinks_into(&[&run_dir, &self.layout.run_dir]);
         for socket in find_sockets(&run_dir) {
             let _ = fs::remove_file(socket);
         }
@@ -797,14 +904,14 @@ fn unmount_under(dir: &Path) {
 }
 
 /// The kubelet links container logs into /var/log/containers; remove the links that point
-/// into our run directory (nothing else there is touched).
-fn remove_log_symlinks_into(dir: &Path) {
+/// into our run directory (by either of its paths; nothing else there is touched).
+fn remove_log_symlinks_into(dirs: &[&Path]) {
     let Ok(entries) = fs::read_dir("/var/log/containers") else {
         return;
     };
     for entry in entries.flatten() {
         if let Ok(target) = fs::read_link(entry.path())
-            && (target.starts_with(dir) || target.starts_with("/tmp/migdra-e2e-"))
+            && dirs.iter().any(|dir| target.starts_with(dir))
         {
             let _ = fs::remove_file(entry.path());
         }
@@ -883,20 +990,4 @@ where
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-}
-
-/// The DeviceClasses the chart installs: whole GPUs and any MIG partition.
-pub fn device_classes() -> Vec<DeviceClass> {
-    let class = |name: &str, kind: &str| -> DeviceClass {
-        serde_json::from_value(json!({
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "DeviceClass",
-            "metadata": {"name": name},
-            "spec": {"selectors": [{"cel": {"expression": format!(
-                "device.driver == \"{DRIVER}\" && device.attributes[\"{DRIVER}\"].type == \"{kind}\""
-            )}}]}
-        }))
-        .unwrap_or_default()
-    };
-    vec![class("gpu.migdra.dev", "gpu"), class("mig.migdra.dev", "mig")]
 }

@@ -1,0 +1,43 @@
+# syntax=docker/dockerfile:1
+#
+# migdra images. One builder compiles both binaries; each runtime stage carries one of them.
+#
+#   docker build --target controller     -t ghcr.io/migdra/migdra-controller:0.1.0 .
+#   docker build --target kubelet-plugin -t ghcr.io/migdra/migdra-kubelet-plugin:0.1.0 .
+#
+# The builder and the runtime images are the same Debian release (trixie), so the binaries
+# link against the glibc they run with. The kubelet plugin does not ship NVML: it dlopens
+# libnvidia-ml.so.1 from the host's NVIDIA driver root at run time (the Helm chart mounts it
+# and sets NVML_LIB_PATH), so the runtime image needs nothing NVIDIA-specific.
+
+ARG DEBIAN_RELEASE=trixie
+
+FROM rust:1.95-slim-${DEBIAN_RELEASE} AS builder
+WORKDIR /src
+# The whole workspace: Cargo needs every member's manifest (including e2e/) to resolve it.
+COPY . .
+RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
+    --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
+    --mount=type=cache,target=/src/target,sharing=locked \
+    cargo build --release --locked -p migdra-controller -p migdra-kubelet-plugin \
+    && mkdir -p /out \
+    && cp target/release/migdra-controller target/release/migdra-kubelet-plugin /out/
+
+FROM debian:${DEBIAN_RELEASE}-slim AS runtime-base
+LABEL org.opencontainers.image.source="https://github.com/migdra/migdra" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+# Cluster controller: no host access; runs as an unprivileged user.
+FROM runtime-base AS controller
+LABEL org.opencontainers.image.title="migdra-controller" \
+      org.opencontainers.image.description="migdra cluster controller: publishes ResourceSlices for NVIDIA MIG partitions"
+COPY --from=builder /out/migdra-controller /usr/local/bin/migdra-controller
+USER 65532:65532
+ENTRYPOINT ["/usr/local/bin/migdra-controller"]
+
+# Kubelet plugin: runs privileged as root on GPU nodes (NVML, /dev/nvidia*, kubelet sockets).
+FROM runtime-base AS kubelet-plugin
+LABEL org.opencontainers.image.title="migdra-kubelet-plugin" \
+      org.opencontainers.image.description="migdra kubelet plugin: creates and destroys NVIDIA MIG instances for DRA claims"
+COPY --from=builder /out/migdra-kubelet-plugin /usr/local/bin/migdra-kubelet-plugin
+ENTRYPOINT ["/usr/local/bin/migdra-kubelet-plugin"]

@@ -1,0 +1,165 @@
+"""The ValidatingAdmissionPolicy that pins each kubelet plugin to its own node's GpuNode.
+
+The policy's CEL is evaluated with cel-python (a pure-Python CEL implementation) on
+AdmissionRequest-shaped inputs, following the VAP evaluation order: matchConstraints, then
+matchConditions (all must hold, else the policy does not apply), then variables, then
+validations (all must hold, else the request is denied). The API server's CEL environment has
+more libraries; these expressions use only standard CEL (has, in, size, ==, ?:, +).
+"""
+
+from __future__ import annotations
+
+import celpy
+import pytest
+
+from conftest import NAMESPACE, render
+
+NODE_KEY = "authentication.kubernetes.io/node-name"
+_env = celpy.Environment()
+
+
+def cel(expression: str, activation: dict):
+    program = _env.program(_env.compile(expression))
+    return program.evaluate({k: celpy.json_to_cel(v) for k, v in activation.items()})
+
+
+def plugin_username(rendered) -> str:
+    sa = rendered.one("DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"]
+    return f"system:serviceaccount:{NAMESPACE}:{sa}"
+
+
+def plugin_request(rendered, node: str | None, operation="UPDATE", subresource="", username=None, extra=None):
+    user = {"username": username or plugin_username(rendered), "groups": ["system:serviceaccounts"]}
+    if extra is not None:
+        user["extra"] = extra
+    elif node is not None:
+        user["extra"] = {NODE_KEY: [node], "authentication.kubernetes.io/pod-name": ["plugin-x"]}
+    return {
+        "operation": operation,
+        "resource": {"group": "gpu.migdra.dev", "version": "v1alpha1", "resource": "gpunodes"},
+        "subResource": subresource,
+        "userInfo": user,
+    }
+
+
+def evaluate_policy(rendered, request: dict, object_name: str) -> tuple[bool, list[str]]:
+    """(allowed, denial messages) of the rendered policy for one GpuNode write."""
+    policy = rendered.one("ValidatingAdmissionPolicy")
+    spec = policy["spec"]
+    resource = request["resource"]["resource"] + (f"/{request['subResource']}" if request["subResource"] else "")
+    matched = any(
+        request["resource"]["group"] in rule["apiGroups"]
+        and resource in rule["resources"]
+        and request["operation"] in rule["operations"]
+        for rule in spec["matchConstraints"]["resourceRules"]
+    )
+    if not matched:
+        return True, []
+    obj = {"apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "GpuNode", "metadata": {"name": object_name}}
+    activation = {"request": request, "object": obj}
+    for condition in spec.get("matchConditions", []):
+        if not bool(cel(condition["expression"], activation)):
+            return True, []
+    variables = {}
+    for var in spec.get("variables", []):
+        variables[var["name"]] = cel(var["expression"], {**activation, "variables": variables})
+    activation["variables"] = variables
+    messages = []
+    for validation in spec["validations"]:
+        if not bool(cel(validation["expression"], activation)):
+            if "messageExpression" in validation:
+                messages.append(str(cel(validation["messageExpression"], activation)))
+            else:
+                messages.append(validation["message"])
+    return not messages, messages
+
+
+def test_policy_targets_gpunodes_and_status(default):
+    policy = default.one("ValidatingAdmissionPolicy")
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["apiGroups"] == ["gpu.migdra.dev"]
+    assert sorted(rule["resources"]) == ["gpunodes", "gpunodes/status"]
+    assert sorted(rule["operations"]) == ["CREATE", "UPDATE"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+
+
+def test_policy_references_plugin_service_account(default):
+    policy = default.one("ValidatingAdmissionPolicy")
+    (condition,) = policy["spec"]["matchConditions"]
+    assert f'"{plugin_username(default)}"' in condition["expression"]
+    assert "migdra-kubelet-plugin" in plugin_username(default)
+
+
+def test_policy_guards_the_node_name_lookup(default):
+    text = " ".join(v["expression"] for v in default.one("ValidatingAdmissionPolicy")["spec"]["variables"])
+    assert "has(request.userInfo.extra)" in text
+    assert f'"{NODE_KEY}" in request.userInfo.extra' in text
+    assert "size(" in text
+
+
+def test_binding_denies(default):
+    policy = default.one("ValidatingAdmissionPolicy")
+    binding = default.one("ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert "matchResources" not in binding["spec"] or binding["spec"]["matchResources"]
+
+
+def test_messages_have_no_line_breaks(default):
+    """The API server rejects a validation message with a line break."""
+    for v in default.one("ValidatingAdmissionPolicy")["spec"]["validations"]:
+        assert "\n" not in v.get("message", ""), v
+
+
+@pytest.mark.parametrize("operation", ["CREATE", "UPDATE"])
+@pytest.mark.parametrize("subresource", ["", "status"])
+def test_own_node_allowed_other_node_denied(default, operation, subresource):
+    request = plugin_request(default, "node-a", operation, subresource)
+    assert evaluate_policy(default, request, "node-a") == (True, [])
+    allowed, messages = evaluate_policy(default, request, "node-b")
+    assert not allowed
+    assert any("node-a" in m and "node-b" in m for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"authentication.kubernetes.io/pod-name": ["p"]}, {NODE_KEY: []}, {NODE_KEY: [""]}],
+    ids=["no-extra", "no-node-key", "empty-list", "empty-name"],
+)
+def test_token_without_node_is_denied(default, extra):
+    request = plugin_request(default, None, extra=extra)
+    allowed, messages = evaluate_policy(default, request, "node-a")
+    assert not allowed and messages
+
+
+def test_request_without_extra_field_is_denied(default):
+    request = plugin_request(default, None)
+    assert "extra" not in request["userInfo"]
+    allowed, _ = evaluate_policy(default, request, "")
+    assert not allowed
+
+
+def test_other_users_unaffected(default):
+    for user in (
+        "system:serviceaccount:migdra-system:migdra-controller",
+        "system:serviceaccount:other:migdra-kubelet-plugin",
+        "kubernetes-admin",
+    ):
+        request = plugin_request(default, "node-a", username=user)
+        assert evaluate_policy(default, request, "node-b") == (True, []), user
+        request = plugin_request(default, None, username=user)
+        assert evaluate_policy(default, request, "anything") == (True, []), user
+
+
+def test_policy_follows_service_account_name():
+    rendered = render(sets=["kubeletPlugin.serviceAccount.name=my-plugin"])
+    (condition,) = rendered.one("ValidatingAdmissionPolicy")["spec"]["matchConditions"]
+    assert '"system:serviceaccount:migdra-system:my-plugin"' in condition["expression"]
+    request = plugin_request(rendered, "n1")
+    assert request["userInfo"]["username"].endswith(":my-plugin")
+    assert not evaluate_policy(rendered, request, "n2")[0]
+
+
+def test_policy_can_be_disabled(custom):
+    assert not custom.all("ValidatingAdmissionPolicy")
+    assert not custom.all("ValidatingAdmissionPolicyBinding")

@@ -1,0 +1,274 @@
+"""The kubelet-plugin DaemonSet and the controller Deployment."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import REPO
+
+
+def plugin_pod(rendered):
+    ds = rendered.one("DaemonSet")
+    return ds, ds["spec"]["template"]["spec"]
+
+
+def container(pod_spec):
+    (c,) = pod_spec["containers"]
+    return c
+
+
+def env_of(c) -> dict:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def mounts_by_host_path(pod_spec, c) -> dict[str, dict]:
+    """host path -> the container mount of that hostPath volume (readOnly etc.)."""
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    out = {}
+    for m in c["volumeMounts"]:
+        v = volumes[m["name"]]
+        if "hostPath" in v:
+            out[v["hostPath"]["path"]] = m
+    return out
+
+
+# ---- kubelet plugin -------------------------------------------------------------------
+
+
+def test_plugin_socket_dirs_mounted_at_host_paths(case):
+    rendered, values = case
+    _, pod = plugin_pod(rendered)
+    c = container(pod)
+    mounts = mounts_by_host_path(pod, c)
+    root = values["kubeletRootDir"].rstrip("/")
+    for sub in ("plugins", "plugins_registry"):
+        host = f"{root}/{sub}"
+        assert host in mounts, f"{host} not mounted; mounts: {sorted(mounts)}"
+        assert mounts[host]["mountPath"] == host, "the kubelet dials the absolute socket path: same path inside"
+        assert not mounts[host].get("readOnly"), host
+    assert env_of(c)["KUBELET_ROOT_DIR"]["value"] == root
+
+
+def test_plugin_mounts_cdi_dev_and_driver_root(case):
+    rendered, values = case
+    _, pod = plugin_pod(rendered)
+    c = container(pod)
+    mounts = mounts_by_host_path(pod, c)
+    env = env_of(c)
+
+    cdi = values["cdiRoot"].rstrip("/")
+    assert mounts[cdi]["mountPath"] == cdi and not mounts[cdi].get("readOnly")
+    assert env["CDI_ROOT"]["value"] == cdi
+
+    assert mounts["/dev"]["mountPath"] == "/dev"
+
+    driver_root = values["nvidiaDriverRoot"]
+    m = mounts[driver_root]
+    assert m["readOnly"] is True, "the driver root is mounted read-only"
+    nvml = env["NVML_LIB_PATH"]["value"]
+    assert nvml == m["mountPath"].rstrip("/") + "/" + values["nvmlLibPath"].lstrip("/")
+    assert nvml.endswith("libnvidia-ml.so.1")
+
+
+def test_plugin_state_dir_persists(case):
+    """The checkpoint lives in <root>/plugins/<driver> (the binary's default) on a hostPath."""
+    rendered, _ = case
+    _, pod = plugin_pod(rendered)
+    env = env_of(container(pod))
+    assert "STATE_DIR" not in env
+
+
+def test_plugin_is_privileged_and_node_critical(case):
+    rendered, _ = case
+    _, pod = plugin_pod(rendered)
+    c = container(pod)
+    assert c["securityContext"]["privileged"] is True
+    assert pod["priorityClassName"] == "system-node-critical"
+
+
+def test_plugin_update_strategy_never_surges(case):
+    rendered, values = case
+    ds, _ = plugin_pod(rendered)
+    strategy = ds["spec"]["updateStrategy"]
+    assert strategy["type"] == "RollingUpdate"
+    assert strategy["rollingUpdate"]["maxSurge"] == 0
+    assert strategy["rollingUpdate"]["maxUnavailable"] == values["kubeletPlugin"]["maxUnavailable"]
+
+
+def test_plugin_default_update_strategy(default):
+    ds, _ = plugin_pod(default)
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_plugin_node_name_from_downward_api(case):
+    rendered, _ = case
+    _, pod = plugin_pod(rendered)
+    env = env_of(container(pod))
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def test_plugin_env_follows_values(case):
+    rendered, values = case
+    _, pod = plugin_pod(rendered)
+    env = {k: v.get("value") for k, v in env_of(container(pod)).items()}
+    p = values["kubeletPlugin"]
+    assert env["DRIVER_NAME"] == values["driverName"]
+    assert env["LOG_FORMAT"] == values["logging"]["format"]
+    assert env["LOG_LEVEL"] == values["logging"]["level"]
+    assert env["HEARTBEAT_INTERVAL_SECONDS"] == str(values["heartbeat"]["intervalSeconds"])
+    assert env["HEALTH_RESEND_INTERVAL_SECONDS"] == str(p["healthResendIntervalSeconds"])
+    assert env["LOCK_TIMEOUT_SECONDS"] == str(p["lockTimeoutSeconds"])
+    assert env["HTTP_ADDRESS"].endswith(f":{p['httpPort']}")
+    assert env["GRPC_HEALTH_ADDRESS"].endswith(f":{p['grpcHealthPort']}")
+
+
+def test_ipv6_bind_address(custom):
+    _, pod = plugin_pod(custom)
+    env = env_of(container(pod))
+    assert env["GRPC_HEALTH_ADDRESS"]["value"] == "[::]:50051"
+    assert env["HTTP_ADDRESS"]["value"] == "[::]:9091"
+
+
+def test_plugin_grpc_probes(case):
+    rendered, values = case
+    _, pod = plugin_pod(rendered)
+    c = container(pod)
+    port = values["kubeletPlugin"]["grpcHealthPort"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["grpc"] == {"port": port}, probe
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": values["kubeletPlugin"]["httpPort"], "grpc-health": port}
+
+
+def test_plugin_scheduling_defaults(default):
+    _, pod = plugin_pod(default)
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+
+
+def test_plugin_scheduling_custom(custom):
+    _, pod = plugin_pod(custom)
+    assert "nodeSelector" not in pod
+    assert "tolerations" not in pod
+    assert pod["affinity"]["nodeAffinity"]
+    assert pod["imagePullSecrets"] == [{"name": "registry-credentials"}]
+
+
+def test_plugin_service_account_and_image(case):
+    rendered, values = case
+    ds, pod = plugin_pod(rendered)
+    sas = {sa["metadata"]["name"] for sa in rendered.all("ServiceAccount")}
+    assert pod["serviceAccountName"] in sas
+    image = values["kubeletPlugin"]["image"]
+    assert container(pod)["image"] == f"{image['repository']}:{image['tag'] or '0.1.0'}"
+    selector = ds["spec"]["selector"]["matchLabels"]
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= labels.items()
+
+
+# ---- controller -----------------------------------------------------------------------
+
+
+def controller_pod(rendered):
+    d = rendered.one("Deployment")
+    return d, d["spec"]["template"]["spec"]
+
+
+def test_controller_defaults(default):
+    d, pod = controller_pod(default)
+    assert d["spec"]["replicas"] == 2
+    c = container(pod)
+    env = env_of(c)
+    assert env["LEADER_ELECT"]["value"] == "true"
+    assert env["LEASE_NAME"]["value"] == "migdra-controller"
+    assert c["image"] == "ghcr.io/migdra/migdra-controller:0.1.0"
+    pdb = default.one("PodDisruptionBudget")
+    assert pdb["spec"]["selector"] == d["spec"]["selector"]
+    assert pod["affinity"]["podAntiAffinity"], "replicas spread over nodes by default"
+
+
+def test_controller_downward_api(case):
+    rendered, _ = case
+    _, pod = controller_pod(rendered)
+    env = env_of(container(pod))
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+
+
+def test_controller_env_follows_values(case):
+    rendered, values = case
+    _, pod = controller_pod(rendered)
+    env = {k: v.get("value") for k, v in env_of(container(pod)).items()}
+    c = values["controller"]
+    assert env["DRIVER_NAME"] == values["driverName"]
+    assert env["LEADER_ELECT"] == str(c["leaderElection"]["enabled"]).lower()
+    assert env["LEASE_DURATION_SECONDS"] == str(c["leaderElection"]["leaseDurationSeconds"])
+    assert env["HEARTBEAT_TIMEOUT_SECONDS"] == str(values["heartbeat"]["timeoutSeconds"])
+    assert env["HTTP_ADDRESS"].endswith(f":{c['httpPort']}")
+    assert env["LOG_FORMAT"] == values["logging"]["format"]
+    assert env["LOG_LEVEL"] == values["logging"]["level"]
+    for extra in c["extraEnv"]:
+        assert env[extra["name"]] == extra["value"]
+
+
+def test_controller_probes_and_metrics_port(case):
+    rendered, values = case
+    _, pod = controller_pod(rendered)
+    c = container(pod)
+    assert c["ports"] == [{"name": "http", "containerPort": values["controller"]["httpPort"], "protocol": "TCP"}]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+
+
+def test_controller_security_context(case):
+    rendered, _ = case
+    _, pod = controller_pod(rendered)
+    c = container(pod)
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+
+
+def test_metrics_annotations(default, custom):
+    for rendered, expect in ((default, True), (custom, False)):
+        for kind in ("Deployment", "DaemonSet"):
+            annotations = rendered.one(kind)["spec"]["template"]["metadata"].get("annotations", {})
+            assert (annotations.get("prometheus.io/scrape") == "true") is expect, (kind, annotations)
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "DaemonSet"])
+def test_no_host_namespaces(case, kind):
+    rendered, _ = case
+    pod = rendered.one(kind)["spec"]["template"]["spec"]
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not pod.get(field), field
+
+
+# ---- the chart sets only environment variables the binaries read -----------------------
+
+CRATES = {"DaemonSet": "kubelet-plugin", "Deployment": "controller"}
+
+
+def binary_env_names(crate: str) -> set[str]:
+    """The `env = "NAME"` names of the crate's clap arguments (read from its source)."""
+    names = set()
+    for path in (REPO / crate / "src").rglob("*.rs"):
+        names |= set(re.findall(r'\benv\s*=\s*"([A-Z0-9_]+)"', path.read_text()))
+    return names
+
+
+@pytest.mark.parametrize("kind", sorted(CRATES))
+def test_env_names_match_the_binary(default, kind):
+    names = binary_env_names(CRATES[kind])
+    if not names:
+        pytest.skip(f"no clap env names found in {CRATES[kind]}/src (binary not written yet)")
+    c = container(default.one(kind)["spec"]["template"]["spec"])
+    unknown = {e["name"] for e in c["env"]} - names
+    assert not unknown, f"{kind} sets env vars {CRATES[kind]} does not read: {sorted(unknown)}"

@@ -1,0 +1,136 @@
+//! Command line of `migdra-controller`. Every flag can also come from an environment
+//! variable, which is how the Helm chart configures it.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::{Parser, Subcommand};
+use migdra_api::inventory::DEFAULT_DRIVER_NAME;
+use migdra_runtime::LogFormat;
+
+/// migdra controller: publishes the ResourceSlice pool of every GPU node whose kubelet
+/// plugin is live, from the node's GpuNode inventory and the MigPolicies.
+#[derive(Debug, Parser)]
+#[command(name = "migdra-controller", version)]
+pub struct Args {
+    /// What to do instead of running the controller.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// DRA driver name; must match the kubelet plugins and the DeviceClasses.
+    #[arg(long, env = "DRIVER_NAME", default_value = DEFAULT_DRIVER_NAME)]
+    pub driver_name: String,
+    /// Kubeconfig file (default: $KUBECONFIG, ~/.kube/config or the in-cluster configuration).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "migdra-system")]
+    pub namespace: String,
+    /// This replica's identity in the Lease (default: the host name).
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Run only while holding the Lease; false runs unconditionally (development, tests).
+    #[arg(long, env = "LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub leader_elect: bool,
+    /// Name of the leader-election Lease.
+    #[arg(long, env = "LEASE_NAME", default_value = "migdra-controller")]
+    pub lease_name: String,
+    /// Seconds a Lease stays valid without renewal (renewed a third of that before expiry).
+    #[arg(long, env = "LEASE_DURATION_SECONDS", default_value_t = 15,
+          value_parser = clap::value_parser!(u64).range(2..))]
+    pub lease_duration_seconds: u64,
+    /// Seconds without a plugin heartbeat after which the node's pool is withdrawn (at least
+    /// three of the plugin's own heartbeat intervals).
+    #[arg(long, env = "HEARTBEAT_TIMEOUT_SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub heartbeat_timeout_seconds: u64,
+    /// Address of the HTTP endpoint (/metrics, /healthz, /readyz).
+    #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
+    pub http_address: SocketAddr,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// Log filter, RUST_LOG syntax.
+    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print the GpuNode and MigPolicy CustomResourceDefinitions as multi-document YAML.
+    PrintCrds,
+}
+
+impl Args {
+    /// The heartbeat timeout.
+    pub fn heartbeat_timeout(&self) -> Duration {
+        Duration::from_secs(self.heartbeat_timeout_seconds)
+    }
+
+    /// The identity: the flag, else the host name, else a fixed fallback.
+    pub fn identity(&self) -> String {
+        self.identity
+            .clone()
+            .filter(|s| !s.is_empty())
+            .or_else(hostname)
+            .unwrap_or_else(|| "migdra-controller".to_string())
+    }
+}
+
+fn hostname() -> Option<String> {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults_and_flags() {
+        let a = Args::try_parse_from(["migdra-controller"]).unwrap();
+        assert!(a.command.is_none());
+        assert_eq!(a.driver_name, "gpu.migdra.dev");
+        assert_eq!(a.lease_name, "migdra-controller");
+        assert_eq!(a.lease_duration_seconds, 15);
+        assert_eq!(a.heartbeat_timeout(), Duration::from_secs(60));
+        assert_eq!(a.http_address, "0.0.0.0:8080".parse().unwrap());
+        assert!(!a.identity().is_empty());
+
+        let a = Args::try_parse_from([
+            "migdra-controller",
+            "--leader-elect=false",
+            "--identity",
+            "pod-1",
+            "--driver-name",
+            "gpu.example.com",
+            "--log-format",
+            "json",
+        ])
+        .unwrap();
+        assert!(!a.leader_elect);
+        assert_eq!(a.identity(), "pod-1");
+        assert_eq!(a.driver_name, "gpu.example.com");
+        assert_eq!(a.log_format, LogFormat::Json);
+
+        assert!(
+            Args::try_parse_from(["migdra-controller", "--leader-elect"])
+                .unwrap()
+                .leader_elect
+        );
+        let a = Args::try_parse_from(["migdra-controller", "print-crds"]).unwrap();
+        assert!(matches!(a.command, Some(Command::PrintCrds)));
+        assert!(Args::try_parse_from(["migdra-controller", "--lease-duration-seconds", "1"]).is_err());
+    }
+}

@@ -1,0 +1,468 @@
+//! The pure diff between the slices a pool should have and the slices it has.
+//!
+//! Two slices are the same when their specs are *semantically* equal, ignoring
+//! `pool.generation` (which only changes because something else did):
+//!
+//! * absent and empty lists and maps are equal (the API server drops empty ones);
+//! * absent and `false` booleans are equal;
+//! * quantities are compared by value (the API server rewrites `40960Mi` as `40Gi` and
+//!   `1000` as `1k`);
+//! * a device taint's `timeAdded` is ignored (the API server fills it in).
+//!
+//! The metadata the controller sets (its node label and the Node owner reference) must be
+//! present; anything others add is ignored. A pool whose slices disagree on the generation
+//! is changed even when every spec matches, because the scheduler would see it incomplete.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
+
+use k8s_openapi::{
+    api::resource::v1::{
+        Counter, CounterSet, Device, DeviceCapacity, DeviceCounterConsumption, DeviceTaint, ResourceSlice,
+        ResourceSliceSpec,
+    },
+    apimachinery::pkg::api::resource::Quantity,
+};
+use kube::ResourceExt;
+use migdra_api::slices::quantity;
+
+/// One write of the pool.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SliceWrite {
+    /// Create a slice that does not exist.
+    Create(ResourceSlice),
+    /// Replace an existing slice; carries the `resourceVersion` it was read at, so a
+    /// concurrent change fails with a conflict instead of being overwritten.
+    Replace(ResourceSlice),
+}
+
+impl SliceWrite {
+    /// The slice written.
+    pub fn slice(&self) -> &ResourceSlice {
+        match self {
+            Self::Create(s) | Self::Replace(s) => s,
+        }
+    }
+}
+
+/// One slice to delete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceDelete {
+    /// Slice name.
+    pub name: String,
+    /// UID it was read with (a precondition of the delete).
+    pub uid: Option<String>,
+}
+
+/// What it takes to turn the current slices into the desired ones.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PoolDiff {
+    /// The pool's generation after the writes (the current one when nothing changes).
+    pub generation: i64,
+    /// Slices to create or replace, in pool order, all at `generation`.
+    pub writes: Vec<SliceWrite>,
+    /// Slices to delete after the writes.
+    pub deletes: Vec<SliceDelete>,
+}
+
+impl PoolDiff {
+    /// True when nothing needs to be written.
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty() && self.deletes.is_empty()
+    }
+}
+
+/// Compares `desired` (in pool order, generation not yet set) with `current`, and plans the
+/// writes. When anything differs the new generation is one above both the highest current
+/// generation and `published_generation` (the last one recorded in the GpuNode status, which
+/// outlives withdrawn slices), and every desired slice is written with it.
+pub fn diff_pool(
+    desired: Vec<ResourceSlice>,
+    current: &[Arc<ResourceSlice>],
+    published_generation: Option<i64>,
+) -> PoolDiff {
+    let by_name: BTreeMap<String, &ResourceSlice> =
+        current.iter().map(|s| (s.name_any(), s.as_ref())).collect();
+    let generations: BTreeSet<i64> = current.iter().map(|s| s.spec.pool.generation).collect();
+    let current_generation = generations.last().copied().unwrap_or(0);
+    let desired_names: BTreeSet<String> = desired.iter().map(|s| s.name_any()).collect();
+    let unchanged = generations.len() <= 1
+        && desired_names.len() == by_name.len()
+        && desired.iter().all(|want| {
+            by_name
+                .get(&want.name_any())
+                .is_some_and(|have| slice_matches(want, have))
+        });
+    if unchanged {
+        return PoolDiff {
+            generation: current_generation,
+            ..PoolDiff::default()
+        };
+    }
+    let generation = current_generation.max(published_generation.unwrap_or(0)) + 1;
+    let writes = desired
+        .into_iter()
+        .map(|mut slice| {
+            slice.spec.pool.generation = generation;
+            match by_name.get(&slice.name_any()) {
+                Some(have) => {
+                    slice.metadata.resource_version = have.metadata.resource_version.clone();
+                    SliceWrite::Replace(slice)
+                }
+                None => {
+                    slice.metadata.resource_version = None;
+                    SliceWrite::Create(slice)
+                }
+            }
+        })
+        .collect();
+    let deletes = by_name
+        .iter()
+        .filter(|(name, _)| !desired_names.contains(*name))
+        .map(|(name, have)| SliceDelete {
+            name: name.clone(),
+            uid: have.metadata.uid.clone(),
+        })
+        .collect();
+    PoolDiff {
+        generation,
+        writes,
+        deletes,
+    }
+}
+
+/// True when `have` carries everything `want` sets: the same spec (semantically, ignoring
+/// the generation), the wanted labels and the wanted owner references.
+pub fn slice_matches(want: &ResourceSlice, have: &ResourceSlice) -> bool {
+    specs_match(&want.spec, &have.spec) && metadata_matches(want, have)
+}
+
+/// Semantic equality of two slice specs, ignoring `pool.generation`.
+pub fn specs_match(a: &ResourceSliceSpec, b: &ResourceSliceSpec) -> bool {
+    normalize_spec(a) == normalize_spec(b)
+}
+
+fn metadata_matches(want: &ResourceSlice, have: &ResourceSlice) -> bool {
+    let labels = have.labels();
+    let labels_ok = want.labels().iter().all(|(k, v)| labels.get(k) == Some(v));
+    let owners = have.owner_references();
+    let owners_ok = want.owner_references().iter().all(|w| {
+        owners.iter().any(|h| {
+            h.uid == w.uid
+                && h.kind == w.kind
+                && h.name == w.name
+                && h.api_version == w.api_version
+                && h.controller.unwrap_or(false) == w.controller.unwrap_or(false)
+        })
+    });
+    labels_ok && owners_ok
+}
+
+/// The canonical form of a spec for comparison: generation zeroed, empty collections and
+/// `false` booleans dropped, quantities in base units, taint times dropped.
+pub fn normalize_spec(spec: &ResourceSliceSpec) -> ResourceSliceSpec {
+    ResourceSliceSpec {
+        driver: spec.driver.clone(),
+        node_name: spec.node_name.clone().filter(|n| !n.is_empty()),
+        node_selector: spec.node_selector.clone(),
+        all_nodes: true_only(spec.all_nodes),
+        per_device_node_selection: true_only(spec.per_device_node_selection),
+        pool: {
+            let mut pool = spec.pool.clone();
+            pool.generation = 0;
+            pool
+        },
+        devices: non_empty(&spec.devices).map(|devices| devices.iter().map(normalize_device).collect()),
+        shared_counters: non_empty(&spec.shared_counters).map(|sets| {
+            sets.iter()
+                .map(|set| CounterSet {
+                    name: set.name.clone(),
+                    counters: normalize_counters(&set.counters),
+                })
+                .collect()
+        }),
+    }
+}
+
+fn normalize_device(device: &Device) -> Device {
+    Device {
+        name: device.name.clone(),
+        all_nodes: true_only(device.all_nodes),
+        allow_multiple_allocations: true_only(device.allow_multiple_allocations),
+        attributes: device.attributes.clone().filter(|a| !a.is_empty()),
+        binding_conditions: non_empty(&device.binding_conditions).cloned(),
+        binding_failure_conditions: non_empty(&device.binding_failure_conditions).cloned(),
+        binds_to_node: true_only(device.binds_to_node),
+        capacity: device
+            .capacity
+            .as_ref()
+            .filter(|c| !c.is_empty())
+            .map(|capacity| {
+                capacity
+                    .iter()
+                    .map(|(name, cap)| {
+                        (
+                            name.clone(),
+                            DeviceCapacity {
+                                value: normalize_quantity(&cap.value),
+                                request_policy: cap.request_policy.clone(),
+                            },
+                        )
+                    })
+                    .collect()
+            }),
+        consumes_counters: non_empty(&device.consumes_counters).map(|consumptions| {
+            consumptions
+                .iter()
+                .map(|c| DeviceCounterConsumption {
+                    counter_set: c.counter_set.clone(),
+                    counters: normalize_counters(&c.counters),
+                })
+                .collect()
+        }),
+        node_name: device.node_name.clone().filter(|n| !n.is_empty()),
+        node_selector: device.node_selector.clone(),
+        taints: non_empty(&device.taints).map(|taints| {
+            taints
+                .iter()
+                .map(|t| DeviceTaint {
+                    effect: t.effect.clone(),
+                    key: t.key.clone(),
+                    time_added: None,
+                    value: t.value.clone().filter(|v| !v.is_empty()),
+                })
+                .collect()
+        }),
+    }
+}
+
+fn normalize_counters(counters: &BTreeMap<String, Counter>) -> BTreeMap<String, Counter> {
+    counters
+        .iter()
+        .map(|(name, c)| {
+            (
+                name.clone(),
+                Counter {
+                    value: normalize_quantity(&c.value),
+                },
+            )
+        })
+        .collect()
+}
+
+/// An integer quantity in base units (`40Gi` and `40960Mi` both become `42949672960`);
+/// anything else unchanged.
+pub fn normalize_quantity(q: &Quantity) -> Quantity {
+    match quantity::parse(q.0.trim()) {
+        Some(value) => Quantity(value.to_string()),
+        None => q.clone(),
+    }
+}
+
+fn true_only(b: Option<bool>) -> Option<bool> {
+    b.filter(|b| *b)
+}
+
+fn non_empty<T>(v: &Option<Vec<T>>) -> Option<&Vec<T>> {
+    v.as_ref().filter(|v| !v.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::{
+        api::resource::v1::{DeviceAttribute, ResourcePool},
+        apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time},
+        jiff::Timestamp,
+    };
+
+    use super::*;
+
+    fn slice(name: &str, generation: i64, devices: Vec<Device>) -> ResourceSlice {
+        ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some([("gpu.migdra.dev/node".to_string(), "n".to_string())].into()),
+                owner_references: Some(vec![OwnerReference {
+                    api_version: "v1".into(),
+                    kind: "Node".into(),
+                    name: "n".into(),
+                    uid: "uid-n".into(),
+                    controller: Some(true),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            },
+            spec: ResourceSliceSpec {
+                driver: "gpu.migdra.dev".into(),
+                node_name: Some("n".into()),
+                pool: ResourcePool {
+                    name: "n/gpu.migdra.dev".into(),
+                    generation,
+                    resource_slice_count: 2,
+                },
+                devices: Some(devices),
+                ..Default::default()
+            },
+        }
+    }
+
+    fn device(memory: &str, taint: bool) -> Device {
+        Device {
+            name: "gpu-0".into(),
+            attributes: Some(
+                [(
+                    "type".to_string(),
+                    DeviceAttribute {
+                        string: Some("gpu".into()),
+                        ..Default::default()
+                    },
+                )]
+                .into(),
+            ),
+            capacity: Some(
+                [(
+                    "memory".to_string(),
+                    DeviceCapacity {
+                        value: Quantity(memory.into()),
+                        request_policy: None,
+                    },
+                )]
+                .into(),
+            ),
+            taints: taint.then(|| {
+                vec![DeviceTaint {
+                    key: "gpu.migdra.dev/unhealthy".into(),
+                    effect: "NoSchedule".into(),
+                    ..Default::default()
+                }]
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// What the API server hands back: defaults filled in, empties dropped, quantities
+    /// canonical, plus metadata of its own.
+    fn as_stored(mut s: ResourceSlice, rv: &str) -> Arc<ResourceSlice> {
+        s.metadata.resource_version = Some(rv.into());
+        s.metadata.uid = Some(format!("uid-{}", s.name_any()));
+        s.metadata
+            .labels
+            .get_or_insert_default()
+            .insert("extra".into(), "added-by-someone".into());
+        for d in s.spec.devices.iter_mut().flatten() {
+            for cap in d.capacity.iter_mut().flat_map(|c| c.values_mut()) {
+                if cap.value.0 == "40960Mi" {
+                    cap.value = Quantity("40Gi".into());
+                }
+            }
+            for t in d.taints.iter_mut().flatten() {
+                t.time_added = Some(Time(Timestamp::UNIX_EPOCH));
+            }
+            d.consumes_counters = Some(Vec::new());
+            d.allow_multiple_allocations = Some(false);
+        }
+        s.spec.shared_counters = Some(Vec::new());
+        s.spec.all_nodes = Some(false);
+        Arc::new(s)
+    }
+
+    #[test]
+    fn semantic_equality_ignores_server_normalisation() {
+        let want = slice("a", 0, vec![device("40960Mi", true)]);
+        let have = as_stored(slice("a", 7, vec![device("40960Mi", true)]), "5");
+        assert_ne!(want.spec, have.spec);
+        assert!(slice_matches(&want, &have));
+        assert!(!specs_match(
+            &want.spec,
+            &slice("a", 0, vec![device("40Gi", false)]).spec
+        ));
+        assert!(!specs_match(
+            &want.spec,
+            &slice("a", 0, vec![device("40959Mi", true)]).spec
+        ));
+        assert_eq!(
+            normalize_quantity(&Quantity("1k".into())),
+            Quantity("1000".into())
+        );
+        assert_eq!(
+            normalize_quantity(&Quantity("0.5".into())),
+            Quantity("0.5".into())
+        );
+    }
+
+    #[test]
+    fn missing_owner_or_label_is_a_change() {
+        let want = slice("a", 0, vec![device("1", false)]);
+        let mut have = (*as_stored(want.clone(), "1")).clone();
+        assert!(slice_matches(&want, &have));
+        have.metadata.owner_references = None;
+        assert!(!slice_matches(&want, &have));
+        let mut have = (*as_stored(want.clone(), "1")).clone();
+        have.metadata.labels = None;
+        assert!(!slice_matches(&want, &have));
+    }
+
+    #[test]
+    fn unchanged_pool_needs_no_writes() {
+        let desired = vec![slice("a", 0, vec![device("1", false)]), slice("b", 0, vec![])];
+        let current = vec![
+            as_stored(slice("a", 3, vec![device("1", false)]), "10"),
+            as_stored(slice("b", 3, vec![]), "11"),
+        ];
+        let diff = diff_pool(desired, &current, Some(3));
+        assert!(diff.is_empty());
+        assert_eq!(diff.generation, 3);
+    }
+
+    #[test]
+    fn a_change_rewrites_every_slice_with_a_new_generation() {
+        let desired = vec![slice("a", 0, vec![device("2", false)]), slice("c", 0, vec![])];
+        let current = vec![
+            as_stored(slice("a", 3, vec![device("1", false)]), "10"),
+            as_stored(slice("b", 3, vec![]), "11"),
+        ];
+        let diff = diff_pool(desired, &current, Some(5));
+        assert_eq!(diff.generation, 6, "above the published generation");
+        assert_eq!(diff.writes.len(), 2);
+        let SliceWrite::Replace(a) = &diff.writes[0] else {
+            panic!("a exists and is replaced")
+        };
+        assert_eq!(a.metadata.resource_version.as_deref(), Some("10"));
+        let SliceWrite::Create(c) = &diff.writes[1] else {
+            panic!("c is new")
+        };
+        assert!(c.metadata.resource_version.is_none());
+        assert!(diff.writes.iter().all(|w| w.slice().spec.pool.generation == 6));
+        assert_eq!(
+            diff.deletes,
+            vec![SliceDelete {
+                name: "b".into(),
+                uid: Some("uid-b".into())
+            }]
+        );
+    }
+
+    #[test]
+    fn mixed_generations_are_repaired() {
+        let desired = vec![slice("a", 0, vec![]), slice("b", 0, vec![])];
+        let current = vec![
+            as_stored(slice("a", 4, vec![]), "10"),
+            as_stored(slice("b", 3, vec![]), "11"),
+        ];
+        let diff = diff_pool(desired, &current, None);
+        assert_eq!(diff.generation, 5);
+        assert_eq!(diff.writes.len(), 2);
+        assert!(diff.deletes.is_empty());
+    }
+
+    #[test]
+    fn withdrawing_deletes_everything() {
+        let current = vec![as_stored(slice("a", 4, vec![]), "10")];
+        let diff = diff_pool(Vec::new(), &current, None);
+        assert!(diff.writes.is_empty());
+        assert_eq!(diff.deletes.len(), 1);
+        assert!(diff_pool(Vec::new(), &[], Some(9)).is_empty());
+    }
+}

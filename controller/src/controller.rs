@@ -1,0 +1,331 @@
+//! The kube-runtime Controller over GpuNodes and its watches:
+//!
+//! * GpuNodes (the primary resource): every change reconciles that node;
+//! * Node metadata: a label or UID change, or a deletion, reconciles the GpuNode of the same
+//!   name (label changes can change the MigPolicy that applies);
+//! * MigPolicies: any change reconciles every GpuNode;
+//! * this driver's ResourceSlices (field selector `spec.driver=<driver>`): a change reconciles
+//!   the GpuNode named by `spec.nodeName` — which is how slices the kubelet wiped come back.
+//!
+//! Each watch also fills the cache the reconciler reads. A sweeper deletes this driver's
+//! slices on nodes that have no GpuNode any more.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+    time::Duration,
+};
+
+use futures::{StreamExt, future};
+use k8s_openapi::api::{core::v1::Node, resource::v1::ResourceSlice};
+use kube::{
+    Api, Client, ResourceExt,
+    core::PartialObjectMeta,
+    runtime::{
+        Controller, WatchStreamExt, controller,
+        reflector::{self, ObjectRef, Store},
+        watcher::{self, watcher},
+    },
+};
+use migdra_api::{inventory::GpuNode, policy::MigPolicy};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    compare::SliceDelete,
+    context::{Context, ControllerConfig, Stores},
+    error::Error,
+    metrics::Metrics,
+    publish::Publisher,
+    reconcile::{error_policy, reconcile},
+};
+
+/// How often the sweeper looks for slices of nodes without a GpuNode.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
+/// Collapses bursts of triggers (a pool write produces one event per slice).
+const DEBOUNCE: Duration = Duration::from_millis(500);
+
+/// The watch configuration of this driver's slices.
+pub fn slice_watch_config(driver: &str) -> watcher::Config {
+    watcher::Config::default().fields(&format!("spec.driver={driver}"))
+}
+
+/// Passes on the Node events that matter to the pool: a new node, a changed label set or
+/// UID, a deletion. Node status updates (frequent) are dropped.
+#[derive(Debug, Default)]
+pub struct NodeChanges {
+    seen: HashMap<String, NodeKey>,
+}
+
+/// What of a Node matters to its pool: its UID (a re-created node needs new owner
+/// references) and its labels (policy selection).
+type NodeKey = (Option<String>, Option<std::collections::BTreeMap<String, String>>);
+
+impl NodeChanges {
+    /// The node a watch event should reconcile, if any.
+    pub fn admit(
+        &mut self,
+        event: &watcher::Event<PartialObjectMeta<Node>>,
+    ) -> Option<PartialObjectMeta<Node>> {
+        match event {
+            watcher::Event::Apply(node) | watcher::Event::InitApply(node) => {
+                let key = (node.metadata.uid.clone(), node.metadata.labels.clone());
+                let name = node.name_any();
+                if self.seen.get(&name) == Some(&key) {
+                    None
+                } else {
+                    self.seen.insert(name, key);
+                    Some(node.clone())
+                }
+            }
+            watcher::Event::Delete(node) => {
+                self.seen.remove(&node.name_any());
+                Some(node.clone())
+            }
+            watcher::Event::Init | watcher::Event::InitDone => None,
+        }
+    }
+}
+
+/// Slices of this driver on nodes that have no GpuNode, with their node: nobody will
+/// reconcile them.
+pub fn orphaned_slices(
+    slices: &[Arc<ResourceSlice>],
+    gpunodes: &HashSet<String>,
+    driver: &str,
+) -> Vec<(String, SliceDelete)> {
+    slices
+        .iter()
+        .filter(|s| s.spec.driver == driver)
+        .filter_map(|s| {
+            let node = s.spec.node_name.as_ref().filter(|n| !gpunodes.contains(*n))?;
+            let delete = SliceDelete {
+                name: s.name_any(),
+                uid: s.metadata.uid.clone(),
+            };
+            Some((node.clone(), delete))
+        })
+        .collect()
+}
+
+/// Runs the controller until `shutdown` fires (graceful: in-flight reconciliations finish).
+pub async fn run(
+    client: Client,
+    config: ControllerConfig,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
+    let (policies, policy_writer) = reflector::store::<MigPolicy>();
+    let (slices, slice_writer) = reflector::store::<ResourceSlice>();
+    let driver = config.driver.clone();
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        config,
+        Stores {
+            nodes,
+            policies,
+            slices,
+        },
+        metrics,
+    ));
+
+    let mut node_changes = NodeChanges::default();
+    let node_triggers = watcher(
+        Api::<PartialObjectMeta<Node>>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .reflect(node_writer)
+    .filter_map(move |event| {
+        future::ready(match event {
+            Ok(event) => node_changes.admit(&event).map(Ok),
+            Err(e) => Some(Err(e)),
+        })
+    });
+
+    let policy_triggers = watcher(Api::<MigPolicy>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(policy_writer)
+        .touched_objects()
+        .filter_map(|result| {
+            future::ready(match result {
+                Ok(_) => Some(()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "MigPolicy watch failed");
+                    None
+                }
+            })
+        });
+
+    let observer = ctx.clone();
+    let slice_triggers = watcher(
+        Api::<ResourceSlice>::all(client.clone()),
+        slice_watch_config(&driver),
+    )
+    .default_backoff()
+    .reflect(slice_writer)
+    .inspect(move |event| {
+        if let Ok(event) = event {
+            observer.expectations.observe(event);
+        }
+    })
+    .touched_objects();
+
+    let controller = Controller::new(Api::<GpuNode>::all(client), watcher::Config::default())
+        .with_config(controller::Config::default().debounce(DEBOUNCE))
+        .watches_stream(node_triggers, |node| {
+            Some(ObjectRef::<GpuNode>::new(&node.name_any()))
+        })
+        .watches_stream(slice_triggers, |slice| {
+            slice.spec.node_name.map(|node| ObjectRef::<GpuNode>::new(&node))
+        })
+        .reconcile_all_on(policy_triggers)
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned());
+    // The sweeper lives in this task (not a spawned one), so aborting the task on a lost
+    // lease stops it too.
+    let sweeper = sweep(ctx.clone(), controller.store(), shutdown.clone());
+
+    tracing::info!(driver = %driver, "controller running");
+    let controller = controller.run(reconcile, error_policy, ctx).for_each(|result| {
+        match result {
+            Ok((object, _)) => tracing::trace!(node = %object.name, "reconciled"),
+            Err(controller::Error::ReconcilerFailed(e, object)) => {
+                tracing::debug!(node = %object.name, error = %e, "reconcile failed")
+            }
+            Err(e) => tracing::warn!(error = %e, "controller error"),
+        }
+        future::ready(())
+    });
+    futures::join!(controller, sweeper);
+    tracing::info!("controller stopped");
+    Ok(())
+}
+
+/// Deletes slices of nodes without a GpuNode, every [`SWEEP_INTERVAL`], and forgets their
+/// metrics.
+async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: CancellationToken) {
+    let ready = async { gpunodes.wait_until_ready().await.is_ok() && ctx.wait_ready().await.is_ok() };
+    tokio::select! {
+        _ = shutdown.cancelled() => return,
+        ok = ready => if !ok { return },
+    }
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(SWEEP_INTERVAL) => {}
+        }
+        let names: HashSet<String> = gpunodes.state().iter().map(|g| g.name_any()).collect();
+        for (node, orphan) in orphaned_slices(&ctx.slices.state(), &names, &ctx.config.driver) {
+            tracing::info!(slice = %orphan.name, %node, "deleting a slice of a node without GpuNode");
+            ctx.metrics.forget_node(&node);
+            let publisher = Publisher {
+                api: &ctx.slice_api,
+                expectations: &ctx.expectations,
+                metrics: &ctx.metrics,
+                node: &node,
+            };
+            let diff = crate::compare::PoolDiff {
+                deletes: vec![orphan],
+                ..Default::default()
+            };
+            if let Err(e) = publisher.apply(&diff).await {
+                tracing::warn!(error = %e, "deleting an orphaned slice failed");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::{
+        api::resource::v1::{ResourcePool, ResourceSliceSpec},
+        apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    };
+
+    use super::*;
+
+    fn node(name: &str, uid: &str, labels: &[(&str, &str)]) -> PartialObjectMeta<Node> {
+        PartialObjectMeta::<Node> {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                uid: Some(uid.into()),
+                resource_version: Some("1".into()),
+                labels: Some(
+                    labels
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect::<BTreeMap<_, _>>(),
+                ),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn node_events_pass_only_on_relevant_changes() {
+        let mut f = NodeChanges::default();
+        let a = node("a", "u1", &[("gpu", "h100")]);
+        assert!(f.admit(&watcher::Event::InitApply(a.clone())).is_some());
+        let mut status_only = a.clone();
+        status_only.metadata.resource_version = Some("2".into());
+        assert!(f.admit(&watcher::Event::Apply(status_only)).is_none());
+        let relabelled = node("a", "u1", &[("gpu", "a100")]);
+        assert!(f.admit(&watcher::Event::Apply(relabelled.clone())).is_some());
+        let recreated = node("a", "u2", &[("gpu", "a100")]);
+        assert!(f.admit(&watcher::Event::Apply(recreated)).is_some());
+        assert!(f.admit(&watcher::Event::Delete(relabelled.clone())).is_some());
+        assert!(
+            f.admit(&watcher::Event::Apply(relabelled)).is_some(),
+            "back after deletion"
+        );
+        assert!(f.admit(&watcher::Event::InitDone).is_none());
+    }
+
+    #[test]
+    fn slice_watch_selects_the_driver() {
+        let config = slice_watch_config("gpu.migdra.dev");
+        assert_eq!(
+            config.field_selector.as_deref(),
+            Some("spec.driver=gpu.migdra.dev")
+        );
+    }
+
+    #[test]
+    fn orphans_are_slices_of_nodes_without_gpunode() {
+        let slice = |name: &str, node: Option<&str>, driver: &str| {
+            Arc::new(ResourceSlice {
+                metadata: ObjectMeta {
+                    name: Some(name.into()),
+                    uid: Some(format!("uid-{name}")),
+                    ..Default::default()
+                },
+                spec: ResourceSliceSpec {
+                    driver: driver.into(),
+                    node_name: node.map(Into::into),
+                    pool: ResourcePool::default(),
+                    ..Default::default()
+                },
+            })
+        };
+        let slices = [
+            slice("kept", Some("a"), "gpu.migdra.dev"),
+            slice("orphan", Some("b"), "gpu.migdra.dev"),
+            slice("other-driver", Some("b"), "other.dev"),
+            slice("no-node", None, "gpu.migdra.dev"),
+        ];
+        let gpunodes = HashSet::from(["a".to_string()]);
+        assert_eq!(
+            orphaned_slices(&slices, &gpunodes, "gpu.migdra.dev"),
+            vec![(
+                "b".to_string(),
+                SliceDelete {
+                    name: "orphan".into(),
+                    uid: Some("uid-orphan".into())
+                }
+            )]
+        );
+    }
+}

@@ -1,0 +1,223 @@
+//! The pool a live node should publish: policy, plan, render, validate — all pure, from the
+//! api crate's slice model — turned into named ResourceSlice objects.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::{
+    api::resource::v1::ResourceSlice,
+    apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference},
+};
+use migdra_api::{
+    inventory::{GpuNode, pool_name},
+    policy::{MigPolicy, PolicyError, policy_for_node},
+    slices::{PoolIdentity, plan_pool, render_pool, validate::validate_pool},
+};
+
+use crate::naming::{NODE_LABEL, is_dns_subdomain, node_label_value, slice_name};
+
+/// A node's desired pool, generation not yet assigned.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DesiredPool {
+    /// Pool name.
+    pub pool: String,
+    /// Slices in pool order, named, labelled and owned by the Node.
+    pub slices: Vec<ResourceSlice>,
+    /// Devices in the pool.
+    pub devices: u32,
+    /// GPUs with at least one device in the pool.
+    pub gpus: u32,
+    /// The MigPolicy applied, if any.
+    pub policy: Option<String>,
+}
+
+/// Why no pool can be published.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DesiredError {
+    /// The applicable MigPolicy is invalid.
+    Policy(PolicyError),
+    /// The rendered pool breaks API rules (one entry per problem).
+    Invalid(Vec<String>),
+}
+
+/// The identity of a node, as the pool needs it.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeRef<'a> {
+    /// Node name.
+    pub name: &'a str,
+    /// Node UID, for the owner reference.
+    pub uid: Option<&'a str>,
+    /// Node labels, for policy selection.
+    pub labels: &'a BTreeMap<String, String>,
+}
+
+/// Computes the pool of a node whose plugin is live.
+pub fn desired_pool<'p>(
+    gpunode: &GpuNode,
+    node: NodeRef<'_>,
+    policies: impl IntoIterator<Item = &'p MigPolicy>,
+    driver: &str,
+) -> Result<DesiredPool, DesiredError> {
+    let policy = policy_for_node(policies, node.labels).map_err(DesiredError::Policy)?;
+    let status = gpunode.status.as_ref();
+    let gpus = status.and_then(|s| s.gpus.as_deref()).unwrap_or_default();
+    let driver_version = status
+        .and_then(|s| s.plugin.as_ref())
+        .and_then(|p| p.driver_version.as_deref());
+    let plan = plan_pool(gpus, &policy);
+    let pool = pool_name(node.name, driver);
+    let id = PoolIdentity {
+        driver,
+        node: node.name,
+        pool: &pool,
+        generation: 0,
+        driver_version,
+    };
+    let specs = render_pool(&id, gpus, &plan);
+    let mut problems: Vec<String> = match validate_pool(&specs) {
+        Ok(()) => Vec::new(),
+        Err(errors) => errors.iter().map(ToString::to_string).collect(),
+    };
+    let count = specs.len();
+    let owner = node.uid.map(|uid| OwnerReference {
+        api_version: "v1".into(),
+        kind: "Node".into(),
+        name: node.name.to_string(),
+        uid: uid.to_string(),
+        controller: Some(true),
+        block_owner_deletion: None,
+    });
+    let labels =
+        node_label_value(node.name).map(|v| BTreeMap::from([(NODE_LABEL.to_string(), v.to_string())]));
+    let slices: Vec<ResourceSlice> = specs
+        .into_iter()
+        .enumerate()
+        .map(|(index, spec)| ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(slice_name(node.name, driver, index, count)),
+                labels: labels.clone(),
+                owner_references: owner.clone().map(|o| vec![o]),
+                ..ObjectMeta::default()
+            },
+            spec,
+        })
+        .collect();
+    for slice in &slices {
+        let name = slice.metadata.name.as_deref().unwrap_or_default();
+        if !is_dns_subdomain(name) {
+            problems.push(format!("slice name {name:?} is not a valid object name"));
+        }
+    }
+    if !problems.is_empty() {
+        return Err(DesiredError::Invalid(problems));
+    }
+    let gpus_used: BTreeSet<u32> = plan.devices.iter().map(|d| d.gpu_minor).collect();
+    Ok(DesiredPool {
+        pool,
+        slices,
+        devices: u32::try_from(plan.devices.len()).unwrap_or(u32::MAX),
+        gpus: u32::try_from(gpus_used.len()).unwrap_or(u32::MAX),
+        policy: policy.name,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use migdra_api::{
+        catalog,
+        inventory::{GpuNodeSpec, GpuNodeStatus},
+        policy::MigPolicySpec,
+    };
+
+    use super::*;
+
+    fn gpunode(gpus: usize) -> GpuNode {
+        let model = catalog::model("H100-80GB").unwrap();
+        let mut g = GpuNode::new(
+            "node-a",
+            GpuNodeSpec {
+                node_name: "node-a".into(),
+                driver: "gpu.migdra.dev".into(),
+            },
+        );
+        g.status = Some(GpuNodeStatus {
+            gpus: Some((0..gpus as u32).map(|m| model.inventory(m, true)).collect()),
+            ..Default::default()
+        });
+        g
+    }
+
+    #[test]
+    fn renders_named_owned_slices_in_pool_order() {
+        let labels = BTreeMap::new();
+        let node = NodeRef {
+            name: "node-a",
+            uid: Some("uid-a"),
+            labels: &labels,
+        };
+        let pool = desired_pool(&gpunode(2), node, [], "gpu.migdra.dev").unwrap();
+        assert_eq!(pool.pool, "node-a/gpu.migdra.dev");
+        assert_eq!(pool.gpus, 2);
+        assert!(pool.devices > 2);
+        let names: Vec<&str> = pool
+            .slices
+            .iter()
+            .map(|s| s.metadata.name.as_deref().unwrap())
+            .collect();
+        assert_eq!(names[0], "node-a-gpu.migdra.dev-000");
+        let mut sorted = names.clone();
+        sorted.sort();
+        assert_eq!(sorted, names);
+        // Counter slices first.
+        assert!(pool.slices[0].spec.shared_counters.is_some());
+        for s in &pool.slices {
+            let owner = &s.metadata.owner_references.as_ref().unwrap()[0];
+            assert_eq!((owner.kind.as_str(), owner.uid.as_str()), ("Node", "uid-a"));
+            assert_eq!(owner.controller, Some(true));
+            assert_eq!(s.metadata.labels.as_ref().unwrap()[NODE_LABEL], "node-a");
+            assert_eq!(s.spec.pool.resource_slice_count as usize, pool.slices.len());
+            assert_eq!(s.spec.node_name.as_deref(), Some("node-a"));
+        }
+    }
+
+    #[test]
+    fn policy_errors_and_policy_names_come_through() {
+        let labels = BTreeMap::new();
+        let node = NodeRef {
+            name: "node-a",
+            uid: None,
+            labels: &labels,
+        };
+        let mut bad = MigPolicy::new(
+            "bad",
+            MigPolicySpec {
+                profiles: vec!["nonsense".into()],
+                ..Default::default()
+            },
+        );
+        assert!(matches!(
+            desired_pool(&gpunode(1), node, [&bad], "gpu.migdra.dev"),
+            Err(DesiredError::Policy(_))
+        ));
+        bad.spec.profiles = vec!["7g".into()];
+        bad.spec.whole_gpus = Some(false);
+        let pool = desired_pool(&gpunode(1), node, [&bad], "gpu.migdra.dev").unwrap();
+        assert_eq!(pool.policy.as_deref(), Some("bad"));
+        assert_eq!(pool.devices, 1, "one 7g placement on one GPU");
+        assert!(pool.slices[0].metadata.owner_references.is_none());
+    }
+
+    #[test]
+    fn invalid_pools_are_refused() {
+        let labels = BTreeMap::new();
+        let node = NodeRef {
+            name: "node-a",
+            uid: None,
+            labels: &labels,
+        };
+        let err = desired_pool(&gpunode(1), node, [], "Not_A_Driver").unwrap_err();
+        let DesiredError::Invalid(problems) = err else {
+            panic!("expected an invalid pool")
+        };
+        assert!(problems.iter().any(|p| p.contains("driver name")), "{problems:?}");
+    }
+}

@@ -1,0 +1,147 @@
+//! The controller's error type.
+
+use migdra_api::policy::PolicyError;
+
+/// Everything that can go wrong in the controller.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A write lost a race with another writer (HTTP 409): the view it was based on is
+    /// stale. The controller retries with backoff from a fresh view.
+    #[error("{operation} of {object} conflicted with a concurrent change: {source}")]
+    Conflict {
+        /// What was attempted (`create`, `update`, `delete`).
+        operation: &'static str,
+        /// The object, e.g. `ResourceSlice node-a-gpu.migdra.dev-000`.
+        object: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Creating, replacing or deleting a ResourceSlice failed.
+    #[error("{operation} of ResourceSlice {name} failed: {source}")]
+    SliceWrite {
+        /// What was attempted (`create`, `update`, `delete`).
+        operation: &'static str,
+        /// Slice name.
+        name: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Patching a GpuNode's status failed.
+    #[error("patching the status of GpuNode {node} failed: {source}")]
+    StatusPatch {
+        /// Node name.
+        node: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The API server stored a slice without some of the fields that were sent, usually
+    /// because a feature gate (DRAPartitionableDevices, DRADeviceTaints) is off. Such a pool
+    /// would be published wrong, so the controller stops and reports instead of looping.
+    #[error(
+        "the API server dropped fields of ResourceSlice {name} (is a DRA feature gate such as \
+         DRAPartitionableDevices or DRADeviceTaints disabled?)"
+    )]
+    FieldsDropped {
+        /// Slice name.
+        name: String,
+    },
+    /// The MigPolicy that applies to the node is invalid.
+    #[error("no valid MigPolicy for node {node}: {source}")]
+    Policy {
+        /// Node name.
+        node: String,
+        /// The policy problem.
+        #[source]
+        source: PolicyError,
+    },
+    /// The rendered pool breaks an API rule; it is not written.
+    #[error("the pool of node {node} is invalid: {problems}")]
+    InvalidPool {
+        /// Node name.
+        node: String,
+        /// Every problem found, joined.
+        problems: String,
+    },
+    /// The caches the reconciler reads were not filled in time.
+    #[error("the {what} cache is not ready")]
+    NotReady {
+        /// Which cache.
+        what: &'static str,
+    },
+    /// The controller's watches ended with an error.
+    #[error("the controller stopped: {0}")]
+    Controller(String),
+    /// Leader election failed.
+    #[error("leader election failed: {0}")]
+    LeaderElection(#[source] kube_lease_manager::LeaseManagerError),
+}
+
+impl Error {
+    /// The `reason` label of `migdra_controller_reconcile_errors_total`.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Self::Conflict { .. } => "conflict",
+            Self::SliceWrite { .. } => "slice_write",
+            Self::StatusPatch { .. } => "status_patch",
+            Self::FieldsDropped { .. } => "fields_dropped",
+            Self::Policy { .. } => "policy",
+            Self::InvalidPool { .. } => "invalid_pool",
+            Self::NotReady { .. } => "not_ready",
+            Self::Controller(_) => "controller",
+            Self::LeaderElection(_) => "leader_election",
+        }
+    }
+
+    /// The `reason` of the Kubernetes event and of the `Published=False` condition.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Conflict { .. } => "Conflict",
+            Self::SliceWrite { .. } => "PublishFailed",
+            Self::StatusPatch { .. } => "StatusFailed",
+            Self::FieldsDropped { .. } => "FieldsDropped",
+            Self::Policy { .. } => "PolicyInvalid",
+            Self::InvalidPool { .. } => "PoolInvalid",
+            Self::NotReady { .. } => "CachesNotReady",
+            Self::Controller(_) => "ControllerFailed",
+            Self::LeaderElection(_) => "LeaderElectionFailed",
+        }
+    }
+
+    /// Wraps an API error of a slice write, telling conflicts apart.
+    pub fn slice_write(operation: &'static str, name: &str, source: kube::Error) -> Self {
+        if is_conflict(&source) {
+            Self::Conflict {
+                operation,
+                object: format!("ResourceSlice {name}"),
+                source,
+            }
+        } else {
+            Self::SliceWrite {
+                operation,
+                name: name.to_string(),
+                source,
+            }
+        }
+    }
+
+    /// True for transient races that need no event.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Conflict { .. } | Self::NotReady { .. })
+    }
+}
+
+/// True for HTTP 409 (Conflict, AlreadyExists).
+pub fn is_conflict(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(status) if status.code == 409)
+}
+
+/// True for HTTP 404.
+pub fn is_not_found(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(status) if status.code == 404)
+}
+
+/// The controller's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

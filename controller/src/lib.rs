@@ -1,0 +1,110 @@
+//! migdra-controller: turns every live node's GpuNode inventory, under the MigPolicy that
+//! selects it, into the node's ResourceSlice pool, and withdraws the pool when the node's
+//! kubelet plugin goes away.
+//!
+//! Data flow: [`cli`] → [`leader`] (only the lease holder runs) → [`controller`] (watches and
+//! caches) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, render,
+//! validate) → [`compare`] (semantic diff) → [`publish`] (slice writes, recorded in
+//! [`expectations`]) → [`status`].
+
+pub mod cli;
+pub mod compare;
+pub mod context;
+pub mod controller;
+pub mod crds;
+pub mod desired;
+pub mod error;
+pub mod expectations;
+pub mod leader;
+pub mod liveness;
+pub mod metrics;
+pub mod naming;
+pub mod publish;
+pub mod reconcile;
+pub mod status;
+
+use std::{sync::Arc, time::Duration};
+
+use anyhow::Context as _;
+use migdra_runtime::Readiness;
+
+pub use error::{Error, Result};
+
+/// How long a reconciliation waits for the caches after start.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Runs the binary: prints the CRDs, or runs the controller until SIGTERM/SIGINT.
+pub async fn run(args: cli::Args) -> anyhow::Result<()> {
+    if let Some(cli::Command::PrintCrds) = args.command {
+        print!("{}", crds::crds_yaml().context("rendering the CRDs")?);
+        return Ok(());
+    }
+    migdra_runtime::init_logging(args.log_format, &args.log_level)
+        .map_err(|e| anyhow::anyhow!("setting up logging: {e}"))?;
+    let identity = args.identity();
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        driver = %args.driver_name,
+        %identity,
+        leader_elect = args.leader_elect,
+        "starting"
+    );
+    let shutdown = migdra_runtime::shutdown_on_signals().context("installing signal handlers")?;
+
+    let metrics = metrics::Metrics::new();
+    let ready = Readiness::default();
+    let renderer = {
+        let metrics = metrics.clone();
+        Arc::new(move || metrics.encode())
+    };
+    let (http_addr, http_task) =
+        migdra_runtime::serve_http(args.http_address, renderer, ready.clone(), shutdown.clone())
+            .await
+            .context("starting the HTTP endpoint")?;
+    tracing::info!(%http_addr, "serving metrics and probes");
+
+    let kube_config = match &args.kubeconfig {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path).context("reading the kubeconfig")?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                .await
+                .context("loading the kubeconfig")?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("finding the cluster configuration")?,
+    };
+    let client = kube::Client::try_from(kube_config).context("creating the Kubernetes client")?;
+    let config = context::ControllerConfig {
+        driver: args.driver_name.clone(),
+        heartbeat_timeout: args.heartbeat_timeout(),
+        identity: identity.clone(),
+        ready_timeout: READY_TIMEOUT,
+    };
+
+    // Both the leader and a standby replica are ready: a standby is healthy and waiting.
+    ready.set(true);
+    let result = if args.leader_elect {
+        let lease = leader::LeaseConfig {
+            namespace: args.namespace.clone(),
+            name: args.lease_name.clone(),
+            identity,
+            duration_seconds: args.lease_duration_seconds,
+        };
+        let task = {
+            let client = client.clone();
+            let metrics = metrics.clone();
+            move |stop| controller::run(client.clone(), config.clone(), metrics.clone(), stop)
+        };
+        leader::run(client, lease, metrics.clone(), shutdown.clone(), task).await
+    } else {
+        metrics.set_leader(true);
+        controller::run(client, config, metrics.clone(), shutdown.clone()).await
+    };
+    ready.set(false);
+    shutdown.cancel();
+    let _ = http_task.await;
+    result.context("controller")?;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,241 @@
+//! Prometheus metrics of the controller (prefix `migdra_controller_`).
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
+};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OperationLabels {
+    operation: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeLabels {
+    node: String,
+}
+
+/// A write to a ResourceSlice, as counted in `slice_writes_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SliceOperation {
+    /// A new slice.
+    Create,
+    /// A replaced slice.
+    Update,
+    /// A deleted slice.
+    Delete,
+}
+
+impl SliceOperation {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Create => "create",
+            Self::Update => "update",
+            Self::Delete => "delete",
+        }
+    }
+}
+
+/// The controller's metrics. Cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    reconciles: Family<ResultLabels, Counter>,
+    reconcile_errors: Family<ReasonLabels, Counter>,
+    slice_writes: Family<OperationLabels, Counter>,
+    published_devices: Family<NodeLabels, Gauge>,
+    reconcile_duration: Histogram,
+    leader: Gauge,
+    registry: Arc<Registry>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates the metrics and their registry.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("migdra_controller");
+        let reconciles = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "reconciles",
+            "GpuNode reconciliations, by result",
+            reconciles.clone(),
+        );
+        let reconcile_errors = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "reconcile_errors",
+            "Failed GpuNode reconciliations, by reason",
+            reconcile_errors.clone(),
+        );
+        let slice_writes = Family::<OperationLabels, Counter>::default();
+        registry.register(
+            "slice_writes",
+            "ResourceSlice writes, by operation (create, update, delete)",
+            slice_writes.clone(),
+        );
+        let published_devices = Family::<NodeLabels, Gauge>::default();
+        registry.register(
+            "published_devices",
+            "Devices currently published in each node's pool",
+            published_devices.clone(),
+        );
+        let reconcile_duration = Histogram::new([
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        ]);
+        registry.register(
+            "reconcile_duration_seconds",
+            "Duration of GpuNode reconciliations",
+            reconcile_duration.clone(),
+        );
+        let leader = Gauge::default();
+        registry.register(
+            "leader",
+            "1 while this replica holds the lease and runs the controller, else 0",
+            leader.clone(),
+        );
+        Self {
+            reconciles,
+            reconcile_errors,
+            slice_writes,
+            published_devices,
+            reconcile_duration,
+            leader,
+            registry: Arc::new(registry),
+        }
+    }
+
+    /// Starts timing one reconciliation; the duration is observed when the guard drops.
+    pub fn reconcile_timer(&self) -> ReconcileTimer {
+        ReconcileTimer {
+            histogram: self.reconcile_duration.clone(),
+            start: Instant::now(),
+        }
+    }
+
+    /// Counts a successful reconciliation.
+    pub fn reconcile_ok(&self) {
+        self.reconciles
+            .get_or_create(&ResultLabels { result: "success" })
+            .inc();
+    }
+
+    /// Counts a failed reconciliation with its reason.
+    pub fn reconcile_failed(&self, reason: &'static str) {
+        self.reconciles
+            .get_or_create(&ResultLabels { result: "error" })
+            .inc();
+        self.reconcile_errors
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
+    }
+
+    /// Counts one slice write.
+    pub fn slice_write(&self, operation: SliceOperation) {
+        self.slice_writes
+            .get_or_create(&OperationLabels {
+                operation: operation.as_str(),
+            })
+            .inc();
+    }
+
+    /// Sets the number of devices published for `node`.
+    pub fn set_published_devices(&self, node: &str, devices: u32) {
+        self.published_devices
+            .get_or_create(&NodeLabels {
+                node: node.to_string(),
+            })
+            .set(i64::from(devices));
+    }
+
+    /// Forgets `node` (its GpuNode or Node is gone).
+    pub fn forget_node(&self, node: &str) {
+        self.published_devices.remove(&NodeLabels {
+            node: node.to_string(),
+        });
+    }
+
+    /// Sets the is-leader gauge.
+    pub fn set_leader(&self, leader: bool) {
+        self.leader.set(i64::from(leader));
+    }
+
+    /// Renders the OpenMetrics text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "encoding metrics failed");
+        }
+        out
+    }
+}
+
+/// Observes a reconciliation's duration on drop.
+pub struct ReconcileTimer {
+    histogram: Histogram,
+    start: Instant,
+}
+
+impl ReconcileTimer {
+    /// Time since the reconciliation started.
+    pub fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+}
+
+impl Drop for ReconcileTimer {
+    fn drop(&mut self) {
+        self.histogram.observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposes_every_family_under_the_prefix() {
+        let m = Metrics::new();
+        m.reconcile_ok();
+        m.reconcile_failed("conflict");
+        m.slice_write(SliceOperation::Create);
+        m.slice_write(SliceOperation::Delete);
+        m.set_published_devices("node-a", 42);
+        m.set_leader(true);
+        drop(m.reconcile_timer());
+        let text = m.encode();
+        for needle in [
+            "migdra_controller_reconciles_total{result=\"success\"} 1",
+            "migdra_controller_reconciles_total{result=\"error\"} 1",
+            "migdra_controller_reconcile_errors_total{reason=\"conflict\"} 1",
+            "migdra_controller_slice_writes_total{operation=\"create\"} 1",
+            "migdra_controller_slice_writes_total{operation=\"delete\"} 1",
+            "migdra_controller_published_devices{node=\"node-a\"} 42",
+            "migdra_controller_leader 1",
+            "migdra_controller_reconcile_duration_seconds_count 1",
+        ] {
+            assert!(text.contains(needle), "{needle} missing from\n{text}");
+        }
+        m.forget_node("node-a");
+        assert!(!m.encode().contains("node=\"node-a\""));
+    }
+}

@@ -1,0 +1,99 @@
+//! Carrying out a [`PoolDiff`] against the API: create or replace every slice of the new
+//! generation in pool order, then delete what is no longer wanted. Every write records what
+//! the slice cache should show next (see [`crate::expectations`]).
+
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::{
+    Api, ResourceExt,
+    api::{DeleteParams, PostParams, Preconditions},
+};
+
+use crate::{
+    compare::{PoolDiff, SliceDelete, SliceWrite, specs_match},
+    error::{Error, is_not_found},
+    expectations::{Expectations, Expected},
+    metrics::{Metrics, SliceOperation},
+    status::FIELD_MANAGER,
+};
+
+/// What publishing needs.
+pub struct Publisher<'a> {
+    /// The cluster-wide ResourceSlice API.
+    pub api: &'a Api<ResourceSlice>,
+    /// Where writes are recorded.
+    pub expectations: &'a Expectations,
+    /// Write counters.
+    pub metrics: &'a Metrics,
+    /// The node whose pool this is.
+    pub node: &'a str,
+}
+
+impl Publisher<'_> {
+    /// Applies `diff`: writes first (so the new generation is complete before anything of
+    /// the old one disappears), deletes last. Stops at the first error.
+    pub async fn apply(&self, diff: &PoolDiff) -> Result<(), Error> {
+        for write in &diff.writes {
+            self.write(write).await?;
+        }
+        for delete in &diff.deletes {
+            self.delete(delete).await?;
+        }
+        Ok(())
+    }
+
+    async fn write(&self, write: &SliceWrite) -> Result<(), Error> {
+        let params = PostParams {
+            field_manager: Some(FIELD_MANAGER.to_string()),
+            ..PostParams::default()
+        };
+        let slice = write.slice();
+        let name = slice.name_any();
+        let (operation, result) = match write {
+            SliceWrite::Create(s) => (SliceOperation::Create, self.api.create(&params, s).await),
+            SliceWrite::Replace(s) => (SliceOperation::Update, self.api.replace(&name, &params, s).await),
+        };
+        let stored = result.map_err(|e| Error::slice_write(operation.as_str(), &name, e))?;
+        self.metrics.slice_write(operation);
+        tracing::debug!(
+            slice = %name,
+            operation = operation.as_str(),
+            generation = slice.spec.pool.generation,
+            "wrote ResourceSlice"
+        );
+        if let Some(resource_version) = stored.resource_version() {
+            self.expectations
+                .expect(self.node, &name, Expected::Present { resource_version });
+        }
+        if stored.spec.pool.generation != slice.spec.pool.generation
+            || !specs_match(&slice.spec, &stored.spec)
+        {
+            return Err(Error::FieldsDropped { name });
+        }
+        Ok(())
+    }
+
+    async fn delete(&self, delete: &SliceDelete) -> Result<(), Error> {
+        let params = DeleteParams {
+            preconditions: delete.uid.as_ref().map(|uid| Preconditions {
+                uid: Some(uid.clone()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match self.api.delete(&delete.name, &params).await {
+            Ok(_) => self.metrics.slice_write(SliceOperation::Delete),
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => {
+                return Err(Error::slice_write(
+                    SliceOperation::Delete.as_str(),
+                    &delete.name,
+                    e,
+                ));
+            }
+        }
+        tracing::debug!(slice = %delete.name, "deleted ResourceSlice");
+        self.expectations
+            .expect(self.node, &delete.name, Expected::Absent);
+        Ok(())
+    }
+}

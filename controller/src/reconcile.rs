@@ -1,0 +1,324 @@
+//! One reconciliation of one GpuNode: decide what the node's pool should be, diff it against
+//! the cached slices, write the difference, record the outcome in the status.
+//!
+//! * Node gone → withdraw the pool (delete its slices), `Published=False NodeNotFound`.
+//! * Plugin not live → withdraw, `Published=False PluginNotReady`; the GpuNode and slice
+//!   watches bring the node back.
+//! * Plugin live → policy, plan, render, validate; an invalid policy or pool is reported
+//!   (event + condition) and nothing is written; otherwise the pool is diffed and only a real
+//!   change is written, with a new generation. Requeued at the heartbeat's expiry, so a
+//!   plugin that dies silently is noticed.
+
+use std::{sync::Arc, time::Duration};
+
+use k8s_openapi::{api::resource::v1::ResourceSlice, jiff::Timestamp};
+use kube::{
+    Resource, ResourceExt,
+    runtime::{
+        controller::Action,
+        events::{Event, EventType},
+        reflector::ObjectRef,
+    },
+};
+use migdra_api::inventory::{GpuNode, PublicationStatus, pool_name};
+use tracing::Instrument;
+
+use crate::{
+    compare::diff_pool,
+    context::Context,
+    desired::{DesiredError, NodeRef, desired_pool},
+    error::Error,
+    liveness::{Liveness, effective_timeout, liveness, until},
+    publish::Publisher,
+    status::{self, Published, reason, truncate},
+};
+
+/// Margin added to the heartbeat expiry before the requeue, so the check lands after it.
+const EXPIRY_MARGIN: Duration = Duration::from_secs(1);
+/// Shortest requeue.
+const MIN_REQUEUE: Duration = Duration::from_secs(1);
+/// First error backoff.
+const BACKOFF_BASE: Duration = Duration::from_secs(1);
+/// Longest error backoff.
+const BACKOFF_MAX: Duration = Duration::from_secs(120);
+
+/// The result of a reconciliation that did not fail outright.
+struct Outcome {
+    action: Action,
+    /// A problem reported in the status and an event, but not retried with backoff (it
+    /// needs a policy or inventory change, which triggers a reconcile anyway).
+    reported: Option<Error>,
+}
+
+impl Outcome {
+    fn done(action: Action) -> Self {
+        Self {
+            action,
+            reported: None,
+        }
+    }
+}
+
+/// Reconciles one GpuNode (the kube-runtime reconciler).
+pub async fn reconcile(gpunode: Arc<GpuNode>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let node = gpunode.name_any();
+    let span = tracing::info_span!("reconcile", node = %node);
+    async move {
+        let _timer = ctx.metrics.reconcile_timer();
+        match reconcile_node(&gpunode, &ctx).await {
+            Ok(outcome) => {
+                match &outcome.reported {
+                    Some(e) => ctx.metrics.reconcile_failed(e.metric_label()),
+                    None => ctx.metrics.reconcile_ok(),
+                }
+                ctx.reset_backoff(&node);
+                Ok(outcome.action)
+            }
+            Err(e) => {
+                ctx.metrics.reconcile_failed(e.metric_label());
+                if !e.is_transient() {
+                    tracing::warn!(error = %e, "reconcile failed");
+                    report_failure(&gpunode, &ctx, &e).await;
+                } else {
+                    tracing::debug!(error = %e, "reconcile raced; retrying");
+                }
+                Err(e)
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// The error policy: requeue with an exponential backoff per GpuNode (1 s, 2 s, 4 s, … up
+/// to 2 minutes), reset by the next success.
+pub fn error_policy(gpunode: Arc<GpuNode>, error: &Error, ctx: Arc<Context>) -> Action {
+    let attempt = ctx.next_attempt(&gpunode.name_any());
+    let delay = backoff(attempt);
+    tracing::debug!(node = %gpunode.name_any(), %error, ?delay, "requeue after error");
+    Action::requeue(delay)
+}
+
+/// The backoff after `attempt` consecutive failures (1-based).
+pub fn backoff(attempt: u32) -> Duration {
+    let exponent = attempt.saturating_sub(1).min(16);
+    BACKOFF_BASE.saturating_mul(1 << exponent).min(BACKOFF_MAX)
+}
+
+async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Error> {
+    ctx.wait_ready().await?;
+    let node_name = gpunode.name_any();
+    let cached = ctx.node_slices(&node_name);
+    if let Some(wait) = ctx.expectations.pending(&node_name, &cached) {
+        tracing::debug!(?wait, "waiting for the slice cache to catch up with our writes");
+        return Ok(Outcome::done(Action::requeue(wait.max(MIN_REQUEUE))));
+    }
+    if gpunode.spec.driver != ctx.config.driver {
+        // Another driver's node: none of our slices belong there, and its status is not ours.
+        tracing::debug!(driver = %gpunode.spec.driver, "GpuNode of another driver");
+        withdraw(ctx, &node_name, &cached).await?;
+        return Ok(Outcome::done(Action::await_change()));
+    }
+    let published = gpunode.status.as_ref().and_then(|s| s.publication.as_ref());
+    let Some(node) = ctx.nodes.get(&ObjectRef::new(&node_name)) else {
+        tracing::info!("Node is gone; withdrawing its pool");
+        let publication = withdrawn(ctx, &node_name, &cached, published);
+        withdraw(ctx, &node_name, &cached).await?;
+        ctx.metrics.forget_node(&node_name);
+        let message = format!("Node {node_name} does not exist; the pool is withdrawn");
+        write_status(
+            gpunode,
+            ctx,
+            publication,
+            &Published::no(reason::NODE_NOT_FOUND, message),
+        )
+        .await?;
+        return Ok(Outcome::done(Action::await_change()));
+    };
+    let now = Timestamp::now();
+    let plugin = gpunode.status.as_ref().and_then(|s| s.plugin.as_ref());
+    let expires = match liveness(plugin, now, ctx.config.heartbeat_timeout) {
+        Liveness::Gone(why) => {
+            if !cached.is_empty() {
+                tracing::info!(reason = %why.message(), "plugin is not live; withdrawing the pool");
+            }
+            let publication = withdrawn(ctx, &node_name, &cached, published);
+            withdraw(ctx, &node_name, &cached).await?;
+            ctx.metrics.set_published_devices(&node_name, 0);
+            let condition = Published::no(reason::PLUGIN_NOT_READY, why.message());
+            write_status(gpunode, ctx, publication, &condition).await?;
+            return Ok(Outcome::done(Action::await_change()));
+        }
+        Liveness::Live { expires } => expires,
+    };
+    let interval = plugin.map_or(0, |p| p.heartbeat_interval_seconds);
+    let cap = effective_timeout(ctx.config.heartbeat_timeout, interval);
+    let requeue = Action::requeue(until(expires, now, MIN_REQUEUE, cap) + EXPIRY_MARGIN);
+
+    let policies = ctx.policies.state();
+    let node_ref = NodeRef {
+        name: &node_name,
+        uid: node.metadata.uid.as_deref(),
+        labels: node.labels(),
+    };
+    let desired = match desired_pool(
+        gpunode,
+        node_ref,
+        policies.iter().map(|p| p.as_ref()),
+        &ctx.config.driver,
+    ) {
+        Ok(desired) => desired,
+        Err(problem) => {
+            let error = match problem {
+                DesiredError::Policy(source) => Error::Policy {
+                    node: node_name.clone(),
+                    source,
+                },
+                DesiredError::Invalid(problems) => Error::InvalidPool {
+                    node: node_name.clone(),
+                    problems: problems.join("; "),
+                },
+            };
+            tracing::warn!(%error, "not publishing");
+            let publication = published.cloned().unwrap_or_else(|| PublicationStatus {
+                pool: pool_name(&node_name, &ctx.config.driver),
+                ..PublicationStatus::default()
+            });
+            let condition = Published::no(error.reason(), error.to_string());
+            if write_status(gpunode, ctx, publication, &condition).await? {
+                publish_event(gpunode, ctx, &error).await;
+            }
+            return Ok(Outcome {
+                action: requeue,
+                reported: Some(error),
+            });
+        }
+    };
+
+    let slices = desired.slices.len();
+    let diff = diff_pool(desired.slices, &cached, published.map(|p| p.generation));
+    if diff.is_empty() {
+        tracing::debug!(generation = diff.generation, "pool unchanged");
+    } else {
+        tracing::info!(
+            generation = diff.generation,
+            writes = diff.writes.len(),
+            deletes = diff.deletes.len(),
+            devices = desired.devices,
+            "publishing pool"
+        );
+        publisher(ctx, &node_name).apply(&diff).await?;
+    }
+    ctx.metrics.set_published_devices(&node_name, desired.devices);
+    let publication = PublicationStatus {
+        pool: desired.pool,
+        generation: diff.generation,
+        slices: u32::try_from(slices).unwrap_or(u32::MAX),
+        devices: desired.devices,
+        gpus: desired.gpus,
+        policy: desired.policy,
+    };
+    let message = format!(
+        "{} devices of {} GPUs in {} slices, generation {}",
+        publication.devices, publication.gpus, publication.slices, publication.generation
+    );
+    write_status(gpunode, ctx, publication, &Published::yes(message)).await?;
+    Ok(Outcome::done(requeue))
+}
+
+fn publisher<'a>(ctx: &'a Context, node: &'a str) -> Publisher<'a> {
+    Publisher {
+        api: &ctx.slice_api,
+        expectations: &ctx.expectations,
+        metrics: &ctx.metrics,
+        node,
+    }
+}
+
+/// Deletes every cached slice of the node.
+async fn withdraw(ctx: &Context, node: &str, cached: &[Arc<ResourceSlice>]) -> Result<(), Error> {
+    let diff = diff_pool(Vec::new(), cached, None);
+    if !diff.is_empty() {
+        publisher(ctx, node).apply(&diff).await?;
+    }
+    Ok(())
+}
+
+/// The publication of a withdrawn pool: nothing, but the last generation is kept so the next
+/// publication continues above it.
+fn withdrawn(
+    ctx: &Context,
+    node: &str,
+    cached: &[Arc<ResourceSlice>],
+    published: Option<&PublicationStatus>,
+) -> PublicationStatus {
+    let generation = cached
+        .iter()
+        .map(|s| s.spec.pool.generation)
+        .chain(published.map(|p| p.generation))
+        .max()
+        .unwrap_or(0);
+    PublicationStatus {
+        pool: pool_name(node, &ctx.config.driver),
+        generation,
+        ..PublicationStatus::default()
+    }
+}
+
+async fn write_status(
+    gpunode: &GpuNode,
+    ctx: &Context,
+    publication: PublicationStatus,
+    published: &Published,
+) -> Result<bool, Error> {
+    let desired = status::desired_status(gpunode, publication, published, Timestamp::now());
+    status::update(&ctx.gpunode_api, gpunode, &desired).await
+}
+
+/// Reports a failed reconciliation: a Warning event, and the condition (publication kept).
+async fn report_failure(gpunode: &GpuNode, ctx: &Context, error: &Error) {
+    publish_event(gpunode, ctx, error).await;
+    if matches!(error, Error::StatusPatch { .. }) {
+        return;
+    }
+    let node = gpunode.name_any();
+    let publication = gpunode
+        .status
+        .as_ref()
+        .and_then(|s| s.publication.clone())
+        .unwrap_or_else(|| PublicationStatus {
+            pool: pool_name(&node, &ctx.config.driver),
+            ..PublicationStatus::default()
+        });
+    let condition = Published::no(error.reason(), error.to_string());
+    if let Err(e) = write_status(gpunode, ctx, publication, &condition).await {
+        tracing::warn!(error = %e, "recording the failure in the status failed");
+    }
+}
+
+async fn publish_event(gpunode: &GpuNode, ctx: &Context, error: &Error) {
+    let event = Event {
+        type_: EventType::Warning,
+        reason: error.reason().to_string(),
+        note: Some(truncate(&error.to_string(), 1024)),
+        action: "Publish".to_string(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &gpunode.object_ref(&())).await {
+        tracing::warn!(error = %e, "publishing an event failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_is_capped() {
+        assert_eq!(backoff(1), Duration::from_secs(1));
+        assert_eq!(backoff(2), Duration::from_secs(2));
+        assert_eq!(backoff(5), Duration::from_secs(16));
+        assert_eq!(backoff(8), BACKOFF_MAX);
+        assert_eq!(backoff(u32::MAX), BACKOFF_MAX);
+    }
+}

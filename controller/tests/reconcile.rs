@@ -1,0 +1,396 @@
+//! The reconciler against a scripted API server: the exact calls it makes for a new pool, a
+//! no-op resync, an inventory change, a kubelet wipe, a dead plugin, a deleted node, a write
+//! conflict, an invalid policy and an API server that drops fields.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
+
+mod support;
+
+use std::sync::Arc;
+
+use http::StatusCode;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::runtime::controller::Action;
+use migdra_api::{
+    inventory::{GpuInventory, GpuNode},
+    policy::{EffectivePolicy, MigPolicy, MigPolicySpec},
+    slices::plan_pool,
+};
+use migdra_controller::{Error, reconcile::error_policy};
+use support::*;
+
+fn name(i: usize) -> String {
+    format!("{NODE}-{DRIVER}-{i:03}")
+}
+
+/// Slice count and device count of the default-policy pool of `gpus`.
+fn expected_pool(gpus: &[GpuInventory]) -> (usize, usize) {
+    let plan = plan_pool(gpus, &EffectivePolicy::default());
+    (plan.slice_count(), plan.devices.len())
+}
+
+/// A check that a written slice belongs to the pool at `generation` with `count` slices.
+fn pool_slice(generation: i64, count: usize) -> impl Fn(&ResourceSlice) + Send + 'static {
+    move |s: &ResourceSlice| {
+        assert_eq!(s.spec.driver, DRIVER);
+        assert_eq!(s.spec.node_name.as_deref(), Some(NODE));
+        assert_eq!(s.spec.pool.name, POOL);
+        assert_eq!(s.spec.pool.generation, generation);
+        assert_eq!(s.spec.pool.resource_slice_count, count as i64);
+        let owner = &s.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.uid.as_str()),
+            ("Node", NODE, NODE_UID)
+        );
+        assert_eq!(owner.controller, Some(true));
+        assert_eq!(s.metadata.labels.as_ref().unwrap()["gpu.migdra.dev/node"], NODE);
+    }
+}
+
+/// Publishes the pool of `gpus` from scratch; returns what the server stored and the
+/// GpuNode with the controller's status, as the watches would deliver them.
+async fn publish_fresh(h: &mut Harness, gpus: Vec<GpuInventory>) -> (Vec<ResourceSlice>, GpuNode) {
+    let g = gpunode(Some(live_plugin()), gpus.clone());
+    let (count, devices) = expected_pool(&gpus);
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| create_slice(&name(i), pool_slice(1, count))))
+        .then(patch_status(move |body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            let p = &body["status"]["publication"];
+            assert_eq!(p["pool"], POOL);
+            assert_eq!(p["generation"], 1);
+            assert_eq!(p["slices"], count);
+            assert_eq!(p["devices"], devices);
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    let action = result.unwrap();
+    let requeue = requeue_secs(&action).expect("a live node is requeued at its heartbeat expiry");
+    assert!((55..=62).contains(&requeue), "requeue after {requeue}s");
+    assert_eq!(served.written.len(), count);
+    let g = with_status_patch(g, &served.status_patches[0]);
+    (served.written, g)
+}
+
+#[tokio::test]
+async fn create_writes_every_slice_of_one_generation_then_the_status() {
+    let mut h = Harness::new();
+    let gpus = h100s(2);
+    let (count, devices) = expected_pool(&gpus);
+    assert!(
+        count >= 2,
+        "a counter slice and at least one device slice: {count}"
+    );
+    let (stored, g) = publish_fresh(&mut h, gpus).await;
+    // Counter slices first, then devices in order; every device is published exactly once.
+    assert!(stored[0].spec.shared_counters.is_some());
+    let published: usize = stored
+        .iter()
+        .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(published, devices);
+    let p = g.status.unwrap().publication.unwrap();
+    assert_eq!((p.gpus, p.policy), (2, None));
+    let metrics = h.ctx.metrics.encode();
+    assert!(metrics.contains(&format!(
+        "migdra_controller_slice_writes_total{{operation=\"create\"}} {count}"
+    )));
+    assert!(metrics.contains(&format!(
+        "migdra_controller_published_devices{{node=\"{NODE}\"}} {devices}"
+    )));
+    assert!(metrics.contains("migdra_controller_reconciles_total{result=\"success\"} 1"));
+}
+
+#[tokio::test]
+async fn resync_of_a_published_pool_writes_nothing() {
+    let mut h = Harness::new();
+    // 80 GiB whole-GPU memory: published as 81920Mi, stored by the server as 80Gi.
+    let mut gpus = h100s(2);
+    gpus[0].memory_mib = 81920;
+    let (stored, g) = publish_fresh(&mut h, gpus).await;
+    assert!(
+        serde_json::to_string(&stored).unwrap().contains("\"80Gi\""),
+        "the fake server canonicalised a quantity"
+    );
+    // The cache has not caught up yet: the reconciler waits instead of rewriting.
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    let wait = requeue_secs(&result.unwrap()).unwrap();
+    assert!(wait <= 15, "waits for the cache, {wait}s");
+    // The cache shows exactly what was published (as the server normalised it): no writes.
+    h.store_slices(&stored);
+    for _ in 0..2 {
+        let (result, _) = h.reconcile(&g, Scenario::new()).await;
+        assert!(requeue_secs(&result.unwrap()).is_some());
+    }
+    assert!(!h.ctx.metrics.encode().contains("operation=\"update\""));
+}
+
+#[tokio::test]
+async fn inventory_change_bumps_the_generation_rewrites_all_and_deletes_the_surplus() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(4)).await;
+    h.store_slices(&stored);
+    let before = stored.len();
+    // One GPU left: fewer slices.
+    let mut g = g;
+    g.status.as_mut().unwrap().gpus = Some(h100s(1));
+    let (count, devices) = expected_pool(&h100s(1));
+    assert!(count < before);
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| {
+            let rv = stored[i].metadata.resource_version.clone().unwrap();
+            replace_slice(&name(i), Some(&rv), pool_slice(2, count))
+        }))
+        .then_all((count..before).map(|i| delete_slice(&name(i))))
+        .then(patch_status(move |body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            assert_eq!(body["status"]["publication"]["generation"], 2);
+            assert_eq!(body["status"]["publication"]["slices"], count);
+            assert_eq!(body["status"]["publication"]["devices"], devices);
+            assert_eq!(body["status"]["publication"]["gpus"], 1);
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    assert_eq!(served.deleted, (count..before).map(name).collect::<Vec<_>>());
+    assert!(served.written.iter().all(|s| s.spec.pool.generation == 2));
+}
+
+#[tokio::test]
+async fn slices_wiped_while_the_plugin_is_live_are_recreated() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok(), "in sync");
+    // The kubelet deletes the node's slices.
+    h.wipe_slices(&stored);
+    let count = stored.len();
+    // Generation continues above the published one (the old slices are gone).
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| create_slice(&name(i), pool_slice(2, count))))
+        .then(patch_status(|body| {
+            assert_eq!(body["status"]["publication"]["generation"], 2);
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    assert_eq!(served.written.len(), count);
+}
+
+#[tokio::test]
+async fn a_wipe_right_after_the_create_is_repaired_without_waiting() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    // The watch shows the creates and then the wipe before any reconcile looked.
+    h.store_slices(&stored);
+    h.wipe_slices(&stored);
+    let count = stored.len();
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| create_slice(&name(i), pool_slice(2, count))))
+        .then(patch_status(|_| {}));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+}
+
+async fn withdrawn_when(plugin: Option<migdra_api::inventory::PluginStatus>, message: &'static str) {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(2)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().plugin = plugin;
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(move |body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+            let text = body["status"]["conditions"][0]["message"].as_str().unwrap();
+            assert!(text.contains(message), "{text}");
+            let p = &body["status"]["publication"];
+            assert_eq!((p["slices"].as_u64(), p["devices"].as_u64()), (Some(0), Some(0)));
+            assert_eq!(p["generation"], 1, "the last generation is kept");
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(served.deleted.len(), stored.len());
+    assert!(h.ctx.metrics.encode().contains(&format!(
+        "migdra_controller_published_devices{{node=\"{NODE}\"}} 0"
+    )));
+
+    // Withdrawn and recorded: nothing more to do.
+    h.wipe_slices(&stored);
+    let g = with_status_patch(g, &served.status_patches[0]);
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok());
+}
+
+#[tokio::test]
+async fn an_unregistered_plugin_withdraws_the_pool() {
+    withdrawn_when(Some(plugin(false, ago(0))), "not registered").await;
+}
+
+#[tokio::test]
+async fn a_stale_heartbeat_withdraws_the_pool() {
+    withdrawn_when(Some(plugin(true, ago(120))), "heartbeat").await;
+}
+
+#[tokio::test]
+async fn a_missing_plugin_status_withdraws_the_pool() {
+    withdrawn_when(None, "has not reported").await;
+}
+
+#[tokio::test]
+async fn a_deleted_node_withdraws_the_pool() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    h.delete_node(NODE);
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "NodeNotFound"));
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(served.deleted.len(), stored.len());
+    assert!(!h.ctx.metrics.encode().contains(&format!("node=\"{NODE}\"")));
+}
+
+#[tokio::test]
+async fn a_conflict_fails_the_reconcile_and_the_retry_succeeds() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(4)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().gpus = Some(h100s(1));
+    let (count, _) = expected_pool(&h100s(1));
+    assert!(count < stored.len());
+    let rv = |i: usize| stored[i].metadata.resource_version.clone().unwrap();
+
+    // The second write loses a race: the reconcile fails, without event or status write.
+    let scenario = Scenario::new()
+        .then(replace_slice(&name(0), Some(&rv(0)), pool_slice(2, count)))
+        .then(answering(
+            replace_slice(&name(1), Some(&rv(1)), pool_slice(2, count)),
+            Answer::Fail(StatusCode::CONFLICT, "Conflict"),
+        ));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    let err = result.unwrap_err();
+    assert!(matches!(err, Error::Conflict { .. }), "{err}");
+    assert_eq!(err.metric_label(), "conflict");
+    let g = Arc::new(g);
+    let first = error_policy(g.clone(), &err, h.ctx.clone());
+    assert_eq!(requeue_secs(&first), Some(1));
+    assert!(
+        h.ctx
+            .metrics
+            .encode()
+            .contains("migdra_controller_reconcile_errors_total{reason=\"conflict\"} 1")
+    );
+
+    // The watch delivers the first write; the retry writes a complete new generation.
+    h.store_slices(&served.written);
+    let before = stored.len();
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| {
+            let rv = if i == 0 {
+                served.written[0].metadata.resource_version.clone().unwrap()
+            } else {
+                rv(i)
+            };
+            replace_slice(&name(i), Some(&rv), pool_slice(3, count))
+        }))
+        .then_all((count..before).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            assert_eq!(body["status"]["publication"]["generation"], 3);
+        }));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+}
+
+#[tokio::test]
+async fn an_invalid_policy_is_reported_and_nothing_is_written() {
+    let mut h = Harness::new();
+    h.add_policy(MigPolicy::new(
+        "broken",
+        MigPolicySpec {
+            profiles: vec!["9x".into()],
+            ..Default::default()
+        },
+    ));
+    let g = gpunode(Some(live_plugin()), h100s(2));
+    let scenario = Scenario::new()
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PolicyInvalid"));
+            let text = body["status"]["conditions"][0]["message"].as_str().unwrap();
+            assert!(text.contains("broken"), "{text}");
+        }))
+        .then(event("PolicyInvalid"));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(
+        requeue_secs(&result.unwrap()).is_some(),
+        "still watching the heartbeat"
+    );
+    assert!(served.written.is_empty());
+    assert!(
+        h.ctx
+            .metrics
+            .encode()
+            .contains("migdra_controller_reconcile_errors_total{reason=\"policy\"} 1")
+    );
+
+    // Already reported: the next reconcile makes no call at all.
+    let g = with_status_patch(g, &served.status_patches[0]);
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok());
+
+    // A valid policy restricting the profiles publishes a smaller pool.
+    h.add_policy(MigPolicy::new(
+        "broken",
+        MigPolicySpec {
+            profiles: vec!["7g".into()],
+            whole_gpus: Some(false),
+            ..Default::default()
+        },
+    ));
+    let scenario = Scenario::new()
+        .then(create_slice(&name(0), pool_slice(1, 2)))
+        .then(create_slice(&name(1), |s| {
+            assert_eq!(s.spec.devices.as_ref().unwrap().len(), 2, "one 7g device per GPU");
+        }))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            assert_eq!(body["status"]["publication"]["policy"], "broken");
+        }));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+}
+
+#[tokio::test]
+async fn dropped_fields_are_an_error_with_event_and_condition() {
+    let mut h = Harness::new();
+    let g = gpunode(Some(live_plugin()), h100s(1));
+    let (count, _) = expected_pool(&h100s(1));
+    // The counter slice is stored without its counters (DRAPartitionableDevices off).
+    let scenario = Scenario::new()
+        .then(answering(
+            create_slice(&name(0), pool_slice(1, count)),
+            Answer::DropField("sharedCounters"),
+        ))
+        .then(event("FieldsDropped"))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "FieldsDropped"));
+        }));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    let err = result.unwrap_err();
+    assert!(matches!(err, Error::FieldsDropped { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn a_gpunode_of_another_driver_gets_none_of_our_slices() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.spec.driver = "gpu.example.com".into();
+    // Our slices go; the foreign GpuNode's status is left alone.
+    let scenario = Scenario::new().then_all((0..stored.len()).map(|i| delete_slice(&name(i))));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+}
