@@ -113,6 +113,8 @@ pub struct Layout {
     pub plugin_state: PathBuf,
     /// API server port.
     pub apiserver_port: u16,
+    /// Real path of the logs directory.
+    logs: PathBuf,
 }
 
 impl Layout {
@@ -124,6 +126,11 @@ impl Layout {
     /// Log file of a component.
     pub fn log(&self, component: &str) -> PathBuf {
         self.run_dir.join("logs").join(format!("{component}.log"))
+    }
+
+    /// The logs directory by its real path (the short `/tmp` link goes away at teardown).
+    pub fn logs_dir(&self) -> PathBuf {
+        self.logs.clone()
     }
 }
 
@@ -223,6 +230,7 @@ impl Cluster {
             migdra_bin,
             helm,
             apiserver_port: free_port()?,
+            logs: run_dir.join("logs"),
         };
         // The fake CRI is rebuilt each run (seconds, thanks to Go's build cache).
         let status = Command::new("go")
@@ -263,7 +271,7 @@ impl Cluster {
             torn_down: false,
         };
         if let Err(e) = cluster.boot(&config).await {
-            let logs = cluster.layout.run_dir.join("logs");
+            let logs = cluster.layout.logs_dir();
             cluster.teardown();
             return Err(e.context(format!("cluster start failed; logs in {}", logs.display())));
         }

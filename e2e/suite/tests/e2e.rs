@@ -868,7 +868,7 @@ fn main() {
         started.elapsed().as_secs_f64(),
         cluster.layout.run_dir.display()
     );
-    let logs = cluster.layout.run_dir.join("logs");
+    let logs = cluster.layout.logs_dir();
     let shared: Shared = Arc::new(Mutex::new(cluster));
     let handle = runtime.handle().clone();
     let trials = tests

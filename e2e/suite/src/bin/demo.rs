@@ -32,18 +32,41 @@ async fn run(cluster: &Cluster) -> anyhow::Result<()> {
     let c = &cluster.client;
     show(cluster, "GPUs before any workload").await?;
 
-    println!("Creating workloads:");
+    println!(
+        "Creating workloads (each pod gets a claim from its template; the scheduler picks the placement):"
+    );
+    // A whole GPU, pinned to the second H100, shared by two containers of one pod.
+    let second = cluster
+        .gpus()?
+        .gpus
+        .iter()
+        .find(|g| g.minor == 1)
+        .map(|g| g.uuid.clone())
+        .context("GPU 1")?;
+    let whole = Request::Exactly {
+        class: "gpu.migdra.dev".into(),
+        selectors: vec![workload::on_gpu(&second)],
+    };
+    create_template(c, "whole-gpu", whole, None).await?;
+    create_pod_with(
+        c,
+        "shared",
+        "whole-gpu",
+        &[("server", &["sleep", "3600"]), ("sidecar", &["sleep", "3600"])],
+        false,
+    )
+    .await?;
+    println!(
+        "  pod {:<12} claim template whole-gpu (GPU 1 whole; two containers share one claim)",
+        "shared"
+    );
+    wait_phase(c, "shared", "Running", Duration::from_secs(120)).await?;
+    let at_least_15gib = "device.capacity[\"gpu.migdra.dev\"].memory.compareTo(quantity(\"15Gi\")) >= 0";
     let workloads: Vec<(&str, &str, Request)> = vec![
         ("training", "3g-40gb", mig(vec![profile_is("3g.40gb")])),
         ("inference-a", "1g-10gb", mig(vec![profile_is("1g.10gb")])),
         ("inference-b", "1g-10gb", mig(vec![profile_is("1g.10gb")])),
-        (
-            "notebook",
-            "any-20gib",
-            mig(vec![
-                "device.capacity[\"gpu.migdra.dev\"].memory.compareTo(quantity(\"20Gi\")) >= 0".into(),
-            ]),
-        ),
+        ("notebook", "any-15gib", mig(vec![at_least_15gib.into()])),
         ("a100-job", "a100-2g", mig(vec![profile_is("2g.10gb")])),
         (
             "flexible",
@@ -62,28 +85,6 @@ async fn run(cluster: &Cluster) -> anyhow::Result<()> {
         create_pod(c, pod, template, &["sleep", "3600"], false).await?;
         println!("  pod {pod:<12} claim template {template}");
     }
-    create_template(
-        c,
-        "whole-gpu",
-        Request::Exactly {
-            class: "gpu.migdra.dev".into(),
-            selectors: vec![],
-        },
-        None,
-    )
-    .await?;
-    create_pod_with(
-        c,
-        "shared",
-        "whole-gpu",
-        &[("server", &["sleep", "3600"]), ("sidecar", &["sleep", "3600"])],
-        false,
-    )
-    .await?;
-    println!(
-        "  pod {:<12} claim template whole-gpu (two containers share one claim)",
-        "shared"
-    );
 
     for pod in [
         "training",
@@ -127,7 +128,10 @@ async fn main() -> anyhow::Result<()> {
     let mut cluster = Cluster::start(ClusterConfig::default())
         .await
         .context("starting the cluster")?;
-    println!("Cluster up; run directory {}", cluster.layout.run_dir.display());
+    println!(
+        "Cluster up; component logs in {}",
+        cluster.layout.logs_dir().display()
+    );
     let outcome = tokio::select! {
         result = run(&cluster) => result,
         _ = tokio::signal::ctrl_c() => {
@@ -137,7 +141,7 @@ async fn main() -> anyhow::Result<()> {
     };
     println!(
         "Tearing down (logs kept in {}).",
-        cluster.layout.run_dir.join("logs").display()
+        cluster.layout.logs_dir().display()
     );
     cluster.teardown();
     outcome
