@@ -971,6 +971,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> DraDriver for Driver<B, C> {
                 .cloned();
             match completed {
                 Some(record) => {
+                    self.inner.metrics.claim("prepare", true);
                     outcomes.insert(claim.uid.clone(), Ok(self.prepared_devices(&claim.uid, &record)));
                 }
                 None => pending.push(claim),
@@ -993,66 +994,56 @@ impl<B: GpuBackend + 'static, C: ClaimSource> DraDriver for Driver<B, C> {
         }))
         .await;
 
-        let driver = self.clone();
-        let work = tokio::task::spawn_blocking(move || {
-            let node = driver.node_lock();
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = fetched
-                    .into_iter()
-                    .map(|(claim, devices)| {
-                        let node = &node;
-                        let driver = &driver;
-                        scope.spawn(move || {
-                            let outcome = match (node, devices) {
-                                (Err(e), _) => Err(format!("node lock: {e}")),
-                                (_, Err(e)) => Err(e.to_string()),
-                                (_, Ok(devices)) => driver
-                                    .prepare_allocated(&claim, devices)
-                                    .map_err(|e| e.to_string()),
-                            };
-                            (claim, outcome)
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .filter_map(|h| h.join().ok())
-                    .collect::<Vec<_>>()
+        let prepared = self
+            .run_claims("prepare", fetched, |driver, claim, devices| {
+                driver.prepare_allocated(claim, devices?)
             })
-        });
-        match work.await {
-            Ok(results) => {
-                for (claim, outcome) in results {
-                    if let Err(e) = &outcome {
-                        tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, error = %e, "prepare failed");
-                    }
-                    outcomes.insert(claim.uid, outcome);
-                }
-            }
-            Err(e) => tracing::error!(error = %e, "prepare worker failed"),
-        }
-        for outcome in outcomes.values() {
-            self.inner.metrics.claim("prepare", outcome.is_ok());
-        }
+            .await;
+        outcomes.extend(prepared);
         self.inner.metrics.call("prepare", started.elapsed());
         outcomes
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareOutcome> {
         let started = Instant::now();
+        let items = claims.into_iter().map(|c| (c, ())).collect();
+        let outcomes = self
+            .run_claims("unprepare", items, |driver, claim, ()| {
+                driver.unprepare_claim(&claim.uid)
+            })
+            .await;
+        self.inner.metrics.call("unprepare", started.elapsed());
+        outcomes
+    }
+}
+
+impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
+    /// Runs `work` for each claim under the node lock, on blocking threads, the claims in
+    /// parallel (each takes the locks of its own GPUs). Returns one outcome per claim, each
+    /// logged and counted. A claim whose thread panicked gets no outcome; the gRPC layer
+    /// reports it as failed.
+    async fn run_claims<I, T>(
+        &self,
+        operation: &'static str,
+        items: Vec<(ClaimRef, I)>,
+        work: impl Fn(&Self, &ClaimRef, I) -> Result<T, ClaimFailure> + Send + Sync + 'static,
+    ) -> HashMap<String, Result<T, String>>
+    where
+        I: Send + 'static,
+        T: Send + 'static,
+    {
         let driver = self.clone();
-        let work = tokio::task::spawn_blocking(move || {
+        let task = tokio::task::spawn_blocking(move || {
             let node = driver.node_lock();
             std::thread::scope(|scope| {
-                let handles: Vec<_> = claims
+                let handles: Vec<_> = items
                     .into_iter()
-                    .map(|claim| {
-                        let node = &node;
-                        let driver = &driver;
+                    .map(|(claim, item)| {
+                        let (node, driver, work) = (&node, &driver, &work);
                         scope.spawn(move || {
                             let outcome = match node {
                                 Err(e) => Err(format!("node lock: {e}")),
-                                Ok(_) => driver.unprepare_claim(&claim.uid).map_err(|e| e.to_string()),
+                                Ok(_) => work(driver, &claim, item).map_err(|e| e.to_string()),
                             };
                             (claim, outcome)
                         })
@@ -1065,26 +1056,22 @@ impl<B: GpuBackend + 'static, C: ClaimSource> DraDriver for Driver<B, C> {
             })
         });
         let mut outcomes = HashMap::new();
-        match work.await {
+        match task.await {
             Ok(results) => {
                 for (claim, outcome) in results {
                     if let Err(e) = &outcome {
-                        tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, error = %e, "unprepare failed");
+                        let key = format!("{}/{}", claim.namespace, claim.name);
+                        tracing::warn!(claim = %key, uid = %claim.uid, error = %e, "{operation} failed");
                     }
+                    self.inner.metrics.claim(operation, outcome.is_ok());
                     outcomes.insert(claim.uid, outcome);
                 }
             }
-            Err(e) => tracing::error!(error = %e, "unprepare worker failed"),
+            Err(e) => tracing::error!(error = %e, "{operation} worker failed"),
         }
-        for outcome in outcomes.values() {
-            self.inner.metrics.claim("unprepare", outcome.is_ok());
-        }
-        self.inner.metrics.call("unprepare", started.elapsed());
         outcomes
     }
-}
 
-impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// Unprepares one claim by UID. Unknown claims succeed (the kubelet may ask for claims it
     /// never prepared here, or again after success). Blocking.
     fn unprepare_claim(&self, uid: &str) -> Result<(), ClaimFailure> {

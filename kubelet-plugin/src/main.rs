@@ -168,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
     let status_task = tokio::spawn(node_status::run(
         driver.clone(),
         Some(writer),
+        report,
         registration_rx.clone(),
         health_tx,
         heartbeat,

@@ -12,6 +12,7 @@ use k8s_openapi::{
 use kube::{
     Api, Client, Resource,
     api::{Patch, PatchParams},
+    runtime::events::{Event, EventType, Recorder, Reporter},
 };
 use migdra_api::inventory::{API_VERSION, GpuInventory, GpuNode, PluginStatus};
 use serde_json::json;
@@ -20,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     claims::ClaimSource,
-    driver::Driver,
+    driver::{Driver, RecoveryReport},
     grpc::{DeviceHealthReport, RegistrationState},
     nvml::GpuBackend,
 };
@@ -37,6 +38,8 @@ pub struct NodeStatusWriter {
     driver: String,
     started: Timestamp,
     heartbeat_interval: Duration,
+    recorder: Recorder,
+    reference: Option<k8s_openapi::api::core::v1::ObjectReference>,
 }
 
 impl NodeStatusWriter {
@@ -44,16 +47,24 @@ impl NodeStatusWriter {
     pub fn new(client: Client, node: &str, driver: &str, heartbeat_interval: Duration) -> Self {
         Self {
             api: Api::all(client.clone()),
-            nodes: Api::all(client),
+            nodes: Api::all(client.clone()),
             node: node.to_string(),
             driver: driver.to_string(),
             started: Timestamp::now(),
             heartbeat_interval,
+            recorder: Recorder::new(
+                client,
+                Reporter {
+                    controller: FIELD_MANAGER.into(),
+                    instance: Some(node.to_string()),
+                },
+            ),
+            reference: None,
         }
     }
 
     /// Creates or adopts the GpuNode (metadata and spec), owned by the Node.
-    pub async fn ensure_object(&self) -> Result<(), kube::Error> {
+    pub async fn ensure_object(&mut self) -> Result<(), kube::Error> {
         let node = self.nodes.get(&self.node).await?;
         let owner = OwnerReference {
             api_version: "v1".into(),
@@ -68,14 +79,32 @@ impl NodeStatusWriter {
             "metadata": { "name": self.node, "ownerReferences": [owner] },
             "spec": { "nodeName": self.node, "driver": self.driver },
         });
-        self.api
+        let written = self
+            .api
             .patch(
                 &self.node,
                 &PatchParams::apply(FIELD_MANAGER).force(),
                 &Patch::Apply(object),
             )
             .await?;
+        self.reference = Some(written.object_ref(&()));
         Ok(())
+    }
+
+    /// Records a Kubernetes event on the GpuNode (once it exists). Failures are only logged:
+    /// events are for people, never a reason to stop.
+    pub async fn event(&self, type_: EventType, reason: &str, note: String) {
+        let Some(reference) = &self.reference else { return };
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: reason.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, reference).await {
+            tracing::warn!(error = %e, reason, "recording an event failed");
+        }
     }
 
     /// Writes the plugin's part of the status.
@@ -114,9 +143,11 @@ impl NodeStatusWriter {
 /// kubelet's registration state changes, until `shutdown`; then reports the plugin as
 /// unregistered so the controller withdraws the pool without waiting for the heartbeat to
 /// go stale.
+#[allow(clippy::too_many_arguments)]
 pub async fn run<B: GpuBackend + 'static, C: ClaimSource>(
     driver: Driver<B, C>,
-    writer: Option<NodeStatusWriter>,
+    mut writer: Option<NodeStatusWriter>,
+    recovery: RecoveryReport,
     mut registration: watch::Receiver<RegistrationState>,
     health: watch::Sender<Vec<DeviceHealthReport>>,
     interval: Duration,
@@ -125,6 +156,9 @@ pub async fn run<B: GpuBackend + 'static, C: ClaimSource>(
     let driver_version = driver.backend().driver_version().ok();
     let mut object_ready = false;
     let mut registration_open = true;
+    let mut recovery = Some(recovery)
+        .filter(|r| !r.rolled_back.is_empty() || !r.unprepared.is_empty() || !r.cdi_rewritten.is_empty());
+    let mut health_seen: std::collections::BTreeMap<u32, bool> = std::collections::BTreeMap::new();
     loop {
         let snapshot = {
             let driver = driver.clone();
@@ -151,11 +185,37 @@ pub async fn run<B: GpuBackend + 'static, C: ClaimSource>(
                 changed
             });
         }
-        if let (Some(writer), Some(inventory)) = (&writer, &inventory) {
+        if let (Some(writer), Some(inventory)) = (&mut writer, &inventory) {
             if !object_ready {
                 match writer.ensure_object().await {
                     Ok(()) => object_ready = true,
                     Err(e) => tracing::warn!(error = %e, "creating the GpuNode failed; retrying"),
+                }
+            }
+            if object_ready && let Some(report) = recovery.take() {
+                let note = format!(
+                    "repaired interrupted operations at start: {} half-prepared claim(s) rolled back, {} half-unprepared claim(s) finished, {} CDI spec(s) rewritten",
+                    report.rolled_back.len(),
+                    report.unprepared.len(),
+                    report.cdi_rewritten.len()
+                );
+                writer
+                    .event(EventType::Warning, "RecoveredInterruptedOperations", note)
+                    .await;
+            }
+            for gpu in inventory {
+                let before = health_seen.insert(gpu.minor, gpu.health.healthy);
+                match (before, gpu.health.healthy) {
+                    (Some(true) | None, false) => {
+                        let reason = gpu.health.reason.clone().unwrap_or_default();
+                        let note = format!("GPU {} ({}) is unhealthy: {reason}", gpu.minor, gpu.uuid);
+                        writer.event(EventType::Warning, "GpuUnhealthy", note).await;
+                    }
+                    (Some(false), true) => {
+                        let note = format!("GPU {} ({}) is healthy again", gpu.minor, gpu.uuid);
+                        writer.event(EventType::Normal, "GpuHealthy", note).await;
+                    }
+                    _ => {}
                 }
             }
             if object_ready {

@@ -66,9 +66,8 @@ async fn serve_claims(
     handle
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn prepare_reads_each_claim_and_rejects_the_wrong_ones() {
-    let node = Node::new(&[("H100-80GB", true)]);
+/// A driver on `node` whose claim GETs go to a mocked API server.
+fn start_with_mock_api(node: &Node) -> (Driver<NvmlBackend, KubeClaims>, Handle) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = kube::Client::new(service, "default");
     let config = DriverConfig {
@@ -79,15 +78,23 @@ async fn prepare_reads_each_claim_and_rejects_the_wrong_ones() {
         lock_timeout: Duration::from_secs(2),
     };
     let backend = NvmlBackend::new(Some(&node.host.lib_path())).unwrap();
+    let claims = KubeClaims::new(client);
     let (driver, _) = Driver::start(
         config,
         Arc::new(backend),
-        KubeClaims::new(client),
+        claims,
         node.cdi(),
         None,
         Metrics::new(),
     )
     .unwrap();
+    (driver, handle)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prepare_reads_each_claim_and_rejects_the_wrong_ones() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let (driver, handle) = start_with_mock_api(&node);
 
     let good = serde_json::to_value(claim("uid-good", "good", &[("gpu", "gpu-0-mig-3g40gb-4")])).unwrap();
     let mut unallocated = serde_json::to_value(claim("uid-unalloc", "unallocated", &[])).unwrap();
@@ -156,25 +163,7 @@ async fn prepare_reads_each_claim_and_rejects_the_wrong_ones() {
 #[tokio::test(flavor = "multi_thread")]
 async fn prepared_claims_and_unprepare_need_no_api_calls() {
     let node = Node::new(&[("H100-80GB", true)]);
-    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let client = kube::Client::new(service, "default");
-    let config = DriverConfig {
-        driver_name: DRIVER.into(),
-        node_name: NODE.into(),
-        state_dir: node.state_dir(),
-        boot_id: "boot-1".into(),
-        lock_timeout: Duration::from_secs(2),
-    };
-    let backend = NvmlBackend::new(Some(&node.host.lib_path())).unwrap();
-    let (driver, _) = Driver::start(
-        config,
-        Arc::new(backend),
-        KubeClaims::new(client),
-        node.cdi(),
-        None,
-        Metrics::new(),
-    )
-    .unwrap();
+    let (driver, handle) = start_with_mock_api(&node);
     let good = serde_json::to_value(claim("uid-1", "c1", &[("gpu", "gpu-0-mig-3g40gb-4")])).unwrap();
     let server = tokio::spawn(serve_claims(handle, vec![("c1", Some(good))]));
     let first = driver.prepare(vec![claim_ref("uid-1", "c1")]).await;

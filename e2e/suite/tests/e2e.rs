@@ -537,6 +537,24 @@ fn plugin_killed_mid_prepare_converges(
         );
         cluster.start_plugin()?;
         wait_phase(&c, "crashy", "Running", Duration::from_secs(180)).await?;
+        // The restarted plugin rolled the half-prepared claim back and said so on its GpuNode.
+        let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(c.clone(), "default");
+        let note = wait_until(Duration::from_secs(30), || async {
+            let list = events
+                .list(&kube::api::ListParams::default().fields(&format!("involvedObject.name={NODE}")))
+                .await
+                .ok()?;
+            list.items
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some("RecoveredInterruptedOperations"))
+                .and_then(|e| e.message)
+        })
+        .await
+        .context("no RecoveredInterruptedOperations event on the GpuNode")?;
+        ensure!(
+            note.contains("1 half-prepared claim(s) rolled back"),
+            "event says: {note}"
+        );
         let claim = workload::pod_claim(&c, "crashy").await?;
         let (_, device) = workload::allocated(&claim).pop().context("not allocated")?;
         let DeviceName::Mig { minor, start, .. } = device.parse::<DeviceName>()? else {

@@ -120,26 +120,6 @@ fn complete_outcomes<T>(
     outcomes
 }
 
-impl From<v1::Claim> for ClaimRef {
-    fn from(claim: v1::Claim) -> Self {
-        Self {
-            namespace: claim.namespace,
-            uid: claim.uid,
-            name: claim.name,
-        }
-    }
-}
-
-impl From<v1beta1::Claim> for ClaimRef {
-    fn from(claim: v1beta1::Claim) -> Self {
-        Self {
-            namespace: claim.namespace,
-            uid: claim.uid,
-            name: claim.name,
-        }
-    }
-}
-
 fn v1_device(device: PreparedDevice) -> v1::Device {
     v1::Device {
         request_names: device.request_names,
@@ -160,117 +140,84 @@ fn v1beta1_device(device: PreparedDevice) -> v1beta1::Device {
     }
 }
 
-#[tonic::async_trait]
-impl<D: DraDriver> v1::dra_plugin_server::DraPlugin for DraService<D> {
-    async fn node_prepare_resources(
-        &self,
-        request: Request<v1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(ClaimRef::from)
-            .collect();
-        let claims = self
-            .prepare("v1", claims)
-            .await
-            .into_iter()
-            .map(|(uid, outcome)| {
-                let response = match outcome {
-                    Ok(devices) => v1::NodePrepareResourceResponse {
-                        devices: devices.into_iter().map(v1_device).collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => v1::NodePrepareResourceResponse {
-                        devices: Vec::new(),
-                        error,
-                    },
-                };
-                (uid, response)
-            })
-            .collect();
-        Ok(Response::new(v1::NodePrepareResourcesResponse { claims }))
-    }
+/// The two API versions have identical messages in distinct generated modules; one handler
+/// serves both, and this implements each version's service trait (and claim conversion) on it.
+macro_rules! dra_plugin_version {
+    ($version:ident, $device:ident) => {
+        impl From<$version::Claim> for ClaimRef {
+            fn from(claim: $version::Claim) -> Self {
+                Self {
+                    namespace: claim.namespace,
+                    uid: claim.uid,
+                    name: claim.name,
+                }
+            }
+        }
 
-    async fn node_unprepare_resources(
-        &self,
-        request: Request<v1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(ClaimRef::from)
-            .collect();
-        let claims = self
-            .unprepare("v1", claims)
-            .await
-            .into_iter()
-            .map(|(uid, outcome)| {
-                let error = outcome.err().unwrap_or_default();
-                (uid, v1::NodeUnprepareResourceResponse { error })
-            })
-            .collect();
-        Ok(Response::new(v1::NodeUnprepareResourcesResponse { claims }))
-    }
+        #[tonic::async_trait]
+        impl<D: DraDriver> $version::dra_plugin_server::DraPlugin for DraService<D> {
+            async fn node_prepare_resources(
+                &self,
+                request: Request<$version::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$version::NodePrepareResourcesResponse>, Status> {
+                let claims = request
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(ClaimRef::from)
+                    .collect();
+                let claims = self
+                    .prepare(stringify!($version), claims)
+                    .await
+                    .into_iter()
+                    .map(|(uid, outcome)| {
+                        let response = match outcome {
+                            Ok(devices) => $version::NodePrepareResourceResponse {
+                                devices: devices.into_iter().map($device).collect(),
+                                error: String::new(),
+                            },
+                            Err(error) => $version::NodePrepareResourceResponse {
+                                devices: Vec::new(),
+                                error,
+                            },
+                        };
+                        (uid, response)
+                    })
+                    .collect();
+                Ok(Response::new($version::NodePrepareResourcesResponse {
+                    claims,
+                }))
+            }
+
+            async fn node_unprepare_resources(
+                &self,
+                request: Request<$version::NodeUnprepareResourcesRequest>,
+            ) -> Result<Response<$version::NodeUnprepareResourcesResponse>, Status> {
+                let claims = request
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(ClaimRef::from)
+                    .collect();
+                let claims = self
+                    .unprepare(stringify!($version), claims)
+                    .await
+                    .into_iter()
+                    .map(|(uid, outcome)| {
+                        let error = outcome.err().unwrap_or_default();
+                        (uid, $version::NodeUnprepareResourceResponse { error })
+                    })
+                    .collect();
+                Ok(Response::new($version::NodeUnprepareResourcesResponse {
+                    claims,
+                }))
+            }
+        }
+    };
 }
 
-#[tonic::async_trait]
-impl<D: DraDriver> v1beta1::dra_plugin_server::DraPlugin for DraService<D> {
-    async fn node_prepare_resources(
-        &self,
-        request: Request<v1beta1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(ClaimRef::from)
-            .collect();
-        let claims = self
-            .prepare("v1beta1", claims)
-            .await
-            .into_iter()
-            .map(|(uid, outcome)| {
-                let response = match outcome {
-                    Ok(devices) => v1beta1::NodePrepareResourceResponse {
-                        devices: devices.into_iter().map(v1beta1_device).collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => v1beta1::NodePrepareResourceResponse {
-                        devices: Vec::new(),
-                        error,
-                    },
-                };
-                (uid, response)
-            })
-            .collect();
-        Ok(Response::new(v1beta1::NodePrepareResourcesResponse { claims }))
-    }
-
-    async fn node_unprepare_resources(
-        &self,
-        request: Request<v1beta1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let claims = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(ClaimRef::from)
-            .collect();
-        let claims = self
-            .unprepare("v1beta1", claims)
-            .await
-            .into_iter()
-            .map(|(uid, outcome)| {
-                let error = outcome.err().unwrap_or_default();
-                (uid, v1beta1::NodeUnprepareResourceResponse { error })
-            })
-            .collect();
-        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse { claims }))
-    }
-}
+dra_plugin_version!(v1, v1_device);
+dra_plugin_version!(v1beta1, v1beta1_device);
 
 #[cfg(test)]
 mod tests {
