@@ -820,6 +820,16 @@ fileCheckFrequency: 5s
             .is_some_and(|c| matches!(c.child.try_wait(), Ok(None)))
     }
 
+    /// Resident memory of a running component in KiB (from /proc), for footprint reports.
+    pub fn rss_kib(&self, name: &str) -> Option<u64> {
+        let pid = self.components.get(name)?.child.id();
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+    }
+
     /// The component logs, for failure reports.
     pub fn logs(&self) -> Vec<PathBuf> {
         self.components.values().map(|c| c.log.clone()).collect()

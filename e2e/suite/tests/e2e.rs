@@ -273,7 +273,7 @@ fn finished_pod_releases_its_instance(
     Box::pin(async move {
         let c = cluster.client.clone();
         create_template(&c, "mig-2g", mig(&[profile_is("2g.20gb")]), None).await?;
-        create_pod(&c, "short-job", "mig-2g", &["sleep", "4"], true).await?;
+        create_pod(&c, "short-job", "mig-2g", &["sleep", "10"], true).await?;
         wait_phase(&c, "short-job", "Running", SHORT).await?;
         let claim = workload::pod_claim(&c, "short-job").await?;
         let uid = claim.metadata.uid.clone().unwrap_or_default();
@@ -309,7 +309,7 @@ fn seven_1g_pods_pack_one_gpu_and_an_eighth_waits(
         let c = cluster.client.clone();
         let uuid = gpu_uuid(cluster, 1);
         create_template(&c, "one-g", mig(&[profile_is("1g.10gb"), on_gpu(&uuid)]), None).await?;
-        create_pod(&c, "pack-1", "one-g", &["sleep", "45"], true).await?;
+        create_pod(&c, "pack-1", "one-g", &["sleep", "60"], true).await?;
         for i in 2..=7 {
             create_pod(&c, &format!("pack-{i}"), "one-g", &["sleep", "3600"], true).await?;
         }
@@ -664,6 +664,29 @@ fn chart_objects_pass_server_side_dry_run(
                 "{file}: {applied} of {objects} objects applied:\n{stdout}"
             );
         }
+        // The examples the docs point to are valid objects for this API server too.
+        let examples = migdra_e2e::cluster::repo_root().join("examples");
+        let out = kubectl(
+            cluster,
+            &[
+                "apply",
+                "--dry-run=server",
+                "--namespace=default",
+                "-f",
+                &examples.to_string_lossy(),
+            ],
+        )?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        ensure!(
+            out.status.success(),
+            "examples rejected:\n{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let applied = stdout.lines().filter(|l| l.contains("(server dry run)")).count();
+        ensure!(
+            applied == 11,
+            "{applied} of 11 example objects applied:\n{stdout}"
+        );
         Ok(())
     })
 }
@@ -915,6 +938,19 @@ fn main() {
     let conclusion = libtest_mimic::run(&args, trials);
     runtime.block_on(async {
         let mut cluster = shared.lock().await;
+        for name in [
+            "migdra-controller",
+            "migdra-kubelet-plugin",
+            "kubelet",
+            "kube-apiserver",
+        ] {
+            if let Some(kib) = cluster.rss_kib(name) {
+                eprintln!(
+                    "e2e: resident memory of {name} after the suite: {:.1} MiB",
+                    kib as f64 / 1024.0
+                );
+            }
+        }
         cluster.teardown();
     });
     eprintln!(
