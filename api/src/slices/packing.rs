@@ -115,93 +115,69 @@ pub fn first_fit(plan: &PoolPlan, events: &[Event]) -> (usize, usize) {
 }
 
 /// The most of `requests` (arrivals only, no releases) that `gpus` GPUs of `geometry` can
-/// hold at once with the best placement choices: an exhaustive search, for small inputs.
+/// hold at once with the best placement choices, free to refuse any request: an offline bound
+/// no scheduler reaches. Exhaustive, for small inputs.
 pub fn optimum(geometry: &MigGeometry, gpus: usize, requests: &[ProfileName]) -> usize {
-    fn search(
-        geometry: &MigGeometry,
-        layouts: &mut Vec<Vec<Placement>>,
-        requests: &[ProfileName],
-        placed: usize,
-        best: &mut usize,
-    ) {
-        if placed + requests.len() <= *best {
-            return; // cannot beat the best found
-        }
-        let Some((first, rest)) = requests.split_first() else {
-            *best = (*best).max(placed);
-            return;
-        };
-        if let Some(profile) = geometry.profile_by_name(first) {
-            for gpu in 0..layouts.len() {
-                // GPUs with identical layouts are interchangeable: try only the first of them.
-                if layouts[..gpu].contains(&layouts[gpu]) {
-                    continue;
-                }
-                for start in &profile.placements {
-                    let candidate = Placement {
-                        profile_id: profile.gi_profile_id,
-                        start: *start,
-                    };
-                    if geometry.check_add(&layouts[gpu], candidate).is_ok() {
-                        layouts[gpu].push(candidate);
-                        search(geometry, layouts, rest, placed + 1, best);
-                        layouts[gpu].pop();
-                    }
-                }
-            }
-        }
-        search(geometry, layouts, rest, placed, best);
-    }
-    let mut best = 0;
-    search(geometry, &mut vec![Vec::new(); gpus], requests, 0, &mut best);
-    best
+    exhaustive(geometry, gpus, requests, true)
 }
 
 /// The most of `requests` (arrivals only, in order) that can be placed when every request
 /// that fits somewhere must be placed (as a scheduler must), choosing each placement with
 /// hindsight: the best any device order could do on this stream. Exhaustive, for small inputs.
 pub fn optimum_online(geometry: &MigGeometry, gpus: usize, requests: &[ProfileName]) -> usize {
-    fn search(
-        geometry: &MigGeometry,
-        layouts: &mut Vec<Vec<Placement>>,
-        requests: &[ProfileName],
-        placed: usize,
-        best: &mut usize,
-    ) {
-        if placed + requests.len() <= *best {
-            return;
-        }
-        let Some((first, rest)) = requests.split_first() else {
-            *best = (*best).max(placed);
-            return;
-        };
-        let mut fitted = false;
-        if let Some(profile) = geometry.profile_by_name(first) {
-            for gpu in 0..layouts.len() {
-                if layouts[..gpu].contains(&layouts[gpu]) {
-                    continue;
-                }
-                for start in &profile.placements {
-                    let candidate = Placement {
-                        profile_id: profile.gi_profile_id,
-                        start: *start,
-                    };
-                    if geometry.check_add(&layouts[gpu], candidate).is_ok() {
-                        fitted = true;
-                        layouts[gpu].push(candidate);
-                        search(geometry, layouts, rest, placed + 1, best);
-                        layouts[gpu].pop();
+    exhaustive(geometry, gpus, requests, false)
+}
+
+/// Branch and bound over every placement of every request; `may_refuse` also explores
+/// refusing a request that would fit.
+fn exhaustive(geometry: &MigGeometry, gpus: usize, requests: &[ProfileName], may_refuse: bool) -> usize {
+    struct Search<'a> {
+        geometry: &'a MigGeometry,
+        may_refuse: bool,
+        best: usize,
+    }
+    impl Search<'_> {
+        fn run(&mut self, layouts: &mut Vec<Vec<Placement>>, requests: &[ProfileName], placed: usize) {
+            if placed + requests.len() <= self.best {
+                return; // cannot beat the best found
+            }
+            let Some((first, rest)) = requests.split_first() else {
+                self.best = self.best.max(placed);
+                return;
+            };
+            let mut fitted = false;
+            if let Some(profile) = self.geometry.profile_by_name(first) {
+                for gpu in 0..layouts.len() {
+                    // GPUs with identical layouts are interchangeable: try only the first.
+                    if layouts[..gpu].contains(&layouts[gpu]) {
+                        continue;
+                    }
+                    for start in &profile.placements {
+                        let candidate = Placement {
+                            profile_id: profile.gi_profile_id,
+                            start: *start,
+                        };
+                        if self.geometry.check_add(&layouts[gpu], candidate).is_ok() {
+                            fitted = true;
+                            layouts[gpu].push(candidate);
+                            self.run(layouts, rest, placed + 1);
+                            layouts[gpu].pop();
+                        }
                     }
                 }
             }
-        }
-        if !fitted {
-            search(geometry, layouts, rest, placed, best);
+            if self.may_refuse || !fitted {
+                self.run(layouts, rest, placed);
+            }
         }
     }
-    let mut best = 0;
-    search(geometry, &mut vec![Vec::new(); gpus], requests, 0, &mut best);
-    best
+    let mut search = Search {
+        geometry,
+        may_refuse,
+        best: 0,
+    };
+    search.run(&mut vec![Vec::new(); gpus], requests, 0);
+    search.best
 }
 
 /// First-fit acceptance of arrival-only requests.
