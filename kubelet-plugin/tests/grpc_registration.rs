@@ -24,7 +24,14 @@ fn expected_info(h: &Harness) -> PluginInfo {
         r#type: "DRAPlugin".to_string(),
         name: "gpu.migdra.dev".to_string(),
         endpoint: h.dra_socket.display().to_string(),
-        supported_versions: vec!["v1.DRAPlugin".to_string(), "v1beta1.DRAPlugin".to_string()],
+        supported_versions: [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1.DRAResourceHealth",
+            "v1alpha1.DRAResourceHealth",
+        ]
+        .map(String::from)
+        .to_vec(),
     }
 }
 

@@ -261,6 +261,18 @@ fn mig_pod_gets_exactly_its_instance(
             caps.iter().any(|n| n.minor == gi_minor),
             "GI capability minor {gi_minor} not in {caps:?}"
         );
+        // The kubelet shows the device's health from the plugin's health stream.
+        let healthy = wait_until(Duration::from_secs(60), || async {
+            device_health(cluster, "mig-3g", device)
+                .await
+                .filter(|h| h == "Healthy")
+        })
+        .await;
+        ensure!(
+            healthy.is_ok(),
+            "device health stayed {:?}",
+            device_health(cluster, "mig-3g", device).await
+        );
         settle(cluster).await
     })
 }
@@ -619,6 +631,92 @@ fn bad_opaque_config_is_reported_and_creates_nothing(
     })
 }
 
+// ---- health -------------------------------------------------------------------------------
+
+/// Health the kubelet reports for `device` in the pod's first container.
+async fn device_health(cluster: &Cluster, pod: &str, device: &str) -> Option<String> {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(cluster.client.clone(), "default");
+    let pod = serde_json::to_value(pods.get(pod).await.ok()?).ok()?;
+    let statuses = pod["status"]["containerStatuses"][0]["allocatedResourcesStatus"]
+        .as_array()?
+        .clone();
+    statuses
+        .iter()
+        .flat_map(|s| s["resources"].as_array().cloned().unwrap_or_default())
+        .find_map(|r| {
+            let ours = r["resourceID"].as_str().is_some_and(|id| id.ends_with(device));
+            if ours {
+                r["health"].as_str().map(str::to_string)
+            } else {
+                None
+            }
+        })
+}
+
+/// Devices of GPU `minor` in the published pool.
+async fn published_on(cluster: &Cluster, minor: u32) -> Option<usize> {
+    let prefix = format!("gpu-{minor}");
+    let slices = slices(cluster).await.ok()?;
+    Some(
+        slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .filter(|d| d.name == prefix || d.name.starts_with(&format!("{prefix}-")))
+            .count(),
+    )
+}
+
+async fn wait_health(cluster: &Cluster, pod: &str, device: &str, want: &str) -> anyhow::Result<()> {
+    wait_until(Duration::from_secs(60), || async {
+        device_health(cluster, pod, device).await.filter(|h| h == want)
+    })
+    .await
+    .with_context(|| format!("device health never became {want}"))
+    .map(drop)
+}
+
+fn lost_gpu_turns_unhealthy_and_leaves_the_pool(
+    cluster: &mut Cluster,
+) -> futures::future::BoxFuture<'_, anyhow::Result<()>> {
+    Box::pin(async move {
+        let c = cluster.client.clone();
+        let a100 = gpu_uuid(cluster, 2);
+        create_template(&c, "watched", mig(&[profile_is("1g.5gb"), on_gpu(&a100)]), None).await?;
+        create_pod(&c, "watched", "watched", &["sleep", "3600"], false).await?;
+        wait_phase(&c, "watched", "Running", SHORT).await?;
+        let (_, device) = workload::allocated(&workload::pod_claim(&c, "watched").await?)
+            .pop()
+            .context("not allocated")?;
+        wait_health(cluster, "watched", &device, "Healthy").await?;
+        ensure!(
+            published_on(cluster, 2).await.unwrap_or(0) > 0,
+            "the A100 is not published"
+        );
+        // The GPU falls off the bus: the kubelet learns it from the health stream, and the
+        // controller withdraws the GPU's devices (the default policy omits unhealthy GPUs).
+        cluster.update_gpus(|s| s.gpus[2].lost = true)?;
+        wait_health(cluster, "watched", &device, "Unhealthy").await?;
+        wait_until(Duration::from_secs(60), || async {
+            (published_on(cluster, 2).await == Some(0)).then_some(())
+        })
+        .await
+        .context("the lost GPU's devices were not withdrawn")?;
+        ensure!(
+            published_on(cluster, 0).await.unwrap_or(0) > 0,
+            "the healthy GPUs stay published"
+        );
+        // It comes back.
+        cluster.update_gpus(|s| s.gpus[2].lost = false)?;
+        wait_health(cluster, "watched", &device, "Healthy").await?;
+        wait_until(Duration::from_secs(60), || async {
+            (published_on(cluster, 2).await > Some(0)).then_some(())
+        })
+        .await
+        .context("the recovered GPU was not published again")?;
+        settle(cluster).await
+    })
+}
+
 // ---- the Helm chart under a real API server -------------------------------------------
 
 fn kubectl(cluster: &Cluster, args: &[&str]) -> anyhow::Result<std::process::Output> {
@@ -879,6 +977,10 @@ fn main() {
         (
             "bad_opaque_config_is_reported_and_creates_nothing",
             bad_opaque_config_is_reported_and_creates_nothing,
+        ),
+        (
+            "lost_gpu_turns_unhealthy_and_leaves_the_pool",
+            lost_gpu_turns_unhealthy_and_leaves_the_pool,
         ),
         (
             "chart_objects_pass_server_side_dry_run",

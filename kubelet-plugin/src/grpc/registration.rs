@@ -16,9 +16,15 @@ use super::RegistrationState;
 /// The plugin type the kubelet's DRA plugin handler accepts.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";
 
-/// The DRA service versions we offer, preferred first: the kubelet takes the first entry it
-/// supports.
-pub const SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
+/// The gRPC services we offer, as `<package>.<service>`, preferred first. The kubelet takes
+/// the first DRAPlugin entry it supports, and (1.37+) opens the optional health stream only
+/// for a DRAResourceHealth service listed here; entries it does not know are ignored.
+pub const SUPPORTED_VERSIONS: [&str; 4] = [
+    "v1.DRAPlugin",
+    "v1beta1.DRAPlugin",
+    "v1.DRAResourceHealth",
+    "v1alpha1.DRAResourceHealth",
+];
 
 /// Answers the kubelet's `GetInfo` and records its `NotifyRegistrationStatus`.
 pub struct RegistrationService {
