@@ -63,18 +63,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
             .context("starting the HTTP endpoint")?;
     tracing::info!(%http_addr, "serving metrics and probes");
 
-    let kube_config = match &args.kubeconfig {
-        Some(path) => {
-            let kubeconfig = kube::config::Kubeconfig::read_from(path).context("reading the kubeconfig")?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-                .await
-                .context("loading the kubeconfig")?
-        }
-        None => kube::Config::infer()
-            .await
-            .context("finding the cluster configuration")?,
-    };
-    let client = kube::Client::try_from(kube_config).context("creating the Kubernetes client")?;
+    let client = migdra_runtime::kube_client(args.kubeconfig.as_deref()).await?;
     let config = context::ControllerConfig {
         driver: args.driver_name.clone(),
         heartbeat_timeout: args.heartbeat_timeout(),

@@ -113,16 +113,7 @@ async fn main() -> anyhow::Result<()> {
         })
     };
 
-    let kube_config = match &args.kubeconfig {
-        Some(path) => {
-            let kubeconfig = kube::config::Kubeconfig::read_from(path).context("reading the kubeconfig")?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?
-        }
-        None => kube::Config::infer()
-            .await
-            .context("finding the cluster configuration")?,
-    };
-    let client = kube::Client::try_from(kube_config).context("creating the Kubernetes client")?;
+    let client = migdra_runtime::kube_client(args.kubeconfig.as_deref()).await?;
 
     let state_dir = args
         .state_dir

@@ -1,5 +1,5 @@
 //! Process plumbing shared by `migdra-controller` and `migdra-kubelet-plugin`: logging setup,
-//! the HTTP endpoint for metrics and probes, and shutdown on signals.
+//! the HTTP endpoint for metrics and probes, shutdown on signals, and the Kubernetes client.
 
 use std::{
     convert::Infallible,
@@ -57,6 +57,45 @@ pub fn shutdown_on_signals() -> Result<CancellationToken, std::io::Error> {
         fire.cancel();
     });
     Ok(token)
+}
+
+/// Why no Kubernetes client could be made.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeClientError {
+    /// The kubeconfig file could not be read or parsed.
+    #[error("reading the kubeconfig {path}: {source}")]
+    Kubeconfig {
+        /// File.
+        path: std::path::PathBuf,
+        /// Cause.
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    /// No usable configuration (neither in-cluster nor $KUBECONFIG).
+    #[error("finding the cluster configuration: {0}")]
+    Infer(#[from] kube::config::InferConfigError),
+    /// The client could not be built from the configuration.
+    #[error("creating the Kubernetes client: {0}")]
+    Client(#[from] kube::Error),
+}
+
+/// A Kubernetes client from an explicit kubeconfig file, or else the usual inference
+/// (in-cluster service account, then `$KUBECONFIG` / `~/.kube/config`).
+pub async fn kube_client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client, KubeClientError> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let error = |source| KubeClientError::Kubeconfig {
+                path: path.to_path_buf(),
+                source,
+            };
+            let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(error)?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                .await
+                .map_err(error)?
+        }
+        None => kube::Config::infer().await?,
+    };
+    Ok(kube::Client::try_from(config)?)
 }
 
 /// A readiness flag the HTTP endpoint reports on `/readyz`.

@@ -245,17 +245,13 @@ impl Cluster {
         if !status.success() {
             bail!("building the fake CRI failed");
         }
-        let kubeconfig =
-            kube::config::Kubeconfig::from_yaml(&kubeconfig_yaml(layout.apiserver_port, ADMIN_TOKEN))
-                .context("parsing the admin kubeconfig")?;
         write(
             &layout.kubeconfig,
             &kubeconfig_yaml(layout.apiserver_port, ADMIN_TOKEN),
         )?;
-        let kube_config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        let client = migdra_runtime::kube_client(Some(&layout.kubeconfig))
             .await
-            .context("loading the admin kubeconfig")?;
-        let client = Client::try_from(kube_config).context("creating the admin client")?;
+            .context("creating the admin client")?;
         let created_host_dirs = KUBELET_HOST_DIRS
             .into_iter()
             .filter(|d| !Path::new(d).exists())
@@ -798,9 +794,7 @@ fileCheckFrequency: 5s
     /// A client authenticated as the kubelet plugin (its node-bound ServiceAccount token).
     pub async fn plugin_client(&self) -> anyhow::Result<Client> {
         let path = self.plugin_kubeconfig.clone().context("no plugin token yet")?;
-        let kubeconfig = kube::config::Kubeconfig::read_from(&path)?;
-        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-        Ok(Client::try_from(config)?)
+        Ok(migdra_runtime::kube_client(Some(&path)).await?)
     }
 
     /// The simulated GPUs' current state.
