@@ -67,23 +67,6 @@ pub enum Step {
     ClaimForgotten,
 }
 
-impl Step {
-    /// Every step, in the order prepare then unprepare reach them.
-    pub const ALL: [Step; 11] = [
-        Step::PrepareRecorded,
-        Step::GpuInstanceCreated,
-        Step::ComputeInstanceCreated,
-        Step::DeviceRecorded,
-        Step::CdiWritten,
-        Step::PrepareCompleted,
-        Step::UnprepareRecorded,
-        Step::ComputeInstanceDestroyed,
-        Step::GpuInstanceDestroyed,
-        Step::CdiRemoved,
-        Step::ClaimForgotten,
-    ];
-}
-
 /// Called at every [`Step`] with the claim UID. Production passes a no-op.
 pub type StepHook = Arc<dyn Fn(&str, Step) + Send + Sync>;
 

@@ -82,12 +82,6 @@ pub fn repo_root() -> PathBuf {
         .unwrap_or_else(|_| PathBuf::from("."))
 }
 
-/// A component's process.
-struct Component {
-    child: Child,
-    log: PathBuf,
-}
-
 /// Paths and ports of a running cluster.
 #[derive(Clone, Debug)]
 pub struct Layout {
@@ -149,7 +143,7 @@ pub struct Cluster {
     pub layout: Layout,
     /// Admin client.
     pub client: Client,
-    components: BTreeMap<&'static str, Component>,
+    components: BTreeMap<&'static str, Child>,
     ports: BTreeMap<&'static str, u16>,
     created_host_dirs: Vec<&'static str>,
     controller_kubeconfig: Option<PathBuf>,
@@ -731,7 +725,7 @@ fileCheckFrequency: 5s
             self.layout.run_dir.join(format!("{name}.pid")),
             child.id().to_string(),
         )?;
-        self.components.insert(name, Component { child, log });
+        self.components.insert(name, child);
         Ok(())
     }
 
@@ -740,23 +734,23 @@ fileCheckFrequency: 5s
         let Some(mut component) = self.components.remove(name) else {
             return;
         };
-        signal(&component.child, libc::SIGTERM);
+        signal(&component, libc::SIGTERM);
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
-            if let Ok(Some(_)) = component.child.try_wait() {
+            if let Ok(Some(_)) = component.try_wait() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = component.child.kill();
-        let _ = component.child.wait();
+        let _ = component.kill();
+        let _ = component.wait();
     }
 
     /// Kills a component with SIGKILL (a crash).
     pub fn kill(&mut self, name: &str) {
         if let Some(mut component) = self.components.remove(name) {
-            let _ = component.child.kill();
-            let _ = component.child.wait();
+            let _ = component.kill();
+            let _ = component.wait();
         }
     }
 
@@ -807,26 +801,14 @@ fileCheckFrequency: 5s
         Ok(update_state(&self.layout.gpu_state_path(), f)?)
     }
 
-    /// True while the component's process runs.
-    pub fn is_running(&mut self, name: &str) -> bool {
-        self.components
-            .get_mut(name)
-            .is_some_and(|c| matches!(c.child.try_wait(), Ok(None)))
-    }
-
     /// Resident memory of a running component in KiB (from /proc), for footprint reports.
     pub fn rss_kib(&self, name: &str) -> Option<u64> {
-        let pid = self.components.get(name)?.child.id();
+        let pid = self.components.get(name)?.id();
         let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         status
             .lines()
             .find_map(|l| l.strip_prefix("VmRSS:"))
             .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
-    }
-
-    /// The component logs, for failure reports.
-    pub fn logs(&self) -> Vec<PathBuf> {
-        self.components.values().map(|c| c.log.clone()).collect()
     }
 
     /// Stops everything this launcher started, in reverse dependency order, and cleans up

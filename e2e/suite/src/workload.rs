@@ -1,7 +1,7 @@
 //! Workloads for the tests and the demo: claim templates, pods, and what happened to them
 //! (allocation, container records of the fake runtime, events).
 
-use std::{collections::BTreeMap, path::Path, time::Duration};
+use std::{path::Path, time::Duration};
 
 use anyhow::{Context, bail};
 use k8s_openapi::api::{
@@ -302,20 +302,4 @@ pub fn container_record(records_dir: &Path, pod: &str, container: &str) -> anyho
         Some((_, record)) => Ok(record),
         None => bail!("no container record for {pod}/{container}"),
     }
-}
-
-/// Parses `gpu-<minor>-mig-<profile>-<start>` into (minor, profile label, start).
-pub fn parse_device(device: &str) -> anyhow::Result<migdra_api::device_name::DeviceName> {
-    Ok(device.parse()?)
-}
-
-/// Counts how many pods of a set are in each phase.
-pub async fn phases(client: &Client, pods: &[String]) -> BTreeMap<String, usize> {
-    let mut counts = BTreeMap::new();
-    for pod in pods {
-        *counts
-            .entry(phase(client, pod).await.unwrap_or_else(|| "Gone".into()))
-            .or_default() += 1;
-    }
-    counts
 }
