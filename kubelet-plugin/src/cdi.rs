@@ -14,7 +14,7 @@ use std::{
 
 use serde::Serialize;
 
-use crate::checkpoint::write_atomically;
+use crate::state_dir::write_atomically;
 
 /// CDI spec version we write: explicit device-node fields need nothing newer, dots in the
 /// vendor name and annotations are covered by 0.6.0.
@@ -55,9 +55,6 @@ pub enum CdiError {
         #[source]
         source: std::io::Error,
     },
-    /// Writing a spec failed.
-    #[error(transparent)]
-    Atomic(#[from] crate::checkpoint::CheckpointError),
     /// Encoding failed.
     #[error("encoding a CDI spec: {0}")]
     Encode(#[from] serde_json::Error),
@@ -299,8 +296,10 @@ impl CdiWriter {
         let path = self.spec_path(claim_uid);
         let mut bytes = serde_json::to_vec_pretty(&spec)?;
         bytes.push(b'\n');
-        write_atomically(&path, &bytes, 0o644)?;
-        Ok(path)
+        match write_atomically(&path, &bytes, 0o644) {
+            Ok(()) => Ok(path),
+            Err(source) => Err(CdiError::Write { path, source }),
+        }
     }
 
     /// Removes a claim's spec; a missing file is fine.

@@ -8,20 +8,21 @@
 //! The file is `{"checksum": "sha256:<hex>", "data": {...}}`, where the checksum covers the
 //! exact bytes of `data` as written. Readers never re-serialise before checking, so adding a
 //! field in a later version cannot break an older binary's checksum (the failure mode of
-//! NVIDIA's driver, #1080). Writes are atomic (temp file, fsync, rename, fsync dir) and the
-//! file is root-only (0600 in a 0700 directory).
+//! NVIDIA's driver, #1080). Writes are atomic ([`write_atomically`]) and the file is root-only
+//! (0600 in a 0700 directory). The driver uses it only through [`crate::journal::Journal`].
 
 use std::{
     collections::BTreeMap,
     fs,
-    io::Write,
-    os::unix::fs::{DirBuilderExt, PermissionsExt},
+    os::unix::fs::DirBuilderExt,
     path::{Path, PathBuf},
 };
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
+
+use crate::state_dir::write_atomically;
 
 /// Format version of `data`.
 pub const CHECKPOINT_VERSION: u32 = 1;
@@ -277,7 +278,10 @@ impl Checkpoint {
 
     fn persist(&self) -> Result<(), CheckpointError> {
         let bytes = encode(&self.data)?;
-        write_atomically(&self.path, &bytes, 0o600)
+        write_atomically(&self.path, &bytes, 0o600).map_err(|source| CheckpointError::Io {
+            path: self.path.clone(),
+            source,
+        })
     }
 }
 
@@ -313,40 +317,10 @@ fn checksum(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
-/// Writes `bytes` to `path` so that readers see either the old or the new file, never a mix:
-/// a temp file in the same directory, fsync, rename over the target, fsync the directory.
-pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> Result<(), CheckpointError> {
-    let io = |source| CheckpointError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let dir = path.parent().unwrap_or_else(|| Path::new("."));
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".tmp-")
-        .tempfile_in(dir)
-        .map_err(io)?;
-    tmp.as_file()
-        .set_permissions(fs::Permissions::from_mode(mode))
-        .map_err(io)?;
-    tmp.write_all(bytes).map_err(io)?;
-    tmp.as_file().sync_all().map_err(io)?;
-    tmp.persist(path).map_err(|e| io(e.error))?;
-    fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
-    Ok(())
-}
-
-/// Reads the kernel's boot ID.
-pub fn read_boot_id(path: &Path) -> Result<String, CheckpointError> {
-    fs::read_to_string(path)
-        .map(|s| s.trim().to_string())
-        .map_err(|source| CheckpointError::Io {
-            path: path.to_path_buf(),
-            source,
-        })
-}
-
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
     use super::*;
 
     fn record(state: ClaimState) -> ClaimRecord {

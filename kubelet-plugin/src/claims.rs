@@ -123,6 +123,22 @@ pub enum ClaimError {
     },
 }
 
+impl ClaimError {
+    /// A stable CamelCase label of the cause (a bounded set, for metrics).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Api { .. } => "ClaimReadFailed",
+            Self::NotFound { .. } => "ClaimNotFound",
+            Self::Replaced { .. } => "ClaimReplaced",
+            Self::NotAllocated { .. } => "ClaimNotAllocated",
+            Self::OtherPool { .. } => "OtherPool",
+            Self::DeviceName { .. } => "InvalidDeviceName",
+            Self::Config { .. } => "InvalidConfig",
+            Self::AdminAccess { .. } => "AdminAccessUnsupported",
+        }
+    }
+}
+
 /// One of our devices in a claim's allocation.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AllocatedDevice {

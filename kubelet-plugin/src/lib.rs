@@ -1,15 +1,158 @@
 //! migdra's kubelet plugin: prepares allocated ResourceClaims by creating the allocated MIG
 //! instance, hands it to containers through CDI, and destroys it after the pod is gone.
 //!
-//! Modules follow the data flow: the kubelet's gRPC calls ([`grpc`]) reach the
-//! [`driver`] state machine, which reads claims ([`claims`]), records progress
-//! ([`checkpoint`]), drives the GPU ([`nvml`]) and writes CDI specs ([`cdi`]).
+//! Modules follow the data flow. [`cli`] → [`run`] starts everything. The kubelet's gRPC
+//! calls ([`grpc`]) reach the [`driver`] state machine, which reads claims ([`claims`]),
+//! plans placements from plain values ([`plan`]), records progress in the [`journal`] (the
+//! [`checkpoint`] file, written through [`state_dir`]), works on GPUs through the GPU table
+//! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]). Beside it, the status loop
+//! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
+//! counts what happens.
 
 pub mod cdi;
 pub mod checkpoint;
 pub mod claims;
+pub mod cli;
 pub mod driver;
+pub mod gpus;
 pub mod grpc;
+pub mod journal;
 pub mod metrics;
 pub mod node_status;
 pub mod nvml;
+pub mod plan;
+pub mod state_dir;
+
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use migdra_runtime::Readiness;
+use tokio::sync::watch;
+
+use crate::{
+    cdi::CdiWriter,
+    claims::KubeClaims,
+    driver::{Driver, DriverConfig},
+    grpc::{
+        RegistrationState,
+        server::{PluginServer, PluginServerConfig},
+    },
+    metrics::Metrics,
+    node_status::{NodeStatusWriter, StatusLoop},
+    nvml::NvmlBackend,
+};
+
+/// Runs the plugin until SIGTERM/SIGINT: metrics and probes, NVML, the driver (with startup
+/// recovery), the status loop, then the kubelet's DRA and registration sockets.
+pub async fn run(args: cli::Args) -> anyhow::Result<()> {
+    migdra_runtime::init_logging(args.log_format, &args.log_level)
+        .map_err(|e| anyhow::anyhow!("setting up logging: {e}"))?;
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %args.node_name, driver = %args.driver_name, "starting");
+    let shutdown = migdra_runtime::shutdown_on_signals().context("installing signal handlers")?;
+
+    let metrics = Metrics::new();
+    let ready = Readiness::default();
+    let renderer = {
+        let metrics = metrics.clone();
+        Arc::new(move || metrics.encode())
+    };
+    let (http_addr, http_task) =
+        migdra_runtime::serve_http(args.http_address, renderer, ready.clone(), shutdown.clone())
+            .await
+            .context("starting the HTTP endpoint")?;
+    tracing::info!(%http_addr, "serving metrics and probes");
+    let (grpc_health, grpc_health_service) = tonic_health::server::health_reporter();
+    grpc_health
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
+    let grpc_health_task = {
+        let shutdown = shutdown.clone();
+        let addr = args.grpc_health_address;
+        tokio::spawn(async move {
+            let result = tonic::transport::Server::builder()
+                .add_service(grpc_health_service)
+                .serve_with_shutdown(addr, shutdown.cancelled_owned())
+                .await;
+            if let Err(e) = result {
+                tracing::error!(%addr, error = %e, "gRPC health endpoint failed");
+            }
+        })
+    };
+
+    let client = migdra_runtime::kube_client(args.kubeconfig.as_deref()).await?;
+
+    let boot_id = state_dir::read_boot_id(&args.boot_id_path)?;
+    let backend = {
+        let path = args.nvml_lib_path.clone();
+        tokio::task::spawn_blocking(move || NvmlBackend::new(path.as_deref()))
+            .await?
+            .context("loading NVML")?
+    };
+    let config = DriverConfig {
+        driver_name: args.driver_name.clone(),
+        node_name: args.node_name.clone(),
+        state_dir: args.resolved_state_dir(),
+        boot_id,
+        lock_timeout: args.lock_timeout(),
+    };
+    let cdi = CdiWriter::new(&args.cdi_dir, &args.driver_name, &args.proc_root);
+    let (driver, report) = {
+        let claims = KubeClaims::new(client.clone());
+        let metrics = metrics.clone();
+        tokio::task::spawn_blocking(move || {
+            Driver::start(config, Arc::new(backend), claims, cdi, None, metrics)
+        })
+        .await?
+        .context("starting the driver")?
+    };
+    tracing::info!(?report, pool = driver.pool(), "driver ready");
+
+    // The health list starts from a first inventory, so the kubelet never sees an empty one.
+    let gpus = driver.gpus().clone();
+    let first = {
+        let gpus = gpus.clone();
+        tokio::task::spawn_blocking(move || gpus.inventory())
+            .await?
+            .context("first GPU inventory")?
+    };
+    let (health_tx, health_rx) = watch::channel(gpus.device_health(&first));
+    let (registration_tx, registration_rx) = watch::channel(RegistrationState::default());
+    let heartbeat = args.heartbeat_interval();
+    let writer = NodeStatusWriter::new(client, &args.node_name, &args.driver_name, heartbeat);
+    let status = StatusLoop {
+        gpus,
+        writer: Some(writer),
+        recovery_note: report.summary(),
+        registration: registration_rx.clone(),
+        health: health_tx,
+        interval: heartbeat,
+    };
+    let status_task = tokio::spawn(status.run(shutdown.clone()));
+
+    let mut server_config = PluginServerConfig::new(&args.kubelet_root_dir, &args.driver_name);
+    server_config.health_resend_interval = args.health_resend_interval();
+    let server = PluginServer::new(server_config, Arc::new(driver), health_rx, registration_tx);
+    let serving = server
+        .serve_dra(shutdown.clone())
+        .await
+        .context("serving the DRA socket")?;
+    let serving = serving
+        .register()
+        .await
+        .context("creating the registration socket")?;
+    ready.set(true);
+    grpc_health
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    tracing::info!("serving the kubelet");
+    let served = serving.wait().await;
+    ready.set(false);
+    if let Err(e) = status_task.await {
+        tracing::warn!(error = %e, "status task failed");
+    }
+    shutdown.cancel();
+    let _ = tokio::join!(http_task, grpc_health_task);
+    served.context("kubelet gRPC servers")?;
+    tracing::info!("stopped");
+    Ok(())
+}

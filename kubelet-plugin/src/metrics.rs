@@ -1,4 +1,5 @@
-//! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`).
+//! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`): claim outcomes
+//! and failure causes, call durations, startup repairs, and gauges from the inventory.
 
 use std::{sync::Arc, time::Duration};
 
@@ -13,6 +14,12 @@ use prometheus_client::{
 struct ClaimLabels {
     operation: &'static str,
     result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FailureLabels {
+    operation: &'static str,
+    reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -39,6 +46,7 @@ struct HealthLabels {
 #[derive(Clone)]
 pub struct Metrics {
     claims: Family<ClaimLabels, Counter>,
+    claim_failures: Family<FailureLabels, Counter>,
     call_duration: Family<OperationLabels, Histogram>,
     recoveries: Family<ActionLabels, Counter>,
     prepared_claims: Gauge,
@@ -62,6 +70,12 @@ impl Metrics {
             "claims",
             "Claims prepared or unprepared, by result",
             claims.clone(),
+        );
+        let claim_failures = Family::<FailureLabels, Counter>::default();
+        registry.register(
+            "claim_failures",
+            "Claims that failed to prepare or unprepare, by cause",
+            claim_failures.clone(),
         );
         let call_duration = Family::<OperationLabels, Histogram>::new_with_constructor(|| {
             Histogram::new([
@@ -95,6 +109,7 @@ impl Metrics {
         registry.register("gpus", "GPUs on the node, by health", gpus.clone());
         Self {
             claims,
+            claim_failures,
             call_duration,
             recoveries,
             prepared_claims,
@@ -109,6 +124,13 @@ impl Metrics {
         let result = if ok { "success" } else { "error" };
         self.claims
             .get_or_create(&ClaimLabels { operation, result })
+            .inc();
+    }
+
+    /// Counts one claim's failure by its cause (`ClaimFailure::reason`, a bounded set).
+    pub fn claim_failure(&self, operation: &'static str, reason: &'static str) {
+        self.claim_failures
+            .get_or_create(&FailureLabels { operation, reason })
             .inc();
     }
 
@@ -162,5 +184,31 @@ impl Metrics {
             tracing::warn!(error = %e, "encoding metrics failed");
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_are_counted_by_operation_and_reason() {
+        let metrics = Metrics::new();
+        metrics.claim_failure("prepare", "UnknownProfile");
+        metrics.claim_failure("prepare", "UnknownProfile");
+        metrics.claim_failure("unprepare", "NvmlError");
+        let text = metrics.encode();
+        assert!(
+            text.contains(
+                r#"migdra_kubelet_plugin_claim_failures_total{operation="prepare",reason="UnknownProfile"} 2"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"migdra_kubelet_plugin_claim_failures_total{operation="unprepare",reason="NvmlError"} 1"#
+            ),
+            "{text}"
+        );
     }
 }

@@ -1,6 +1,9 @@
 //! The node's `GpuNode`: created with a Node owner reference (so it is garbage-collected with
 //! the node) and kept current with the inventory, the kubelet registration state and a
 //! heartbeat, from which the controller decides whether to publish this node's pool.
+//!
+//! [`StatusLoop`] reads the GPU table ([`crate::gpus`]), never the driver: it keeps running
+//! while another plugin instance holds the node lock.
 
 use std::time::Duration;
 
@@ -20,8 +23,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    claims::ClaimSource,
-    driver::{Driver, RecoveryReport},
+    gpus::Gpus,
     grpc::{DeviceHealthReport, RegistrationState},
     nvml::GpuBackend,
 };
@@ -139,113 +141,122 @@ impl NodeStatusWriter {
     }
 }
 
-/// Refreshes the inventory and device health every `interval`, and immediately when the
-/// kubelet's registration state changes, until `shutdown`; then reports the plugin as
-/// unregistered so the controller withdraws the pool without waiting for the heartbeat to
-/// go stale.
-#[allow(clippy::too_many_arguments)]
-pub async fn run<B: GpuBackend + 'static, C: ClaimSource>(
-    driver: Driver<B, C>,
-    mut writer: Option<NodeStatusWriter>,
-    recovery: RecoveryReport,
-    mut registration: watch::Receiver<RegistrationState>,
-    health: watch::Sender<Vec<DeviceHealthReport>>,
-    interval: Duration,
-    shutdown: CancellationToken,
-) {
-    let driver_version = driver.backend().driver_version().ok();
-    let mut object_ready = false;
-    let mut registration_open = true;
-    let mut recovery = Some(recovery)
-        .filter(|r| !r.rolled_back.is_empty() || !r.unprepared.is_empty() || !r.cdi_rewritten.is_empty());
-    let mut health_seen: std::collections::BTreeMap<u32, bool> = std::collections::BTreeMap::new();
-    loop {
-        let snapshot = {
-            let driver = driver.clone();
-            tokio::task::spawn_blocking(move || driver.inventory()).await
-        };
-        let inventory = match snapshot {
-            Ok(Ok(inventory)) => Some(inventory),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "GPU discovery failed");
-                None
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "inventory task failed");
-                None
-            }
-        };
-        if let Some(inventory) = &inventory {
-            let reports = driver.device_health(inventory);
-            health.send_if_modified(|current| {
-                let changed = *current != reports;
-                if changed {
-                    *current = reports;
-                }
-                changed
-            });
-        }
-        if let (Some(writer), Some(inventory)) = (&mut writer, &inventory) {
-            if !object_ready {
-                match writer.ensure_object().await {
-                    Ok(()) => object_ready = true,
-                    Err(e) => tracing::warn!(error = %e, "creating the GpuNode failed; retrying"),
-                }
-            }
-            if object_ready && let Some(report) = recovery.take() {
-                let note = format!(
-                    "repaired interrupted operations at start: {} half-prepared claim(s) rolled back, {} half-unprepared claim(s) finished, {} CDI spec(s) rewritten",
-                    report.rolled_back.len(),
-                    report.unprepared.len(),
-                    report.cdi_rewritten.len()
-                );
-                writer
-                    .event(EventType::Warning, "RecoveredInterruptedOperations", note)
-                    .await;
-            }
-            for gpu in inventory {
-                let before = health_seen.insert(gpu.minor, gpu.health.healthy);
-                match (before, gpu.health.healthy) {
-                    (Some(true) | None, false) => {
-                        let reason = gpu.health.reason.clone().unwrap_or_default();
-                        let note = format!("GPU {} ({}) is unhealthy: {reason}", gpu.minor, gpu.uuid);
-                        writer.event(EventType::Warning, "GpuUnhealthy", note).await;
+/// The status loop: refreshes the inventory and device health every `interval`, and
+/// immediately when the kubelet's registration state changes; publishes them in the GpuNode
+/// (when there is a writer) with events for GPU health changes and startup repairs.
+pub struct StatusLoop<B> {
+    /// The GPU table the inventory comes from.
+    pub gpus: Gpus<B>,
+    /// Writes the GpuNode; `None` only refreshes the device health.
+    pub writer: Option<NodeStatusWriter>,
+    /// What startup recovery repaired, recorded once as an event (see
+    /// [`crate::driver::RecoveryReport::summary`]).
+    pub recovery_note: Option<String>,
+    /// The kubelet's registration state.
+    pub registration: watch::Receiver<RegistrationState>,
+    /// Where the device health goes (the resource-health stream).
+    pub health: watch::Sender<Vec<DeviceHealthReport>>,
+    /// Time between refreshes (the heartbeat).
+    pub interval: Duration,
+}
+
+impl<B: GpuBackend + 'static> StatusLoop<B> {
+    /// Runs until `shutdown`; then reports the plugin as unregistered so the controller
+    /// withdraws the pool without waiting for the heartbeat to go stale.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let Self {
+            gpus,
+            mut writer,
+            mut recovery_note,
+            mut registration,
+            health,
+            interval,
+        } = self;
+        let driver_version = gpus.backend().driver_version().ok();
+        let mut object_ready = false;
+        let mut registration_open = true;
+        let mut health_seen: std::collections::BTreeMap<u32, bool> = std::collections::BTreeMap::new();
+        loop {
+            let inventory = refresh(&gpus).await;
+            if let Some(inventory) = &inventory {
+                let reports = gpus.device_health(inventory);
+                health.send_if_modified(|current| {
+                    let changed = *current != reports;
+                    if changed {
+                        *current = reports;
                     }
-                    (Some(false), true) => {
-                        let note = format!("GPU {} ({}) is healthy again", gpu.minor, gpu.uuid);
-                        writer.event(EventType::Normal, "GpuHealthy", note).await;
+                    changed
+                });
+            }
+            if let (Some(writer), Some(inventory)) = (&mut writer, &inventory) {
+                if !object_ready {
+                    match writer.ensure_object().await {
+                        Ok(()) => object_ready = true,
+                        Err(e) => tracing::warn!(error = %e, "creating the GpuNode failed; retrying"),
                     }
-                    _ => {}
+                }
+                if object_ready && let Some(note) = recovery_note.take() {
+                    writer
+                        .event(EventType::Warning, "RecoveredInterruptedOperations", note)
+                        .await;
+                }
+                for gpu in inventory {
+                    let before = health_seen.insert(gpu.minor, gpu.health.healthy);
+                    match (before, gpu.health.healthy) {
+                        (Some(true) | None, false) => {
+                            let reason = gpu.health.reason.clone().unwrap_or_default();
+                            let note = format!("GPU {} ({}) is unhealthy: {reason}", gpu.minor, gpu.uuid);
+                            writer.event(EventType::Warning, "GpuUnhealthy", note).await;
+                        }
+                        (Some(false), true) => {
+                            let note = format!("GPU {} ({}) is healthy again", gpu.minor, gpu.uuid);
+                            writer.event(EventType::Normal, "GpuHealthy", note).await;
+                        }
+                        _ => {}
+                    }
+                }
+                if object_ready {
+                    let state = registration.borrow().clone();
+                    if let Err(e) = writer.publish(&state, driver_version.clone(), inventory).await {
+                        tracing::warn!(error = %e, "updating the GpuNode status failed; retrying");
+                        object_ready = false;
+                    }
                 }
             }
-            if object_ready {
-                let state = registration.borrow().clone();
-                if let Err(e) = writer.publish(&state, driver_version.clone(), inventory).await {
-                    tracing::warn!(error = %e, "updating the GpuNode status failed; retrying");
-                    object_ready = false;
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(interval) => {}
+                changed = registration.changed(), if registration_open => {
+                    // A closed channel means the registration server is gone; from then on the
+                    // timer alone drives the heartbeat.
+                    registration_open = changed.is_ok();
                 }
             }
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = tokio::time::sleep(interval) => {}
-            changed = registration.changed(), if registration_open => {
-                // A closed channel means the registration server is gone; from then on the
-                // timer alone drives the heartbeat.
-                registration_open = changed.is_ok();
+        if let (Some(writer), Some(inventory)) = (&writer, refresh(&gpus).await) {
+            let gone = RegistrationState {
+                registered: false,
+                error: Some("plugin shut down".into()),
+            };
+            if let Err(e) = writer.publish(&gone, driver_version, &inventory).await {
+                tracing::warn!(error = %e, "reporting shutdown in the GpuNode failed");
             }
         }
     }
-    if let (Some(writer), Ok(Ok(inventory))) = (&writer, {
-        let driver = driver.clone();
-        tokio::task::spawn_blocking(move || driver.inventory()).await
-    }) {
-        let gone = RegistrationState {
-            registered: false,
-            error: Some("plugin shut down".into()),
-        };
-        if let Err(e) = writer.publish(&gone, driver_version, &inventory).await {
-            tracing::warn!(error = %e, "reporting shutdown in the GpuNode failed");
+}
+
+/// One inventory, on a blocking thread (NVML calls block); `None` when it failed (logged).
+async fn refresh<B: GpuBackend + 'static>(gpus: &Gpus<B>) -> Option<Vec<GpuInventory>> {
+    let gpus = gpus.clone();
+    match tokio::task::spawn_blocking(move || gpus.inventory()).await {
+        Ok(Ok(inventory)) => Some(inventory),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "GPU discovery failed");
+            None
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "inventory task failed");
+            None
         }
     }
 }

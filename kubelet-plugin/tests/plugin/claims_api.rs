@@ -2,10 +2,9 @@
 //! what it does with missing, unallocated, foreign-pool and replaced claims.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
-mod support;
-
 use std::{sync::Arc, time::Duration};
 
+use crate::support::*;
 use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
 use migdra_kubelet_plugin::{
@@ -16,7 +15,6 @@ use migdra_kubelet_plugin::{
     nvml::NvmlBackend,
 };
 use serde_json::json;
-use support::*;
 use tower_test::mock;
 
 type Handle = mock::Handle<Request<Body>, Response<Body>>;

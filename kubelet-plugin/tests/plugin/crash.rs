@@ -4,8 +4,6 @@
 //! and the instance migdra did not create must survive.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
-mod support;
-
 use std::{
     panic::{AssertUnwindSafe, catch_unwind},
     sync::{
@@ -14,9 +12,9 @@ use std::{
     },
 };
 
+use crate::support::*;
 use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
 use migdra_kubelet_plugin::driver::{Step, StepHook};
-use support::*;
 
 const DEVICES: [(&str, &str); 2] = [("a", "gpu-0-mig-3g40gb-0"), ("b", "gpu-1-mig-2g20gb-2")];
 

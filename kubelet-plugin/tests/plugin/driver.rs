@@ -2,15 +2,21 @@
 //! fake NVML library: creation and destruction, user errors, conflicts, idempotency.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
-mod support;
-
 use std::collections::BTreeMap;
 
+use crate::support::*;
+use migdra_api::geometry::PlacementError;
 use migdra_api::inventory::InstanceOwner;
 use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
-use migdra_kubelet_plugin::{checkpoint::ClaimState, grpc::DraDriver};
+use migdra_kubelet_plugin::{
+    checkpoint::ClaimState,
+    claims::ClaimError,
+    driver::ClaimFailure,
+    nvml::{BackendError, NvmlErrorKind},
+    plan::Rejection,
+    state_dir::NodeLockError,
+};
 use serde_json::json;
-use support::*;
 
 const H100_3G_AT_4: &str = "gpu-0-mig-3g40gb-4";
 
@@ -175,12 +181,24 @@ async fn ampere_serves_only_what_its_current_mode_allows() {
     let (driver, _) = node.start(None);
     node.claims
         .put(claim("uid-1", "whole-on-mig", &[("gpu", "gpu-0")]));
-    let err = prepare_one(&driver, "uid-1", "whole-on-mig").await.unwrap_err();
-    assert!(err.contains("needs a GPU reset"), "{err}");
+    let err = prepare_typed(&driver, "uid-1", "whole-on-mig").await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClaimFailure::Rejected(Rejection::MigModeOnNeedsReset { minor: 0, .. })
+        ),
+        "{err}"
+    );
     node.claims
         .put(claim("uid-2", "mig-on-whole", &[("gpu", "gpu-1-mig-1g5gb-0")]));
-    let err = prepare_one(&driver, "uid-2", "mig-on-whole").await.unwrap_err();
-    assert!(err.contains("needs a GPU reset"), "{err}");
+    let err = prepare_typed(&driver, "uid-2", "mig-on-whole").await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClaimFailure::Rejected(Rejection::MigModeOffNeedsReset { minor: 1, .. })
+        ),
+        "{err}"
+    );
     let state = node.host.read_state().unwrap();
     assert!(
         state.gpus[0].mig_enabled && !state.gpus[1].mig_enabled,
@@ -193,10 +211,7 @@ async fn ampere_serves_only_what_its_current_mode_allows() {
 }
 
 /// Asserts that a failed prepare left nothing behind.
-fn assert_nothing_created(
-    node: &Node,
-    driver: &migdra_kubelet_plugin::driver::Driver<migdra_kubelet_plugin::nvml::NvmlBackend, StaticClaims>,
-) {
+fn assert_nothing_created(node: &Node, driver: &TestDriver) {
     assert_eq!(node.total_instances(), 0);
     assert!(node.cdi_specs().is_empty());
     assert!(driver.recorded_claims().is_empty());
@@ -210,22 +225,22 @@ async fn user_errors_are_clear_and_create_nothing() {
         (
             "unknown profile",
             claim("u1", "c1", &[("gpu", "gpu-0-mig-1g5gb-0")]),
-            "has no MIG profile 1g.5gb",
+            "UnknownProfile",
         ),
         (
             "invalid start",
             claim("u2", "c2", &[("gpu", "gpu-0-mig-3g40gb-2")]),
-            "cannot create 3g.40gb at memory slice 2",
+            "InvalidPlacement",
         ),
         (
             "no such GPU",
             claim("u3", "c3", &[("gpu", "gpu-7-mig-3g40gb-4")]),
-            "no GPU with minor number 7",
+            "NoSuchGpu",
         ),
         (
             "foreign device name",
             claim("u4", "c4", &[("gpu", "nic-0")]),
-            "is not a migdra device name",
+            "InvalidDeviceName",
         ),
         (
             "another node",
@@ -236,7 +251,7 @@ async fn user_errors_are_clear_and_create_nothing() {
                 &[("gpu", H100_3G_AT_4)],
                 json!([]),
             ),
-            "this node serves pool node-a/gpu.migdra.dev",
+            "OtherPool",
         ),
         (
             "unknown config field",
@@ -247,7 +262,7 @@ async fn user_errors_are_clear_and_create_nothing() {
                 &[("gpu", H100_3G_AT_4)],
                 json!([{"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {"apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "DeviceConfig", "sharing": "mps"}}}]),
             ),
-            "unknown field `sharing`",
+            "InvalidConfig",
         ),
         (
             "unknown config kind",
@@ -258,7 +273,7 @@ async fn user_errors_are_clear_and_create_nothing() {
                 &[("gpu", H100_3G_AT_4)],
                 json!([{"source": "FromClass", "opaque": {"driver": DRIVER, "parameters": {"apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "GpuConfig"}}}]),
             ),
-            "unsupported kind \"GpuConfig\"",
+            "InvalidConfig",
         ),
         (
             "overlapping devices in one claim",
@@ -267,25 +282,25 @@ async fn user_errors_are_clear_and_create_nothing() {
                 "c8",
                 &[("a", "gpu-0-mig-3g40gb-4"), ("b", "gpu-0-mig-2g20gb-4")],
             ),
-            "overlaps",
+            "PlacementOverlap",
         ),
         (
             "whole GPU and a partition of it",
             claim("u9", "c9", &[("a", "gpu-0-mig-3g40gb-4"), ("b", "gpu-0")]),
-            "also allocates partitions of",
+            "WholeGpuAlsoPartitioned",
         ),
         (
             "partition of a GPU allocated whole",
             claim("u11", "c11", &[("b", "gpu-0"), ("a", "gpu-0-mig-3g40gb-4")]),
-            "also allocates whole",
+            "PartitionOfWholeGpu",
         ),
     ];
     for (what, object, expected) in cases {
         let uid = object.metadata.uid.clone().unwrap();
         let name = object.metadata.name.clone().unwrap();
         node.claims.put(object);
-        let err = prepare_one(&driver, &uid, &name).await.expect_err(what);
-        assert!(err.contains(expected), "{what}: {err}");
+        let err = prepare_typed(&driver, &uid, &name).await.expect_err(what);
+        assert_eq!(err.reason(), expected, "{what}: {err}");
         assert_nothing_created(&node, &driver);
     }
     // A config for another driver is none of our business.
@@ -330,7 +345,7 @@ async fn claim_lookup_failures_are_reported_per_claim() {
     node.claims
         .put(claim("uid-ok", "fine", &[("gpu", "gpu-0-mig-1g10gb-0")]));
     let out = driver
-        .prepare(vec![
+        .prepare_claims(vec![
             claim_ref("uid-old", "replaced"),
             claim_ref("uid-na", "pending"),
             claim_ref("uid-x", "missing"),
@@ -338,14 +353,19 @@ async fn claim_lookup_failures_are_reported_per_claim() {
         ])
         .await;
     assert_eq!(out.len(), 4);
-    assert!(
-        out["uid-old"]
-            .as_ref()
-            .unwrap_err()
-            .contains("the claim was replaced")
-    );
-    assert!(out["uid-na"].as_ref().unwrap_err().contains("is not allocated"));
-    assert!(out["uid-x"].as_ref().unwrap_err().contains("not found"));
+    assert!(matches!(
+        out["uid-old"],
+        Err(ClaimFailure::Claim(ClaimError::Replaced { ref expected, ref actual, .. }))
+            if expected == "uid-old" && actual == "uid-new"
+    ));
+    assert!(matches!(
+        out["uid-na"],
+        Err(ClaimFailure::Claim(ClaimError::NotAllocated { .. }))
+    ));
+    assert!(matches!(
+        out["uid-x"],
+        Err(ClaimFailure::Claim(ClaimError::NotFound { ref claim })) if claim == "default/missing"
+    ));
     assert!(out["uid-ok"].is_ok(), "one bad claim does not fail the others");
     assert_eq!(node.total_instances(), 1);
 }
@@ -365,8 +385,17 @@ async fn foreign_instances_block_their_placement_and_are_never_touched() {
     assert_eq!(foreign.len(), 1);
     let (driver, _) = node.start(None);
     node.claims.put(claim("u1", "c1", &[("gpu", H100_3G_AT_4)]));
-    let err = prepare_one(&driver, "u1", "c1").await.unwrap_err();
-    assert!(err.contains("overlaps the existing 1g.10gb@6"), "{err}");
+    let err = prepare_typed(&driver, "u1", "c1").await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClaimFailure::Rejected(Rejection::PlacementUnavailable {
+                cause: PlacementError::Overlap { other_start: 6, .. },
+                ..
+            })
+        ),
+        "{err}"
+    );
     node.claims
         .put(claim("u2", "c2", &[("gpu", "gpu-0-mig-4g40gb-0")]));
     prepare_one(&driver, "u2", "c2").await.unwrap();
@@ -377,7 +406,7 @@ async fn foreign_instances_block_their_placement_and_are_never_touched() {
     node.claims
         .put(claim("u3", "c3", &[("gpu", "gpu-0-mig-2g20gb-0")]));
     prepare_one(&driver, "u3", "c3").await.unwrap();
-    let inventory = driver.inventory().unwrap();
+    let inventory = driver.gpus().inventory().unwrap();
     let owners: BTreeMap<u32, InstanceOwner> = inventory[0]
         .mig
         .as_ref()
@@ -409,11 +438,21 @@ async fn devices_of_another_prepared_claim_are_refused() {
     prepare_one(&driver, "u1", "c1").await.unwrap();
     node.claims
         .put(claim("u2", "c2", &[("gpu", "gpu-0-mig-1g10gb-5")]));
-    let err = prepare_one(&driver, "u2", "c2").await.unwrap_err();
-    assert!(err.contains("already prepared for claim default/c1"), "{err}");
+    let held_by_c1 = |err: &ClaimFailure| {
+        matches!(err, ClaimFailure::Rejected(Rejection::InUseByClaim { other_claim, other_uid, .. })
+            if other_claim == "default/c1" && other_uid == "u1")
+    };
+    let err = prepare_typed(&driver, "u2", "c2").await.unwrap_err();
+    assert!(held_by_c1(&err), "{err}");
     node.claims.put(claim("u3", "c3", &[("gpu", "gpu-0")]));
-    let err = prepare_one(&driver, "u3", "c3").await.unwrap_err();
-    assert!(err.contains("already prepared for claim default/c1"), "{err}");
+    let err = prepare_typed(&driver, "u3", "c3").await.unwrap_err();
+    assert!(held_by_c1(&err), "{err}");
+    // The kubelet sees the same cause as a message naming the other claim.
+    let message = prepare_one(&driver, "u3", "c3").await.unwrap_err();
+    assert!(
+        message.contains("already prepared for claim default/c1"),
+        "{message}"
+    );
     assert_eq!(node.total_instances(), 1);
 }
 
@@ -426,8 +465,12 @@ async fn busy_instances_fail_unprepare_until_released() {
     node.host
         .update_state(|s| s.gpus[0].gpu_instances[0].compute_instances[0].busy = true)
         .unwrap();
-    let err = unprepare_one(&driver, "u1", "c1").await.unwrap_err();
-    assert!(err.contains("destroy compute instance"), "{err}");
+    let err = unprepare_typed(&driver, "u1", "c1").await.unwrap_err();
+    assert!(
+        matches!(err, ClaimFailure::Backend(BackendError { kind: NvmlErrorKind::InUse, ref operation, .. })
+            if operation.contains("destroy compute instance")),
+        "{err}"
+    );
     assert_eq!(driver.recorded_claims()["u1"].state, ClaimState::UnprepareStarted);
     assert_eq!(node.total_instances(), 1);
     node.host
@@ -454,8 +497,11 @@ async fn nvml_create_failure_rolls_back_the_claim() {
         "c1",
         &[("a", "gpu-0-mig-1g10gb-0"), ("b", "gpu-0-mig-1g10gb-1")],
     ));
-    let err = prepare_one(&driver, "u1", "c1").await.unwrap_err();
-    assert!(err.contains("compute instance"), "{err}");
+    let err = prepare_typed(&driver, "u1", "c1").await.unwrap_err();
+    assert!(
+        matches!(err, ClaimFailure::Backend(ref e) if e.operation.contains("compute instance")),
+        "{err}"
+    );
     assert_nothing_created(&node, &driver);
     // The fault fired once; the kubelet's retry succeeds.
     let devices = prepare_one(&driver, "u1", "c1").await.unwrap();
@@ -473,10 +519,15 @@ async fn a_second_plugin_instance_waits_for_the_node_lock() {
         .open(node.state_dir().join("plugin.lock"))
         .unwrap();
     lock.lock().unwrap();
-    let err = prepare_one(&driver, "u1", "c1").await.unwrap_err();
+    let err = prepare_typed(&driver, "u1", "c1").await.unwrap_err();
     assert!(
-        err.contains("another plugin instance holds the node lock"),
+        matches!(err, ClaimFailure::NodeLock(ref e) if matches!(**e, NodeLockError::Held { .. })),
         "{err}"
+    );
+    let message = prepare_one(&driver, "u1", "c1").await.unwrap_err();
+    assert!(
+        message.contains("another plugin instance holds the node lock"),
+        "{message}"
     );
     assert_eq!(node.total_instances(), 0);
     lock.unlock().unwrap();
@@ -487,8 +538,8 @@ async fn a_second_plugin_instance_waits_for_the_node_lock() {
 async fn health_follows_the_parent_gpu() {
     let node = Node::new(&[("H100-80GB", true), ("A100-SXM4-40GB", true)]);
     let (driver, _) = node.start(None);
-    let inventory = driver.inventory().unwrap();
-    let reports = driver.device_health(&inventory);
+    let inventory = driver.gpus().inventory().unwrap();
+    let reports = driver.gpus().device_health(&inventory);
     // H100: 25 placements + whole GPU; A100: 25 placements + whole GPU (health covers every
     // device the node could publish).
     assert_eq!(reports.len(), 52);
@@ -498,9 +549,9 @@ async fn health_follows_the_parent_gpu() {
             .all(|r| r.healthy == Some(true) && r.pool_name == POOL)
     );
     node.host.update_state(|s| s.gpus[1].lost = true).unwrap();
-    let inventory = driver.inventory().unwrap();
+    let inventory = driver.gpus().inventory().unwrap();
     assert!(!inventory[1].health.healthy);
-    let reports = driver.device_health(&inventory);
+    let reports = driver.gpus().device_health(&inventory);
     assert!(
         reports
             .iter()

@@ -14,11 +14,14 @@ use migdra_fake_nvml::{config::FakeConfig, testing::FakeGpuHost};
 use migdra_kubelet_plugin::{
     cdi::CdiWriter,
     claims::ClaimSource,
-    driver::{Driver, DriverConfig, RecoveryReport, StepHook},
+    driver::{Driver, DriverConfig, PrepareResult, RecoveryReport, StepHook, UnprepareResult},
     grpc::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome},
     metrics::Metrics,
     nvml::NvmlBackend,
 };
+
+/// The driver the tests run: production code over the fake NVML library.
+pub type TestDriver = Driver<NvmlBackend, StaticClaims>;
 use serde_json::json;
 
 pub const DRIVER: &str = "gpu.migdra.dev";
@@ -133,15 +136,14 @@ impl Node {
     }
 
     /// Starts a plugin process' driver (a new NVML session each time, as after a restart).
-    pub fn start(&self, hook: Option<StepHook>) -> (Driver<NvmlBackend, StaticClaims>, RecoveryReport) {
+    pub fn start(&self, hook: Option<StepHook>) -> (TestDriver, RecoveryReport) {
         self.try_start(hook).expect("driver start")
     }
 
     pub fn try_start(
         &self,
         hook: Option<StepHook>,
-    ) -> Result<(Driver<NvmlBackend, StaticClaims>, RecoveryReport), migdra_kubelet_plugin::driver::DriverError>
-    {
+    ) -> Result<(TestDriver, RecoveryReport), migdra_kubelet_plugin::driver::DriverError> {
         let backend = NvmlBackend::new(Some(&self.host.lib_path())).expect("load the fake NVML");
         let config = DriverConfig {
             driver_name: DRIVER.into(),
@@ -211,4 +213,16 @@ pub async fn prepare_one<D: DraDriver>(driver: &D, uid: &str, name: &str) -> Pre
 pub async fn unprepare_one<D: DraDriver>(driver: &D, uid: &str, name: &str) -> UnprepareOutcome {
     let mut out = driver.unprepare(vec![claim_ref(uid, name)]).await;
     out.remove(uid).unwrap_or_else(|| Err("no outcome".into()))
+}
+
+/// Prepares one claim through the driver's typed API (the failure as a `ClaimFailure`).
+pub async fn prepare_typed(driver: &TestDriver, uid: &str, name: &str) -> PrepareResult {
+    let mut out = driver.prepare_claims(vec![claim_ref(uid, name)]).await;
+    out.remove(uid).expect("one outcome per claim")
+}
+
+/// Unprepares one claim through the driver's typed API.
+pub async fn unprepare_typed(driver: &TestDriver, uid: &str, name: &str) -> UnprepareResult {
+    let mut out = driver.unprepare_claims(vec![claim_ref(uid, name)]).await;
+    out.remove(uid).expect("one outcome per claim")
 }

@@ -1,0 +1,172 @@
+//! Command line of `migdra-kubelet-plugin`. Every flag can also come from an environment
+//! variable, which is how the Helm chart's DaemonSet configures it.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::Parser;
+use migdra_api::inventory::DEFAULT_DRIVER_NAME;
+use migdra_runtime::LogFormat;
+
+/// migdra kubelet plugin: creates the MIG instance of each allocated ResourceClaim on this
+/// node, hands it to containers through CDI, and destroys it once the pod is gone.
+#[derive(Debug, Parser)]
+#[command(name = "migdra-kubelet-plugin", version)]
+pub struct Args {
+    /// Name of this node (from the downward API in a DaemonSet).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// DRA driver name; must match the DeviceClasses and the controller.
+    #[arg(long, env = "DRIVER_NAME", default_value = DEFAULT_DRIVER_NAME)]
+    pub driver_name: String,
+    /// The kubelet's root directory (sockets go under plugins/ and plugins_registry/).
+    #[arg(long, env = "KUBELET_ROOT_DIR", default_value = "/var/lib/kubelet")]
+    pub kubelet_root_dir: PathBuf,
+    /// Directory for per-claim CDI specs (the runtime's dynamic CDI directory).
+    #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
+    pub cdi_dir: PathBuf,
+    /// Path of libnvidia-ml.so (default: the loader's search path).
+    #[arg(long, env = "NVML_LIB_PATH")]
+    pub nvml_lib_path: Option<PathBuf>,
+    /// Directory of the checkpoint and lock file (default: <kubelet-root-dir>/plugins/<driver>).
+    #[arg(long, env = "STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Where /proc is (for /proc/devices and the MIG capability files).
+    #[arg(long, env = "PROC_ROOT", default_value = "/proc")]
+    pub proc_root: PathBuf,
+    /// File holding the kernel boot ID.
+    #[arg(long, env = "BOOT_ID_PATH", default_value = "/proc/sys/kernel/random/boot_id")]
+    pub boot_id_path: PathBuf,
+    /// Kubeconfig file (default: in-cluster configuration, or $KUBECONFIG).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// Log filter, RUST_LOG syntax.
+    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+    /// Address of the HTTP endpoint (/metrics, /healthz, /readyz).
+    #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
+    pub http_address: SocketAddr,
+    /// Address of the gRPC health endpoint (grpc.health.v1) for kubelet gRPC probes.
+    #[arg(long, env = "GRPC_HEALTH_ADDRESS", default_value = "0.0.0.0:51515")]
+    pub grpc_health_address: SocketAddr,
+    /// Seconds between inventory refreshes and GpuNode heartbeats.
+    #[arg(long, env = "HEARTBEAT_INTERVAL_SECONDS", default_value_t = 15)]
+    pub heartbeat_interval_seconds: u64,
+    /// Seconds between full re-sends of the device health list to the kubelet.
+    #[arg(long, env = "HEALTH_RESEND_INTERVAL_SECONDS", default_value_t = 10)]
+    pub health_resend_interval_seconds: u64,
+    /// Seconds a call waits for the node lock held by another plugin instance.
+    #[arg(long, env = "LOCK_TIMEOUT_SECONDS", default_value_t = 30)]
+    pub lock_timeout_seconds: u64,
+}
+
+impl Args {
+    /// The state directory: the flag, else `<kubelet-root-dir>/plugins/<driver>`.
+    pub fn resolved_state_dir(&self) -> PathBuf {
+        self.state_dir
+            .clone()
+            .unwrap_or_else(|| self.kubelet_root_dir.join("plugins").join(&self.driver_name))
+    }
+
+    /// Time between inventory refreshes and heartbeats (at least a second).
+    pub fn heartbeat_interval(&self) -> Duration {
+        Duration::from_secs(self.heartbeat_interval_seconds.max(1))
+    }
+
+    /// Time between full re-sends of the device health list (at least a second).
+    pub fn health_resend_interval(&self) -> Duration {
+        Duration::from_secs(self.health_resend_interval_seconds.max(1))
+    }
+
+    /// How long a call waits for the node lock.
+    pub fn lock_timeout(&self) -> Duration {
+        Duration::from_secs(self.lock_timeout_seconds)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults_and_derived_settings() {
+        let a = Args::try_parse_from(["migdra-kubelet-plugin", "--node-name", "n1"]).unwrap();
+        assert_eq!(a.node_name, "n1");
+        assert_eq!(a.driver_name, "gpu.migdra.dev");
+        assert_eq!(
+            a.resolved_state_dir(),
+            PathBuf::from("/var/lib/kubelet/plugins/gpu.migdra.dev")
+        );
+        assert_eq!(a.cdi_dir, PathBuf::from("/var/run/cdi"));
+        assert_eq!(a.proc_root, PathBuf::from("/proc"));
+        assert_eq!(a.boot_id_path, PathBuf::from("/proc/sys/kernel/random/boot_id"));
+        assert_eq!(a.http_address, "0.0.0.0:8080".parse().unwrap());
+        assert_eq!(a.grpc_health_address, "0.0.0.0:51515".parse().unwrap());
+        assert_eq!(a.heartbeat_interval(), Duration::from_secs(15));
+        assert_eq!(a.health_resend_interval(), Duration::from_secs(10));
+        assert_eq!(a.lock_timeout(), Duration::from_secs(30));
+        assert_eq!(a.log_format, LogFormat::Text);
+        assert!(a.nvml_lib_path.is_none());
+
+        let a = Args::try_parse_from([
+            "migdra-kubelet-plugin",
+            "--node-name=n1",
+            "--state-dir=/s",
+            "--heartbeat-interval-seconds=0",
+            "--log-format=json",
+        ])
+        .unwrap();
+        assert_eq!(a.resolved_state_dir(), PathBuf::from("/s"));
+        assert_eq!(
+            a.heartbeat_interval(),
+            Duration::from_secs(1),
+            "never a busy loop"
+        );
+        assert_eq!(a.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn every_flag_has_its_environment_variable() {
+        let env: Vec<(String, String)> = Args::command()
+            .get_arguments()
+            .filter_map(|a| {
+                Some((
+                    a.get_long()?.to_string(),
+                    a.get_env()?.to_string_lossy().into_owned(),
+                ))
+            })
+            .collect();
+        let expected = [
+            ("node-name", "NODE_NAME"),
+            ("driver-name", "DRIVER_NAME"),
+            ("kubelet-root-dir", "KUBELET_ROOT_DIR"),
+            ("cdi-dir", "CDI_ROOT"),
+            ("nvml-lib-path", "NVML_LIB_PATH"),
+            ("state-dir", "STATE_DIR"),
+            ("proc-root", "PROC_ROOT"),
+            ("boot-id-path", "BOOT_ID_PATH"),
+            ("kubeconfig", "KUBECONFIG"),
+            ("log-format", "LOG_FORMAT"),
+            ("log-level", "LOG_LEVEL"),
+            ("http-address", "HTTP_ADDRESS"),
+            ("grpc-health-address", "GRPC_HEALTH_ADDRESS"),
+            ("heartbeat-interval-seconds", "HEARTBEAT_INTERVAL_SECONDS"),
+            ("health-resend-interval-seconds", "HEALTH_RESEND_INTERVAL_SECONDS"),
+            ("lock-timeout-seconds", "LOCK_TIMEOUT_SECONDS"),
+        ];
+        let expected: Vec<(String, String)> = expected
+            .iter()
+            .map(|(f, e)| (f.to_string(), e.to_string()))
+            .collect();
+        assert_eq!(env, expected);
+    }
+}

@@ -1,0 +1,334 @@
+//! The prepare/unprepare state machine behind the kubelet's DRA calls.
+//!
+//! - [`prepare`]: per claim, GET the claim and validate it (no lock held, nothing created);
+//!   then, under the node lock and the locks of the claim's GPUs, plan it
+//!   ([`crate::plan`]), record `PrepareStarted` with the planned placements, switch MIG mode
+//!   where the plan says so, create each GPU instance and its full compute instance, write
+//!   the CDI spec, record `PrepareCompleted`. Any failure after the first record tears down
+//!   what was created and forgets the claim.
+//! - [`unprepare`]: per claim, record `UnprepareStarted`, destroy compute then GPU
+//!   instances, remove the CDI spec, forget the claim. Already gone is success. Its teardown
+//!   routine is also the rollback of a failed or interrupted prepare.
+//! - [`recovery`]: at start, half-prepared claims are rolled back, half-unprepared ones
+//!   finished and missing CDI specs rewritten. Every instance the journal does not describe
+//!   belongs to someone else and is never touched.
+//!
+//! Because the record is written before the GPU is touched ([`crate::journal`]), a crash
+//! between any two steps is repaired from the checkpoint alone.
+//!
+//! # Lock order
+//!
+//! The node lock ([`NodeLock`], a file lock shared with other plugin instances on the node),
+//! then the locks of the GPUs a claim touches ([`GpuLocks`], all at once, in minor order),
+//! then, briefly, the journal's mutex. The order is enforced by types: GPU locks exist only
+//! as a [`GpuLocks`] made by [`NodeLock::lock_gpus`] and borrowing the node lock, every
+//! step that plans, creates or destroys takes a `&GpuLocks` and reaches the GPU through it,
+//! and the journal's mutex never leaves [`crate::journal::Journal`]. Claims of one kubelet
+//! call run in parallel under one node lock, each holding its own GPUs' locks.
+
+mod prepare;
+mod recovery;
+mod unprepare;
+
+use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
+
+use migdra_api::inventory;
+
+pub use self::recovery::RecoveryReport;
+use crate::{
+    cdi::{CdiError, CdiWriter},
+    checkpoint::{CheckpointError, ClaimRecord, LoadOutcome},
+    claims::{ClaimError, ClaimSource},
+    gpus::{GpuLocks, Gpus},
+    grpc::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome},
+    journal::Journal,
+    metrics::Metrics,
+    nvml::{BackendError, GpuBackend},
+    plan::{PlanError, Rejection},
+    state_dir::{NodeLock, NodeLockError},
+};
+
+/// A point between two steps of prepare or unprepare. Tests stop the driver at each one to
+/// prove that a crash there is repaired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Step {
+    /// `PrepareStarted` written.
+    PrepareRecorded,
+    /// A GPU instance exists.
+    GpuInstanceCreated,
+    /// Its compute instance exists.
+    ComputeInstanceCreated,
+    /// The device's IDs are in the checkpoint.
+    DeviceRecorded,
+    /// The CDI spec is written.
+    CdiWritten,
+    /// `PrepareCompleted` written.
+    PrepareCompleted,
+    /// `UnprepareStarted` written.
+    UnprepareRecorded,
+    /// A compute instance was destroyed.
+    ComputeInstanceDestroyed,
+    /// A GPU instance was destroyed.
+    GpuInstanceDestroyed,
+    /// The CDI spec is removed.
+    CdiRemoved,
+    /// The claim is gone from the checkpoint.
+    ClaimForgotten,
+}
+
+/// Called at every [`Step`] with the claim UID. Production passes a no-op.
+pub type StepHook = Arc<dyn Fn(&str, Step) + Send + Sync>;
+
+/// Static settings of the driver.
+#[derive(Clone, Debug)]
+pub struct DriverConfig {
+    /// DRA driver name.
+    pub driver_name: String,
+    /// This node's name.
+    pub node_name: String,
+    /// Directory of the checkpoint and the node lock.
+    pub state_dir: PathBuf,
+    /// Current boot ID.
+    pub boot_id: String,
+    /// How long a call waits for the node lock (another plugin instance) before failing.
+    pub lock_timeout: Duration,
+}
+
+/// Driver failures that are not per-claim.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// The checkpoint could not be used.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// NVML failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The node lock could not be taken.
+    #[error("node lock: {0}")]
+    NodeLock(#[from] NodeLockError),
+    /// Startup recovery could not finish; the named claims stay recorded for the next try.
+    #[error("recovery left {0} claim(s) unrepaired: {1}")]
+    Recovery(usize, String),
+}
+
+/// Why one claim failed. Its message goes to the kubelet and from there into a pod event;
+/// [`ClaimFailure::reason`] labels it in metrics.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimFailure {
+    /// The claim could not be read, or its allocation is not ours to serve.
+    #[error(transparent)]
+    Claim(#[from] ClaimError),
+    /// The allocation cannot be prepared on this node as it is.
+    #[error(transparent)]
+    Rejected(#[from] Rejection),
+    /// NVML failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The checkpoint could not be written.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The CDI spec could not be written or removed.
+    #[error("writing the CDI spec: {0}")]
+    Cdi(#[from] CdiError),
+    /// The node lock could not be taken (shared by every claim of the call).
+    #[error("node lock: {0}")]
+    NodeLock(Arc<NodeLockError>),
+    /// The operation failed and undoing it failed too.
+    #[error(
+        "{0}; rolling back also failed: {1} (the claim stays recorded and is rolled back on the next attempt)"
+    )]
+    RollbackFailed(Box<ClaimFailure>, Box<ClaimFailure>),
+}
+
+impl From<PlanError> for ClaimFailure {
+    fn from(e: PlanError) -> Self {
+        match e {
+            PlanError::Rejected(r) => Self::Rejected(r),
+            PlanError::Backend(b) => Self::Backend(b),
+        }
+    }
+}
+
+impl ClaimFailure {
+    /// A stable CamelCase label of the cause (a bounded set, for metrics).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Claim(e) => e.reason(),
+            Self::Rejected(r) => r.reason(),
+            Self::Backend(_) => "NvmlError",
+            Self::Checkpoint(_) => "CheckpointError",
+            Self::Cdi(_) => "CdiError",
+            Self::NodeLock(_) => "NodeLockUnavailable",
+            Self::RollbackFailed(..) => "RollbackFailed",
+        }
+    }
+}
+
+/// Per-claim outcome of [`Driver::prepare_claims`].
+pub type PrepareResult = Result<Vec<crate::grpc::PreparedDevice>, ClaimFailure>;
+/// Per-claim outcome of [`Driver::unprepare_claims`].
+pub type UnprepareResult = Result<(), ClaimFailure>;
+
+struct Inner<B, C> {
+    config: DriverConfig,
+    claims: C,
+    cdi: CdiWriter,
+    journal: Arc<Journal>,
+    gpus: Gpus<B>,
+    hook: StepHook,
+    metrics: Metrics,
+}
+
+/// The driver. Cheap to clone; clones share state.
+pub struct Driver<B, C> {
+    inner: Arc<Inner<B, C>>,
+}
+
+impl<B, C> Clone for Driver<B, C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
+    /// Opens the checkpoint, discovers the GPUs and repairs whatever a previous run left half
+    /// done. Instances that no record describes are left alone.
+    pub fn start(
+        config: DriverConfig,
+        backend: Arc<B>,
+        claims: C,
+        cdi: CdiWriter,
+        hook: Option<StepHook>,
+        metrics: Metrics,
+    ) -> Result<(Self, RecoveryReport), DriverError> {
+        let (journal, outcome) = Journal::open(&config.state_dir, &config.boot_id)?;
+        if let LoadOutcome::PreviousBoot { old_boot_id } = &outcome {
+            tracing::info!(%old_boot_id, "checkpoint is from a previous boot; MIG instances do not survive a reboot, starting empty");
+        }
+        let journal = Arc::new(journal);
+        let pool = inventory::pool_name(&config.node_name, &config.driver_name);
+        let gpus = Gpus::discover(backend, pool, journal.clone(), metrics.clone())?;
+        let driver = Self {
+            inner: Arc::new(Inner {
+                config,
+                claims,
+                cdi,
+                journal,
+                gpus,
+                hook: hook.unwrap_or_else(|| Arc::new(|_, _| {})),
+                metrics,
+            }),
+        };
+        let mut report = driver.recover()?;
+        report.checkpoint = Some(outcome);
+        Ok((driver, report))
+    }
+
+    /// This node's pool name.
+    pub fn pool(&self) -> &str {
+        self.inner.gpus.pool()
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<B> {
+        self.inner.gpus.backend()
+    }
+
+    /// The GPU table (inventory and device health).
+    pub fn gpus(&self) -> &Gpus<B> {
+        &self.inner.gpus
+    }
+
+    /// A copy of the checkpoint's claims.
+    pub fn recorded_claims(&self) -> std::collections::BTreeMap<String, ClaimRecord> {
+        self.inner.journal.claims()
+    }
+
+    fn node_lock(&self) -> Result<NodeLock, NodeLockError> {
+        NodeLock::acquire(&self.inner.config.state_dir, self.inner.config.lock_timeout)
+    }
+
+    /// Locks the GPUs `record` touches.
+    fn lock_record_gpus<'n>(&self, node: &'n NodeLock, record: &ClaimRecord) -> GpuLocks<'n> {
+        node.lock_gpus(&self.inner.gpus, record.devices.iter().map(|d| d.gpu_minor))
+    }
+
+    fn step(&self, uid: &str, step: Step) {
+        (self.inner.hook)(uid, step);
+    }
+
+    /// Runs `work` for each claim under the node lock, on blocking threads, the claims in
+    /// parallel (each takes the locks of its own GPUs). Returns one outcome per claim, each
+    /// logged and counted. A claim whose thread panicked gets no outcome; the gRPC layer
+    /// reports it as failed.
+    async fn run_claims<I, T>(
+        &self,
+        operation: &'static str,
+        items: Vec<(ClaimRef, I)>,
+        work: impl Fn(&Self, &NodeLock, &ClaimRef, I) -> Result<T, ClaimFailure> + Send + Sync + 'static,
+    ) -> HashMap<String, Result<T, ClaimFailure>>
+    where
+        I: Send + 'static,
+        T: Send + 'static,
+    {
+        let driver = self.clone();
+        let task = tokio::task::spawn_blocking(move || {
+            let node = driver.node_lock().map_err(Arc::new);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = items
+                    .into_iter()
+                    .map(|(claim, item)| {
+                        let (node, driver, work) = (&node, &driver, &work);
+                        scope.spawn(move || {
+                            let outcome = match node {
+                                Err(e) => Err(ClaimFailure::NodeLock(e.clone())),
+                                Ok(node) => work(driver, node, &claim, item),
+                            };
+                            (claim, outcome)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .filter_map(|h| h.join().ok())
+                    .collect::<Vec<_>>()
+            })
+        });
+        let mut outcomes = HashMap::new();
+        match task.await {
+            Ok(results) => {
+                for (claim, outcome) in results {
+                    if let Err(e) = &outcome {
+                        let key = format!("{}/{}", claim.namespace, claim.name);
+                        tracing::warn!(claim = %key, uid = %claim.uid, error = %e, reason = e.reason(), "{operation} failed");
+                        self.inner.metrics.claim_failure(operation, e.reason());
+                    }
+                    self.inner.metrics.claim(operation, outcome.is_ok());
+                    outcomes.insert(claim.uid, outcome);
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "{operation} worker failed"),
+        }
+        outcomes
+    }
+}
+
+impl<B: GpuBackend + 'static, C: ClaimSource> DraDriver for Driver<B, C> {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, PrepareOutcome> {
+        self.prepare_claims(claims)
+            .await
+            .into_iter()
+            .map(|(uid, outcome)| (uid, outcome.map_err(|e| e.to_string())))
+            .collect()
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareOutcome> {
+        self.unprepare_claims(claims)
+            .await
+            .into_iter()
+            .map(|(uid, outcome)| (uid, outcome.map_err(|e| e.to_string())))
+            .collect()
+    }
+}

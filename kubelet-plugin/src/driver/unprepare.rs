@@ -1,0 +1,120 @@
+//! Unprepare, and the one teardown routine that also rolls back failed or interrupted
+//! prepares.
+
+use std::{collections::HashMap, time::Instant};
+
+use super::{ClaimFailure, Driver, Step, UnprepareResult};
+use crate::{
+    checkpoint::{ClaimRecord, ClaimState, DeviceKind},
+    claims::ClaimSource,
+    gpus::GpuLocks,
+    grpc::ClaimRef,
+    nvml::{GpuBackend, NvmlErrorKind},
+    state_dir::NodeLock,
+};
+
+impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
+    /// Unprepares claims: one outcome per claim UID, with the typed failure. (The kubelet's
+    /// [`crate::grpc::DraDriver::unprepare`] is this, with the failures as messages.)
+    pub async fn unprepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareResult> {
+        let started = Instant::now();
+        let items = claims.into_iter().map(|c| (c, ())).collect();
+        let outcomes = self
+            .run_claims("unprepare", items, |driver, node, claim, ()| {
+                driver.unprepare_claim(node, &claim.uid)
+            })
+            .await;
+        self.inner.metrics.call("unprepare", started.elapsed());
+        outcomes
+    }
+
+    /// Unprepares one claim by UID. Unknown claims succeed (the kubelet may ask for claims it
+    /// never prepared here, or again after success). Blocking.
+    fn unprepare_claim(&self, node: &NodeLock, uid: &str) -> Result<(), ClaimFailure> {
+        let Some(record) = self.inner.journal.get(uid) else {
+            return Ok(());
+        };
+        let locks = self.lock_record_gpus(node, &record);
+        // Re-read under the locks: a concurrent call may have finished it meanwhile.
+        match self.inner.journal.get(uid) {
+            Some(record) => self.tear_down(&locks, uid, &record),
+            None => Ok(()),
+        }
+    }
+
+    /// Removes everything a recorded claim has, in any state: records `UnprepareStarted` for
+    /// a prepared claim (a half-prepared one is rolled back without), destroys the instances
+    /// the record describes (only those: matched by placement, and by ID where recorded),
+    /// removes the CDI spec and forgets the claim.
+    pub(super) fn tear_down(
+        &self,
+        locks: &GpuLocks<'_>,
+        uid: &str,
+        record: &ClaimRecord,
+    ) -> Result<(), ClaimFailure> {
+        if self.inner.journal.start_unprepare(uid, record)? {
+            self.step(uid, Step::UnprepareRecorded);
+        }
+        self.destroy_instances(locks, uid, record)?;
+        self.inner.cdi.remove_claim_spec(uid)?;
+        self.step(uid, Step::CdiRemoved);
+        self.inner.journal.forget(uid)?;
+        self.step(uid, Step::ClaimForgotten);
+        if record.state == ClaimState::PrepareStarted {
+            tracing::info!(claim = %record.key(), %uid, "rolled back");
+        } else {
+            tracing::info!(claim = %record.key(), %uid, "unprepared");
+        }
+        Ok(())
+    }
+
+    fn destroy_instances(
+        &self,
+        locks: &GpuLocks<'_>,
+        uid: &str,
+        record: &ClaimRecord,
+    ) -> Result<(), ClaimFailure> {
+        for device in &record.devices {
+            let DeviceKind::Mig {
+                profile_id,
+                start,
+                gpu_instance,
+                ..
+            } = &device.kind
+            else {
+                continue;
+            };
+            let Some(index) = locks.index(device.gpu_minor) else {
+                tracing::warn!(device = %device.device, "GPU is gone; nothing to destroy");
+                continue;
+            };
+            let instances = match self.backend().list_gpu_instances(index) {
+                Ok(list) => list,
+                // MIG was switched off (or the GPU reset): every instance is gone.
+                Err(e) if e.kind == NvmlErrorKind::NotSupported => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let ours = instances.iter().find(|gi| {
+                gi.profile_id == *profile_id
+                    && gi.start == *start
+                    && gpu_instance.is_none_or(|id| id == gi.id)
+            });
+            let Some(gi) = ours else {
+                tracing::debug!(device = %device.device, "instance already gone");
+                continue;
+            };
+            for ci in &gi.compute_instances {
+                match self.backend().destroy_compute_instance(index, gi.id, ci.id) {
+                    Err(e) if e.kind != NvmlErrorKind::NotFound => return Err(e.into()),
+                    _ => self.step(uid, Step::ComputeInstanceDestroyed),
+                }
+            }
+            match self.backend().destroy_gpu_instance(index, gi.id) {
+                Err(e) if e.kind != NvmlErrorKind::NotFound => return Err(e.into()),
+                _ => self.step(uid, Step::GpuInstanceDestroyed),
+            }
+            tracing::info!(claim = %record.key(), device = %device.device, gpu_instance = gi.id, "destroyed MIG instance");
+        }
+        Ok(())
+    }
+}

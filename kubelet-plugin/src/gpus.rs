@@ -1,0 +1,356 @@
+//! The GPU table: every GPU this node has (or had), its per-GPU operation lock, and what the
+//! node reports about them (the GpuNode inventory and the kubelet's device health).
+//!
+//! [`Gpus`] is shared by the driver (which creates and destroys instances) and the status
+//! loop (which refreshes the inventory). A GPU is changed only under its lock, and the lock
+//! of a GPU the driver works on can only be had as part of a [`GpuLocks`], which only
+//! [`NodeLock::lock_gpus`] makes: so GPU locks are always taken after the node lock, all at
+//! once and in minor order, and released before it (the borrow checker enforces the last).
+//! The inventory takes one GPU lock at a time, never the node lock (it must keep reporting
+//! while another plugin instance holds that), so it cannot deadlock with the driver.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    marker::PhantomData,
+    sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard},
+};
+
+use migdra_api::{
+    device_name::DeviceName,
+    geometry::{MigGeometry, MigProfile, Placement},
+    inventory::{GpuHealth, GpuInventory, InstanceOwner, MigInstance, MigInventory},
+};
+
+use crate::{
+    checkpoint::{ClaimRecord, DeviceKind},
+    grpc::DeviceHealthReport,
+    journal::Journal,
+    metrics::Metrics,
+    nvml::{BackendError, GpuBackend, GpuDescription, GpuInstanceRecord, NvmlErrorKind},
+    plan::{GpuView, mode_switchable},
+    state_dir::NodeLock,
+};
+
+// A panic while one of these is held leaves no half-written data behind (durable state is in
+// files written atomically), so a poisoned lock is safe to keep using.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// One GPU as the plugin tracks it.
+struct Gpu {
+    description: RwLock<GpuDescription>,
+    /// The operation lock: a flag and a condition variable rather than a `Mutex<()>`, because
+    /// its guard ([`HeldGpu`]) must own the GPU entry it locks.
+    busy: Mutex<bool>,
+    released: Condvar,
+}
+
+impl Gpu {
+    fn new(description: GpuDescription) -> Arc<Self> {
+        Arc::new(Self {
+            description: RwLock::new(description),
+            busy: Mutex::new(false),
+            released: Condvar::new(),
+        })
+    }
+
+    /// Waits for the GPU's operation lock.
+    fn acquire(self: &Arc<Self>) -> HeldGpu {
+        let mut busy = lock(&self.busy);
+        while *busy {
+            busy = self
+                .released
+                .wait(busy)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        *busy = true;
+        HeldGpu(self.clone())
+    }
+}
+
+/// A held GPU operation lock; released on drop (also when a thread unwinds).
+struct HeldGpu(Arc<Gpu>);
+
+impl Drop for HeldGpu {
+    fn drop(&mut self) {
+        *lock(&self.0.busy) = false;
+        self.0.released.notify_one();
+    }
+}
+
+/// The operation locks of a set of GPUs, held together, borrowed from the node lock. The
+/// GPUs a claim may touch are exactly the ones in here.
+pub struct GpuLocks<'node> {
+    held: BTreeMap<u32, HeldGpu>,
+    _node: PhantomData<&'node NodeLock>,
+}
+
+impl NodeLock {
+    /// Locks the GPUs with these minors (those this node knows), in minor order so that two
+    /// claims never wait on each other.
+    pub fn lock_gpus<B>(&self, gpus: &Gpus<B>, minors: impl IntoIterator<Item = u32>) -> GpuLocks<'_> {
+        let minors: BTreeSet<u32> = minors.into_iter().collect();
+        let held = minors
+            .into_iter()
+            .filter_map(|minor| gpus.get(minor).map(|gpu| (minor, gpu.acquire())))
+            .collect();
+        GpuLocks {
+            held,
+            _node: PhantomData,
+        }
+    }
+}
+
+impl GpuLocks<'_> {
+    /// A locked GPU's description.
+    pub fn description(&self, minor: u32) -> Option<GpuDescription> {
+        self.held.get(&minor).map(|g| read(&g.0.description).clone())
+    }
+
+    /// A locked GPU's NVML index.
+    pub fn index(&self, minor: u32) -> Option<u32> {
+        self.held.get(&minor).map(|g| read(&g.0.description).index)
+    }
+
+    /// Records that a locked GPU's MIG mode is now `enabled`.
+    pub fn set_mig_mode(&self, minor: u32, enabled: bool) {
+        if let Some(gpu) = self.held.get(&minor)
+            && let Some(mig) = write(&gpu.0.description).mig.as_mut()
+        {
+            mig.enabled = enabled;
+            mig.pending_enabled = enabled;
+        }
+    }
+
+    /// What planning needs of the locked GPUs: descriptions and existing instances.
+    pub fn views<B: GpuBackend>(&self, gpus: &Gpus<B>) -> BTreeMap<u32, GpuView> {
+        self.held
+            .iter()
+            .map(|(minor, gpu)| {
+                let description = read(&gpu.0.description).clone();
+                let instances = gpus.occupied(&description);
+                (
+                    *minor,
+                    GpuView {
+                        description,
+                        instances,
+                    },
+                )
+            })
+            .collect()
+    }
+}
+
+struct Inner<B> {
+    backend: Arc<B>,
+    pool: String,
+    journal: Arc<Journal>,
+    metrics: Metrics,
+    table: RwLock<BTreeMap<u32, Arc<Gpu>>>,
+}
+
+/// The GPU table. Cheap to clone; clones share state.
+pub struct Gpus<B> {
+    inner: Arc<Inner<B>>,
+}
+
+impl<B> Clone for Gpus<B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<B> Gpus<B> {
+    fn get(&self, minor: u32) -> Option<Arc<Gpu>> {
+        read(&self.inner.table).get(&minor).cloned()
+    }
+
+    /// This node's pool name.
+    pub fn pool(&self) -> &str {
+        &self.inner.pool
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.inner.backend
+    }
+}
+
+impl<B: GpuBackend> Gpus<B> {
+    /// Discovers the GPUs. `journal` says which instances are migdra's (for the inventory).
+    pub fn discover(
+        backend: Arc<B>,
+        pool: String,
+        journal: Arc<Journal>,
+        metrics: Metrics,
+    ) -> Result<Self, BackendError> {
+        let table = backend
+            .discover()?
+            .into_iter()
+            .map(|d| (d.minor, Gpu::new(d)))
+            .collect();
+        Ok(Self {
+            inner: Arc::new(Inner {
+                backend,
+                pool,
+                journal,
+                metrics,
+                table: RwLock::new(table),
+            }),
+        })
+    }
+
+    /// GPU instances present on a GPU (none when MIG is off).
+    fn occupied(&self, gpu: &GpuDescription) -> Result<Vec<GpuInstanceRecord>, BackendError> {
+        match &gpu.mig {
+            Some(mig) if mig.enabled => match self.inner.backend.list_gpu_instances(gpu.index) {
+                Err(e) if e.kind == NvmlErrorKind::NotSupported => Ok(Vec::new()),
+                other => other,
+            },
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// Re-discovers the GPUs (a rescan, so added or reset GPUs are noticed) and describes them
+    /// for the GpuNode: geometry, instances (ours or foreign) and health.
+    pub fn inventory(&self) -> Result<Vec<GpuInventory>, BackendError> {
+        let mut discovered = self.inner.backend.discover()?;
+        // GPUs known from earlier that NVML no longer describes are kept, so they show up as
+        // unhealthy (their probe fails) instead of silently vanishing.
+        for gpu in read(&self.inner.table).values() {
+            let known = read(&gpu.description).clone();
+            if !discovered.iter().any(|d| d.minor == known.minor) {
+                discovered.push(known);
+            }
+        }
+        discovered.sort_by_key(|d| d.minor);
+        let mut inventory = Vec::with_capacity(discovered.len());
+        for description in discovered {
+            let gpu = write(&self.inner.table)
+                .entry(description.minor)
+                .or_insert_with(|| Gpu::new(description.clone()))
+                .clone();
+            // Under the GPU lock, so an instance being created is always already recorded.
+            let _held = gpu.acquire();
+            *write(&gpu.description) = description.clone();
+            let records = self.inner.journal.claims();
+            let health = match self.inner.backend.probe_health(description.index) {
+                Ok(()) => GpuHealth::healthy(),
+                Err(e) => GpuHealth {
+                    healthy: false,
+                    reason: Some(e.to_string()),
+                },
+            };
+            let mig = match &description.mig {
+                None => None,
+                Some(mig) => {
+                    let instances = self.occupied(&description).unwrap_or_else(|e| {
+                        tracing::warn!(gpu = description.minor, error = %e, "listing GPU instances failed");
+                        Vec::new()
+                    });
+                    let geometry = MigGeometry::new(mig.profiles.clone(), description.memory_mib);
+                    let instances = instances
+                        .iter()
+                        .map(|gi| describe_instance(gi, &geometry, description.minor, &records))
+                        .collect();
+                    Some(MigInventory {
+                        enabled: mig.enabled,
+                        change_pending: mig.enabled != mig.pending_enabled,
+                        mode_switchable: mode_switchable(&description),
+                        geometry,
+                        instances,
+                    })
+                }
+            };
+            inventory.push(GpuInventory {
+                minor: description.minor,
+                index: description.index,
+                uuid: description.uuid.clone(),
+                product_name: description.product_name.clone(),
+                architecture: description.architecture,
+                cuda_compute_capability: description
+                    .cuda_compute_capability
+                    .map(|(a, b)| format!("{a}.{b}")),
+                pci_bus_id: description.pci_bus_id.clone(),
+                numa_node: description.numa_node,
+                memory_mib: description.memory_mib,
+                mig,
+                health,
+            });
+        }
+        self.inner
+            .metrics
+            .observe_inventory(&inventory, self.inner.journal.len());
+        Ok(inventory)
+    }
+
+    /// The health of every device this node could publish: each GPU whole and at each of its
+    /// MIG placements, healthy exactly when the parent GPU is.
+    pub fn device_health(&self, inventory: &[GpuInventory]) -> Vec<DeviceHealthReport> {
+        let mut reports = Vec::new();
+        for gpu in inventory {
+            let message = gpu.health.reason.clone().unwrap_or_default();
+            let mut push = |name: DeviceName| {
+                reports.push(DeviceHealthReport {
+                    pool_name: self.inner.pool.clone(),
+                    device_name: name.to_string(),
+                    healthy: Some(gpu.health.healthy),
+                    message: message.clone(),
+                })
+            };
+            push(DeviceName::Gpu { minor: gpu.minor });
+            if let Some(mig) = &gpu.mig {
+                for (profile, start) in mig.geometry.all_placements() {
+                    push(DeviceName::Mig {
+                        minor: gpu.minor,
+                        profile: profile.name,
+                        start,
+                    });
+                }
+            }
+        }
+        reports
+    }
+}
+
+/// Describes an existing GPU instance: migdra's when a record describes it (same placement,
+/// and same ID where recorded), foreign otherwise.
+pub fn describe_instance(
+    gi: &GpuInstanceRecord,
+    geometry: &MigGeometry,
+    minor: u32,
+    records: &BTreeMap<String, ClaimRecord>,
+) -> MigInstance {
+    let owner = records.values().find(|r| {
+        r.devices.iter().any(|d| {
+            d.gpu_minor == minor
+                && matches!(d.kind, DeviceKind::Mig { profile_id, start, gpu_instance, .. }
+                    if profile_id == gi.profile_id && start == gi.start && gpu_instance.is_none_or(|id| id == gi.id))
+        })
+    });
+    MigInstance {
+        profile: geometry.profile_by_id(gi.profile_id).map(|p: &MigProfile| p.name),
+        placement: Placement {
+            profile_id: gi.profile_id,
+            start: gi.start,
+        },
+        gpu_instance_id: gi.id,
+        owner: if owner.is_some() {
+            InstanceOwner::Migdra
+        } else {
+            InstanceOwner::Foreign
+        },
+        claim: owner.map(ClaimRecord::key),
+    }
+}

@@ -1,0 +1,174 @@
+//! The journal: the one way the plugin reads and writes its [`Checkpoint`].
+//!
+//! It owns the checkpoint's mutex and names the transitions of a claim's record, so the
+//! protocol is spelled out in one place: **record, act, record**. A claim's intent is written
+//! before the GPU is touched ([`Journal::start_prepare`], [`Journal::start_unprepare`]), each
+//! created instance is written as soon as it exists ([`Journal::record_devices`]), and the
+//! outcome afterwards ([`Journal::complete_prepare`], [`Journal::forget`]). After a crash the
+//! journal therefore describes every instance the plugin may have created.
+//!
+//! The mutex is a leaf: it is held only inside these methods, never while another lock is
+//! taken or the GPU is touched.
+
+use std::{
+    collections::BTreeMap,
+    path::Path,
+    sync::{Mutex, MutexGuard},
+};
+
+use crate::checkpoint::{Checkpoint, CheckpointError, ClaimRecord, ClaimState, DeviceRecord, LoadOutcome};
+
+/// The checkpoint behind its mutex.
+#[derive(Debug)]
+pub struct Journal {
+    checkpoint: Mutex<Checkpoint>,
+}
+
+impl Journal {
+    /// Opens the checkpoint in `dir` for boot `boot_id` (see [`Checkpoint::open`]).
+    pub fn open(dir: &Path, boot_id: &str) -> Result<(Self, LoadOutcome), CheckpointError> {
+        let (checkpoint, outcome) = Checkpoint::open(dir, boot_id)?;
+        Ok((
+            Self {
+                checkpoint: Mutex::new(checkpoint),
+            },
+            outcome,
+        ))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Checkpoint> {
+        // The checkpoint in memory only changes together with a successful file write, so a
+        // panic elsewhere while this was held leaves nothing half-done: keep using it.
+        self.checkpoint
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A claim's record.
+    pub fn get(&self, uid: &str) -> Option<ClaimRecord> {
+        self.lock().claim(uid).cloned()
+    }
+
+    /// A claim's record when the claim is fully prepared.
+    pub fn completed(&self, uid: &str) -> Option<ClaimRecord> {
+        self.get(uid).filter(|r| r.state == ClaimState::PrepareCompleted)
+    }
+
+    /// A copy of every record, by claim UID.
+    pub fn claims(&self) -> BTreeMap<String, ClaimRecord> {
+        self.lock().data().claims.clone()
+    }
+
+    /// How many claims are recorded.
+    pub fn len(&self) -> usize {
+        self.lock().data().claims.len()
+    }
+
+    /// True when no claim is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every record except `uid`'s: what a new claim must not collide with.
+    pub fn others(&self, uid: &str) -> Vec<(String, ClaimRecord)> {
+        self.lock()
+            .data()
+            .claims
+            .iter()
+            .filter(|(other, _)| *other != uid)
+            .map(|(u, r)| (u.clone(), r.clone()))
+            .collect()
+    }
+
+    /// Records the intent to prepare: the claim and the placements it will create, before
+    /// anything is created.
+    pub fn start_prepare(
+        &self,
+        uid: &str,
+        namespace: &str,
+        name: &str,
+        devices: Vec<DeviceRecord>,
+    ) -> Result<ClaimRecord, CheckpointError> {
+        let record = ClaimRecord {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            state: ClaimState::PrepareStarted,
+            devices,
+        };
+        self.lock().put(uid, record.clone())?;
+        Ok(record)
+    }
+
+    /// Records what a half-prepared claim created so far (IDs and UUIDs of its instances).
+    pub fn record_devices(&self, uid: &str, record: &ClaimRecord) -> Result<(), CheckpointError> {
+        self.lock().put(uid, record.clone())
+    }
+
+    /// Records that everything of the claim exists.
+    pub fn complete_prepare(&self, uid: &str, record: &mut ClaimRecord) -> Result<(), CheckpointError> {
+        record.state = ClaimState::PrepareCompleted;
+        self.lock().put(uid, record.clone())
+    }
+
+    /// Records the intent to unprepare a prepared claim, before anything is destroyed.
+    /// Returns whether a record was written: a half-prepared claim is rolled back without
+    /// one, and a claim already being unprepared keeps its record.
+    pub fn start_unprepare(&self, uid: &str, record: &ClaimRecord) -> Result<bool, CheckpointError> {
+        if record.state != ClaimState::PrepareCompleted {
+            return Ok(false);
+        }
+        let mut started = record.clone();
+        started.state = ClaimState::UnprepareStarted;
+        self.lock().put(uid, started)?;
+        Ok(true)
+    }
+
+    /// Forgets a claim whose instances are gone.
+    pub fn forget(&self, uid: &str) -> Result<(), CheckpointError> {
+        self.lock().remove(uid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::DeviceKind;
+
+    fn device() -> DeviceRecord {
+        DeviceRecord {
+            request: "gpu".into(),
+            pool: "node/gpu.migdra.dev".into(),
+            device: "gpu-0".into(),
+            gpu_uuid: "GPU-1".into(),
+            gpu_minor: 0,
+            kind: DeviceKind::Gpu,
+            env: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn a_claim_moves_through_the_protocol_and_each_step_is_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, _) = Journal::open(dir.path(), "boot").unwrap();
+        let mut record = journal.start_prepare("u", "ns", "c", vec![device()]).unwrap();
+        assert_eq!(record.state, ClaimState::PrepareStarted);
+        assert!(journal.completed("u").is_none());
+        assert!(
+            !journal.start_unprepare("u", &record).unwrap(),
+            "a half-prepared claim is rolled back, not unprepared"
+        );
+        journal.complete_prepare("u", &mut record).unwrap();
+        let (reopened, _) = Journal::open(dir.path(), "boot").unwrap();
+        assert_eq!(reopened.completed("u"), Some(record.clone()));
+        assert!(journal.start_unprepare("u", &record).unwrap());
+        let unpreparing = journal.get("u").unwrap();
+        assert_eq!(unpreparing.state, ClaimState::UnprepareStarted);
+        assert!(!journal.start_unprepare("u", &unpreparing).unwrap());
+        assert_eq!(journal.others("v").len(), 1);
+        assert!(journal.others("u").is_empty());
+        journal.forget("u").unwrap();
+        assert!(journal.is_empty());
+        let (reopened, _) = Journal::open(dir.path(), "boot").unwrap();
+        assert!(reopened.get("u").is_none());
+    }
+}

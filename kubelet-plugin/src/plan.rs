@@ -1,0 +1,854 @@
+//! Placement planning: what a claim's allocation needs on this node, decided from plain values.
+//!
+//! [`plan`] takes the allocated devices, the state of the GPUs they are on ([`GpuView`]: the
+//! description and the GPU instances that exist, ours or foreign) and the other recorded
+//! claims, and returns either a [`Plan`] (the device records to write before creating
+//! anything, and the MIG-mode switches needed) or why not ([`Rejection`]). It reads no file,
+//! takes no lock and calls no NVML function: the driver gathers the views under the GPU
+//! locks, and the tests below build them by hand.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use migdra_api::{
+    device_name::DeviceName,
+    geometry::{MigGeometry, Placement, PlacementError},
+    profile::ProfileName,
+};
+
+use crate::{
+    checkpoint::{ClaimRecord, DeviceKind, DeviceRecord},
+    claims::AllocatedDevice,
+    nvml::{BackendError, GpuDescription, GpuInstanceRecord},
+};
+
+/// One GPU as planning sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuView {
+    /// What the GPU is, and its MIG mode.
+    pub description: GpuDescription,
+    /// The GPU instances on it (empty when MIG is off), or why they could not be listed; the
+    /// error fails the plan only when a decision needs the list.
+    pub instances: Result<Vec<GpuInstanceRecord>, BackendError>,
+}
+
+/// What preparing a claim will do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// The claim's devices as they are recorded before anything is created (MIG devices carry
+    /// their placement; IDs are filled in as instances are created).
+    pub devices: Vec<DeviceRecord>,
+    /// GPUs whose MIG mode must be switched first: minor to the mode needed.
+    pub mig_mode_changes: BTreeMap<u32, bool>,
+}
+
+/// Why a claim cannot be prepared as allocated. The message is what the user sees in the
+/// pod's event; [`Rejection::reason`] is the stable label for metrics.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    /// The device names a GPU this node does not have.
+    #[error("device {device}: this node has no GPU with minor number {minor}")]
+    NoSuchGpu {
+        /// Device name.
+        device: String,
+        /// Its GPU minor.
+        minor: u32,
+    },
+    /// A whole GPU allocated after partitions of it.
+    #[error("device {device} is GPU {minor} whole, which this claim also allocates partitions of")]
+    WholeGpuAlsoPartitioned {
+        /// Device name.
+        device: String,
+        /// GPU minor.
+        minor: u32,
+    },
+    /// A partition of a GPU allocated whole earlier in the claim.
+    #[error("device {device} is on GPU {minor}, which this claim also allocates whole")]
+    PartitionOfWholeGpu {
+        /// Device name.
+        device: String,
+        /// GPU minor.
+        minor: u32,
+    },
+    /// The same whole GPU twice.
+    #[error("device {device} is allocated twice in this claim")]
+    DuplicateDevice {
+        /// Device name.
+        device: String,
+    },
+    /// Another prepared claim holds the GPU or an overlapping placement.
+    #[error(
+        "device {device} overlaps device {other_device} already prepared for claim {other_claim} ({other_uid})"
+    )]
+    InUseByClaim {
+        /// Device name.
+        device: String,
+        /// The other claim's device.
+        other_device: String,
+        /// The other claim, `namespace/name`.
+        other_claim: String,
+        /// The other claim's UID.
+        other_uid: String,
+    },
+    /// A partition of a GPU that has no MIG.
+    #[error("device {device}: GPU {minor} ({product_name}) is not MIG-capable")]
+    NotMigCapable {
+        /// Device name.
+        device: String,
+        /// GPU minor.
+        minor: u32,
+        /// Product name.
+        product_name: String,
+    },
+    /// A profile the GPU does not offer.
+    #[error("device {device}: GPU {minor} ({product_name}) has no MIG profile {profile} (it offers {})", offered.join(", "))]
+    UnknownProfile {
+        /// Device name.
+        device: String,
+        /// GPU minor.
+        minor: u32,
+        /// Product name.
+        product_name: String,
+        /// The profile asked for.
+        profile: ProfileName,
+        /// The profiles the GPU has.
+        offered: Vec<String>,
+    },
+    /// The placement is not valid on the GPU, or collides with what exists or with another
+    /// device of the claim.
+    #[error("device {device}: cannot create {profile} at memory slice {start} on GPU {minor}: {cause}")]
+    PlacementUnavailable {
+        /// Device name.
+        device: String,
+        /// Profile.
+        profile: ProfileName,
+        /// Placement start.
+        start: u32,
+        /// GPU minor.
+        minor: u32,
+        /// What the geometry says.
+        cause: PlacementError,
+    },
+    /// A partition of a GPU whose MIG mode is off and cannot be switched without a reset.
+    #[error(
+        "GPU {minor} ({product_name}) has MIG mode disabled, and switching it needs a GPU reset on this architecture"
+    )]
+    MigModeOffNeedsReset {
+        /// GPU minor.
+        minor: u32,
+        /// Product name.
+        product_name: String,
+    },
+    /// A whole GPU whose MIG mode is on and cannot be switched off without a reset.
+    #[error(
+        "GPU {minor} ({product_name}) is in MIG mode, and switching it off needs a GPU reset on this architecture"
+    )]
+    MigModeOnNeedsReset {
+        /// GPU minor.
+        minor: u32,
+        /// Product name.
+        product_name: String,
+    },
+    /// A whole GPU that carries instances migdra did not create.
+    #[error(
+        "GPU {minor} has {count} MIG instance(s) that migdra does not own; it cannot be handed out whole"
+    )]
+    ForeignInstances {
+        /// GPU minor.
+        minor: u32,
+        /// How many instances.
+        count: usize,
+    },
+    /// The MIG-mode switch was accepted but waits for a GPU reset.
+    #[error("switching MIG mode on GPU {minor} needs a GPU reset; the change is pending")]
+    MigModeChangePending {
+        /// GPU minor.
+        minor: u32,
+    },
+    /// The GPU vanished between planning and creation.
+    #[error("GPU {minor} disappeared")]
+    GpuGone {
+        /// GPU minor.
+        minor: u32,
+    },
+}
+
+impl Rejection {
+    /// A stable CamelCase label of the cause (a bounded set, for metrics).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::NoSuchGpu { .. } => "NoSuchGpu",
+            Self::WholeGpuAlsoPartitioned { .. } => "WholeGpuAlsoPartitioned",
+            Self::PartitionOfWholeGpu { .. } => "PartitionOfWholeGpu",
+            Self::DuplicateDevice { .. } => "DuplicateDevice",
+            Self::InUseByClaim { .. } => "InUseByClaim",
+            Self::NotMigCapable { .. } => "NotMigCapable",
+            Self::UnknownProfile { .. } => "UnknownProfile",
+            Self::PlacementUnavailable { cause, .. } => match cause {
+                PlacementError::UnknownProfile(_) | PlacementError::InvalidStart { .. } => "InvalidPlacement",
+                PlacementError::Overlap { .. } => "PlacementOverlap",
+                PlacementError::InstanceLimit { .. } => "InstanceLimit",
+                PlacementError::Budget { .. } => "MigBudgetExceeded",
+            },
+            Self::MigModeOffNeedsReset { .. } => "MigModeOffNeedsReset",
+            Self::MigModeOnNeedsReset { .. } => "MigModeOnNeedsReset",
+            Self::ForeignInstances { .. } => "ForeignInstances",
+            Self::MigModeChangePending { .. } => "MigModeChangePending",
+            Self::GpuGone { .. } => "GpuGone",
+        }
+    }
+}
+
+/// Why planning failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// The allocation cannot be served.
+    #[error(transparent)]
+    Rejected(#[from] Rejection),
+    /// Listing a GPU's instances failed, and the decision needed them.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// Plans a claim's `devices` on `gpus` (by minor), next to the `others` recorded claims
+/// (`(uid, record)`, the claim itself excluded). Devices are checked in allocation order;
+/// the first problem is returned.
+pub fn plan(
+    devices: &[AllocatedDevice],
+    gpus: &BTreeMap<u32, GpuView>,
+    others: &[(String, ClaimRecord)],
+) -> Result<Plan, PlanError> {
+    let mut records = Vec::with_capacity(devices.len());
+    let mut mig_mode_changes = BTreeMap::new();
+    // Placements this claim already planned, per GPU, and the GPUs it takes whole.
+    let mut planned: HashMap<u32, Vec<Placement>> = HashMap::new();
+    let mut whole: BTreeSet<u32> = BTreeSet::new();
+    for device in devices {
+        let minor = device.name.minor();
+        let gpu = gpus.get(&minor).ok_or_else(|| Rejection::NoSuchGpu {
+            device: device.device.clone(),
+            minor,
+        })?;
+        let description = &gpu.description;
+        let kind = match &device.name {
+            DeviceName::Gpu { .. } => {
+                if planned.contains_key(&minor) {
+                    return Err(Rejection::WholeGpuAlsoPartitioned {
+                        device: device.device.clone(),
+                        minor,
+                    }
+                    .into());
+                }
+                if !whole.insert(minor) {
+                    return Err(Rejection::DuplicateDevice {
+                        device: device.device.clone(),
+                    }
+                    .into());
+                }
+                if let Some((uid, other, d)) = find_other(others, |d| d.gpu_minor == minor) {
+                    return Err(in_use(&device.device, d, other, uid).into());
+                }
+                if check_whole_gpu_usable(gpu)? {
+                    mig_mode_changes.insert(minor, false);
+                }
+                DeviceKind::Gpu
+            }
+            DeviceName::Mig { profile, start, .. } => {
+                let (profile, start) = (*profile, *start);
+                let geometry = geometry_of(description).ok_or_else(|| Rejection::NotMigCapable {
+                    device: device.device.clone(),
+                    minor,
+                    product_name: description.product_name.clone(),
+                })?;
+                let p = geometry
+                    .profile_by_name(&profile)
+                    .ok_or_else(|| Rejection::UnknownProfile {
+                        device: device.device.clone(),
+                        minor,
+                        product_name: description.product_name.clone(),
+                        profile,
+                        offered: geometry.profiles.iter().map(|p| p.name.to_string()).collect(),
+                    })?;
+                if whole.contains(&minor) {
+                    return Err(Rejection::PartitionOfWholeGpu {
+                        device: device.device.clone(),
+                        minor,
+                    }
+                    .into());
+                }
+                let size = p.memory_slices;
+                let clash = find_other(others, |d| {
+                    d.gpu_minor == minor
+                        && match d.kind {
+                            DeviceKind::Gpu => true,
+                            DeviceKind::Mig {
+                                start: s, size: z, ..
+                            } => start < s + z && s < start + size,
+                        }
+                });
+                if let Some((uid, other, d)) = clash {
+                    return Err(in_use(&device.device, d, other, uid).into());
+                }
+                let placement = Placement {
+                    profile_id: p.gi_profile_id,
+                    start,
+                };
+                let mine = planned.entry(minor).or_default();
+                let mut layout: Vec<Placement> = gpu
+                    .instances
+                    .clone()?
+                    .iter()
+                    .map(|gi| Placement {
+                        profile_id: gi.profile_id,
+                        start: gi.start,
+                    })
+                    .collect();
+                layout.extend(mine.iter().copied());
+                geometry
+                    .check_add(&layout, placement)
+                    .map_err(|cause| Rejection::PlacementUnavailable {
+                        device: device.device.clone(),
+                        profile,
+                        start,
+                        minor,
+                        cause,
+                    })?;
+                if check_mig_usable(description)? {
+                    mig_mode_changes.insert(minor, true);
+                }
+                mine.push(placement);
+                DeviceKind::Mig {
+                    profile_id: p.gi_profile_id,
+                    start,
+                    size,
+                    gpu_instance: None,
+                    compute_instance: None,
+                    mig_uuid: None,
+                }
+            }
+        };
+        records.push(DeviceRecord {
+            request: device.request.clone(),
+            pool: device.pool.clone(),
+            device: device.device.clone(),
+            gpu_uuid: description.uuid.clone(),
+            gpu_minor: minor,
+            kind,
+            env: device.config.env.clone(),
+        });
+    }
+    Ok(Plan {
+        devices: records,
+        mig_mode_changes,
+    })
+}
+
+/// Whether MIG devices can be made on the GPU; `Ok(true)` when MIG must be switched on first.
+fn check_mig_usable(gpu: &GpuDescription) -> Result<bool, Rejection> {
+    match &gpu.mig {
+        Some(mig) if mig.enabled => Ok(false),
+        Some(_) if mode_switchable(gpu) => Ok(true),
+        Some(_) => Err(Rejection::MigModeOffNeedsReset {
+            minor: gpu.minor,
+            product_name: gpu.product_name.clone(),
+        }),
+        None => Err(Rejection::NotMigCapable {
+            device: format!("gpu-{}", gpu.minor),
+            minor: gpu.minor,
+            product_name: gpu.product_name.clone(),
+        }),
+    }
+}
+
+/// Whether the GPU can be handed out whole; `Ok(true)` when MIG must be switched off first.
+fn check_whole_gpu_usable(gpu: &GpuView) -> Result<bool, PlanError> {
+    let description = &gpu.description;
+    match &description.mig {
+        Some(mig) if mig.enabled && !mode_switchable(description) => Err(Rejection::MigModeOnNeedsReset {
+            minor: description.minor,
+            product_name: description.product_name.clone(),
+        }
+        .into()),
+        Some(mig) if mig.enabled => {
+            let instances = gpu.instances.clone()?;
+            if instances.is_empty() {
+                Ok(true)
+            } else {
+                Err(Rejection::ForeignInstances {
+                    minor: description.minor,
+                    count: instances.len(),
+                }
+                .into())
+            }
+        }
+        _ => Ok(false),
+    }
+}
+
+/// The MIG geometry of a MIG-capable GPU.
+pub fn geometry_of(gpu: &GpuDescription) -> Option<MigGeometry> {
+    gpu.mig
+        .as_ref()
+        .map(|m| MigGeometry::new(m.profiles.clone(), gpu.memory_mib))
+}
+
+/// Whether the GPU's MIG mode can be switched without a reset.
+pub fn mode_switchable(gpu: &GpuDescription) -> bool {
+    gpu.architecture.is_some_and(|a| a.mig_mode_switchable())
+}
+
+/// The first device of another recorded claim that matches `pred`.
+fn find_other(
+    others: &[(String, ClaimRecord)],
+    pred: impl Fn(&DeviceRecord) -> bool,
+) -> Option<(&str, &ClaimRecord, &DeviceRecord)> {
+    others
+        .iter()
+        .find_map(|(uid, r)| r.devices.iter().find(|d| pred(d)).map(|d| (uid.as_str(), r, d)))
+}
+
+fn in_use(device: &str, existing: &DeviceRecord, other: &ClaimRecord, uid: &str) -> Rejection {
+    Rejection::InUseByClaim {
+        device: device.to_string(),
+        other_device: existing.device.clone(),
+        other_claim: other.key(),
+        other_uid: uid.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use migdra_api::{catalog, config::DeviceConfig};
+
+    use super::*;
+    use crate::{
+        checkpoint::ClaimState,
+        nvml::{MigDescription, NvmlErrorKind},
+    };
+
+    const POOL: &str = "node/gpu.migdra.dev";
+    // Real GPU-instance profile IDs of the 8-slice parts.
+    const P_1G: u32 = 19;
+    const P_3G: u32 = 9;
+
+    /// GPU `minor` of catalog model `key`; `mig` is the MIG mode (`None`: not MIG-capable).
+    fn gpu(minor: u32, key: &str, mig: Option<bool>) -> GpuDescription {
+        let model = catalog::model(key).unwrap();
+        GpuDescription {
+            index: minor,
+            minor,
+            uuid: model.uuid(minor),
+            product_name: model.product_name.to_string(),
+            pci_bus_id: None,
+            numa_node: None,
+            memory_mib: model.memory_mib,
+            architecture: Some(model.architecture),
+            cuda_compute_capability: None,
+            mig: mig.map(|enabled| MigDescription {
+                enabled,
+                pending_enabled: enabled,
+                profiles: model.profiles.clone(),
+            }),
+        }
+    }
+
+    fn instance(id: u32, profile_id: u32, start: u32, size: u32) -> GpuInstanceRecord {
+        GpuInstanceRecord {
+            id,
+            profile_id,
+            start,
+            size,
+            compute_instances: Vec::new(),
+        }
+    }
+
+    fn view(description: GpuDescription, instances: Vec<GpuInstanceRecord>) -> GpuView {
+        GpuView {
+            description,
+            instances: Ok(instances),
+        }
+    }
+
+    fn gpus(views: Vec<GpuView>) -> BTreeMap<u32, GpuView> {
+        views.into_iter().map(|v| (v.description.minor, v)).collect()
+    }
+
+    fn allocated(names: &[&str]) -> Vec<AllocatedDevice> {
+        names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| AllocatedDevice {
+                request: format!("r{i}"),
+                pool: POOL.into(),
+                device: name.to_string(),
+                name: name.parse().unwrap(),
+                config: DeviceConfig::default(),
+            })
+            .collect()
+    }
+
+    /// Another claim, prepared, holding MIG `profile_id` at `start` (size `size`) on GPU 0.
+    fn other_mig(profile_id: u32, start: u32, size: u32, device: &str) -> (String, ClaimRecord) {
+        other(
+            DeviceKind::Mig {
+                profile_id,
+                start,
+                size,
+                gpu_instance: Some(1),
+                compute_instance: Some(0),
+                mig_uuid: Some("MIG-x".into()),
+            },
+            device,
+        )
+    }
+
+    fn other(kind: DeviceKind, device: &str) -> (String, ClaimRecord) {
+        (
+            "uid-other".into(),
+            ClaimRecord {
+                namespace: "ns".into(),
+                name: "other".into(),
+                state: ClaimState::PrepareCompleted,
+                devices: vec![DeviceRecord {
+                    request: "gpu".into(),
+                    pool: POOL.into(),
+                    device: device.into(),
+                    gpu_uuid: "GPU-0".into(),
+                    gpu_minor: 0,
+                    kind,
+                    env: BTreeMap::new(),
+                }],
+            },
+        )
+    }
+
+    fn h100(mig: Option<bool>) -> GpuView {
+        view(gpu(0, "H100-80GB", mig), Vec::new())
+    }
+
+    fn mig(profile_id: u32, start: u32, size: u32) -> DeviceKind {
+        DeviceKind::Mig {
+            profile_id,
+            start,
+            size,
+            gpu_instance: None,
+            compute_instance: None,
+            mig_uuid: None,
+        }
+    }
+
+    #[test]
+    fn accepted_plans() {
+        struct Case {
+            what: &'static str,
+            gpus: Vec<GpuView>,
+            others: Vec<(String, ClaimRecord)>,
+            devices: &'static [&'static str],
+            kinds: Vec<DeviceKind>,
+            mode_changes: Vec<(u32, bool)>,
+        }
+        let cases = vec![
+            Case {
+                what: "a partition on a GPU in MIG mode",
+                gpus: vec![h100(Some(true))],
+                others: vec![],
+                devices: &["gpu-0-mig-3g40gb-4"],
+                kinds: vec![mig(P_3G, 4, 4)],
+                mode_changes: vec![],
+            },
+            Case {
+                what: "a partition on a switchable GPU with MIG off switches it on",
+                gpus: vec![h100(Some(false))],
+                others: vec![],
+                devices: &["gpu-0-mig-3g40gb-0"],
+                kinds: vec![mig(P_3G, 0, 4)],
+                mode_changes: vec![(0, true)],
+            },
+            Case {
+                what: "a whole GPU with MIG off",
+                gpus: vec![h100(Some(false))],
+                others: vec![],
+                devices: &["gpu-0"],
+                kinds: vec![DeviceKind::Gpu],
+                mode_changes: vec![],
+            },
+            Case {
+                what: "a whole, empty, switchable GPU in MIG mode switches it off",
+                gpus: vec![h100(Some(true))],
+                others: vec![],
+                devices: &["gpu-0"],
+                kinds: vec![DeviceKind::Gpu],
+                mode_changes: vec![(0, false)],
+            },
+            Case {
+                what: "a whole GPU that is not MIG-capable",
+                gpus: vec![h100(None)],
+                others: vec![],
+                devices: &["gpu-0"],
+                kinds: vec![DeviceKind::Gpu],
+                mode_changes: vec![],
+            },
+            Case {
+                what: "two partitions side by side, next to another claim's instance",
+                gpus: vec![view(
+                    gpu(0, "H100-80GB", Some(true)),
+                    vec![instance(1, P_1G, 6, 1)],
+                )],
+                others: vec![other_mig(P_1G, 6, 1, "gpu-0-mig-1g10gb-6")],
+                devices: &["gpu-0-mig-3g40gb-0", "gpu-0-mig-1g10gb-4"],
+                kinds: vec![mig(P_3G, 0, 4), mig(P_1G, 4, 1)],
+                mode_changes: vec![],
+            },
+            Case {
+                what: "partitions of two GPUs, one of them switched on",
+                gpus: vec![
+                    h100(Some(true)),
+                    view(gpu(1, "H100-80GB", Some(false)), Vec::new()),
+                ],
+                others: vec![],
+                devices: &["gpu-0-mig-3g40gb-0", "gpu-1-mig-3g40gb-4"],
+                kinds: vec![mig(P_3G, 0, 4), mig(P_3G, 4, 4)],
+                mode_changes: vec![(1, true)],
+            },
+            Case {
+                what: "a listing failure does not matter when the decision does not need it",
+                gpus: vec![GpuView {
+                    description: gpu(0, "H100-80GB", Some(false)),
+                    instances: Err(listing_failed()),
+                }],
+                others: vec![],
+                devices: &["gpu-0"],
+                kinds: vec![DeviceKind::Gpu],
+                mode_changes: vec![],
+            },
+        ];
+        for case in cases {
+            let views = gpus(case.gpus);
+            let devices = allocated(case.devices);
+            let plan = plan(&devices, &views, &case.others).unwrap_or_else(|e| panic!("{}: {e}", case.what));
+            let kinds: Vec<DeviceKind> = plan.devices.iter().map(|d| d.kind.clone()).collect();
+            assert_eq!(kinds, case.kinds, "{}", case.what);
+            assert_eq!(
+                plan.mig_mode_changes,
+                case.mode_changes.into_iter().collect::<BTreeMap<_, _>>(),
+                "{}",
+                case.what
+            );
+            for (record, device) in plan.devices.iter().zip(&devices) {
+                assert_eq!(record.device, device.device, "{}", case.what);
+                assert_eq!(record.request, device.request, "{}", case.what);
+                assert_eq!(record.gpu_minor, device.name.minor(), "{}", case.what);
+                assert_eq!(
+                    record.gpu_uuid,
+                    views[&device.name.minor()].description.uuid,
+                    "{}",
+                    case.what
+                );
+            }
+        }
+    }
+
+    fn listing_failed() -> BackendError {
+        BackendError {
+            operation: "list GPU instances on GPU 0".into(),
+            kind: NvmlErrorKind::Other,
+            message: "boom".into(),
+        }
+    }
+
+    #[test]
+    fn rejected_plans() {
+        let foreign_1g_at_6 = || view(gpu(0, "H100-80GB", Some(true)), vec![instance(3, P_1G, 6, 1)]);
+        // (what, GPUs, other claims, allocated devices, expected reason)
+        type Case = (
+            &'static str,
+            Vec<GpuView>,
+            Vec<(String, ClaimRecord)>,
+            &'static [&'static str],
+            &'static str,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "no such GPU",
+                vec![h100(Some(true))],
+                vec![],
+                &["gpu-7-mig-3g40gb-4"],
+                "NoSuchGpu",
+            ),
+            (
+                "whole GPU after its partition",
+                vec![h100(Some(true))],
+                vec![],
+                &["gpu-0-mig-3g40gb-4", "gpu-0"],
+                "WholeGpuAlsoPartitioned",
+            ),
+            (
+                "partition after its whole GPU",
+                vec![h100(Some(false))],
+                vec![],
+                &["gpu-0", "gpu-0-mig-3g40gb-4"],
+                "PartitionOfWholeGpu",
+            ),
+            (
+                "the same GPU twice",
+                vec![h100(Some(false))],
+                vec![],
+                &["gpu-0", "gpu-0"],
+                "DuplicateDevice",
+            ),
+            (
+                "whole GPU with another claim's partition",
+                vec![h100(Some(true))],
+                vec![other_mig(P_3G, 0, 4, "gpu-0-mig-3g40gb-0")],
+                &["gpu-0"],
+                "InUseByClaim",
+            ),
+            (
+                "partition overlapping another claim's partition",
+                vec![h100(Some(true))],
+                vec![other_mig(P_3G, 4, 4, "gpu-0-mig-3g40gb-4")],
+                &["gpu-0-mig-1g10gb-5"],
+                "InUseByClaim",
+            ),
+            (
+                "partition of another claim's whole GPU",
+                vec![h100(Some(false))],
+                vec![other(DeviceKind::Gpu, "gpu-0")],
+                &["gpu-0-mig-1g10gb-0"],
+                "InUseByClaim",
+            ),
+            (
+                "partition of a GPU without MIG",
+                vec![h100(None)],
+                vec![],
+                &["gpu-0-mig-3g40gb-4"],
+                "NotMigCapable",
+            ),
+            (
+                "profile the GPU lacks",
+                vec![h100(Some(true))],
+                vec![],
+                &["gpu-0-mig-1g5gb-0"],
+                "UnknownProfile",
+            ),
+            (
+                "invalid start",
+                vec![h100(Some(true))],
+                vec![],
+                &["gpu-0-mig-3g40gb-2"],
+                "InvalidPlacement",
+            ),
+            (
+                "overlaps a foreign instance",
+                vec![foreign_1g_at_6()],
+                vec![],
+                &["gpu-0-mig-3g40gb-4"],
+                "PlacementOverlap",
+            ),
+            (
+                "two devices of the claim overlap",
+                vec![h100(Some(true))],
+                vec![],
+                &["gpu-0-mig-3g40gb-4", "gpu-0-mig-2g20gb-4"],
+                "PlacementOverlap",
+            ),
+            (
+                "partition of an Ampere GPU with MIG off",
+                vec![view(gpu(0, "A100-SXM4-40GB", Some(false)), Vec::new())],
+                vec![],
+                &["gpu-0-mig-1g5gb-0"],
+                "MigModeOffNeedsReset",
+            ),
+            (
+                "whole Ampere GPU in MIG mode",
+                vec![view(gpu(0, "A100-SXM4-40GB", Some(true)), Vec::new())],
+                vec![],
+                &["gpu-0"],
+                "MigModeOnNeedsReset",
+            ),
+            (
+                "whole GPU with a foreign instance",
+                vec![foreign_1g_at_6()],
+                vec![],
+                &["gpu-0"],
+                "ForeignInstances",
+            ),
+        ];
+        for (what, views, others, names, reason) in cases {
+            let devices = allocated(names);
+            match plan(&devices, &gpus(views), &others) {
+                Err(PlanError::Rejected(rejection)) => {
+                    assert_eq!(rejection.reason(), reason, "{what}: {rejection}")
+                }
+                other => panic!("{what}: expected a rejection {reason}, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_listing_failure_fails_the_plan_only_where_the_list_is_needed() {
+        let failing = |mig| {
+            gpus(vec![GpuView {
+                description: gpu(0, "H100-80GB", Some(mig)),
+                instances: Err(listing_failed()),
+            }])
+        };
+        for names in [&["gpu-0-mig-3g40gb-4"][..], &["gpu-0"][..]] {
+            let result = plan(&allocated(names), &failing(true), &[]);
+            assert_eq!(result, Err(PlanError::Backend(listing_failed())), "{names:?}");
+        }
+        // A rejection decided before the list is needed wins.
+        let result = plan(&allocated(&["gpu-0-mig-1g5gb-0"]), &failing(true), &[]);
+        assert!(
+            matches!(result, Err(PlanError::Rejected(Rejection::UnknownProfile { .. }))),
+            "{result:?}"
+        );
+    }
+
+    #[test]
+    fn instances_of_other_gpus_do_not_block() {
+        let views = gpus(vec![
+            h100(Some(true)),
+            view(gpu(1, "H100-80GB", Some(true)), vec![instance(1, P_3G, 4, 4)]),
+        ]);
+        plan(&allocated(&["gpu-0-mig-3g40gb-4"]), &views, &[]).unwrap();
+    }
+
+    #[test]
+    fn messages_name_the_device_and_the_cause() {
+        let devices = allocated(&["gpu-0-mig-1g5gb-0"]);
+        let Err(PlanError::Rejected(rejection)) = plan(&devices, &gpus(vec![h100(Some(true))]), &[]) else {
+            panic!("expected a rejection")
+        };
+        let message = rejection.to_string();
+        assert!(
+            message.starts_with("device gpu-0-mig-1g5gb-0: GPU 0 (")
+                && message.contains("has no MIG profile 1g.5gb (it offers 1g.10gb, "),
+            "{message}"
+        );
+        let devices = allocated(&["gpu-0-mig-1g10gb-5"]);
+        let others = [other_mig(P_3G, 4, 4, "gpu-0-mig-3g40gb-4")];
+        let Err(PlanError::Rejected(rejection)) = plan(&devices, &gpus(vec![h100(Some(true))]), &others)
+        else {
+            panic!("expected a rejection")
+        };
+        assert_eq!(
+            rejection.to_string(),
+            "device gpu-0-mig-1g10gb-5 overlaps device gpu-0-mig-3g40gb-4 already prepared for claim ns/other (uid-other)"
+        );
+        let devices = allocated(&["gpu-0-mig-3g40gb-4"]);
+        let Err(PlanError::Rejected(rejection)) = plan(&devices, &gpus(vec![foreign_overlap()]), &[]) else {
+            panic!("expected a rejection")
+        };
+        let message = rejection.to_string();
+        assert!(
+            message
+                .starts_with("device gpu-0-mig-3g40gb-4: cannot create 3g.40gb at memory slice 4 on GPU 0: ")
+                && message.contains("overlaps the existing 1g.10gb@6"),
+            "{message}"
+        );
+    }
+
+    fn foreign_overlap() -> GpuView {
+        view(gpu(0, "H100-80GB", Some(true)), vec![instance(3, P_1G, 6, 1)])
+    }
+}

@@ -1,0 +1,9 @@
+//! The kubelet plugin's integration tests, in one binary. They run the production code
+//! (`NvmlBackend` included) against the fake NVML library; [`support`] builds the simulated
+//! node, the claim store and the claims.
+
+mod claims_api;
+mod crash;
+mod driver;
+mod nvml_backend;
+mod support;
