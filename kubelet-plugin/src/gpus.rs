@@ -89,6 +89,32 @@ impl Drop for HeldGpu {
 
 /// The operation locks of a set of GPUs, held together, borrowed from the node lock. The
 /// GPUs a claim may touch are exactly the ones in here.
+///
+/// Taken after the node lock and released before it:
+///
+/// ```no_run
+/// # use std::{path::Path, time::Duration};
+/// # use migdra_kubelet_plugin::{gpus::Gpus, nvml::NvmlBackend, state_dir::NodeLock};
+/// fn in_order(gpus: &Gpus<NvmlBackend>, dir: &Path) {
+///     let node = NodeLock::acquire(dir, Duration::ZERO).unwrap();
+///     let locks = node.lock_gpus(gpus, [0, 1]);
+///     drop(locks);
+///     drop(node);
+/// }
+/// ```
+///
+/// Keeping GPU locks past the node lock does not compile:
+///
+/// ```compile_fail,E0505
+/// # use std::{path::Path, time::Duration};
+/// # use migdra_kubelet_plugin::{gpus::Gpus, nvml::NvmlBackend, state_dir::NodeLock};
+/// fn out_of_order(gpus: &Gpus<NvmlBackend>, dir: &Path) {
+///     let node = NodeLock::acquire(dir, Duration::ZERO).unwrap();
+///     let locks = node.lock_gpus(gpus, [0, 1]);
+///     drop(node);
+///     drop(locks);
+/// }
+/// ```
 pub struct GpuLocks<'node> {
     held: BTreeMap<u32, HeldGpu>,
     _node: PhantomData<&'node NodeLock>,
