@@ -12,6 +12,7 @@ use migdra_kubelet_plugin::{
     checkpoint::ClaimState,
     claims::ClaimError,
     driver::ClaimFailure,
+    metrics::Metrics,
     nvml::{BackendError, NvmlErrorKind},
     plan::Rejection,
     state_dir::NodeLockError,
@@ -563,5 +564,38 @@ async fn health_follows_the_parent_gpu() {
             .iter()
             .filter(|r| r.device_name.starts_with("gpu-0"))
             .all(|r| r.healthy == Some(true))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failures_are_counted_by_reason() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let metrics = Metrics::new();
+    let (driver, _) = node.try_start_with(None, metrics.clone()).unwrap();
+    node.claims
+        .put(claim("u1", "c1", &[("gpu", "gpu-0-mig-1g5gb-0")]));
+    node.claims.put(claim("u2", "c2", &[("gpu", H100_3G_AT_4)]));
+    let out = driver
+        .prepare_claims(vec![
+            claim_ref("u1", "c1"),
+            claim_ref("u2", "c2"),
+            claim_ref("u3", "gone"),
+        ])
+        .await;
+    assert_eq!(out["u1"].as_ref().unwrap_err().reason(), "UnknownProfile");
+    assert_eq!(out["u3"].as_ref().unwrap_err().reason(), "ClaimNotFound");
+    assert!(out["u2"].is_ok());
+    let text = metrics.encode();
+    for reason in ["UnknownProfile", "ClaimNotFound"] {
+        let line = format!(
+            r#"migdra_kubelet_plugin_claim_failures_total{{operation="prepare",reason="{reason}"}} 1"#
+        );
+        assert!(text.contains(&line), "{line} in\n{text}");
+    }
+    assert_eq!(
+        text.matches("migdra_kubelet_plugin_claim_failures_total{")
+            .count(),
+        2,
+        "the successful claim is no failure: {text}"
     );
 }

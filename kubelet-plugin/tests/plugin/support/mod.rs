@@ -144,6 +144,15 @@ impl Node {
         &self,
         hook: Option<StepHook>,
     ) -> Result<(TestDriver, RecoveryReport), migdra_kubelet_plugin::driver::DriverError> {
+        self.try_start_with(hook, Metrics::new())
+    }
+
+    /// Starts a driver that counts into `metrics`.
+    pub fn try_start_with(
+        &self,
+        hook: Option<StepHook>,
+        metrics: Metrics,
+    ) -> Result<(TestDriver, RecoveryReport), migdra_kubelet_plugin::driver::DriverError> {
         let backend = NvmlBackend::new(Some(&self.host.lib_path())).expect("load the fake NVML");
         let config = DriverConfig {
             driver_name: DRIVER.into(),
@@ -158,7 +167,7 @@ impl Node {
             self.claims.clone(),
             self.cdi(),
             hook,
-            Metrics::new(),
+            metrics,
         )
     }
 
