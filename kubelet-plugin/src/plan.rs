@@ -312,7 +312,7 @@ pub fn plan(
                         minor,
                         cause,
                     })?;
-                if check_mig_usable(description)? {
+                if check_mig_usable(&device.device, description)? {
                     mig_mode_changes.insert(minor, true);
                 }
                 mine.push(placement);
@@ -343,7 +343,7 @@ pub fn plan(
 }
 
 /// Whether MIG devices can be made on the GPU; `Ok(true)` when MIG must be switched on first.
-fn check_mig_usable(gpu: &GpuDescription) -> Result<bool, Rejection> {
+fn check_mig_usable(device: &str, gpu: &GpuDescription) -> Result<bool, Rejection> {
     match &gpu.mig {
         Some(mig) if mig.enabled => Ok(false),
         Some(_) if mode_switchable(gpu) => Ok(true),
@@ -352,7 +352,7 @@ fn check_mig_usable(gpu: &GpuDescription) -> Result<bool, Rejection> {
             product_name: gpu.product_name.clone(),
         }),
         None => Err(Rejection::NotMigCapable {
-            device: format!("gpu-{}", gpu.minor),
+            device: device.to_string(),
             minor: gpu.minor,
             product_name: gpu.product_name.clone(),
         }),
