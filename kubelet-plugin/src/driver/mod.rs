@@ -1,15 +1,15 @@
 //! The prepare/unprepare state machine behind the kubelet's DRA calls.
 //!
-//! - [`prepare`]: per claim, GET the claim and validate it (no lock held, nothing created);
+//! - `prepare.rs`: per claim, GET the claim and validate it (no lock held, nothing created);
 //!   then, under the node lock and the locks of the claim's GPUs, plan it
 //!   ([`crate::plan`]), record `PrepareStarted` with the planned placements, switch MIG mode
 //!   where the plan says so, create each GPU instance and its full compute instance, write
 //!   the CDI spec, record `PrepareCompleted`. Any failure after the first record tears down
 //!   what was created and forgets the claim.
-//! - [`unprepare`]: per claim, record `UnprepareStarted`, destroy compute then GPU
+//! - `unprepare.rs`: per claim, record `UnprepareStarted`, destroy compute then GPU
 //!   instances, remove the CDI spec, forget the claim. Already gone is success. Its teardown
 //!   routine is also the rollback of a failed or interrupted prepare.
-//! - [`recovery`]: at start, half-prepared claims are rolled back, half-unprepared ones
+//! - `recovery.rs`: at start, half-prepared claims are rolled back, half-unprepared ones
 //!   finished and missing CDI specs rewritten. Every instance the journal does not describe
 //!   belongs to someone else and is never touched.
 //!
@@ -24,7 +24,9 @@
 //! as a [`GpuLocks`] made by [`NodeLock::lock_gpus`] and borrowing the node lock, every
 //! step that plans, creates or destroys takes a `&GpuLocks` and reaches the GPU through it,
 //! and the journal's mutex never leaves [`crate::journal::Journal`]. Claims of one kubelet
-//! call run in parallel under one node lock, each holding its own GPUs' locks.
+//! call run in parallel under one node lock, each holding its own GPUs' locks. The status
+//! loop's inventory ([`Gpus::inventory`]) takes one GPU lock at a time and never the node
+//! lock, so it keeps reporting while another plugin instance works.
 
 mod prepare;
 mod recovery;
