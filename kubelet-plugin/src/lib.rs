@@ -9,7 +9,7 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod claims;
 pub mod driver;
-pub mod grpc;
+pub use migdra_kubeletplugin as grpc;
 pub mod metrics;
 pub mod node_status;
 pub mod nvml;

@@ -1,28 +1,28 @@
 //! Plugin registration over the real registration socket, through the `:authority` proxy: with a
 //! tonic client, and with the exact bytes the kubelet's grpc-go client sends.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{
-    CONTINUATION, END_HEADERS, GUARD, HEADERS, Harness, PADDED, PRIORITY, PROTOCOL_ERROR, RawClient,
+use crate::support::{
+    CONTINUATION, DRIVER, END_HEADERS, GUARD, HEADERS, Harness, PADDED, PRIORITY, PROTOCOL_ERROR, RawClient,
     SETTINGS, channel, frame, get_info_block, huffman, percent_encoded, repeated_get_info_block,
     short_tempdir,
 };
-use migdra_kubelet_plugin::grpc::{RegistrationState, registration::RegistrationService};
+use migdra_kubeletplugin::RegistrationState;
 use migdra_proto::registration::{
-    InfoRequest, PluginInfo, RegistrationStatus, registration_client::RegistrationClient,
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+    registration_client::RegistrationClient,
+    registration_server::{Registration, RegistrationServer},
 };
 use prost::Message;
-use tokio::{net::UnixListener, sync::watch};
+use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
 fn expected_info(h: &Harness) -> PluginInfo {
     PluginInfo {
         r#type: "DRAPlugin".to_string(),
-        name: "gpu.migdra.dev".to_string(),
+        name: DRIVER.to_string(),
         endpoint: h.dra_socket.display().to_string(),
         supported_versions: [
             "v1.DRAPlugin",
@@ -36,7 +36,7 @@ fn expected_info(h: &Harness) -> PluginInfo {
 }
 
 /// Asserts a successful unary gRPC answer carrying `info`.
-fn assert_plugin_info(response: &common::RawResponse, info: &PluginInfo) {
+fn assert_plugin_info(response: &crate::support::RawResponse, info: &PluginInfo) {
     assert_eq!(response.header(":status"), Some("200"), "{response:?}");
     assert_eq!(response.header("grpc-status"), Some("0"), "{response:?}");
     assert_eq!(&PluginInfo::decode(response.message()).expect("PluginInfo"), info);
@@ -46,10 +46,13 @@ fn assert_plugin_info(response: &common::RawResponse, info: &PluginInfo) {
 async fn get_info_and_notify_through_the_proxy() {
     let mut h = Harness::start(Vec::new(), Duration::from_secs(10)).await;
     assert!(h.dra_socket.is_absolute());
-    assert_eq!(h.dra_socket, h.dir.path().join("plugins/gpu.migdra.dev/dra.sock"));
+    assert_eq!(
+        h.dra_socket,
+        h.dir.path().join(format!("plugins/{DRIVER}/dra.sock"))
+    );
     assert_eq!(
         h.registration_socket,
-        h.dir.path().join("plugins_registry/gpu.migdra.dev-reg.sock")
+        h.dir.path().join(format!("plugins_registry/{DRIVER}-reg.sock"))
     );
 
     let mut client = RegistrationClient::new(channel(&h.registration_socket).await);
@@ -97,7 +100,7 @@ async fn get_info_and_notify_through_the_proxy() {
 async fn kubelet_request_with_percent_encoded_authority_succeeds() {
     let mut h = Harness::start(Vec::new(), Duration::from_secs(10)).await;
     let authority = percent_encoded(&h.registration_socket);
-    assert!(authority.starts_with("%2Ftmp%2Fmd") && authority.ends_with("%2Fgpu.migdra.dev-reg.sock"));
+    assert!(authority.starts_with("%2Ftmp%2Fmd") && authority.ends_with(&format!("%2F{DRIVER}-reg.sock")));
 
     let mut kubelet = RawClient::connect(&h.registration_socket).await;
     let headers = frame(HEADERS, END_HEADERS, 1, &get_info_block(&authority, false));
@@ -160,18 +163,39 @@ async fn header_block_split_across_continuation_with_padding_and_priority() {
     h.stop().await;
 }
 
+/// A registration service answering GetInfo with a fixed name, to be served by plain tonic.
+struct FixedInfo;
+
+#[tonic::async_trait]
+impl Registration for FixedInfo {
+    async fn get_info(
+        &self,
+        _request: tonic::Request<InfoRequest>,
+    ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
+        Ok(tonic::Response::new(PluginInfo {
+            name: DRIVER.to_string(),
+            ..PluginInfo::default()
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        _request: tonic::Request<RegistrationStatus>,
+    ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
+        Ok(tonic::Response::new(RegistrationStatusResponse {}))
+    }
+}
+
 #[tokio::test]
 async fn plain_tonic_rejects_the_kubelet_request() {
-    // Without the proxy: the same service, the same bytes, straight into tonic.
+    // Without the proxy: a registration service, the same bytes, straight into tonic.
     let dir = short_tempdir();
     let path = dir.path().join("plain-reg.sock");
     let listener = UnixListener::bind(&path).expect("bind");
-    let (state, _state_rx) = watch::channel(RegistrationState::default());
-    let service = RegistrationService::new("gpu.migdra.dev".to_string(), dir.path().join("dra.sock"), state);
     let stop = CancellationToken::new();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(service.into_server())
+            .add_service(RegistrationServer::new(FixedInfo))
             .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop.clone().cancelled_owned()),
     );
 

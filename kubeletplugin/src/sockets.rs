@@ -24,7 +24,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tonic::transport::Server;
 use tracing::{info, warn};
 
-use super::{
+use crate::{
     DeviceHealthReport, DraDriver, RegistrationState,
     authority_proxy::AuthorityProxy,
     dra::DraService,
@@ -155,7 +155,7 @@ pub enum ServerError {
 pub struct PluginServerConfig {
     /// The kubelet's root dir (`/var/lib/kubelet`).
     pub kubelet_root: PathBuf,
-    /// The DRA driver name (`gpu.migdra.dev`).
+    /// The DRA driver name (`dra.example.com`).
     pub driver_name: String,
     /// How often health streams re-send the full list without a change.
     pub health_resend_interval: Duration,

@@ -6,8 +6,8 @@
 //! the driver invented are dropped.
 //!
 //! Calls reach the driver one at a time (prepare and unprepare alike), as with the Go
-//! `kubeletplugin` helper's default: the kubelet may call concurrently for different pods, and
-//! MIG placement decisions must not interleave.
+//! `kubeletplugin` helper's default: the kubelet may call concurrently for different pods, and a
+//! driver's allocation decisions must not interleave.
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -16,7 +16,7 @@ use tokio::sync::Mutex;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use super::{ClaimRef, DraDriver, PrepareOutcome, PreparedDevice, UnprepareOutcome};
+use crate::{ClaimRef, DraDriver, PrepareOutcome, PreparedDevice, UnprepareOutcome};
 
 /// Serves the DRA plugin service for a [`DraDriver`]; one value backs both the v1 and the
 /// v1beta1 services (see [`DraService::v1_server`], [`DraService::v1beta1_server`]).
@@ -131,7 +131,7 @@ fn v1_device(device: PreparedDevice) -> v1::Device {
 }
 
 fn v1beta1_device(device: PreparedDevice) -> v1beta1::Device {
-    // v1beta1 has no share_id field; MIG devices never carry one.
+    // v1beta1 has no share_id field: a share ID cannot be sent to such a kubelet.
     v1beta1::Device {
         request_names: device.request_names,
         pool_name: device.pool_name,

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
-use super::DeviceHealthReport;
+use crate::DeviceHealthReport;
 
 /// How often the full list is re-sent without a change by default; well inside the kubelet's
 /// 30 s default timeout.

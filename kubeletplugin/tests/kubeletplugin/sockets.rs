@@ -1,11 +1,9 @@
 //! Socket lifecycle: directories, stale sockets, DRA before registration, cleanup order.
 
-mod common;
-
 use std::{collections::HashMap, path::Path, sync::Arc, time::Duration};
 
-use common::{DRIVER, GUARD, ScriptedDriver, channel, claim, short_tempdir};
-use migdra_kubelet_plugin::grpc::{
+use crate::support::{DRIVER, GUARD, ScriptedDriver, channel, claim, short_tempdir};
+use migdra_kubeletplugin::{
     ClaimRef, DraDriver, PluginServer, PluginServerConfig, PrepareOutcome, RegistrationState, ServerError,
     SocketKind, UnprepareOutcome,
 };

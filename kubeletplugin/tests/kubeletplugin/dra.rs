@@ -1,10 +1,8 @@
 //! The DRA service over a real unix socket, through v1 and v1beta1 clients.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{Harness, channel, claim, device_for};
+use crate::support::{Harness, channel, claim, device_for};
 use migdra_proto::dra::{v1, v1beta1};
 
 fn v1_claim(uid: &str) -> v1::Claim {

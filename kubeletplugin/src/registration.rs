@@ -1,5 +1,5 @@
 //! The kubelet plugin registration service (`pluginregistration.Registration`), served on the
-//! registration socket behind the `:authority` proxy ([`super::authority_proxy`]).
+//! registration socket behind the `:authority` proxy ([`crate::authority_proxy`]).
 
 use std::path::PathBuf;
 
@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use tracing::{error, info};
 
-use super::RegistrationState;
+use crate::RegistrationState;
 
 /// The plugin type the kubelet's DRA plugin handler accepts.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";

@@ -1,11 +1,9 @@
 //! Resource health over a real unix socket, through v1alpha1 and v1 clients.
 
-mod common;
-
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::{GUARD, Harness, channel};
-use migdra_kubelet_plugin::grpc::DeviceHealthReport;
+use crate::support::{GUARD, Harness, channel};
+use migdra_kubeletplugin::DeviceHealthReport;
 use migdra_proto::health::{v1, v1alpha1};
 use tokio_stream::StreamExt;
 
@@ -27,9 +25,9 @@ fn now() -> i64 {
 
 fn initial_devices() -> Vec<DeviceHealthReport> {
     vec![
-        report("gpu-0", Some(true), "ok"),
-        report("gpu-1", Some(false), &"x".repeat(3000)),
-        report("gpu-2", None, "no answer from NVML"),
+        report("dev-0", Some(true), "ok"),
+        report("dev-1", Some(false), &"x".repeat(3000)),
+        report("dev-2", None, "health probe failed"),
     ]
 }
 
@@ -79,13 +77,13 @@ async fn v1alpha1_sends_full_list_at_once_and_on_change() {
     assert_eq!(
         summary_v1alpha1(&first),
         vec![
-            ("gpu-0".to_string(), v1alpha1::HealthStatus::Healthy as i32, 2),
+            ("dev-0".to_string(), v1alpha1::HealthStatus::Healthy as i32, 2),
             (
-                "gpu-1".to_string(),
+                "dev-1".to_string(),
                 v1alpha1::HealthStatus::Unhealthy as i32,
                 1024
             ),
-            ("gpu-2".to_string(), v1alpha1::HealthStatus::Unknown as i32, 19),
+            ("dev-2".to_string(), v1alpha1::HealthStatus::Unknown as i32, 19),
         ]
     );
     for device in &first.devices {
@@ -99,8 +97,8 @@ async fn v1alpha1_sends_full_list_at_once_and_on_change() {
     assert_eq!(first.devices[0].message, "ok");
 
     h.health.send_replace(vec![
-        report("gpu-0", Some(false), "XID 79"),
-        report("gpu-1", Some(true), ""),
+        report("dev-0", Some(false), "XID 79"),
+        report("dev-1", Some(true), ""),
     ]);
     let second = tokio::time::timeout(GUARD, stream.next())
         .await
@@ -110,8 +108,8 @@ async fn v1alpha1_sends_full_list_at_once_and_on_change() {
     assert_eq!(
         summary_v1alpha1(&second),
         vec![
-            ("gpu-0".to_string(), v1alpha1::HealthStatus::Unhealthy as i32, 6),
-            ("gpu-1".to_string(), v1alpha1::HealthStatus::Healthy as i32, 0),
+            ("dev-0".to_string(), v1alpha1::HealthStatus::Unhealthy as i32, 6),
+            ("dev-1".to_string(), v1alpha1::HealthStatus::Healthy as i32, 0),
         ]
     );
     assert_eq!(second.devices[0].message, "XID 79");
@@ -137,9 +135,9 @@ async fn v1_sends_full_list_at_once_and_on_change() {
     assert_eq!(
         summary_v1(&first),
         vec![
-            ("gpu-0".to_string(), v1::HealthStatus::Healthy as i32, 2),
-            ("gpu-1".to_string(), v1::HealthStatus::Unhealthy as i32, 1024),
-            ("gpu-2".to_string(), v1::HealthStatus::Unknown as i32, 19),
+            ("dev-0".to_string(), v1::HealthStatus::Healthy as i32, 2),
+            ("dev-1".to_string(), v1::HealthStatus::Unhealthy as i32, 1024),
+            ("dev-2".to_string(), v1::HealthStatus::Unknown as i32, 19),
         ]
     );
 
@@ -151,7 +149,7 @@ async fn v1_sends_full_list_at_once_and_on_change() {
         .expect("ok");
     assert!(second.devices.is_empty(), "an emptied list is sent too");
 
-    h.health.send_replace(vec![report("gpu-3", None, "")]);
+    h.health.send_replace(vec![report("dev-3", None, "")]);
     let third = tokio::time::timeout(GUARD, stream.next())
         .await
         .expect("in time")
@@ -159,7 +157,7 @@ async fn v1_sends_full_list_at_once_and_on_change() {
         .expect("ok");
     assert_eq!(
         summary_v1(&third),
-        vec![("gpu-3".to_string(), v1::HealthStatus::Unknown as i32, 0)]
+        vec![("dev-3".to_string(), v1::HealthStatus::Unknown as i32, 0)]
     );
     h.stop().await;
 }
@@ -181,9 +179,9 @@ async fn both_versions_resend_the_full_list_periodically() {
 
     // Without any change, each stream keeps delivering the complete list.
     let expected = vec![
-        ("gpu-0".to_string(), 1, 2),
-        ("gpu-1".to_string(), 2, 1024),
-        ("gpu-2".to_string(), 0, 19),
+        ("dev-0".to_string(), 1, 2),
+        ("dev-1".to_string(), 2, 1024),
+        ("dev-2".to_string(), 0, 19),
     ];
     for _ in 0..3 {
         let a = tokio::time::timeout(GUARD, alpha.next())

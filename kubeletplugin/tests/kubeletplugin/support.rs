@@ -1,7 +1,6 @@
-//! Shared helpers for the gRPC socket tests: a scripted DraDriver, short temp dirs, a server
+//! Shared helpers for the socket tests: a tiny scripted [`DraDriver`], short temp dirs, a server
 //! starter, tonic channels over unix sockets, and a raw HTTP/2 client that speaks exactly like
 //! the kubelet's grpc-go client (percent-encoded `:authority`, Huffman, dynamic table).
-#![allow(dead_code)] // Each test binary uses a different subset.
 
 use std::{
     collections::HashMap,
@@ -11,7 +10,7 @@ use std::{
 };
 
 use loona_hpack::Decoder;
-use migdra_kubelet_plugin::grpc::{
+use migdra_kubeletplugin::{
     ClaimRef, DeviceHealthReport, DraDriver, PluginServer, PluginServerConfig, PluginServing, PrepareOutcome,
     PreparedDevice, RegistrationState, UnprepareOutcome,
 };
@@ -23,7 +22,7 @@ use tokio::{
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
-pub const DRIVER: &str = "gpu.migdra.dev";
+pub const DRIVER: &str = "dra.example.com";
 /// Guards every wait; never an assertion in itself.
 pub const GUARD: Duration = Duration::from_secs(20);
 
@@ -38,10 +37,10 @@ pub struct ScriptedDriver {
 
 pub fn device_for(uid: &str) -> PreparedDevice {
     PreparedDevice {
-        request_names: vec!["gpu".to_string()],
+        request_names: vec!["req".to_string()],
         pool_name: "node-a".to_string(),
-        device_name: format!("gpu-0-mig-1g10gb-{uid}"),
-        cdi_device_ids: vec![format!("gpu.migdra.dev/mig={uid}")],
+        device_name: format!("dev-{uid}"),
+        cdi_device_ids: vec![format!("example.com/device={uid}")],
         share_id: uid.starts_with("shared-").then(|| format!("share-{uid}")),
     }
 }
