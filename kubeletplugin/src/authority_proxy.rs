@@ -1,9 +1,10 @@
-//! An HTTP/2 proxy in front of the registration service that rewrites `:authority`.
+//! An HTTP/2 proxy in front of the kubelet-facing gRPC servers that rewrites `:authority`.
 //!
-//! The kubelet dials the registration socket by its bare path, so grpc-go sends the
-//! percent-encoded socket path as `:authority` (`%2Fvar%2Flib%2F…-reg.sock`). The `h2` crate
-//! under tonic refuses that authority with PROTOCOL_ERROR and registration never completes.
-//! This proxy owns the registration socket instead: it reads the client's frames, decodes every
+//! The kubelet dials the registration socket by its bare path, and kubelets before 1.34 dial the
+//! DRA socket that way too, so grpc-go sends the percent-encoded socket path as `:authority`
+//! (`%2Fvar%2Flib%2F…-reg.sock`). The `h2` crate under tonic refuses that authority with
+//! PROTOCOL_ERROR: registration never completes and such a kubelet cannot prepare anything.
+//! This proxy owns each socket instead: it reads the client's frames, decodes every
 //! header block (HEADERS + CONTINUATION, PADDED and PRIORITY handled) with its own HPACK decoder,
 //! replaces `:authority` with `localhost`, re-encodes the block and hands the connection to tonic
 //! through an in-memory duplex pipe. Everything else is forwarded unchanged, in both directions.
@@ -32,6 +33,8 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
+
+use crate::SocketKind;
 
 /// The HTTP/2 client connection preface.
 pub const CLIENT_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -116,19 +119,22 @@ impl Stream for ProxiedConnections {
     }
 }
 
-/// Accepts connections on the registration socket and proxies each one (one task per
-/// connection) into a [`ProxiedConnections`] stream.
+/// Accepts connections on one kubelet socket and proxies each one (one task per connection) into
+/// a [`ProxiedConnections`] stream.
 pub struct AuthorityProxy {
+    kind: SocketKind,
     listener: UnixListener,
     connections: mpsc::Sender<DuplexStream>,
 }
 
 impl AuthorityProxy {
-    /// A proxy for `listener` and the stream of connections it produces.
-    pub fn new(listener: UnixListener) -> (Self, ProxiedConnections) {
+    /// A proxy for `listener` (the `kind` socket, named in logs) and the stream of connections it
+    /// produces.
+    pub fn new(kind: SocketKind, listener: UnixListener) -> (Self, ProxiedConnections) {
         let (sender, receiver) = mpsc::channel(PENDING_CONNECTIONS);
         (
             Self {
+                kind,
                 listener,
                 connections: sender,
             },
@@ -143,6 +149,7 @@ impl AuthorityProxy {
     /// returned future aborts every connection.
     pub async fn run(self, shutdown: CancellationToken) {
         let Self {
+            kind,
             listener,
             connections: to_server,
         } = self;
@@ -155,22 +162,22 @@ impl AuthorityProxy {
                     Ok((client, _)) => {
                         let (near, far) = tokio::io::duplex(DUPLEX_BUFFER);
                         if to_server.send(far).await.is_err() {
-                            debug!("registration server stopped taking connections");
+                            debug!(%kind, "server stopped taking connections");
                             break;
                         }
                         open.spawn(async move {
                             match proxy_connection(client, near).await {
-                                Ok(()) => debug!("registration connection closed"),
-                                // The kubelet drops its connection right after registering;
-                                // a reset or broken pipe then is normal, anything else is not.
-                                Err(error) if error.is_disconnect() => debug!(%error, "registration connection closed by the peer"),
-                                Err(error) => warn!(%error, "registration connection closed"),
+                                Ok(()) => debug!(%kind, "connection closed"),
+                                // The kubelet drops its registration connection right after
+                                // registering; a reset or broken pipe is normal, anything else not.
+                                Err(error) if error.is_disconnect() => debug!(%kind, %error, "connection closed by the peer"),
+                                Err(error) => warn!(%kind, %error, "connection closed"),
                             }
                         });
                     }
                     Err(error) => {
                         // Typically EMFILE: back off instead of spinning.
-                        warn!(%error, "accepting on the registration socket failed");
+                        warn!(%kind, %error, "accepting a connection failed");
                         tokio::time::sleep(ACCEPT_ERROR_BACKOFF).await;
                     }
                 },

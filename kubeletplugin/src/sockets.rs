@@ -1,5 +1,7 @@
 //! The two kubelet sockets: the DRA socket (DRA v1 + v1beta1, health v1alpha1 + v1) and the
-//! registration socket (behind the `:authority` proxy).
+//! registration socket. Both are served behind the `:authority` proxy
+//! ([`crate::authority_proxy`]): the kubelet sends the percent-encoded socket path as
+//! `:authority` on the registration socket, and kubelets before 1.34 on the DRA socket too.
 //!
 //! Order matters to the kubelet: the DRA socket is served before the registration socket
 //! exists (the kubelet may call it right after registering), and on shutdown the registration
@@ -19,7 +21,6 @@ use std::{
 };
 
 use tokio::{net::UnixListener, sync::watch, task::JoinHandle, time::Instant};
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tonic::transport::Server;
 use tracing::{info, warn};
@@ -240,7 +241,8 @@ impl<D: DraDriver> PluginServer<D> {
     }
 
     /// Step 1: creates the directories, removes a stale DRA socket, binds it and starts serving
-    /// DRA v1 + v1beta1 and health v1alpha1 + v1 on it. The registration socket is not touched.
+    /// DRA v1 + v1beta1 and health v1alpha1 + v1 on it, through the `:authority` proxy. The
+    /// registration socket is not touched.
     pub async fn serve_dra(self, shutdown: CancellationToken) -> Result<DraServing, ServerError> {
         let config = self.config.validate()?;
         let stop = shutdown.child_token();
@@ -258,11 +260,14 @@ impl<D: DraDriver> PluginServer<D> {
             .add_service(dra.v1beta1_server())
             .add_service(health.v1alpha1_server())
             .add_service(health.v1_server());
+        let (proxy, connections) = AuthorityProxy::new(SocketKind::Dra, listener);
         let serve_stop = stop.clone();
         let task = spawn_server(SocketKind::Dra, dra_path.clone(), stop.clone(), async move {
-            router
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), serve_stop.cancelled_owned())
-                .await
+            let (served, ()) = tokio::join!(
+                router.serve_with_incoming_shutdown(connections, serve_stop.clone().cancelled_owned()),
+                proxy.run(serve_stop),
+            );
+            served
         });
         info!(socket = %dra_path.display(), "serving DRA v1, v1beta1 and resource health v1alpha1, v1");
         Ok(DraServing {
@@ -333,7 +338,7 @@ impl DraServing {
             self.config.dra_socket(),
             self.registration,
         );
-        let (proxy, connections) = AuthorityProxy::new(listener);
+        let (proxy, connections) = AuthorityProxy::new(SocketKind::Registration, listener);
         let router = Server::builder().add_service(service.into_server());
         let stop = serving.stop.clone();
         serving.registration_task = Some(spawn_server(

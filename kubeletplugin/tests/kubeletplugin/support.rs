@@ -271,19 +271,28 @@ impl Block {
     }
 }
 
-/// The first GetInfo header block grpc-go sends on a connection: `:method POST` and
-/// `:scheme http` from the static table, the rest as literals that enter the dynamic table
-/// (newest first afterwards: te=62, user-agent=63, content-type=64, :authority=65, :path=66).
-pub fn get_info_block(authority: &str, use_huffman: bool) -> Vec<u8> {
+/// The gRPC method the kubelet calls first on the registration socket.
+pub const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
+
+/// The header block grpc-go sends for a call to `path` as the first call on a connection:
+/// `:method POST` and `:scheme http` from the static table, the rest as literals that enter the
+/// dynamic table (newest first afterwards: te=62, user-agent=63, content-type=64,
+/// :authority=65, :path=66).
+pub fn request_block(path: &str, authority: &str, use_huffman: bool) -> Vec<u8> {
     Block::default()
         .indexed(3) // :method POST
         .indexed(6) // :scheme http
-        .indexed_name(4, "/pluginregistration.Registration/GetInfo", use_huffman)
+        .indexed_name(4, path, use_huffman)
         .indexed_name(1, authority, use_huffman)
         .indexed_name(31, "application/grpc", use_huffman)
         .indexed_name(58, "grpc-go/1.72.2", use_huffman)
         .new_name("te", "trailers", use_huffman)
         .0
+}
+
+/// The first GetInfo header block grpc-go sends on a connection (see [`request_block`]).
+pub fn get_info_block(authority: &str, use_huffman: bool) -> Vec<u8> {
+    request_block(GET_INFO, authority, use_huffman)
 }
 
 /// The same request again, entirely from the dynamic table.
@@ -348,6 +357,36 @@ impl RawResponse {
 pub struct RawClient {
     stream: UnixStream,
     decoder: Decoder<'static>,
+    /// Response bytes received per stream and not yet taken as messages ([`Self::next_message`]).
+    received: HashMap<u32, Vec<u8>>,
+}
+
+/// The header block fragment of a HEADERS or CONTINUATION payload (padding and priority removed).
+fn header_fragment(kind: u8, flags: u8, payload: &[u8]) -> &[u8] {
+    let mut fragment = payload;
+    if kind == HEADERS {
+        if flags & PADDED != 0 {
+            let pad = usize::from(fragment[0]);
+            fragment = &fragment[1..fragment.len() - pad];
+        }
+        if flags & PRIORITY != 0 {
+            fragment = &fragment[5..];
+        }
+    }
+    fragment
+}
+
+/// Takes one complete gRPC message off the front of `bytes`, if there is one.
+fn take_message(bytes: &mut Vec<u8>) -> Option<Vec<u8>> {
+    let header: [u8; 5] = bytes.get(..5)?.try_into().expect("5 bytes");
+    assert_eq!(header[0], 0, "compressed message");
+    let len = u32::from_be_bytes(header[1..].try_into().expect("4 bytes")) as usize;
+    if bytes.len() < 5 + len {
+        return None;
+    }
+    let message = bytes[5..5 + len].to_vec();
+    bytes.drain(..5 + len);
+    Some(message)
 }
 
 impl RawClient {
@@ -362,7 +401,82 @@ impl RawClient {
         Self {
             stream,
             decoder: Decoder::new(),
+            received: HashMap::new(),
         }
+    }
+
+    /// Starts a call to the gRPC method `path` with the given `:authority`, as grpc-go writes it
+    /// (Huffman-coded literals), and sends `message` as the whole request.
+    pub async fn request(&mut self, stream: u32, path: &str, authority: &str, message: &[u8]) {
+        let mut bytes = frame(
+            HEADERS,
+            END_HEADERS,
+            stream,
+            &request_block(path, authority, true),
+        );
+        bytes.extend_from_slice(&frame(DATA, END_STREAM, stream, &grpc_message(message)));
+        self.send(&bytes).await;
+    }
+
+    /// A unary call to `path` with the given `:authority`; returns the whole response.
+    pub async fn call(&mut self, stream: u32, path: &str, authority: &str, message: &[u8]) -> RawResponse {
+        self.request(stream, path, authority, message).await;
+        tokio::time::timeout(GUARD, self.response(stream))
+            .await
+            .expect("response in time")
+    }
+
+    fn decode_headers(&mut self, block: &[u8]) -> Vec<(String, String)> {
+        self.decoder
+            .decode(block)
+            .expect("server header block")
+            .into_iter()
+            .map(|(n, v)| {
+                (
+                    String::from_utf8_lossy(&n).into_owned(),
+                    String::from_utf8_lossy(&v).into_owned(),
+                )
+            })
+            .collect()
+    }
+
+    /// The next message of a streaming response on `stream`, bounded by the guard. Frames of
+    /// other streams are kept for them; every header block is decoded, so that the HPACK state
+    /// stays in step with the server. Panics when `stream` ends or the connection goes away.
+    pub async fn next_message(&mut self, stream: u32) -> Vec<u8> {
+        tokio::time::timeout(GUARD, async {
+            let mut block = Vec::new();
+            loop {
+                if let Some(message) = take_message(self.received.entry(stream).or_default()) {
+                    return message;
+                }
+                let (kind, flags, id, payload) = self.read_frame().await.expect("connection open");
+                match kind {
+                    SETTINGS if flags & ACK == 0 => self.send(&frame(SETTINGS, ACK, 0, &[])).await,
+                    PING if flags & ACK == 0 => self.send(&frame(PING, ACK, 0, &payload)).await,
+                    GOAWAY => panic!("connection closed by the server while waiting on stream {stream}"),
+                    RST_STREAM if id == stream => panic!("stream {stream} reset: {payload:?}"),
+                    HEADERS | CONTINUATION => {
+                        block.extend_from_slice(header_fragment(kind, flags, &payload));
+                        if flags & END_HEADERS != 0 {
+                            let headers = self.decode_headers(&block);
+                            block.clear();
+                            assert!(
+                                id != stream || kind != HEADERS || flags & END_STREAM == 0,
+                                "stream {stream} ended: {headers:?}"
+                            );
+                        }
+                    }
+                    DATA => {
+                        self.received.entry(id).or_default().extend_from_slice(&payload);
+                        assert!(id != stream || flags & END_STREAM == 0, "stream {stream} ended");
+                    }
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .expect("message in time")
     }
 
     pub fn stream_mut(&mut self) -> &mut UnixStream {
@@ -416,31 +530,12 @@ impl RawClient {
                     return response;
                 }
                 HEADERS | CONTINUATION if id == stream => {
-                    let mut fragment = &payload[..];
                     if kind == HEADERS {
                         block_ends_stream = flags & END_STREAM != 0;
-                        if flags & PADDED != 0 {
-                            let pad = usize::from(fragment[0]);
-                            fragment = &fragment[1..fragment.len() - pad];
-                        }
-                        if flags & PRIORITY != 0 {
-                            fragment = &fragment[5..];
-                        }
                     }
-                    block.extend_from_slice(fragment);
+                    block.extend_from_slice(header_fragment(kind, flags, &payload));
                     if flags & END_HEADERS != 0 {
-                        let decoded: Vec<(String, String)> = self
-                            .decoder
-                            .decode(&block)
-                            .expect("server header block")
-                            .into_iter()
-                            .map(|(n, v)| {
-                                (
-                                    String::from_utf8_lossy(&n).into_owned(),
-                                    String::from_utf8_lossy(&v).into_owned(),
-                                )
-                            })
-                            .collect();
+                        let decoded = self.decode_headers(&block);
                         block.clear();
                         if response.headers.is_empty() {
                             response.headers = decoded;
