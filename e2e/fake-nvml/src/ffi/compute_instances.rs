@@ -4,7 +4,6 @@
 
 use std::ffi::c_uint;
 
-use migdra_api::{geometry::MigProfile, nvml_constants::CI_ENGINE_PROFILE_SHARED};
 use nvml_wrapper_sys::bindings::{
     nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstancePlacement_t,
     nvmlComputeInstanceProfileInfo_t, nvmlComputeInstanceProfileInfo_v2_t,
@@ -19,11 +18,12 @@ use super::{
 };
 use crate::{
     code::{ARGUMENT_VERSION_MISMATCH, INVALID_ARGUMENT, NOT_FOUND},
-    sim::ComputeProfile,
+    model::GiProfile,
+    sim::{CI_ENGINE_PROFILE_SHARED, ComputeProfile},
     state::{GpuState, new_mig_uuid},
 };
 
-fn ci_profile_v1(cp: &ComputeProfile, gi: &MigProfile) -> nvmlComputeInstanceProfileInfo_t {
+fn ci_profile_v1(cp: &ComputeProfile, gi: &GiProfile) -> nvmlComputeInstanceProfileInfo_t {
     nvmlComputeInstanceProfileInfo_t {
         id: cp.id,
         sliceCount: cp.slices,
@@ -43,7 +43,7 @@ fn ci_profile_lookup(
     serial: u64,
     index: u32,
     eng_profile: u32,
-) -> Result<(ComputeProfile, MigProfile), u32> {
+) -> Result<(ComputeProfile, &'static GiProfile), u32> {
     let gi = g.gpu_instance_by_serial(serial).ok_or(INVALID_ARGUMENT)?;
     if eng_profile != CI_ENGINE_PROFILE_SHARED {
         return Err(INVALID_ARGUMENT);
@@ -64,7 +64,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfo(
     let function = "nvmlGpuInstanceGetComputeInstanceProfileInfo";
     get(function, gi_handle(gpuInstance), out, First, |g, (_, serial)| {
         let (cp, gi) = ci_profile_lookup(g, serial, profile, engProfile)?;
-        Ok(ci_profile_v1(&cp, &gi))
+        Ok(ci_profile_v1(&cp, gi))
     })
 }
 
@@ -83,7 +83,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(
         let version = out.version()?;
         call("nvmlGpuInstanceGetComputeInstanceProfileInfoV", Some(gpu), |s| {
             let (cp, gi) = ci_profile_lookup(gpu_ref(s, gpu)?, serial, profile, engProfile)?;
-            let v1 = ci_profile_v1(&cp, &gi);
+            let v1 = ci_profile_v1(&cp, gi);
             let name_text = if cp.slices == gi.compute_slices {
                 format!("MIG {}", gi.name)
             } else {

@@ -4,7 +4,6 @@
 
 use std::ffi::c_uint;
 
-use migdra_api::geometry::MigProfile;
 use nvml_wrapper_sys::bindings::{
     nvmlDevice_t, nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t,
     nvmlGpuInstanceProfileInfo_v3_t, nvmlReturn_t,
@@ -18,12 +17,13 @@ use super::{
 };
 use crate::{
     code::{ARGUMENT_VERSION_MISMATCH, INVALID_ARGUMENT, NOT_SUPPORTED},
+    model::GiProfile,
     state::GpuState,
 };
 
-fn gi_profile_v1(p: &MigProfile) -> nvmlGpuInstanceProfileInfo_t {
+fn gi_profile_v1(p: &GiProfile) -> nvmlGpuInstanceProfileInfo_t {
     nvmlGpuInstanceProfileInfo_t {
-        id: p.gi_profile_id,
+        id: p.id,
         isP2pSupported: 0,
         sliceCount: p.compute_slices,
         instanceCount: p.instance_count,
@@ -38,7 +38,7 @@ fn gi_profile_v1(p: &MigProfile) -> nvmlGpuInstanceProfileInfo_t {
 }
 
 /// Writes a v2 or v3 GI profile info, whichever version the caller preset.
-fn put_gi_profile_versioned(out: &Ptr<nvmlGpuInstanceProfileInfo_v2_t>, p: &MigProfile) -> Result<(), u32> {
+fn put_gi_profile_versioned(out: &Ptr<nvmlGpuInstanceProfileInfo_v2_t>, p: &GiProfile) -> Result<(), u32> {
     let v1 = gi_profile_v1(p);
     let name = fixed_str::<96>(&format!("MIG {}", p.name));
     match out.version()? {
@@ -92,7 +92,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
         physical(device),
         out,
         First,
-        |g, _| Ok(gi_profile_v1(&g.gi_profile_by_index(profile)?)),
+        |g, _| Ok(gi_profile_v1(g.gi_profile_by_index(profile)?)),
     )
 }
 
@@ -104,7 +104,7 @@ unsafe fn get_versioned_info(
     function: &str,
     device: nvmlDevice_t,
     info: *mut nvmlGpuInstanceProfileInfo_v2_t,
-    profile: impl FnOnce(&GpuState) -> Result<MigProfile, u32>,
+    profile: impl FnOnce(&GpuState) -> Result<&'static GiProfile, u32>,
 ) -> nvmlReturn_t {
     // SAFETY: forwarded from the caller.
     let out = unsafe { Ptr::new(info) };
@@ -114,7 +114,7 @@ unsafe fn get_versioned_info(
         call(function, Some(gpu), |s| {
             let g = gpu_ref(s, gpu)?;
             g.require_mig()?;
-            put_gi_profile_versioned(&out, &profile(g)?)
+            put_gi_profile_versioned(&out, profile(g)?)
         })
     })
 }
@@ -162,12 +162,12 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
         count.check()?;
         call("nvmlDeviceGetGpuInstancePossiblePlacements_v2", Some(gpu), |s| {
             let g = gpu_ref(s, gpu)?;
-            if g.geometry().is_none() {
+            if g.mig_table().is_none() {
                 return Err(NOT_SUPPORTED);
             }
             let profile = g.gi_profile(profileId).ok_or(INVALID_ARGUMENT)?;
             let items = profile
-                .placements
+                .starts
                 .iter()
                 .map(|start| nvmlGpuInstancePlacement_t {
                     start: *start,

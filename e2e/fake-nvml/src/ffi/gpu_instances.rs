@@ -29,8 +29,10 @@ fn create_gi(
         let g = gpu_mut(s, gpu)?;
         if let Some(p) = placement {
             // The size must be the profile's; anything else is an invalid placement.
-            let geometry = g.require_mig()?;
-            let profile = geometry.profile_by_id(profile_id).ok_or(INVALID_ARGUMENT)?;
+            let profile = g
+                .require_mig()?
+                .profile_by_id(profile_id)
+                .ok_or(INVALID_ARGUMENT)?;
             if profile.memory_slices != p.size {
                 return Err(INVALID_ARGUMENT);
             }

@@ -4,7 +4,6 @@
 
 use std::ffi::c_uint;
 
-use migdra_api::geometry::MigProfile;
 use nvml_wrapper_sys::bindings::{nvmlDevice_t, nvmlReturn_t};
 
 use super::{
@@ -17,6 +16,7 @@ use super::{
 };
 use crate::{
     code::{INVALID_ARGUMENT, NOT_FOUND},
+    model::GiProfile,
     state::GpuState,
 };
 
@@ -25,7 +25,7 @@ pub(super) struct MigView {
     pub(super) uuid: String,
     pub(super) gi_id: u32,
     pub(super) ci_id: u32,
-    pub(super) gi_profile: MigProfile,
+    pub(super) gi_profile: &'static GiProfile,
     pub(super) ci_slices: u32,
 }
 

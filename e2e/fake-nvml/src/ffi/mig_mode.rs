@@ -26,7 +26,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
         pending.check()?;
         call("nvmlDeviceGetMigMode", Some(gpu), |s| {
             let g = gpu_ref(s, gpu)?;
-            if g.geometry().is_none() {
+            if g.mig_table().is_none() {
                 return Err(NOT_SUPPORTED);
             }
             current.set(u32::from(g.mig_enabled))?;
