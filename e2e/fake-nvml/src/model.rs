@@ -400,30 +400,25 @@ static B200: MigTable = eight_slice(&[
 // Models. PCI IDs and whole-GPU SM counts are from §5 where it gives them; product names,
 // total memory and compute capabilities are what NVML reports on these parts.
 
-const fn model(
-    key: &'static str,
-    product_name: &'static str,
-    pci_device_id: u16,
-    architecture: u32,
-    cuda_compute_capability: (i32, i32),
-    memory_mib: u64,
-    multiprocessors: u32,
-    mig: Option<&'static MigTable>,
-) -> FakeModel {
-    FakeModel {
-        key,
-        product_name,
-        pci_device_id,
-        architecture,
-        cuda_compute_capability,
-        memory_mib,
-        multiprocessors,
-        mig,
-    }
+/// One model: key, product name, PCI device ID, architecture, compute capability, memory
+/// MiB, SMs, MIG table.
+macro_rules! model {
+    ($key:literal, $name:literal, $pci:literal, $arch:expr, $cc:expr, $mib:literal, $sms:literal, $mig:expr $(,)?) => {
+        FakeModel {
+            key: $key,
+            product_name: $name,
+            pci_device_id: $pci,
+            architecture: $arch,
+            cuda_compute_capability: $cc,
+            memory_mib: $mib,
+            multiprocessors: $sms,
+            mig: $mig,
+        }
+    };
 }
 
 static MODELS: &[FakeModel] = &[
-    model(
+    model!(
         "A100-SXM4-40GB",
         "NVIDIA A100-SXM4-40GB",
         0x20B0,
@@ -433,7 +428,7 @@ static MODELS: &[FakeModel] = &[
         108,
         Some(&A100_40GB),
     ),
-    model(
+    model!(
         "A100-80GB",
         "NVIDIA A100-SXM4-80GB",
         0x20B2,
@@ -443,7 +438,7 @@ static MODELS: &[FakeModel] = &[
         108,
         Some(&A100_80GB),
     ),
-    model(
+    model!(
         "A30-24GB",
         "NVIDIA A30",
         0x20B7,
@@ -453,7 +448,7 @@ static MODELS: &[FakeModel] = &[
         56,
         Some(&A30_24GB),
     ),
-    model(
+    model!(
         "H100-80GB",
         "NVIDIA H100 80GB HBM3",
         0x2330,
@@ -463,7 +458,7 @@ static MODELS: &[FakeModel] = &[
         132,
         Some(&H100_80GB),
     ),
-    model(
+    model!(
         "H100-NVL-94GB",
         "NVIDIA H100 NVL",
         0x2321,
@@ -473,7 +468,7 @@ static MODELS: &[FakeModel] = &[
         132,
         Some(&H100_NVL_94GB),
     ),
-    model(
+    model!(
         "H100-96GB",
         "NVIDIA GH200 96GB HBM3",
         0x233D,
@@ -483,7 +478,7 @@ static MODELS: &[FakeModel] = &[
         132,
         Some(&H100_96GB),
     ),
-    model(
+    model!(
         "H200-141GB",
         "NVIDIA H200",
         0x2335,
@@ -493,7 +488,7 @@ static MODELS: &[FakeModel] = &[
         132,
         Some(&H200_141GB),
     ),
-    model(
+    model!(
         "GH200-144GB",
         "NVIDIA GH200 144G HBM3e",
         0x2348,
@@ -503,7 +498,7 @@ static MODELS: &[FakeModel] = &[
         132,
         Some(&GH200_144GB),
     ),
-    model(
+    model!(
         "B200",
         "NVIDIA B200",
         0x2901,
@@ -514,9 +509,9 @@ static MODELS: &[FakeModel] = &[
         Some(&B200),
     ),
     // GPUs without MIG, for the "not MIG-capable" paths.
-    model("L4", "NVIDIA L4", 0x27B8, ARCH_ADA, (8, 9), 23034, 58, None),
-    model("A10", "NVIDIA A10", 0x2236, ARCH_AMPERE, (8, 6), 23028, 72, None),
-    model("T4", "Tesla T4", 0x1EB8, ARCH_TURING, (7, 5), 15360, 40, None),
+    model!("L4", "NVIDIA L4", 0x27B8, ARCH_ADA, (8, 9), 23034, 58, None),
+    model!("A10", "NVIDIA A10", 0x2236, ARCH_AMPERE, (8, 6), 23028, 72, None),
+    model!("T4", "Tesla T4", 0x1EB8, ARCH_TURING, (7, 5), 15360, 40, None),
 ];
 
 #[cfg(test)]
