@@ -37,6 +37,24 @@ fn ci_profile_v1(cp: &ComputeProfile, gi: &GiProfile) -> nvmlComputeInstanceProf
     }
 }
 
+/// A versioned CI profile info built from the v1 fields every version shares, plus `own`.
+macro_rules! ci_info_from_v1 {
+    ($ty:ident, $v1:ident, $($own:tt)*) => {
+        $ty {
+            id: $v1.id,
+            sliceCount: $v1.sliceCount,
+            instanceCount: $v1.instanceCount,
+            multiprocessorCount: $v1.multiprocessorCount,
+            sharedCopyEngineCount: $v1.sharedCopyEngineCount,
+            sharedDecoderCount: $v1.sharedDecoderCount,
+            sharedEncoderCount: $v1.sharedEncoderCount,
+            sharedJpegCount: $v1.sharedJpegCount,
+            sharedOfaCount: $v1.sharedOfaCount,
+            $($own)*
+        }
+    };
+}
+
 /// The compute profile `index` of the GPU instance `serial`, with its GPU-instance profile.
 fn ci_profile_lookup(
     g: &GpuState,
@@ -91,36 +109,22 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(
             };
             let name = fixed_str::<96>(&name_text);
             match version {
-                CI_PROFILE_INFO_V2 => out.set(nvmlComputeInstanceProfileInfo_v2_t {
+                CI_PROFILE_INFO_V2 => out.set(ci_info_from_v1!(
+                    nvmlComputeInstanceProfileInfo_v2_t,
+                    v1,
                     version,
-                    id: v1.id,
-                    sliceCount: v1.sliceCount,
-                    instanceCount: v1.instanceCount,
-                    multiprocessorCount: v1.multiprocessorCount,
-                    sharedCopyEngineCount: v1.sharedCopyEngineCount,
-                    sharedDecoderCount: v1.sharedDecoderCount,
-                    sharedEncoderCount: v1.sharedEncoderCount,
-                    sharedJpegCount: v1.sharedJpegCount,
-                    sharedOfaCount: v1.sharedOfaCount,
-                    name,
-                }),
+                    name
+                )),
                 CI_PROFILE_INFO_V3 => {
                     // SAFETY: the caller preset the v3 version, so the storage is a v3 struct.
                     let v3 = unsafe { Ptr::new(out.0.cast::<nvmlComputeInstanceProfileInfo_v3_t>()) };
-                    v3.set(nvmlComputeInstanceProfileInfo_v3_t {
+                    v3.set(ci_info_from_v1!(
+                        nvmlComputeInstanceProfileInfo_v3_t,
+                        v1,
                         version,
-                        id: v1.id,
-                        sliceCount: v1.sliceCount,
-                        instanceCount: v1.instanceCount,
-                        multiprocessorCount: v1.multiprocessorCount,
-                        sharedCopyEngineCount: v1.sharedCopyEngineCount,
-                        sharedDecoderCount: v1.sharedDecoderCount,
-                        sharedEncoderCount: v1.sharedEncoderCount,
-                        sharedJpegCount: v1.sharedJpegCount,
-                        sharedOfaCount: v1.sharedOfaCount,
                         name,
                         capabilities: 0,
-                    })
+                    ))
                 }
                 _ => Err(ARGUMENT_VERSION_MISMATCH),
             }

@@ -37,44 +37,46 @@ fn gi_profile_v1(p: &GiProfile) -> nvmlGpuInstanceProfileInfo_t {
     }
 }
 
+/// A versioned GI profile info built from the v1 fields every version shares, plus `own`.
+macro_rules! gi_info_from_v1 {
+    ($ty:ident, $v1:ident, $($own:tt)*) => {
+        $ty {
+            id: $v1.id,
+            sliceCount: $v1.sliceCount,
+            instanceCount: $v1.instanceCount,
+            multiprocessorCount: $v1.multiprocessorCount,
+            copyEngineCount: $v1.copyEngineCount,
+            decoderCount: $v1.decoderCount,
+            encoderCount: $v1.encoderCount,
+            jpegCount: $v1.jpegCount,
+            ofaCount: $v1.ofaCount,
+            memorySizeMB: $v1.memorySizeMB,
+            $($own)*
+        }
+    };
+}
+
 /// Writes a v2 or v3 GI profile info, whichever version the caller preset.
 fn put_gi_profile_versioned(out: &Ptr<nvmlGpuInstanceProfileInfo_v2_t>, p: &GiProfile) -> Result<(), u32> {
     let v1 = gi_profile_v1(p);
     let name = fixed_str::<96>(&format!("MIG {}", p.name));
     match out.version()? {
-        GI_PROFILE_INFO_V2 => out.set(nvmlGpuInstanceProfileInfo_v2_t {
+        GI_PROFILE_INFO_V2 => out.set(gi_info_from_v1!(
+            nvmlGpuInstanceProfileInfo_v2_t,
+            v1,
             version: GI_PROFILE_INFO_V2,
-            id: v1.id,
             isP2pSupported: v1.isP2pSupported,
-            sliceCount: v1.sliceCount,
-            instanceCount: v1.instanceCount,
-            multiprocessorCount: v1.multiprocessorCount,
-            copyEngineCount: v1.copyEngineCount,
-            decoderCount: v1.decoderCount,
-            encoderCount: v1.encoderCount,
-            jpegCount: v1.jpegCount,
-            ofaCount: v1.ofaCount,
-            memorySizeMB: v1.memorySizeMB,
             name,
-        }),
-        GI_PROFILE_INFO_V3 => {
-            out.cast::<nvmlGpuInstanceProfileInfo_v3_t>()
-                .set(nvmlGpuInstanceProfileInfo_v3_t {
-                    version: GI_PROFILE_INFO_V3,
-                    id: v1.id,
-                    sliceCount: v1.sliceCount,
-                    instanceCount: v1.instanceCount,
-                    multiprocessorCount: v1.multiprocessorCount,
-                    copyEngineCount: v1.copyEngineCount,
-                    decoderCount: v1.decoderCount,
-                    encoderCount: v1.encoderCount,
-                    jpegCount: v1.jpegCount,
-                    ofaCount: v1.ofaCount,
-                    memorySizeMB: v1.memorySizeMB,
-                    name,
-                    capabilities: 0,
-                })
-        }
+        )),
+        GI_PROFILE_INFO_V3 => out
+            .cast::<nvmlGpuInstanceProfileInfo_v3_t>()
+            .set(gi_info_from_v1!(
+                nvmlGpuInstanceProfileInfo_v3_t,
+                v1,
+                version: GI_PROFILE_INFO_V3,
+                name,
+                capabilities: 0,
+            )),
         _ => Err(ARGUMENT_VERSION_MISMATCH),
     }
 }
