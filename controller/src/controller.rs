@@ -114,6 +114,7 @@ pub async fn run(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let (gpunodes, gpunode_writer) = reflector::store::<GpuNode>();
     let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
     let (policies, policy_writer) = reflector::store::<MigPolicy>();
     let (slices, slice_writer) = reflector::store::<ResourceSlice>();
@@ -122,6 +123,7 @@ pub async fn run(
         client.clone(),
         config,
         Stores {
+            gpunodes: gpunodes.clone(),
             nodes,
             policies,
             slices,
@@ -166,12 +168,20 @@ pub async fn run(
     .reflect(slice_writer)
     .inspect(move |event| {
         if let Ok(event) = event {
-            observer.expectations.observe(event);
+            let wiped = observer.expectations.observe(event);
+            if wiped > 0 {
+                observer.metrics.slices_wiped(wiped);
+            }
         }
     })
     .touched_objects();
 
-    let controller = Controller::new(Api::<GpuNode>::all(client), watcher::Config::default())
+    // The GpuNode cache is shared with the reconciler (the heartbeat census reads it).
+    let gpunode_triggers = watcher(Api::<GpuNode>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(gpunode_writer)
+        .applied_objects();
+    let controller = Controller::for_stream(gpunode_triggers, gpunodes.clone())
         .with_config(controller::Config::default().debounce(DEBOUNCE))
         .watches_stream(node_triggers, |node| {
             Some(ObjectRef::<GpuNode>::new(&node.name_any()))
@@ -183,7 +193,7 @@ pub async fn run(
         .graceful_shutdown_on(shutdown.clone().cancelled_owned());
     // The sweeper lives in this task (not a spawned one), so aborting the task on a lost
     // lease stops it too.
-    let sweeper = sweep(ctx.clone(), controller.store(), shutdown.clone());
+    let sweeper = sweep(ctx.clone(), gpunodes, shutdown.clone());
 
     tracing::info!(driver = %driver, "controller running");
     let controller = controller.run(reconcile, error_policy, ctx).for_each(|result| {

@@ -67,6 +67,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     let config = context::ControllerConfig {
         driver: args.driver_name.clone(),
         heartbeat_timeout: args.heartbeat_timeout(),
+        mass_expiry_threshold: args.mass_expiry_threshold,
         identity: identity.clone(),
         ready_timeout: READY_TIMEOUT,
     };

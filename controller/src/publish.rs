@@ -1,6 +1,7 @@
 //! Carrying out a [`PoolDiff`] against the API: create or replace every slice of the new
 //! generation in pool order, then delete what is no longer wanted. Every write records what
-//! the slice cache should show next (see [`crate::expectations`]).
+//! the slice cache should show next and which slices the controller owns (see
+//! [`crate::expectations`]).
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::{
@@ -11,7 +12,7 @@ use kube::{
 use crate::{
     compare::{PoolDiff, SliceDelete, SliceWrite, specs_match},
     error::{Error, is_not_found},
-    expectations::{Expectations, Expected},
+    expectations::Expectations,
     metrics::{Metrics, SliceOperation},
     status::FIELD_MANAGER,
 };
@@ -60,10 +61,8 @@ impl Publisher<'_> {
             generation = slice.spec.pool.generation,
             "wrote ResourceSlice"
         );
-        if let Some(resource_version) = stored.resource_version() {
-            self.expectations
-                .expect(self.node, &name, Expected::Present { resource_version });
-        }
+        self.expectations
+            .written(self.node, &name, stored.resource_version());
         if stored.spec.pool.generation != slice.spec.pool.generation
             || !specs_match(&slice.spec, &stored.spec)
         {
@@ -80,10 +79,13 @@ impl Publisher<'_> {
             }),
             ..DeleteParams::default()
         };
+        // Recorded first: the delete event may reach the watch before the answer reaches us.
+        self.expectations.deleting(self.node, &delete.name);
         match self.api.delete(&delete.name, &params).await {
             Ok(_) => self.metrics.slice_write(SliceOperation::Delete),
             Err(e) if is_not_found(&e) => {}
             Err(e) => {
+                self.expectations.delete_failed(self.node, &delete.name);
                 return Err(Error::slice_write(
                     SliceOperation::Delete.as_str(),
                     &delete.name,
@@ -92,8 +94,6 @@ impl Publisher<'_> {
             }
         }
         tracing::debug!(slice = %delete.name, "deleted ResourceSlice");
-        self.expectations
-            .expect(self.node, &delete.name, Expected::Absent);
         Ok(())
     }
 }

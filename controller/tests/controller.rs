@@ -82,7 +82,8 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
     };
     let config = ControllerConfig {
         driver: DRIVER.into(),
-        heartbeat_timeout: Duration::from_secs(60),
+        heartbeat_timeout: Duration::from_secs(25),
+        mass_expiry_threshold: 0.55,
         identity: "controller-0".into(),
         ready_timeout: Duration::from_secs(5),
     };

@@ -8,7 +8,7 @@ mod support;
 use std::sync::Arc;
 
 use http::StatusCode;
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::{api::resource::v1::ResourceSlice, jiff::Timestamp};
 use kube::runtime::controller::Action;
 use migdra_api::{
     inventory::{GpuInventory, GpuNode},
@@ -64,7 +64,7 @@ async fn publish_fresh(h: &mut Harness, gpus: Vec<GpuInventory>) -> (Vec<Resourc
     let (result, served) = h.reconcile(&g, scenario).await;
     let action = result.unwrap();
     let requeue = requeue_secs(&action).expect("a live node is requeued at its heartbeat expiry");
-    assert!((55..=62).contains(&requeue), "requeue after {requeue}s");
+    assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
     assert_eq!(served.written.len(), count);
     let g = with_status_patch(g, &served.status_patches[0]);
     (served.written, g)
@@ -153,40 +153,192 @@ async fn inventory_change_bumps_the_generation_rewrites_all_and_deletes_the_surp
     assert!(served.written.iter().all(|s| s.spec.pool.generation == 2));
 }
 
+/// The GpuNode after the plugin's next heartbeat.
+fn heartbeat(mut g: GpuNode) -> GpuNode {
+    let plugin = g.status.as_mut().unwrap().plugin.as_mut().unwrap();
+    plugin.heartbeat_time = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now());
+    g
+}
+
+/// The reconcile after a wipe the plugin has not answered: nothing to delete, the pool is
+/// reported withdrawn, and the node waits for the next heartbeat.
+async fn withdrawn_after_wipe(h: &mut Harness, g: &GpuNode) -> GpuNode {
+    let scenario = Scenario::new().then(patch_status(|body| {
+        assert_eq!(condition(body), ("False", "PluginNotReady"));
+        let text = body["status"]["conditions"][0]["message"].as_str().unwrap();
+        assert!(text.contains("deleted by someone else"), "{text}");
+        assert_eq!(body["status"]["publication"]["devices"], 0);
+    }));
+    let (result, served) = h.reconcile(g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert!(served.written.is_empty(), "a wiped pool is not republished");
+    with_status_patch(g.clone(), &served.status_patches[0])
+}
+
 #[tokio::test]
-async fn slices_wiped_while_the_plugin_is_live_are_recreated() {
+async fn a_kubelet_wipe_withdraws_the_pool_until_the_plugin_heartbeats_again() {
     let mut h = Harness::new();
     let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
     h.store_slices(&stored);
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     assert!(result.is_ok(), "in sync");
-    // The kubelet deletes the node's slices.
+    // The kubelet deletes the node's slices (its plugin has been gone for 30 s). The last
+    // heartbeat is still fresh, but older than the wipe: the pool stays withdrawn.
     h.wipe_slices(&stored);
     let count = stored.len();
-    // Generation continues above the published one (the old slices are gone).
+    assert!(
+        h.ctx
+            .metrics
+            .encode()
+            .contains(&format!("migdra_controller_slice_wipes_total {count}"))
+    );
+    let g = withdrawn_after_wipe(&mut h, &g).await;
+    // Resyncs and unrelated GpuNode changes keep it withdrawn.
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+
+    // The plugin heartbeats after the wipe (it re-registered with a restarted kubelet): the
+    // pool comes back, the generation continuing above the published one.
+    let g = heartbeat(g);
     let scenario = Scenario::new()
         .then_all((0..count).map(|i| create_slice(&name(i), pool_slice(2, count))))
         .then(patch_status(|body| {
+            assert_eq!(condition(body), ("True", "Published"));
             assert_eq!(body["status"]["publication"]["generation"], 2);
         }));
     let (result, served) = h.reconcile(&g, scenario).await;
-    assert!(result.is_ok());
+    assert!(requeue_secs(&result.unwrap()).is_some());
     assert_eq!(served.written.len(), count);
 }
 
 #[tokio::test]
-async fn a_wipe_right_after_the_create_is_repaired_without_waiting() {
+async fn a_wipe_right_after_the_create_is_a_wipe_too() {
     let mut h = Harness::new();
     let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
     // The watch shows the creates and then the wipe before any reconcile looked.
     h.store_slices(&stored);
     h.wipe_slices(&stored);
+    let g = withdrawn_after_wipe(&mut h, &g).await;
     let count = stored.len();
     let scenario = Scenario::new()
         .then_all((0..count).map(|i| create_slice(&name(i), pool_slice(2, count))))
         .then(patch_status(|_| {}));
-    let (result, _) = h.reconcile(&g, scenario).await;
+    let (result, _) = h.reconcile(&heartbeat(g), scenario).await;
     assert!(result.is_ok());
+}
+
+#[tokio::test]
+async fn slices_missing_after_a_relist_count_as_a_wipe() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok(), "in sync");
+    // The watch restarted and relisted: the slices are gone from the cache without any
+    // delete event.
+    h.relist_slices(&[]);
+    withdrawn_after_wipe(&mut h, &g).await;
+}
+
+#[tokio::test]
+async fn the_controllers_own_deletes_are_no_wipe() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(4)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().gpus = Some(h100s(1));
+    let (count, _) = expected_pool(&h100s(1));
+    let before = stored.len();
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| {
+            let rv = stored[i].metadata.resource_version.clone().unwrap();
+            replace_slice(&name(i), Some(&rv), pool_slice(2, count))
+        }))
+        .then_all((count..before).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|_| {}));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    let g = with_status_patch(g, &served.status_patches[0]);
+    // The watch delivers the writes and the controller's own deletes.
+    h.store_slices(&served.written);
+    h.wipe_slices(&stored[count..]);
+    assert!(!h.ctx.metrics.encode().contains("slice_wipes_total 1"));
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(requeue_secs(&result.unwrap()).is_some(), "still published");
+}
+
+/// `count` more GpuNodes of registered plugins whose last heartbeat was `seconds` ago.
+fn other_nodes(h: &mut Harness, count: usize, seconds: i64) {
+    for i in 0..count {
+        let mut other = gpunode(Some(plugin(true, ago(seconds))), h100s(1));
+        let name = format!("node-other-{seconds}-{i}");
+        other.metadata.name = Some(name.clone());
+        other.spec.node_name = name;
+        h.put_gpunode(&other);
+    }
+}
+
+#[tokio::test]
+async fn most_heartbeats_expiring_at_once_withdraw_nothing() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    // node-a and three more nodes miss their heartbeats together, one node is fine: 4 of 5.
+    other_nodes(&mut h, 3, 120);
+    other_nodes(&mut h, 1, 0);
+    let mut stale = g.clone();
+    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
+    let (result, _) = h.reconcile(&stale, Scenario::new()).await;
+    let recheck = requeue_secs(&result.unwrap()).expect("looked at again soon");
+    assert!(recheck <= 10, "{recheck}");
+    let metrics = h.ctx.metrics.encode();
+    assert!(
+        metrics.contains("migdra_controller_heartbeat_withdrawals_held 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("migdra_controller_expired_heartbeats 4"),
+        "{metrics}"
+    );
+
+    // An explicit "not registered" still withdraws.
+    let mut unregistered = g.clone();
+    unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+        }));
+    let (result, _) = h.reconcile(&unregistered, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+}
+
+#[tokio::test]
+async fn a_few_expired_heartbeats_among_many_live_ones_withdraw() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    // node-a and two more are stale, four are fine: 3 of 7 is not a mass expiry.
+    other_nodes(&mut h, 2, 120);
+    other_nodes(&mut h, 4, 0);
+    let mut stale = g.clone();
+    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+        }));
+    let (result, _) = h.reconcile(&stale, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    let metrics = h.ctx.metrics.encode();
+    assert!(
+        metrics.contains("migdra_controller_heartbeat_withdrawals_held 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("migdra_controller_expired_heartbeats 3"),
+        "{metrics}"
+    );
 }
 
 async fn withdrawn_when(plugin: Option<migdra_api::inventory::PluginStatus>, message: &'static str) {

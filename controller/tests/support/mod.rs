@@ -40,13 +40,14 @@ pub const NODE_UID: &str = "uid-node-a";
 pub const DRIVER: &str = "gpu.migdra.dev";
 pub const POOL: &str = "node-a/gpu.migdra.dev";
 pub const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
-pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(60);
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(25);
 
 type Handle = mock::Handle<Request<Body>, Response<Body>>;
 
 /// A Context over stores the test fills by hand, and the mock API behind its client.
 pub struct Harness {
     pub ctx: Arc<Context>,
+    pub gpunodes: Writer<GpuNode>,
     pub nodes: Writer<PartialObjectMeta<Node>>,
     pub policies: Writer<MigPolicy>,
     pub slices: Writer<ResourceSlice>,
@@ -59,19 +60,23 @@ impl Harness {
     pub fn new() -> Self {
         let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
         let client = Client::new(service, "default");
+        let (gpunodes_store, mut gpunodes) = reflector::store();
         let (nodes_store, mut nodes) = reflector::store();
         let (policies_store, mut policies) = reflector::store();
         let (slices_store, mut slices) = reflector::store();
+        gpunodes.apply_watcher_event(&watcher::Event::InitDone);
         nodes.apply_watcher_event(&watcher::Event::InitDone);
         policies.apply_watcher_event(&watcher::Event::InitDone);
         slices.apply_watcher_event(&watcher::Event::InitDone);
         let config = ControllerConfig {
             driver: DRIVER.into(),
             heartbeat_timeout: HEARTBEAT_TIMEOUT,
+            mass_expiry_threshold: 0.55,
             identity: "controller-0".into(),
             ready_timeout: Duration::from_secs(1),
         };
         let stores = Stores {
+            gpunodes: gpunodes_store,
             nodes: nodes_store,
             policies: policies_store,
             slices: slices_store,
@@ -79,6 +84,7 @@ impl Harness {
         let ctx = Arc::new(Context::new(client, config, stores, Metrics::new()));
         let mut h = Self {
             ctx,
+            gpunodes,
             nodes,
             policies,
             slices,
@@ -118,6 +124,12 @@ impl Harness {
         self.nodes.apply_watcher_event(&watcher::Event::Delete(node));
     }
 
+    /// Puts a GpuNode into the GpuNode cache (the heartbeat census reads it).
+    pub fn put_gpunode(&mut self, gpunode: &GpuNode) {
+        self.gpunodes
+            .apply_watcher_event(&watcher::Event::Apply(gpunode.clone()));
+    }
+
     pub fn add_policy(&mut self, policy: MigPolicy) {
         self.policies.apply_watcher_event(&watcher::Event::Apply(policy));
     }
@@ -126,7 +138,8 @@ impl Harness {
     /// slice watch does.
     pub fn slice_event(&mut self, event: watcher::Event<ResourceSlice>) {
         self.slices.apply_watcher_event(&event);
-        self.ctx.expectations.observe(&event);
+        let wiped = self.ctx.expectations.observe(&event);
+        self.ctx.metrics.slices_wiped(wiped);
     }
 
     /// Puts what the API server stored into the slice cache.
@@ -143,6 +156,15 @@ impl Harness {
         }
     }
 
+    /// Replaces the slice cache by a relist that shows only `stored` (no delete events).
+    pub fn relist_slices(&mut self, stored: &[ResourceSlice]) {
+        self.slice_event(watcher::Event::Init);
+        for s in stored {
+            self.slice_event(watcher::Event::InitApply(s.clone()));
+        }
+        self.slice_event(watcher::Event::InitDone);
+    }
+
     /// Runs one reconciliation against `scenario`; returns its result and what the server
     /// stored for each write.
     pub async fn reconcile(
@@ -153,6 +175,7 @@ impl Harness {
         let handle = self.handle.take().unwrap();
         let start_rv = self.rv;
         let verifier = tokio::spawn(scenario.serve(handle, start_rv));
+        self.put_gpunode(gpunode);
         let result = tokio::time::timeout(
             Duration::from_secs(10),
             migdra_controller::reconcile::reconcile(Arc::new(gpunode.clone()), self.ctx.clone()),
