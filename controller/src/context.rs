@@ -11,7 +11,10 @@ use std::{
 };
 
 use k8s_openapi::{
-    api::{core::v1::Node, resource::v1::ResourceSlice},
+    api::{
+        core::v1::Node,
+        resource::v1::{ResourceClaim, ResourceSlice},
+    },
     jiff::Timestamp,
 };
 use kube::{
@@ -56,6 +59,8 @@ pub struct Stores {
     pub policies: Store<MigPolicy>,
     /// This driver's ResourceSlices.
     pub slices: Store<ResourceSlice>,
+    /// Every ResourceClaim, cut down to this driver's allocation results.
+    pub claims: Store<ResourceClaim>,
 }
 
 /// Shared state of the reconcilers.
@@ -74,6 +79,8 @@ pub struct Context {
     pub policies: Store<MigPolicy>,
     /// ResourceSlice cache (this driver's only).
     pub slices: Store<ResourceSlice>,
+    /// ResourceClaim cache (this driver's allocation results only).
+    pub claims: Store<ResourceClaim>,
     /// What the slice cache should show after our writes.
     pub expectations: Expectations,
     /// Kubernetes events.
@@ -99,6 +106,7 @@ impl Context {
             nodes: stores.nodes,
             policies: stores.policies,
             slices: stores.slices,
+            claims: stores.claims,
             expectations: Expectations::default(),
             metrics,
             config,
@@ -115,7 +123,14 @@ impl Context {
         wait_for("Node", timeout, self.nodes.wait_until_ready()).await?;
         wait_for("MigPolicy", timeout, self.policies.wait_until_ready()).await?;
         wait_for("ResourceSlice", timeout, self.slices.wait_until_ready()).await?;
+        // A pool computed without the claims could drop a device that is in use.
+        wait_for("ResourceClaim", timeout, self.claims.wait_until_ready()).await?;
         Ok(())
+    }
+
+    /// The devices of `node`'s pool that claims hold.
+    pub fn allocated_devices(&self, node: &str) -> std::collections::BTreeSet<String> {
+        crate::claims::allocated_on(&self.claims.state(), &self.config.driver, node)
     }
 
     /// The cached slices of this driver on `node`.

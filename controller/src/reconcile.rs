@@ -181,11 +181,13 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         uid: node.metadata.uid.as_deref(),
         labels: node.labels(),
     };
+    let allocated = ctx.allocated_devices(&node_name);
     let desired = match desired_pool(
         gpunode,
         node_ref,
         policies.iter().map(|p| p.as_ref()),
         &ctx.config.driver,
+        &allocated,
     ) {
         Ok(desired) => desired,
         Err(problem) => {
@@ -215,6 +217,13 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         }
     };
 
+    if !desired.retention.kept.is_empty() || !desired.retention.dropped.is_empty() {
+        tracing::debug!(
+            kept = ?desired.retention.kept,
+            dropped = ?desired.retention.dropped,
+            "allocated devices that are no longer offered"
+        );
+    }
     let slices = desired.slices.len();
     let desired_names: Vec<String> = desired.slices.iter().map(|s| s.name_any()).collect();
     let diff = diff_pool(desired.slices, &cached, published.map(|p| p.generation));

@@ -546,3 +546,98 @@ async fn a_gpunode_of_another_driver_gets_none_of_our_slices() {
     let (result, _) = h.reconcile(&g, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
 }
+
+/// The device names in the written slices.
+fn device_names(written: &[ResourceSlice]) -> Vec<String> {
+    written
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| d.name.clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_claimed_device_the_policy_stops_offering_stays_tainted_until_released() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    const HELD: &str = "gpu-0-mig-3g40gb-4";
+    assert!(device_names(&stored).contains(&HELD.to_string()));
+    h.claim("training", &[HELD]);
+    h.add_policy(MigPolicy::new(
+        "only-1g",
+        MigPolicySpec {
+            profiles: vec!["1g".into()],
+            whole_gpus: Some(false),
+            ..Default::default()
+        },
+    ));
+    let policy = MigPolicy::new(
+        "only-1g",
+        MigPolicySpec {
+            profiles: vec!["1g".into()],
+            whole_gpus: Some(false),
+            ..Default::default()
+        },
+    )
+    .effective()
+    .unwrap();
+    let plan = plan_pool(&h100s(1), &policy);
+    let count = plan.slice_count();
+    assert!(count <= stored.len());
+    let rv = |i: usize| stored[i].metadata.resource_version.clone().unwrap();
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| replace_slice(&name(i), Some(&rv(i)), |_| {})))
+        .then_all((count..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(move |body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            assert_eq!(body["status"]["publication"]["devices"], plan.devices.len() + 1);
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    let names = device_names(&served.written);
+    assert!(names.contains(&HELD.to_string()), "{names:?}");
+    assert!(
+        names.iter().all(|n| n == HELD || n.contains("-mig-1g")),
+        "{names:?}"
+    );
+    let held = served
+        .written
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| d.name == HELD)
+        .unwrap();
+    let taints = held.taints.as_ref().unwrap();
+    assert_eq!(taints[0].key, "gpu.migdra.dev/not-offered");
+    assert_eq!(taints[0].effect, "NoSchedule");
+    assert!(
+        held.consumes_counters.is_some(),
+        "the scheduler still counts what it holds"
+    );
+
+    // Released: the device leaves the pool.
+    let g = with_status_patch(g, &served.status_patches[0]);
+    let mut current = stored[..count].to_vec();
+    for w in &served.written {
+        let i = current
+            .iter()
+            .position(|s| s.metadata.name == w.metadata.name)
+            .unwrap();
+        current[i] = w.clone();
+    }
+    h.store_slices(&served.written);
+    h.wipe_slices(&stored[count..]);
+    h.claim("training", &[]);
+    let scenario = Scenario::new()
+        .then_all(current.iter().map(|s| {
+            replace_slice(
+                s.metadata.name.as_deref().unwrap(),
+                s.metadata.resource_version.as_deref(),
+                |_| {},
+            )
+        }))
+        .then(patch_status(|_| {}));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    assert!(!device_names(&served.written).contains(&HELD.to_string()));
+}

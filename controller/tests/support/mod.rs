@@ -9,7 +9,10 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::{
-    api::{core::v1::Node, resource::v1::ResourceSlice},
+    api::{
+        core::v1::Node,
+        resource::v1::{ResourceClaim, ResourceSlice},
+    },
     apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
     jiff::{SignedDuration, Timestamp},
 };
@@ -51,6 +54,7 @@ pub struct Harness {
     pub nodes: Writer<PartialObjectMeta<Node>>,
     pub policies: Writer<MigPolicy>,
     pub slices: Writer<ResourceSlice>,
+    pub claims: Writer<ResourceClaim>,
     handle: Option<Handle>,
     rv: u64,
 }
@@ -64,10 +68,12 @@ impl Harness {
         let (nodes_store, mut nodes) = reflector::store();
         let (policies_store, mut policies) = reflector::store();
         let (slices_store, mut slices) = reflector::store();
+        let (claims_store, mut claims) = reflector::store();
         gpunodes.apply_watcher_event(&watcher::Event::InitDone);
         nodes.apply_watcher_event(&watcher::Event::InitDone);
         policies.apply_watcher_event(&watcher::Event::InitDone);
         slices.apply_watcher_event(&watcher::Event::InitDone);
+        claims.apply_watcher_event(&watcher::Event::InitDone);
         let config = ControllerConfig {
             driver: DRIVER.into(),
             heartbeat_timeout: HEARTBEAT_TIMEOUT,
@@ -80,6 +86,7 @@ impl Harness {
             nodes: nodes_store,
             policies: policies_store,
             slices: slices_store,
+            claims: claims_store,
         };
         let ctx = Arc::new(Context::new(client, config, stores, Metrics::new()));
         let mut h = Self {
@@ -88,6 +95,7 @@ impl Harness {
             nodes,
             policies,
             slices,
+            claims,
             handle: Some(handle),
             rv: 100,
         };
@@ -122,6 +130,43 @@ impl Harness {
             ..Default::default()
         };
         self.nodes.apply_watcher_event(&watcher::Event::Delete(node));
+    }
+
+    /// Puts a claim holding `devices` of node-a's pool into the claim cache (or, with no
+    /// devices, shows it released).
+    pub fn claim(&mut self, name: &str, devices: &[&str]) {
+        use k8s_openapi::api::resource::v1::{
+            AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaimStatus,
+        };
+        let results: Vec<DeviceRequestAllocationResult> = devices
+            .iter()
+            .map(|d| DeviceRequestAllocationResult {
+                driver: DRIVER.into(),
+                pool: POOL.into(),
+                device: d.to_string(),
+                request: "gpu".into(),
+                ..Default::default()
+            })
+            .collect();
+        let claim = ResourceClaim {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("default".into()),
+                ..Default::default()
+            },
+            spec: Default::default(),
+            status: (!results.is_empty()).then(|| ResourceClaimStatus {
+                allocation: Some(AllocationResult {
+                    devices: Some(DeviceAllocationResult {
+                        results: Some(results),
+                        config: None,
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        };
+        self.claims.apply_watcher_event(&watcher::Event::Apply(claim));
     }
 
     /// Puts a GpuNode into the GpuNode cache (the heartbeat census reads it).
