@@ -30,12 +30,23 @@ pub struct Publisher<'a> {
 }
 
 impl Publisher<'_> {
-    /// Applies `diff`: writes first (so the new generation is complete before anything of
-    /// the old one disappears), deletes last. Stops at the first error.
+    /// Applies `diff`: for a new generation writes first (so it is complete before anything
+    /// of the old one disappears) and deletes last; for a kept generation the other way round
+    /// (see [`PoolDiff::deletes_first`]). Stops at the first error.
     pub async fn apply(&self, diff: &PoolDiff) -> Result<(), Error> {
+        if diff.deletes_first {
+            self.deletes(diff).await?;
+        }
         for write in &diff.writes {
             self.write(write).await?;
         }
+        if !diff.deletes_first {
+            self.deletes(diff).await?;
+        }
+        Ok(())
+    }
+
+    async fn deletes(&self, diff: &PoolDiff) -> Result<(), Error> {
         for delete in &diff.deletes {
             self.delete(delete).await?;
         }

@@ -583,15 +583,19 @@ async fn a_claimed_device_the_policy_stops_offering_stays_tainted_until_released
     .effective()
     .unwrap();
     let plan = plan_pool(&h100s(1), &policy);
-    let count = plan.slice_count();
-    assert!(count <= stored.len());
+    assert_eq!(
+        plan.slice_count(),
+        stored.len(),
+        "one counter slice, one device slice"
+    );
     let rv = |i: usize| stored[i].metadata.resource_version.clone().unwrap();
+    // Only the device slice changes: one update, the generation stays.
     let scenario = Scenario::new()
-        .then_all((0..count).map(|i| replace_slice(&name(i), Some(&rv(i)), |_| {})))
-        .then_all((count..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(replace_slice(&name(1), Some(&rv(1)), pool_slice(1, 2)))
         .then(patch_status(move |body| {
             assert_eq!(condition(body), ("True", "Published"));
             assert_eq!(body["status"]["publication"]["devices"], plan.devices.len() + 1);
+            assert_eq!(body["status"]["publication"]["generation"], 1);
         }));
     let (result, served) = h.reconcile(&g, scenario).await;
     assert!(result.is_ok());
@@ -617,27 +621,73 @@ async fn a_claimed_device_the_policy_stops_offering_stays_tainted_until_released
 
     // Released: the device leaves the pool.
     let g = with_status_patch(g, &served.status_patches[0]);
-    let mut current = stored[..count].to_vec();
-    for w in &served.written {
-        let i = current
-            .iter()
-            .position(|s| s.metadata.name == w.metadata.name)
-            .unwrap();
-        current[i] = w.clone();
-    }
     h.store_slices(&served.written);
-    h.wipe_slices(&stored[count..]);
     h.claim("training", &[]);
+    let rv = served.written[0].metadata.resource_version.clone().unwrap();
     let scenario = Scenario::new()
-        .then_all(current.iter().map(|s| {
-            replace_slice(
-                s.metadata.name.as_deref().unwrap(),
-                s.metadata.resource_version.as_deref(),
-                |_| {},
-            )
-        }))
+        .then(replace_slice(&name(1), Some(&rv), pool_slice(1, 2)))
         .then(patch_status(|_| {}));
     let (result, served) = h.reconcile(&g, scenario).await;
     assert!(result.is_ok());
     assert!(!device_names(&served.written).contains(&HELD.to_string()));
+}
+
+#[tokio::test]
+async fn a_single_slice_change_keeps_the_generation_and_the_taint_times() {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    let mut h = Harness::new();
+    h.add_policy(MigPolicy::new(
+        "taint",
+        MigPolicySpec {
+            unhealthy_gpus: Some(migdra_api::policy::UnhealthyGpus::Taint),
+            ..Default::default()
+        },
+    ));
+    let mut gpus = h100s(1);
+    gpus[0].health.healthy = false;
+    gpus[0].health.reason = Some("XID 79".into());
+    let g = gpunode(Some(live_plugin()), gpus);
+    let scenario = Scenario::new()
+        .then(create_slice(&name(0), pool_slice(1, 2)))
+        .then(create_slice(&name(1), pool_slice(1, 2)))
+        .then(patch_status(|_| {}));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    // The API server stamped the taints when it stored them.
+    let added = Time(Timestamp::from_second(1_750_000_000).unwrap());
+    let mut stored = served.written.clone();
+    let mut tainted = 0;
+    for d in stored[1].spec.devices.iter_mut().flatten() {
+        for t in d.taints.iter_mut().flatten() {
+            t.time_added = Some(added.clone());
+            tainted += 1;
+        }
+    }
+    assert!(tainted > 0, "the unhealthy GPU's devices are tainted");
+    h.store_slices(&stored);
+    let g = with_status_patch(g, &served.status_patches[0]);
+
+    // A new NVIDIA driver version changes every device's attributes: the device slice only.
+    let mut g = g;
+    g.status.as_mut().unwrap().plugin.as_mut().unwrap().driver_version = Some("580.95.05".into());
+    let rv = stored[1].metadata.resource_version.clone().unwrap();
+    let scenario = Scenario::new().then(replace_slice(&name(1), Some(&rv), move |s| {
+        assert_eq!(s.spec.pool.generation, 1, "one update: no new generation");
+        let taints: Vec<_> = s
+            .spec
+            .devices
+            .iter()
+            .flatten()
+            .flat_map(|d| d.taints.iter().flatten())
+            .collect();
+        assert_eq!(taints.len(), tainted);
+        assert!(
+            taints.iter().all(|t| t.time_added == Some(added.clone())),
+            "a rewrite keeps when the taints were added"
+        );
+    }));
+    // Same generation, same counts: the status already says it all.
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    assert!(served.status_patches.is_empty());
 }
