@@ -14,7 +14,10 @@
 //!   kubelet's 30 s wipe, while tolerating one beat up to 10 s late;
 //! * a wipe the controller did not cause marks the plugin gone until it heartbeats again
 //!   *after* the wipe was observed ([`GoneReason::SlicesWiped`]): a dead plugin never does, a
-//!   plugin that re-registers with a restarted kubelet does so at once;
+//!   plugin that re-registers with a restarted kubelet does so at once. (The heartbeat time
+//!   is the node's clock, the wipe time the controller's, as for the expiry itself: clocks
+//!   are assumed synchronised; a node clock behind by a few seconds only delays the return
+//!   to the next beat);
 //! * when more than a threshold fraction of all heartbeats expire at the same time, the
 //!   likelier cause is a slow or partitioned control plane, not dead plugins: expiry alone
 //!   then withdraws nothing ([`HeartbeatCensus::mass_expiry`], [`Liveness::Held`]), like the
@@ -119,7 +122,8 @@ pub fn effective_timeout(timeout: Duration, interval_seconds: u32) -> Duration {
 
 /// Decides whether the plugin described by `plugin` is live at `now`. `wiped_at` is when the
 /// controller last saw the node's slices deleted by someone else, if that is still
-/// unanswered; `census` says whether heartbeats are expiring en masse.
+/// unanswered; `mass_expiry` says whether heartbeats are expiring en masse
+/// ([`HeartbeatCensus::mass_expiry`]).
 pub fn liveness(
     plugin: Option<&PluginStatus>,
     now: Timestamp,

@@ -6,9 +6,10 @@
 //!   wiped by the kubelet and no heartbeat since) → withdraw, `Published=False
 //!   PluginNotReady`; the plugin's next heartbeat brings the node back. Heartbeat expiry is
 //!   held back while most heartbeats expire at once (control-plane trouble).
-//! * Plugin live → policy, plan, render, validate; an invalid policy or pool is reported
-//!   (event + condition) and nothing is written; otherwise the pool is diffed and only a real
-//!   change is written, with a new generation. Requeued at the heartbeat's expiry, so a
+//! * Plugin live → policy, plan (keeping the devices claims hold), render, validate; an
+//!   invalid policy or pool is reported (event + condition) and nothing is written; otherwise
+//!   the pool is diffed and only a real change is written, with a new generation when the
+//!   upstream slice controller would bump it. Requeued at the heartbeat's expiry, so a
 //!   plugin that dies silently is noticed.
 
 use std::{sync::Arc, time::Duration};
