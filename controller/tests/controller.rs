@@ -1,5 +1,6 @@
 //! The whole controller (watches, caches, reconciler) against a fake API server: it lists
-//! and watches GpuNodes, Node metadata, MigPolicies and only its own driver's slices, and
+//! and watches GpuNodes, Node metadata, MigPolicies, ResourceClaims and only its own
+//! driver's slices, and
 //! publishes the pool of a live node from what the lists returned.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
@@ -54,6 +55,9 @@ fn handle(call: &Call, written: &Mutex<Vec<ResourceSlice>>, gpunode: &Value) -> 
         (&Method::GET, "/apis/resource.k8s.io/v1/resourceslices") => {
             list("ResourceSliceList", "resource.k8s.io/v1", Vec::new())
         }
+        (&Method::GET, "/apis/resource.k8s.io/v1/resourceclaims") => {
+            list("ResourceClaimList", "resource.k8s.io/v1", Vec::new())
+        }
         (&Method::POST, "/apis/resource.k8s.io/v1/resourceslices") => {
             let mut stored = call.body.clone();
             let mut w = written.lock().unwrap();
@@ -82,7 +86,8 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
     };
     let config = ControllerConfig {
         driver: DRIVER.into(),
-        heartbeat_timeout: Duration::from_secs(60),
+        heartbeat_timeout: Duration::from_secs(25),
+        mass_expiry_threshold: 0.55,
         identity: "controller-0".into(),
         ready_timeout: Duration::from_secs(5),
     };
@@ -130,6 +135,7 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
         "/apis/gpu.migdra.dev/v1alpha1/gpunodes",
         "/api/v1/nodes",
         "/apis/gpu.migdra.dev/v1alpha1/migpolicies",
+        "/apis/resource.k8s.io/v1/resourceclaims",
     ] {
         assert!(
             calls.iter().any(|c| c.path == path && c.is_watch()),

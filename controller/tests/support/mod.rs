@@ -9,7 +9,10 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::{
-    api::{core::v1::Node, resource::v1::ResourceSlice},
+    api::{
+        core::v1::Node,
+        resource::v1::{ResourceClaim, ResourceSlice},
+    },
     apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
     jiff::{SignedDuration, Timestamp},
 };
@@ -40,16 +43,18 @@ pub const NODE_UID: &str = "uid-node-a";
 pub const DRIVER: &str = "gpu.migdra.dev";
 pub const POOL: &str = "node-a/gpu.migdra.dev";
 pub const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
-pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(60);
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(25);
 
 type Handle = mock::Handle<Request<Body>, Response<Body>>;
 
 /// A Context over stores the test fills by hand, and the mock API behind its client.
 pub struct Harness {
     pub ctx: Arc<Context>,
+    pub gpunodes: Writer<GpuNode>,
     pub nodes: Writer<PartialObjectMeta<Node>>,
     pub policies: Writer<MigPolicy>,
     pub slices: Writer<ResourceSlice>,
+    pub claims: Writer<ResourceClaim>,
     handle: Option<Handle>,
     rv: u64,
 }
@@ -59,29 +64,38 @@ impl Harness {
     pub fn new() -> Self {
         let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
         let client = Client::new(service, "default");
+        let (gpunodes_store, mut gpunodes) = reflector::store();
         let (nodes_store, mut nodes) = reflector::store();
         let (policies_store, mut policies) = reflector::store();
         let (slices_store, mut slices) = reflector::store();
+        let (claims_store, mut claims) = reflector::store();
+        gpunodes.apply_watcher_event(&watcher::Event::InitDone);
         nodes.apply_watcher_event(&watcher::Event::InitDone);
         policies.apply_watcher_event(&watcher::Event::InitDone);
         slices.apply_watcher_event(&watcher::Event::InitDone);
+        claims.apply_watcher_event(&watcher::Event::InitDone);
         let config = ControllerConfig {
             driver: DRIVER.into(),
             heartbeat_timeout: HEARTBEAT_TIMEOUT,
+            mass_expiry_threshold: 0.55,
             identity: "controller-0".into(),
             ready_timeout: Duration::from_secs(1),
         };
         let stores = Stores {
+            gpunodes: gpunodes_store,
             nodes: nodes_store,
             policies: policies_store,
             slices: slices_store,
+            claims: claims_store,
         };
         let ctx = Arc::new(Context::new(client, config, stores, Metrics::new()));
         let mut h = Self {
             ctx,
+            gpunodes,
             nodes,
             policies,
             slices,
+            claims,
             handle: Some(handle),
             rv: 100,
         };
@@ -118,6 +132,49 @@ impl Harness {
         self.nodes.apply_watcher_event(&watcher::Event::Delete(node));
     }
 
+    /// Puts a claim holding `devices` of node-a's pool into the claim cache (or, with no
+    /// devices, shows it released).
+    pub fn claim(&mut self, name: &str, devices: &[&str]) {
+        use k8s_openapi::api::resource::v1::{
+            AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaimStatus,
+        };
+        let results: Vec<DeviceRequestAllocationResult> = devices
+            .iter()
+            .map(|d| DeviceRequestAllocationResult {
+                driver: DRIVER.into(),
+                pool: POOL.into(),
+                device: d.to_string(),
+                request: "gpu".into(),
+                ..Default::default()
+            })
+            .collect();
+        let claim = ResourceClaim {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("default".into()),
+                ..Default::default()
+            },
+            spec: Default::default(),
+            status: (!results.is_empty()).then(|| ResourceClaimStatus {
+                allocation: Some(AllocationResult {
+                    devices: Some(DeviceAllocationResult {
+                        results: Some(results),
+                        config: None,
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        };
+        self.claims.apply_watcher_event(&watcher::Event::Apply(claim));
+    }
+
+    /// Puts a GpuNode into the GpuNode cache (the heartbeat census reads it).
+    pub fn put_gpunode(&mut self, gpunode: &GpuNode) {
+        self.gpunodes
+            .apply_watcher_event(&watcher::Event::Apply(gpunode.clone()));
+    }
+
     pub fn add_policy(&mut self, policy: MigPolicy) {
         self.policies.apply_watcher_event(&watcher::Event::Apply(policy));
     }
@@ -126,7 +183,8 @@ impl Harness {
     /// slice watch does.
     pub fn slice_event(&mut self, event: watcher::Event<ResourceSlice>) {
         self.slices.apply_watcher_event(&event);
-        self.ctx.expectations.observe(&event);
+        let wiped = self.ctx.expectations.observe(&event);
+        self.ctx.metrics.slices_wiped(wiped);
     }
 
     /// Puts what the API server stored into the slice cache.
@@ -143,6 +201,15 @@ impl Harness {
         }
     }
 
+    /// Replaces the slice cache by a relist that shows only `stored` (no delete events).
+    pub fn relist_slices(&mut self, stored: &[ResourceSlice]) {
+        self.slice_event(watcher::Event::Init);
+        for s in stored {
+            self.slice_event(watcher::Event::InitApply(s.clone()));
+        }
+        self.slice_event(watcher::Event::InitDone);
+    }
+
     /// Runs one reconciliation against `scenario`; returns its result and what the server
     /// stored for each write.
     pub async fn reconcile(
@@ -153,6 +220,7 @@ impl Harness {
         let handle = self.handle.take().unwrap();
         let start_rv = self.rv;
         let verifier = tokio::spawn(scenario.serve(handle, start_rv));
+        self.put_gpunode(gpunode);
         let result = tokio::time::timeout(
             Duration::from_secs(10),
             migdra_controller::reconcile::reconcile(Arc::new(gpunode.clone()), self.ctx.clone()),
