@@ -1,12 +1,10 @@
 //! The reconciler against a scripted API server: the exact calls it makes for a new pool, a
 //! no-op resync, an inventory change, a kubelet wipe, a dead plugin, a deleted node, a write
 //! conflict, an invalid policy and an API server that drops fields.
-#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
-
-mod support;
 
 use std::sync::Arc;
 
+use crate::support::*;
 use http::StatusCode;
 use k8s_openapi::{api::resource::v1::ResourceSlice, jiff::Timestamp};
 use kube::runtime::controller::Action;
@@ -16,7 +14,6 @@ use migdra_api::{
     slices::plan_pool,
 };
 use migdra_controller::{Error, reconcile::error_policy};
-use support::*;
 
 fn name(i: usize) -> String {
     format!("{NODE}-{DRIVER}-{i:03}")

@@ -1,9 +1,6 @@
 //! Leader election against a fake Lease API: the controller task runs only while the lease
 //! is ours, is aborted when another holder takes it, restarts when the lease comes back, and
 //! on shutdown stops gracefully before the lease is released.
-#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
-
-mod support;
 
 use std::{
     sync::{
@@ -13,6 +10,7 @@ use std::{
     time::Duration,
 };
 
+use crate::support::router::{Reply, serve, status};
 use http::{Method, StatusCode};
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::MicroTime, jiff::Timestamp};
 use migdra_controller::{
@@ -20,7 +18,6 @@ use migdra_controller::{
     metrics::Metrics,
 };
 use serde_json::{Value, json};
-use support::router::{Reply, serve, status};
 use tokio_util::sync::CancellationToken;
 
 const LEASE_PATH: &str = "/apis/coordination.k8s.io/v1/namespaces/migdra-system/leases";

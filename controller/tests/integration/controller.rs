@@ -2,24 +2,21 @@
 //! and watches GpuNodes, Node metadata, MigPolicies, ResourceClaims and only its own
 //! driver's slices, and
 //! publishes the pool of a live node from what the lists returned.
-#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
-
-mod support;
 
 use std::{
     sync::{Arc, Mutex},
     time::Duration,
 };
 
+use crate::support::{
+    DRIVER, NODE, NODE_UID, gpunode, h100s, live_plugin,
+    router::{Call, Reply, serve, status},
+};
 use http::{Method, StatusCode};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use migdra_api::{policy::EffectivePolicy, slices::plan_pool};
 use migdra_controller::{context::ControllerConfig, controller, metrics::Metrics};
 use serde_json::{Value, json};
-use support::{
-    DRIVER, NODE, NODE_UID, gpunode, h100s, live_plugin,
-    router::{Call, Reply, serve, status},
-};
 use tokio_util::sync::CancellationToken;
 
 fn list(kind: &str, api_version: &str, items: Vec<Value>) -> Reply {

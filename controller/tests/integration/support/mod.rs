@@ -3,7 +3,7 @@
 //! A [`Scenario`] is the exact list of calls a reconciliation must make: each [`Step`]
 //! asserts the method, path, query and body of one request and answers it. A missing call,
 //! a call out of order or an extra call fails the test.
-#![allow(clippy::unwrap_used, dead_code)] // test helpers outside #[test] functions
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
