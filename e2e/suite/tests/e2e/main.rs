@@ -7,7 +7,8 @@
 //! [`SUITE`] lists the modules in the order they run. A test function left out of its module's
 //! `tests!` is dead code, which the build rejects.
 //!
-//! Run: `cargo build --workspace && cargo test -p migdra-e2e --test e2e`
+//! Run: `make e2e` (`cargo build --workspace --all-targets`, then `cargo test --workspace --test
+//! e2e`; the same package selection for both, so nothing is compiled twice).
 
 #![allow(clippy::unwrap_used)] // test code
 
