@@ -20,8 +20,11 @@ pub(crate) struct Test {
     pub run: for<'a> fn(&'a mut Cluster) -> BoxFuture<'a, anyhow::Result<()>>,
 }
 
+/// The chart's DeviceClass of MIG partitions.
 pub(crate) const MIG: &str = "mig.migdra.dev";
+/// The chart's DeviceClass of whole GPUs.
 pub(crate) const WHOLE: &str = "gpu.migdra.dev";
+/// Timeout of a step expected to be quick: a pod starting, an instance or a CDI spec going away.
 pub(crate) const SHORT: Duration = Duration::from_secs(60);
 
 /// A request for exactly one MIG partition matching `selectors`.
