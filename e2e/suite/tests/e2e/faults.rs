@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use kube::Api;
-use migdra_api::device_name::DeviceName;
+use migdra_api::{device_name::DeviceName, slices::NOT_OFFERED_TAINT};
 use migdra_e2e::{
     cluster::{Cluster, NODE, wait_until},
     workload::{self, create_pod, create_template, on_gpu, profile_is, wait_phase},
@@ -171,7 +171,7 @@ async fn bad_opaque_config_is_reported_and_creates_nothing(cluster: &mut Cluster
     settle(cluster).await
 }
 
-/// Devices of GPU `minor` in the published pool.
+/// Devices of GPU `minor` in the published pool that new claims can get (untainted).
 async fn published_on(cluster: &Cluster, minor: u32) -> Option<usize> {
     let prefix = format!("gpu-{minor}");
     let slices = slices(cluster).await.ok()?;
@@ -180,8 +180,19 @@ async fn published_on(cluster: &Cluster, minor: u32) -> Option<usize> {
             .iter()
             .flat_map(|s| s.spec.devices.iter().flatten())
             .filter(|d| d.name == prefix || d.name.starts_with(&format!("{prefix}-")))
+            .filter(|d| d.taints.as_ref().is_none_or(|t| t.is_empty()))
             .count(),
     )
+}
+
+/// The taint keys of a published device, or `None` when it is not published.
+async fn taint_keys(cluster: &Cluster, device: &str) -> Option<Vec<String>> {
+    let slices = slices(cluster).await.ok()?;
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| d.name == device)
+        .map(|d| d.taints.iter().flatten().map(|t| t.key.clone()).collect())
 }
 
 async fn wait_health(cluster: &Cluster, pod: &str, device: &str, want: &str) -> anyhow::Result<()> {
@@ -208,7 +219,7 @@ async fn lost_gpu_turns_unhealthy_and_leaves_the_pool(cluster: &mut Cluster) -> 
         "the A100 is not published"
     );
     // The GPU falls off the bus: the kubelet learns it from the health stream, and the
-    // controller withdraws the GPU's devices (the default policy omits unhealthy GPUs).
+    // controller withdraws the GPU's free devices (the default policy omits unhealthy GPUs).
     cluster.update_gpus(|s| s.gpus[2].lost = true)?;
     wait_health(cluster, "watched", &device, "Unhealthy").await?;
     wait_until(Duration::from_secs(60), || async {
@@ -216,6 +227,13 @@ async fn lost_gpu_turns_unhealthy_and_leaves_the_pool(cluster: &mut Cluster) -> 
     })
     .await
     .context("the lost GPU's devices were not withdrawn")?;
+    // The device the running pod holds stays in the pool, tainted, so the scheduler keeps
+    // counting what it consumes.
+    let taints = taint_keys(cluster, &device).await.unwrap_or_default();
+    ensure!(
+        taints.iter().any(|k| k == NOT_OFFERED_TAINT),
+        "the held device {device} is not kept with the not-offered taint: {taints:?}"
+    );
     ensure!(
         published_on(cluster, 0).await.unwrap_or(0) > 0,
         "the healthy GPUs stay published"
