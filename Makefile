@@ -1,8 +1,18 @@
 # migdra — the two commands the README promises, plus their parts.
 #   make demo   local cluster with simulated GPUs, workloads, MIG layout, teardown
 #   make test   every test: unit, integration, fake CRI, chart, end-to-end
+#   make lint   formatting and lints: Rust, the Go in e2e/upstream, shell scripts
+#
+# `make test` compiles each crate once: `build` compiles every target of the workspace, and
+# `unit` and `e2e` only run what it built. That needs them to resolve the same features: cargo
+# unifies dependency features over the packages a command selects, so `cargo test -p
+# migdra-e2e` would build tokio, hyper, tower, kube, migdra-api, migdra-runtime, the fake NVML
+# and the e2e crate a second time with other features (and each switch between selections
+# re-links the fake NVML and the e2e crate). Hence `--workspace --test e2e`. `--exclude
+# migdra-e2e` resolves the same features as the whole workspace, because every feature the e2e
+# crate turns on is also turned on by another member.
 
-.PHONY: test demo build unit go-test chart-test e2e lint crds check-crds
+.PHONY: test demo build unit go-test chart-test e2e lint lint-rust lint-go lint-shell crds check-crds
 
 build:
 	cargo build --workspace --all-targets
@@ -17,7 +27,7 @@ chart-test:
 	bash charts/tests/run.sh
 
 e2e: build
-	cargo test -p migdra-e2e --test e2e
+	cargo test --workspace --test e2e
 
 test: unit go-test chart-test e2e
 
@@ -25,9 +35,21 @@ demo:
 	cargo build --workspace --bins
 	cargo run -p migdra-e2e --bin migdra-demo
 
-lint:
+lint: lint-rust lint-go lint-shell
+
+lint-rust:
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
+
+# go vet covers the fake CRI, the module's only package; tools/ (behind the `tools` build tag)
+# and etcd/ (a module of its own) only pin the upstream builds.
+lint-go:
+	@cd e2e/upstream && unformatted=$$(gofmt -l .) && \
+	  if [ -n "$$unformatted" ]; then echo "gofmt would change: $$unformatted" >&2; exit 1; fi
+	cd e2e/upstream && GOFLAGS=-mod=mod go vet ./...
+
+lint-shell:
+	shellcheck $$(git ls-files '*.sh') .ci/run
 
 # The chart's CRDs are generated from the Rust types; check-crds fails on drift.
 crds:

@@ -80,7 +80,8 @@ pub struct PluginStatus {
     pub start_time: Time,
     /// Last time the plugin reported itself alive.
     pub heartbeat_time: Time,
-    /// How often the plugin heartbeats; the controller treats three missed beats as gone.
+    /// How often the plugin heartbeats; the controller allows at least one and a half intervals
+    /// (its heartbeat timeout, 25 s by default) before it treats the plugin as gone.
     pub heartbeat_interval_seconds: u32,
     /// NVIDIA driver version reported by NVML.
     #[serde(default, skip_serializing_if = "Option::is_none")]

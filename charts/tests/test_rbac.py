@@ -225,6 +225,8 @@ def test_exact_rule_sets(default):
         ("gpu.migdra.dev", "migpolicies", "get"),
         ("gpu.migdra.dev", "migpolicies", "list"),
         ("gpu.migdra.dev", "migpolicies", "watch"),
+        ("resource.k8s.io", "resourceclaims", "list"),
+        ("resource.k8s.io", "resourceclaims", "watch"),
         ("", "nodes", "get"),
         ("", "nodes", "list"),
         ("", "nodes", "watch"),

@@ -158,7 +158,7 @@ FAILS = [
         ["controller.replicas=2", "controller.leaderElection.enabled=false"],
         "requires controller.leaderElection.enabled",
     ),
-    ("heartbeat-timeout", ["heartbeat.intervalSeconds=15", "heartbeat.timeoutSeconds=44"], "heartbeat.timeoutSeconds"),
+    ("heartbeat-timeout", ["heartbeat.intervalSeconds=15", "heartbeat.timeoutSeconds=22"], "heartbeat.timeoutSeconds"),
     ("same-ports", ["kubeletPlugin.httpPort=9000", "kubeletPlugin.grpcHealthPort=9000"], "must differ"),
     ("same-class-names", ["deviceClasses.mig.name=gpu.migdra.dev"], "must differ"),
 ]

@@ -38,11 +38,23 @@ pub struct Args {
     #[arg(long, env = "LEASE_DURATION_SECONDS", default_value_t = 15,
           value_parser = clap::value_parser!(u64).range(2..))]
     pub lease_duration_seconds: u64,
-    /// Seconds without a plugin heartbeat after which the node's pool is withdrawn (at least
-    /// three of the plugin's own heartbeat intervals).
-    #[arg(long, env = "HEARTBEAT_TIMEOUT_SECONDS", default_value_t = 60,
+    /// Seconds without a plugin heartbeat after which the node's pool is withdrawn; a plugin
+    /// heartbeating less often gets 1.5 of its intervals. The kubelet deletes a driver's
+    /// slices 30 s after its plugin disconnects, so keep this below 30 (minus a second or two
+    /// for the reconcile) and above the plugin's interval (15 s by default) plus the latency
+    /// of a status write: the default 25 withdraws a dead plugin's pool before the kubelet's
+    /// wipe and tolerates one beat up to 10 s late.
+    #[arg(long, env = "HEARTBEAT_TIMEOUT_SECONDS", default_value_t = 25,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub heartbeat_timeout_seconds: u64,
+    /// Fraction (0 < f <= 1) of registered plugins whose heartbeats must expire at the same
+    /// time (and at least 3 of them) for the controller to blame the control plane rather
+    /// than the plugins: it then withdraws no pool on heartbeat expiry alone (an unregistered
+    /// plugin or a kubelet wipe still withdraws), logs a warning and sets the metric
+    /// migdra_controller_heartbeat_withdrawals_held. 1 disables the rule.
+    #[arg(long, env = "MASS_EXPIRY_THRESHOLD", default_value_t = crate::liveness::DEFAULT_MASS_EXPIRY_THRESHOLD,
+          value_parser = parse_fraction)]
+    pub mass_expiry_threshold: f64,
     /// Address of the HTTP endpoint (/metrics, /healthz, /readyz).
     #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
     pub http_address: SocketAddr,
@@ -77,6 +89,16 @@ impl Args {
     }
 }
 
+/// A fraction in (0, 1].
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let f: f64 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if f > 0.0 && f <= 1.0 {
+        Ok(f)
+    } else {
+        Err(format!("{f} is not in (0, 1]"))
+    }
+}
+
 fn hostname() -> Option<String> {
     std::env::var("HOSTNAME")
         .ok()
@@ -104,7 +126,9 @@ mod tests {
         assert_eq!(a.driver_name, "gpu.migdra.dev");
         assert_eq!(a.lease_name, "migdra-controller");
         assert_eq!(a.lease_duration_seconds, 15);
-        assert_eq!(a.heartbeat_timeout(), Duration::from_secs(60));
+        assert_eq!(a.heartbeat_timeout(), Duration::from_secs(25));
+        assert_eq!(a.heartbeat_timeout(), crate::liveness::DEFAULT_HEARTBEAT_TIMEOUT);
+        assert_eq!(a.mass_expiry_threshold, 0.55);
         assert_eq!(a.http_address, "0.0.0.0:8080".parse().unwrap());
         assert!(!a.identity().is_empty());
 
@@ -132,5 +156,13 @@ mod tests {
         let a = Args::try_parse_from(["migdra-controller", "print-crds"]).unwrap();
         assert!(matches!(a.command, Some(Command::PrintCrds)));
         assert!(Args::try_parse_from(["migdra-controller", "--lease-duration-seconds", "1"]).is_err());
+        let a = Args::try_parse_from(["migdra-controller", "--mass-expiry-threshold", "0.8"]).unwrap();
+        assert_eq!(a.mass_expiry_threshold, 0.8);
+        for bad in ["0", "1.5", "-0.2", "half"] {
+            assert!(
+                Args::try_parse_from(["migdra-controller", "--mass-expiry-threshold", bad]).is_err(),
+                "{bad}"
+            );
+        }
     }
 }

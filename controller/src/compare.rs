@@ -10,8 +10,8 @@
 //! * a device taint's `timeAdded` is ignored (the API server fills it in).
 //!
 //! The metadata the controller sets (its node label and the Node owner reference) must be
-//! present; anything others add is ignored. A pool whose slices disagree on the generation
-//! is changed even when every spec matches, because the scheduler would see it incomplete.
+//! present; anything others add is ignored. When the generation is bumped follows the
+//! upstream slice controller (see [`diff_pool`]).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -23,7 +23,7 @@ use k8s_openapi::{
         Counter, CounterSet, Device, DeviceCapacity, DeviceCounterConsumption, DeviceTaint, ResourceSlice,
         ResourceSliceSpec,
     },
-    apimachinery::pkg::api::resource::Quantity,
+    apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::Time},
 };
 use kube::ResourceExt;
 use migdra_api::slices::quantity;
@@ -59,12 +59,17 @@ pub struct SliceDelete {
 /// What it takes to turn the current slices into the desired ones.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PoolDiff {
-    /// The pool's generation after the writes (the current one when nothing changes).
+    /// The pool's generation after the writes (the current one when it is kept).
     pub generation: i64,
     /// Slices to create or replace, in pool order, all at `generation`.
     pub writes: Vec<SliceWrite>,
-    /// Slices to delete after the writes.
+    /// Slices to delete.
     pub deletes: Vec<SliceDelete>,
+    /// Delete before writing. With a new generation the writes go first, so the new
+    /// generation is complete before anything of the old one disappears; when the generation
+    /// is kept, obsolete slices go first (as the upstream slice controller does), so the
+    /// single rewritten slice never sits next to leftovers of the same generation.
+    pub deletes_first: bool,
 }
 
 impl PoolDiff {
@@ -75,9 +80,24 @@ impl PoolDiff {
 }
 
 /// Compares `desired` (in pool order, generation not yet set) with `current`, and plans the
-/// writes. When anything differs the new generation is one above both the highest current
-/// generation and `published_generation` (the last one recorded in the GpuNode status, which
-/// outlives withdrawn slices), and every desired slice is written with it.
+/// writes, bumping the pool generation exactly when the upstream ResourceSlice controller
+/// (`k8s.io/dynamic-resource-allocation/resourceslice`) would:
+///
+/// * current slices below the highest current generation are obsolete, and so are slices
+///   whose names the pool no longer has; obsolete slices are deleted, which alone bumps
+///   nothing;
+/// * a desired slice without a current one at the highest generation is new;
+/// * when nothing is new and at most one slice's spec changed, the generation is kept and
+///   only the changed slice is rewritten (one update is atomic: the scheduler never sees a
+///   mix); otherwise the generation goes one above both the highest current generation and
+///   `published_generation` (the last one recorded in the GpuNode status, which outlives
+///   withdrawn slices), and every desired slice is written with it.
+///
+/// A slice whose spec matches but whose controller-set metadata (node label, owner
+/// reference) is missing is rewritten too, without counting as a change: the scheduler does
+/// not read metadata. Every written device taint keeps the `timeAdded` of the same taint
+/// (key, value, effect) on the same device in the live pool, so a rewrite does not make an
+/// old taint look new.
 pub fn diff_pool(
     desired: Vec<ResourceSlice>,
     current: &[Arc<ResourceSlice>],
@@ -85,27 +105,50 @@ pub fn diff_pool(
 ) -> PoolDiff {
     let by_name: BTreeMap<String, &ResourceSlice> =
         current.iter().map(|s| (s.name_any(), s.as_ref())).collect();
-    let generations: BTreeSet<i64> = current.iter().map(|s| s.spec.pool.generation).collect();
-    let current_generation = generations.last().copied().unwrap_or(0);
+    let current_generation = current.iter().map(|s| s.spec.pool.generation).max().unwrap_or(0);
     let desired_names: BTreeSet<String> = desired.iter().map(|s| s.name_any()).collect();
-    let unchanged = generations.len() <= 1
-        && desired_names.len() == by_name.len()
-        && desired.iter().all(|want| {
-            by_name
-                .get(&want.name_any())
-                .is_some_and(|have| slice_matches(want, have))
-        });
-    if unchanged {
-        return PoolDiff {
-            generation: current_generation,
-            ..PoolDiff::default()
-        };
+
+    let mut new = 0usize;
+    let mut spec_changed = BTreeSet::new();
+    let mut metadata_changed = BTreeSet::new();
+    for want in &desired {
+        let name = want.name_any();
+        match by_name.get(&name) {
+            Some(have) if have.spec.pool.generation == current_generation => {
+                if !specs_match(&want.spec, &have.spec) {
+                    spec_changed.insert(name);
+                } else if !metadata_matches(want, have) {
+                    metadata_changed.insert(name);
+                }
+            }
+            _ => new += 1,
+        }
     }
-    let generation = current_generation.max(published_generation.unwrap_or(0)) + 1;
+    let deletes: Vec<SliceDelete> = by_name
+        .iter()
+        .filter(|(name, _)| !desired_names.contains(*name))
+        .map(|(name, have)| SliceDelete {
+            name: name.clone(),
+            uid: have.metadata.uid.clone(),
+        })
+        .collect();
+
+    let keep = new == 0 && spec_changed.len() <= 1;
+    let generation = if keep {
+        current_generation
+    } else {
+        current_generation.max(published_generation.unwrap_or(0)) + 1
+    };
+    let times = taint_times(current);
     let writes = desired
         .into_iter()
+        .filter(|slice| {
+            let name = slice.name_any();
+            !keep || spec_changed.contains(&name) || metadata_changed.contains(&name)
+        })
         .map(|mut slice| {
             slice.spec.pool.generation = generation;
+            keep_taint_times(&mut slice, &times);
             match by_name.get(&slice.name_any()) {
                 Some(have) => {
                     slice.metadata.resource_version = have.metadata.resource_version.clone();
@@ -118,18 +161,50 @@ pub fn diff_pool(
             }
         })
         .collect();
-    let deletes = by_name
-        .iter()
-        .filter(|(name, _)| !desired_names.contains(*name))
-        .map(|(name, have)| SliceDelete {
-            name: name.clone(),
-            uid: have.metadata.uid.clone(),
-        })
-        .collect();
     PoolDiff {
         generation,
         writes,
         deletes,
+        deletes_first: keep,
+    }
+}
+
+/// A taint's identity on a device: (device name, key, value, effect).
+type TaintKey = (String, String, Option<String>, String);
+
+/// The `timeAdded` of every taint in the live pool.
+fn taint_times(current: &[Arc<ResourceSlice>]) -> BTreeMap<TaintKey, Time> {
+    let mut times = BTreeMap::new();
+    for device in current.iter().flat_map(|s| s.spec.devices.iter().flatten()) {
+        for taint in device.taints.iter().flatten() {
+            if let Some(time) = &taint.time_added {
+                times
+                    .entry(taint_key(&device.name, taint))
+                    .or_insert_with(|| time.clone());
+            }
+        }
+    }
+    times
+}
+
+fn taint_key(device: &str, taint: &DeviceTaint) -> TaintKey {
+    (
+        device.to_string(),
+        taint.key.clone(),
+        taint.value.clone().filter(|v| !v.is_empty()),
+        taint.effect.clone(),
+    )
+}
+
+/// Gives every taint of `slice` without a `timeAdded` the one the live pool has for it.
+fn keep_taint_times(slice: &mut ResourceSlice, times: &BTreeMap<TaintKey, Time>) {
+    for device in slice.spec.devices.iter_mut().flatten() {
+        let name = device.name.clone();
+        for taint in device.taints.iter_mut().flatten() {
+            if taint.time_added.is_none() {
+                taint.time_added = times.get(&taint_key(&name, taint)).cloned();
+            }
+        }
     }
 }
 
@@ -455,6 +530,150 @@ mod tests {
         assert_eq!(diff.generation, 5);
         assert_eq!(diff.writes.len(), 2);
         assert!(diff.deletes.is_empty());
+    }
+
+    fn with_count(mut s: ResourceSlice, count: i64) -> ResourceSlice {
+        s.spec.pool.resource_slice_count = count;
+        s
+    }
+
+    #[test]
+    fn one_changed_slice_is_rewritten_alone_at_the_same_generation() {
+        let desired = vec![slice("a", 0, vec![device("2", false)]), slice("b", 0, vec![])];
+        let current = vec![
+            as_stored(slice("a", 3, vec![device("1", false)]), "10"),
+            as_stored(slice("b", 3, vec![]), "11"),
+        ];
+        let diff = diff_pool(desired, &current, Some(3));
+        assert_eq!(diff.generation, 3, "one update is atomic: no new generation");
+        assert_eq!(diff.writes.len(), 1);
+        let SliceWrite::Replace(a) = &diff.writes[0] else {
+            panic!("a is replaced")
+        };
+        assert_eq!(a.name_any(), "a");
+        assert_eq!(a.spec.pool.generation, 3);
+        assert_eq!(a.metadata.resource_version.as_deref(), Some("10"));
+        assert!(diff.deletes.is_empty());
+    }
+
+    #[test]
+    fn two_changed_slices_bump_the_generation_and_rewrite_all() {
+        let desired = vec![
+            slice("a", 0, vec![device("2", false)]),
+            slice("b", 0, vec![device("2", false)]),
+            slice("c", 0, vec![]),
+        ];
+        let current = vec![
+            as_stored(slice("a", 3, vec![device("1", false)]), "10"),
+            as_stored(slice("b", 3, vec![device("1", false)]), "11"),
+            as_stored(slice("c", 3, vec![]), "12"),
+        ];
+        let diff = diff_pool(desired, &current, Some(3));
+        assert_eq!(diff.generation, 4);
+        assert_eq!(diff.writes.len(), 3, "every slice moves to the new generation");
+        assert!(!diff.deletes_first);
+    }
+
+    #[test]
+    fn a_new_slice_bumps_the_generation() {
+        let desired = vec![slice("a", 0, vec![]), slice("b", 0, vec![])];
+        let current = vec![as_stored(slice("a", 3, vec![]), "10")];
+        let diff = diff_pool(desired, &current, None);
+        assert_eq!(diff.generation, 4);
+        assert_eq!(diff.writes.len(), 2);
+    }
+
+    #[test]
+    fn shrinking_to_one_slice_keeps_the_generation_and_deletes_first() {
+        // Upstream: deleting obsolete slices bumps nothing; the one remaining slice changes
+        // (its resourceSliceCount), which is a single update.
+        let desired = vec![with_count(slice("a", 0, vec![]), 1)];
+        let current = vec![
+            as_stored(slice("a", 3, vec![]), "10"),
+            as_stored(slice("b", 3, vec![]), "11"),
+        ];
+        let diff = diff_pool(desired, &current, None);
+        assert_eq!(diff.generation, 3);
+        assert_eq!(diff.writes.len(), 1);
+        assert_eq!(diff.writes[0].slice().spec.pool.resource_slice_count, 1);
+        assert_eq!(diff.deletes.len(), 1);
+        assert!(
+            diff.deletes_first,
+            "no leftover of the same generation next to the rewrite"
+        );
+    }
+
+    #[test]
+    fn obsolete_slices_alone_bump_nothing() {
+        let desired = vec![slice("a", 0, vec![]), slice("b", 0, vec![])];
+        let current = vec![
+            as_stored(slice("a", 3, vec![]), "10"),
+            as_stored(slice("b", 3, vec![]), "11"),
+            as_stored(slice("old", 2, vec![]), "9"),
+        ];
+        let diff = diff_pool(desired, &current, None);
+        assert_eq!(diff.generation, 3);
+        assert!(diff.writes.is_empty());
+        assert_eq!(diff.deletes.len(), 1);
+    }
+
+    #[test]
+    fn missing_metadata_is_rewritten_without_a_new_generation() {
+        let desired = vec![slice("a", 0, vec![]), slice("b", 0, vec![])];
+        let strip = |s: ResourceSlice, rv: &str| {
+            let mut s = (*as_stored(s, rv)).clone();
+            s.metadata.owner_references = None;
+            Arc::new(s)
+        };
+        let current = vec![
+            strip(slice("a", 3, vec![]), "10"),
+            strip(slice("b", 3, vec![]), "11"),
+        ];
+        let diff = diff_pool(desired, &current, None);
+        assert_eq!(diff.generation, 3, "the scheduler reads no metadata");
+        assert_eq!(diff.writes.len(), 2);
+        assert!(
+            diff.writes
+                .iter()
+                .all(|w| w.slice().metadata.owner_references.is_some())
+        );
+    }
+
+    #[test]
+    fn rewritten_taints_keep_their_time_added() {
+        let added = Time(Timestamp::from_second(1_700_000_000).unwrap());
+        let mut have = (*as_stored(slice("a", 3, vec![device("1", true)]), "10")).clone();
+        have.spec.devices.as_mut().unwrap()[0].taints.as_mut().unwrap()[0].time_added = Some(added.clone());
+        // The device's capacity changes and it gains a second taint.
+        let mut want = slice("a", 0, vec![device("2", true)]);
+        want.spec.devices.as_mut().unwrap()[0]
+            .taints
+            .as_mut()
+            .unwrap()
+            .push(DeviceTaint {
+                key: "gpu.migdra.dev/not-offered".into(),
+                effect: "NoSchedule".into(),
+                ..Default::default()
+            });
+        let diff = diff_pool(vec![want], &[Arc::new(have)], None);
+        let written = diff.writes[0].slice();
+        let taints = written.spec.devices.as_ref().unwrap()[0].taints.as_ref().unwrap();
+        assert_eq!(taints[0].time_added, Some(added), "the old taint keeps its time");
+        assert_eq!(taints[1].time_added, None, "the new taint gets the server's time");
+
+        // A taint with another effect is another taint.
+        let mut have = (*as_stored(slice("a", 3, vec![device("1", true)]), "10")).clone();
+        have.spec.devices.as_mut().unwrap()[0].taints.as_mut().unwrap()[0].effect = "NoExecute".into();
+        let diff = diff_pool(
+            vec![slice("a", 0, vec![device("2", true)])],
+            &[Arc::new(have)],
+            None,
+        );
+        let taints = diff.writes[0].slice().spec.devices.as_ref().unwrap()[0]
+            .taints
+            .clone()
+            .unwrap();
+        assert_eq!(taints[0].time_added, None);
     }
 
     #[test]

@@ -5,7 +5,10 @@
 //!   name (label changes can change the MigPolicy that applies);
 //! * MigPolicies: any change reconciles every GpuNode;
 //! * this driver's ResourceSlices (field selector `spec.driver=<driver>`): a change reconciles
-//!   the GpuNode named by `spec.nodeName` — which is how slices the kubelet wiped come back.
+//!   the GpuNode named by `spec.nodeName` — which is how a kubelet wipe is noticed at once;
+//! * ResourceClaims (cut down to this driver's allocation results): a change of what a claim
+//!   holds reconciles the nodes of the pools it names, before and after (a device in use
+//!   stays in its pool until released).
 //!
 //! Each watch also fills the cache the reconciler reads. A sweeper deletes this driver's
 //! slices on nodes that have no GpuNode any more.
@@ -17,7 +20,10 @@ use std::{
 };
 
 use futures::{StreamExt, future};
-use k8s_openapi::api::{core::v1::Node, resource::v1::ResourceSlice};
+use k8s_openapi::api::{
+    core::v1::Node,
+    resource::v1::{ResourceClaim, ResourceSlice},
+};
 use kube::{
     Api, Client, ResourceExt,
     core::PartialObjectMeta,
@@ -31,6 +37,7 @@ use migdra_api::{inventory::GpuNode, policy::MigPolicy};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
+    claims::{ClaimChanges, strip_claim},
     compare::SliceDelete,
     context::{Context, ControllerConfig, Stores},
     error::Error,
@@ -114,17 +121,21 @@ pub async fn run(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let (gpunodes, gpunode_writer) = reflector::store::<GpuNode>();
     let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
     let (policies, policy_writer) = reflector::store::<MigPolicy>();
     let (slices, slice_writer) = reflector::store::<ResourceSlice>();
+    let (claims, claim_writer) = reflector::store::<ResourceClaim>();
     let driver = config.driver.clone();
     let ctx = Arc::new(Context::new(
         client.clone(),
         config,
         Stores {
+            gpunodes: gpunodes.clone(),
             nodes,
             policies,
             slices,
+            claims,
         },
         metrics,
     ));
@@ -166,12 +177,41 @@ pub async fn run(
     .reflect(slice_writer)
     .inspect(move |event| {
         if let Ok(event) = event {
-            observer.expectations.observe(event);
+            let wiped = observer.expectations.observe(event);
+            if wiped > 0 {
+                observer.metrics.slices_wiped(wiped);
+            }
         }
     })
     .touched_objects();
 
-    let controller = Controller::new(Api::<GpuNode>::all(client), watcher::Config::default())
+    let mut claim_changes = ClaimChanges::default();
+    let claim_driver = driver.clone();
+    let strip_driver = driver.clone();
+    let claim_triggers = watcher(
+        Api::<ResourceClaim>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(move |claim| strip_claim(claim, &strip_driver))
+    .reflect(claim_writer)
+    .flat_map(move |event| {
+        let nodes = match event {
+            Ok(event) => claim_changes.admit(&event, &claim_driver),
+            Err(e) => {
+                tracing::warn!(error = %e, "ResourceClaim watch failed");
+                Default::default()
+            }
+        };
+        futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::<GpuNode>::new(&node)))
+    });
+
+    // The GpuNode cache is shared with the reconciler (the heartbeat census reads it).
+    let gpunode_triggers = watcher(Api::<GpuNode>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(gpunode_writer)
+        .applied_objects();
+    let controller = Controller::for_stream(gpunode_triggers, gpunodes.clone())
         .with_config(controller::Config::default().debounce(DEBOUNCE))
         .watches_stream(node_triggers, |node| {
             Some(ObjectRef::<GpuNode>::new(&node.name_any()))
@@ -180,10 +220,11 @@ pub async fn run(
             slice.spec.node_name.map(|node| ObjectRef::<GpuNode>::new(&node))
         })
         .reconcile_all_on(policy_triggers)
+        .reconcile_on(claim_triggers)
         .graceful_shutdown_on(shutdown.clone().cancelled_owned());
     // The sweeper lives in this task (not a spawned one), so aborting the task on a lost
     // lease stops it too.
-    let sweeper = sweep(ctx.clone(), controller.store(), shutdown.clone());
+    let sweeper = sweep(ctx.clone(), gpunodes, shutdown.clone());
 
     tracing::info!(driver = %driver, "controller running");
     let controller = controller.run(reconcile, error_policy, ctx).for_each(|result| {

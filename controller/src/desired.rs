@@ -1,5 +1,6 @@
-//! The pool a live node should publish: policy, plan, render, validate — all pure, from the
-//! api crate's slice model — turned into named ResourceSlice objects.
+//! The pool a live node should publish: policy, plan, keep what claims hold, render,
+//! validate — all pure, from the api crate's slice model — turned into named ResourceSlice
+//! objects.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -10,7 +11,11 @@ use k8s_openapi::{
 use migdra_api::{
     inventory::{GpuNode, pool_name},
     policy::{MigPolicy, PolicyError, policy_for_node},
-    slices::{PoolIdentity, plan_pool, render_pool, validate::validate_pool},
+    slices::{
+        PoolIdentity, plan_pool, render_pool,
+        retained::{Retention, retain_allocated},
+        validate::validate_pool,
+    },
 };
 
 use crate::naming::{NODE_LABEL, is_dns_subdomain, node_label_value, slice_name};
@@ -28,6 +33,8 @@ pub struct DesiredPool {
     pub gpus: u32,
     /// The MigPolicy applied, if any.
     pub policy: Option<String>,
+    /// Allocated devices the policy no longer offers: kept (tainted) or dropped.
+    pub retention: Retention,
 }
 
 /// Why no pool can be published.
@@ -50,12 +57,14 @@ pub struct NodeRef<'a> {
     pub labels: &'a BTreeMap<String, String>,
 }
 
-/// Computes the pool of a node whose plugin is live.
+/// Computes the pool of a node whose plugin is live. `allocated` names the devices of this
+/// pool that claims hold: each stays in the pool, tainted if no longer offered.
 pub fn desired_pool<'p>(
     gpunode: &GpuNode,
     node: NodeRef<'_>,
     policies: impl IntoIterator<Item = &'p MigPolicy>,
     driver: &str,
+    allocated: &BTreeSet<String>,
 ) -> Result<DesiredPool, DesiredError> {
     let policy = policy_for_node(policies, node.labels).map_err(DesiredError::Policy)?;
     let status = gpunode.status.as_ref();
@@ -63,7 +72,8 @@ pub fn desired_pool<'p>(
     let driver_version = status
         .and_then(|s| s.plugin.as_ref())
         .and_then(|p| p.driver_version.as_deref());
-    let plan = plan_pool(gpus, &policy);
+    let mut plan = plan_pool(gpus, &policy);
+    let retention = retain_allocated(&mut plan, gpus, allocated);
     let pool = pool_name(node.name, driver);
     let id = PoolIdentity {
         driver,
@@ -117,6 +127,7 @@ pub fn desired_pool<'p>(
         devices: u32::try_from(plan.devices.len()).unwrap_or(u32::MAX),
         gpus: u32::try_from(gpus_used.len()).unwrap_or(u32::MAX),
         policy: policy.name,
+        retention,
     })
 }
 
@@ -154,7 +165,7 @@ mod tests {
             uid: Some("uid-a"),
             labels: &labels,
         };
-        let pool = desired_pool(&gpunode(2), node, [], "gpu.migdra.dev").unwrap();
+        let pool = desired_pool(&gpunode(2), node, [], "gpu.migdra.dev", &BTreeSet::new()).unwrap();
         assert_eq!(pool.pool, "node-a/gpu.migdra.dev");
         assert_eq!(pool.gpus, 2);
         assert!(pool.devices > 2);
@@ -195,15 +206,63 @@ mod tests {
             },
         );
         assert!(matches!(
-            desired_pool(&gpunode(1), node, [&bad], "gpu.migdra.dev"),
+            desired_pool(&gpunode(1), node, [&bad], "gpu.migdra.dev", &BTreeSet::new()),
             Err(DesiredError::Policy(_))
         ));
         bad.spec.profiles = vec!["7g".into()];
         bad.spec.whole_gpus = Some(false);
-        let pool = desired_pool(&gpunode(1), node, [&bad], "gpu.migdra.dev").unwrap();
+        let pool = desired_pool(&gpunode(1), node, [&bad], "gpu.migdra.dev", &BTreeSet::new()).unwrap();
         assert_eq!(pool.policy.as_deref(), Some("bad"));
         assert_eq!(pool.devices, 1, "one 7g placement on one GPU");
         assert!(pool.slices[0].metadata.owner_references.is_none());
+    }
+
+    #[test]
+    fn allocated_devices_the_policy_stopped_offering_stay_tainted() {
+        let labels = BTreeMap::new();
+        let node = NodeRef {
+            name: "node-a",
+            uid: None,
+            labels: &labels,
+        };
+        let only_1g = MigPolicy::new(
+            "only-1g",
+            MigPolicySpec {
+                profiles: vec!["1g".into()],
+                whole_gpus: Some(false),
+                ..Default::default()
+            },
+        );
+        let allocated = BTreeSet::from(["gpu-0-mig-3g40gb-4".to_string()]);
+        let without =
+            desired_pool(&gpunode(1), node, [&only_1g], "gpu.migdra.dev", &BTreeSet::new()).unwrap();
+        let with = desired_pool(&gpunode(1), node, [&only_1g], "gpu.migdra.dev", &allocated).unwrap();
+        assert_eq!(with.devices, without.devices + 1);
+        assert_eq!(with.retention.kept, ["gpu-0-mig-3g40gb-4"]);
+        let device = with
+            .slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .find(|d| d.name == "gpu-0-mig-3g40gb-4")
+            .expect("the allocated 3g stays in the pool");
+        let taint = &device.taints.as_ref().unwrap()[0];
+        assert_eq!(
+            (taint.key.as_str(), taint.effect.as_str()),
+            (migdra_api::slices::NOT_OFFERED_TAINT, "NoSchedule")
+        );
+        let consumed = &device.consumes_counters.as_ref().unwrap()[0];
+        assert_eq!(consumed.counter_set, "gpu-0");
+        for s in 4..8 {
+            assert!(consumed.counters.contains_key(&format!("memory-slice-{s}")));
+        }
+        // Released: gone again.
+        assert!(
+            without
+                .slices
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .all(|d| d.name != "gpu-0-mig-3g40gb-4")
+        );
     }
 
     #[test]
@@ -214,7 +273,7 @@ mod tests {
             uid: None,
             labels: &labels,
         };
-        let err = desired_pool(&gpunode(1), node, [], "Not_A_Driver").unwrap_err();
+        let err = desired_pool(&gpunode(1), node, [], "Not_A_Driver", &BTreeSet::new()).unwrap_err();
         let DesiredError::Invalid(problems) = err else {
             panic!("expected an invalid pool")
         };

@@ -1,4 +1,5 @@
-//! What the controller expects its slice cache to show after its own writes.
+//! What the controller expects its slice cache to show after its own writes, and which of
+//! its slices disappeared without it.
 //!
 //! The reconciler reads slices from a watch cache, which lags behind the writes it just
 //! made. Without care, a reconcile triggered between a write and its watch event (by the
@@ -7,16 +8,24 @@
 //! expectation — this slice at (at least) this resourceVersion, or this slice gone — and a
 //! node's pool is only diffed once the cache has caught up with all of them. Expectations are
 //! met by the cache contents at reconcile time or by watch events as they stream in (which
-//! also covers a slice created and deleted again before the reconcile ran: the kubelet's
-//! wipe), and they expire after a TTL so a lost event cannot block a node forever.
+//! also covers a slice created and deleted again before the reconcile ran), and they expire
+//! after a TTL so a lost event cannot block a node forever.
+//!
+//! Ownership: per node, the slices the controller published and has not deleted itself. A
+//! deletion is the controller's own when it recorded the slice as expected absent *before*
+//! sending the delete. An owned slice that goes away otherwise — a watch delete event, or
+//! missing from the cache at reconcile time (a relist hides the event) — was wiped by
+//! someone else, in practice the kubelet, which deletes a driver's node-local slices when its
+//! plugin has been disconnected for 30 s and when the kubelet starts. The time the wipe was
+//! observed is kept until the plugin heartbeats after it (see [`crate::liveness`]).
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::{api::resource::v1::ResourceSlice, jiff::Timestamp};
 use kube::{ResourceExt, runtime::watcher};
 
 /// How long an unmet expectation holds a node's pool back.
@@ -40,11 +49,20 @@ struct NodeExpectations {
     slices: BTreeMap<String, Expected>,
 }
 
-/// Expectations of every node. Cheap to share.
+#[derive(Debug, Default)]
+struct State {
+    pending: HashMap<String, NodeExpectations>,
+    /// Slices per node the controller published and has not deleted itself.
+    owned: HashMap<String, BTreeSet<String>>,
+    /// When someone else was last seen deleting an owned slice of the node.
+    wiped: HashMap<String, Timestamp>,
+}
+
+/// Expectations and ownership of every node. Cheap to share.
 #[derive(Debug)]
 pub struct Expectations {
     ttl: Duration,
-    nodes: Mutex<HashMap<String, NodeExpectations>>,
+    state: Mutex<State>,
 }
 
 impl Default for Expectations {
@@ -58,43 +76,112 @@ impl Expectations {
     pub fn new(ttl: Duration) -> Self {
         Self {
             ttl,
-            nodes: Mutex::new(HashMap::new()),
+            state: Mutex::new(State::default()),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, NodeExpectations>> {
+    fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding this lock leaves plain data behind; keep using it.
-        self.nodes.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Records that the cache should show `slice` as `expected` for `node`.
     pub fn expect(&self, node: &str, slice: &str, expected: Expected) {
-        let mut nodes = self.lock();
-        let entry = nodes.entry(node.to_string()).or_insert_with(|| NodeExpectations {
-            deadline: Instant::now() + self.ttl,
-            slices: BTreeMap::new(),
-        });
+        let mut state = self.lock();
+        let entry = state
+            .pending
+            .entry(node.to_string())
+            .or_insert_with(|| NodeExpectations {
+                deadline: Instant::now() + self.ttl,
+                slices: BTreeMap::new(),
+            });
         entry.deadline = Instant::now() + self.ttl;
         entry.slices.insert(slice.to_string(), expected);
     }
 
-    /// Feeds one watch event of the slice cache.
-    pub fn observe(&self, event: &watcher::Event<ResourceSlice>) {
-        match event {
-            watcher::Event::Apply(slice) | watcher::Event::InitApply(slice) => self.seen(slice, false),
-            watcher::Event::Delete(slice) => self.seen(slice, true),
-            watcher::Event::Init | watcher::Event::InitDone => {}
+    /// Records a slice the controller has just written: it is owned, and the cache should
+    /// show it at `resource_version` or later.
+    pub fn written(&self, node: &str, slice: &str, resource_version: Option<String>) {
+        self.lock()
+            .owned
+            .entry(node.to_string())
+            .or_default()
+            .insert(slice.to_string());
+        if let Some(resource_version) = resource_version {
+            self.expect(node, slice, Expected::Present { resource_version });
         }
     }
 
-    fn seen(&self, slice: &ResourceSlice, deleted: bool) {
+    /// Records, before the request goes out, that the controller is deleting `slice`: its
+    /// delete event is then the controller's own, not a wipe.
+    pub fn deleting(&self, node: &str, slice: &str) {
+        if let Some(owned) = self.lock().owned.get_mut(node) {
+            owned.remove(slice);
+        }
+        self.expect(node, slice, Expected::Absent);
+    }
+
+    /// Undoes [`Self::deleting`] after the delete failed: the slice is still there.
+    pub fn delete_failed(&self, node: &str, slice: &str) {
+        let mut state = self.lock();
+        if let Some(entry) = state.pending.get_mut(node) {
+            entry.slices.remove(slice);
+            if entry.slices.is_empty() {
+                state.pending.remove(node);
+            }
+        }
+        state
+            .owned
+            .entry(node.to_string())
+            .or_default()
+            .insert(slice.to_string());
+    }
+
+    /// Replaces the set of slices the controller owns on `node` (after a reconcile that left
+    /// exactly these in place; this also adopts the slices a previous leader wrote).
+    pub fn own(&self, node: &str, slices: impl IntoIterator<Item = String>) {
+        let slices: BTreeSet<String> = slices.into_iter().collect();
+        let mut state = self.lock();
+        if slices.is_empty() {
+            state.owned.remove(node);
+        } else {
+            state.owned.insert(node.to_string(), slices);
+        }
+    }
+
+    /// Feeds one watch event of the slice cache. Returns how many owned slices it showed
+    /// deleted by someone else (0 or 1).
+    pub fn observe(&self, event: &watcher::Event<ResourceSlice>) -> usize {
+        match event {
+            watcher::Event::Apply(slice) | watcher::Event::InitApply(slice) => {
+                self.seen(slice, false);
+                0
+            }
+            watcher::Event::Delete(slice) => usize::from(self.seen(slice, true)),
+            watcher::Event::Init | watcher::Event::InitDone => 0,
+        }
+    }
+
+    /// Settles expectations with one observed slice; true when it was an owned slice deleted
+    /// by someone else.
+    fn seen(&self, slice: &ResourceSlice, deleted: bool) -> bool {
         let Some(node) = slice.spec.node_name.as_deref() else {
-            return;
+            return false;
         };
         let name = slice.name_any();
-        let mut nodes = self.lock();
+        let mut state = self.lock();
+        let ours = state
+            .pending
+            .get(node)
+            .and_then(|e| e.slices.get(&name))
+            .is_some_and(|e| *e == Expected::Absent);
+        let wiped = deleted && !ours && state.owned.get_mut(node).is_some_and(|owned| owned.remove(&name));
+        if wiped {
+            state.wiped.insert(node.to_string(), Timestamp::now());
+        }
+        let nodes = &mut state.pending;
         let Some(entry) = nodes.get_mut(node) else {
-            return;
+            return wiped;
         };
         let met = match entry.slices.get(&name) {
             None => false,
@@ -112,12 +199,14 @@ impl Expectations {
                 nodes.remove(node);
             }
         }
+        wiped
     }
 
     /// Checks `node`'s expectations against `cached` (the node's slices in the cache):
     /// `None` when the cache can be trusted, or how long to wait for it.
     pub fn pending(&self, node: &str, cached: &[Arc<ResourceSlice>]) -> Option<Duration> {
-        let mut nodes = self.lock();
+        let mut state = self.lock();
+        let nodes = &mut state.pending;
         let entry = nodes.get_mut(node)?;
         let now = Instant::now();
         if now >= entry.deadline {
@@ -147,9 +236,40 @@ impl Expectations {
         }
     }
 
-    /// Drops every expectation of `node`.
+    /// When the node's owned slices were last seen wiped by someone else, if that has not
+    /// been answered by [`Self::wipe_answered`]. Call once the cache is trusted
+    /// ([`Self::pending`] is `None`): owned slices missing from `cached` are a wipe observed
+    /// now (the watch relisted and showed no delete event). Returns the time and how many
+    /// slices this call newly found missing.
+    pub fn wiped(&self, node: &str, cached: &[Arc<ResourceSlice>]) -> (Option<Timestamp>, usize) {
+        let mut state = self.lock();
+        let mut missing = 0;
+        if let Some(owned) = state.owned.get_mut(node) {
+            let before = owned.len();
+            owned.retain(|name| cached.iter().any(|s| s.metadata.name.as_deref() == Some(name)));
+            missing = before - owned.len();
+        }
+        if missing > 0 {
+            state.wiped.insert(node.to_string(), Timestamp::now());
+        }
+        (state.wiped.get(node).copied(), missing)
+    }
+
+    /// Forgets the wipe of `node` observed at `at` (the plugin has heartbeated since). A
+    /// newer wipe observed meanwhile is kept.
+    pub fn wipe_answered(&self, node: &str, at: Timestamp) {
+        let mut state = self.lock();
+        if state.wiped.get(node) == Some(&at) {
+            state.wiped.remove(node);
+        }
+    }
+
+    /// Drops every expectation, ownership record and wipe of `node`.
     pub fn forget(&self, node: &str) {
-        self.lock().remove(node);
+        let mut state = self.lock();
+        state.pending.remove(node);
+        state.owned.remove(node);
+        state.wiped.remove(node);
     }
 }
 
@@ -223,6 +343,63 @@ mod tests {
         e.expect("n", "a", present("11"));
         e.observe(&watcher::Event::Delete(slice("a", "11")));
         assert_eq!(e.pending("n", &[]), None);
+    }
+
+    #[test]
+    fn only_deletions_of_owned_slices_by_others_are_wipes() {
+        let e = Expectations::default();
+        // Not owned (never written, not adopted): a deletion is nobody's business here.
+        assert_eq!(e.observe(&watcher::Event::Delete(slice("x", "5"))), 0);
+        assert_eq!(e.wiped("n", &[]).0, None);
+
+        e.written("n", "a", Some("10".into()));
+        e.written("n", "b", Some("11".into()));
+        e.observe(&watcher::Event::Apply(slice("a", "10")));
+        e.observe(&watcher::Event::Apply(slice("b", "11")));
+        // The controller deletes b itself: its delete event is no wipe.
+        e.deleting("n", "b");
+        assert_eq!(e.observe(&watcher::Event::Delete(slice("b", "11"))), 0);
+        let cached = [Arc::new(slice("a", "10"))];
+        assert_eq!(e.pending("n", &cached), None);
+        assert_eq!(e.wiped("n", &cached), (None, 0));
+
+        // Someone else deletes a: a wipe, observed now.
+        let before = Timestamp::now();
+        assert_eq!(e.observe(&watcher::Event::Delete(slice("a", "10"))), 1);
+        let (at, newly) = e.wiped("n", &[]);
+        let at = at.expect("a wipe");
+        assert!(at >= before);
+        assert_eq!(newly, 0, "already counted by the event");
+        // Answered by a heartbeat after it: forgotten; a stale answer is ignored.
+        e.wipe_answered("n", before - k8s_openapi::jiff::SignedDuration::from_secs(1));
+        assert_eq!(e.wiped("n", &[]).0, Some(at));
+        e.wipe_answered("n", at);
+        assert_eq!(e.wiped("n", &[]).0, None);
+    }
+
+    #[test]
+    fn owned_slices_missing_from_a_relisted_cache_are_a_wipe() {
+        let e = Expectations::default();
+        // Adopted from the cache (a previous leader wrote them).
+        e.own("n", ["a".to_string(), "b".to_string()]);
+        let cached = [Arc::new(slice("a", "3"))];
+        let (at, newly) = e.wiped("n", &cached);
+        assert!(at.is_some());
+        assert_eq!(newly, 1);
+        // Counted once.
+        assert_eq!(e.wiped("n", &cached).1, 0);
+    }
+
+    #[test]
+    fn a_failed_delete_keeps_the_slice_owned_and_the_node_unblocked() {
+        let e = Expectations::default();
+        e.own("n", ["a".to_string()]);
+        e.deleting("n", "a");
+        let cached = [Arc::new(slice("a", "3"))];
+        assert!(e.pending("n", &cached).is_some());
+        e.delete_failed("n", "a");
+        assert_eq!(e.pending("n", &cached), None);
+        assert_eq!(e.observe(&watcher::Event::Delete(slice("a", "3"))), 1);
     }
 
     #[test]

@@ -3,10 +3,11 @@
 //! kubelet plugin goes away.
 //!
 //! Data flow: [`cli`] → [`leader`] (only the lease holder runs) → [`controller`] (watches and
-//! caches) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, render,
-//! validate) → [`compare`] (semantic diff) → [`publish`] (slice writes, recorded in
+//! caches) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, keep the
+//! devices [`claims`] hold, render, validate) → [`compare`] (semantic diff) → [`publish`] (slice writes, recorded in
 //! [`expectations`]) → [`status`].
 
+pub mod claims;
 pub mod cli;
 pub mod compare;
 pub mod context;
@@ -67,6 +68,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     let config = context::ControllerConfig {
         driver: args.driver_name.clone(),
         heartbeat_timeout: args.heartbeat_timeout(),
+        mass_expiry_threshold: args.mass_expiry_threshold,
         identity: identity.clone(),
         ready_timeout: READY_TIMEOUT,
     };

@@ -1,16 +1,48 @@
-//! Whether a node's kubelet plugin is alive, from what it writes into its `GpuNode`.
+//! Whether a node's kubelet plugin is alive, from what it writes into its `GpuNode` and from
+//! what the kubelet did to the node's slices.
 //!
-//! A plugin is live while it reports itself registered with the kubelet and its heartbeat
-//! is fresh. The heartbeat expires after `max(timeout, 3 × heartbeatIntervalSeconds)`, so a
-//! plugin configured with a slow heartbeat is not declared dead between two beats.
+//! A plugin is live while it reports itself registered with the kubelet, its heartbeat is
+//! fresh, and it has heartbeated since the kubelet last wiped the node's slices.
+//!
+//! Timing. The plugin heartbeats every `heartbeatIntervalSeconds` (15 s by default) and at
+//! once when its kubelet registration changes. The kubelet deletes a driver's node-local
+//! slices 30 s after the plugin's connection drops (and all of them when it starts). A pool
+//! republished after that wipe advertises devices nobody can prepare, so:
+//!
+//! * the heartbeat expires after `max(timeout, 1.5 × interval)`; the default timeout (25 s)
+//!   withdraws a dead plugin's pool (last beat + 25 s, plus one reconcile) before the
+//!   kubelet's 30 s wipe, while tolerating one beat up to 10 s late;
+//! * a wipe the controller did not cause marks the plugin gone until it heartbeats again
+//!   *after* the wipe was observed ([`GoneReason::SlicesWiped`]): a dead plugin never does, a
+//!   plugin that re-registers with a restarted kubelet does so at once. (The heartbeat time
+//!   is the node's clock, the wipe time the controller's, as for the expiry itself: clocks
+//!   are assumed synchronised; a node clock behind by a few seconds only delays the return
+//!   to the next beat);
+//! * when more than a threshold fraction of all heartbeats expire at the same time, the
+//!   likelier cause is a slow or partitioned control plane, not dead plugins: expiry alone
+//!   then withdraws nothing ([`HeartbeatCensus::mass_expiry`], [`Liveness::Held`]), like the
+//!   node lifecycle controller's unhealthy-zone rule. An explicit "not registered" and a
+//!   kubelet wipe still withdraw.
 
 use std::time::Duration;
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use migdra_api::inventory::PluginStatus;
 
-/// Heartbeats a plugin may miss before it counts as gone.
-pub const MISSED_HEARTBEATS: u32 = 3;
+/// The timeout applied when nothing else is configured: below the kubelet's 30 s wipe.
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(25);
+
+/// The kubelet deletes a driver's node-local slices this long after its plugin disconnects.
+pub const KUBELET_WIPE_DELAY: Duration = Duration::from_secs(30);
+
+/// Default fraction of registered plugins whose heartbeats must expire at once before the
+/// controller blames the control plane instead (the node lifecycle controller's 0.55).
+pub const DEFAULT_MASS_EXPIRY_THRESHOLD: f64 = 0.55;
+
+/// Fewest expired heartbeats that count as a mass expiry (the node lifecycle controller also
+/// needs more than two unready nodes): one or two dead plugins are just dead plugins, even on
+/// a small cluster.
+pub const MASS_EXPIRY_MIN_NODES: usize = 3;
 
 /// A plugin's liveness.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,6 +51,12 @@ pub enum Liveness {
     Live {
         /// When the current heartbeat goes stale.
         expires: Timestamp,
+    },
+    /// The heartbeat expired, but so did too many others at once to blame the plugin: the
+    /// pool stays as published.
+    Held {
+        /// Time of the last heartbeat.
+        last: Timestamp,
     },
     /// The plugin is gone: its pool must be withdrawn.
     Gone(GoneReason),
@@ -33,6 +71,14 @@ pub enum GoneReason {
     NotRegistered {
         /// The registration error the plugin reported, if any.
         error: Option<String>,
+    },
+    /// Someone else (the kubelet) deleted the node's slices, and the plugin has not
+    /// heartbeated since.
+    SlicesWiped {
+        /// When the controller observed the deletion.
+        at: Timestamp,
+        /// Time of the last heartbeat.
+        last: Timestamp,
     },
     /// The last heartbeat is older than the timeout.
     HeartbeatExpired {
@@ -54,6 +100,11 @@ impl GoneReason {
             Self::NotRegistered { error: Some(e) } => {
                 format!("the kubelet plugin is not registered with the kubelet: {e}")
             }
+            Self::SlicesWiped { at, last } => format!(
+                "the node's ResourceSlices were deleted by someone else (the kubelet does so when \
+                 the plugin disconnects or the kubelet restarts) at {at}; the last heartbeat \
+                 ({last}) is older, so the pool stays withdrawn until the plugin heartbeats again"
+            ),
             Self::HeartbeatExpired { last, timeout } => format!(
                 "the kubelet plugin's last heartbeat ({last}) is older than {}s",
                 timeout.as_secs()
@@ -62,15 +113,24 @@ impl GoneReason {
     }
 }
 
-/// The timeout that applies to a plugin heartbeating every `interval_seconds`.
+/// The timeout that applies to a plugin heartbeating every `interval_seconds`: at least one
+/// and a half intervals, so a plugin configured with a slow heartbeat is not declared dead
+/// between two punctual beats.
 pub fn effective_timeout(timeout: Duration, interval_seconds: u32) -> Duration {
-    timeout.max(Duration::from_secs(
-        u64::from(interval_seconds) * u64::from(MISSED_HEARTBEATS),
-    ))
+    timeout.max(Duration::from_millis(u64::from(interval_seconds) * 1500))
 }
 
-/// Decides whether the plugin described by `plugin` is live at `now`.
-pub fn liveness(plugin: Option<&PluginStatus>, now: Timestamp, timeout: Duration) -> Liveness {
+/// Decides whether the plugin described by `plugin` is live at `now`. `wiped_at` is when the
+/// controller last saw the node's slices deleted by someone else, if that is still
+/// unanswered; `mass_expiry` says whether heartbeats are expiring en masse
+/// ([`HeartbeatCensus::mass_expiry`]).
+pub fn liveness(
+    plugin: Option<&PluginStatus>,
+    now: Timestamp,
+    timeout: Duration,
+    wiped_at: Option<Timestamp>,
+    mass_expiry: bool,
+) -> Liveness {
     let Some(plugin) = plugin else {
         return Liveness::Gone(GoneReason::NoStatus);
     };
@@ -79,14 +139,68 @@ pub fn liveness(plugin: Option<&PluginStatus>, now: Timestamp, timeout: Duration
             error: plugin.registration_error.clone(),
         });
     }
-    let timeout = effective_timeout(timeout, plugin.heartbeat_interval_seconds);
     let last = plugin.heartbeat_time.0;
-    let span = SignedDuration::try_from(timeout).unwrap_or(SignedDuration::MAX);
-    let expires = last.checked_add(span).unwrap_or(Timestamp::MAX);
-    if now >= expires {
-        Liveness::Gone(GoneReason::HeartbeatExpired { last, timeout })
-    } else {
+    if let Some(at) = wiped_at
+        && last <= at
+    {
+        return Liveness::Gone(GoneReason::SlicesWiped { at, last });
+    }
+    let expires = expiry(plugin, timeout);
+    if now < expires {
         Liveness::Live { expires }
+    } else if mass_expiry {
+        Liveness::Held { last }
+    } else {
+        Liveness::Gone(GoneReason::HeartbeatExpired {
+            last,
+            timeout: effective_timeout(timeout, plugin.heartbeat_interval_seconds),
+        })
+    }
+}
+
+/// When `plugin`'s current heartbeat goes stale.
+fn expiry(plugin: &PluginStatus, timeout: Duration) -> Timestamp {
+    let timeout = effective_timeout(timeout, plugin.heartbeat_interval_seconds);
+    let span = SignedDuration::try_from(timeout).unwrap_or(SignedDuration::MAX);
+    plugin
+        .heartbeat_time
+        .0
+        .checked_add(span)
+        .unwrap_or(Timestamp::MAX)
+}
+
+/// How many registered plugins there are, and how many of their heartbeats have expired, at
+/// one moment: the cluster-wide view a single node's reconcile needs to tell dead plugins
+/// from a sick control plane.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HeartbeatCensus {
+    /// Plugins that report themselves registered.
+    pub registered: usize,
+    /// Of those, the ones whose heartbeat has expired.
+    pub expired: usize,
+}
+
+impl HeartbeatCensus {
+    /// Counts `plugins` (one entry per GpuNode of this driver) at `now`.
+    pub fn take<'a>(
+        plugins: impl IntoIterator<Item = Option<&'a PluginStatus>>,
+        now: Timestamp,
+        timeout: Duration,
+    ) -> Self {
+        let mut census = Self::default();
+        for plugin in plugins.into_iter().flatten().filter(|p| p.registered) {
+            census.registered += 1;
+            if now >= expiry(plugin, timeout) {
+                census.expired += 1;
+            }
+        }
+        census
+    }
+
+    /// True when more than `threshold` of the registered plugins (and at least
+    /// [`MASS_EXPIRY_MIN_NODES`]) have expired heartbeats.
+    pub fn mass_expiry(&self, threshold: f64) -> bool {
+        self.expired >= MASS_EXPIRY_MIN_NODES && self.expired as f64 > threshold * self.registered as f64
     }
 }
 
@@ -121,37 +235,58 @@ mod tests {
         Timestamp::from_second(1_700_000_000 + s).unwrap()
     }
 
+    fn live(p: &PluginStatus, now: Timestamp, timeout: Duration) -> Liveness {
+        liveness(Some(p), now, timeout, None, false)
+    }
+
     #[test]
     fn live_until_the_timeout() {
-        let timeout = Duration::from_secs(60);
+        let timeout = Duration::from_secs(25);
         let p = plugin(true, ts(0), 15);
-        assert_eq!(
-            liveness(Some(&p), ts(10), timeout),
-            Liveness::Live { expires: ts(60) }
-        );
-        assert_eq!(
-            liveness(Some(&p), ts(59), timeout),
-            Liveness::Live { expires: ts(60) }
-        );
+        assert_eq!(live(&p, ts(10), timeout), Liveness::Live { expires: ts(25) });
+        assert_eq!(live(&p, ts(24), timeout), Liveness::Live { expires: ts(25) });
         assert!(matches!(
-            liveness(Some(&p), ts(60), timeout),
+            live(&p, ts(25), timeout),
             Liveness::Gone(GoneReason::HeartbeatExpired { timeout: t, .. }) if t == timeout
         ));
     }
 
     #[test]
+    fn the_default_timeout_withdraws_before_the_kubelet_wipes() {
+        // A plugin dies right after a beat on the default 15 s interval: its pool must be
+        // gone before the kubelet deletes the slices 30 s after the disconnect, and a beat
+        // that is a few seconds late must not withdraw it.
+        let p = plugin(true, ts(0), 15);
+        let timeout = effective_timeout(DEFAULT_HEARTBEAT_TIMEOUT, 15);
+        assert!(timeout < KUBELET_WIPE_DELAY, "{timeout:?}");
+        assert!(timeout > Duration::from_secs(15 + 5), "{timeout:?}");
+        assert!(matches!(
+            live(&p, ts(20), DEFAULT_HEARTBEAT_TIMEOUT),
+            Liveness::Live { .. }
+        ));
+        assert!(matches!(
+            live(&p, ts(29), DEFAULT_HEARTBEAT_TIMEOUT),
+            Liveness::Gone(GoneReason::HeartbeatExpired { .. })
+        ));
+    }
+
+    #[test]
     fn slow_heartbeats_stretch_the_timeout() {
-        let p = plugin(true, ts(0), 30);
+        let p = plugin(true, ts(0), 60);
         assert_eq!(
-            effective_timeout(Duration::from_secs(60), 30),
+            effective_timeout(Duration::from_secs(25), 60),
             Duration::from_secs(90)
         );
         assert_eq!(
-            liveness(Some(&p), ts(89), Duration::from_secs(60)),
+            effective_timeout(Duration::from_secs(25), 3),
+            Duration::from_secs(25)
+        );
+        assert_eq!(
+            live(&p, ts(89), Duration::from_secs(25)),
             Liveness::Live { expires: ts(90) }
         );
         assert!(matches!(
-            liveness(Some(&p), ts(90), Duration::from_secs(60)),
+            live(&p, ts(90), Duration::from_secs(25)),
             Liveness::Gone(GoneReason::HeartbeatExpired { .. })
         ));
     }
@@ -159,11 +294,11 @@ mod tests {
     #[test]
     fn unregistered_or_silent_plugins_are_gone() {
         assert_eq!(
-            liveness(None, ts(0), Duration::from_secs(60)),
+            liveness(None, ts(0), Duration::from_secs(60), None, false),
             Liveness::Gone(GoneReason::NoStatus)
         );
         let p = plugin(false, ts(0), 15);
-        let gone = liveness(Some(&p), ts(1), Duration::from_secs(60));
+        let gone = live(&p, ts(1), Duration::from_secs(60));
         assert_eq!(
             gone,
             Liveness::Gone(GoneReason::NotRegistered {
@@ -174,6 +309,87 @@ mod tests {
             unreachable!()
         };
         assert!(reason.message().contains("socket gone"));
+    }
+
+    #[test]
+    fn a_wipe_holds_until_a_newer_heartbeat() {
+        let timeout = Duration::from_secs(25);
+        // The heartbeat is fresh, but older than the wipe: gone.
+        let p = plugin(true, ts(0), 15);
+        assert_eq!(
+            liveness(Some(&p), ts(2), timeout, Some(ts(1)), false),
+            Liveness::Gone(GoneReason::SlicesWiped {
+                at: ts(1),
+                last: ts(0)
+            })
+        );
+        // A heartbeat at the very instant of the wipe does not prove the plugin outlived it.
+        assert!(matches!(
+            liveness(Some(&p), ts(2), timeout, Some(ts(0)), false),
+            Liveness::Gone(GoneReason::SlicesWiped { .. })
+        ));
+        // The plugin re-registered and beat after the wipe: live again.
+        let p = plugin(true, ts(3), 15);
+        assert_eq!(
+            liveness(Some(&p), ts(4), timeout, Some(ts(1)), false),
+            Liveness::Live { expires: ts(28) }
+        );
+        // A wipe withdraws even while heartbeats are expiring en masse.
+        let p = plugin(true, ts(0), 15);
+        assert!(matches!(
+            liveness(Some(&p), ts(100), timeout, Some(ts(1)), true),
+            Liveness::Gone(GoneReason::SlicesWiped { .. })
+        ));
+        // And "not registered" wins over everything.
+        let p = plugin(false, ts(3), 15);
+        assert!(matches!(
+            liveness(Some(&p), ts(4), timeout, Some(ts(1)), true),
+            Liveness::Gone(GoneReason::NotRegistered { .. })
+        ));
+    }
+
+    #[test]
+    fn mass_expiry_holds_only_heartbeat_expiry() {
+        let timeout = Duration::from_secs(25);
+        let p = plugin(true, ts(0), 15);
+        assert_eq!(
+            liveness(Some(&p), ts(60), timeout, None, true),
+            Liveness::Held { last: ts(0) }
+        );
+        assert!(matches!(
+            liveness(Some(&p), ts(10), timeout, None, true),
+            Liveness::Live { .. }
+        ));
+    }
+
+    #[test]
+    fn census_counts_registered_plugins_and_their_expired_heartbeats() {
+        let timeout = Duration::from_secs(25);
+        let fresh = plugin(true, ts(90), 15);
+        let stale = plugin(true, ts(0), 15);
+        let unregistered = plugin(false, ts(0), 15);
+        let census = |stale_count: usize, fresh_count: usize| {
+            let plugins = std::iter::repeat_n(Some(&stale), stale_count)
+                .chain(std::iter::repeat_n(Some(&fresh), fresh_count))
+                .chain([Some(&unregistered), None]);
+            HeartbeatCensus::take(plugins, ts(100), timeout)
+        };
+        assert_eq!(
+            census(3, 2),
+            HeartbeatCensus {
+                registered: 5,
+                expired: 3
+            }
+        );
+        // 3 of 5 (60 %) is more than 55 %.
+        assert!(census(3, 2).mass_expiry(0.55));
+        // 3 of 6 (50 %) is not.
+        assert!(!census(3, 3).mass_expiry(0.55));
+        // Two dead plugins are two dead plugins, even when they are all there is.
+        assert!(!census(2, 0).mass_expiry(0.55));
+        assert!(census(3, 0).mass_expiry(0.55));
+        // A threshold of 1 disables the rule.
+        assert!(!census(10, 0).mass_expiry(1.0));
     }
 
     #[test]

@@ -62,6 +62,9 @@ pub struct Metrics {
     published_devices: Family<NodeLabels, Gauge>,
     reconcile_duration: Histogram,
     leader: Gauge,
+    slice_wipes: Counter,
+    expired_heartbeats: Gauge,
+    withdrawals_held: Gauge,
     registry: Arc<Registry>,
 }
 
@@ -113,7 +116,29 @@ impl Metrics {
             "1 while this replica holds the lease and runs the controller, else 0",
             leader.clone(),
         );
+        let slice_wipes = Counter::default();
+        registry.register(
+            "slice_wipes",
+            "Published ResourceSlices deleted by someone other than the controller (the kubelet's wipe)",
+            slice_wipes.clone(),
+        );
+        let expired_heartbeats = Gauge::default();
+        registry.register(
+            "expired_heartbeats",
+            "Registered kubelet plugins whose heartbeat has expired, at the last reconcile",
+            expired_heartbeats.clone(),
+        );
+        let withdrawals_held = Gauge::default();
+        registry.register(
+            "heartbeat_withdrawals_held",
+            "1 while so many heartbeats expired at once that expiry alone withdraws no pool \
+             (suspected control-plane trouble), else 0",
+            withdrawals_held.clone(),
+        );
         Self {
+            slice_wipes,
+            expired_heartbeats,
+            withdrawals_held,
             reconciles,
             reconcile_errors,
             slice_writes,
@@ -174,6 +199,18 @@ impl Metrics {
         });
     }
 
+    /// Counts owned slices found deleted by someone else.
+    pub fn slices_wiped(&self, count: usize) {
+        self.slice_wipes.inc_by(u64::try_from(count).unwrap_or(u64::MAX));
+    }
+
+    /// Records the heartbeat census: expired heartbeats, and whether withdrawals are held.
+    pub fn set_heartbeat_census(&self, expired: usize, held: bool) {
+        self.expired_heartbeats
+            .set(i64::try_from(expired).unwrap_or(i64::MAX));
+        self.withdrawals_held.set(i64::from(held));
+    }
+
     /// Sets the is-leader gauge.
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
@@ -221,6 +258,8 @@ mod tests {
         m.slice_write(SliceOperation::Delete);
         m.set_published_devices("node-a", 42);
         m.set_leader(true);
+        m.slices_wiped(3);
+        m.set_heartbeat_census(4, true);
         drop(m.reconcile_timer());
         let text = m.encode();
         for needle in [
@@ -231,6 +270,9 @@ mod tests {
             "migdra_controller_slice_writes_total{operation=\"delete\"} 1",
             "migdra_controller_published_devices{node=\"node-a\"} 42",
             "migdra_controller_leader 1",
+            "migdra_controller_slice_wipes_total 3",
+            "migdra_controller_expired_heartbeats 4",
+            "migdra_controller_heartbeat_withdrawals_held 1",
             "migdra_controller_reconcile_duration_seconds_count 1",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");

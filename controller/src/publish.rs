@@ -1,6 +1,7 @@
 //! Carrying out a [`PoolDiff`] against the API: create or replace every slice of the new
 //! generation in pool order, then delete what is no longer wanted. Every write records what
-//! the slice cache should show next (see [`crate::expectations`]).
+//! the slice cache should show next and which slices the controller owns (see
+//! [`crate::expectations`]).
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::{
@@ -11,7 +12,7 @@ use kube::{
 use crate::{
     compare::{PoolDiff, SliceDelete, SliceWrite, specs_match},
     error::{Error, is_not_found},
-    expectations::{Expectations, Expected},
+    expectations::Expectations,
     metrics::{Metrics, SliceOperation},
     status::FIELD_MANAGER,
 };
@@ -29,12 +30,23 @@ pub struct Publisher<'a> {
 }
 
 impl Publisher<'_> {
-    /// Applies `diff`: writes first (so the new generation is complete before anything of
-    /// the old one disappears), deletes last. Stops at the first error.
+    /// Applies `diff`: for a new generation writes first (so it is complete before anything
+    /// of the old one disappears) and deletes last; for a kept generation the other way round
+    /// (see [`PoolDiff::deletes_first`]). Stops at the first error.
     pub async fn apply(&self, diff: &PoolDiff) -> Result<(), Error> {
+        if diff.deletes_first {
+            self.deletes(diff).await?;
+        }
         for write in &diff.writes {
             self.write(write).await?;
         }
+        if !diff.deletes_first {
+            self.deletes(diff).await?;
+        }
+        Ok(())
+    }
+
+    async fn deletes(&self, diff: &PoolDiff) -> Result<(), Error> {
         for delete in &diff.deletes {
             self.delete(delete).await?;
         }
@@ -60,10 +72,8 @@ impl Publisher<'_> {
             generation = slice.spec.pool.generation,
             "wrote ResourceSlice"
         );
-        if let Some(resource_version) = stored.resource_version() {
-            self.expectations
-                .expect(self.node, &name, Expected::Present { resource_version });
-        }
+        self.expectations
+            .written(self.node, &name, stored.resource_version());
         if stored.spec.pool.generation != slice.spec.pool.generation
             || !specs_match(&slice.spec, &stored.spec)
         {
@@ -80,10 +90,13 @@ impl Publisher<'_> {
             }),
             ..DeleteParams::default()
         };
+        // Recorded first: the delete event may reach the watch before the answer reaches us.
+        self.expectations.deleting(self.node, &delete.name);
         match self.api.delete(&delete.name, &params).await {
             Ok(_) => self.metrics.slice_write(SliceOperation::Delete),
             Err(e) if is_not_found(&e) => {}
             Err(e) => {
+                self.expectations.delete_failed(self.node, &delete.name);
                 return Err(Error::slice_write(
                     SliceOperation::Delete.as_str(),
                     &delete.name,
@@ -92,8 +105,6 @@ impl Publisher<'_> {
             }
         }
         tracing::debug!(slice = %delete.name, "deleted ResourceSlice");
-        self.expectations
-            .expect(self.node, &delete.name, Expected::Absent);
         Ok(())
     }
 }

@@ -2,11 +2,14 @@
 //! the cached slices, write the difference, record the outcome in the status.
 //!
 //! * Node gone → withdraw the pool (delete its slices), `Published=False NodeNotFound`.
-//! * Plugin not live → withdraw, `Published=False PluginNotReady`; the GpuNode and slice
-//!   watches bring the node back.
-//! * Plugin live → policy, plan, render, validate; an invalid policy or pool is reported
-//!   (event + condition) and nothing is written; otherwise the pool is diffed and only a real
-//!   change is written, with a new generation. Requeued at the heartbeat's expiry, so a
+//! * Plugin not live (see [`crate::liveness`]: unregistered, heartbeat expired, or its slices
+//!   wiped by the kubelet and no heartbeat since) → withdraw, `Published=False
+//!   PluginNotReady`; the plugin's next heartbeat brings the node back. Heartbeat expiry is
+//!   held back while most heartbeats expire at once (control-plane trouble).
+//! * Plugin live → policy, plan (keeping the devices claims hold), render, validate; an
+//!   invalid policy or pool is reported (event + condition) and nothing is written; otherwise
+//!   the pool is diffed and only a real change is written, with a new generation when the
+//!   upstream slice controller would bump it. Requeued at the heartbeat's expiry, so a
 //!   plugin that dies silently is noticed.
 
 use std::{sync::Arc, time::Duration};
@@ -28,13 +31,16 @@ use crate::{
     context::Context,
     desired::{DesiredError, NodeRef, desired_pool},
     error::Error,
-    liveness::{Liveness, effective_timeout, liveness, until},
+    liveness::{GoneReason, Liveness, effective_timeout, liveness, until},
     publish::Publisher,
     status::{self, Published, reason, truncate},
 };
 
 /// Margin added to the heartbeat expiry before the requeue, so the check lands after it.
 const EXPIRY_MARGIN: Duration = Duration::from_secs(1);
+/// How often a node whose heartbeat expiry is held back (see [`crate::liveness`]) is looked
+/// at again.
+const HELD_RECHECK: Duration = Duration::from_secs(10);
 /// Shortest requeue.
 const MIN_REQUEUE: Duration = Duration::from_secs(1);
 /// First error backoff.
@@ -135,11 +141,18 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         .await?;
         return Ok(Outcome::done(Action::await_change()));
     };
+    let (wiped_at, newly_missing) = ctx.expectations.wiped(&node_name, &cached);
+    if newly_missing > 0 {
+        ctx.metrics.slices_wiped(newly_missing);
+    }
     let now = Timestamp::now();
     let plugin = gpunode.status.as_ref().and_then(|s| s.plugin.as_ref());
-    let expires = match liveness(plugin, now, ctx.config.heartbeat_timeout) {
+    let (_, hold) = ctx.heartbeat_census(now);
+    let interval = plugin.map_or(0, |p| p.heartbeat_interval_seconds);
+    let cap = effective_timeout(ctx.config.heartbeat_timeout, interval);
+    let requeue = match liveness(plugin, now, ctx.config.heartbeat_timeout, wiped_at, hold) {
         Liveness::Gone(why) => {
-            if !cached.is_empty() {
+            if !cached.is_empty() || matches!(why, GoneReason::SlicesWiped { .. }) {
                 tracing::info!(reason = %why.message(), "plugin is not live; withdrawing the pool");
             }
             let publication = withdrawn(ctx, &node_name, &cached, published);
@@ -147,13 +160,21 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             ctx.metrics.set_published_devices(&node_name, 0);
             let condition = Published::no(reason::PLUGIN_NOT_READY, why.message());
             write_status(gpunode, ctx, publication, &condition).await?;
+            // The plugin's next heartbeat (a GpuNode change) brings the node back.
             return Ok(Outcome::done(Action::await_change()));
         }
-        Liveness::Live { expires } => expires,
+        Liveness::Held { last } => {
+            tracing::debug!(%last, "heartbeat expired, but so did most others: keeping the pool");
+            Action::requeue(HELD_RECHECK)
+        }
+        Liveness::Live { expires } => {
+            if let Some(at) = wiped_at {
+                tracing::info!(%at, "the plugin heartbeated after its slices were wiped; republishing");
+                ctx.expectations.wipe_answered(&node_name, at);
+            }
+            Action::requeue(until(expires, now, MIN_REQUEUE, cap) + EXPIRY_MARGIN)
+        }
     };
-    let interval = plugin.map_or(0, |p| p.heartbeat_interval_seconds);
-    let cap = effective_timeout(ctx.config.heartbeat_timeout, interval);
-    let requeue = Action::requeue(until(expires, now, MIN_REQUEUE, cap) + EXPIRY_MARGIN);
 
     let policies = ctx.policies.state();
     let node_ref = NodeRef {
@@ -161,11 +182,13 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         uid: node.metadata.uid.as_deref(),
         labels: node.labels(),
     };
+    let allocated = ctx.allocated_devices(&node_name);
     let desired = match desired_pool(
         gpunode,
         node_ref,
         policies.iter().map(|p| p.as_ref()),
         &ctx.config.driver,
+        &allocated,
     ) {
         Ok(desired) => desired,
         Err(problem) => {
@@ -195,7 +218,15 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         }
     };
 
+    if !desired.retention.kept.is_empty() || !desired.retention.dropped.is_empty() {
+        tracing::debug!(
+            kept = ?desired.retention.kept,
+            dropped = ?desired.retention.dropped,
+            "allocated devices that are no longer offered"
+        );
+    }
     let slices = desired.slices.len();
+    let desired_names: Vec<String> = desired.slices.iter().map(|s| s.name_any()).collect();
     let diff = diff_pool(desired.slices, &cached, published.map(|p| p.generation));
     if diff.is_empty() {
         tracing::debug!(generation = diff.generation, "pool unchanged");
@@ -209,6 +240,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         );
         publisher(ctx, &node_name).apply(&diff).await?;
     }
+    ctx.expectations.own(&node_name, desired_names);
     ctx.metrics.set_published_devices(&node_name, desired.devices);
     let publication = PublicationStatus {
         pool: desired.pool,

@@ -17,10 +17,10 @@ use migdra_kubelet_plugin::{
     cdi::CdiWriter,
     claims::ClaimSource,
     driver::{Driver, DriverConfig},
-    grpc::{ClaimRef, DraDriver},
     metrics::Metrics,
     nvml::NvmlBackend,
 };
+use migdra_kubeletplugin::{ClaimRef, DraDriver};
 use serde_json::json;
 
 #[derive(Clone, Default)]

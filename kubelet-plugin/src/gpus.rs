@@ -23,13 +23,13 @@ use migdra_api::{
 
 use crate::{
     checkpoint::{ClaimRecord, DeviceKind},
-    grpc::DeviceHealthReport,
     journal::Journal,
     metrics::Metrics,
     nvml::{BackendError, GpuBackend, GpuDescription, GpuInstanceRecord, NvmlErrorKind},
     plan::{GpuView, mode_switchable},
     state_dir::NodeLock,
 };
+use migdra_kubeletplugin::DeviceHealthReport;
 
 // A panic while one of these is held leaves no half-written data behind (durable state is in
 // files written atomically), so a poisoned lock is safe to keep using.

@@ -2,8 +2,8 @@
 //! instance, hands it to containers through CDI, and destroys it after the pod is gone.
 //!
 //! Modules follow the data flow. [`cli`] → [`run`] starts everything. The kubelet's gRPC
-//! calls ([`grpc`]) reach the [`driver`] state machine, which reads claims ([`claims`]),
-//! plans placements from plain values ([`plan`]), records progress in the [`journal`] (the
+//! calls (served by [`migdra_kubeletplugin`]) reach the [`driver`] state machine, which reads
+//! claims ([`claims`]), plans placements from plain values ([`plan`]), records progress in the [`journal`] (the
 //! [`checkpoint`] file, written through [`state_dir`]), works on GPUs through the GPU table
 //! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]). Beside it, the status loop
 //! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
@@ -15,7 +15,6 @@ pub mod claims;
 pub mod cli;
 pub mod driver;
 pub mod gpus;
-pub mod grpc;
 pub mod journal;
 pub mod metrics;
 pub mod node_status;
@@ -33,14 +32,11 @@ use crate::{
     cdi::CdiWriter,
     claims::KubeClaims,
     driver::{Driver, DriverConfig},
-    grpc::{
-        RegistrationState,
-        server::{PluginServer, PluginServerConfig},
-    },
     metrics::Metrics,
     node_status::{NodeStatusWriter, StatusLoop},
     nvml::NvmlBackend,
 };
+use migdra_kubeletplugin::{PluginServer, PluginServerConfig, RegistrationState};
 
 /// Runs the plugin until SIGTERM/SIGINT: metrics and probes, NVML, the driver (with startup
 /// recovery), the status loop, then the kubelet's DRA and registration sockets.

@@ -22,11 +22,8 @@ use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::{
-    gpus::Gpus,
-    grpc::{DeviceHealthReport, RegistrationState},
-    nvml::GpuBackend,
-};
+use crate::{gpus::Gpus, nvml::GpuBackend};
+use migdra_kubeletplugin::{DeviceHealthReport, RegistrationState};
 
 /// Field manager of the plugin's writes.
 pub const FIELD_MANAGER: &str = "migdra-kubelet-plugin";

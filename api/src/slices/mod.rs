@@ -13,11 +13,14 @@
 //!
 //! Placements occupied by instances migdra did not create are left out, and their engines
 //! are subtracted from the budgets; so are unhealthy GPUs (or they are tainted, by policy).
+//! Devices that claims hold stay in the pool, tainted, even when no longer offered
+//! ([`retained`]).
 
 pub mod allocator;
 pub mod order;
 pub mod packing;
 pub mod quantity;
+pub mod retained;
 pub mod validate;
 
 use std::collections::BTreeMap;
@@ -33,7 +36,7 @@ use k8s_openapi::{
 use crate::{
     device_name::DeviceName,
     geometry::{Engines, MigGeometry, MigProfile},
-    inventory::{GpuInventory, InstanceOwner},
+    inventory::{GpuInventory, InstanceOwner, MigInventory},
     policy::{EffectivePolicy, UnhealthyGpus},
 };
 
@@ -45,6 +48,8 @@ pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
 pub const MEMORY_COUNTER: &str = "memory";
 /// Taint key on devices of unhealthy GPUs (policy `Taint`).
 pub const UNHEALTHY_TAINT: &str = "gpu.migdra.dev/unhealthy";
+/// Taint key on devices kept in the pool only because a claim holds them.
+pub const NOT_OFFERED_TAINT: &str = "gpu.migdra.dev/not-offered";
 
 /// Counter values by counter name. `memory` is in MiB; everything else is a count.
 pub type Counters = BTreeMap<String, u64>;
@@ -78,6 +83,9 @@ pub struct PlannedDevice {
     pub consumes: Counters,
     /// Set when the parent GPU is unhealthy and the policy taints rather than omits.
     pub unhealthy: Option<String>,
+    /// True for a device the pool keeps only because a claim holds it (see [`retained`]):
+    /// published tainted [`NOT_OFFERED_TAINT`] so nothing new lands on it.
+    pub not_offered: bool,
 }
 
 /// The structure of a node's pool: counter sets and ordered devices.
@@ -130,6 +138,47 @@ fn engine_counters(engines: Engines, memory_mib: u64) -> Counters {
     counters
 }
 
+/// A GPU's counter set (budgets minus what foreign instances hold; a memory slice a foreign
+/// instance covers has the value 0) and which memory slices foreign instances block.
+pub(crate) fn gpu_counters(mig: &MigInventory) -> (Counters, Vec<bool>) {
+    let geometry = &mig.geometry;
+    let mut budget_engines = geometry.budget.engines;
+    let mut budget_memory = geometry.budget.memory_mib;
+    let mut blocked = vec![false; geometry.budget.memory_slices as usize];
+    for instance in mig.instances.iter().filter(|i| i.owner == InstanceOwner::Foreign) {
+        if let Some(p) = geometry.profile_by_id(instance.placement.profile_id) {
+            budget_engines = budget_engines.saturating_sub(p.engines);
+            budget_memory = budget_memory.saturating_sub(p.memory_mib);
+            for s in p.memory_range(instance.placement.start) {
+                if let Some(b) = blocked.get_mut(s as usize) {
+                    *b = true;
+                }
+            }
+        }
+    }
+    let mut counters = engine_counters(budget_engines, budget_memory);
+    for i in 0..geometry.budget.memory_slices {
+        counters.insert(memory_slice_counter(i), u64::from(!blocked[i as usize]));
+    }
+    (counters, blocked)
+}
+
+/// What a MIG device at (`profile`, `start`) consumes: its memory slices, engines and memory.
+pub(crate) fn mig_consumption(profile: &MigProfile, start: u32) -> Counters {
+    let mut consumes = engine_counters(profile.engines, profile.memory_mib);
+    for s in profile.memory_range(start) {
+        consumes.insert(memory_slice_counter(s), 1);
+    }
+    consumes
+}
+
+/// True when every counter `consumes` names exists in `counters` with at least that value.
+pub(crate) fn fits_in(consumes: &Counters, counters: &Counters) -> bool {
+    consumes
+        .iter()
+        .all(|(k, v)| counters.get(k).is_some_and(|have| have >= v))
+}
+
 /// Plans a node's pool: which devices exist, what they consume, in which order.
 pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
     let mut plan = PoolPlan::default();
@@ -162,25 +211,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
         if let Some(mig) = offers_mig {
             let geometry = &mig.geometry;
             let set = counter_set_name(gpu.minor);
-            // Budgets minus what foreign instances hold; their memory slices are not offered.
-            let mut budget_engines = geometry.budget.engines;
-            let mut budget_memory = geometry.budget.memory_mib;
-            let mut blocked = vec![false; geometry.budget.memory_slices as usize];
-            for instance in &foreign {
-                if let Some(p) = geometry.profile_by_id(instance.placement.profile_id) {
-                    budget_engines = budget_engines.saturating_sub(p.engines);
-                    budget_memory = budget_memory.saturating_sub(p.memory_mib);
-                    for s in p.memory_range(instance.placement.start) {
-                        if let Some(b) = blocked.get_mut(s as usize) {
-                            *b = true;
-                        }
-                    }
-                }
-            }
-            let mut counters = engine_counters(budget_engines, budget_memory);
-            for i in 0..geometry.budget.memory_slices {
-                counters.insert(memory_slice_counter(i), u64::from(!blocked[i as usize]));
-            }
+            let (counters, blocked) = gpu_counters(mig);
             for (profile, start) in geometry.all_placements() {
                 if !policy.offers(&profile.name) {
                     continue;
@@ -191,14 +222,8 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                 {
                     continue;
                 }
-                let mut consumes = engine_counters(profile.engines, profile.memory_mib);
-                for s in profile.memory_range(start) {
-                    consumes.insert(memory_slice_counter(s), 1);
-                }
-                if !consumes
-                    .iter()
-                    .all(|(k, v)| counters.get(k).is_some_and(|have| have >= v))
-                {
+                let consumes = mig_consumption(profile, start);
+                if !fits_in(&consumes, &counters) {
                     continue; // the remaining budget can never hold it
                 }
                 devices.push(PlannedDevice {
@@ -215,6 +240,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                     counter_set: Some(set.clone()),
                     consumes,
                     unhealthy: unhealthy.clone(),
+                    not_offered: false,
                 });
             }
             if whole_possible && policy.whole_gpus {
@@ -227,6 +253,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                     counter_set: Some(set.clone()),
                     consumes: counters.clone(),
                     unhealthy: unhealthy.clone(),
+                    not_offered: false,
                 });
             }
             if !devices.is_empty() {
@@ -241,6 +268,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                 counter_set: None,
                 consumes: Counters::new(),
                 unhealthy: unhealthy.clone(),
+                not_offered: false,
             });
         }
         per_gpu.push((gpu.minor, geometry_used, devices));
@@ -420,13 +448,19 @@ fn render_device(id: &PoolIdentity<'_>, gpu: &GpuInventory, device: &PlannedDevi
             counters: render_counters(&device.consumes),
         }]
     });
-    let taints = device.unhealthy.as_ref().map(|_| {
-        vec![DeviceTaint {
-            key: UNHEALTHY_TAINT.to_string(),
-            effect: "NoSchedule".to_string(),
-            ..Default::default()
-        }]
-    });
+    let taint = |key: &str| DeviceTaint {
+        key: key.to_string(),
+        effect: "NoSchedule".to_string(),
+        ..Default::default()
+    };
+    let taints: Vec<DeviceTaint> = [
+        device.unhealthy.as_ref().map(|_| taint(UNHEALTHY_TAINT)),
+        device.not_offered.then(|| taint(NOT_OFFERED_TAINT)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let taints = (!taints.is_empty()).then_some(taints);
     Device {
         name: device.name.to_string(),
         attributes: Some(attributes),

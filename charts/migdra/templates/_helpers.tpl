@@ -135,8 +135,8 @@ Cross-field checks the schema cannot express.
 {{- if and (gt (int .Values.controller.replicas) 1) (not .Values.controller.leaderElection.enabled) }}
 {{- fail "controller.replicas > 1 requires controller.leaderElection.enabled: two active controllers would publish conflicting ResourceSlices" }}
 {{- end }}
-{{- if lt (int .Values.heartbeat.timeoutSeconds) (mul 3 (int .Values.heartbeat.intervalSeconds)) }}
-{{- fail "heartbeat.timeoutSeconds must be at least 3 x heartbeat.intervalSeconds (a late heartbeat must not withdraw a node's devices)" }}
+{{- if lt (mul 2 (int .Values.heartbeat.timeoutSeconds)) (mul 3 (int .Values.heartbeat.intervalSeconds)) }}
+{{- fail "heartbeat.timeoutSeconds must be at least 1.5 x heartbeat.intervalSeconds (a late heartbeat must not withdraw a node's devices)" }}
 {{- end }}
 {{- if eq .Values.kubeletPlugin.httpPort .Values.kubeletPlugin.grpcHealthPort }}
 {{- fail "kubeletPlugin.httpPort and kubeletPlugin.grpcHealthPort must differ" }}

@@ -57,8 +57,8 @@ pub struct FakeConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GpuConfig {
-    /// A `migdra_api::catalog` key such as `H100-80GB`, or one of the fake's non-MIG models
-    /// (`L4`, `A10`, `T4`).
+    /// A model key of [`crate::model`] (the same keys as migdra's catalog) such as
+    /// `H100-80GB`, or one of the fake's non-MIG models (`L4`, `A10`, `T4`).
     pub model: String,
     /// Whether MIG mode is on at first init.
     #[serde(default)]

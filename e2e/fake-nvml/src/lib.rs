@@ -2,9 +2,12 @@
 //!
 //! Built as a `cdylib`, it exports the NVML C functions migdra's production NVML backend
 //! calls through nvml-wrapper, so the code that runs on real GPUs is the code under test.
-//! MIG placement decisions come from `migdra_api::geometry`, so the fake and migdra's pure
-//! model agree exactly. GPU state lives in a JSON file shared (under `flock`) by every
-//! process that loads the library. See `README.md` for the configuration format.
+//! Its MIG rules ([`sim`]) and per-model tables ([`model`]) are written here from NVML's
+//! documented behaviour (`shared/reference/mig-nvml.md`), sharing no code with migdra-api,
+//! so the fake is an independent witness of migdra's geometry and catalog (the cross-check
+//! is the test `tests/fake/independent_rules.rs`). GPU state lives in a JSON file shared
+//! (under `flock`) by every process that loads the library. See `README.md` for the
+//! configuration format and where each rule and table comes from.
 //!
 //! As an `rlib` it gives tests the configuration and state types, [`read_state`] and
 //! [`update_state`] to inspect or poke the simulated GPUs, and [`testing::FakeGpuHost`].

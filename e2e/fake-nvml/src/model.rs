@@ -1,12 +1,91 @@
-//! GPU models the fake can simulate: every MIG-capable model of `migdra_api::catalog`, plus a
-//! few GPUs without MIG so the "not MIG-capable" paths can be exercised.
+//! The GPU models the fake simulates and their MIG tables, written in the fake itself from
+//! NVML's documented behaviour (`shared/reference/mig-nvml.md`): profile indexes and IDs
+//! (§3), placements (§2), instance counts, memory, SM and engine counts (§5, with the §12
+//! corrections). Nothing here comes from migdra-api, so the fake is an independent witness
+//! of the product's catalog and geometry (the cross-check lives in `tests/fake/`).
+//!
+//! Memory sizes and engine counts vary by driver (§5): where the reference gives a range or
+//! an approximation the fake uses one value inside it, and where it gives none (B200 and
+//! GH200-144 large profiles) the value is an estimate, marked as such in the tables.
 
-use migdra_api::catalog::{self, GpuModel};
+/// `NVML_DEVICE_ARCH_TURING`.
+pub const ARCH_TURING: u32 = 6;
+/// `NVML_DEVICE_ARCH_AMPERE`.
+pub const ARCH_AMPERE: u32 = 7;
+/// `NVML_DEVICE_ARCH_ADA`.
+pub const ARCH_ADA: u32 = 8;
+/// `NVML_DEVICE_ARCH_HOPPER`.
+pub const ARCH_HOPPER: u32 = 9;
+/// `NVML_DEVICE_ARCH_BLACKWELL`.
+pub const ARCH_BLACKWELL: u32 = 10;
+
+/// Multiprocessor and engine counts of one GPU-instance profile (`nvmlGpuInstanceProfileInfo_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Engines {
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Copy engines.
+    pub copy_engines: u32,
+    /// Video decoders.
+    pub decoders: u32,
+    /// Video encoders (0 on every datacenter profile, §5).
+    pub encoders: u32,
+    /// JPEG decoders.
+    pub jpeg_engines: u32,
+    /// Optical-flow accelerators.
+    pub ofa_engines: u32,
+}
+
+/// One GPU-instance profile as NVML reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GiProfile {
+    /// Profile **index** (`NVML_GPU_INSTANCE_PROFILE_*`, what the v1 info call takes).
+    pub index: u32,
+    /// Profile **ID** (what the info returns and create, placement and list calls take).
+    pub id: u32,
+    /// Name without the `MIG ` prefix, e.g. `3g.40gb` or `1g.10gb+me`.
+    pub name: &'static str,
+    /// Compute slices (`sliceCount`).
+    pub compute_slices: u32,
+    /// Memory slices a placement covers (the placement `size`).
+    pub memory_slices: u32,
+    /// Most instances of this profile on one GPU (`instanceCount`).
+    pub instance_count: u32,
+    /// Valid placement starts, in memory slices.
+    pub starts: &'static [u32],
+    /// Multiprocessors and engines of one instance.
+    pub engines: Engines,
+    /// Memory of one instance (`memorySizeMB`, MiB).
+    pub memory_mib: u64,
+}
+
+/// The MIG side of a MIG-capable model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MigTable {
+    /// Memory slices of the GPU (8, or 4 on A30; §2).
+    pub memory_slices: u32,
+    /// Most MIG devices on one GPU (`nvmlDeviceGetMaxMigDeviceCount`; §2).
+    pub max_mig_devices: u32,
+    /// GPU-instance profiles in index order.
+    pub profiles: &'static [GiProfile],
+}
+
+impl MigTable {
+    /// The profile with ID `id`.
+    pub fn profile_by_id(&self, id: u32) -> Option<&'static GiProfile> {
+        self.profiles.iter().find(|p| p.id == id)
+    }
+
+    /// The profile with index `index`.
+    pub fn profile_by_index(&self, index: u32) -> Option<&'static GiProfile> {
+        self.profiles.iter().find(|p| p.index == index)
+    }
+}
 
 /// What the fake needs to know about a GPU model.
 #[derive(Clone, Copy, Debug)]
 pub struct FakeModel {
-    /// Configuration key.
+    /// Configuration key (`H100-80GB`, ...).
     pub key: &'static str,
     /// Product name (`nvmlDeviceGetName`).
     pub product_name: &'static str,
@@ -20,96 +99,457 @@ pub struct FakeModel {
     pub memory_mib: u64,
     /// Multiprocessors of the whole GPU.
     pub multiprocessors: u32,
-    /// The MIG model, for MIG-capable GPUs.
-    pub mig: Option<&'static GpuModel>,
+    /// The MIG table, for MIG-capable GPUs.
+    pub mig: Option<&'static MigTable>,
 }
-
-/// `NVML_DEVICE_ARCH_TURING`.
-const ARCH_TURING: u32 = 6;
-/// `NVML_DEVICE_ARCH_AMPERE`.
-const ARCH_AMPERE: u32 = 7;
-/// `NVML_DEVICE_ARCH_ADA`.
-const ARCH_ADA: u32 = 8;
-
-const fn plain(
-    key: &'static str,
-    product_name: &'static str,
-    pci_device_id: u16,
-    architecture: u32,
-    cuda_compute_capability: (i32, i32),
-    memory_mib: u64,
-    multiprocessors: u32,
-) -> FakeModel {
-    FakeModel {
-        key,
-        product_name,
-        pci_device_id,
-        architecture,
-        cuda_compute_capability,
-        memory_mib,
-        multiprocessors,
-        mig: None,
-    }
-}
-
-/// GPUs without MIG.
-const PLAIN_MODELS: &[FakeModel] = &[
-    plain("L4", "NVIDIA L4", 0x27B8, ARCH_ADA, (8, 9), 23034, 58),
-    plain("A10", "NVIDIA A10", 0x2236, ARCH_AMPERE, (8, 6), 23028, 72),
-    plain("T4", "Tesla T4", 0x1EB8, ARCH_TURING, (7, 5), 15360, 40),
-];
 
 impl FakeModel {
     /// Looks a model up by configuration key (case-insensitive).
     pub fn lookup(key: &str) -> Option<FakeModel> {
-        if let Some(m) = catalog::model(key) {
-            return Some(FakeModel {
-                key: m.key,
-                product_name: m.product_name,
-                pci_device_id: m.pci_device_ids.first().copied().unwrap_or(0),
-                architecture: m.architecture.nvml_value(),
-                cuda_compute_capability: (
-                    i32::try_from(m.cuda_compute_capability.0).unwrap_or(0),
-                    i32::try_from(m.cuda_compute_capability.1).unwrap_or(0),
-                ),
-                memory_mib: m.memory_mib,
-                multiprocessors: m.multiprocessors,
-                mig: Some(m),
-            });
-        }
-        PLAIN_MODELS
-            .iter()
-            .find(|p| p.key.eq_ignore_ascii_case(key))
-            .copied()
+        MODELS.iter().find(|m| m.key.eq_ignore_ascii_case(key)).copied()
+    }
+
+    /// Every model the fake simulates.
+    pub fn all() -> &'static [FakeModel] {
+        MODELS
     }
 
     /// Every key the fake accepts.
     pub fn keys() -> Vec<&'static str> {
-        catalog::models()
-            .iter()
-            .map(|m| m.key)
-            .chain(PLAIN_MODELS.iter().map(|p| p.key))
-            .collect()
+        MODELS.iter().map(|m| m.key).collect()
     }
 
     /// Total memory in bytes.
     pub fn memory_bytes(&self) -> u64 {
         self.memory_mib * 1024 * 1024
     }
+
+    /// Hopper and later switch MIG mode without a reset; Ampere needs one (§1.6, §10).
+    pub fn mig_mode_switchable(&self) -> bool {
+        self.architecture >= ARCH_HOPPER
+    }
 }
+
+// ---------------------------------------------------------------------------------------
+// Profile shapes: index (§3 index table), ID (§3 observed IDs), compute slices, placement
+// size and starts (§2), instance count (§5). Identical on every 8-slice part (§2, §3).
+
+/// The parts of a profile that are the same on every model of a family.
+struct Shape {
+    index: u32,
+    id: u32,
+    compute_slices: u32,
+    memory_slices: u32,
+    instance_count: u32,
+    starts: &'static [u32],
+}
+
+const fn profile(shape: Shape, name: &'static str, e: [u32; 6], memory_mib: u64) -> GiProfile {
+    GiProfile {
+        index: shape.index,
+        id: shape.id,
+        name,
+        compute_slices: shape.compute_slices,
+        memory_slices: shape.memory_slices,
+        instance_count: shape.instance_count,
+        starts: shape.starts,
+        engines: Engines {
+            multiprocessors: e[0],
+            copy_engines: e[1],
+            decoders: e[2],
+            encoders: e[3],
+            jpeg_engines: e[4],
+            ofa_engines: e[5],
+        },
+        memory_mib,
+    }
+}
+
+/// `1_SLICE` (index 0), ID 19: `{0..6}:1`, 7 instances.
+const G1: Shape = Shape {
+    index: 0,
+    id: 19,
+    compute_slices: 1,
+    memory_slices: 1,
+    instance_count: 7,
+    starts: &[0, 1, 2, 3, 4, 5, 6],
+};
+/// `2_SLICE` (index 1), ID 14: `{0,2,4}:2`, 3 instances.
+const G2: Shape = Shape {
+    index: 1,
+    id: 14,
+    compute_slices: 2,
+    memory_slices: 2,
+    instance_count: 3,
+    starts: &[0, 2, 4],
+};
+/// `3_SLICE` (index 2), ID 9: `{0,4}:4`, 2 instances.
+const G3: Shape = Shape {
+    index: 2,
+    id: 9,
+    compute_slices: 3,
+    memory_slices: 4,
+    instance_count: 2,
+    starts: &[0, 4],
+};
+/// `4_SLICE` (index 3), ID 5: `{0}:4`, 1 instance.
+const G4: Shape = Shape {
+    index: 3,
+    id: 5,
+    compute_slices: 4,
+    memory_slices: 4,
+    instance_count: 1,
+    starts: &[0],
+};
+/// `7_SLICE` (index 4), ID 0: `{0}:8`, 1 instance.
+const G7: Shape = Shape {
+    index: 4,
+    id: 0,
+    compute_slices: 7,
+    memory_slices: 8,
+    instance_count: 1,
+    starts: &[0],
+};
+/// `1_SLICE_REV1` (index 7, `+me`), ID 20: `{0..6}:1`, 1 instance (the single OFA, §4/§12).
+const G1_ME: Shape = Shape {
+    index: 7,
+    id: 20,
+    compute_slices: 1,
+    memory_slices: 1,
+    instance_count: 1,
+    starts: &[0, 1, 2, 3, 4, 5, 6],
+};
+/// `1_SLICE_REV2` (index 9, double memory), ID 15: `{0,2,4,6}:2`, 4 instances.
+const G1_DOUBLE: Shape = Shape {
+    index: 9,
+    id: 15,
+    compute_slices: 1,
+    memory_slices: 2,
+    instance_count: 4,
+    starts: &[0, 2, 4, 6],
+};
+
+/// A30 (4 memory and 4 compute slices): `1_SLICE`, ID 14, `{0,1,2,3}:1`, 4 instances.
+const A30_G1: Shape = Shape {
+    index: 0,
+    id: 14,
+    compute_slices: 1,
+    memory_slices: 1,
+    instance_count: 4,
+    starts: &[0, 1, 2, 3],
+};
+/// A30 `2_SLICE`, ID 5, `{0,2}:2`, 2 instances.
+const A30_G2: Shape = Shape {
+    index: 1,
+    id: 5,
+    compute_slices: 2,
+    memory_slices: 2,
+    instance_count: 2,
+    starts: &[0, 2],
+};
+/// A30 `4_SLICE`, ID 0, `{0}:4`, 1 instance.
+const A30_G4: Shape = Shape {
+    index: 3,
+    id: 0,
+    compute_slices: 4,
+    memory_slices: 4,
+    instance_count: 1,
+    starts: &[0],
+};
+/// A30 `1_SLICE_REV1` (`+me`), ID 21, `{0..3}:1`, 1 instance.
+const A30_G1_ME: Shape = Shape {
+    index: 7,
+    id: 21,
+    compute_slices: 1,
+    memory_slices: 1,
+    instance_count: 1,
+    starts: &[0, 1, 2, 3],
+};
+/// A30 `2_SLICE_REV1` (`+me`), ID 6, `{0,2}:2`, 1 instance.
+const A30_G2_ME: Shape = Shape {
+    index: 8,
+    id: 6,
+    compute_slices: 2,
+    memory_slices: 2,
+    instance_count: 1,
+    starts: &[0, 2],
+};
+
+/// An 8-slice table (§2): 8 memory slices, at most 7 MIG devices.
+const fn eight_slice(profiles: &'static [GiProfile]) -> MigTable {
+    MigTable {
+        memory_slices: 8,
+        max_mig_devices: 7,
+        profiles,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-model numbers (§5). Engines are [SM, CE, DEC, ENC, JPEG, OFA]; memory in MiB, with
+// GiB as printed converted at 1024 MiB per GiB.
+
+/// §5 A100-40GB table (MiB given there).
+static A100_40GB: MigTable = eight_slice(&[
+    profile(G1, "1g.5gb", [14, 1, 0, 0, 0, 0], 4864),
+    profile(G2, "2g.10gb", [28, 2, 1, 0, 0, 0], 9856),
+    profile(G3, "3g.20gb", [42, 3, 2, 0, 0, 0], 19968),
+    profile(G4, "4g.20gb", [56, 4, 2, 0, 0, 0], 19968),
+    profile(G7, "7g.40gb", [98, 7, 5, 0, 1, 1], 40192),
+    profile(G1_ME, "1g.5gb+me", [14, 1, 1, 0, 1, 1], 4864),
+    profile(G1_DOUBLE, "1g.10gb", [14, 1, 1, 0, 0, 0], 9856),
+]);
+
+/// §5 A100-80GB table: SMs as the 40GB part; 1g 9.50–9.75 GiB (9.50 used), 7g 78.5–79.0
+/// (79.0 used); 2g/3g/4g decoders 1/2/2 (some drivers report 2/3/4).
+static A100_80GB: MigTable = eight_slice(&[
+    profile(G1, "1g.10gb", [14, 1, 0, 0, 0, 0], 9728),
+    profile(G2, "2g.20gb", [28, 2, 1, 0, 0, 0], 19968),
+    profile(G3, "3g.40gb", [42, 3, 2, 0, 0, 0], 40192),
+    profile(G4, "4g.40gb", [56, 4, 2, 0, 0, 0], 40192),
+    profile(G7, "7g.80gb", [98, 7, 5, 0, 1, 1], 80896),
+    profile(G1_ME, "1g.10gb+me", [14, 1, 1, 0, 1, 1], 9728),
+    profile(G1_DOUBLE, "1g.20gb", [14, 1, 1, 0, 0, 0], 19968),
+]);
+
+/// §5 A30 table: 1g 5.81 GiB (5952 MiB prints so), 2g 11.69 (11968), 4g 23.44–23.50
+/// (24000 MiB, 23.44); 1g decoders 1 as on hardware (the documentation says 0).
+static A30_24GB: MigTable = MigTable {
+    memory_slices: 4,
+    max_mig_devices: 4,
+    profiles: &[
+        profile(A30_G1, "1g.6gb", [14, 1, 1, 0, 0, 0], 5952),
+        profile(A30_G2, "2g.12gb", [28, 2, 2, 0, 0, 0], 11968),
+        profile(A30_G4, "4g.24gb", [56, 4, 4, 0, 1, 1], 24000),
+        profile(A30_G1_ME, "1g.6gb+me", [14, 1, 1, 0, 1, 1], 5952),
+        profile(A30_G2_ME, "2g.12gb+me", [28, 2, 2, 0, 1, 1], 11968),
+    ],
+};
+
+/// Hopper engines (§5 H100 SXM table; "other Hopper parts follow the H100 SXM pattern").
+const H_1G: [u32; 6] = [16, 1, 1, 0, 1, 0];
+const H_1G_ME: [u32; 6] = [16, 1, 1, 0, 1, 1];
+const H_1G_DOUBLE: [u32; 6] = [26, 1, 1, 0, 1, 0];
+const H_2G: [u32; 6] = [32, 2, 2, 0, 2, 0];
+const H_3G: [u32; 6] = [60, 3, 3, 0, 3, 0];
+const H_4G: [u32; 6] = [64, 4, 4, 0, 4, 0];
+const H_7G: [u32; 6] = [132, 8, 7, 0, 7, 1];
+
+/// A Hopper table: names and MiB for 1g, 1g double memory, 2g, 3g, 4g, 7g; the `+me`
+/// profile has the 1g's memory.
+macro_rules! hopper {
+    ([$n1:literal, $n1d:literal, $n2:literal, $n3:literal, $n4:literal, $n7:literal], [$m1:literal, $m1d:literal, $m2:literal, $m3:literal, $m4:literal, $m7:literal]) => {
+        eight_slice(&[
+            profile(G1, $n1, H_1G, $m1),
+            profile(G2, $n2, H_2G, $m2),
+            profile(G3, $n3, H_3G, $m3),
+            profile(G4, $n4, H_4G, $m4),
+            profile(G7, $n7, H_7G, $m7),
+            profile(G1_ME, concat!($n1, "+me"), H_1G_ME, $m1),
+            profile(G1_DOUBLE, $n1d, H_1G_DOUBLE, $m1d),
+        ])
+    };
+}
+
+/// §5 H100 80GB SXM table (MiB given there; placements checked on hardware).
+static H100_80GB: MigTable = hopper!(
+    ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
+    [9984, 20096, 20096, 40448, 40448, 81152]
+);
+
+/// §5 H100 NVL: 10.75, 21.5, 21.5, 46.1–46.4 (46.125 used), same, 92.6–93.1 (92.75 used).
+static H100_NVL_94GB: MigTable = hopper!(
+    ["1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
+    [11008, 22016, 22016, 47232, 47232, 94976]
+);
+
+/// §5 H100 96GB / GH200 96GB: 11.0, 23.0, 23.0, 46.5, 46.5, 93.0 GiB.
+static H100_96GB: MigTable = hopper!(
+    ["1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"],
+    [11264, 23552, 23552, 47616, 47616, 95232]
+);
+
+/// §5 H200: 16.0, 32.25, 32.25, 69.5, 69.5, "about 138" GiB for 7g (139.0 used: an H100's
+/// 7g holds 99.5% of the GPU's memory, which is 139.7 GiB here).
+static H200_141GB: MigTable = hopper!(
+    ["1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
+    [16384, 33024, 33024, 71168, 71168, 142336]
+);
+
+/// §5 GH200 144GB: 17.5, 35.25, 35.25 GiB. 3g/4g/7g memory is not in the reference:
+/// estimated as 2× and 4× the 2g's.
+static GH200_144GB: MigTable = hopper!(
+    ["1g.18gb", "1g.36gb", "2g.36gb", "3g.72gb", "4g.72gb", "7g.144gb"],
+    [17920, 36096, 36096, 72192, 72192, 144384]
+);
+
+/// §5 Blackwell B200 table. 1g 20.5–22.0 GiB (22.0 used), 1g double and 2g 44.25; 2g CE 4
+/// (documentation: 3). Copy engines of 3g/4g/7g are the documented 6/8/16; JPEG per slice
+/// (§12); decoders per slice as on Hopper. Not in the reference (§5 "?"), estimated: 3g/4g/7g
+/// SMs (72, 72, 144) and memory (2×, 2×, 4× the 2g's).
+static B200: MigTable = eight_slice(&[
+    profile(G1, "1g.23gb", [18, 2, 1, 0, 1, 0], 22528),
+    profile(G2, "2g.45gb", [36, 4, 2, 0, 2, 0], 45312),
+    profile(G3, "3g.90gb", [72, 6, 3, 0, 3, 0], 90624),
+    profile(G4, "4g.90gb", [72, 8, 4, 0, 4, 0], 90624),
+    profile(G7, "7g.180gb", [144, 16, 7, 0, 7, 1], 181248),
+    profile(G1_ME, "1g.23gb+me", [18, 2, 1, 0, 1, 1], 22528),
+    profile(G1_DOUBLE, "1g.45gb", [30, 2, 1, 0, 1, 0], 45312),
+]);
+
+// ---------------------------------------------------------------------------------------
+// Models. PCI IDs and whole-GPU SM counts are from §5 where it gives them; product names,
+// total memory and compute capabilities are what NVML reports on these parts.
+
+/// One model: key, product name, PCI device ID, architecture, compute capability, memory
+/// MiB, SMs, MIG table.
+macro_rules! model {
+    ($key:literal, $name:literal, $pci:literal, $arch:expr, $cc:expr, $mib:literal, $sms:literal, $mig:expr $(,)?) => {
+        FakeModel {
+            key: $key,
+            product_name: $name,
+            pci_device_id: $pci,
+            architecture: $arch,
+            cuda_compute_capability: $cc,
+            memory_mib: $mib,
+            multiprocessors: $sms,
+            mig: $mig,
+        }
+    };
+}
+
+static MODELS: &[FakeModel] = &[
+    model!(
+        "A100-SXM4-40GB",
+        "NVIDIA A100-SXM4-40GB",
+        0x20B0,
+        ARCH_AMPERE,
+        (8, 0),
+        40960,
+        108,
+        Some(&A100_40GB),
+    ),
+    model!(
+        "A100-80GB",
+        "NVIDIA A100-SXM4-80GB",
+        0x20B2,
+        ARCH_AMPERE,
+        (8, 0),
+        81920,
+        108,
+        Some(&A100_80GB),
+    ),
+    model!(
+        "A30-24GB",
+        "NVIDIA A30",
+        0x20B7,
+        ARCH_AMPERE,
+        (8, 0),
+        24576,
+        56,
+        Some(&A30_24GB),
+    ),
+    model!(
+        "H100-80GB",
+        "NVIDIA H100 80GB HBM3",
+        0x2330,
+        ARCH_HOPPER,
+        (9, 0),
+        81559,
+        132,
+        Some(&H100_80GB),
+    ),
+    model!(
+        "H100-NVL-94GB",
+        "NVIDIA H100 NVL",
+        0x2321,
+        ARCH_HOPPER,
+        (9, 0),
+        95830,
+        132,
+        Some(&H100_NVL_94GB),
+    ),
+    model!(
+        "H100-96GB",
+        "NVIDIA GH200 96GB HBM3",
+        0x233D,
+        ARCH_HOPPER,
+        (9, 0),
+        97871,
+        132,
+        Some(&H100_96GB),
+    ),
+    model!(
+        "H200-141GB",
+        "NVIDIA H200",
+        0x2335,
+        ARCH_HOPPER,
+        (9, 0),
+        143771,
+        132,
+        Some(&H200_141GB),
+    ),
+    model!(
+        "GH200-144GB",
+        "NVIDIA GH200 144G HBM3e",
+        0x2348,
+        ARCH_HOPPER,
+        (9, 0),
+        146944,
+        132,
+        Some(&GH200_144GB),
+    ),
+    model!(
+        "B200",
+        "NVIDIA B200",
+        0x2901,
+        ARCH_BLACKWELL,
+        (10, 0),
+        183359,
+        148,
+        Some(&B200),
+    ),
+    // GPUs without MIG, for the "not MIG-capable" paths.
+    model!("L4", "NVIDIA L4", 0x27B8, ARCH_ADA, (8, 9), 23034, 58, None),
+    model!("A10", "NVIDIA A10", 0x2236, ARCH_AMPERE, (8, 6), 23028, 72, None),
+    model!("T4", "Tesla T4", 0x1EB8, ARCH_TURING, (7, 5), 15360, 40, None),
+];
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn catalog_and_plain_models_resolve() {
+    fn models_resolve_by_key_and_tables_are_consistent() {
         let h100 = FakeModel::lookup("h100-80gb").unwrap();
-        assert_eq!(h100.architecture, 9);
-        assert!(h100.mig.is_some());
-        let l4 = FakeModel::lookup("L4").unwrap();
-        assert!(l4.mig.is_none());
+        assert_eq!(h100.architecture, ARCH_HOPPER);
+        assert!(h100.mig_mode_switchable());
+        assert!(FakeModel::lookup("L4").unwrap().mig.is_none());
         assert!(FakeModel::lookup("RTX-9999").is_none());
-        assert!(FakeModel::keys().contains(&"A30-24GB"));
+        for model in FakeModel::all() {
+            let Some(table) = model.mig else { continue };
+            for p in table.profiles {
+                for s in p.starts {
+                    // §2: placements are aligned to their size and inside the GPU.
+                    assert_eq!(s % p.memory_slices, 0, "{} {}@{s}", model.key, p.name);
+                    assert!(
+                        s + p.memory_slices <= table.memory_slices,
+                        "{} {}@{s}",
+                        model.key,
+                        p.name
+                    );
+                }
+                assert!(
+                    p.instance_count as usize <= p.starts.len(),
+                    "{} {}",
+                    model.key,
+                    p.name
+                );
+                assert!(
+                    p.name.starts_with(&format!("{}g.", p.compute_slices)),
+                    "{}",
+                    p.name
+                );
+            }
+        }
     }
 }

@@ -1,40 +1,85 @@
-//! The MIG rules the fake enforces, on the in-memory state (mig-nvml.md §11). Placement
-//! checks delegate to `MigGeometry::check_add`, so the fake and migdra's pure model agree
-//! exactly; everything here answers NVML return codes.
-
-use migdra_api::{
-    geometry::{Architecture, MigGeometry, MigProfile, Placement, PlacementError},
-    nvml_constants::{
-        CI_PROFILE_1_SLICE_REV1, CI_PROFILE_COUNT, GI_PROFILE_COUNT, compute_instance_slices,
-        valid_compute_instance_sizes,
-    },
-    profile::ProfileVariant,
-};
+//! The MIG rules the fake enforces, on the in-memory state. They are written here from
+//! NVML's documented behaviour (`shared/reference/mig-nvml.md` §11 with the §12
+//! corrections) and share no code with migdra-api; every answer is an NVML return code.
+//!
+//! GPU instances (§12 "NVML's placement rule"): a GPU instance can be created only at one
+//! of its profile's placements, its memory slices must not overlap any existing GPU
+//! instance's, and a profile has at most `instanceCount` instances. SM and engine counts
+//! are not budgets NVML checks.
 
 use crate::{
     code,
-    model::FakeModel,
+    model::{FakeModel, GiProfile, MigTable},
     state::{ComputeInstanceState, GpuInstanceState, GpuState},
 };
 
-/// Most compute instances one GPU instance can hold (CI IDs 0–7).
+/// `NVML_GPU_INSTANCE_PROFILE_COUNT` (nvml.h v13, §3): profile indexes at or above it are
+/// INVALID_ARGUMENT.
+pub const GI_PROFILE_COUNT: u32 = 18;
+/// `NVML_COMPUTE_INSTANCE_PROFILE_COUNT` (nvml.h v13, §3).
+pub const CI_PROFILE_COUNT: u32 = 9;
+/// `NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1`: accepted for 1-slice GPU instances only
+/// (GH200 creates the full CI of a double-memory 1g with it; §3, §11 rule 7).
+pub const CI_PROFILE_1_SLICE_REV1: u32 = 7;
+/// `NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE_NVL` (index 8): NOT_SUPPORTED on every simulated
+/// GPU (A100 answers so; §3).
+pub const CI_PROFILE_7_SLICE_NVL: u32 = 8;
+/// `NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED`, the only engine profile (§3).
+pub const CI_ENGINE_PROFILE_SHARED: u32 = 0;
+/// Most compute instances one GPU instance can hold (CI IDs 0–7, §2).
 pub const MAX_COMPUTE_INSTANCES: u32 = 8;
-/// `NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE_NVL` (index 8): not supported by any simulated GPU.
-const CI_PROFILE_7_SLICE_NVL: u32 = 8;
 
-/// NVML's answer to a rejected GPU-instance placement.
-pub fn placement_error_code(err: &PlacementError) -> u32 {
-    match err {
-        PlacementError::UnknownProfile(_) | PlacementError::InvalidStart { .. } => code::INVALID_ARGUMENT,
-        PlacementError::Overlap { .. }
-        | PlacementError::InstanceLimit { .. }
-        | PlacementError::Budget { .. } => code::INSUFFICIENT_RESOURCES,
+/// Compute slices of CI profile index `index` (§3 CI index table: `1_SLICE` 0 … `6_SLICE` 6,
+/// `1_SLICE_REV1` 7).
+fn ci_index_slices(index: u32) -> Option<u32> {
+    match index {
+        0 | CI_PROFILE_1_SLICE_REV1 => Some(1),
+        1 => Some(2),
+        2 => Some(3),
+        3 => Some(4),
+        4 => Some(7),
+        5 => Some(8),
+        6 => Some(6),
+        _ => None,
     }
 }
 
-/// The default auto-placement order of `nvmlDeviceCreateGpuInstance` (as observed on A100),
-/// restricted to the profile's valid starts; starts the table does not mention come last.
-pub fn default_auto_placement(profile: &MigProfile) -> Vec<u32> {
+/// The CI profile index of the full compute instance of a GPU instance with
+/// `compute_slices` slices (the plain index, not `1_SLICE_REV1`).
+pub fn full_compute_instance_profile(compute_slices: u32) -> Option<u32> {
+    (0..CI_PROFILE_1_SLICE_REV1).find(|i| ci_index_slices(*i) == Some(compute_slices))
+}
+
+/// go-nvlib's rule for the CI sizes a G-slice GPU instance offers (§4): C ≤ G, and not
+/// (C < G and 2C > G + 1); it reproduces the published "maximum CIs per GI" tables.
+fn valid_compute_instance_size(gi_slices: u32, ci_slices: u32) -> bool {
+    ci_slices == gi_slices || (ci_slices < gi_slices && 2 * ci_slices <= gi_slices + 1)
+}
+
+/// The GPU-instance ID of a placement (§7, §11 rule 5): a binary-heap index over the
+/// physical memory-slice range (full 0, halves 1–2, quarters 3–6, eighths 7–14). Boards
+/// that number the halves swapped (`swap_halves`) have physical start = logical start XOR
+/// half the GPU. The reference marks the model unverified; it is the only rule it gives.
+pub fn gpu_instance_id(start: u32, size: u32, total_slices: u32, swap_halves: bool) -> u32 {
+    let physical_start = if swap_halves && total_slices >= 2 {
+        start ^ (total_slices / 2)
+    } else {
+        start
+    };
+    let size = size.max(1);
+    let level = (total_slices / size).max(1).ilog2();
+    (1 << level) - 1 + physical_start / size
+}
+
+/// Whether two memory-slice ranges `[start, start + size)` overlap.
+fn overlaps(a_start: u32, a_size: u32, b_start: u32, b_size: u32) -> bool {
+    a_start < b_start + b_size && b_start < a_start + a_size
+}
+
+/// The default auto-placement order of `nvmlDeviceCreateGpuInstance` (§11 rule 4, as
+/// observed on A100), restricted to the profile's valid starts; starts the table does not
+/// mention come last.
+pub fn default_auto_placement(profile: &GiProfile) -> Vec<u32> {
     let preferred: &[u32] = match (profile.compute_slices, profile.memory_slices) {
         (1, 1) => &[6, 4, 5, 0, 1, 2, 3],
         (1, 2) => &[6, 4, 2, 0],
@@ -45,10 +90,10 @@ pub fn default_auto_placement(profile: &MigProfile) -> Vec<u32> {
     let mut order: Vec<u32> = preferred
         .iter()
         .copied()
-        .filter(|s| profile.placements.contains(s))
+        .filter(|s| profile.starts.contains(s))
         .collect();
     let rest: Vec<u32> = profile
-        .placements
+        .starts
         .iter()
         .copied()
         .filter(|s| !order.contains(s))
@@ -58,7 +103,7 @@ pub fn default_auto_placement(profile: &MigProfile) -> Vec<u32> {
 }
 
 /// Compute slices of compute-instance profile `index` inside a GPU instance with
-/// `gi_slices` compute slices (go-nvlib's size rule; index 7 only for 1-slice GPU instances).
+/// `gi_slices` compute slices (§3, §4, §11 rule 7).
 pub fn compute_instance_profile_slices(gi_slices: u32, index: u32) -> Result<u32, u32> {
     if index >= CI_PROFILE_COUNT {
         return Err(code::INVALID_ARGUMENT);
@@ -73,14 +118,15 @@ pub fn compute_instance_profile_slices(gi_slices: u32, index: u32) -> Result<u32
             Err(code::NOT_SUPPORTED)
         };
     }
-    match compute_instance_slices(index) {
-        Some(c) if valid_compute_instance_sizes(gi_slices).contains(&c) => Ok(c),
+    match ci_index_slices(index) {
+        Some(c) if valid_compute_instance_size(gi_slices, c) => Ok(c),
         _ => Err(code::NOT_SUPPORTED),
     }
 }
 
 /// Valid starts of a `ci_slices` compute instance inside a `gi_slices` GPU instance: aligned
-/// to the next power of two (1c everywhere; 2c at 0, 2, 4; 3c at 0 and 4 in a 7g; 4c at 0).
+/// to the next power of two (§11 rule 7: 1c everywhere; 2c at 0, 2, 4; 3c at 0 and 4 in a
+/// 7g, 0 in a 3g; 4c at 0).
 pub fn compute_instance_placements(ci_slices: u32, gi_slices: u32) -> Vec<u32> {
     if ci_slices == 0 {
         return Vec::new();
@@ -101,11 +147,11 @@ pub fn lowest_free_id(used: impl IntoIterator<Item = u32>, limit: u32) -> Option
 /// What a compute-instance profile looks like inside a given GPU instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ComputeProfile {
-    /// Profile ID (= index).
+    /// Profile ID (= index, §3).
     pub id: u32,
     /// Compute slices.
     pub slices: u32,
-    /// How many fit in the GPU instance.
+    /// How many fit in the GPU instance (GI slices ÷ CI slices, §11 rule 7).
     pub instance_count: u32,
     /// Multiprocessors.
     pub multiprocessors: u32,
@@ -117,60 +163,40 @@ impl GpuState {
         FakeModel::lookup(&self.model)
     }
 
-    /// MIG geometry, for MIG-capable GPUs.
-    pub fn geometry(&self) -> Option<MigGeometry> {
+    /// The MIG table, for MIG-capable GPUs.
+    pub fn mig_table(&self) -> Option<&'static MigTable> {
         if !self.mig_capable {
             return None;
         }
-        self.fake_model().and_then(|m| m.mig).map(|m| m.geometry())
-    }
-
-    /// Architecture, for catalog models.
-    pub fn architecture(&self) -> Option<Architecture> {
-        self.fake_model().and_then(|m| m.mig).map(|m| m.architecture)
+        self.fake_model().and_then(|m| m.mig)
     }
 
     /// GPU-instance profile by ID.
-    pub fn gi_profile(&self, profile_id: u32) -> Option<MigProfile> {
-        self.geometry().and_then(|g| g.profile_by_id(profile_id).cloned())
+    pub fn gi_profile(&self, profile_id: u32) -> Option<&'static GiProfile> {
+        self.mig_table().and_then(|t| t.profile_by_id(profile_id))
     }
 
     /// GPU-instance profile by index: NOT_SUPPORTED for a non-MIG GPU or an index the model
-    /// lacks, INVALID_ARGUMENT at or beyond COUNT.
-    pub fn gi_profile_by_index(&self, index: u32) -> Result<MigProfile, u32> {
-        let geometry = self.geometry().ok_or(code::NOT_SUPPORTED)?;
+    /// lacks, INVALID_ARGUMENT at or beyond COUNT (§11 rule 2).
+    pub fn gi_profile_by_index(&self, index: u32) -> Result<&'static GiProfile, u32> {
+        let table = self.mig_table().ok_or(code::NOT_SUPPORTED)?;
         if index >= GI_PROFILE_COUNT {
             return Err(code::INVALID_ARGUMENT);
         }
-        geometry
-            .profiles
-            .into_iter()
-            .find(|p| p.gi_profile_index == index)
-            .ok_or(code::NOT_SUPPORTED)
+        table.profile_by_index(index).ok_or(code::NOT_SUPPORTED)
     }
 
-    /// Fails with NOT_SUPPORTED unless the GPU is MIG-capable with MIG mode on.
-    pub fn require_mig(&self) -> Result<MigGeometry, u32> {
-        match self.geometry() {
-            Some(g) if self.mig_enabled => Ok(g),
+    /// Fails with NOT_SUPPORTED unless the GPU is MIG-capable with MIG mode on (§11 rule 1).
+    pub fn require_mig(&self) -> Result<&'static MigTable, u32> {
+        match self.mig_table() {
+            Some(t) if self.mig_enabled => Ok(t),
             _ => Err(code::NOT_SUPPORTED),
         }
     }
 
-    /// Existing GPU instances as geometry placements.
-    pub fn placements(&self) -> Vec<Placement> {
-        self.gpu_instances
-            .iter()
-            .map(|gi| Placement {
-                profile_id: gi.profile_id,
-                start: gi.start,
-            })
-            .collect()
-    }
-
     /// Memory slices of the GPU.
     pub fn memory_slices(&self) -> u32 {
-        self.geometry().map(|g| g.budget.memory_slices).unwrap_or(0)
+        self.mig_table().map(|t| t.memory_slices).unwrap_or(0)
     }
 
     /// GPU instance by creation serial.
@@ -196,25 +222,36 @@ impl GpuState {
         })
     }
 
-    /// Checks whether `profile_id` can be placed at `start` (NVML's order of checks).
-    pub fn check_gpu_instance(&self, profile_id: u32, start: u32) -> Result<(), u32> {
-        let geometry = self.require_mig()?;
-        let existing = self.placements();
-        let new = Placement { profile_id, start };
-        geometry
-            .check_add(&existing, new)
-            .map_err(|e| placement_error_code(&e))?;
-        // `+me.all` owns every media engine: it only coexists with `-me` profiles.
-        let variant = |id: u32| geometry.profile_by_id(id).map(|p| p.name.variant);
-        let new_variant = variant(profile_id);
-        for placed in &existing {
-            let other = variant(placed.profile_id);
-            let all = Some(ProfileVariant::AllMediaEngines);
-            let none = Some(ProfileVariant::NoMediaEngines);
-            if (new_variant == all && other != none) || (other == all && new_variant != none) {
-                return Err(code::INSUFFICIENT_RESOURCES);
-            }
+    /// Whether `profile` at `start` is free of the existing GPU instances' memory slices and
+    /// under the profile's instance count: INSUFFICIENT_RESOURCES otherwise (§1.3, §12).
+    fn check_resources(&self, profile: &GiProfile, start: u32) -> Result<(), u32> {
+        let overlap = self
+            .gpu_instances
+            .iter()
+            .any(|gi| overlaps(start, profile.memory_slices, gi.start, gi.size));
+        let same_profile = self
+            .gpu_instances
+            .iter()
+            .filter(|gi| gi.profile_id == profile.id)
+            .count();
+        if overlap || same_profile >= profile.instance_count as usize {
+            return Err(code::INSUFFICIENT_RESOURCES);
         }
+        Ok(())
+    }
+
+    /// Checks whether `profile_id` can be placed at `start`, in NVML's order (§11 rule 3 as
+    /// corrected by §12): MIG off NOT_SUPPORTED; unknown profile ID or a start that is not
+    /// one of its placements INVALID_ARGUMENT; memory overlap with any GPU instance
+    /// (including an identical one) or the profile's instance count reached
+    /// INSUFFICIENT_RESOURCES; a client holding the GPU IN_USE.
+    pub fn check_gpu_instance(&self, profile_id: u32, start: u32) -> Result<(), u32> {
+        let table = self.require_mig()?;
+        let profile = table.profile_by_id(profile_id).ok_or(code::INVALID_ARGUMENT)?;
+        if !profile.starts.contains(&start) {
+            return Err(code::INVALID_ARGUMENT);
+        }
+        self.check_resources(profile, start)?;
         if self.client_holds_gpu {
             return Err(code::IN_USE);
         }
@@ -229,11 +266,8 @@ impl GpuState {
         start: Option<u32>,
         serial: u64,
     ) -> Result<u32, u32> {
-        let geometry = self.require_mig()?;
-        let profile = geometry
-            .profile_by_id(profile_id)
-            .ok_or(code::INVALID_ARGUMENT)?
-            .clone();
+        let table = self.require_mig()?;
+        let profile = table.profile_by_id(profile_id).ok_or(code::INVALID_ARGUMENT)?;
         let start = match start {
             Some(start) => {
                 self.check_gpu_instance(profile_id, start)?;
@@ -244,7 +278,7 @@ impl GpuState {
                     .auto_placement
                     .get(&profile_id)
                     .cloned()
-                    .unwrap_or_else(|| default_auto_placement(&profile));
+                    .unwrap_or_else(|| default_auto_placement(profile));
                 let mut last_error = code::INSUFFICIENT_RESOURCES;
                 let mut chosen = None;
                 for start in order {
@@ -265,10 +299,10 @@ impl GpuState {
                 })?
             }
         };
-        let id = migdra_api::geometry::gpu_instance_id(
+        let id = gpu_instance_id(
             start,
             profile.memory_slices,
-            geometry.budget.memory_slices,
+            table.memory_slices,
             self.swap_halves,
         );
         if self.gpu_instance_by_id(id).is_some() {
@@ -288,13 +322,28 @@ impl GpuState {
         Ok(id)
     }
 
-    /// How many more GPU instances of `profile_id` fit.
+    /// How many more GPU instances of `profile_id` fit (§11 rule 6 without the engine budget,
+    /// §12): the smaller of the instance count left and the free placements. Placements of
+    /// one profile never overlap each other, so every free one can be used at once.
     pub fn remaining_gpu_instance_capacity(&self, profile_id: u32) -> Result<u32, u32> {
-        let geometry = self.require_mig()?;
-        if geometry.profile_by_id(profile_id).is_none() {
-            return Err(code::INVALID_ARGUMENT);
-        }
-        Ok(geometry.remaining_capacity(&self.placements(), profile_id))
+        let table = self.require_mig()?;
+        let profile = table.profile_by_id(profile_id).ok_or(code::INVALID_ARGUMENT)?;
+        let existing = self
+            .gpu_instances
+            .iter()
+            .filter(|gi| gi.profile_id == profile_id)
+            .count();
+        let free = profile
+            .starts
+            .iter()
+            .filter(|s| {
+                self.gpu_instances
+                    .iter()
+                    .all(|gi| !overlaps(**s, profile.memory_slices, gi.start, gi.size))
+            })
+            .count();
+        let left = (profile.instance_count as usize).saturating_sub(existing);
+        Ok(u32::try_from(free.min(left)).unwrap_or(u32::MAX))
     }
 
     /// Destroys the GPU instance with `serial`: INVALID_ARGUMENT when it no longer exists
@@ -452,7 +501,7 @@ impl GpuState {
 
     /// Handles `nvmlDeviceSetMigMode`: returns (return code, activation status).
     pub fn set_mig_mode(&mut self, enable: bool) -> (u32, u32) {
-        let Some(arch) = self.architecture().filter(|_| self.mig_capable) else {
+        let Some(model) = self.fake_model().filter(|m| m.mig.is_some() && self.mig_capable) else {
             return (code::NOT_SUPPORTED, code::NOT_SUPPORTED);
         };
         if enable == self.mig_enabled {
@@ -460,7 +509,7 @@ impl GpuState {
             return (code::SUCCESS, code::SUCCESS);
         }
         let busy = self.client_holds_gpu || !self.gpu_instances.is_empty();
-        if arch.mig_mode_switchable() {
+        if model.mig_mode_switchable() {
             if busy {
                 return (code::IN_USE, code::IN_USE);
             }
@@ -507,8 +556,8 @@ mod tests {
     fn profile_index_lookups_follow_nvml() {
         let h100 = gpu("H100-80GB", false);
         // Works with MIG off; the index gives the real ID.
-        assert_eq!(h100.gi_profile_by_index(0).unwrap().gi_profile_id, 19);
-        assert_eq!(h100.gi_profile_by_index(9).unwrap().gi_profile_id, 15);
+        assert_eq!(h100.gi_profile_by_index(0).unwrap().id, 19);
+        assert_eq!(h100.gi_profile_by_index(9).unwrap().id, 15);
         assert_eq!(h100.gi_profile_by_index(5), Err(code::NOT_SUPPORTED));
         assert_eq!(
             h100.gi_profile_by_index(GI_PROFILE_COUNT),
@@ -518,7 +567,7 @@ mod tests {
     }
 
     #[test]
-    fn gpu_instance_rules_match_the_geometry() {
+    fn gpu_instance_rules_follow_nvml() {
         let mut g = gpu("A100-SXM4-40GB", true);
         assert_eq!(g.create_gpu_instance(9, Some(4), 1), Ok(2));
         // Overlap with an identical instance: no "already exists" code.
@@ -539,6 +588,41 @@ mod tests {
         g.mig_enabled = false;
         assert_eq!(g.create_gpu_instance(19, Some(1), 5), Err(code::NOT_SUPPORTED));
         assert_eq!(g.remaining_gpu_instance_capacity(19), Err(code::NOT_SUPPORTED));
+    }
+
+    #[test]
+    fn only_overlap_and_instance_count_limit_gpu_instances() {
+        // §12: SM and engine counts are not budgets. A30's two `+me` profiles each have
+        // instanceCount 1; on disjoint slices they coexist.
+        let mut a30 = gpu("A30-24GB", true);
+        assert_eq!(a30.create_gpu_instance(21, Some(0), 1), Ok(3));
+        assert_eq!(a30.create_gpu_instance(6, Some(2), 2), Ok(2));
+        assert_eq!(
+            a30.create_gpu_instance(21, Some(1), 3),
+            Err(code::INSUFFICIENT_RESOURCES)
+        );
+        assert_eq!(a30.remaining_gpu_instance_capacity(14), Ok(1));
+        assert_eq!(a30.remaining_gpu_instance_capacity(21), Ok(0));
+        // A size that is not the profile's is not one of its placements.
+        let mut h100 = gpu("H100-80GB", true);
+        assert_eq!(
+            h100.create_gpu_instance(5, Some(4), 1),
+            Err(code::INVALID_ARGUMENT)
+        );
+        assert_eq!(h100.create_gpu_instance(5, Some(0), 1), Ok(1));
+        assert_eq!(h100.create_gpu_instance(9, Some(4), 2), Ok(2));
+        assert_eq!(h100.remaining_gpu_instance_capacity(19), Ok(0));
+    }
+
+    #[test]
+    fn full_compute_instance_profiles_use_the_plain_indexes() {
+        assert_eq!(full_compute_instance_profile(1), Some(0));
+        assert_eq!(full_compute_instance_profile(3), Some(2));
+        assert_eq!(full_compute_instance_profile(4), Some(3));
+        assert_eq!(full_compute_instance_profile(7), Some(4));
+        assert_eq!(full_compute_instance_profile(5), None);
+        assert_eq!(gpu_instance_id(3, 1, 4, false), 6);
+        assert_eq!(gpu_instance_id(2, 2, 4, false), 2);
     }
 
     #[test]

@@ -229,7 +229,7 @@ impl FakeState {
             .gpu_instance_by_serial(gi_serial)
             .and_then(|gi| g.gi_profile(gi.profile_id))
             .map(|p| p.compute_slices);
-        let ci_profile = slices.and_then(migdra_api::nvml_constants::full_compute_instance_profile);
+        let ci_profile = slices.and_then(crate::sim::full_compute_instance_profile);
         let ci = ci_profile
             .ok_or(crate::code::NOT_SUPPORTED)
             .and_then(|p| g.create_compute_instance(gi_serial, p, ci_serial, new_mig_uuid()));
@@ -259,8 +259,7 @@ impl FakeState {
         for g in &mut self.gpus {
             let switchable = g
                 .fake_model()
-                .and_then(|m| m.mig)
-                .is_some_and(|m| m.architecture.mig_mode_switchable());
+                .is_some_and(|m| m.mig.is_some() && m.mig_mode_switchable());
             if switchable {
                 g.mig_pending = false;
             }

@@ -42,13 +42,13 @@ use crate::{
     checkpoint::{CheckpointError, ClaimRecord, LoadOutcome},
     claims::{ClaimError, ClaimSource},
     gpus::{GpuLocks, Gpus},
-    grpc::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome},
     journal::Journal,
     metrics::Metrics,
     nvml::{BackendError, GpuBackend},
     plan::{PlanError, Rejection},
     state_dir::{NodeLock, NodeLockError},
 };
+use migdra_kubeletplugin::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome};
 
 /// A point between two steps of prepare or unprepare. Tests stop the driver at each one to
 /// prove that a crash there is repaired.
@@ -167,7 +167,7 @@ impl ClaimFailure {
 }
 
 /// Per-claim outcome of [`Driver::prepare_claims`].
-pub type PrepareResult = Result<Vec<crate::grpc::PreparedDevice>, ClaimFailure>;
+pub type PrepareResult = Result<Vec<migdra_kubeletplugin::PreparedDevice>, ClaimFailure>;
 /// Per-claim outcome of [`Driver::unprepare_claims`].
 pub type UnprepareResult = Result<(), ClaimFailure>;
 

@@ -11,15 +11,15 @@ use crate::{
     checkpoint::{ClaimRecord, ClaimState, DeviceKind, DeviceRecord},
     claims::{self, AllocatedDevice, ClaimError, ClaimSource},
     gpus::GpuLocks,
-    grpc::{ClaimRef, PreparedDevice},
     nvml::{GpuBackend, MigModeChange},
     plan::{self, Rejection},
     state_dir::NodeLock,
 };
+use migdra_kubeletplugin::{ClaimRef, PreparedDevice};
 
 impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// Prepares claims: one outcome per claim UID, with the typed failure. (The kubelet's
-    /// [`crate::grpc::DraDriver::prepare`] is this, with the failures as messages.)
+    /// [`migdra_kubeletplugin::DraDriver::prepare`] is this, with the failures as messages.)
     pub async fn prepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, PrepareResult> {
         let started = Instant::now();
         let mut outcomes = HashMap::with_capacity(claims.len());

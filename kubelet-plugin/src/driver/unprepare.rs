@@ -8,14 +8,14 @@ use crate::{
     checkpoint::{ClaimRecord, ClaimState, DeviceKind},
     claims::ClaimSource,
     gpus::GpuLocks,
-    grpc::ClaimRef,
     nvml::{GpuBackend, NvmlErrorKind},
     state_dir::NodeLock,
 };
+use migdra_kubeletplugin::ClaimRef;
 
 impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// Unprepares claims: one outcome per claim UID, with the typed failure. (The kubelet's
-    /// [`crate::grpc::DraDriver::unprepare`] is this, with the failures as messages.)
+    /// [`migdra_kubeletplugin::DraDriver::unprepare`] is this, with the failures as messages.)
     pub async fn unprepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareResult> {
         let started = Instant::now();
         let items = claims.into_iter().map(|c| (c, ())).collect();

@@ -10,10 +10,10 @@ use kube::client::Body;
 use migdra_kubelet_plugin::{
     claims::KubeClaims,
     driver::{Driver, DriverConfig},
-    grpc::DraDriver,
     metrics::Metrics,
     nvml::NvmlBackend,
 };
+use migdra_kubeletplugin::DraDriver;
 use serde_json::json;
 use tower_test::mock;
 

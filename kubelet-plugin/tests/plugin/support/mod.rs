@@ -15,10 +15,10 @@ use migdra_kubelet_plugin::{
     cdi::CdiWriter,
     claims::ClaimSource,
     driver::{Driver, DriverConfig, PrepareResult, RecoveryReport, StepHook, UnprepareResult},
-    grpc::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome},
     metrics::Metrics,
     nvml::NvmlBackend,
 };
+use migdra_kubeletplugin::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome};
 
 /// The driver the tests run: production code over the fake NVML library.
 pub type TestDriver = Driver<NvmlBackend, StaticClaims>;

@@ -1,0 +1,690 @@
+//! The reconciler against a scripted API server: the exact calls it makes for a new pool, a
+//! no-op resync, an inventory change, a kubelet wipe, a dead plugin, a deleted node, a write
+//! conflict, an invalid policy and an API server that drops fields.
+
+use std::sync::Arc;
+
+use crate::support::*;
+use http::StatusCode;
+use k8s_openapi::{api::resource::v1::ResourceSlice, jiff::Timestamp};
+use kube::runtime::controller::Action;
+use migdra_api::{
+    inventory::{GpuInventory, GpuNode},
+    policy::{EffectivePolicy, MigPolicy, MigPolicySpec},
+    slices::plan_pool,
+};
+use migdra_controller::{Error, reconcile::error_policy};
+
+fn name(i: usize) -> String {
+    format!("{NODE}-{DRIVER}-{i:03}")
+}
+
+/// Slice count and device count of the default-policy pool of `gpus`.
+fn expected_pool(gpus: &[GpuInventory]) -> (usize, usize) {
+    let plan = plan_pool(gpus, &EffectivePolicy::default());
+    (plan.slice_count(), plan.devices.len())
+}
+
+/// A check that a written slice belongs to the pool at `generation` with `count` slices.
+fn pool_slice(generation: i64, count: usize) -> impl Fn(&ResourceSlice) + Send + 'static {
+    move |s: &ResourceSlice| {
+        assert_eq!(s.spec.driver, DRIVER);
+        assert_eq!(s.spec.node_name.as_deref(), Some(NODE));
+        assert_eq!(s.spec.pool.name, POOL);
+        assert_eq!(s.spec.pool.generation, generation);
+        assert_eq!(s.spec.pool.resource_slice_count, count as i64);
+        let owner = &s.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.uid.as_str()),
+            ("Node", NODE, NODE_UID)
+        );
+        assert_eq!(owner.controller, Some(true));
+        assert_eq!(s.metadata.labels.as_ref().unwrap()["gpu.migdra.dev/node"], NODE);
+    }
+}
+
+/// Publishes the pool of `gpus` from scratch; returns what the server stored and the
+/// GpuNode with the controller's status, as the watches would deliver them.
+async fn publish_fresh(h: &mut Harness, gpus: Vec<GpuInventory>) -> (Vec<ResourceSlice>, GpuNode) {
+    let g = gpunode(Some(live_plugin()), gpus.clone());
+    let (count, devices) = expected_pool(&gpus);
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| create_slice(&name(i), pool_slice(1, count))))
+        .then(patch_status(move |body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            let p = &body["status"]["publication"];
+            assert_eq!(p["pool"], POOL);
+            assert_eq!(p["generation"], 1);
+            assert_eq!(p["slices"], count);
+            assert_eq!(p["devices"], devices);
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    let action = result.unwrap();
+    let requeue = requeue_secs(&action).expect("a live node is requeued at its heartbeat expiry");
+    assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
+    assert_eq!(served.written.len(), count);
+    let g = with_status_patch(g, &served.status_patches[0]);
+    (served.written, g)
+}
+
+#[tokio::test]
+async fn create_writes_every_slice_of_one_generation_then_the_status() {
+    let mut h = Harness::new();
+    let gpus = h100s(2);
+    let (count, devices) = expected_pool(&gpus);
+    assert!(
+        count >= 2,
+        "a counter slice and at least one device slice: {count}"
+    );
+    let (stored, g) = publish_fresh(&mut h, gpus).await;
+    // Counter slices first, then devices in order; every device is published exactly once.
+    assert!(stored[0].spec.shared_counters.is_some());
+    let published: usize = stored
+        .iter()
+        .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(published, devices);
+    let p = g.status.unwrap().publication.unwrap();
+    assert_eq!((p.gpus, p.policy), (2, None));
+    let metrics = h.ctx.metrics.encode();
+    assert!(metrics.contains(&format!(
+        "migdra_controller_slice_writes_total{{operation=\"create\"}} {count}"
+    )));
+    assert!(metrics.contains(&format!(
+        "migdra_controller_published_devices{{node=\"{NODE}\"}} {devices}"
+    )));
+    assert!(metrics.contains("migdra_controller_reconciles_total{result=\"success\"} 1"));
+}
+
+#[tokio::test]
+async fn resync_of_a_published_pool_writes_nothing() {
+    let mut h = Harness::new();
+    // 80 GiB whole-GPU memory: published as 81920Mi, stored by the server as 80Gi.
+    let mut gpus = h100s(2);
+    gpus[0].memory_mib = 81920;
+    let (stored, g) = publish_fresh(&mut h, gpus).await;
+    assert!(
+        serde_json::to_string(&stored).unwrap().contains("\"80Gi\""),
+        "the fake server canonicalised a quantity"
+    );
+    // The cache has not caught up yet: the reconciler waits instead of rewriting.
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    let wait = requeue_secs(&result.unwrap()).unwrap();
+    assert!(wait <= 15, "waits for the cache, {wait}s");
+    // The cache shows exactly what was published (as the server normalised it): no writes.
+    h.store_slices(&stored);
+    for _ in 0..2 {
+        let (result, _) = h.reconcile(&g, Scenario::new()).await;
+        assert!(requeue_secs(&result.unwrap()).is_some());
+    }
+    assert!(!h.ctx.metrics.encode().contains("operation=\"update\""));
+}
+
+#[tokio::test]
+async fn inventory_change_bumps_the_generation_rewrites_all_and_deletes_the_surplus() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(4)).await;
+    h.store_slices(&stored);
+    let before = stored.len();
+    // One GPU left: fewer slices.
+    let mut g = g;
+    g.status.as_mut().unwrap().gpus = Some(h100s(1));
+    let (count, devices) = expected_pool(&h100s(1));
+    assert!(count < before);
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| {
+            let rv = stored[i].metadata.resource_version.clone().unwrap();
+            replace_slice(&name(i), Some(&rv), pool_slice(2, count))
+        }))
+        .then_all((count..before).map(|i| delete_slice(&name(i))))
+        .then(patch_status(move |body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            assert_eq!(body["status"]["publication"]["generation"], 2);
+            assert_eq!(body["status"]["publication"]["slices"], count);
+            assert_eq!(body["status"]["publication"]["devices"], devices);
+            assert_eq!(body["status"]["publication"]["gpus"], 1);
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    assert_eq!(served.deleted, (count..before).map(name).collect::<Vec<_>>());
+    assert!(served.written.iter().all(|s| s.spec.pool.generation == 2));
+}
+
+/// The GpuNode after the plugin's next heartbeat.
+fn heartbeat(mut g: GpuNode) -> GpuNode {
+    let plugin = g.status.as_mut().unwrap().plugin.as_mut().unwrap();
+    plugin.heartbeat_time = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now());
+    g
+}
+
+/// The reconcile after a wipe the plugin has not answered: nothing to delete, the pool is
+/// reported withdrawn, and the node waits for the next heartbeat.
+async fn withdrawn_after_wipe(h: &mut Harness, g: &GpuNode) -> GpuNode {
+    let scenario = Scenario::new().then(patch_status(|body| {
+        assert_eq!(condition(body), ("False", "PluginNotReady"));
+        let text = body["status"]["conditions"][0]["message"].as_str().unwrap();
+        assert!(text.contains("deleted by someone else"), "{text}");
+        assert_eq!(body["status"]["publication"]["devices"], 0);
+    }));
+    let (result, served) = h.reconcile(g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert!(served.written.is_empty(), "a wiped pool is not republished");
+    with_status_patch(g.clone(), &served.status_patches[0])
+}
+
+#[tokio::test]
+async fn a_kubelet_wipe_withdraws_the_pool_until_the_plugin_heartbeats_again() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok(), "in sync");
+    // The kubelet deletes the node's slices (its plugin has been gone for 30 s). The last
+    // heartbeat is still fresh, but older than the wipe: the pool stays withdrawn.
+    h.wipe_slices(&stored);
+    let count = stored.len();
+    assert!(
+        h.ctx
+            .metrics
+            .encode()
+            .contains(&format!("migdra_controller_slice_wipes_total {count}"))
+    );
+    let g = withdrawn_after_wipe(&mut h, &g).await;
+    // Resyncs and unrelated GpuNode changes keep it withdrawn.
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+
+    // The plugin heartbeats after the wipe (it re-registered with a restarted kubelet): the
+    // pool comes back, the generation continuing above the published one.
+    let g = heartbeat(g);
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| create_slice(&name(i), pool_slice(2, count))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            assert_eq!(body["status"]["publication"]["generation"], 2);
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(requeue_secs(&result.unwrap()).is_some());
+    assert_eq!(served.written.len(), count);
+}
+
+#[tokio::test]
+async fn a_wipe_right_after_the_create_is_a_wipe_too() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    // The watch shows the creates and then the wipe before any reconcile looked.
+    h.store_slices(&stored);
+    h.wipe_slices(&stored);
+    let g = withdrawn_after_wipe(&mut h, &g).await;
+    let count = stored.len();
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| create_slice(&name(i), pool_slice(2, count))))
+        .then(patch_status(|_| {}));
+    let (result, _) = h.reconcile(&heartbeat(g), scenario).await;
+    assert!(result.is_ok());
+}
+
+#[tokio::test]
+async fn slices_missing_after_a_relist_count_as_a_wipe() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok(), "in sync");
+    // The watch restarted and relisted: the slices are gone from the cache without any
+    // delete event.
+    h.relist_slices(&[]);
+    withdrawn_after_wipe(&mut h, &g).await;
+}
+
+#[tokio::test]
+async fn the_controllers_own_deletes_are_no_wipe() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(4)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().gpus = Some(h100s(1));
+    let (count, _) = expected_pool(&h100s(1));
+    let before = stored.len();
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| {
+            let rv = stored[i].metadata.resource_version.clone().unwrap();
+            replace_slice(&name(i), Some(&rv), pool_slice(2, count))
+        }))
+        .then_all((count..before).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|_| {}));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    let g = with_status_patch(g, &served.status_patches[0]);
+    // The watch delivers the writes and the controller's own deletes.
+    h.store_slices(&served.written);
+    h.wipe_slices(&stored[count..]);
+    assert!(!h.ctx.metrics.encode().contains("slice_wipes_total 1"));
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(requeue_secs(&result.unwrap()).is_some(), "still published");
+}
+
+/// `count` more GpuNodes of registered plugins whose last heartbeat was `seconds` ago.
+fn other_nodes(h: &mut Harness, count: usize, seconds: i64) {
+    for i in 0..count {
+        let mut other = gpunode(Some(plugin(true, ago(seconds))), h100s(1));
+        let name = format!("node-other-{seconds}-{i}");
+        other.metadata.name = Some(name.clone());
+        other.spec.node_name = name;
+        h.put_gpunode(&other);
+    }
+}
+
+#[tokio::test]
+async fn most_heartbeats_expiring_at_once_withdraw_nothing() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    // node-a and three more nodes miss their heartbeats together, one node is fine: 4 of 5.
+    other_nodes(&mut h, 3, 120);
+    other_nodes(&mut h, 1, 0);
+    let mut stale = g.clone();
+    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
+    let (result, _) = h.reconcile(&stale, Scenario::new()).await;
+    let recheck = requeue_secs(&result.unwrap()).expect("looked at again soon");
+    assert!(recheck <= 10, "{recheck}");
+    let metrics = h.ctx.metrics.encode();
+    assert!(
+        metrics.contains("migdra_controller_heartbeat_withdrawals_held 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("migdra_controller_expired_heartbeats 4"),
+        "{metrics}"
+    );
+
+    // An explicit "not registered" still withdraws.
+    let mut unregistered = g.clone();
+    unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+        }));
+    let (result, _) = h.reconcile(&unregistered, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+}
+
+#[tokio::test]
+async fn a_few_expired_heartbeats_among_many_live_ones_withdraw() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    // node-a and two more are stale, four are fine: 3 of 7 is not a mass expiry.
+    other_nodes(&mut h, 2, 120);
+    other_nodes(&mut h, 4, 0);
+    let mut stale = g.clone();
+    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+        }));
+    let (result, _) = h.reconcile(&stale, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    let metrics = h.ctx.metrics.encode();
+    assert!(
+        metrics.contains("migdra_controller_heartbeat_withdrawals_held 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("migdra_controller_expired_heartbeats 3"),
+        "{metrics}"
+    );
+}
+
+async fn withdrawn_when(plugin: Option<migdra_api::inventory::PluginStatus>, message: &'static str) {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(2)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().plugin = plugin;
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(move |body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+            let text = body["status"]["conditions"][0]["message"].as_str().unwrap();
+            assert!(text.contains(message), "{text}");
+            let p = &body["status"]["publication"];
+            assert_eq!((p["slices"].as_u64(), p["devices"].as_u64()), (Some(0), Some(0)));
+            assert_eq!(p["generation"], 1, "the last generation is kept");
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(served.deleted.len(), stored.len());
+    assert!(h.ctx.metrics.encode().contains(&format!(
+        "migdra_controller_published_devices{{node=\"{NODE}\"}} 0"
+    )));
+
+    // Withdrawn and recorded: nothing more to do.
+    h.wipe_slices(&stored);
+    let g = with_status_patch(g, &served.status_patches[0]);
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok());
+}
+
+#[tokio::test]
+async fn an_unregistered_plugin_withdraws_the_pool() {
+    withdrawn_when(Some(plugin(false, ago(0))), "not registered").await;
+}
+
+#[tokio::test]
+async fn a_stale_heartbeat_withdraws_the_pool() {
+    withdrawn_when(Some(plugin(true, ago(120))), "heartbeat").await;
+}
+
+#[tokio::test]
+async fn a_missing_plugin_status_withdraws_the_pool() {
+    withdrawn_when(None, "has not reported").await;
+}
+
+#[tokio::test]
+async fn a_deleted_node_withdraws_the_pool() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    h.delete_node(NODE);
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "NodeNotFound"));
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(served.deleted.len(), stored.len());
+    assert!(!h.ctx.metrics.encode().contains(&format!("node=\"{NODE}\"")));
+}
+
+#[tokio::test]
+async fn a_conflict_fails_the_reconcile_and_the_retry_succeeds() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(4)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().gpus = Some(h100s(1));
+    let (count, _) = expected_pool(&h100s(1));
+    assert!(count < stored.len());
+    let rv = |i: usize| stored[i].metadata.resource_version.clone().unwrap();
+
+    // The second write loses a race: the reconcile fails, without event or status write.
+    let scenario = Scenario::new()
+        .then(replace_slice(&name(0), Some(&rv(0)), pool_slice(2, count)))
+        .then(answering(
+            replace_slice(&name(1), Some(&rv(1)), pool_slice(2, count)),
+            Answer::Fail(StatusCode::CONFLICT, "Conflict"),
+        ));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    let err = result.unwrap_err();
+    assert!(matches!(err, Error::Conflict { .. }), "{err}");
+    assert_eq!(err.metric_label(), "conflict");
+    let g = Arc::new(g);
+    let first = error_policy(g.clone(), &err, h.ctx.clone());
+    assert_eq!(requeue_secs(&first), Some(1));
+    assert!(
+        h.ctx
+            .metrics
+            .encode()
+            .contains("migdra_controller_reconcile_errors_total{reason=\"conflict\"} 1")
+    );
+
+    // The watch delivers the first write; the retry writes a complete new generation.
+    h.store_slices(&served.written);
+    let before = stored.len();
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| {
+            let rv = if i == 0 {
+                served.written[0].metadata.resource_version.clone().unwrap()
+            } else {
+                rv(i)
+            };
+            replace_slice(&name(i), Some(&rv), pool_slice(3, count))
+        }))
+        .then_all((count..before).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            assert_eq!(body["status"]["publication"]["generation"], 3);
+        }));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+}
+
+#[tokio::test]
+async fn an_invalid_policy_is_reported_and_nothing_is_written() {
+    let mut h = Harness::new();
+    h.add_policy(MigPolicy::new(
+        "broken",
+        MigPolicySpec {
+            profiles: vec!["9x".into()],
+            ..Default::default()
+        },
+    ));
+    let g = gpunode(Some(live_plugin()), h100s(2));
+    let scenario = Scenario::new()
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PolicyInvalid"));
+            let text = body["status"]["conditions"][0]["message"].as_str().unwrap();
+            assert!(text.contains("broken"), "{text}");
+        }))
+        .then(event("PolicyInvalid"));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(
+        requeue_secs(&result.unwrap()).is_some(),
+        "still watching the heartbeat"
+    );
+    assert!(served.written.is_empty());
+    assert!(
+        h.ctx
+            .metrics
+            .encode()
+            .contains("migdra_controller_reconcile_errors_total{reason=\"policy\"} 1")
+    );
+
+    // Already reported: the next reconcile makes no call at all.
+    let g = with_status_patch(g, &served.status_patches[0]);
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok());
+
+    // A valid policy restricting the profiles publishes a smaller pool.
+    h.add_policy(MigPolicy::new(
+        "broken",
+        MigPolicySpec {
+            profiles: vec!["7g".into()],
+            whole_gpus: Some(false),
+            ..Default::default()
+        },
+    ));
+    let scenario = Scenario::new()
+        .then(create_slice(&name(0), pool_slice(1, 2)))
+        .then(create_slice(&name(1), |s| {
+            assert_eq!(s.spec.devices.as_ref().unwrap().len(), 2, "one 7g device per GPU");
+        }))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            assert_eq!(body["status"]["publication"]["policy"], "broken");
+        }));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+}
+
+#[tokio::test]
+async fn dropped_fields_are_an_error_with_event_and_condition() {
+    let mut h = Harness::new();
+    let g = gpunode(Some(live_plugin()), h100s(1));
+    let (count, _) = expected_pool(&h100s(1));
+    // The counter slice is stored without its counters (DRAPartitionableDevices off).
+    let scenario = Scenario::new()
+        .then(answering(
+            create_slice(&name(0), pool_slice(1, count)),
+            Answer::DropField("sharedCounters"),
+        ))
+        .then(event("FieldsDropped"))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "FieldsDropped"));
+        }));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    let err = result.unwrap_err();
+    assert!(matches!(err, Error::FieldsDropped { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn a_gpunode_of_another_driver_gets_none_of_our_slices() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.spec.driver = "gpu.example.com".into();
+    // Our slices go; the foreign GpuNode's status is left alone.
+    let scenario = Scenario::new().then_all((0..stored.len()).map(|i| delete_slice(&name(i))));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+}
+
+/// The device names in the written slices.
+fn device_names(written: &[ResourceSlice]) -> Vec<String> {
+    written
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| d.name.clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_claimed_device_the_policy_stops_offering_stays_tainted_until_released() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    const HELD: &str = "gpu-0-mig-3g40gb-4";
+    assert!(device_names(&stored).contains(&HELD.to_string()));
+    h.claim("training", &[HELD]);
+    h.add_policy(MigPolicy::new(
+        "only-1g",
+        MigPolicySpec {
+            profiles: vec!["1g".into()],
+            whole_gpus: Some(false),
+            ..Default::default()
+        },
+    ));
+    let policy = MigPolicy::new(
+        "only-1g",
+        MigPolicySpec {
+            profiles: vec!["1g".into()],
+            whole_gpus: Some(false),
+            ..Default::default()
+        },
+    )
+    .effective()
+    .unwrap();
+    let plan = plan_pool(&h100s(1), &policy);
+    assert_eq!(
+        plan.slice_count(),
+        stored.len(),
+        "one counter slice, one device slice"
+    );
+    let rv = |i: usize| stored[i].metadata.resource_version.clone().unwrap();
+    // Only the device slice changes: one update, the generation stays.
+    let scenario = Scenario::new()
+        .then(replace_slice(&name(1), Some(&rv(1)), pool_slice(1, 2)))
+        .then(patch_status(move |body| {
+            assert_eq!(condition(body), ("True", "Published"));
+            assert_eq!(body["status"]["publication"]["devices"], plan.devices.len() + 1);
+            assert_eq!(body["status"]["publication"]["generation"], 1);
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    let names = device_names(&served.written);
+    assert!(names.contains(&HELD.to_string()), "{names:?}");
+    assert!(
+        names.iter().all(|n| n == HELD || n.contains("-mig-1g")),
+        "{names:?}"
+    );
+    let held = served
+        .written
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| d.name == HELD)
+        .unwrap();
+    let taints = held.taints.as_ref().unwrap();
+    assert_eq!(taints[0].key, "gpu.migdra.dev/not-offered");
+    assert_eq!(taints[0].effect, "NoSchedule");
+    assert!(
+        held.consumes_counters.is_some(),
+        "the scheduler still counts what it holds"
+    );
+
+    // Released: the device leaves the pool.
+    let g = with_status_patch(g, &served.status_patches[0]);
+    h.store_slices(&served.written);
+    h.claim("training", &[]);
+    let rv = served.written[0].metadata.resource_version.clone().unwrap();
+    let scenario = Scenario::new()
+        .then(replace_slice(&name(1), Some(&rv), pool_slice(1, 2)))
+        .then(patch_status(|_| {}));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    assert!(!device_names(&served.written).contains(&HELD.to_string()));
+}
+
+#[tokio::test]
+async fn a_single_slice_change_keeps_the_generation_and_the_taint_times() {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    let mut h = Harness::new();
+    h.add_policy(MigPolicy::new(
+        "taint",
+        MigPolicySpec {
+            unhealthy_gpus: Some(migdra_api::policy::UnhealthyGpus::Taint),
+            ..Default::default()
+        },
+    ));
+    let mut gpus = h100s(1);
+    gpus[0].health.healthy = false;
+    gpus[0].health.reason = Some("XID 79".into());
+    let g = gpunode(Some(live_plugin()), gpus);
+    let scenario = Scenario::new()
+        .then(create_slice(&name(0), pool_slice(1, 2)))
+        .then(create_slice(&name(1), pool_slice(1, 2)))
+        .then(patch_status(|_| {}));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    // The API server stamped the taints when it stored them.
+    let added = Time(Timestamp::from_second(1_750_000_000).unwrap());
+    let mut stored = served.written.clone();
+    let mut tainted = 0;
+    for d in stored[1].spec.devices.iter_mut().flatten() {
+        for t in d.taints.iter_mut().flatten() {
+            t.time_added = Some(added.clone());
+            tainted += 1;
+        }
+    }
+    assert!(tainted > 0, "the unhealthy GPU's devices are tainted");
+    h.store_slices(&stored);
+    let g = with_status_patch(g, &served.status_patches[0]);
+
+    // A new NVIDIA driver version changes every device's attributes: the device slice only.
+    let mut g = g;
+    g.status.as_mut().unwrap().plugin.as_mut().unwrap().driver_version = Some("580.95.05".into());
+    let rv = stored[1].metadata.resource_version.clone().unwrap();
+    let scenario = Scenario::new().then(replace_slice(&name(1), Some(&rv), move |s| {
+        assert_eq!(s.spec.pool.generation, 1, "one update: no new generation");
+        let taints: Vec<_> = s
+            .spec
+            .devices
+            .iter()
+            .flatten()
+            .flat_map(|d| d.taints.iter().flatten())
+            .collect();
+        assert_eq!(taints.len(), tainted);
+        assert!(
+            taints.iter().all(|t| t.time_added == Some(added.clone())),
+            "a rewrite keeps when the taints were added"
+        );
+    }));
+    // Same generation, same counts: the status already says it all.
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    assert!(served.status_patches.is_empty());
+}

@@ -1,0 +1,122 @@
+//! How every exported function runs: panic containment ([`entry`]), injected faults and a
+//! transaction on the state file ([`call`]), and [`get`], the shape shared by every NVML
+//! getter that writes one value through one out parameter.
+
+use std::{
+    panic::AssertUnwindSafe,
+    sync::{Mutex, MutexGuard, PoisonError},
+    time::Duration,
+};
+
+use nvml_wrapper_sys::bindings::nvmlReturn_t;
+
+use super::{handles::Target, init::report, init::state_path, memory::Out};
+use crate::{
+    code::{GPU_IS_LOST, INVALID_ARGUMENT, SUCCESS, UNKNOWN},
+    state::{FakeState, GpuState, update_state},
+};
+
+/// Locks a mutex, recovering it if a panicking call poisoned it.
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs an exported function's body: its error is the return code, a panic is UNKNOWN.
+pub(super) fn entry(f: impl FnOnce() -> Result<(), u32>) -> nvmlReturn_t {
+    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => SUCCESS,
+        Ok(Err(code)) => code,
+        Err(_) => UNKNOWN,
+    }
+}
+
+/// Counts hits of the faults matching this call; returns (latency ms, error).
+fn fire_faults(state: &mut FakeState, function: &str, gpu: Option<u32>) -> (u64, Option<u32>) {
+    let mut latency = 0;
+    let mut error = None;
+    for f in &mut state.faults {
+        let matches = (f.fault.function == function || f.fault.function == "*")
+            && (f.fault.gpu.is_none() || f.fault.gpu == gpu)
+            && f.fault.times.is_none_or(|t| f.hits < t);
+        if matches {
+            f.hits += 1;
+            latency += f.fault.latency_ms.unwrap_or(0);
+            error = error.or(f.fault.error);
+        }
+    }
+    (latency, error)
+}
+
+enum Step<T> {
+    Done(Result<T, u32>),
+    Delayed(u64, Option<u32>),
+}
+
+/// Runs `body` on the state under the lock, after applying the faults for `function`.
+/// Latency is spent outside the lock, as a slow driver call would not block other processes'
+/// bookkeeping.
+pub(super) fn call<T>(
+    function: &str,
+    gpu: Option<u32>,
+    body: impl FnOnce(&mut FakeState) -> Result<T, u32>,
+) -> Result<T, u32> {
+    let path = state_path()?;
+    let mut body = Some(body);
+    let step = update_state(&path, |state| match fire_faults(state, function, gpu) {
+        (0, None) => Step::Done(body.take().map_or(Err(UNKNOWN), |b| b(state))),
+        (latency, error) => Step::Delayed(latency, error),
+    })
+    .map_err(report)?;
+    match step {
+        Step::Done(result) => result,
+        Step::Delayed(latency, error) => {
+            std::thread::sleep(Duration::from_millis(latency));
+            if let Some(code) = error {
+                return Err(code);
+            }
+            let body = body.take().ok_or(UNKNOWN)?;
+            update_state(&path, body).map_err(report)?
+        }
+    }
+}
+
+/// GPU `gpu`: INVALID_ARGUMENT if it does not exist, GPU_IS_LOST if it fell off the bus.
+pub(super) fn gpu_ref(state: &FakeState, gpu: u32) -> Result<&GpuState, u32> {
+    let g = state.gpus.get(gpu as usize).ok_or(INVALID_ARGUMENT)?;
+    if g.lost { Err(GPU_IS_LOST) } else { Ok(g) }
+}
+
+/// As [`gpu_ref`], for changes.
+pub(super) fn gpu_mut(state: &mut FakeState, gpu: u32) -> Result<&mut GpuState, u32> {
+    let g = state.gpus.get_mut(gpu as usize).ok_or(INVALID_ARGUMENT)?;
+    if g.lost { Err(GPU_IS_LOST) } else { Ok(g) }
+}
+
+/// When a getter rejects a NULL out parameter.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum NullOut {
+    /// Right after resolving the handle: no fault fires, the state is not read.
+    First,
+    /// Only when writing: faults and GPU errors (lost, stale) take precedence.
+    OnWrite,
+}
+
+/// A getter: resolves `target` (the handle argument), then, under the state lock and after
+/// the faults of `function`, looks the GPU up and writes `value(gpu, target)` to `out`.
+pub(super) fn get<H: Target, O: Out>(
+    function: &str,
+    target: Result<H, u32>,
+    out: O,
+    null: NullOut,
+    value: impl FnOnce(&GpuState, H) -> Result<O::Value, u32>,
+) -> nvmlReturn_t {
+    entry(|| {
+        let target = target?;
+        if null == NullOut::First {
+            out.check()?;
+        }
+        call(function, Some(target.gpu()), |s| {
+            out.put(value(gpu_ref(s, target.gpu())?, target)?)
+        })
+    })
+}

@@ -1,0 +1,147 @@
+//! migdra's own processes on the cluster: where its binaries are, the ServiceAccount tokens
+//! they run with (the plugin's bound to the Node), starting and restarting the controller and
+//! the kubelet plugin, and waiting until they published the node's pool.
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::Node;
+use kube::{Api, Client, api::PostParams};
+use migdra_api::inventory::{GpuNode, pool_name};
+use migdra_fake_nvml::testing::HOST_LIBRARY;
+use serde_json::json;
+
+use super::{CHART_NAMESPACE, Cluster, DRIVER, NODE, kubeconfig_yaml, wait_until, write};
+
+/// Finds migdra's binaries: `$MIGDRA_BIN_DIR`, or the cargo target directory of the running
+/// executable (tests run from target/<profile>/deps, binaries from target/<profile>).
+pub(super) fn migdra_bin_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("MIGDRA_BIN_DIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    let exe = std::env::current_exe()?;
+    for dir in exe.ancestors().skip(1).take(3) {
+        if dir.join("migdra-kubelet-plugin").is_file() && dir.join("migdra-controller").is_file() {
+            return Ok(dir.to_path_buf());
+        }
+    }
+    bail!(
+        "migdra-controller and migdra-kubelet-plugin not found next to {}; run `cargo build --workspace` first",
+        exe.display()
+    )
+}
+
+impl Cluster {
+    /// Requests a token of one of the chart's ServiceAccounts and writes a kubeconfig with it.
+    /// The plugin's token is bound to the Node, which gives it the node name the admission
+    /// policy checks.
+    pub(super) async fn service_account_kubeconfig(
+        &self,
+        account: &str,
+        bind_to_node: bool,
+    ) -> anyhow::Result<PathBuf> {
+        let mut request = json!({
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"audiences": [], "expirationSeconds": 86400},
+        });
+        if bind_to_node {
+            let node = Api::<Node>::all(self.client.clone()).get(NODE).await?;
+            request["spec"]["boundObjectRef"] =
+                json!({"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": node.metadata.uid});
+        }
+        let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+            Api::namespaced(self.client.clone(), CHART_NAMESPACE);
+        let response: serde_json::Value = accounts
+            .create_subresource("token", account, &PostParams::default(), &request)
+            .await
+            .with_context(|| format!("requesting a token for {account}"))?;
+        let token = response["status"]["token"]
+            .as_str()
+            .context("no token in the TokenRequest response")?;
+        let path = self.layout.run_dir.join(format!("{account}.kubeconfig"));
+        write(&path, &kubeconfig_yaml(self.layout.apiserver_port, token))?;
+        Ok(path)
+    }
+
+    /// Starts (or restarts) migdra's controller, as the chart's controller ServiceAccount.
+    pub fn start_migdra_controller(&mut self) -> anyhow::Result<()> {
+        let l = self.layout.clone();
+        let kubeconfig = self
+            .controller_kubeconfig
+            .clone()
+            .context("no controller token yet")?;
+        let http = self.port("controller-http")?;
+        self.start_component(
+            "migdra-controller",
+            &l.migdra_bin.join("migdra-controller"),
+            &[
+                &format!("--kubeconfig={}", kubeconfig.display()),
+                &format!("--driver-name={DRIVER}"),
+                &format!("--namespace={CHART_NAMESPACE}"),
+                "--identity=e2e-controller",
+                &format!("--http-address=127.0.0.1:{http}"),
+                "--heartbeat-timeout-seconds=20",
+                "--log-level=info,migdra_controller=debug",
+            ],
+        )
+    }
+
+    /// Starts (or restarts) migdra's kubelet plugin, as the chart's plugin ServiceAccount with
+    /// a token bound to the node.
+    pub fn start_plugin(&mut self) -> anyhow::Result<()> {
+        let l = self.layout.clone();
+        let kubeconfig = self.plugin_kubeconfig.clone().context("no plugin token yet")?;
+        let http = self.port("plugin-http")?;
+        let grpc = self.port("plugin-grpc-health")?;
+        self.start_component(
+            "migdra-kubelet-plugin",
+            &l.migdra_bin.join("migdra-kubelet-plugin"),
+            &[
+                &format!("--kubeconfig={}", kubeconfig.display()),
+                &format!("--node-name={NODE}"),
+                &format!("--driver-name={DRIVER}"),
+                &format!("--kubelet-root-dir={}", l.kubelet_root.display()),
+                &format!("--cdi-dir={}", l.cdi_dir.display()),
+                &format!("--nvml-lib-path={}", l.gpu_host.join(HOST_LIBRARY).display()),
+                &format!("--state-dir={}", l.plugin_state.display()),
+                &format!("--proc-root={}", l.gpu_host.join("proc-root").display()),
+                &format!("--http-address=127.0.0.1:{http}"),
+                &format!("--grpc-health-address=127.0.0.1:{grpc}"),
+                "--heartbeat-interval-seconds=3",
+                "--log-level=info,migdra_kubelet_plugin=debug",
+            ],
+        )
+    }
+
+    /// The whole node pool is published and the plugin registered.
+    pub async fn wait_published(&self, timeout: Duration) -> anyhow::Result<()> {
+        let nodes: Api<GpuNode> = Api::all(self.client.clone());
+        let slices: Api<k8s_openapi::api::resource::v1::ResourceSlice> = Api::all(self.client.clone());
+        let pool = pool_name(NODE, DRIVER);
+        wait_until(timeout, || async {
+            let node = nodes.get(NODE).await.ok()?;
+            let status = node.status?;
+            if !status.plugin?.registered {
+                return None;
+            }
+            let expected = status.publication?.slices as usize;
+            let list = slices.list(&Default::default()).await.ok()?;
+            let ours: Vec<_> = list.items.iter().filter(|s| s.spec.pool.name == pool).collect();
+            let generation = ours.iter().map(|s| s.spec.pool.generation).max()?;
+            let current = ours
+                .iter()
+                .filter(|s| s.spec.pool.generation == generation)
+                .count();
+            (current == expected && expected > 0).then_some(())
+        })
+        .await
+        .context("migdra did not publish the node's pool")
+    }
+
+    /// A client authenticated as the kubelet plugin (its node-bound ServiceAccount token).
+    pub async fn plugin_client(&self) -> anyhow::Result<Client> {
+        let path = self.plugin_kubeconfig.clone().context("no plugin token yet")?;
+        Ok(migdra_runtime::kube_client(Some(&path)).await?)
+    }
+}

@@ -1,0 +1,235 @@
+//! A local cluster from upstream parts: etcd, kube-apiserver, kube-controller-manager,
+//! kube-scheduler and one kubelet (against the fake CRI runtime), plus migdra's controller and
+//! kubelet plugin as host processes with the fake NVML library simulating GPUs.
+//!
+//! Everything lives in one run directory (kept after teardown, for its logs). [`Cluster::start`]
+//! boots the upstream parts ([`boot`]), then migdra's two processes with tokens of the chart's
+//! ServiceAccounts ([`migdra`]); [`Cluster::teardown`] stops every process this launcher
+//! started (by its pid), unmounts whatever the kubelet mounted under the run directory, and
+//! removes the log symlinks the kubelet made for our pods ([`teardown`]). This module holds
+//! what they share: the names, the layout, the component table and the GPU state.
+
+mod boot;
+mod migdra;
+mod teardown;
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    net::TcpListener,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use kube::Client;
+use migdra_fake_nvml::state::{FakeState, read_state, update_state};
+
+/// DRA driver name used by the cluster.
+pub const DRIVER: &str = "gpu.migdra.dev";
+/// The kubelet's node name.
+pub const NODE: &str = "gpu-node-1";
+/// Token of the cluster admin (system:masters).
+const ADMIN_TOKEN: &str = "migdra-e2e-admin";
+/// Namespace the chart is installed into.
+pub const CHART_NAMESPACE: &str = "migdra-system";
+/// The chart's controller ServiceAccount (release name `migdra`).
+pub const CONTROLLER_ACCOUNT: &str = "migdra-controller";
+/// The chart's kubelet-plugin ServiceAccount.
+pub const PLUGIN_ACCOUNT: &str = "migdra-kubelet-plugin";
+
+/// What to simulate.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    /// GPUs: (catalog model, MIG mode at boot).
+    pub gpus: Vec<(String, bool)>,
+    /// Base directory for run directories.
+    pub runs_dir: PathBuf,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            gpus: vec![
+                ("H100-80GB".into(), true),
+                ("H100-80GB".into(), true),
+                ("A100-SXM4-40GB".into(), true),
+            ],
+            runs_dir: repo_root().join("target").join("e2e-runs"),
+        }
+    }
+}
+
+/// The repository root (two levels above this crate).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap_or_else(|_| PathBuf::from("."))
+}
+
+/// Paths and ports of a running cluster.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    /// Run directory.
+    pub run_dir: PathBuf,
+    /// Upstream binaries.
+    pub upstream_bin: PathBuf,
+    /// migdra's binaries (target/<profile>).
+    pub migdra_bin: PathBuf,
+    /// The helm binary.
+    pub helm: PathBuf,
+    /// Admin kubeconfig.
+    pub kubeconfig: PathBuf,
+    /// The kubelet's root dir.
+    pub kubelet_root: PathBuf,
+    /// CDI spec dir shared by plugin and runtime.
+    pub cdi_dir: PathBuf,
+    /// Fake CRI's container records.
+    pub records_dir: PathBuf,
+    /// The simulated GPU host (fake NVML library, config, state, /proc).
+    pub gpu_host: PathBuf,
+    /// Plugin state dir.
+    pub plugin_state: PathBuf,
+    /// API server port.
+    pub apiserver_port: u16,
+    /// Real path of the logs directory.
+    logs: PathBuf,
+}
+
+impl Layout {
+    /// The fake NVML state file.
+    pub fn gpu_state_path(&self) -> PathBuf {
+        self.gpu_host.join("fake-nvml-state.json")
+    }
+
+    /// Log file of a component.
+    pub fn log(&self, component: &str) -> PathBuf {
+        self.run_dir.join("logs").join(format!("{component}.log"))
+    }
+
+    /// The logs directory by its real path (the short `/tmp` link goes away at teardown).
+    pub fn logs_dir(&self) -> PathBuf {
+        self.logs.clone()
+    }
+}
+
+/// A running local cluster. Dropping it tears everything down.
+pub struct Cluster {
+    /// Paths and ports.
+    pub layout: Layout,
+    /// Admin client.
+    pub client: Client,
+    components: BTreeMap<&'static str, Child>,
+    ports: BTreeMap<&'static str, u16>,
+    created_host_dirs: Vec<&'static str>,
+    controller_kubeconfig: Option<PathBuf>,
+    plugin_kubeconfig: Option<PathBuf>,
+    torn_down: bool,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn write(path: &Path, text: &str) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir)?;
+    }
+    fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+fn kubeconfig_yaml(port: u16, token: &str) -> String {
+    format!(
+        "apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster:
+    server: https://127.0.0.1:{port}
+    insecure-skip-tls-verify: true
+users:
+- name: e2e
+  user:
+    token: {token}
+contexts:
+- name: e2e
+  context:
+    cluster: e2e
+    user: e2e
+current-context: e2e
+"
+    )
+}
+
+impl Cluster {
+    fn port(&mut self, name: &'static str) -> anyhow::Result<u16> {
+        if let Some(p) = self.ports.get(name) {
+            return Ok(*p);
+        }
+        let p = free_port()?;
+        self.ports.insert(name, p);
+        Ok(p)
+    }
+
+    fn start_component(&mut self, name: &'static str, bin: &Path, args: &[&str]) -> anyhow::Result<()> {
+        if self.components.contains_key(name) {
+            bail!("{name} is already running");
+        }
+        let log = self.layout.log(name);
+        let out = fs::OpenOptions::new().create(true).append(true).open(&log)?;
+        let err = out.try_clone()?;
+        let child = Command::new(bin)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        fs::write(
+            self.layout.run_dir.join(format!("{name}.pid")),
+            child.id().to_string(),
+        )?;
+        self.components.insert(name, child);
+        Ok(())
+    }
+
+    /// The simulated GPUs' current state.
+    pub fn gpus(&self) -> anyhow::Result<FakeState> {
+        Ok(read_state(&self.layout.gpu_state_path())?)
+    }
+
+    /// Edits the simulated GPUs' state.
+    pub fn update_gpus<T>(&self, f: impl FnOnce(&mut FakeState) -> T) -> anyhow::Result<T> {
+        Ok(update_state(&self.layout.gpu_state_path(), f)?)
+    }
+
+    /// Resident memory of a running component in KiB (from /proc), for footprint reports.
+    pub fn rss_kib(&self, name: &str) -> Option<u64> {
+        let pid = self.components.get(name)?.id();
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+    }
+}
+
+/// Polls `check` until it returns `Some`, or fails after `timeout`.
+pub async fn wait_until<T, F, Fut>(timeout: Duration, mut check: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return Ok(value);
+        }
+        if Instant::now() > deadline {
+            bail!("condition not met within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}

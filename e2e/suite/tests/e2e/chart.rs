@@ -1,0 +1,229 @@
+//! The Helm chart under a real API server: every rendered object and example passes a
+//! server-side dry run, and the RBAC matrix holds for the chart's ServiceAccounts.
+
+use anyhow::{Context, bail, ensure};
+use kube::{
+    Api,
+    api::{Patch, PatchParams, PostParams},
+};
+use migdra_api::inventory::GpuNode;
+use migdra_e2e::cluster::{CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, DRIVER, NODE, PLUGIN_ACCOUNT};
+use serde_json::json;
+
+tests![
+    chart_objects_pass_server_side_dry_run,
+    rbac_matrix_holds_against_the_api_server
+];
+
+fn kubectl(cluster: &Cluster, args: &[&str]) -> anyhow::Result<std::process::Output> {
+    Ok(
+        std::process::Command::new(cluster.layout.upstream_bin.join("kubectl"))
+            .arg(format!("--kubeconfig={}", cluster.layout.kubeconfig.display()))
+            .args(args)
+            .output()?,
+    )
+}
+
+async fn chart_objects_pass_server_side_dry_run(cluster: &mut Cluster) -> anyhow::Result<()> {
+    for file in ["chart-default.yaml", "chart-custom.yaml"] {
+        let path = cluster.layout.run_dir.join(file);
+        let rendered = std::fs::read_to_string(&path)?;
+        let objects = rendered.matches("\nkind: ").count() + usize::from(rendered.starts_with("kind: "));
+        ensure!(objects >= 10, "{file}: only {objects} objects rendered");
+        let out = kubectl(
+            cluster,
+            &[
+                "apply",
+                "--server-side",
+                "--dry-run=server",
+                "--force-conflicts",
+                "--field-manager=migdra-e2e",
+                "-f",
+                &path.to_string_lossy(),
+            ],
+        )?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        ensure!(
+            out.status.success(),
+            "{file} rejected by the API server:\n{}{}",
+            stdout,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let applied = stdout.lines().filter(|l| l.contains("(server dry run)")).count();
+        ensure!(
+            applied == objects,
+            "{file}: {applied} of {objects} objects applied:\n{stdout}"
+        );
+    }
+    // The examples the docs point to are valid objects for this API server too.
+    let examples = migdra_e2e::cluster::repo_root().join("examples");
+    let out = kubectl(
+        cluster,
+        &[
+            "apply",
+            "--dry-run=server",
+            "--namespace=default",
+            "-f",
+            &examples.to_string_lossy(),
+        ],
+    )?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "examples rejected:\n{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let applied = stdout.lines().filter(|l| l.contains("(server dry run)")).count();
+    ensure!(
+        applied == 11,
+        "{applied} of 11 example objects applied:\n{stdout}"
+    );
+    Ok(())
+}
+
+/// One row of charts/tests/rbac_matrix.txt.
+struct Row {
+    subject: String,
+    verb: String,
+    resource: String,
+    subresource: Option<String>,
+    namespace: Option<String>,
+    name: Option<String>,
+    expected: bool,
+    check: String,
+}
+
+fn matrix() -> anyhow::Result<Vec<Row>> {
+    let text =
+        std::fs::read_to_string(migdra_e2e::cluster::repo_root().join("charts/tests/rbac_matrix.txt"))?;
+    let field =
+        |s: &str| (s != "-").then(|| s.replace("$RELEASE_NS", CHART_NAMESPACE).replace("$NODE", NODE));
+    let mut rows = Vec::new();
+    for line in text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+    {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        ensure!(f.len() == 8, "bad matrix row: {line}");
+        rows.push(Row {
+            subject: f[0].into(),
+            verb: f[1].into(),
+            resource: f[2].into(),
+            subresource: field(f[3]),
+            namespace: field(f[4]),
+            name: field(f[5]),
+            expected: f[6] == "yes",
+            check: f[7].into(),
+        });
+    }
+    Ok(rows)
+}
+
+async fn rbac_matrix_holds_against_the_api_server(cluster: &mut Cluster) -> anyhow::Result<()> {
+    let rows = matrix()?;
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for row in rows.iter().filter(|r| r.check == "can-i") {
+        let account = if row.subject == "plugin" {
+            PLUGIN_ACCOUNT
+        } else {
+            CONTROLLER_ACCOUNT
+        };
+        let target = match &row.name {
+            Some(name) => format!("{}/{name}", row.resource),
+            None => row.resource.clone(),
+        };
+        let mut args = vec!["auth".to_string(), "can-i".into(), row.verb.clone(), target];
+        if let Some(sub) = &row.subresource {
+            args.push(format!("--subresource={sub}"));
+        }
+        if let Some(ns) = &row.namespace {
+            args.push(format!("--namespace={ns}"));
+        }
+        args.push(format!("--as=system:serviceaccount:{CHART_NAMESPACE}:{account}"));
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = kubectl(cluster, &refs)?;
+        let answer = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if (answer == "yes") != row.expected {
+            failures.push(format!(
+                "{} {}: got {answer}, expected {}",
+                row.subject,
+                args[2..].join(" "),
+                if row.expected { "yes" } else { "no" }
+            ));
+        }
+        checked += 1;
+    }
+    // Admission rows: real requests with the plugin's node-bound token (dry run), against
+    // its own node's GpuNode and another node's, which the admin creates first.
+    let plugin = cluster.plugin_client().await?;
+    let admin: Api<GpuNode> = Api::all(cluster.client.clone());
+    let other: GpuNode = serde_json::from_value(json!({
+        "apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "GpuNode",
+        "metadata": {"name": "other-node"}, "spec": {"nodeName": "other-node", "driver": DRIVER}
+    }))?;
+    admin.create(&PostParams::default(), &other).await?;
+    let api: Api<GpuNode> = Api::all(plugin);
+    for row in rows.iter().filter(|r| r.check == "admission") {
+        let name = row.name.clone().context("admission rows name an object")?;
+        let dry = PatchParams {
+            dry_run: true,
+            ..PatchParams::default()
+        };
+        let patch = Patch::Merge(json!({"metadata": {"labels": {"migdra.dev/e2e": "probe"}}}));
+        let result = match (row.verb.as_str(), row.subresource.as_deref()) {
+            ("create", None) => {
+                let mut object = other.clone();
+                object.metadata.name = Some(name.clone());
+                object.spec.node_name = name.clone();
+                api.create(
+                    &PostParams {
+                        dry_run: true,
+                        ..PostParams::default()
+                    },
+                    &object,
+                )
+                .await
+                .map(drop)
+            }
+            ("patch", None) => api.patch(&name, &dry, &patch).await.map(drop),
+            ("patch", Some("status")) => api
+                .patch_status(&name, &dry, &Patch::Merge(json!({"status": {"plugin": null}})))
+                .await
+                .map(drop),
+            other => bail!("unsupported admission row {other:?}"),
+        };
+        // Allowed means admission let it through; an AlreadyExists after admission counts.
+        let allowed = match &result {
+            Ok(()) => true,
+            Err(kube::Error::Api(e)) if e.code == 409 => true,
+            Err(kube::Error::Api(e)) if e.code == 403 || e.code == 422 => {
+                ensure!(
+                    e.message.contains("ValidatingAdmissionPolicy"),
+                    "denied by something else: {}",
+                    e.message
+                );
+                false
+            }
+            Err(e) => bail!("{} {} {name}: {e}", row.verb, row.resource),
+        };
+        if allowed != row.expected {
+            failures.push(format!(
+                "plugin {} {} {name} ({:?}): allowed={allowed}, expected {}",
+                row.verb, row.resource, row.subresource, row.expected
+            ));
+        }
+        checked += 1;
+    }
+    admin.delete("other-node", &Default::default()).await?;
+    ensure!(checked == rows.len(), "checked {checked} of {} rows", rows.len());
+    ensure!(
+        failures.is_empty(),
+        "{} of {checked} matrix rows failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    eprintln!("e2e: RBAC matrix: {checked} rows hold");
+    Ok(())
+}

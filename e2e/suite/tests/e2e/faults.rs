@@ -1,0 +1,250 @@
+//! Things going wrong: the kubelet restarts, the plugin is killed mid-prepare, a claim carries
+//! a bad config, a GPU falls off the bus. The driver converges, reports what happened and
+//! leaves nothing half made.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use kube::Api;
+use migdra_api::{device_name::DeviceName, slices::NOT_OFFERED_TAINT};
+use migdra_e2e::{
+    cluster::{Cluster, NODE, wait_until},
+    workload::{self, create_pod, create_template, on_gpu, profile_is, wait_phase},
+};
+use migdra_fake_nvml::config::FaultConfig;
+use serde_json::json;
+
+use crate::support::{SHORT, device_health, gpu_uuid, mig, settle, slices, total_instances};
+
+tests![
+    kubelet_restart_republishes_slices_and_keeps_pods,
+    plugin_killed_mid_prepare_converges,
+    bad_opaque_config_is_reported_and_creates_nothing,
+    lost_gpu_turns_unhealthy_and_leaves_the_pool,
+];
+
+async fn kubelet_restart_republishes_slices_and_keeps_pods(cluster: &mut Cluster) -> anyhow::Result<()> {
+    let c = cluster.client.clone();
+    create_template(&c, "survivor", mig(&[profile_is("3g.40gb")]), None).await?;
+    create_pod(&c, "survivor", "survivor", &["sleep", "3600"], false).await?;
+    wait_phase(&c, "survivor", "Running", SHORT).await?;
+    let before: Vec<String> = slices(cluster)
+        .await?
+        .iter()
+        .filter_map(|s| s.metadata.uid.clone())
+        .collect();
+    let instances_before = total_instances(cluster);
+    cluster.restart_kubelet()?;
+    // The kubelet deletes the node's slices when it starts; the controller re-creates them.
+    wait_until(Duration::from_secs(120), || async {
+        let now = slices(cluster).await.ok()?;
+        let uids: Vec<String> = now.iter().filter_map(|s| s.metadata.uid.clone()).collect();
+        let complete = !now.is_empty() && now.len() as i64 == now[0].spec.pool.resource_slice_count;
+        (complete && uids.iter().all(|u| !before.contains(u))).then_some(())
+    })
+    .await
+    .context("slices were not wiped and re-created")?;
+    cluster.wait_published(Duration::from_secs(60)).await?;
+    ensure!(workload::phase(&c, "survivor").await.as_deref() == Some("Running"));
+    let record = workload::container_record(&cluster.layout.records_dir, "survivor", "main")?;
+    ensure!(record.state == "running", "container state {}", record.state);
+    ensure!(
+        total_instances(cluster) == instances_before,
+        "instances changed across the kubelet restart"
+    );
+    settle(cluster).await
+}
+
+async fn plugin_killed_mid_prepare_converges(cluster: &mut Cluster) -> anyhow::Result<()> {
+    let c = cluster.client.clone();
+    // Compute-instance creation takes 6 s once: the plugin is killed inside it, with the GPU
+    // instance already made.
+    cluster.update_gpus(|s| {
+        s.faults.push(migdra_fake_nvml::state::FaultState {
+            fault: FaultConfig::latency("nvmlGpuInstanceCreateComputeInstance", 6000).times(1),
+            hits: 0,
+        })
+    })?;
+    create_template(&c, "crashy", mig(&[profile_is("2g.20gb")]), None).await?;
+    create_pod(&c, "crashy", "crashy", &["sleep", "3600"], false).await?;
+    let state_dir = cluster.layout.plugin_state.clone();
+    wait_until(SHORT, || async {
+        let checkpoint = std::fs::read_to_string(state_dir.join("checkpoint.json")).ok()?;
+        checkpoint.contains("PrepareStarted").then_some(())
+    })
+    .await
+    .context("prepare never started")?;
+    wait_until(Duration::from_secs(10), || async {
+        cluster
+            .gpus()
+            .ok()?
+            .gpus
+            .iter()
+            .any(|g| g.gpu_instances.iter().any(|gi| gi.compute_instances.is_empty()))
+            .then_some(())
+    })
+    .await
+    .context("the GPU instance was not created before the kill")?;
+    cluster.kill("migdra-kubelet-plugin");
+    let half = cluster
+        .gpus()?
+        .gpus
+        .iter()
+        .flat_map(|g| &g.gpu_instances)
+        .filter(|gi| gi.compute_instances.is_empty())
+        .count();
+    ensure!(
+        half == 1,
+        "expected one half-created instance after the kill, found {half}"
+    );
+    cluster.start_plugin()?;
+    wait_phase(&c, "crashy", "Running", Duration::from_secs(180)).await?;
+    // The restarted plugin rolled the half-prepared claim back and said so on its GpuNode.
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(c.clone(), "default");
+    let note = wait_until(Duration::from_secs(30), || async {
+        let list = events
+            .list(&kube::api::ListParams::default().fields(&format!("involvedObject.name={NODE}")))
+            .await
+            .ok()?;
+        list.items
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("RecoveredInterruptedOperations"))
+            .and_then(|e| e.message)
+    })
+    .await
+    .context("no RecoveredInterruptedOperations event on the GpuNode")?;
+    ensure!(
+        note.contains("1 half-prepared claim(s) rolled back"),
+        "event says: {note}"
+    );
+    let claim = workload::pod_claim(&c, "crashy").await?;
+    let (_, device) = workload::allocated(&claim).pop().context("not allocated")?;
+    let DeviceName::Mig { minor, start, .. } = device.parse::<DeviceName>()? else {
+        bail!("not MIG")
+    };
+    let all: Vec<_> = cluster
+        .gpus()?
+        .gpus
+        .iter()
+        .flat_map(|g| g.gpu_instances.clone())
+        .collect();
+    ensure!(
+        all.len() == 1,
+        "exactly one instance after recovery, found {all:?}"
+    );
+    ensure!(
+        all[0].start == start && all[0].compute_instances.len() == 1,
+        "{all:?} vs {device}"
+    );
+    let record = workload::container_record(&cluster.layout.records_dir, "crashy", "main")?;
+    ensure!(record.env_value("NVIDIA_VISIBLE_DEVICES") == Some(all[0].compute_instances[0].uuid.as_str()));
+    ensure!(
+        cluster
+            .gpus()?
+            .gpus
+            .iter()
+            .any(|g| g.minor == minor && g.gpu_instances.len() == 1)
+    );
+    settle(cluster).await
+}
+
+async fn bad_opaque_config_is_reported_and_creates_nothing(cluster: &mut Cluster) -> anyhow::Result<()> {
+    let c = cluster.client.clone();
+    let config = json!({"apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "DeviceConfig", "sharing": "mps"});
+    create_template(&c, "bad-config", mig(&[profile_is("1g.10gb")]), Some(config)).await?;
+    create_pod(&c, "bad-config", "bad-config", &["sleep", "3600"], false).await?;
+    let message = wait_until(Duration::from_secs(90), || async {
+        let events = workload::pod_events(&c, "bad-config").await.ok()?;
+        events
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("FailedPrepareDynamicResources"))
+            .and_then(|e| e.message)
+    })
+    .await
+    .context("no FailedPrepareDynamicResources event")?;
+    ensure!(
+        message.contains("unknown field `sharing`"),
+        "event says: {message}"
+    );
+    ensure!(workload::phase(&c, "bad-config").await.as_deref() == Some("Pending"));
+    ensure!(total_instances(cluster) == 0, "something was created on the GPU");
+    settle(cluster).await
+}
+
+/// Devices of GPU `minor` in the published pool that new claims can get (untainted).
+async fn published_on(cluster: &Cluster, minor: u32) -> Option<usize> {
+    let prefix = format!("gpu-{minor}");
+    let slices = slices(cluster).await.ok()?;
+    Some(
+        slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .filter(|d| d.name == prefix || d.name.starts_with(&format!("{prefix}-")))
+            .filter(|d| d.taints.as_ref().is_none_or(|t| t.is_empty()))
+            .count(),
+    )
+}
+
+/// The taint keys of a published device, or `None` when it is not published.
+async fn taint_keys(cluster: &Cluster, device: &str) -> Option<Vec<String>> {
+    let slices = slices(cluster).await.ok()?;
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| d.name == device)
+        .map(|d| d.taints.iter().flatten().map(|t| t.key.clone()).collect())
+}
+
+async fn wait_health(cluster: &Cluster, pod: &str, device: &str, want: &str) -> anyhow::Result<()> {
+    wait_until(Duration::from_secs(60), || async {
+        device_health(cluster, pod, device).await.filter(|h| h == want)
+    })
+    .await
+    .with_context(|| format!("device health never became {want}"))
+    .map(drop)
+}
+
+async fn lost_gpu_turns_unhealthy_and_leaves_the_pool(cluster: &mut Cluster) -> anyhow::Result<()> {
+    let c = cluster.client.clone();
+    let a100 = gpu_uuid(cluster, 2);
+    create_template(&c, "watched", mig(&[profile_is("1g.5gb"), on_gpu(&a100)]), None).await?;
+    create_pod(&c, "watched", "watched", &["sleep", "3600"], false).await?;
+    wait_phase(&c, "watched", "Running", SHORT).await?;
+    let (_, device) = workload::allocated(&workload::pod_claim(&c, "watched").await?)
+        .pop()
+        .context("not allocated")?;
+    wait_health(cluster, "watched", &device, "Healthy").await?;
+    ensure!(
+        published_on(cluster, 2).await.unwrap_or(0) > 0,
+        "the A100 is not published"
+    );
+    // The GPU falls off the bus: the kubelet learns it from the health stream, and the
+    // controller withdraws the GPU's free devices (the default policy omits unhealthy GPUs).
+    cluster.update_gpus(|s| s.gpus[2].lost = true)?;
+    wait_health(cluster, "watched", &device, "Unhealthy").await?;
+    wait_until(Duration::from_secs(60), || async {
+        (published_on(cluster, 2).await == Some(0)).then_some(())
+    })
+    .await
+    .context("the lost GPU's devices were not withdrawn")?;
+    // The device the running pod holds stays in the pool, tainted, so the scheduler keeps
+    // counting what it consumes.
+    let taints = taint_keys(cluster, &device).await.unwrap_or_default();
+    ensure!(
+        taints.iter().any(|k| k == NOT_OFFERED_TAINT),
+        "the held device {device} is not kept with the not-offered taint: {taints:?}"
+    );
+    ensure!(
+        published_on(cluster, 0).await.unwrap_or(0) > 0,
+        "the healthy GPUs stay published"
+    );
+    // It comes back.
+    cluster.update_gpus(|s| s.gpus[2].lost = false)?;
+    wait_health(cluster, "watched", &device, "Healthy").await?;
+    wait_until(Duration::from_secs(60), || async {
+        (published_on(cluster, 2).await > Some(0)).then_some(())
+    })
+    .await
+    .context("the recovered GPU was not published again")?;
+    settle(cluster).await
+}

@@ -1,0 +1,130 @@
+//! End-to-end tests on a real cluster: upstream etcd, kube-apiserver, kube-scheduler,
+//! kube-controller-manager and kubelet, the fake CRI runtime, simulated GPUs, and migdra's
+//! controller and kubelet plugin. One cluster is started for the whole suite; tests run one
+//! after another and each leaves the GPUs empty.
+//!
+//! Each theme module names its tests once, in `tests![...]`, which makes its `TESTS` table;
+//! [`SUITE`] lists the modules in the order they run. A test function left out of its module's
+//! `tests!` is dead code, which the build rejects.
+//!
+//! Run: `make e2e` (`cargo build --workspace --all-targets`, then `cargo test --workspace --test
+//! e2e`; the same package selection for both, so nothing is compiled twice).
+
+#![allow(clippy::unwrap_used)] // test code
+
+/// Makes a module's `TESTS` table from its test functions, in the order given. Each test is an
+/// `async fn(&mut Cluster) -> anyhow::Result<()>`; its name in the results is the function's.
+macro_rules! tests {
+    ($($test:ident),+ $(,)?) => {
+        pub(crate) const TESTS: &[$crate::support::Test] = &[$(
+            $crate::support::Test {
+                name: stringify!($test),
+                run: |cluster| Box::pin($test(cluster)),
+            }
+        ),+];
+    };
+}
+
+mod support;
+
+mod allocation;
+mod chart;
+mod faults;
+mod placement;
+mod pool;
+
+use std::{sync::Arc, time::Instant};
+
+use libtest_mimic::{Arguments, Failed, Trial};
+use migdra_e2e::cluster::{Cluster, ClusterConfig};
+use tokio::sync::Mutex;
+
+use crate::support::{Test, settle};
+
+/// The themes, in the order their tests run against the one cluster.
+const SUITE: [&[Test]; 5] = [
+    pool::TESTS,
+    allocation::TESTS,
+    placement::TESTS,
+    faults::TESTS,
+    chart::TESTS,
+];
+
+type Shared = Arc<Mutex<Cluster>>;
+
+fn main() {
+    let mut args = Arguments::from_args();
+    args.test_threads = Some(1); // one cluster, tests in order
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let tests: Vec<Test> = SUITE.concat();
+    if args.list {
+        let trials = tests
+            .iter()
+            .map(|test| Trial::test(test.name, || Ok(())))
+            .collect();
+        libtest_mimic::run(&args, trials).exit();
+    }
+    let started = Instant::now();
+    let cluster = match runtime.block_on(Cluster::start(ClusterConfig::default())) {
+        Ok(cluster) => cluster,
+        Err(e) => {
+            eprintln!("e2e: cluster start failed: {e:?}");
+            std::process::exit(1);
+        }
+    };
+    eprintln!(
+        "e2e: cluster up in {:.1}s; run dir {}",
+        started.elapsed().as_secs_f64(),
+        cluster.layout.run_dir.display()
+    );
+    let logs = cluster.layout.logs_dir();
+    let shared: Shared = Arc::new(Mutex::new(cluster));
+    let handle = runtime.handle().clone();
+    let trials = tests
+        .into_iter()
+        .map(|Test { name, run }| {
+            let shared = shared.clone();
+            let handle = handle.clone();
+            let logs = logs.clone();
+            Trial::test(name, move || {
+                handle.block_on(async {
+                    let mut cluster = shared.lock().await;
+                    let started = Instant::now();
+                    let result = run(&mut cluster).await;
+                    eprintln!("e2e: {name} took {:.1}s", started.elapsed().as_secs_f64());
+                    if result.is_err() {
+                        // Leave the GPUs clean for the next test even after a failure.
+                        if let Err(e) = settle(&cluster).await {
+                            eprintln!("e2e: cleanup after {name} failed: {e:?}");
+                        }
+                    }
+                    result.map_err(|e| Failed::from(format!("{e:?}\n(component logs in {})", logs.display())))
+                })
+            })
+        })
+        .collect();
+    let conclusion = libtest_mimic::run(&args, trials);
+    runtime.block_on(async {
+        let mut cluster = shared.lock().await;
+        for name in [
+            "migdra-controller",
+            "migdra-kubelet-plugin",
+            "kubelet",
+            "kube-apiserver",
+        ] {
+            if let Some(kib) = cluster.rss_kib(name) {
+                eprintln!(
+                    "e2e: resident memory of {name} after the suite: {:.1} MiB",
+                    kib as f64 / 1024.0
+                );
+            }
+        }
+        cluster.teardown();
+    });
+    eprintln!(
+        "e2e: total {:.1}s; logs kept in {}",
+        started.elapsed().as_secs_f64(),
+        logs.display()
+    );
+    conclusion.exit();
+}

@@ -1,0 +1,128 @@
+//! What the theme modules share: the test table entry, the device classes, queries on the
+//! simulated GPUs and the published pool, and the cleanup every test ends with.
+
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use futures::future::BoxFuture;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::{Api, ResourceExt};
+use migdra_api::inventory::pool_name;
+use migdra_e2e::{
+    cluster::{Cluster, DRIVER, NODE, wait_until},
+    workload::{self, Request},
+};
+
+/// One end-to-end test: its name in the results and its body, run on the shared cluster.
+#[derive(Clone, Copy)]
+pub(crate) struct Test {
+    pub name: &'static str,
+    pub run: for<'a> fn(&'a mut Cluster) -> BoxFuture<'a, anyhow::Result<()>>,
+}
+
+/// The chart's DeviceClass of MIG partitions.
+pub(crate) const MIG: &str = "mig.migdra.dev";
+/// The chart's DeviceClass of whole GPUs.
+pub(crate) const WHOLE: &str = "gpu.migdra.dev";
+/// Timeout of a step expected to be quick: a pod starting, an instance or a CDI spec going away.
+pub(crate) const SHORT: Duration = Duration::from_secs(60);
+
+/// A request for exactly one MIG partition matching `selectors`.
+pub(crate) fn mig(selectors: &[String]) -> Request {
+    Request::Exactly {
+        class: MIG.into(),
+        selectors: selectors.to_vec(),
+    }
+}
+
+/// UUID of the simulated GPU with `minor`.
+pub(crate) fn gpu_uuid(cluster: &Cluster, minor: u32) -> String {
+    cluster
+        .gpus()
+        .unwrap()
+        .gpus
+        .iter()
+        .find(|g| g.minor == minor)
+        .unwrap()
+        .uuid
+        .clone()
+}
+
+/// GPU instances on GPU `minor`: (profile ID, start, CI UUIDs).
+pub(crate) fn instances(cluster: &Cluster, minor: u32) -> Vec<(u32, u32, Vec<String>)> {
+    let state = cluster.gpus().unwrap();
+    let gpu = state.gpus.iter().find(|g| g.minor == minor).unwrap();
+    gpu.gpu_instances
+        .iter()
+        .map(|gi| {
+            (
+                gi.profile_id,
+                gi.start,
+                gi.compute_instances.iter().map(|c| c.uuid.clone()).collect(),
+            )
+        })
+        .collect()
+}
+
+/// GPU instances on all simulated GPUs.
+pub(crate) fn total_instances(cluster: &Cluster) -> usize {
+    cluster
+        .gpus()
+        .unwrap()
+        .gpus
+        .iter()
+        .map(|g| g.gpu_instances.len())
+        .sum()
+}
+
+/// The ResourceSlices of this node's pool, by name.
+pub(crate) async fn slices(cluster: &Cluster) -> anyhow::Result<Vec<ResourceSlice>> {
+    let api: Api<ResourceSlice> = Api::all(cluster.client.clone());
+    let pool = pool_name(NODE, DRIVER);
+    let mut list: Vec<_> = api
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|s| s.spec.pool.name == pool)
+        .collect();
+    list.sort_by_key(|s| s.name_any());
+    Ok(list)
+}
+
+/// Cleans up after a test: every test pod and template gone, every MIG instance destroyed,
+/// every CDI spec removed.
+pub(crate) async fn settle(cluster: &Cluster) -> anyhow::Result<()> {
+    workload::delete_all(&cluster.client).await?;
+    wait_until(Duration::from_secs(120), || async {
+        (total_instances(cluster) == 0).then_some(())
+    })
+    .await
+    .with_context(|| format!("MIG instances left behind: {:?}", cluster.gpus().map(|s| s.gpus)))?;
+    let specs: Vec<_> = std::fs::read_dir(&cluster.layout.cdi_dir)?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    ensure!(specs.is_empty(), "CDI specs left behind: {specs:?}");
+    Ok(())
+}
+
+/// Health the kubelet reports for `device` in the pod's first container.
+pub(crate) async fn device_health(cluster: &Cluster, pod: &str, device: &str) -> Option<String> {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(cluster.client.clone(), "default");
+    let pod = serde_json::to_value(pods.get(pod).await.ok()?).ok()?;
+    let statuses = pod["status"]["containerStatuses"][0]["allocatedResourcesStatus"]
+        .as_array()?
+        .clone();
+    statuses
+        .iter()
+        .flat_map(|s| s["resources"].as_array().cloned().unwrap_or_default())
+        .find_map(|r| {
+            let ours = r["resourceID"].as_str().is_some_and(|id| id.ends_with(device));
+            if ours {
+                r["health"].as_str().map(str::to_string)
+            } else {
+                None
+            }
+        })
+}

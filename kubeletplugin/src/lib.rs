@@ -1,0 +1,151 @@
+//! A helper for writing the node half of a Kubernetes DRA driver: everything between the kubelet
+//! and a driver's prepare/unprepare logic. It plays the part the Go package
+//! `k8s.io/dynamic-resource-allocation/kubeletplugin` plays for Go drivers.
+//!
+//! A driver implements one trait, [`DraDriver`] (prepare and unprepare claims). The helper
+//! does the rest:
+//!
+//! * binds the DRA socket `<kubelet root>/plugins/<driver>/dra.sock` and serves the DRA plugin
+//!   service (`v1` and `v1beta1`) and the resource-health stream (`v1alpha1` and `v1`) on it;
+//! * then binds the registration socket `<kubelet root>/plugins_registry/<driver>-reg.sock` and
+//!   answers the kubelet's plugin registration (the kubelet may call the DRA socket as soon as it
+//!   has registered, so the DRA socket is served first);
+//! * serves both sockets behind an `:authority` fix, because kubelets send the percent-encoded
+//!   socket path as HTTP/2 `:authority` (on the registration socket always, on the DRA socket
+//!   before 1.34), which the HTTP/2 server under tonic rejects;
+//! * on shutdown removes the registration socket first (which deregisters the plugin), lets
+//!   in-flight calls finish and removes the DRA socket last.
+//!
+//! Device health and the registration outcome are plain data, so they travel through
+//! [`tokio::sync::watch`] channels rather than the trait: the driver publishes the current
+//! [`DeviceHealthReport`] list whenever it changes (every open stream sends the full list on each
+//! change and periodically), and reads the kubelet's verdict as [`RegistrationState`].
+//!
+//! Data flow: kubelet → socket (`sockets`) → `:authority` fix (`authority_proxy`) → tonic →
+//! DRA service (`dra`) → [`DraDriver`]; health snapshots → `health` → kubelet; the kubelet's
+//! registration calls → `registration` → [`RegistrationState`].
+//!
+//! ```no_run
+//! use std::{collections::HashMap, sync::Arc};
+//!
+//! use migdra_kubeletplugin::{
+//!     ClaimRef, DraDriver, PluginServer, PluginServerConfig, PrepareOutcome, PreparedDevice,
+//!     RegistrationState, UnprepareOutcome,
+//! };
+//! use tokio::sync::watch;
+//! use tokio_util::sync::CancellationToken;
+//!
+//! /// Gives every claim one device, `dev-0` of pool `node-a`.
+//! struct OneDevice;
+//!
+//! impl DraDriver for OneDevice {
+//!     async fn prepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, PrepareOutcome> {
+//!         let device = PreparedDevice {
+//!             request_names: vec!["req".to_string()],
+//!             pool_name: "node-a".to_string(),
+//!             device_name: "dev-0".to_string(),
+//!             cdi_device_ids: vec!["example.com/device=dev-0".to_string()],
+//!             share_id: None,
+//!         };
+//!         claims.into_iter().map(|claim| (claim.uid, Ok(vec![device.clone()]))).collect()
+//!     }
+//!
+//!     async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareOutcome> {
+//!         claims.into_iter().map(|claim| (claim.uid, Ok(()))).collect()
+//!     }
+//! }
+//!
+//! # async fn example() -> Result<(), migdra_kubeletplugin::ServerError> {
+//! let (health, health_rx) = watch::channel(Vec::new()); // send DeviceHealthReports here
+//! let (registration_tx, registration) = watch::channel(RegistrationState::default());
+//! let config = PluginServerConfig::new("/var/lib/kubelet", "dra.example.com");
+//! let shutdown = CancellationToken::new();
+//! PluginServer::new(config, Arc::new(OneDevice), health_rx, registration_tx)
+//!     .run(shutdown) // until cancelled; or serve_dra() → register() → wait()
+//!     .await
+//! # }
+//! ```
+
+mod authority_proxy;
+mod dra;
+mod health;
+mod registration;
+mod sockets;
+
+use std::{collections::HashMap, future::Future};
+
+pub use health::{DEFAULT_RESEND_INTERVAL, MAX_MESSAGE_CHARS};
+pub use registration::{PLUGIN_TYPE, SUPPORTED_VERSIONS};
+pub use sockets::{
+    DEFAULT_SHUTDOWN_GRACE, DraServing, MAX_SOCKET_PATH, PluginServer, PluginServerConfig, PluginServing,
+    ServerError, SocketKind,
+};
+
+/// A claim as the kubelet names it in NodePrepareResources / NodeUnprepareResources.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ClaimRef {
+    /// Claim namespace.
+    pub namespace: String,
+    /// Claim UID.
+    pub uid: String,
+    /// Claim name.
+    pub name: String,
+}
+
+/// One prepared device, as returned to the kubelet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreparedDevice {
+    /// Base request names this device serves (no `/subrequest` part).
+    pub request_names: Vec<String>,
+    /// Pool name.
+    pub pool_name: String,
+    /// Device name.
+    pub device_name: String,
+    /// Fully qualified CDI device IDs.
+    pub cdi_device_ids: Vec<String>,
+    /// Share ID for shared-capacity allocations; `v1beta1` cannot carry it and drops it.
+    pub share_id: Option<String>,
+}
+
+/// Per-claim outcome of a prepare call: the devices, or a message for the kubelet's event.
+pub type PrepareOutcome = Result<Vec<PreparedDevice>, String>;
+/// Per-claim outcome of an unprepare call.
+pub type UnprepareOutcome = Result<(), String>;
+
+/// What a DRA driver implements. The helper calls it one call at a time (prepare and unprepare
+/// alike), so implementations need no locking against each other.
+///
+/// Every claim UID in the input should appear in the output map: the helper answers a missing UID
+/// with an error, drops UIDs that were not asked for, and replaces an empty error message (which
+/// the kubelet would read as success).
+pub trait DraDriver: Send + Sync + 'static {
+    /// Prepares claims; returns one outcome per claim UID.
+    fn prepare(&self, claims: Vec<ClaimRef>) -> impl Future<Output = HashMap<String, PrepareOutcome>> + Send;
+    /// Unprepares claims; returns one outcome per claim UID.
+    fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> impl Future<Output = HashMap<String, UnprepareOutcome>> + Send;
+}
+
+/// Health of one published device, for the resource-health stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceHealthReport {
+    /// Pool name.
+    pub pool_name: String,
+    /// Device name.
+    pub device_name: String,
+    /// `Some(true)` healthy, `Some(false)` unhealthy, `None` unknown.
+    pub healthy: Option<bool>,
+    /// Human-readable detail (at most [`MAX_MESSAGE_CHARS`] characters are sent).
+    pub message: String,
+}
+
+/// Registration state as the kubelet reported it through NotifyRegistrationStatus.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RegistrationState {
+    /// True after the kubelet confirmed the registration.
+    pub registered: bool,
+    /// The kubelet's error when it rejected it.
+    pub error: Option<String>,
+}
