@@ -9,6 +9,7 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod claims;
 pub mod driver;
+pub mod driver_files;
 pub use migdra_kubeletplugin as grpc;
 pub mod metrics;
 pub mod node_status;
