@@ -337,7 +337,10 @@ mod tests {
             dir.path().join("usr/lib/x86_64-linux-gnu/libcuda.so.575.57.08")
         );
         let soname_link = cuda.soname_link.as_ref().unwrap();
-        assert_eq!(fs::read_link(soname_link).unwrap(), Path::new("libcuda.so.575.57.08"));
+        assert_eq!(
+            fs::read_link(soname_link).unwrap(),
+            Path::new("libcuda.so.575.57.08")
+        );
         assert_eq!(fs::read_link(&cuda.dev_link).unwrap(), Path::new("libcuda.so.1"));
         let gpucomp = layout
             .libraries
@@ -345,7 +348,11 @@ mod tests {
             .find(|l| l.file.ends_with("libnvidia-gpucomp.so.575.57.08"))
             .unwrap();
         assert_eq!(gpucomp.soname_link, None);
-        let smi = layout.binaries.iter().find(|b| b.ends_with("nvidia-smi")).unwrap();
+        let smi = layout
+            .binaries
+            .iter()
+            .find(|b| b.ends_with("nvidia-smi"))
+            .unwrap();
         assert_eq!(fs::metadata(smi).unwrap().permissions().mode() & 0o777, 0o755);
         assert_eq!(layout.firmware.len(), 2);
         assert!(layout.ld_cache.unwrap().is_file());

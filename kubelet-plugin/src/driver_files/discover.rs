@@ -488,7 +488,9 @@ pub fn discover(inputs: &DiscoveryInputs) -> Result<DriverFiles, DriverFilesErro
         on_host: Path::new("/"),
         visible_at: &inputs.host_root,
     };
-    let hook = host_root.find_file(&inputs.hook_path, true)?.map(|_| inputs.hook_path.clone());
+    let hook = host_root
+        .find_file(&inputs.hook_path, true)?
+        .map(|_| inputs.hook_path.clone());
     if hook.is_none() {
         tracing::debug!(
             hook = %inputs.hook_path.display(),

@@ -91,7 +91,12 @@ pub fn container_edits(files: &DriverFiles) -> ContainerEdits {
             options: options(opts),
         });
     };
-    for file in files.libraries.iter().chain(&files.binaries).chain(&files.firmware) {
+    for file in files
+        .libraries
+        .iter()
+        .chain(&files.binaries)
+        .chain(&files.firmware)
+    {
         mount(&file.host_path, &file.container_path, FILE_MOUNT_OPTIONS);
     }
     for file in &files.ipc {
@@ -104,7 +109,9 @@ pub fn container_edits(files: &DriverFiles) -> ContainerEdits {
             let hook = |args: Vec<String>| Hook {
                 hook_name: HOOK_STAGE.to_string(),
                 path: text(hook_path),
-                args: std::iter::once(HOOK_BINARY_NAME.to_string()).chain(args).collect(),
+                args: std::iter::once(HOOK_BINARY_NAME.to_string())
+                    .chain(args)
+                    .collect(),
                 env: vec!["NVIDIA_CTK_DEBUG=false".to_string()],
             };
             let links: BTreeSet<(PathBuf, &str)> = files

@@ -16,11 +16,7 @@
 //! The parser trusts nothing: every count and offset is bounds-checked, and a corrupt file
 //! gives an [`LdCacheError`] naming the byte offset, never a panic.
 
-use std::{
-    ffi::OsString,
-    os::unix::ffi::OsStringExt,
-    path::PathBuf,
-};
+use std::{ffi::OsString, os::unix::ffi::OsStringExt, path::PathBuf};
 
 const OLD_MAGIC: &[u8] = b"ld.so-1.7.0";
 const OLD_HEADER_LEN: usize = 16;
@@ -197,7 +193,12 @@ fn new_format_start(bytes: &[u8]) -> Result<usize, LdCacheError> {
             len: bytes.len(),
         });
     };
-    require(bytes, OLD_HEADER_LEN, start - OLD_HEADER_LEN, "old-format entry table")?;
+    require(
+        bytes,
+        OLD_HEADER_LEN,
+        start - OLD_HEADER_LEN,
+        "old-format entry table",
+    )?;
     if bytes.len() == start {
         return Err(LdCacheError::OldFormatOnly { offset: start });
     }

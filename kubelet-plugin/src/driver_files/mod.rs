@@ -193,7 +193,11 @@ pub enum DriverFilesError {
 }
 
 fn display_paths(paths: &[PathBuf]) -> String {
-    paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The running kernel's release, from `<proc_root>/sys/kernel/osrelease`.
