@@ -375,7 +375,8 @@ fn validate_version(version: &str) -> Result<(), DriverFilesError> {
 /// Discovers the driver's container files under `inputs.driver_root`.
 ///
 /// Libraries come from the root's `etc/ld.so.cache` when it has one (see
-/// [`super::ldcache`]), otherwise from [`fallback_library_dirs`]. Missing
+/// [`super::ldcache`]); when it has none, or it does not name libcuda and libnvidia-ml of
+/// the version, also from [`fallback_library_dirs`]. Missing
 /// `libcuda.so.<version>` or `libnvidia-ml.so.<version>` is an error; missing utilities,
 /// firmware, sockets or hook are not (logged at debug).
 pub fn discover(inputs: &DiscoveryInputs) -> Result<DriverFiles, DriverFilesError> {
@@ -388,7 +389,8 @@ pub fn discover(inputs: &DiscoveryInputs) -> Result<DriverFiles, DriverFilesErro
 
     let mut set = LibrarySet::default();
     let cache_path = Path::new("/etc/ld.so.cache");
-    let searched: Vec<PathBuf> = match root.find_file(cache_path, false)? {
+    let mut searched = Vec::new();
+    match root.find_file(cache_path, false)? {
         Some(resolved) => {
             let local = root.local(&resolved);
             let bytes = fs::read(&local).map_err(read_error(local.clone()))?;
@@ -403,30 +405,43 @@ pub fn discover(inputs: &DiscoveryInputs) -> Result<DriverFiles, DriverFilesErro
                 libraries = set.libraries.len(),
                 "read the driver root's linker cache"
             );
-            vec![root.host(cache_path)]
+            searched.push(root.host(cache_path));
         }
-        None => {
-            let dirs = fallback_library_dirs(inputs.arch);
-            tracing::debug!(
-                root = %root.on_host.display(),
-                "driver root has no linker cache; searching library directories"
-            );
-            for dir in &dirs {
-                scan_library_dir(&root, dir, version, &mut set)?;
-            }
-            dirs.iter().map(|dir| root.host(dir)).collect()
-        }
+        None => tracing::debug!(
+            root = %root.on_host.display(),
+            "driver root has no linker cache; searching library directories"
+        ),
+    }
+    let missing_required = |set: &LibrarySet| {
+        REQUIRED_LIBRARIES
+            .iter()
+            .find(|library| !set.names.contains(&format!("{library}.so.{version}")))
+            .copied()
     };
-    for library in REQUIRED_LIBRARIES {
-        let name = format!("{library}.so.{version}");
-        if !set.names.contains(&name) {
-            return Err(DriverFilesError::MissingLibrary {
-                library,
-                version: version.to_string(),
-                root: root.on_host.to_path_buf(),
-                searched,
-            });
+    // A cache that does not name the driver (ldconfig not run since the driver was
+    // installed) is no reason to give up before looking in the usual directories.
+    if missing_required(&set).is_some() {
+        if !searched.is_empty() {
+            tracing::warn!(
+                root = %root.on_host.display(),
+                version,
+                "the driver root's linker cache names no libcuda or libnvidia-ml of this version; \
+                 searching library directories too"
+            );
         }
+        let dirs = fallback_library_dirs(inputs.arch);
+        for dir in &dirs {
+            scan_library_dir(&root, dir, version, &mut set)?;
+        }
+        searched.extend(dirs.iter().map(|dir| root.host(dir)));
+    }
+    if let Some(library) = missing_required(&set) {
+        return Err(DriverFilesError::MissingLibrary {
+            library,
+            version: version.to_string(),
+            root: root.on_host.to_path_buf(),
+            searched,
+        });
     }
     set.add_dev_links();
 

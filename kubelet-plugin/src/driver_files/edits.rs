@@ -23,7 +23,8 @@ use super::DriverFiles;
 pub const FILE_MOUNT_OPTIONS: &[&str] = &["ro", "nosuid", "nodev", "rbind", "rprivate"];
 /// Mount options of sockets and the MPS directory (writable: clients connect).
 pub const IPC_MOUNT_OPTIONS: &[&str] = &["nosuid", "nodev", "rbind", "rprivate", "noexec"];
-/// `argv[0]` of hook invocations.
+/// `argv[0]` of hook invocations when the hook path has no file name (otherwise its file
+/// name is).
 pub const HOOK_BINARY_NAME: &str = "nvidia-cdi-hook";
 /// OCI hook stage the hooks run at: in the runtime namespace, after the container's
 /// mounts exist and before `pivot_root`.
@@ -106,12 +107,15 @@ pub fn container_edits(files: &DriverFiles) -> ContainerEdits {
     let mut hooks = Vec::new();
     match &files.hook {
         Some(hook_path) => {
+            let argv0 = hook_path
+                .file_name()
+                .map_or(HOOK_BINARY_NAME.to_string(), |name| {
+                    name.to_string_lossy().into_owned()
+                });
             let hook = |args: Vec<String>| Hook {
                 hook_name: HOOK_STAGE.to_string(),
                 path: text(hook_path),
-                args: std::iter::once(HOOK_BINARY_NAME.to_string())
-                    .chain(args)
-                    .collect(),
+                args: std::iter::once(argv0.clone()).chain(args).collect(),
                 env: vec!["NVIDIA_CTK_DEBUG=false".to_string()],
             };
             let links: BTreeSet<(PathBuf, &str)> = files

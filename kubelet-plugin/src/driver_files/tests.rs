@@ -338,6 +338,27 @@ fn old_then_new_cache_gives_the_same_files() {
 }
 
 #[test]
+fn cache_without_the_driver_falls_back_to_the_directories() {
+    let (dir, layout) = fake_root(&DriverRootOptions::default());
+    let (reference, _) = fake_root(&DriverRootOptions::default());
+    fs::write(
+        layout.ld_cache.unwrap(),
+        ld_so_cache_bytes(&[fake::LdCacheEntry::x86_64(
+            "libc.so.6",
+            "/lib/x86_64-linux-gnu/libc.so.6",
+        )]),
+    )
+    .unwrap();
+    let files = discover(&inputs(dir.path(), VERSION)).unwrap();
+    let expected = discover(&inputs(reference.path(), VERSION)).unwrap();
+    assert_eq!(
+        container_paths(&files.libraries),
+        container_paths(&expected.libraries)
+    );
+    assert_eq!(links(&files), links(&expected));
+}
+
+#[test]
 fn fallback_prefers_the_first_directory_for_a_name() {
     let (dir, _) = fake_root(&DriverRootOptions {
         ld_cache: LdCacheFormat::None,
@@ -474,9 +495,9 @@ fn missing_libcuda_is_an_error_naming_what_was_searched() {
     let message = err.to_string();
     assert!(
         message.starts_with(&format!(
-            "no libcuda.so.{VERSION} found under {} (searched: {}/etc/ld.so.cache)",
-            dir.path().display(),
-            dir.path().display()
+            "no libcuda.so.{VERSION} found under {root} (searched: {root}/etc/ld.so.cache, \
+             {root}/usr/lib64, ",
+            root = dir.path().display(),
         )),
         "{message}"
     );
@@ -692,6 +713,16 @@ fn hand_built() -> DriverFiles {
         library_dirs: vec!["/usr/lib64".into()],
         hook: Some("/usr/bin/nvidia-cdi-hook".into()),
     }
+}
+
+#[test]
+fn hook_argv0_is_the_hook_file_name() {
+    let mut files = hand_built();
+    files.hook = Some("/opt/toolkit/bin/nvidia-cdi-hook-1.17".into());
+    let edits = container_edits(&files);
+    assert_eq!(edits.hooks.len(), 2);
+    assert!(edits.hooks.iter().all(|h| h.path == "/opt/toolkit/bin/nvidia-cdi-hook-1.17"
+        && h.args[0] == "nvidia-cdi-hook-1.17"));
 }
 
 #[test]
