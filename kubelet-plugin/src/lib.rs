@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod claims;
 pub mod cli;
 pub mod driver;
+pub mod driver_files;
 pub mod gpus;
 pub mod journal;
 pub mod metrics;

@@ -13,6 +13,7 @@
 //! [`update_state`] to inspect or poke the simulated GPUs, and [`testing::FakeGpuHost`].
 
 pub mod config;
+pub mod driver_root;
 mod ffi;
 pub mod model;
 pub mod procfs;
