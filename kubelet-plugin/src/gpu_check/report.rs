@@ -412,3 +412,112 @@ fn render_exercise(out: &mut String, ex: &ExerciseReport) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(name: &str, id: u32, catalog: RowStatus) -> ProfileRow {
+        ProfileRow {
+            name: name.into(),
+            id,
+            index: 2,
+            compute_slices: 3,
+            memory_slices: 4,
+            instance_count: 2,
+            memory_mib: 40448,
+            multiprocessors: 60,
+            placements: vec![0, 4],
+            device_names: vec![format!("gpu-1-mig-{}-4", name.replace('.', ""))],
+            catalog,
+        }
+    }
+
+    fn report(findings: Vec<Finding>) -> GpuCheckReport {
+        let mut r = GpuCheckReport::new(true, "580.82.07".into());
+        r.gpus.push(GpuReport {
+            index: 0,
+            minor: 1,
+            uuid: "GPU-1".into(),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            memory_mib: 81559,
+            mig: Some(MigMode {
+                enabled: false,
+                pending_enabled: true,
+            }),
+            catalog_model: Some("H100-80GB".into()),
+            catalog_source: Some("documented".into()),
+            profiles: vec![row("3g.40gb", 9, RowStatus::Mismatch)],
+            published: None,
+            capabilities: None,
+            exercise: None,
+            findings,
+        });
+        r
+    }
+
+    #[test]
+    fn mismatches_fail_and_warnings_do_not() {
+        let ok = report(vec![Finding::warning("an estimate")]);
+        assert_eq!(ok.exit_code(), EXIT_OK);
+        let table = ok.render_table();
+        assert!(table.contains("warning: an estimate\n"), "{table}");
+        assert!(
+            table.ends_with("result: OK (0 mismatches, 1 warnings)\n"),
+            "{table}"
+        );
+
+        let mut failed = report(vec![Finding::mismatch("3g placements differ")]);
+        failed.findings.push(Finding::warning("driver files missing"));
+        assert_eq!(failed.exit_code(), EXIT_MISMATCH);
+        let table = failed.render_table();
+        // GPU findings first, node findings after, one line each.
+        let first = table.find("MISMATCH: 3g placements differ").unwrap();
+        let second = table.find("warning: driver files missing").unwrap();
+        assert!(first < second, "{table}");
+        assert!(
+            table.contains("result: FAILED (1 mismatches, 1 warnings)"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn the_table_shows_the_gpu_its_catalog_entry_and_each_profile() {
+        let table = report(Vec::new()).render_table();
+        assert!(table.starts_with("migdra gpu-check (read-only), driver 580.82.07\n"));
+        assert!(
+            table.contains("GPU 0 (minor 1) NVIDIA H100 80GB HBM3 81559 MiB, MIG off (pending on), catalog H100-80GB (documented)"),
+            "{table}"
+        );
+        let line = table
+            .lines()
+            .find(|l| l.trim_start().starts_with("3g.40gb"))
+            .unwrap();
+        let cells: Vec<_> = line.split_whitespace().collect();
+        assert_eq!(
+            cells,
+            [
+                "3g.40gb",
+                "9",
+                "2",
+                "3/4",
+                "2",
+                "40448",
+                "60",
+                "0,4",
+                "1",
+                "MISMATCH",
+                "gpu-1-mig-3g40gb-4"
+            ]
+        );
+    }
+
+    #[test]
+    fn json_names_fields_in_camel_case() {
+        let json = serde_json::to_value(report(vec![Finding::mismatch("x")])).unwrap();
+        assert_eq!(json["gpus"][0]["catalogModel"], "H100-80GB");
+        assert_eq!(json["gpus"][0]["profiles"][0]["catalog"], "mismatch");
+        assert_eq!(json["gpus"][0]["findings"][0]["severity"], "mismatch");
+        assert_eq!(json["gpus"][0]["mig"]["pendingEnabled"], true);
+    }
+}

@@ -8,7 +8,7 @@ use std::{path::Path, process::Command};
 
 use migdra_api::catalog::{self, GpuModel};
 use migdra_fake_nvml::{
-    FakeConfig, GpuConfig, InstanceConfig,
+    FakeConfig, FaultConfig, GpuConfig, InstanceConfig, code,
     config::DEFAULT_DRIVER_VERSION,
     driver_root::{DriverRootOptions, create_driver_root},
     testing::FakeGpuHost,
@@ -335,6 +335,32 @@ fn full_mode_creates_and_destroys_every_placement_and_restores_mig_mode() {
     let table = report.render_table();
     assert!(table.contains("create GI"), "{table}");
     assert!(table.contains("3g.40gb@4"), "{table}");
+}
+
+#[test]
+fn a_failing_creation_is_a_mismatch_and_the_mig_mode_is_restored_anyway() {
+    // A compute instance that cannot be created: its GPU instance must still be destroyed,
+    // the other placements still run, and MIG goes back off.
+    let node = CheckedHost::new(FakeConfig {
+        gpus: vec![GpuConfig::new("H100-80GB", false)],
+        faults: vec![FaultConfig::error("nvmlGpuInstanceCreateComputeInstance", code::UNKNOWN).times(1)],
+        ..FakeConfig::default()
+    });
+    let report = node.check(&node.options(false)).unwrap();
+    assert_eq!(report.exit_code(), EXIT_MISMATCH);
+    let m = mismatches(&report);
+    assert_eq!(m.len(), 1, "{m:?}");
+    assert!(m[0].contains("1g.10gb@0 (ID 19)"), "{}", m[0]);
+    let ex = report.gpus[0].exercise.as_ref().unwrap();
+    assert_eq!(ex.placements.iter().filter(|p| !p.ok).count(), 1);
+    assert_eq!(ex.placements.len(), placements_of("H100-80GB"));
+    let state = node.host.read_state().unwrap();
+    assert!(
+        state.gpus[0].gpu_instances.is_empty(),
+        "the GI without CI was destroyed"
+    );
+    assert!(!state.gpus[0].mig_enabled, "MIG mode restored");
+    assert!(report.render_table().contains("result: FAILED (1 mismatches"));
 }
 
 #[test]
