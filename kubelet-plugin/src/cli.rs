@@ -192,6 +192,8 @@ mod tests {
         assert_eq!(a.output, OutputFormat::Json);
         assert_eq!(a.proc_root, PathBuf::from("/proc"));
         assert_eq!(a.driver_root, PathBuf::from("/"));
+        assert_eq!(a.host_root, PathBuf::from("/"));
+        assert!(a.driver_root_mount.is_none());
         let Ok(Invocation::Plugin(p)) =
             Invocation::try_parse_from(["migdra-kubelet-plugin", "--node-name=n1"])
         else {

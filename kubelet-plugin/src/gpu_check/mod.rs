@@ -24,6 +24,7 @@ use migdra_api::catalog::GpuModel;
 
 use crate::{
     cdi::CdiWriter,
+    driver_files::HostDir,
     nvml::{GpuBackend, GpuDescription, NvmlBackend},
 };
 pub use report::{Finding, GpuCheckReport, Severity};
@@ -62,9 +63,18 @@ pub struct GpuCheckArgs {
     /// Where /proc is (for /proc/devices and the MIG capability files).
     #[arg(long, env = "PROC_ROOT", default_value = "/proc")]
     pub proc_root: PathBuf,
-    /// Root of the NVIDIA driver installation (whose files the CDI spec mounts).
+    /// Host path of the NVIDIA driver installation whose files the CDI spec mounts.
     #[arg(long, env = "DRIVER_ROOT", default_value = "/")]
     pub driver_root: PathBuf,
+    /// Where this process sees the driver root (default: the driver root itself).
+    #[arg(long, env = "DRIVER_ROOT_MOUNT")]
+    pub driver_root_mount: Option<PathBuf>,
+    /// Where this process sees the host's `/` (for `nvidia-cdi-hook`).
+    #[arg(long, env = "HOST_ROOT", default_value = "/")]
+    pub host_root: PathBuf,
+    /// Host path of NVIDIA's `nvidia-cdi-hook`.
+    #[arg(long, env = "NVIDIA_CDI_HOOK_PATH", default_value = crate::driver_files::DEFAULT_HOOK_PATH)]
+    pub nvidia_cdi_hook_path: PathBuf,
 }
 
 /// Output formats.
@@ -85,8 +95,12 @@ pub struct CheckOptions {
     pub gpu: Option<u32>,
     /// Where /proc is.
     pub proc_root: PathBuf,
-    /// Driver root for driver-file discovery.
-    pub driver_root: PathBuf,
+    /// Driver root for driver-file discovery: its host path, and where this process sees it.
+    pub driver_root: HostDir,
+    /// Where this process sees the host's `/`.
+    pub host_root: PathBuf,
+    /// Host path of `nvidia-cdi-hook`.
+    pub hook_path: PathBuf,
     /// The catalog to compare with (migdra's own, [`migdra_api::catalog::models`]; tests
     /// pass altered ones).
     pub catalog: &'static [GpuModel],
@@ -98,7 +112,15 @@ impl From<&GpuCheckArgs> for CheckOptions {
             read_only: args.read_only,
             gpu: args.gpu,
             proc_root: args.proc_root.clone(),
-            driver_root: args.driver_root.clone(),
+            driver_root: HostDir {
+                on_host: args.driver_root.clone(),
+                visible_at: args
+                    .driver_root_mount
+                    .clone()
+                    .unwrap_or_else(|| args.driver_root.clone()),
+            },
+            host_root: args.host_root.clone(),
+            hook_path: args.nvidia_cdi_hook_path.clone(),
             catalog: migdra_api::catalog::models(),
         }
     }
@@ -203,7 +225,7 @@ pub fn check<B: GpuBackend>(backend: &B, options: &CheckOptions) -> Result<GpuCh
         report.gpus.push(gpu_report);
     }
 
-    let files = publish::driver_files(&options.driver_root, &options.proc_root, &driver_version);
+    let files = publish::driver_files(options, &driver_version);
     report.findings.extend(files.findings.iter().cloned());
     report.driver_files = Some(files);
     Ok(report)

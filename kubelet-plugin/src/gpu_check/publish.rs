@@ -15,7 +15,10 @@ use migdra_api::{
 };
 use serde::Serialize;
 
-use super::report::{Finding, ProfileRow};
+use super::{
+    CheckOptions,
+    report::{Finding, ProfileRow},
+};
 use crate::{
     cdi::CdiWriter,
     driver_files::{self, DiscoveryInputs},
@@ -273,10 +276,17 @@ pub struct DriverFilesReport {
 /// Discovers the driver's container files under `driver_root` (read-only). A failure is a
 /// warning: it says containers would not get the driver's libraries, not that migdra
 /// misunderstands the GPU.
-pub fn driver_files(driver_root: &Path, proc_root: &Path, driver_version: &str) -> DriverFilesReport {
-    let root = driver_root.display().to_string();
-    let discovered = driver_files::read_kernel_release(proc_root).and_then(|kernel| {
-        driver_files::discover(&DiscoveryInputs::new(driver_root, driver_version, kernel))
+pub fn driver_files(options: &CheckOptions, driver_version: &str) -> DriverFilesReport {
+    let root = options.driver_root.on_host.display().to_string();
+    let discovered = driver_files::read_kernel_release(&options.proc_root).and_then(|kernel_release| {
+        driver_files::discover(&DiscoveryInputs {
+            driver_root: options.driver_root.clone(),
+            driver_version: driver_version.to_string(),
+            kernel_release,
+            host_root: options.host_root.clone(),
+            hook_path: options.hook_path.clone(),
+            arch: driver_files::LibraryArch::HOST,
+        })
     });
     match discovered {
         Ok(files) => DriverFilesReport {

@@ -4,7 +4,10 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::{path::Path, process::Command};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use migdra_api::catalog::{self, GpuModel};
 use migdra_fake_nvml::{
@@ -14,6 +17,7 @@ use migdra_fake_nvml::{
     testing::FakeGpuHost,
 };
 use migdra_kubelet_plugin::{
+    driver_files::{DEFAULT_HOOK_PATH, HostDir},
     gpu_check::{
         self, CheckError, CheckOptions, EXIT_MISMATCH, EXIT_OK, GpuCheckReport, Severity, report::RowStatus,
     },
@@ -54,7 +58,9 @@ impl CheckedHost {
             read_only,
             gpu: None,
             proc_root: self.host.proc_root(),
-            driver_root: self.driver_root.path().to_path_buf(),
+            driver_root: HostDir::same(self.driver_root.path()),
+            host_root: PathBuf::from("/"),
+            hook_path: PathBuf::from(DEFAULT_HOOK_PATH),
             catalog: catalog::models(),
         }
     }
@@ -455,6 +461,29 @@ fn the_binary_runs_gpu_check_read_only_from_flags_and_env() {
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON output");
     assert_eq!(json["gpus"][0]["catalogModel"], "H100-80GB");
     assert_eq!(json["mode"], "read-only");
+
+    // Inside the plugin's pod the driver root is mounted elsewhere: the chart's environment
+    // (DRIVER_ROOT, DRIVER_ROOT_MOUNT) applies to gpu-check too, and the files are named by
+    // their host paths, as the CDI spec names them.
+    let out = Command::new(env!("CARGO_BIN_EXE_migdra-kubelet-plugin"))
+        .args(["gpu-check", "--read-only", "-o", "json"])
+        .env_clear()
+        .env("NVML_LIB_PATH", node.host.lib_path())
+        .env("PROC_ROOT", node.host.proc_root())
+        .env("DRIVER_ROOT", "/run/nvidia/driver")
+        .env("DRIVER_ROOT_MOUNT", node.driver_root.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(EXIT_OK));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let libraries = json["driverFiles"]["summary"]["libraryPaths"].as_array().unwrap();
+    assert!(!libraries.is_empty());
+    assert!(
+        libraries
+            .iter()
+            .all(|p| p.as_str().unwrap().starts_with("/run/nvidia/driver/")),
+        "{libraries:?}"
+    );
 
     // Not an NVML library: the check cannot run.
     let out = Command::new(env!("CARGO_BIN_EXE_migdra-kubelet-plugin"))
