@@ -3,8 +3,15 @@
 //!
 //! At run time the truth is what NVML reports; this catalog drives the fake GPU, validation
 //! and the packing simulations. Sources: NVIDIA's MIG user guide and published `nvidia-smi`
-//! output (see `shared/reference/mig-nvml.md`). Models whose numbers are partly estimated
-//! say so in [`GpuModel::data`].
+//! output (see `shared/reference/mig-nvml.md`). Where the reference gives a range, an
+//! approximation or nothing, the value here is an estimate, and the model lists it in
+//! [`GpuModel::estimates`] (field by field and profile by profile), so tools such as
+//! `migdra-kubelet-plugin gpu-check` can tell a wrong estimate from a wrong fact.
+//!
+//! A model is identified by the product name NVML reports (`nvmlDeviceGetName`, see
+//! [`model_by_product_name`]) or its PCI device ID. Variants with different SM counts are
+//! separate entries: H100 SXM5 (`NVIDIA H100 80GB HBM3`, 0x2330, 132 SMs) and H100 PCIe
+//! (`NVIDIA H100 PCIe`, 0x2331, 114 SMs).
 
 use std::sync::LazyLock;
 
@@ -15,13 +22,75 @@ use crate::{
     profile::ProfileName,
 };
 
-/// How much of a model's table comes from published hardware output.
+/// Where a model's numbers come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DataQuality {
-    /// Profile IDs, placements, engines and memory were published from real hardware.
-    Published,
-    /// Some numbers are estimates; the text says which.
-    Partial(&'static str),
+pub enum DataSource {
+    /// Every number is documented by NVIDIA or published from real hardware.
+    Documented,
+    /// Some numbers are estimates; [`GpuModel::estimates`] says which.
+    Estimated,
+}
+
+/// A per-profile field of the catalog that can be an estimate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ProfileField {
+    /// Possible placement starts.
+    Placements,
+    /// Memory of one instance (MiB).
+    MemoryMib,
+    /// Streaming multiprocessors.
+    Multiprocessors,
+    /// Copy engines.
+    CopyEngines,
+    /// Video decoders.
+    Decoders,
+    /// JPEG decoders.
+    JpegEngines,
+    /// Optical-flow accelerators.
+    OfaEngines,
+}
+
+impl ProfileField {
+    /// The field's name as reports print it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProfileField::Placements => "placements",
+            ProfileField::MemoryMib => "memory MiB",
+            ProfileField::Multiprocessors => "multiprocessors",
+            ProfileField::CopyEngines => "copy engines",
+            ProfileField::Decoders => "decoders",
+            ProfileField::JpegEngines => "JPEG engines",
+            ProfileField::OfaEngines => "OFA engines",
+        }
+    }
+}
+
+/// SM and every engine count: what "SM and engine counts" estimates cover.
+const SM_AND_ENGINES: &[ProfileField] = &[
+    ProfileField::Multiprocessors,
+    ProfileField::CopyEngines,
+    ProfileField::Decoders,
+    ProfileField::JpegEngines,
+    ProfileField::OfaEngines,
+];
+
+/// Fields of some profiles whose values are estimates rather than documented numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Estimate {
+    /// The estimated fields.
+    pub fields: &'static [ProfileField],
+    /// GPU-instance profile IDs concerned; empty means every profile of the model.
+    pub profile_ids: &'static [u32],
+    /// What the reference says and how the value was chosen.
+    pub why: &'static str,
+}
+
+impl Estimate {
+    /// True when this estimate covers `field` of profile `profile_id`.
+    pub fn covers(&self, profile_id: u32, field: ProfileField) -> bool {
+        self.fields.contains(&field)
+            && (self.profile_ids.is_empty() || self.profile_ids.contains(&profile_id))
+    }
 }
 
 /// A MIG-capable GPU model.
@@ -47,11 +116,25 @@ pub struct GpuModel {
     pub max_mig_devices: u32,
     /// GPU-instance profiles in NVML index order.
     pub profiles: Vec<MigProfile>,
-    /// Where the numbers come from.
-    pub data: DataQuality,
+    /// The numbers that are estimates (empty: everything is documented).
+    pub estimates: &'static [Estimate],
 }
 
 impl GpuModel {
+    /// Whether the model's table is fully documented.
+    pub fn source(&self) -> DataSource {
+        if self.estimates.is_empty() {
+            DataSource::Documented
+        } else {
+            DataSource::Estimated
+        }
+    }
+
+    /// The estimate covering `field` of profile `profile_id`, if that value is an estimate.
+    pub fn estimate(&self, profile_id: u32, field: ProfileField) -> Option<&'static Estimate> {
+        self.estimates.iter().find(|e| e.covers(profile_id, field))
+    }
+
     /// The model's MIG geometry (profiles plus budget).
     pub fn geometry(&self) -> MigGeometry {
         MigGeometry::new(self.profiles.clone(), self.memory_mib)
@@ -178,8 +261,20 @@ const HOPPER_ENGINES: [[u32; 6]; 7] = [
 ];
 
 fn hopper(names: [&'static str; 6], mib: [u64; 6]) -> Vec<MigProfile> {
+    hopper_with_sms(names, mib, HOPPER_ENGINES.map(|e| e[0]))
+}
+
+/// H100 PCIe SMs per profile (1g, 1g+me, 1g double, 2g, 3g, 4g, 7g): estimates, the SXM5
+/// counts scaled by 114/132 and rounded (7g: all 114).
+const H100_PCIE_SMS: [u32; 7] = [14, 14, 22, 28, 52, 55, 114];
+
+/// A Hopper table with the H100 SXM engines but the given SM counts.
+fn hopper_with_sms(names: [&'static str; 6], mib: [u64; 6], sms: [u32; 7]) -> Vec<MigProfile> {
     let me = format!("{}+me", names[0]).leak() as &'static str;
-    let e = HOPPER_ENGINES;
+    let mut e = HOPPER_ENGINES;
+    for (engines, sm) in e.iter_mut().zip(sms) {
+        engines[0] = sm;
+    }
     eight_slice([
         (names[0], e[0], mib[0]),
         (me, e[1], mib[0]),
@@ -212,7 +307,7 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                 ("4g.20gb", [56, 4, 2, 0, 0, 0], 19968),
                 ("7g.40gb", [98, 7, 5, 0, 1, 1], 40192),
             ]),
-            data: DataQuality::Published,
+            estimates: &[],
         },
         GpuModel {
             key: "A100-80GB",
@@ -233,10 +328,18 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                 ("4g.40gb", [56, 4, 2, 0, 0, 0], 40192),
                 ("7g.80gb", [98, 7, 5, 0, 1, 1], 80896),
             ]),
-            data: DataQuality::Partial(
-                "memory per profile varies by driver (1g 9.50-9.75 GiB, 7g 78.5-79.0 GiB); \
-                 some drivers report more decoders for 2g/3g/4g",
-            ),
+            estimates: &[
+                Estimate {
+                    fields: &[ProfileField::MemoryMib],
+                    profile_ids: &[19, 20, 0],
+                    why: "mig-nvml.md §5 gives ranges by driver (1g 9.50-9.75 GiB, 7g 78.5-79.0 GiB)",
+                },
+                Estimate {
+                    fields: &[ProfileField::Decoders],
+                    profile_ids: &[14, 9, 5],
+                    why: "mig-nvml.md §5: 2g/3g/4g decoders 1/2/2, some drivers report 2/3/4",
+                },
+            ],
         },
         GpuModel {
             key: "A30-24GB",
@@ -305,14 +408,25 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                     11968,
                 ),
             ]),
-            data: DataQuality::Partial(
-                "4g memory is 23.44-23.50 GiB by driver; 1g decoder count is 0 in the docs, 1 on hardware",
-            ),
+            estimates: &[
+                Estimate {
+                    fields: &[ProfileField::MemoryMib],
+                    profile_ids: &[0],
+                    why: "mig-nvml.md §5: 4g memory 23.44-23.50 GiB by driver",
+                },
+                Estimate {
+                    fields: &[ProfileField::Decoders],
+                    profile_ids: &[14],
+                    why: "mig-nvml.md §5: 1g decoders are 0 in the documentation, 1 on hardware",
+                },
+            ],
         },
         GpuModel {
             key: "H100-80GB",
             product_name: "NVIDIA H100 80GB HBM3",
-            pci_device_ids: &[0x2330, 0x2331, 0x2324, 0x2322],
+            // SXM5 and the H800s listed with it in mig-nvml.md §5; the PCIe card (0x2331)
+            // has fewer SMs and is its own entry.
+            pci_device_ids: &[0x2330, 0x2324, 0x2322],
             architecture: Architecture::Hopper,
             cuda_compute_capability: (9, 0),
             memory_mib: 81559,
@@ -323,7 +437,42 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                 ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
                 [9984, 20096, 20096, 40448, 40448, 81152],
             ),
-            data: DataQuality::Published,
+            estimates: &[],
+        },
+        GpuModel {
+            key: "H100-PCIE-80GB",
+            product_name: "NVIDIA H100 PCIe",
+            pci_device_ids: &[0x2331],
+            architecture: Architecture::Hopper,
+            cuda_compute_capability: (9, 0),
+            memory_mib: 81559,
+            multiprocessors: 114,
+            compute_slices: 7,
+            max_mig_devices: 7,
+            profiles: hopper_with_sms(
+                ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
+                [9984, 20096, 20096, 40448, 40448, 81152],
+                H100_PCIE_SMS,
+            ),
+            estimates: &[
+                Estimate {
+                    fields: &[ProfileField::Multiprocessors],
+                    profile_ids: &[],
+                    why: "mig-nvml.md §5: H100 PCIe has 114 SMs, per-profile counts not captured; \
+                          estimated as the SXM5 counts scaled by 114/132",
+                },
+                Estimate {
+                    fields: &[
+                        ProfileField::MemoryMib,
+                        ProfileField::CopyEngines,
+                        ProfileField::Decoders,
+                        ProfileField::JpegEngines,
+                        ProfileField::OfaEngines,
+                    ],
+                    profile_ids: &[],
+                    why: "not in mig-nvml.md §5 for the PCIe card; assumed equal to H100 SXM5",
+                },
+            ],
         },
         GpuModel {
             key: "H100-NVL-94GB",
@@ -339,9 +488,11 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                 ["1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
                 [11008, 22016, 22016, 47232, 47232, 94976],
             ),
-            data: DataQuality::Partial(
-                "placements, SM and engine counts assumed equal to H100 SXM; 3g/4g/7g memory ranges by driver",
-            ),
+            estimates: &[Estimate {
+                fields: &[ProfileField::MemoryMib],
+                profile_ids: &[9, 5, 0],
+                why: "mig-nvml.md §5 gives ranges by driver (3g/4g 46.1-46.4 GiB, 7g 92.6-93.1 GiB)",
+            }],
         },
         GpuModel {
             key: "H100-96GB",
@@ -357,9 +508,9 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                 ["1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"],
                 [11264, 23552, 23552, 47616, 47616, 95232],
             ),
-            data: DataQuality::Partial(
-                "shared by H100 96GB and GH200 96GB; SM and engine counts assumed equal to H100 SXM",
-            ),
+            // Shared by H100 96GB and GH200 96GB; §5 gives every memory size, and SM and
+            // engine counts "follow the H100 SXM pattern".
+            estimates: &[],
         },
         GpuModel {
             key: "H200-141GB",
@@ -375,9 +526,23 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                 ["1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
                 [16384, 33024, 33024, 71168, 71168, 142336],
             ),
-            data: DataQuality::Partial(
-                "placements, SM and engine counts assumed equal to H100 SXM; 7g memory estimated (about 138-139 GiB)",
-            ),
+            estimates: &[
+                Estimate {
+                    fields: &[ProfileField::MemoryMib],
+                    profile_ids: &[0],
+                    why: "mig-nvml.md §5: 7g memory \"about 138\" GiB; 139.0 GiB used",
+                },
+                Estimate {
+                    fields: &[ProfileField::Placements],
+                    profile_ids: &[],
+                    why: "mig-nvml.md §5: H200 placements unverified, assumed equal to H100",
+                },
+                Estimate {
+                    fields: SM_AND_ENGINES,
+                    profile_ids: &[14, 9, 5, 0],
+                    why: "mig-nvml.md §5: larger-profile SM and engine counts unverified, assumed equal to H100",
+                },
+            ],
         },
         GpuModel {
             key: "GH200-144GB",
@@ -393,9 +558,23 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                 ["1g.18gb", "1g.36gb", "2g.36gb", "3g.72gb", "4g.72gb", "7g.144gb"],
                 [17920, 36096, 36096, 72192, 72192, 144384],
             ),
-            data: DataQuality::Partial(
-                "3g/4g/7g memory estimated from 1g double memory; placements, SM and engines assumed equal to H100 SXM",
-            ),
+            estimates: &[
+                Estimate {
+                    fields: &[ProfileField::MemoryMib],
+                    profile_ids: &[9, 5, 0],
+                    why: "not in mig-nvml.md §5; estimated as 2x and 4x the 2g's memory",
+                },
+                Estimate {
+                    fields: &[ProfileField::Placements],
+                    profile_ids: &[],
+                    why: "mig-nvml.md §5: GH200-144 placements unverified, assumed equal to H100",
+                },
+                Estimate {
+                    fields: SM_AND_ENGINES,
+                    profile_ids: &[14, 9, 5, 0],
+                    why: "mig-nvml.md §5: larger-profile SM and engine counts unverified, assumed equal to H100",
+                },
+            ],
         },
         GpuModel {
             key: "B200",
@@ -416,10 +595,34 @@ static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                 ("4g.90gb", [72, 8, 4, 0, 4, 0], 90624),
                 ("7g.180gb", [144, 16, 7, 0, 7, 1], 181248),
             ]),
-            data: DataQuality::Partial(
-                "placements assumed equal to Hopper; 3g/4g/7g SM, decoder, JPEG and memory estimated; \
-                 1g memory 20.5-22.0 GiB by driver",
-            ),
+            estimates: &[
+                Estimate {
+                    fields: &[ProfileField::Placements],
+                    profile_ids: &[],
+                    why: "mig-nvml.md §5: Blackwell placements not captured, presumed identical to Hopper",
+                },
+                Estimate {
+                    fields: &[ProfileField::MemoryMib],
+                    profile_ids: &[19, 20],
+                    why: "mig-nvml.md §5: 1g memory 20.5-22.0 GiB by driver; 22.0 GiB used",
+                },
+                Estimate {
+                    fields: &[
+                        ProfileField::MemoryMib,
+                        ProfileField::Multiprocessors,
+                        ProfileField::Decoders,
+                        ProfileField::JpegEngines,
+                    ],
+                    profile_ids: &[9, 5, 0],
+                    why: "mig-nvml.md §5 marks 3g/4g/7g memory, SM, decoder and JPEG counts \"?\"; \
+                          SMs estimated, decoders and JPEG per slice as on Hopper, memory 2x/2x/4x the 2g's",
+                },
+                Estimate {
+                    fields: &[ProfileField::CopyEngines],
+                    profile_ids: &[14],
+                    why: "mig-nvml.md §5: 2g copy engines 4 on hardware, 3 in the documentation",
+                },
+            ],
         },
     ]
 });
@@ -432,6 +635,13 @@ pub fn models() -> &'static [GpuModel] {
 /// Looks a model up by its key (case-insensitive).
 pub fn model(key: &str) -> Option<&'static GpuModel> {
     CATALOG.iter().find(|m| m.key.eq_ignore_ascii_case(key))
+}
+
+/// Looks a model up by the product name NVML reports (exact, ignoring ASCII case and
+/// surrounding whitespace). This is how SXM and PCIe variants of a GPU are told apart.
+pub fn model_by_product_name(product_name: &str) -> Option<&'static GpuModel> {
+    let name = product_name.trim();
+    CATALOG.iter().find(|m| m.product_name.eq_ignore_ascii_case(name))
 }
 
 /// Looks a model up by PCI device ID.
@@ -573,6 +783,64 @@ mod tests {
             for (p, s) in g.all_placements() {
                 let id = gpu_instance_id(s, p.memory_slices, g.budget.memory_slices, false);
                 assert!(id <= 14, "{} {}@{s} -> {id}", m.key, p.name);
+            }
+        }
+    }
+
+    #[test]
+    fn estimates_name_existing_profiles_and_documented_models_have_none() {
+        for m in models() {
+            for e in m.estimates {
+                assert!(!e.fields.is_empty(), "{}: an estimate without fields", m.key);
+                for id in e.profile_ids {
+                    assert!(
+                        m.profiles.iter().any(|p| p.gi_profile_id == *id),
+                        "{}: estimate names profile ID {id}, which the model lacks",
+                        m.key
+                    );
+                }
+            }
+            assert_eq!(m.source() == DataSource::Documented, m.estimates.is_empty());
+        }
+        let b200 = model("B200").unwrap();
+        assert_eq!(b200.source(), DataSource::Estimated);
+        assert!(b200.estimate(9, ProfileField::Multiprocessors).is_some());
+        assert!(b200.estimate(19, ProfileField::Multiprocessors).is_none());
+        assert!(
+            b200.estimate(19, ProfileField::Placements).is_some(),
+            "every profile"
+        );
+        assert_eq!(model("H100-80GB").unwrap().source(), DataSource::Documented);
+    }
+
+    #[test]
+    fn h100_pcie_and_sxm_are_separate_models() {
+        let sxm = model_by_product_name("NVIDIA H100 80GB HBM3").unwrap();
+        let pcie = model_by_product_name("NVIDIA H100 PCIe").unwrap();
+        assert_eq!(sxm.key, "H100-80GB");
+        assert_eq!(pcie.key, "H100-PCIE-80GB");
+        assert_eq!(model_by_pci_device_id(0x2331).unwrap().key, pcie.key);
+        assert_eq!(model_by_pci_device_id(0x2330).unwrap().key, sxm.key);
+        assert_eq!((sxm.multiprocessors, pcie.multiprocessors), (132, 114));
+        let sms = |m: &GpuModel| m.profiles.iter().map(|p| p.engines.multiprocessors).max();
+        assert_eq!(sms(pcie), Some(114), "7g spans the PCIe card's SMs");
+        assert!(pcie.estimate(0, ProfileField::Multiprocessors).is_some());
+        // Same placements and IDs: only the numbers differ.
+        let shape = |m: &GpuModel| {
+            m.profiles
+                .iter()
+                .map(|p| (p.gi_profile_id, p.placements.clone()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(shape(sxm), shape(pcie));
+        for m in models() {
+            assert_eq!(
+                model_by_product_name(m.product_name).unwrap().key,
+                m.key,
+                "unique names"
+            );
+            for id in m.pci_device_ids {
+                assert_eq!(model_by_pci_device_id(*id).unwrap().key, m.key, "unique PCI IDs");
             }
         }
     }

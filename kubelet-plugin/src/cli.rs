@@ -1,7 +1,7 @@
 //! Command line of `migdra-kubelet-plugin`. Every flag can also come from an environment
 //! variable, which is how the Helm chart's DaemonSet configures it.
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{ffi::OsString, net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::Parser;
 use migdra_api::inventory::DEFAULT_DRIVER_NAME;
@@ -10,7 +10,7 @@ use migdra_runtime::LogFormat;
 /// migdra kubelet plugin: creates the MIG instance of each allocated ResourceClaim on this
 /// node, hands it to containers through CDI, and destroys it once the pod is gone.
 #[derive(Debug, Parser)]
-#[command(name = "migdra-kubelet-plugin", version)]
+#[command(name = "migdra-kubelet-plugin", version, after_help = GPU_CHECK_HELP)]
 pub struct Args {
     /// Name of this node (from the downward API in a DaemonSet).
     #[arg(long, env = "NODE_NAME")]
@@ -60,6 +60,44 @@ pub struct Args {
     /// Seconds a call waits for the node lock held by another plugin instance.
     #[arg(long, env = "LOCK_TIMEOUT_SECONDS", default_value_t = 30)]
     pub lock_timeout_seconds: u64,
+}
+
+/// The subcommand that checks this node's GPUs instead of running the plugin.
+pub const GPU_CHECK: &str = "gpu-check";
+
+const GPU_CHECK_HELP: &str = "Subcommand:\n  gpu-check  check that migdra understands this node's GPUs \
+     (see `migdra-kubelet-plugin gpu-check --help`)";
+
+/// What the command line asks for.
+#[derive(Debug)]
+pub enum Invocation {
+    /// Run the plugin (no subcommand: the invocation the chart and e2e use).
+    Plugin(Box<Args>),
+    /// `gpu-check`.
+    GpuCheck(crate::gpu_check::GpuCheckArgs),
+}
+
+impl Invocation {
+    /// Parses `argv` (program name first). `gpu-check` as the first argument selects the
+    /// subcommand with its own flags (it needs no `--node-name`); anything else is the
+    /// plugin's command line, parsed exactly as without subcommands.
+    pub fn try_parse_from<I, T>(argv: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString>,
+    {
+        let mut argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
+        if argv.get(1).is_some_and(|a| a == GPU_CHECK) {
+            argv.remove(1);
+            return crate::gpu_check::GpuCheckArgs::try_parse_from(argv).map(Invocation::GpuCheck);
+        }
+        Args::try_parse_from(argv).map(|a| Invocation::Plugin(Box::new(a)))
+    }
+
+    /// Parses the process' arguments, exiting with clap's message on an error.
+    pub fn parse() -> Self {
+        Self::try_parse_from(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
 }
 
 impl Args {
@@ -132,6 +170,58 @@ mod tests {
             "never a busy loop"
         );
         assert_eq!(a.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn gpu_check_is_a_subcommand_without_node_name_and_the_default_is_unchanged() {
+        use crate::gpu_check::{GpuCheckArgs, OutputFormat};
+        GpuCheckArgs::command().debug_assert();
+        let Ok(Invocation::GpuCheck(a)) = Invocation::try_parse_from([
+            "migdra-kubelet-plugin",
+            "gpu-check",
+            "--read-only",
+            "--gpu=1",
+            "-o",
+            "json",
+            "--nvml-lib-path=/x/libnvidia-ml.so.1",
+        ]) else {
+            panic!("gpu-check parses without --node-name")
+        };
+        assert!(a.read_only);
+        assert_eq!(a.gpu, Some(1));
+        assert_eq!(a.output, OutputFormat::Json);
+        assert_eq!(a.proc_root, PathBuf::from("/proc"));
+        assert_eq!(a.driver_root, PathBuf::from("/"));
+        assert_eq!(a.host_root, PathBuf::from("/"));
+        assert!(a.driver_root_mount.is_none());
+        let Ok(Invocation::Plugin(p)) =
+            Invocation::try_parse_from(["migdra-kubelet-plugin", "--node-name=n1"])
+        else {
+            panic!("no subcommand runs the plugin")
+        };
+        assert_eq!(p.node_name, "n1");
+        assert!(
+            Invocation::try_parse_from(["migdra-kubelet-plugin"]).is_err(),
+            "the plugin still needs --node-name"
+        );
+        assert!(
+            Invocation::try_parse_from(["migdra-kubelet-plugin", "--node-name=n1", "gpu-check"]).is_err(),
+            "gpu-check is only a subcommand in first position"
+        );
+        let env: Vec<_> = GpuCheckArgs::command()
+            .get_arguments()
+            .filter(|a| a.get_long().is_some_and(|l| l != "help" && l != "version"))
+            .map(|a| {
+                (
+                    a.get_long().unwrap().to_string(),
+                    a.get_env().map(|e| e.to_string_lossy().into_owned()),
+                )
+            })
+            .collect();
+        assert!(
+            env.iter().all(|(_, e)| e.is_some()),
+            "every gpu-check flag has an env var: {env:?}"
+        );
     }
 
     #[test]

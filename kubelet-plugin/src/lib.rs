@@ -7,7 +7,8 @@
 //! [`checkpoint`] file, written through [`state_dir`]), works on GPUs through the GPU table
 //! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]). Beside it, the status loop
 //! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
-//! counts what happens.
+//! counts what happens. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
+//! against what migdra expects, without running the plugin.
 
 pub mod cdi;
 pub mod checkpoint;
@@ -15,6 +16,7 @@ pub mod claims;
 pub mod cli;
 pub mod driver;
 pub mod driver_files;
+pub mod gpu_check;
 pub mod gpus;
 pub mod journal;
 pub mod metrics;

@@ -1,8 +1,13 @@
-//! `migdra-kubelet-plugin`: the node half of migdra.
+//! `migdra-kubelet-plugin`: the node half of migdra (and its `gpu-check` subcommand).
 
-use clap::Parser;
+use migdra_kubelet_plugin::{cli::Invocation, gpu_check};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    migdra_kubelet_plugin::run(migdra_kubelet_plugin::cli::Args::parse()).await
+fn main() -> anyhow::Result<()> {
+    match Invocation::parse() {
+        Invocation::GpuCheck(args) => std::process::exit(gpu_check::run(&args)),
+        Invocation::Plugin(args) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?
+            .block_on(migdra_kubelet_plugin::run(*args)),
+    }
 }

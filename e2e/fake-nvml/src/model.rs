@@ -356,6 +356,20 @@ static H100_80GB: MigTable = hopper!(
     [9984, 20096, 20096, 40448, 40448, 81152]
 );
 
+/// H100 PCIe (0x2331): §5 gives 114 SMs for the whole card and says its per-profile SM
+/// counts are not captured. Estimated here: the SXM5 SM counts times 114/132, rounded
+/// (16→14, 26→22, 32→28, 60→52, 64→55, 132→114). Memory and the other engines are not given
+/// for the PCIe card either and are taken from the SXM5 table (an assumption).
+static H100_PCIE_80GB: MigTable = eight_slice(&[
+    profile(G1, "1g.10gb", [14, 1, 1, 0, 1, 0], 9984),
+    profile(G2, "2g.20gb", [28, 2, 2, 0, 2, 0], 20096),
+    profile(G3, "3g.40gb", [52, 3, 3, 0, 3, 0], 40448),
+    profile(G4, "4g.40gb", [55, 4, 4, 0, 4, 0], 40448),
+    profile(G7, "7g.80gb", [114, 8, 7, 0, 7, 1], 81152),
+    profile(G1_ME, "1g.10gb+me", [14, 1, 1, 0, 1, 1], 9984),
+    profile(G1_DOUBLE, "1g.20gb", [22, 1, 1, 0, 1, 0], 20096),
+]);
+
 /// §5 H100 NVL: 10.75, 21.5, 21.5, 46.1–46.4 (46.125 used), same, 92.6–93.1 (92.75 used).
 static H100_NVL_94GB: MigTable = hopper!(
     ["1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
@@ -457,6 +471,18 @@ static MODELS: &[FakeModel] = &[
         81559,
         132,
         Some(&H100_80GB),
+    ),
+    // The PCIe card: NVML names it "NVIDIA H100 PCIe" (the SXM5 part "NVIDIA H100 80GB
+    // HBM3"); 114 SMs (§5). Total memory as the SXM5 part (80 GB class).
+    model!(
+        "H100-PCIE-80GB",
+        "NVIDIA H100 PCIe",
+        0x2331,
+        ARCH_HOPPER,
+        (9, 0),
+        81559,
+        114,
+        Some(&H100_PCIE_80GB),
     ),
     model!(
         "H100-NVL-94GB",

@@ -1,0 +1,434 @@
+//! Discovered GPU against the catalog: is the model known, and does every GPU-instance
+//! profile NVML reports match the catalog's entry field by field? Pure.
+//!
+//! Rule: a difference in a field the catalog marks as an estimate ([`GpuModel::estimates`])
+//! is a warning ("estimate differs", the catalog should be corrected); a difference anywhere
+//! else, an unknown model or a profile the catalog lacks is a mismatch. Profile ID, index,
+//! slice counts and instance count are never estimates: they decide device names and
+//! counters.
+
+use migdra_api::{
+    catalog::{GpuModel, ProfileField},
+    geometry::MigProfile,
+};
+
+use super::report::{Finding, ProfileRow, RowStatus};
+use crate::nvml::GpuDescription;
+
+/// The outcome of comparing one GPU with the catalog.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CatalogComparison {
+    /// The recognised catalog model.
+    pub model: Option<&'static GpuModel>,
+    /// One row per NVML profile.
+    pub rows: Vec<ProfileRow>,
+    /// Mismatches and warnings.
+    pub findings: Vec<Finding>,
+}
+
+/// Finds the GPU's model (by the product name NVML reports, which is what tells the SXM and
+/// PCIe variants apart) in `catalog`, then compares every profile.
+pub fn compare_with_catalog(gpu: &GpuDescription, catalog: &'static [GpuModel]) -> CatalogComparison {
+    let product = gpu.product_name.trim();
+    let model = catalog
+        .iter()
+        .find(|m| m.product_name.eq_ignore_ascii_case(product));
+    let mut findings = Vec::new();
+    let gpu_label = format!("GPU {} ({})", gpu.index, gpu.product_name);
+    let Some(mig) = &gpu.mig else {
+        if let Some(m) = model {
+            findings.push(Finding::warning(format!(
+                "{gpu_label}: catalog model {} is MIG-capable but NVML reports no MIG support \
+                 (GetMigMode not supported, e.g. in a VM); migdra can publish it only whole",
+                m.key
+            )));
+        } else {
+            findings.push(Finding::warning(format!(
+                "{gpu_label}: not MIG-capable; migdra publishes it whole, no MIG checks"
+            )));
+        }
+        return CatalogComparison {
+            model,
+            rows: Vec::new(),
+            findings,
+        };
+    };
+    let Some(model) = model else {
+        findings.push(Finding::mismatch(format!(
+            "{gpu_label}: product name {:?} is not in migdra's catalog (known: {})",
+            gpu.product_name,
+            catalog
+                .iter()
+                .map(|m| m.product_name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+        let rows = mig
+            .profiles
+            .iter()
+            .map(|p| row(p, RowStatus::NotInCatalog))
+            .collect();
+        return CatalogComparison {
+            model: None,
+            rows,
+            findings,
+        };
+    };
+    let label = format!("{gpu_label} [{}]", model.key);
+    for e in model.estimates {
+        let fields = e.fields.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(", ");
+        let profiles = if e.profile_ids.is_empty() {
+            "every profile".to_string()
+        } else {
+            format!("profile IDs {:?}", e.profile_ids)
+        };
+        findings.push(Finding::warning(format!(
+            "{label}: catalog values estimated, not documented: {fields} of {profiles} ({})",
+            e.why
+        )));
+    }
+    if gpu.architecture != Some(model.architecture) {
+        findings.push(Finding::mismatch(format!(
+            "{label}: architecture: NVML {:?}, catalog {:?}",
+            gpu.architecture, model.architecture
+        )));
+    }
+    if gpu.memory_mib != model.memory_mib {
+        findings.push(Finding::warning(format!(
+            "{label}: total memory: NVML {} MiB, catalog {} MiB (budgets come from NVML at run time)",
+            gpu.memory_mib, model.memory_mib
+        )));
+    }
+    let mut rows = Vec::new();
+    for p in &mig.profiles {
+        let Some(c) = model.profiles.iter().find(|c| c.gi_profile_id == p.gi_profile_id) else {
+            findings.push(Finding::mismatch(format!(
+                "{label}: profile {} (ID {}, index {}) is not in the catalog",
+                p.name, p.gi_profile_id, p.gi_profile_index
+            )));
+            rows.push(row(p, RowStatus::NotInCatalog));
+            continue;
+        };
+        let mut status = RowStatus::Match;
+        for diff in differences(p, c) {
+            let estimate = diff.field.and_then(|f| model.estimate(p.gi_profile_id, f));
+            let text = format!(
+                "{label}: profile {} (ID {}) {}: NVML {}, catalog {}",
+                p.name, p.gi_profile_id, diff.what, diff.nvml, diff.catalog
+            );
+            match estimate {
+                Some(e) => {
+                    if status == RowStatus::Match {
+                        status = RowStatus::EstimateDiffers;
+                    }
+                    findings.push(Finding::warning(format!(
+                        "{text} (catalog value is an estimate: {}; please report NVML's value)",
+                        e.why
+                    )));
+                }
+                None => {
+                    status = RowStatus::Mismatch;
+                    findings.push(Finding::mismatch(text));
+                }
+            }
+        }
+        rows.push(row(p, status));
+    }
+    for c in &model.profiles {
+        if !mig.profiles.iter().any(|p| p.gi_profile_id == c.gi_profile_id) {
+            findings.push(Finding::warning(format!(
+                "{label}: catalog profile {} (ID {}) is not reported by NVML (older driver?); \
+                 migdra publishes only what NVML reports",
+                c.name, c.gi_profile_id
+            )));
+        }
+    }
+    CatalogComparison {
+        model: Some(model),
+        rows,
+        findings,
+    }
+}
+
+fn row(p: &MigProfile, catalog: RowStatus) -> ProfileRow {
+    ProfileRow {
+        name: p.name.to_string(),
+        id: p.gi_profile_id,
+        index: p.gi_profile_index,
+        compute_slices: p.compute_slices,
+        memory_slices: p.memory_slices,
+        instance_count: p.instance_count,
+        memory_mib: p.memory_mib,
+        multiprocessors: p.engines.multiprocessors,
+        placements: p.placements.clone(),
+        device_names: Vec::new(),
+        catalog,
+    }
+}
+
+/// One field that differs.
+struct Difference {
+    what: &'static str,
+    /// The catalog field, when the catalog can mark it as an estimate.
+    field: Option<ProfileField>,
+    nvml: String,
+    catalog: String,
+}
+
+fn differences(nvml: &MigProfile, catalog: &MigProfile) -> Vec<Difference> {
+    let mut out = Vec::new();
+    let mut check = |what, field, a: String, b: String| {
+        if a != b {
+            out.push(Difference {
+                what,
+                field,
+                nvml: a,
+                catalog: b,
+            });
+        }
+    };
+    check("name", None, nvml.name.to_string(), catalog.name.to_string());
+    check(
+        "profile index",
+        None,
+        nvml.gi_profile_index.to_string(),
+        catalog.gi_profile_index.to_string(),
+    );
+    check(
+        "compute slices",
+        None,
+        nvml.compute_slices.to_string(),
+        catalog.compute_slices.to_string(),
+    );
+    check(
+        "memory slices",
+        None,
+        nvml.memory_slices.to_string(),
+        catalog.memory_slices.to_string(),
+    );
+    check(
+        "instance count",
+        None,
+        nvml.instance_count.to_string(),
+        catalog.instance_count.to_string(),
+    );
+    check(
+        "placements",
+        Some(ProfileField::Placements),
+        format!("{:?}", sorted(&nvml.placements)),
+        format!("{:?}", sorted(&catalog.placements)),
+    );
+    check(
+        "memory MiB",
+        Some(ProfileField::MemoryMib),
+        nvml.memory_mib.to_string(),
+        catalog.memory_mib.to_string(),
+    );
+    let (a, b) = (nvml.engines, catalog.engines);
+    for (what, field, x, y) in [
+        (
+            "multiprocessors",
+            Some(ProfileField::Multiprocessors),
+            a.multiprocessors,
+            b.multiprocessors,
+        ),
+        (
+            "copy engines",
+            Some(ProfileField::CopyEngines),
+            a.copy_engines,
+            b.copy_engines,
+        ),
+        ("decoders", Some(ProfileField::Decoders), a.decoders, b.decoders),
+        ("encoders", None, a.encoders, b.encoders),
+        (
+            "JPEG engines",
+            Some(ProfileField::JpegEngines),
+            a.jpeg_engines,
+            b.jpeg_engines,
+        ),
+        (
+            "OFA engines",
+            Some(ProfileField::OfaEngines),
+            a.ofa_engines,
+            b.ofa_engines,
+        ),
+    ] {
+        check(what, field, x.to_string(), y.to_string());
+    }
+    out
+}
+
+fn sorted(v: &[u32]) -> Vec<u32> {
+    let mut v = v.to_vec();
+    v.sort_unstable();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use migdra_api::catalog;
+
+    use super::*;
+    use crate::nvml::MigDescription;
+
+    /// A GPU exactly as the catalog describes `key`.
+    fn gpu_like(key: &str) -> GpuDescription {
+        let m = catalog::model(key).unwrap();
+        GpuDescription {
+            index: 0,
+            minor: 0,
+            uuid: m.uuid(0),
+            product_name: m.product_name.into(),
+            pci_bus_id: None,
+            numa_node: None,
+            memory_mib: m.memory_mib,
+            architecture: Some(m.architecture),
+            cuda_compute_capability: None,
+            mig: Some(MigDescription {
+                enabled: true,
+                pending_enabled: true,
+                profiles: m.profiles.clone(),
+            }),
+        }
+    }
+
+    fn mismatches(c: &CatalogComparison) -> Vec<&str> {
+        c.findings
+            .iter()
+            .filter(|f| f.severity == super::super::Severity::Mismatch)
+            .map(|f| f.message.as_str())
+            .collect()
+    }
+
+    #[test]
+    fn a_gpu_equal_to_its_documented_entry_matches_without_findings() {
+        let c = compare_with_catalog(&gpu_like("H100-80GB"), catalog::models());
+        assert_eq!(c.model.map(|m| m.key), Some("H100-80GB"));
+        assert!(c.findings.is_empty(), "{:?}", c.findings);
+        assert_eq!(c.rows.len(), 7);
+        assert!(c.rows.iter().all(|r| r.catalog == RowStatus::Match));
+    }
+
+    #[test]
+    fn the_pcie_card_is_recognised_by_its_product_name() {
+        let mut gpu = gpu_like("H100-PCIE-80GB");
+        let c = compare_with_catalog(&gpu, catalog::models());
+        assert_eq!(c.model.map(|m| m.key), Some("H100-PCIE-80GB"));
+        assert!(mismatches(&c).is_empty());
+        // Its SM counts are estimates: the check warns that they are.
+        assert!(
+            c.findings
+                .iter()
+                .any(|f| f.message.contains("multiprocessors of every profile"))
+        );
+        // The SXM name with the PCIe numbers: the SMs differ from documented values.
+        gpu.product_name = "NVIDIA H100 80GB HBM3".into();
+        let c = compare_with_catalog(&gpu, catalog::models());
+        assert_eq!(c.model.map(|m| m.key), Some("H100-80GB"));
+        assert!(
+            mismatches(&c)
+                .iter()
+                .any(|m| m.contains("multiprocessors: NVML 114, catalog 132"))
+        );
+    }
+
+    #[test]
+    fn an_unknown_model_is_a_mismatch_and_its_rows_are_not_in_the_catalog() {
+        let mut gpu = gpu_like("H100-80GB");
+        gpu.product_name = "NVIDIA H999".into();
+        let c = compare_with_catalog(&gpu, catalog::models());
+        assert!(c.model.is_none());
+        let m = mismatches(&c);
+        assert_eq!(m.len(), 1);
+        assert!(
+            m[0].contains("\"NVIDIA H999\" is not in migdra's catalog"),
+            "{}",
+            m[0]
+        );
+        assert!(c.rows.iter().all(|r| r.catalog == RowStatus::NotInCatalog));
+    }
+
+    #[test]
+    fn a_documented_field_that_differs_is_a_mismatch_naming_both_values() {
+        let mut gpu = gpu_like("H100-80GB");
+        let profiles = &mut gpu.mig.as_mut().unwrap().profiles;
+        let three_g = profiles.iter_mut().find(|p| p.gi_profile_id == 9).unwrap();
+        three_g.placements = vec![0, 2, 4];
+        three_g.memory_mib += 1;
+        let c = compare_with_catalog(&gpu, catalog::models());
+        let m = mismatches(&c);
+        assert_eq!(m.len(), 2, "{m:?}");
+        assert!(
+            m.iter()
+                .any(|l| l.contains("placements: NVML [0, 2, 4], catalog [0, 4]"))
+        );
+        assert!(
+            m.iter()
+                .any(|l| l.contains("memory MiB: NVML 40449, catalog 40448"))
+        );
+        let row = c.rows.iter().find(|r| r.id == 9).unwrap();
+        assert_eq!(row.catalog, RowStatus::Mismatch);
+    }
+
+    #[test]
+    fn an_estimated_field_that_differs_is_a_warning_and_structure_is_never_estimated() {
+        let mut gpu = gpu_like("B200");
+        let profiles = &mut gpu.mig.as_mut().unwrap().profiles;
+        let seven_g = profiles.iter_mut().find(|p| p.gi_profile_id == 0).unwrap();
+        seven_g.engines.multiprocessors = 140; // estimated in the catalog
+        let c = compare_with_catalog(&gpu, catalog::models());
+        assert!(mismatches(&c).is_empty(), "{:?}", mismatches(&c));
+        assert_eq!(
+            c.rows.iter().find(|r| r.id == 0).unwrap().catalog,
+            RowStatus::EstimateDiffers
+        );
+        assert!(
+            c.findings
+                .iter()
+                .any(|f| f.severity == super::super::Severity::Warning
+                    && f.message.contains("multiprocessors: NVML 140, catalog 144"))
+        );
+
+        // Instance count is never an estimate, even on a model with estimated placements.
+        let profiles = &mut gpu.mig.as_mut().unwrap().profiles;
+        profiles
+            .iter_mut()
+            .find(|p| p.gi_profile_id == 19)
+            .unwrap()
+            .instance_count = 6;
+        let c = compare_with_catalog(&gpu, catalog::models());
+        assert_eq!(mismatches(&c).len(), 1);
+    }
+
+    #[test]
+    fn profiles_only_one_side_has() {
+        let mut gpu = gpu_like("A100-SXM4-40GB");
+        let profiles = &mut gpu.mig.as_mut().unwrap().profiles;
+        let missing = profiles.remove(0); // 1g.5gb, ID 19
+        let mut extra = missing.clone();
+        extra.gi_profile_id = 42;
+        extra.gi_profile_index = 13;
+        profiles.push(extra);
+        let c = compare_with_catalog(&gpu, catalog::models());
+        let m = mismatches(&c);
+        assert_eq!(m.len(), 1, "{m:?}");
+        assert!(m[0].contains("(ID 42, index 13) is not in the catalog"));
+        assert!(
+            c.findings
+                .iter()
+                .any(|f| f.severity == super::super::Severity::Warning
+                    && f.message.contains("1g.5gb (ID 19) is not reported by NVML"))
+        );
+    }
+
+    #[test]
+    fn a_gpu_without_mig_is_a_warning_only() {
+        let mut gpu = gpu_like("A100-SXM4-40GB");
+        gpu.mig = None;
+        gpu.product_name = "NVIDIA L4".into();
+        let c = compare_with_catalog(&gpu, catalog::models());
+        assert!(mismatches(&c).is_empty());
+        assert_eq!(c.findings.len(), 1);
+        assert!(c.rows.is_empty());
+    }
+}

@@ -1,0 +1,405 @@
+//! What migdra would publish and hand to containers for a GPU, computed read-only: the pool's
+//! device names and counters (through [`migdra_api::slices::plan_pool`], the slice model the
+//! plugin publishes with), the MIG capability files CDI specs are built from (as
+//! [`CdiWriter`] reads them) and the driver files a spec would mount
+//! ([`crate::driver_files::discover`]).
+
+use std::{collections::BTreeMap, path::Path};
+
+use migdra_api::{
+    device_name::DeviceName,
+    geometry::MigGeometry,
+    inventory::{GpuHealth, GpuInventory, MigInventory},
+    policy::EffectivePolicy,
+    slices::{PlannedKind, plan_pool},
+};
+use serde::Serialize;
+
+use super::{
+    CheckOptions,
+    report::{Finding, ProfileRow},
+};
+use crate::{
+    cdi::CdiWriter,
+    driver_files::{self, DiscoveryInputs},
+    gpus::describe_instance,
+    nvml::{GpuBackend, GpuDescription, GpuInstanceRecord, NvmlErrorKind},
+};
+
+/// The GPU instances that exist on a GPU (none when MIG is off or unsupported).
+pub fn existing_instances<B: GpuBackend>(
+    backend: &B,
+    gpu: &GpuDescription,
+) -> Result<Vec<GpuInstanceRecord>, crate::nvml::BackendError> {
+    match &gpu.mig {
+        Some(mig) if mig.enabled => match backend.list_gpu_instances(gpu.index) {
+            Err(e) if e.kind == NvmlErrorKind::NotSupported => Ok(Vec::new()),
+            other => other,
+        },
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// One device of the pool.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishedDevice {
+    /// Device name.
+    pub name: String,
+    /// GPU-instance profile ID (none for the whole GPU).
+    pub profile_id: Option<u32>,
+    /// Placement start (none for the whole GPU).
+    pub start: Option<u32>,
+}
+
+/// The part of the node's pool one GPU contributes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishedReport {
+    /// Number of devices.
+    pub device_count: usize,
+    /// Devices in published order.
+    pub devices: Vec<PublishedDevice>,
+    /// The GPU's counter set name.
+    pub counter_set: Option<String>,
+    /// Its counters.
+    pub counters: BTreeMap<String, u64>,
+    /// Findings (bad names).
+    #[serde(skip)]
+    pub findings: Vec<Finding>,
+}
+
+/// The inventory the plugin would report for `gpu` with these instances (all foreign: the
+/// check has no claims).
+pub fn inventory(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> GpuInventory {
+    GpuInventory {
+        minor: gpu.minor,
+        index: gpu.index,
+        uuid: gpu.uuid.clone(),
+        product_name: gpu.product_name.clone(),
+        architecture: gpu.architecture,
+        cuda_compute_capability: gpu.cuda_compute_capability.map(|(a, b)| format!("{a}.{b}")),
+        pci_bus_id: gpu.pci_bus_id.clone(),
+        numa_node: gpu.numa_node,
+        memory_mib: gpu.memory_mib,
+        mig: gpu.mig.as_ref().map(|mig| {
+            let geometry = MigGeometry::new(mig.profiles.clone(), gpu.memory_mib);
+            let instances = instances
+                .iter()
+                .map(|gi| describe_instance(gi, &geometry, gpu.minor, &BTreeMap::new()))
+                .collect();
+            MigInventory {
+                enabled: mig.enabled,
+                change_pending: mig.enabled != mig.pending_enabled,
+                mode_switchable: gpu.architecture.is_some_and(|a| a.mig_mode_switchable()),
+                geometry,
+                instances,
+            }
+        }),
+        health: GpuHealth::healthy(),
+    }
+}
+
+/// The devices and counters migdra would publish for `gpu` under the default policy, with
+/// a check that every name is a DNS label that parses back to the same device.
+pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> PublishedReport {
+    let plan = plan_pool(&[inventory(gpu, instances)], &EffectivePolicy::default());
+    let mut findings = Vec::new();
+    let label = format!("GPU {} ({})", gpu.index, gpu.product_name);
+    let mut devices = Vec::new();
+    for d in &plan.devices {
+        let name = d.name.to_string();
+        let parses_back = name.parse::<DeviceName>().ok() == Some(d.name);
+        if !parses_back || name.len() > 63 {
+            findings.push(Finding::mismatch(format!(
+                "{label}: device name {name:?} is not a DNS label that names the device back"
+            )));
+        }
+        let (profile_id, start) = match &d.kind {
+            PlannedKind::Mig { profile, start } => (Some(profile.gi_profile_id), Some(*start)),
+            PlannedKind::Gpu => (None, None),
+        };
+        devices.push(PublishedDevice {
+            name,
+            profile_id,
+            start,
+        });
+    }
+    let (counter_set, counters) = plan
+        .counter_sets
+        .into_iter()
+        .next()
+        .map_or((None, BTreeMap::new()), |(name, c)| (Some(name), c));
+    PublishedReport {
+        device_count: devices.len(),
+        devices,
+        counter_set,
+        counters,
+        findings,
+    }
+}
+
+/// Copies the published device names into the profile rows.
+pub fn fill_device_names(rows: &mut [ProfileRow], published: &PublishedReport) {
+    for row in rows {
+        row.device_names = published
+            .devices
+            .iter()
+            .filter(|d| d.profile_id == Some(row.id))
+            .map(|d| d.name.clone())
+            .collect();
+    }
+}
+
+/// Capability minors of one existing instance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InstanceCapabilities {
+    /// GPU-instance ID.
+    pub gpu_instance: u32,
+    /// Compute-instance ID.
+    pub compute_instance: u32,
+    /// Minor of the GI's capability device.
+    pub gi_minor: u32,
+    /// Minor of the CI's capability device.
+    pub ci_minor: u32,
+}
+
+/// The MIG capability layout of a GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CapabilityReport {
+    /// `nvidia-caps` major from `/proc/devices`.
+    pub caps_major: Option<u32>,
+    /// `/proc/driver/nvidia-caps/mig-minors` exists.
+    pub mig_minors_present: bool,
+    /// Minors read for the existing instances.
+    pub instances: Vec<InstanceCapabilities>,
+    /// Findings.
+    #[serde(skip)]
+    pub findings: Vec<Finding>,
+}
+
+/// Reads the capability layout: the `nvidia-caps` major, the minor table, and for every
+/// existing compute instance the per-instance access files a CDI spec would be built from.
+pub fn capability_layout(
+    cdi: &CdiWriter,
+    proc_root: &Path,
+    gpu: &GpuDescription,
+    instances: &[GpuInstanceRecord],
+) -> CapabilityReport {
+    let mut findings = Vec::new();
+    let label = format!("GPU {} ({})", gpu.index, gpu.product_name);
+    let mig_on = gpu.mig.as_ref().is_some_and(|m| m.enabled);
+    let caps_major = match cdi.majors() {
+        Ok(m) => m.caps,
+        Err(e) => {
+            findings.push(Finding::mismatch(format!("{label}: {e}")));
+            None
+        }
+    };
+    if caps_major.is_none() && mig_on {
+        findings.push(Finding::mismatch(format!(
+            "{label}: MIG is on but {} has no nvidia-caps character device; CDI specs cannot name \
+             the capability devices",
+            proc_root.join("devices").display()
+        )));
+    }
+    let mig_minors_present = proc_root.join("driver/nvidia-caps/mig-minors").is_file();
+    if !mig_minors_present && gpu.mig.is_some() {
+        findings.push(Finding::warning(format!(
+            "{label}: {} is missing",
+            proc_root.join("driver/nvidia-caps/mig-minors").display()
+        )));
+    }
+    let mut caps = Vec::new();
+    for gi in instances {
+        for ci in &gi.compute_instances {
+            match (
+                cdi.capability(gpu.minor, gi.id, None),
+                cdi.capability(gpu.minor, gi.id, Some(ci.id)),
+            ) {
+                (Ok((gi_minor, _)), Ok((ci_minor, _))) => caps.push(InstanceCapabilities {
+                    gpu_instance: gi.id,
+                    compute_instance: ci.id,
+                    gi_minor,
+                    ci_minor,
+                }),
+                (Err(e), _) | (_, Err(e)) => findings.push(Finding::mismatch(format!(
+                    "{label}: existing instance GI {} CI {}: {e}",
+                    gi.id, ci.id
+                ))),
+            }
+        }
+    }
+    CapabilityReport {
+        caps_major,
+        mig_minors_present,
+        instances: caps,
+        findings,
+    }
+}
+
+/// Counts of the discovered driver files.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DriverFilesSummary {
+    /// Versioned libraries.
+    pub libraries: usize,
+    /// Utilities.
+    pub binaries: usize,
+    /// GSP firmware files.
+    pub firmware: usize,
+    /// Sockets.
+    pub ipc: usize,
+    /// Soname links to make.
+    pub soname_links: usize,
+    /// `nvidia-cdi-hook`, when found.
+    pub hook: Option<String>,
+    /// Host paths of the libraries.
+    pub library_paths: Vec<String>,
+}
+
+/// The driver files a claim's CDI spec would mount.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DriverFilesReport {
+    /// The driver root searched.
+    pub driver_root: String,
+    /// What was found; `None` when discovery failed (see the warnings).
+    pub summary: Option<DriverFilesSummary>,
+    /// Findings.
+    #[serde(skip)]
+    pub findings: Vec<Finding>,
+}
+
+/// Discovers the driver's container files under `driver_root` (read-only). A failure is a
+/// warning: it says containers would not get the driver's libraries, not that migdra
+/// misunderstands the GPU.
+pub fn driver_files(options: &CheckOptions, driver_version: &str) -> DriverFilesReport {
+    let root = options.driver_root.on_host.display().to_string();
+    let discovered = driver_files::read_kernel_release(&options.proc_root).and_then(|kernel_release| {
+        driver_files::discover(&DiscoveryInputs {
+            driver_root: options.driver_root.clone(),
+            driver_version: driver_version.to_string(),
+            kernel_release,
+            host_root: options.host_root.clone(),
+            hook_path: options.hook_path.clone(),
+            arch: driver_files::LibraryArch::HOST,
+        })
+    });
+    match discovered {
+        Ok(files) => DriverFilesReport {
+            driver_root: root,
+            summary: Some(DriverFilesSummary {
+                libraries: files.libraries.len(),
+                binaries: files.binaries.len(),
+                firmware: files.firmware.len(),
+                ipc: files.ipc.len(),
+                soname_links: files.soname_links.len(),
+                hook: files.hook.as_ref().map(|h| h.display().to_string()),
+                library_paths: files
+                    .libraries
+                    .iter()
+                    .map(|f| f.host_path.display().to_string())
+                    .collect(),
+            }),
+            findings: Vec::new(),
+        },
+        Err(e) => DriverFilesReport {
+            driver_root: root.clone(),
+            summary: None,
+            findings: vec![Finding::warning(format!(
+                "driver files under {root} not discovered: {e}"
+            ))],
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use migdra_api::catalog;
+
+    use super::*;
+    use crate::nvml::{ComputeInstanceRecord, MigDescription};
+
+    fn h100() -> GpuDescription {
+        let m = catalog::model("H100-80GB").unwrap();
+        GpuDescription {
+            index: 0,
+            minor: 3,
+            uuid: m.uuid(3),
+            product_name: m.product_name.into(),
+            pci_bus_id: None,
+            numa_node: None,
+            memory_mib: m.memory_mib,
+            architecture: Some(m.architecture),
+            cuda_compute_capability: Some((9, 0)),
+            mig: Some(MigDescription {
+                enabled: true,
+                pending_enabled: true,
+                profiles: m.profiles.clone(),
+            }),
+        }
+    }
+
+    #[test]
+    fn an_idle_gpu_publishes_every_placement_and_the_whole_gpu() {
+        let gpu = h100();
+        let p = published(&gpu, &[]);
+        assert!(p.findings.is_empty(), "{:?}", p.findings);
+        let placements: usize = gpu
+            .mig
+            .as_ref()
+            .unwrap()
+            .profiles
+            .iter()
+            .map(|p| p.placements.len())
+            .sum();
+        assert_eq!(p.device_count, placements + 1);
+        assert!(p.devices.iter().any(|d| d.name == "gpu-3"));
+        assert!(p.devices.iter().any(|d| d.name == "gpu-3-mig-3g40gb-4"));
+        assert_eq!(p.counter_set.as_deref(), Some("gpu-3"));
+        assert_eq!(p.counters.get("memory-slice-7"), Some(&1));
+        let mut rows = vec![ProfileRow {
+            name: "3g.40gb".into(),
+            id: 9,
+            index: 2,
+            compute_slices: 3,
+            memory_slices: 4,
+            instance_count: 2,
+            memory_mib: 40448,
+            multiprocessors: 60,
+            placements: vec![0, 4],
+            device_names: Vec::new(),
+            catalog: super::super::report::RowStatus::Match,
+        }];
+        fill_device_names(&mut rows, &p);
+        // In published (first-fit) order, which is the pool's, not the placement order.
+        let mut names = rows[0].device_names.clone();
+        names.sort();
+        assert_eq!(names, ["gpu-3-mig-3g40gb-0", "gpu-3-mig-3g40gb-4"]);
+    }
+
+    #[test]
+    fn a_foreign_instance_blocks_its_slices_and_the_whole_gpu_without_a_finding() {
+        let gpu = h100();
+        let foreign = GpuInstanceRecord {
+            id: 2,
+            profile_id: 9,
+            start: 4,
+            size: 4,
+            compute_instances: vec![ComputeInstanceRecord {
+                id: 0,
+                profile_id: 2,
+                mig_uuid: "MIG-x".into(),
+            }],
+        };
+        let p = published(&gpu, &[foreign]);
+        assert!(p.findings.is_empty());
+        assert!(!p.devices.iter().any(|d| d.name == "gpu-3"));
+        assert!(!p.devices.iter().any(|d| d.name == "gpu-3-mig-3g40gb-4"));
+        assert!(p.devices.iter().any(|d| d.name == "gpu-3-mig-3g40gb-0"));
+        assert_eq!(p.counters.get("memory-slice-4"), Some(&0));
+    }
+}

@@ -1,0 +1,523 @@
+//! The gpu-check report: what was found per GPU, the findings (mismatches and warnings),
+//! the table rendering and the exit code. Plain values, so rendering is tested on hand-built
+//! reports.
+
+use std::fmt::Write as _;
+
+use migdra_api::catalog::DataSource;
+use serde::Serialize;
+
+use super::{
+    EXIT_MISMATCH, EXIT_OK,
+    exercise::ExerciseReport,
+    publish::{CapabilityReport, DriverFilesReport, PublishedReport},
+};
+use crate::nvml::GpuDescription;
+
+/// How bad a finding is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Severity {
+    /// migdra's expectation and the GPU disagree: the check fails (exit code 1).
+    Mismatch,
+    /// Worth knowing (an estimate in the catalog, a missing optional file); does not fail.
+    Warning,
+}
+
+/// One line of the verdict.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Finding {
+    /// Mismatch or warning.
+    pub severity: Severity,
+    /// What was found, self-contained.
+    pub message: String,
+}
+
+impl Finding {
+    /// A mismatch.
+    pub fn mismatch(message: impl Into<String>) -> Self {
+        Self {
+            severity: Severity::Mismatch,
+            message: message.into(),
+        }
+    }
+
+    /// A warning.
+    pub fn warning(message: impl Into<String>) -> Self {
+        Self {
+            severity: Severity::Warning,
+            message: message.into(),
+        }
+    }
+}
+
+/// How a profile compares with the catalog.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum RowStatus {
+    /// Every field matches.
+    Match,
+    /// Only fields the catalog marks as estimates differ.
+    EstimateDiffers,
+    /// A documented field differs.
+    Mismatch,
+    /// The catalog has no such profile (or no such model).
+    NotInCatalog,
+}
+
+impl RowStatus {
+    fn as_str(self) -> &'static str {
+        match self {
+            RowStatus::Match => "match",
+            RowStatus::EstimateDiffers => "estimate differs",
+            RowStatus::Mismatch => "MISMATCH",
+            RowStatus::NotInCatalog => "NOT IN CATALOG",
+        }
+    }
+}
+
+/// One GPU-instance profile as NVML reports it, with its catalog verdict.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProfileRow {
+    /// Profile name (`3g.40gb`).
+    pub name: String,
+    /// GPU-instance profile ID.
+    pub id: u32,
+    /// Profile index.
+    pub index: u32,
+    /// Compute slices.
+    pub compute_slices: u32,
+    /// Memory slices of a placement.
+    pub memory_slices: u32,
+    /// Most instances.
+    pub instance_count: u32,
+    /// Memory of one instance (MiB).
+    pub memory_mib: u64,
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Possible placement starts.
+    pub placements: Vec<u32>,
+    /// Device names migdra would publish for this profile (one per offered placement).
+    pub device_names: Vec<String>,
+    /// Catalog verdict.
+    pub catalog: RowStatus,
+}
+
+/// MIG mode of a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigMode {
+    /// Current mode.
+    pub enabled: bool,
+    /// Pending mode.
+    pub pending_enabled: bool,
+}
+
+/// Everything found about one GPU.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuReport {
+    /// NVML index.
+    pub index: u32,
+    /// Device minor.
+    pub minor: u32,
+    /// `GPU-…` UUID.
+    pub uuid: String,
+    /// Product name NVML reports.
+    pub product_name: String,
+    /// Total memory (MiB).
+    pub memory_mib: u64,
+    /// MIG mode; `None` for a GPU that is not MIG-capable.
+    pub mig: Option<MigMode>,
+    /// Catalog key of the recognised model.
+    pub catalog_model: Option<String>,
+    /// `documented` or `estimated`.
+    pub catalog_source: Option<String>,
+    /// Profiles in NVML index order.
+    pub profiles: Vec<ProfileRow>,
+    /// The pool migdra would publish for the GPU.
+    pub published: Option<PublishedReport>,
+    /// The MIG capability files.
+    pub capabilities: Option<CapabilityReport>,
+    /// Full mode's results.
+    pub exercise: Option<ExerciseReport>,
+    /// Findings about this GPU (including those of the parts above).
+    pub findings: Vec<Finding>,
+}
+
+impl GpuReport {
+    /// An empty report for a discovered GPU.
+    pub fn new(gpu: &GpuDescription) -> Self {
+        Self {
+            index: gpu.index,
+            minor: gpu.minor,
+            uuid: gpu.uuid.clone(),
+            product_name: gpu.product_name.clone(),
+            memory_mib: gpu.memory_mib,
+            mig: gpu.mig.as_ref().map(|m| MigMode {
+                enabled: m.enabled,
+                pending_enabled: m.pending_enabled,
+            }),
+            catalog_model: None,
+            catalog_source: None,
+            profiles: Vec::new(),
+            published: None,
+            capabilities: None,
+            exercise: None,
+            findings: Vec::new(),
+        }
+    }
+}
+
+/// The whole report.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuCheckReport {
+    /// `read-only` or `full`.
+    pub mode: String,
+    /// Driver version NVML reports.
+    pub driver_version: String,
+    /// Per GPU.
+    pub gpus: Vec<GpuReport>,
+    /// Driver files the CDI spec would mount.
+    pub driver_files: Option<DriverFilesReport>,
+    /// Node-level findings (driver files).
+    pub findings: Vec<Finding>,
+    /// What the check did not cover.
+    pub notes: Vec<String>,
+}
+
+/// `documented` or `estimated`.
+pub fn source_name(source: DataSource) -> String {
+    match source {
+        DataSource::Documented => "documented".into(),
+        DataSource::Estimated => "estimated".into(),
+    }
+}
+
+impl GpuCheckReport {
+    /// An empty report.
+    pub fn new(read_only: bool, driver_version: String) -> Self {
+        Self {
+            mode: if read_only { "read-only" } else { "full" }.into(),
+            driver_version,
+            gpus: Vec::new(),
+            driver_files: None,
+            findings: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+
+    /// Every finding, node-level ones last.
+    pub fn all_findings(&self) -> impl Iterator<Item = &Finding> {
+        self.gpus.iter().flat_map(|g| &g.findings).chain(&self.findings)
+    }
+
+    /// Number of mismatches.
+    pub fn mismatches(&self) -> usize {
+        self.all_findings()
+            .filter(|f| f.severity == Severity::Mismatch)
+            .count()
+    }
+
+    /// 0 without mismatches, 1 with.
+    pub fn exit_code(&self) -> i32 {
+        if self.mismatches() == 0 {
+            EXIT_OK
+        } else {
+            EXIT_MISMATCH
+        }
+    }
+
+    /// The human-readable report.
+    pub fn render_table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "migdra gpu-check ({}), driver {}",
+            self.mode, self.driver_version
+        );
+        for gpu in &self.gpus {
+            render_gpu(&mut out, gpu);
+        }
+        if let Some(files) = &self.driver_files {
+            let _ = writeln!(out, "\nDriver files under {}:", files.driver_root);
+            match &files.summary {
+                Some(s) => {
+                    let _ = writeln!(
+                        out,
+                        "  {} libraries, {} utilities, {} firmware files, {} sockets, {} soname links, hook {}",
+                        s.libraries,
+                        s.binaries,
+                        s.firmware,
+                        s.ipc,
+                        s.soname_links,
+                        s.hook.as_deref().unwrap_or("none")
+                    );
+                }
+                None => {
+                    let _ = writeln!(out, "  not discovered (see warnings)");
+                }
+            }
+        }
+        for note in &self.notes {
+            let _ = writeln!(out, "\nnote: {note}");
+        }
+        let _ = writeln!(out);
+        for f in self.all_findings() {
+            let tag = match f.severity {
+                Severity::Mismatch => "MISMATCH",
+                Severity::Warning => "warning",
+            };
+            let _ = writeln!(out, "{tag}: {}", f.message);
+        }
+        let warnings = self.all_findings().count() - self.mismatches();
+        let _ = writeln!(
+            out,
+            "result: {} ({} mismatches, {warnings} warnings)",
+            if self.mismatches() == 0 { "OK" } else { "FAILED" },
+            self.mismatches()
+        );
+        out
+    }
+}
+
+fn render_gpu(out: &mut String, gpu: &GpuReport) {
+    let mig = match gpu.mig {
+        None => "not MIG-capable".to_string(),
+        Some(m) if m.enabled == m.pending_enabled => {
+            format!("MIG {}", if m.enabled { "on" } else { "off" })
+        }
+        Some(m) => format!(
+            "MIG {} (pending {})",
+            if m.enabled { "on" } else { "off" },
+            if m.pending_enabled { "on" } else { "off" }
+        ),
+    };
+    let catalog = match (&gpu.catalog_model, &gpu.catalog_source) {
+        (Some(key), Some(source)) => format!("catalog {key} ({source})"),
+        _ => "not in the catalog".into(),
+    };
+    let _ = writeln!(
+        out,
+        "\nGPU {} (minor {}) {} {} MiB, {mig}, {catalog}\n  {}",
+        gpu.index, gpu.minor, gpu.product_name, gpu.memory_mib, gpu.uuid
+    );
+    if !gpu.profiles.is_empty() {
+        let _ = writeln!(
+            out,
+            "  {:<12} {:>3} {:>5} {:>5} {:>4} {:>8} {:>4}  {:<15} {:>7}  {:<16} first device name",
+            "PROFILE", "ID", "INDEX", "SLICE", "INST", "MiB", "SM", "PLACEMENTS", "DEVICES", "CATALOG"
+        );
+    }
+    for p in &gpu.profiles {
+        let placements = p
+            .placements
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        let _ = writeln!(
+            out,
+            "  {:<12} {:>3} {:>5} {:>5} {:>4} {:>8} {:>4}  {:<15} {:>7}  {:<16} {}",
+            p.name,
+            p.id,
+            p.index,
+            format!("{}/{}", p.compute_slices, p.memory_slices),
+            p.instance_count,
+            p.memory_mib,
+            p.multiprocessors,
+            placements,
+            p.device_names.len(),
+            p.catalog.as_str(),
+            p.device_names.first().map_or("-", String::as_str)
+        );
+    }
+    if let Some(published) = &gpu.published {
+        let counters = published
+            .counters
+            .iter()
+            .filter(|(k, _)| !k.starts_with("memory-slice-"))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let slices = published
+            .counters
+            .keys()
+            .filter(|k| k.starts_with("memory-slice-"))
+            .count();
+        let _ = writeln!(
+            out,
+            "  published: {} devices; counter set {}: {counters}, {slices} memory-slice counters",
+            published.device_count,
+            published.counter_set.as_deref().unwrap_or("none")
+        );
+    }
+    if let Some(caps) = &gpu.capabilities {
+        let _ = writeln!(
+            out,
+            "  capabilities: nvidia-caps major {}, mig-minors {}, {} existing instance(s) checked",
+            caps.caps_major.map_or("missing".into(), |m| m.to_string()),
+            if caps.mig_minors_present {
+                "present"
+            } else {
+                "missing"
+            },
+            caps.instances.len()
+        );
+    }
+    if let Some(ex) = &gpu.exercise {
+        render_exercise(out, ex);
+    }
+}
+
+fn render_exercise(out: &mut String, ex: &ExerciseReport) {
+    let _ = writeln!(
+        out,
+        "  full mode: {} placements exercised ({} ok), MIG mode {}",
+        ex.placements.len(),
+        ex.placements.iter().filter(|p| p.ok).count(),
+        ex.mig_mode_note
+    );
+    let _ = writeln!(
+        out,
+        "    {:<16} {:>3} {:>3}  {:<40} CAPABILITY MINORS (GI/CI)",
+        "PLACEMENT", "GI", "CI", "MIG UUID"
+    );
+    for p in &ex.placements {
+        let _ = writeln!(
+            out,
+            "    {:<16} {:>3} {:>3}  {:<40} {}{}",
+            format!("{}@{}", p.profile, p.start),
+            p.gpu_instance.map_or("-".into(), |v| v.to_string()),
+            p.compute_instance.map_or("-".into(), |v| v.to_string()),
+            p.mig_uuid.as_deref().unwrap_or("-"),
+            p.capability_minors
+                .map_or("-".into(), |(gi, ci)| format!("{gi}/{ci}")),
+            if p.ok { "" } else { "  FAILED" }
+        );
+    }
+    let _ = writeln!(
+        out,
+        "    {:<20} {:>5} {:>10} {:>10}",
+        "NVML CALL", "COUNT", "P50 ms", "MAX ms"
+    );
+    for t in &ex.timings {
+        let _ = writeln!(
+            out,
+            "    {:<20} {:>5} {:>10.3} {:>10.3}",
+            t.call, t.count, t.p50_ms, t.max_ms
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(name: &str, id: u32, catalog: RowStatus) -> ProfileRow {
+        ProfileRow {
+            name: name.into(),
+            id,
+            index: 2,
+            compute_slices: 3,
+            memory_slices: 4,
+            instance_count: 2,
+            memory_mib: 40448,
+            multiprocessors: 60,
+            placements: vec![0, 4],
+            device_names: vec![format!("gpu-1-mig-{}-4", name.replace('.', ""))],
+            catalog,
+        }
+    }
+
+    fn report(findings: Vec<Finding>) -> GpuCheckReport {
+        let mut r = GpuCheckReport::new(true, "580.82.07".into());
+        r.gpus.push(GpuReport {
+            index: 0,
+            minor: 1,
+            uuid: "GPU-1".into(),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            memory_mib: 81559,
+            mig: Some(MigMode {
+                enabled: false,
+                pending_enabled: true,
+            }),
+            catalog_model: Some("H100-80GB".into()),
+            catalog_source: Some("documented".into()),
+            profiles: vec![row("3g.40gb", 9, RowStatus::Mismatch)],
+            published: None,
+            capabilities: None,
+            exercise: None,
+            findings,
+        });
+        r
+    }
+
+    #[test]
+    fn mismatches_fail_and_warnings_do_not() {
+        let ok = report(vec![Finding::warning("an estimate")]);
+        assert_eq!(ok.exit_code(), EXIT_OK);
+        let table = ok.render_table();
+        assert!(table.contains("warning: an estimate\n"), "{table}");
+        assert!(
+            table.ends_with("result: OK (0 mismatches, 1 warnings)\n"),
+            "{table}"
+        );
+
+        let mut failed = report(vec![Finding::mismatch("3g placements differ")]);
+        failed.findings.push(Finding::warning("driver files missing"));
+        assert_eq!(failed.exit_code(), EXIT_MISMATCH);
+        let table = failed.render_table();
+        // GPU findings first, node findings after, one line each.
+        let first = table.find("MISMATCH: 3g placements differ").unwrap();
+        let second = table.find("warning: driver files missing").unwrap();
+        assert!(first < second, "{table}");
+        assert!(
+            table.contains("result: FAILED (1 mismatches, 1 warnings)"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn the_table_shows_the_gpu_its_catalog_entry_and_each_profile() {
+        let table = report(Vec::new()).render_table();
+        assert!(table.starts_with("migdra gpu-check (read-only), driver 580.82.07\n"));
+        assert!(
+            table.contains("GPU 0 (minor 1) NVIDIA H100 80GB HBM3 81559 MiB, MIG off (pending on), catalog H100-80GB (documented)"),
+            "{table}"
+        );
+        let line = table
+            .lines()
+            .find(|l| l.trim_start().starts_with("3g.40gb"))
+            .unwrap();
+        let cells: Vec<_> = line.split_whitespace().collect();
+        assert_eq!(
+            cells,
+            [
+                "3g.40gb",
+                "9",
+                "2",
+                "3/4",
+                "2",
+                "40448",
+                "60",
+                "0,4",
+                "1",
+                "MISMATCH",
+                "gpu-1-mig-3g40gb-4"
+            ]
+        );
+    }
+
+    #[test]
+    fn json_names_fields_in_camel_case() {
+        let json = serde_json::to_value(report(vec![Finding::mismatch("x")])).unwrap();
+        assert_eq!(json["gpus"][0]["catalogModel"], "H100-80GB");
+        assert_eq!(json["gpus"][0]["profiles"][0]["catalog"], "mismatch");
+        assert_eq!(json["gpus"][0]["findings"][0]["severity"], "mismatch");
+        assert_eq!(json["gpus"][0]["mig"]["pendingEnabled"], true);
+    }
+}
