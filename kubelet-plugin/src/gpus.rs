@@ -241,7 +241,13 @@ impl<B: GpuBackend> Gpus<B> {
     fn occupied(&self, gpu: &GpuDescription) -> Result<Vec<GpuInstanceRecord>, BackendError> {
         match &gpu.mig {
             Some(mig) if mig.enabled => match self.inner.backend.list_gpu_instances(gpu.index) {
-                Err(e) if e.kind == NvmlErrorKind::NotSupported => Ok(Vec::new()),
+                // Nothing exists only if MIG mode really went off since discovery.
+                Err(e) if e.kind == NvmlErrorKind::NotSupported => {
+                    match self.inner.backend.mig_enabled(gpu.index)? {
+                        Some(true) => Err(e),
+                        Some(false) | None => Ok(Vec::new()),
+                    }
+                }
                 other => other,
             },
             _ => Ok(Vec::new()),

@@ -408,9 +408,14 @@ pub fn geometry_of(gpu: &GpuDescription) -> Option<MigGeometry> {
         .map(|m| MigGeometry::new(m.profiles.clone(), gpu.memory_mib))
 }
 
-/// Whether the GPU's MIG mode can be switched without a reset.
+/// Whether the GPU's MIG mode can be switched without a reset. A MIG-capable GPU of an
+/// architecture migdra does not know is newer than Ampere (MIG began with Ampere, which
+/// migdra knows), so it switches as Hopper and later do.
 pub fn mode_switchable(gpu: &GpuDescription) -> bool {
-    gpu.architecture.is_some_and(|a| a.mig_mode_switchable())
+    match gpu.architecture {
+        Some(architecture) => architecture.mig_mode_switchable(),
+        None => gpu.mig.is_some(),
+    }
 }
 
 /// The first device of another recorded claim that matches `pred`.

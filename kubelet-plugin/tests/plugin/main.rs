@@ -6,4 +6,5 @@ mod claims_api;
 mod crash;
 mod driver;
 mod nvml_backend;
+mod real_gpus;
 mod support;
