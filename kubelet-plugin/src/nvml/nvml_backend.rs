@@ -64,6 +64,10 @@ unsafe impl Sync for RawDevice {}
 pub struct NvmlBackend {
     // Declared before `nvml` so cached handles are gone before NVML shuts down.
     devices: Mutex<HashMap<u32, RawDevice>>,
+    /// The device minor each GPU (by index) had when last described: what the plugin's
+    /// device names and CDI specs use, so a mode change that renumbers it is detected even
+    /// on a later call that changes nothing.
+    described_minors: Mutex<HashMap<u32, u32>>,
     nvml: Nvml,
 }
 
@@ -161,6 +165,7 @@ impl NvmlBackend {
         })?;
         Ok(Self {
             devices: Mutex::new(HashMap::new()),
+            described_minors: Mutex::new(HashMap::new()),
             nvml,
         })
     }
@@ -354,6 +359,10 @@ impl NvmlBackend {
         let uuid = device.uuid().map_err(|e| error(op("UUID"), &e))?;
         let product_name = device.name().map_err(|e| error(op("name"), &e))?;
         let minor = device.minor_number().map_err(|e| error(op("minor number"), &e))?;
+        self.described_minors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(index, minor);
         let memory_bytes = self.memory_total(&device).map_err(|e| error(op("memory"), &e))?;
         let pci_bus_id = device.pci_info().ok().map(|p| normalize_bus_id(&p.bus_id));
         let numa_node = device.numa_node_id().ok().map(i64::from);
@@ -748,7 +757,16 @@ impl GpuBackend for NvmlBackend {
             if enabled { "enable" } else { "disable" }
         );
         let uuid = device.uuid().map_err(|e| error(&op, &e))?;
-        let minor = device.minor_number().map_err(|e| error(&op, &e))?;
+        let described = self
+            .described_minors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&gpu)
+            .copied();
+        let minor = match described {
+            Some(minor) => minor,
+            None => device.minor_number().map_err(|e| error(&op, &e))?,
+        };
         // NVML reports a switch it could not make through the activation status, not the
         // return code (§12), so the outcome is read back from the mode, as mig-parted does.
         let activation = device.set_mig_mode(enabled).map_err(|e| error(&op, &e))?;

@@ -116,6 +116,10 @@ fn a_gpu_renumbered_by_a_mode_change_is_an_error_not_a_success() {
     };
     let host = host_of(vec![quirky("H100-80GB", false, quirks)], vec![]);
     let nvml = backend(&host);
+    nvml.discover().unwrap();
+    let err = nvml.set_mig_mode(0, true).unwrap_err();
+    assert!(err.message.contains("minor 0 -> 7"), "{err}");
+    // Asking again changes nothing, but the GPU is still not the one described.
     let err = nvml.set_mig_mode(0, true).unwrap_err();
     assert!(err.message.contains("minor 0 -> 7"), "{err}");
     // The handle was re-opened: the backend reads the new minor.
