@@ -86,7 +86,8 @@ pub struct CreatedComputeInstance {
 pub enum MigModeChange {
     /// The mode is now in effect.
     Applied,
-    /// The mode is pending a GPU reset (Ampere).
+    /// The mode is pending a GPU reset the driver could not do itself (Ampere with clients
+    /// holding the GPU, or in a pass-through VM).
     PendingReset,
 }
 

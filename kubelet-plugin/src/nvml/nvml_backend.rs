@@ -2,6 +2,11 @@
 //! raw calls through its function table (resolved with `nvml_sym`, checked with `nvml_try`)
 //! for the GPU/compute-instance calls it lacks or gets wrong (possible placements).
 //!
+//! What real NVML leaves open is checked rather than assumed (`mig-nvml.md` §12): the MIG
+//! UUID a compute instance's info leads to must be a `MIG-` one (else the MIG device handles
+//! are walked), a MIG-mode switch's outcome is read back from the mode, NOT_SUPPORTED means
+//! "MIG is off" only when the mode says so, and one failing profile skips only itself.
+//!
 //! Never calls the `NvmlLib::nvmlXxx()` convenience methods: they panic when a symbol is
 //! missing from the loaded library.
 #![allow(unsafe_code)]
