@@ -312,3 +312,33 @@ fn an_architecture_newer_than_migdra_knows_switches_like_hopper() {
     assert_eq!(gpu.architecture, None);
     assert!(mode_switchable(&gpu));
 }
+
+/// A GPU that a MIG-mode change renumbered: the claim that switched it fails (its device
+/// name has the old minor), and the next inventory moves the GPU to its new minor rather
+/// than keeping a ghost at the old one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_renumbered_gpu_moves_to_its_new_minor() {
+    let quirks = GpuQuirks {
+        minor_after_mode_change: Some(7),
+        ..GpuQuirks::default()
+    };
+    let node = Node::with_config(FakeConfig {
+        gpus: vec![quirky("H100-80GB", false, quirks)],
+        ..FakeConfig::default()
+    });
+    let (driver, _) = node.start(None);
+    node.claims
+        .put(claim("uid-1", "c1", &[("gpu", "gpu-0-mig-3g40gb-4")]));
+    let err = prepare_typed(&driver, "uid-1", "c1").await.unwrap_err();
+    assert!(err.to_string().contains("renumbered"), "{err}");
+    assert_eq!(node.total_instances(), 0, "nothing was created for the old minor");
+    let inventory = driver.gpus().inventory().unwrap();
+    let minors: Vec<u32> = inventory.iter().map(|g| g.minor).collect();
+    assert_eq!(minors, vec![7]);
+    assert!(inventory[0].health.healthy);
+    // The same claim against the new name works.
+    node.claims
+        .put(claim("uid-2", "c2", &[("gpu", "gpu-7-mig-3g40gb-4")]));
+    prepare_one(&driver, "uid-2", "c2").await.unwrap();
+    assert_eq!(node.instances(0).len(), 1);
+}
