@@ -241,7 +241,13 @@ impl<B: GpuBackend> Gpus<B> {
     fn occupied(&self, gpu: &GpuDescription) -> Result<Vec<GpuInstanceRecord>, BackendError> {
         match &gpu.mig {
             Some(mig) if mig.enabled => match self.inner.backend.list_gpu_instances(gpu.index) {
-                Err(e) if e.kind == NvmlErrorKind::NotSupported => Ok(Vec::new()),
+                // Nothing exists only if MIG mode really went off since discovery.
+                Err(e) if e.kind == NvmlErrorKind::NotSupported => {
+                    match self.inner.backend.mig_enabled(gpu.index)? {
+                        Some(true) => Err(e),
+                        Some(false) | None => Ok(Vec::new()),
+                    }
+                }
                 other => other,
             },
             _ => Ok(Vec::new()),
@@ -253,12 +259,26 @@ impl<B: GpuBackend> Gpus<B> {
     pub fn inventory(&self) -> Result<Vec<GpuInventory>, BackendError> {
         let mut discovered = self.inner.backend.discover()?;
         // GPUs known from earlier that NVML no longer describes are kept, so they show up as
-        // unhealthy (their probe fails) instead of silently vanishing.
-        for gpu in read(&self.inner.table).values() {
+        // unhealthy (their probe fails) instead of silently vanishing. A GPU that NVML
+        // renumbered (a MIG-mode change may change the minor, §12) is the same GPU: it moves
+        // to its new minor instead of leaving a ghost at the old one. A mode change happens
+        // only on a GPU without instances, so no recorded claim refers to the old minor.
+        let mut renumbered = Vec::new();
+        for (minor, gpu) in read(&self.inner.table).iter() {
             let known = read(&gpu.description).clone();
-            if !discovered.iter().any(|d| d.minor == known.minor) {
-                discovered.push(known);
+            if discovered.iter().any(|d| d.minor == known.minor) {
+                continue;
             }
+            match discovered.iter().find(|d| d.uuid == known.uuid) {
+                Some(now) => {
+                    tracing::warn!(gpu = %known.uuid, from = known.minor, to = now.minor, "GPU was renumbered; its devices move to the new minor");
+                    renumbered.push(*minor);
+                }
+                None => discovered.push(known),
+            }
+        }
+        if !renumbered.is_empty() {
+            write(&self.inner.table).retain(|minor, _| !renumbered.contains(minor));
         }
         discovered.sort_by_key(|d| d.minor);
         let mut inventory = Vec::with_capacity(discovered.len());

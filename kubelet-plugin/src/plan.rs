@@ -303,15 +303,15 @@ pub fn plan(
                     })
                     .collect();
                 layout.extend(mine.iter().copied());
-                geometry
-                    .check_add(&layout, placement)
-                    .map_err(|cause| Rejection::PlacementUnavailable {
+                check_nvml_rules(&geometry, &layout, placement).map_err(|cause| {
+                    Rejection::PlacementUnavailable {
                         device: device.device.clone(),
                         profile,
                         start,
                         minor,
                         cause,
-                    })?;
+                    }
+                })?;
                 if check_mig_usable(&device.device, description)? {
                     mig_mode_changes.insert(minor, true);
                 }
@@ -340,6 +340,23 @@ pub fn plan(
         devices: records,
         mig_mode_changes,
     })
+}
+
+/// Checks what NVML itself enforces when creating a GPU instance, and nothing more: a known
+/// profile at one of its placements, no memory-slice overlap, and the profile's instance
+/// count (§12 "NVML's placement rule"). The summed engine and memory budgets of
+/// [`MigGeometry::check_add`] are the published counters, which are the scheduler's to
+/// enforce; prepare must not refuse what NVML would create.
+fn check_nvml_rules(
+    geometry: &MigGeometry,
+    existing: &[Placement],
+    new: Placement,
+) -> Result<(), PlacementError> {
+    match geometry.check_add(existing, new) {
+        // `check_add` checks budgets last, so a budget error means every NVML rule passed.
+        Err(PlacementError::Budget { .. }) => Ok(()),
+        other => other,
+    }
 }
 
 /// Whether MIG devices can be made on the GPU; `Ok(true)` when MIG must be switched on first.
@@ -391,9 +408,14 @@ pub fn geometry_of(gpu: &GpuDescription) -> Option<MigGeometry> {
         .map(|m| MigGeometry::new(m.profiles.clone(), gpu.memory_mib))
 }
 
-/// Whether the GPU's MIG mode can be switched without a reset.
+/// Whether the GPU's MIG mode can be switched without a reset. A MIG-capable GPU of an
+/// architecture migdra does not know is newer than Ampere (MIG began with Ampere, which
+/// migdra knows), so it switches as Hopper and later do.
 pub fn mode_switchable(gpu: &GpuDescription) -> bool {
-    gpu.architecture.is_some_and(|a| a.mig_mode_switchable())
+    match gpu.architecture {
+        Some(architecture) => architecture.mig_mode_switchable(),
+        None => gpu.mig.is_some(),
+    }
 }
 
 /// The first device of another recorded claim that matches `pred`.
@@ -780,6 +802,114 @@ mod tests {
                     assert_eq!(rejection.reason(), reason, "{what}: {rejection}")
                 }
                 other => panic!("{what}: expected a rejection {reason}, got {other:?}"),
+            }
+        }
+    }
+
+    /// Prepare enforces what NVML enforces (known profile and start, memory-slice overlap,
+    /// the profile's instance count) and nothing more: summed engine budgets are the
+    /// published counters' business.
+    #[test]
+    fn prepare_enforces_only_what_nvml_enforces() {
+        // A30 IDs: 1g+me 21, 2g+me 6 (both with the single OFA); H100: 1g+me 20, 1g 19.
+        // (what, model, existing GPU instances (profile ID, start, size), allocated
+        // (profile ID, start), expected rejection reason or None)
+        type Case = (
+            &'static str,
+            &'static str,
+            &'static [(u32, u32, u32)],
+            &'static [(u32, u32)],
+            Option<&'static str>,
+        );
+        let cases: &[Case] = &[
+            (
+                "two OFA users next to each other (NVML creates both)",
+                "A30-24GB",
+                &[(21, 0, 1)],
+                &[(6, 2)],
+                None,
+            ),
+            (
+                "two OFA users in one claim",
+                "A30-24GB",
+                &[],
+                &[(21, 0), (6, 2)],
+                None,
+            ),
+            (
+                "the second 1g+me is over the instance count",
+                "H100-80GB",
+                &[(20, 0, 1)],
+                &[(20, 1)],
+                Some("InstanceLimit"),
+            ),
+            (
+                "two 1g+me in one claim",
+                "H100-80GB",
+                &[],
+                &[(20, 0), (20, 1)],
+                Some("InstanceLimit"),
+            ),
+            (
+                "memory slices overlap",
+                "A30-24GB",
+                &[(21, 2, 1)],
+                &[(6, 2)],
+                Some("PlacementOverlap"),
+            ),
+            (
+                "seven 1g next to each other",
+                "H100-80GB",
+                &[
+                    (19, 0, 1),
+                    (19, 1, 1),
+                    (19, 2, 1),
+                    (19, 3, 1),
+                    (19, 4, 1),
+                    (19, 5, 1),
+                ],
+                &[(19, 6)],
+                None,
+            ),
+            (
+                "not a placement of the profile",
+                "H100-80GB",
+                &[],
+                &[(19, 7)],
+                Some("InvalidPlacement"),
+            ),
+        ];
+        for (what, key, existing, wanted, expected) in cases {
+            let model = catalog::model(key).unwrap();
+            let instances = existing
+                .iter()
+                .enumerate()
+                .map(|(i, (id, start, size))| instance(i as u32 + 1, *id, *start, *size))
+                .collect();
+            let names: Vec<String> = wanted
+                .iter()
+                .map(|(id, start)| {
+                    let profile = model.profiles.iter().find(|p| p.gi_profile_id == *id).unwrap();
+                    DeviceName::Mig {
+                        minor: 0,
+                        profile: profile.name,
+                        start: *start,
+                    }
+                    .to_string()
+                })
+                .collect();
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            let result = plan(
+                &allocated(&names),
+                &gpus(vec![view(gpu(0, key, Some(true)), instances)]),
+                &[],
+            );
+            match (expected, result) {
+                (None, Ok(plan)) => assert_eq!(plan.devices.len(), wanted.len(), "{what}"),
+                (Some(reason), Err(PlanError::Rejected(rejection))) => {
+                    assert_eq!(rejection.reason(), *reason, "{what}: {rejection}")
+                }
+                (expected, result) => panic!("{what}: expected {expected:?}, got {result:?}"),
             }
         }
     }

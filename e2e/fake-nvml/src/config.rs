@@ -79,6 +79,63 @@ pub struct GpuConfig {
     /// the defaults of `nvmlDeviceCreateGpuInstance`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub auto_placement: BTreeMap<u32, Vec<u32>>,
+    /// How this GPU's driver differs from the default simulation (documented NVML behaviour
+    /// that varies by platform, driver or board).
+    #[serde(default, skip_serializing_if = "GpuQuirks::is_default")]
+    pub quirks: GpuQuirks,
+}
+
+/// What the compute-instance info's `device` field holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum CiInfoDevice {
+    /// The MIG device handle (what NVIDIA's DRA driver relies on, on H100s).
+    #[default]
+    MigDevice,
+    /// The parent GPU's handle (what `nvml.h` documents for the field).
+    Parent,
+}
+
+/// Per-GPU deviations from the default simulation. Every one models something the reference
+/// (`shared/reference/mig-nvml.md` §6, §10, §12) says real NVML may do.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuQuirks {
+    /// What `nvmlComputeInstanceGetInfo[_v2]` puts in `device` (§12: unverified either way).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub ci_info_device: CiInfoDevice,
+    /// The GPU cannot be reset by the driver (pass-through VM): enabling MIG on Ampere stays
+    /// pending with activation status RESET_REQUIRED (§12).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_driver_reset: bool,
+    /// Device minor the GPU has after its MIG mode changed (§12: "the minor may change").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor_after_mode_change: Option<u32>,
+    /// `nvmlDeviceGetVirtualizationMode` answer (0 none, 1 pass-through, 2 vGPU guest,
+    /// 3 vGPU host, 4 vSGA host).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub virtualization_mode: u32,
+    /// `nvmlDeviceGetArchitecture` answer instead of the model's (e.g. a newer one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<u32>,
+    /// CI profile index 8 (`7_SLICE_NVL`) is supported for 7-slice GPU instances (it is
+    /// NOT_SUPPORTED by default, as on A100; §3, §11 rule 7).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ci_7_slice_nvl: bool,
+    /// Names the versioned profile infos report (`MIG <name>`), by GPU-instance profile ID,
+    /// instead of the model's: drivers' names drift (§12 "Profile names").
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub profile_names: BTreeMap<u32, String>,
+}
+
+fn is_default<T: Default + PartialEq>(value: &T) -> bool {
+    *value == T::default()
+}
+
+impl GpuQuirks {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 impl GpuConfig {
@@ -92,7 +149,14 @@ impl GpuConfig {
             mig_capable: None,
             numa_node: None,
             auto_placement: BTreeMap::new(),
+            quirks: GpuQuirks::default(),
         }
+    }
+
+    /// The same GPU with `quirks`.
+    pub fn with_quirks(mut self, quirks: GpuQuirks) -> Self {
+        self.quirks = quirks;
+        self
     }
 }
 
@@ -106,6 +170,13 @@ pub struct FaultConfig {
     /// Only calls concerning this GPU index.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<u32>,
+    /// Only calls whose profile argument equals this: the profile **ID** for calls that take
+    /// one (`nvmlDeviceGetGpuInstances`, `…PossiblePlacements_v2`, …), the profile **index**
+    /// for the calls that take an index (`nvmlDeviceGetGpuInstanceProfileInfo[V]`,
+    /// `nvmlGpuInstanceGetComputeInstanceProfileInfo[V]`). Calls without a profile argument
+    /// never match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<u32>,
     /// NVML return code to fail with (none: the call goes through after the latency).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<u32>,
@@ -123,6 +194,7 @@ impl FaultConfig {
         Self {
             function: function.to_string(),
             gpu: None,
+            profile: None,
             error: Some(error),
             latency_ms: None,
             times: None,
@@ -134,6 +206,7 @@ impl FaultConfig {
         Self {
             function: function.to_string(),
             gpu: None,
+            profile: None,
             error: None,
             latency_ms: Some(latency_ms),
             times: None,
@@ -143,6 +216,12 @@ impl FaultConfig {
     /// Limits the fault to `times` calls.
     pub fn times(mut self, times: u32) -> Self {
         self.times = Some(times);
+        self
+    }
+
+    /// Limits the fault to calls about one profile ID (or index; see [`FaultConfig::profile`]).
+    pub fn on_profile(mut self, profile: u32) -> Self {
+        self.profile = Some(profile);
         self
     }
 

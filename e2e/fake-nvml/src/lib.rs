@@ -23,7 +23,7 @@ pub mod testing;
 
 use std::path::{Path, PathBuf};
 
-pub use config::{FakeConfig, FaultConfig, GpuConfig, InstanceConfig};
+pub use config::{CiInfoDevice, FakeConfig, FaultConfig, GpuConfig, GpuQuirks, InstanceConfig};
 pub use state::{
     ComputeInstanceState, FakeState, FaultState, GpuInstanceState, GpuState, read_state, update_state,
 };

@@ -366,7 +366,11 @@ impl GpuState {
             .ok_or(code::INVALID_ARGUMENT)?;
         let profile = self.gi_profile(gi.profile_id).ok_or(code::INVALID_ARGUMENT)?;
         let g = profile.compute_slices;
-        let slices = compute_instance_profile_slices(g, index)?;
+        let slices = if index == CI_PROFILE_7_SLICE_NVL && g == 7 && self.quirks.ci_7_slice_nvl {
+            7
+        } else {
+            compute_instance_profile_slices(g, index)?
+        };
         Ok(ComputeProfile {
             id: index,
             slices,
@@ -499,7 +503,17 @@ impl GpuState {
         }
     }
 
-    /// Handles `nvmlDeviceSetMigMode`: returns (return code, activation status).
+    /// `nvmlDeviceSetMigMode`: returns (return code, activation status). NVML reports a
+    /// switch it could not carry out through the activation status, not the return code
+    /// (§12; nvml.h lists no IN_USE return for it):
+    /// - a client holding the GPU or existing GPU instances: IN_USE; on Ampere the change
+    ///   stays pending (nvidia-smi: "pending enable … In use by another client");
+    /// - Ampere: the driver resets the idle GPU itself, so the mode applies at once, unless
+    ///   it cannot reset the GPU (`quirks.no_driver_reset`, a pass-through VM): then it stays
+    ///   pending with RESET_REQUIRED until [`crate::FakeState::reset_gpu`];
+    /// - Hopper and later: applies at once when idle.
+    ///
+    /// A mode that took effect may renumber the device (`quirks.minor_after_mode_change`).
     pub fn set_mig_mode(&mut self, enable: bool) -> (u32, u32) {
         let Some(model) = self.fake_model().filter(|m| m.mig.is_some() && self.mig_capable) else {
             return (code::NOT_SUPPORTED, code::NOT_SUPPORTED);
@@ -509,21 +523,23 @@ impl GpuState {
             return (code::SUCCESS, code::SUCCESS);
         }
         let busy = self.client_holds_gpu || !self.gpu_instances.is_empty();
-        if model.mig_mode_switchable() {
-            if busy {
-                return (code::IN_USE, code::IN_USE);
+        let switchable = model.mig_mode_switchable();
+        if busy {
+            if !switchable {
+                self.mig_pending = enable;
             }
-            self.mig_enabled = enable;
-            self.mig_pending = enable;
-            return (code::SUCCESS, code::SUCCESS);
+            return (code::SUCCESS, code::IN_USE);
         }
-        // Ampere: the change needs a GPU reset, which the fake only does when told to
-        // (`FakeState::reset_gpu`); NVML accepts the request and reports why it is pending.
+        if !switchable && self.quirks.no_driver_reset {
+            self.mig_pending = enable;
+            return (code::SUCCESS, code::RESET_REQUIRED);
+        }
+        self.mig_enabled = enable;
         self.mig_pending = enable;
-        (
-            code::SUCCESS,
-            if busy { code::IN_USE } else { code::RESET_REQUIRED },
-        )
+        if let Some(minor) = self.quirks.minor_after_mode_change {
+            self.minor = minor;
+        }
+        (code::SUCCESS, code::SUCCESS)
     }
 }
 
@@ -548,6 +564,7 @@ mod tests {
             client_holds_gpu: false,
             lost: false,
             auto_placement: BTreeMap::new(),
+            quirks: Default::default(),
             gpu_instances: Vec::new(),
         }
     }
@@ -735,19 +752,30 @@ mod tests {
     }
 
     #[test]
-    fn mig_mode_switching_depends_on_architecture() {
+    fn mig_mode_switching_reports_through_the_activation_status() {
+        // Idle bare-metal Ampere: the driver resets the GPU itself, the mode applies.
         let mut a100 = gpu("A100-80GB", false);
-        assert_eq!(a100.set_mig_mode(true), (code::SUCCESS, code::RESET_REQUIRED));
-        assert!(!a100.mig_enabled && a100.mig_pending);
+        assert_eq!(a100.set_mig_mode(true), (code::SUCCESS, code::SUCCESS));
+        assert!(a100.mig_enabled && a100.mig_pending);
+        // A client blocks the reset: pending, IN_USE in the status, SUCCESS returned.
+        let mut a100 = gpu("A100-80GB", false);
         a100.client_holds_gpu = true;
         assert_eq!(a100.set_mig_mode(true), (code::SUCCESS, code::IN_USE));
+        assert!(!a100.mig_enabled && a100.mig_pending);
+        // No driver reset (pass-through VM): pending with RESET_REQUIRED.
+        let mut a100 = gpu("A100-80GB", false);
+        a100.quirks.no_driver_reset = true;
+        assert_eq!(a100.set_mig_mode(true), (code::SUCCESS, code::RESET_REQUIRED));
+        assert!(!a100.mig_enabled && a100.mig_pending);
 
         let mut h100 = gpu("H100-80GB", false);
+        h100.quirks.minor_after_mode_change = Some(5);
         assert_eq!(h100.set_mig_mode(true), (code::SUCCESS, code::SUCCESS));
         assert!(h100.mig_enabled && h100.mig_pending);
+        assert_eq!(h100.minor, 5, "renumbered after the mode change");
         h100.create_gpu_instance(19, Some(0), 1).unwrap();
-        assert_eq!(h100.set_mig_mode(false), (code::IN_USE, code::IN_USE));
-        assert!(h100.mig_enabled);
+        assert_eq!(h100.set_mig_mode(false), (code::SUCCESS, code::IN_USE));
+        assert!(h100.mig_enabled && h100.mig_pending);
         assert_eq!(gpu("L4", false).set_mig_mode(true).0, code::NOT_SUPPORTED);
     }
 }

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     FakeError,
-    config::{DEFAULT_DRIVER_VERSION, DEFAULT_UUID_SEED, FakeConfig, FaultConfig},
+    config::{DEFAULT_DRIVER_VERSION, DEFAULT_UUID_SEED, FakeConfig, FaultConfig, GpuQuirks},
     model::FakeModel,
     procfs,
 };
@@ -79,6 +79,9 @@ pub struct GpuState {
     /// Auto-placement preference per GPU-instance profile ID (overrides the defaults).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub auto_placement: BTreeMap<u32, Vec<u32>>,
+    /// How this GPU's driver deviates from the default simulation.
+    #[serde(default)]
+    pub quirks: GpuQuirks,
     /// GPU instances.
     #[serde(default)]
     pub gpu_instances: Vec<GpuInstanceState>,
@@ -174,6 +177,7 @@ impl FakeState {
                     client_holds_gpu: false,
                     lost: false,
                     auto_placement: gpu.auto_placement.clone(),
+                    quirks: gpu.quirks.clone(),
                     gpu_instances: Vec::new(),
                 });
             }

@@ -90,8 +90,15 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             };
             let instances = match self.backend().list_gpu_instances(index) {
                 Ok(list) => list,
-                // MIG was switched off (or the GPU reset): every instance is gone.
-                Err(e) if e.kind == NvmlErrorKind::NotSupported => continue,
+                // NOT_SUPPORTED means "gone" only when MIG mode is off (every instance went
+                // with it); with MIG on the instance may still exist, so the claim stays.
+                Err(e) if e.kind == NvmlErrorKind::NotSupported => match self.backend().mig_enabled(index)? {
+                    Some(true) => return Err(e.into()),
+                    Some(false) | None => {
+                        tracing::debug!(device = %device.device, "MIG mode is off; the instance is gone");
+                        continue;
+                    }
+                },
                 Err(e) => return Err(e.into()),
             };
             let ours = instances.iter().find(|gi| {

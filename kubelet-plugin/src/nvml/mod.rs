@@ -86,7 +86,8 @@ pub struct CreatedComputeInstance {
 pub enum MigModeChange {
     /// The mode is now in effect.
     Applied,
-    /// The mode is pending a GPU reset (Ampere).
+    /// The mode is pending a GPU reset the driver could not do itself (Ampere with clients
+    /// holding the GPU, or in a pass-through VM).
     PendingReset,
 }
 
@@ -138,9 +139,17 @@ pub trait GpuBackend: Send + Sync {
     fn discover(&self) -> Result<Vec<GpuDescription>, BackendError>;
 
     /// Lists the GPU instances of a GPU with their compute instances. Empty when MIG is off.
+    /// A profile whose listing NVML does not support is skipped (it cannot have instances).
+    /// Each compute instance carries its `MIG-` UUID, never a `GPU-` one.
     fn list_gpu_instances(&self, gpu: u32) -> Result<Vec<GpuInstanceRecord>, BackendError>;
 
-    /// Switches MIG mode.
+    /// The current MIG mode; `None` on a GPU without MIG.
+    fn mig_enabled(&self, gpu: u32) -> Result<Option<bool>, BackendError>;
+
+    /// Switches MIG mode and reads back what happened: `Applied`, `PendingReset` (the
+    /// change waits for a reset the driver could not do), or the activation status as the
+    /// error (for example `InUse`). The GPU is re-opened afterwards; a GPU that NVML
+    /// renumbered (index or minor) is an error, since it must be rediscovered.
     fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigModeChange, BackendError>;
 
     /// Creates a GPU instance of `profile_id` at `start` and returns its GPU-instance ID.

@@ -2,36 +2,43 @@
 //! raw calls through its function table (resolved with `nvml_sym`, checked with `nvml_try`)
 //! for the GPU/compute-instance calls it lacks or gets wrong (possible placements).
 //!
+//! What real NVML leaves open is checked rather than assumed (`mig-nvml.md` §12): the MIG
+//! UUID a compute instance's info leads to must be a `MIG-` one (else the MIG device handles
+//! are walked), a MIG-mode switch's outcome is read back from the mode, NOT_SUPPORTED means
+//! "MIG is off" only when the mode says so, and one failing profile skips only itself.
+//!
 //! Never calls the `NvmlLib::nvmlXxx()` convenience methods: they panic when a symbol is
 //! missing from the loaded library.
 #![allow(unsafe_code)]
 
 use std::{
     collections::HashMap,
-    ffi::{OsStr, c_char},
+    ffi::OsStr,
     path::Path,
     ptr,
     sync::{Mutex, PoisonError},
 };
 
 use migdra_api::{
+    catalog,
     geometry::{Architecture, Engines, MigProfile},
     nvml_constants::{
-        CI_ENGINE_PROFILE_SHARED, CI_PROFILE_1_SLICE_REV1, CI_PROFILE_COUNT, GI_PROFILE_1_SLICE_ALL_ME,
-        GI_PROFILE_1_SLICE_GFX, GI_PROFILE_1_SLICE_NO_ME, GI_PROFILE_1_SLICE_REV1, GI_PROFILE_2_SLICE_ALL_ME,
-        GI_PROFILE_2_SLICE_GFX, GI_PROFILE_2_SLICE_NO_ME, GI_PROFILE_2_SLICE_REV1, GI_PROFILE_3_SLICE_GFX,
-        GI_PROFILE_4_SLICE_GFX, GI_PROFILE_COUNT, full_compute_instance_profile,
+        CI_ENGINE_PROFILE_SHARED, CI_PROFILE_COUNT, GI_PROFILE_1_SLICE_ALL_ME, GI_PROFILE_1_SLICE_GFX,
+        GI_PROFILE_1_SLICE_NO_ME, GI_PROFILE_1_SLICE_REV1, GI_PROFILE_2_SLICE_ALL_ME, GI_PROFILE_2_SLICE_GFX,
+        GI_PROFILE_2_SLICE_NO_ME, GI_PROFILE_2_SLICE_REV1, GI_PROFILE_3_SLICE_GFX, GI_PROFILE_4_SLICE_GFX,
+        GI_PROFILE_COUNT, full_compute_instance_profile,
     },
     profile::{ProfileName, ProfileVariant},
 };
 use nvml_wrapper::{
     Device, Nvml,
+    enum_wrappers::device::GpuVirtualizationMode,
     error::{NvmlError, nvml_sym, nvml_try},
 };
 use nvml_wrapper_sys::bindings::{
     nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t, nvmlDevice_t,
     nvmlDeviceArchitecture_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
-    nvmlGpuInstanceProfileInfo_v2_t, nvmlGpuInstanceProfileInfo_v3_t, nvmlMemory_t,
+    nvmlMemory_t,
 };
 
 use super::{
@@ -39,14 +46,8 @@ use super::{
     GpuInstanceRecord, MigDescription, MigModeChange, NvmlErrorKind,
 };
 
-/// `nvmlGpuInstanceProfileInfo_v2_t` version (`sizeof | 2 << 24`; the -sys crate has none).
-const GI_PROFILE_INFO_V2: u32 = 0x0200_0098;
-/// `nvmlGpuInstanceProfileInfo_v3_t` version.
-const GI_PROFILE_INFO_V3: u32 = 0x0300_0098;
 /// NVML_ERROR_INSUFFICIENT_RESOURCES, which nvml-wrapper 0.13 has no variant for.
 const INSUFFICIENT_RESOURCES: u32 = 23;
-/// NVML_ERROR_ARGUMENT_VERSION_MISMATCH.
-const ARGUMENT_VERSION_MISMATCH: u32 = 25;
 /// Upper bound of GPU instances of one profile (GI IDs run 0..=14).
 const MAX_GPU_INSTANCES: u32 = 15;
 /// Upper bound of compute instances in one GPU instance (CI IDs run 0..=7).
@@ -68,6 +69,10 @@ unsafe impl Sync for RawDevice {}
 pub struct NvmlBackend {
     // Declared before `nvml` so cached handles are gone before NVML shuts down.
     devices: Mutex<HashMap<u32, RawDevice>>,
+    /// The device minor each GPU (by index) had when last described: what the plugin's
+    /// device names and CDI specs use, so a mode change that renumbers it is detected even
+    /// on a later call that changes nothing.
+    described_minors: Mutex<HashMap<u32, u32>>,
     nvml: Nvml,
 }
 
@@ -149,11 +154,6 @@ fn variant_of_index(index: u32) -> ProfileVariant {
     }
 }
 
-fn c_string(chars: &[c_char]) -> Option<String> {
-    let bytes: Vec<u8> = chars.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
-    String::from_utf8(bytes).ok()
-}
-
 impl NvmlBackend {
     /// Loads NVML from `lib_path` (default: `libnvidia-ml.so.1` through the loader's search
     /// path) and initialises it.
@@ -170,6 +170,7 @@ impl NvmlBackend {
         })?;
         Ok(Self {
             devices: Mutex::new(HashMap::new()),
+            described_minors: Mutex::new(HashMap::new()),
             nvml,
         })
     }
@@ -193,6 +194,34 @@ impl NvmlBackend {
         };
         // SAFETY: the handle came from `device_by_index` on this very `Nvml`.
         Ok(unsafe { Device::new(raw.0, &self.nvml) })
+    }
+
+    /// Forgets every cached handle: after a MIG mode change NVML may have re-created them.
+    fn forget_handles(&self) {
+        self.devices
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+
+    /// Whether the GPU's MIG partitions may be managed here: not in a vGPU guest or on a
+    /// vGPU/vSGA hypervisor host (there the GPU is offered whole only). Bare metal and
+    /// pass-through VMs manage MIG themselves; a driver without the call is bare metal.
+    fn manages_mig(&self, gpu: u32, device: &Device<'_>) -> bool {
+        match device.virtualization_mode() {
+            Ok(GpuVirtualizationMode::Bare | GpuVirtualizationMode::PassThrough) => true,
+            Ok(mode) => {
+                tracing::info!(gpu, ?mode, "GPU is virtualised; offered whole only, without MIG");
+                false
+            }
+            Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_) | NvmlError::FunctionNotFound) => {
+                true
+            }
+            Err(e) => {
+                tracing::warn!(gpu, error = %e, "virtualization mode unreadable; offered whole only, without MIG");
+                false
+            }
+        }
     }
 
     fn architecture(&self, device: &Device<'_>) -> Result<Option<Architecture>, NvmlError> {
@@ -254,61 +283,39 @@ impl NvmlBackend {
         Ok(placements)
     }
 
-    /// The profile name from the versioned profile info (v3, else v2), when the driver
-    /// offers it (it may answer NOT_SUPPORTED while MIG is off).
-    fn versioned_profile_name(&self, device: &Device<'_>, index: u32) -> Option<String> {
-        let f = nvml_sym(self.nvml.lib().nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()).ok()?;
-        // SAFETY: a plain C struct of integers and char arrays; all-zero is a valid value.
-        let mut v3: nvmlGpuInstanceProfileInfo_v3_t = unsafe { std::mem::zeroed() };
-        v3.version = GI_PROFILE_INFO_V3;
-        // SAFETY: v2 and v3 have the same size (152 bytes) and the version field tells NVML
-        // which layout to write; the pointer is valid for the call.
-        let code = unsafe {
-            f(
-                device.handle(),
-                index,
-                ptr::from_mut(&mut v3).cast::<nvmlGpuInstanceProfileInfo_v2_t>(),
-            )
-        };
-        match nvml_try(code) {
-            Ok(()) => return c_string(&v3.name),
-            Err(NvmlError::UnexpectedVariant(ARGUMENT_VERSION_MISMATCH)) => {}
-            Err(_) => return None,
-        }
-        // SAFETY: as above.
-        let mut v2: nvmlGpuInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
-        v2.version = GI_PROFILE_INFO_V2;
-        // SAFETY: valid device handle and a valid, version-preset out struct.
-        unsafe { nvml_try(f(device.handle(), index, &mut v2)).ok()? };
-        c_string(&v2.name)
-    }
-
     /// Every GPU-instance profile of a MIG-capable GPU, in index order, with real IDs and
     /// possible placements.
-    fn discover_profiles(
-        &self,
-        gpu: u32,
-        device: &Device<'_>,
-        memory_bytes: u64,
-    ) -> Result<Vec<MigProfile>, BackendError> {
+    ///
+    /// A profile whose info or placements cannot be read is skipped with a warning: one
+    /// failing profile must not take the GPU's other profiles with it.
+    ///
+    /// Names come from one source that does not depend on MIG mode (§12: the versioned info
+    /// that carries the driver's name needs MIG on, and drivers' names drift): the catalog's
+    /// name for the profile ID on a GPU the catalog knows by PCI device ID, else the name
+    /// derived from the v1 info as go-nvlib does.
+    fn discover_profiles(&self, gpu: u32, device: &Device<'_>, memory_bytes: u64) -> Vec<MigProfile> {
+        let known_model = device
+            .pci_info()
+            .ok()
+            .and_then(|p| u16::try_from(p.pci_device_id >> 16).ok())
+            .and_then(catalog::model_by_pci_device_id);
         let mut profiles = Vec::new();
         for index in 0..GI_PROFILE_COUNT {
             let info = match device.profile_info(index) {
                 Ok(info) => info,
                 Err(e) if is_absent_profile(&e) => continue,
                 Err(e) => {
-                    return Err(error(
-                        format!("read GPU-instance profile index {index} of GPU {gpu}"),
-                        &e,
-                    ));
+                    tracing::warn!(gpu, index, error = %e, "GPU-instance profile info unreadable; profile skipped");
+                    continue;
                 }
             };
-            let placements = self.possible_placements(device, info.id).map_err(|e| {
-                error(
-                    format!("read placements of GPU-instance profile {} on GPU {gpu}", info.id),
-                    &e,
-                )
-            })?;
+            let placements = match self.possible_placements(device, info.id) {
+                Ok(placements) => placements,
+                Err(e) => {
+                    tracing::warn!(gpu, profile_id = info.id, error = %e, "GPU-instance profile placements unreadable; profile skipped");
+                    continue;
+                }
+            };
             let Some(size) = placements.first().map(|p| p.size) else {
                 tracing::warn!(
                     gpu,
@@ -322,10 +329,13 @@ impl NvmlBackend {
                 profile_memory_gb(memory_bytes, info.memory_size_mb),
                 variant_of_index(index),
             );
-            let name = self
-                .versioned_profile_name(device, index)
-                .and_then(|n| n.parse::<ProfileName>().ok())
-                .unwrap_or(derived);
+            let name = known_model
+                .and_then(|m| {
+                    m.profiles
+                        .iter()
+                        .find(|p| p.gi_profile_id == info.id && p.gi_profile_index == index)
+                })
+                .map_or(derived, |p| p.name);
             profiles.push(MigProfile {
                 name,
                 gi_profile_id: info.id,
@@ -345,7 +355,7 @@ impl NvmlBackend {
                 memory_mib: info.memory_size_mb,
             });
         }
-        Ok(profiles)
+        profiles
     }
 
     fn describe(&self, index: u32) -> Result<GpuDescription, BackendError> {
@@ -354,16 +364,21 @@ impl NvmlBackend {
         let uuid = device.uuid().map_err(|e| error(op("UUID"), &e))?;
         let product_name = device.name().map_err(|e| error(op("name"), &e))?;
         let minor = device.minor_number().map_err(|e| error(op("minor number"), &e))?;
+        self.described_minors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(index, minor);
         let memory_bytes = self.memory_total(&device).map_err(|e| error(op("memory"), &e))?;
         let pci_bus_id = device.pci_info().ok().map(|p| normalize_bus_id(&p.bus_id));
         let numa_node = device.numa_node_id().ok().map(i64::from);
         let architecture = self.architecture(&device).ok().flatten();
         let cuda_compute_capability = device.cuda_compute_capability().ok().map(|c| (c.major, c.minor));
         let mig = match device.mig_mode() {
+            Ok(_) if !self.manages_mig(index, &device) => None,
             Ok(mode) => Some(MigDescription {
                 enabled: mode.current != 0,
                 pending_enabled: mode.pending != 0,
-                profiles: self.discover_profiles(index, &device, memory_bytes)?,
+                profiles: self.discover_profiles(index, &device, memory_bytes),
             }),
             Err(NvmlError::NotSupported) => None,
             Err(e) => return Err(error(op("MIG mode"), &e)),
@@ -447,11 +462,84 @@ impl NvmlBackend {
         Ok(info)
     }
 
-    /// The `MIG-…` UUID of a MIG device handle.
-    fn mig_uuid(&self, mig_device: nvmlDevice_t) -> Result<String, NvmlError> {
-        // SAFETY: the handle came from NVML (ComputeInstanceGetInfo) on this `Nvml`.
-        let device = unsafe { Device::new(mig_device, &self.nvml) };
-        device.uuid()
+    /// The `MIG-…` UUID of the MIG device that compute instance `ci_id` of GPU instance
+    /// `gi_id` forms. The compute-instance info's `device` is documented as the parent GPU
+    /// but used as the MIG device by NVIDIA's driver (§12): it is trusted only when its UUID
+    /// is a `MIG-` one; otherwise the parent's MIG device handles are walked and matched by
+    /// GPU- and compute-instance ID. A `GPU-` UUID is never returned.
+    fn mig_uuid(
+        &self,
+        parent: &Device<'_>,
+        info_device: nvmlDevice_t,
+        gi_id: u32,
+        ci_id: u32,
+        operation: &str,
+    ) -> Result<String, BackendError> {
+        if !info_device.is_null() {
+            // SAFETY: the handle came from NVML (ComputeInstanceGetInfo) on this `Nvml`.
+            let device = unsafe { Device::new(info_device, &self.nvml) };
+            match device.uuid() {
+                Ok(uuid) if uuid.starts_with("MIG-") => return Ok(uuid),
+                Ok(_) | Err(_) => {}
+            }
+        }
+        let mig_error = |e: &NvmlError| {
+            error(
+                format!("{operation}: find the MIG device of GPU instance {gi_id}, compute instance {ci_id}"),
+                e,
+            )
+        };
+        let count_of =
+            nvml_sym(self.nvml.lib().nvmlDeviceGetMaxMigDeviceCount.as_ref()).map_err(|e| mig_error(&e))?;
+        let by_index = nvml_sym(self.nvml.lib().nvmlDeviceGetMigDeviceHandleByIndex.as_ref())
+            .map_err(|e| mig_error(&e))?;
+        let gi_of =
+            nvml_sym(self.nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref()).map_err(|e| mig_error(&e))?;
+        let ci_of =
+            nvml_sym(self.nvml.lib().nvmlDeviceGetComputeInstanceId.as_ref()).map_err(|e| mig_error(&e))?;
+        let mut count: u32 = 0;
+        // SAFETY: valid device handle and a valid out pointer.
+        unsafe { nvml_try(count_of(parent.handle(), &mut count)) }.map_err(|e| mig_error(&e))?;
+        for index in 0..count {
+            let mut mig: nvmlDevice_t = ptr::null_mut();
+            // SAFETY: valid device handle and a valid out pointer.
+            match unsafe { nvml_try(by_index(parent.handle(), index, &mut mig)) } {
+                Ok(()) => {}
+                // An empty slot.
+                Err(NvmlError::NotFound) => continue,
+                Err(e) => return Err(mig_error(&e)),
+            }
+            let (mut gi, mut ci) = (0u32, 0u32);
+            // SAFETY: a MIG device handle NVML just returned; valid out pointers.
+            unsafe {
+                nvml_try(gi_of(mig, &mut gi)).map_err(|e| mig_error(&e))?;
+                nvml_try(ci_of(mig, &mut ci)).map_err(|e| mig_error(&e))?;
+            }
+            if (gi, ci) != (gi_id, ci_id) {
+                continue;
+            }
+            // SAFETY: as above.
+            let uuid = unsafe { Device::new(mig, &self.nvml) }
+                .uuid()
+                .map_err(|e| mig_error(&e))?;
+            if uuid.starts_with("MIG-") {
+                return Ok(uuid);
+            }
+            return Err(BackendError {
+                operation: operation.to_string(),
+                kind: NvmlErrorKind::Other,
+                message: format!(
+                    "the MIG device of GPU instance {gi_id}, compute instance {ci_id} has UUID {uuid}, not a MIG- one"
+                ),
+            });
+        }
+        Err(BackendError {
+            operation: operation.to_string(),
+            kind: NvmlErrorKind::NotFound,
+            message: format!(
+                "no MIG device of GPU instance {gi_id}, compute instance {ci_id} among the GPU's {count} MIG device slots"
+            ),
+        })
     }
 
     fn gpu_instances_of_profile(
@@ -487,23 +575,36 @@ impl NvmlBackend {
         Ok(handles)
     }
 
-    fn compute_instances(&self, gi: nvmlGpuInstance_t) -> Result<Vec<ComputeInstanceRecord>, NvmlError> {
+    /// The compute instances of a GPU instance. A compute-instance profile whose listing
+    /// answers NOT_SUPPORTED is not supported in this GPU instance (§12), so it has none.
+    fn compute_instances(
+        &self,
+        device: &Device<'_>,
+        gi: nvmlGpuInstance_t,
+        gi_id: u32,
+        operation: &str,
+    ) -> Result<Vec<ComputeInstanceRecord>, BackendError> {
         let mut records: Vec<ComputeInstanceRecord> = Vec::new();
         for index in 0..CI_PROFILE_COUNT {
             let info = match self.compute_profile_info(gi, index) {
                 Ok(info) => info,
                 Err(e) if is_absent_profile(&e) => continue,
-                Err(e) => return Err(e),
+                Err(e) => return Err(error(operation, &e)),
             };
-            for ci in self.compute_instances_of_profile(gi, info.id, info.instanceCount)? {
-                let ci_info = self.compute_instance_info(ci)?;
+            let handles = match self.compute_instances_of_profile(gi, info.id, info.instanceCount) {
+                Ok(handles) => handles,
+                Err(NvmlError::NotSupported) => continue,
+                Err(e) => return Err(error(operation, &e)),
+            };
+            for ci in handles {
+                let ci_info = self.compute_instance_info(ci).map_err(|e| error(operation, &e))?;
                 if records.iter().any(|r| r.id == ci_info.id) {
                     continue;
                 }
                 records.push(ComputeInstanceRecord {
                     id: ci_info.id,
                     profile_id: ci_info.profileId,
-                    mig_uuid: self.mig_uuid(ci_info.device)?,
+                    mig_uuid: self.mig_uuid(device, ci_info.device, gi_id, ci_info.id, operation)?,
                 });
             }
         }
@@ -559,14 +660,26 @@ impl NvmlBackend {
     ) -> Result<nvmlGpuInstance_t, BackendError> {
         match self.gpu_instance_by_id(device, gpu_instance) {
             Ok(gi) => Ok(gi),
-            Err(NvmlError::NotSupported) => Err(BackendError {
-                operation: operation.to_string(),
-                kind: NvmlErrorKind::NotFound,
-                message: format!(
-                    "MIG mode is off on GPU {gpu}, so GPU instance {gpu_instance} does not exist"
-                ),
-            }),
+            // NOT_SUPPORTED means "MIG is off" only if the mode says so.
+            Err(NvmlError::NotSupported) if !self.mig_is_on(device).map_err(|e| error(operation, &e))? => {
+                Err(BackendError {
+                    operation: operation.to_string(),
+                    kind: NvmlErrorKind::NotFound,
+                    message: format!(
+                        "MIG mode is off on GPU {gpu}, so GPU instance {gpu_instance} does not exist"
+                    ),
+                })
+            }
             Err(e) => Err(error(operation, &e)),
+        }
+    }
+
+    /// Whether MIG mode is currently on (false on a GPU without MIG).
+    fn mig_is_on(&self, device: &Device<'_>) -> Result<bool, NvmlError> {
+        match device.mig_mode() {
+            Ok(mode) => Ok(mode.current != 0),
+            Err(NvmlError::NotSupported) => Ok(false),
+            Err(e) => Err(e),
         }
     }
 }
@@ -614,17 +727,27 @@ impl GpuBackend for NvmlBackend {
                 Err(e) if is_absent_profile(&e) => continue,
                 Err(e) => return Err(error(op(), &e)),
             };
-            for gi in self
-                .gpu_instances_of_profile(&device, info.id, info.instance_count)
-                .map_err(|e| error(op(), &e))?
-            {
+            let handles = match self.gpu_instances_of_profile(&device, info.id, info.instance_count) {
+                Ok(handles) => handles,
+                // This profile is not supported here (§12), which says nothing about the others.
+                Err(NvmlError::NotSupported) => {
+                    tracing::debug!(
+                        gpu,
+                        profile_id = info.id,
+                        "listing GPU instances of a profile is not supported; skipped"
+                    );
+                    continue;
+                }
+                Err(e) => return Err(error(op(), &e)),
+            };
+            for gi in handles {
                 let gi_info = self.gpu_instance_info(gi).map_err(|e| error(op(), &e))?;
                 records.push(GpuInstanceRecord {
                     id: gi_info.id,
                     profile_id: gi_info.profileId,
                     start: gi_info.placement.start,
                     size: gi_info.placement.size,
-                    compute_instances: self.compute_instances(gi).map_err(|e| error(op(), &e))?,
+                    compute_instances: self.compute_instances(&device, gi, gi_info.id, &op())?,
                 });
             }
         }
@@ -638,12 +761,43 @@ impl GpuBackend for NvmlBackend {
             "{} MIG mode on GPU {gpu}",
             if enabled { "enable" } else { "disable" }
         );
+        let uuid = device.uuid().map_err(|e| error(&op, &e))?;
+        let described = self
+            .described_minors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&gpu)
+            .copied();
+        let minor = match described {
+            Some(minor) => minor,
+            None => device.minor_number().map_err(|e| error(&op, &e))?,
+        };
+        // NVML reports a switch it could not make through the activation status, not the
+        // return code (§12), so the outcome is read back from the mode, as mig-parted does.
         let activation = device.set_mig_mode(enabled).map_err(|e| error(&op, &e))?;
+        // The switch may reset or rebind the GPU: handles, index and minor may change.
+        self.forget_handles();
+        let device = self
+            .nvml
+            .device_by_uuid(uuid.as_str())
+            .map_err(|e| error(format!("{op}: re-open the GPU by UUID {uuid}"), &e))?;
+        let new_index = device.index().map_err(|e| error(&op, &e))?;
+        let new_minor = device.minor_number().map_err(|e| error(&op, &e))?;
+        if (new_index, new_minor) != (gpu, minor) {
+            return Err(BackendError {
+                operation: op,
+                kind: NvmlErrorKind::Other,
+                message: format!(
+                    "the GPU was renumbered by the mode change (index {gpu} -> {new_index}, minor {minor} -> {new_minor}); it must be rediscovered"
+                ),
+            });
+        }
         let mode = device.mig_mode().map_err(|e| error(&op, &e))?;
         let wanted = u32::from(enabled);
         if mode.current == wanted {
             Ok(MigModeChange::Applied)
         } else if mode.pending == wanted {
+            tracing::info!(gpu, activation, "MIG mode change is pending a GPU reset");
             Ok(MigModeChange::PendingReset)
         } else {
             let err = NvmlError::from(activation);
@@ -704,18 +858,26 @@ impl GpuBackend for NvmlBackend {
                     gi_info.profileId
                 ),
             })?;
-        let mut candidates: Vec<u32> = full_compute_instance_profile(slices).into_iter().collect();
-        if slices == 1 {
-            // Some GPUs (GH200) create the full CI of a 1-slice GI with the REV1 profile.
-            candidates.push(CI_PROFILE_1_SLICE_REV1);
-        }
+        // Every CI profile spanning the whole GPU instance, the plain one first: a 1-slice GI
+        // may need `1_SLICE_REV1` (GH200), a 7-slice one `7_SLICE_NVL` (index 8), and go-nvlib
+        // maps both 4 and 8 to "7c" (§3). The profile infos say which exist and their sizes.
+        let plain = full_compute_instance_profile(slices);
+        let mut candidates: Vec<u32> = Vec::new();
         let mut last_error = NvmlError::NotSupported;
+        for index in plain
+            .into_iter()
+            .chain((0..CI_PROFILE_COUNT).filter(|i| Some(*i) != plain))
+        {
+            match self.compute_profile_info(gi, index) {
+                Ok(p) if p.sliceCount == slices => candidates.push(p.id),
+                Ok(_) => {}
+                Err(e @ (NvmlError::NotSupported | NvmlError::InvalidArg)) => last_error = e,
+                Err(e) => return Err(error(&op, &e)),
+            }
+        }
         let mut created = None;
-        for index in candidates {
-            let attempt = self
-                .compute_profile_info(gi, index)
-                .and_then(|p| self.create_compute_instance(gi, p.id));
-            match attempt {
+        for profile_id in candidates {
+            match self.create_compute_instance(gi, profile_id) {
                 Ok(ci) => {
                     created = Some(ci);
                     break;
@@ -725,18 +887,20 @@ impl GpuBackend for NvmlBackend {
             }
         }
         let ci = created.ok_or_else(|| error(&op, &last_error))?;
-        let identified = self.compute_instance_info(ci).and_then(|info| {
-            Ok(CreatedComputeInstance {
-                id: info.id,
-                mig_uuid: self.mig_uuid(info.device)?,
-            })
-        });
-        identified.map_err(|e| {
+        let identified = self
+            .compute_instance_info(ci)
+            .map_err(|e| error(&op, &e))
+            .and_then(|info| {
+                Ok(CreatedComputeInstance {
+                    id: info.id,
+                    mig_uuid: self.mig_uuid(&device, info.device, gi_info.id, info.id, &op)?,
+                })
+            });
+        identified.inspect_err(|_| {
             // A MIG device nobody can name is useless; do not leave it behind.
             if let Err(undo) = self.destroy_raw_compute_instance(ci) {
                 tracing::warn!(gpu, gpu_instance, error = %undo, "rolling back an unidentifiable compute instance failed");
             }
-            error(&op, &e)
         })
     }
 
@@ -764,6 +928,15 @@ impl GpuBackend for NvmlBackend {
         let op = format!("destroy GPU instance {gpu_instance} on GPU {gpu}");
         let gi = self.existing_gpu_instance(&device, gpu, gpu_instance, &op)?;
         self.destroy_raw_gpu_instance(gi).map_err(|e| error(&op, &e))
+    }
+
+    fn mig_enabled(&self, gpu: u32) -> Result<Option<bool>, BackendError> {
+        let device = self.device(gpu)?;
+        match device.mig_mode() {
+            Ok(mode) => Ok(Some(mode.current != 0)),
+            Err(NvmlError::NotSupported) => Ok(None),
+            Err(e) => Err(error(format!("read MIG mode of GPU {gpu}"), &e)),
+        }
     }
 
     fn probe_health(&self, gpu: u32) -> Result<(), BackendError> {

@@ -7,4 +7,5 @@ mod crash;
 mod driver;
 mod gpu_check;
 mod nvml_backend;
+mod real_gpus;
 mod support;

@@ -373,8 +373,17 @@ fn hopper_switches_mig_mode_at_once_unless_in_use() {
 }
 
 #[test]
-fn ampere_mig_mode_stays_pending_until_a_reset() {
-    let host = host(&[("A100-80GB", false)]);
+fn ampere_mig_mode_stays_pending_until_a_reset_when_the_driver_cannot_reset() {
+    // A pass-through VM: the driver cannot reset the GPU itself (§12).
+    let host = host_with(FakeConfig {
+        gpus: vec![
+            GpuConfig::new("A100-80GB", false).with_quirks(migdra_fake_nvml::GpuQuirks {
+                no_driver_reset: true,
+                ..Default::default()
+            }),
+        ],
+        ..FakeConfig::default()
+    });
     let nvml = backend(&host);
     assert_eq!(nvml.set_mig_mode(0, true).unwrap(), MigModeChange::PendingReset);
     let mig = nvml.discover().unwrap()[0].mig.clone().unwrap();

@@ -31,12 +31,18 @@ pub(super) fn entry(f: impl FnOnce() -> Result<(), u32>) -> nvmlReturn_t {
 }
 
 /// Counts hits of the faults matching this call; returns (latency ms, error).
-fn fire_faults(state: &mut FakeState, function: &str, gpu: Option<u32>) -> (u64, Option<u32>) {
+fn fire_faults(
+    state: &mut FakeState,
+    function: &str,
+    gpu: Option<u32>,
+    profile: Option<u32>,
+) -> (u64, Option<u32>) {
     let mut latency = 0;
     let mut error = None;
     for f in &mut state.faults {
         let matches = (f.fault.function == function || f.fault.function == "*")
             && (f.fault.gpu.is_none() || f.fault.gpu == gpu)
+            && (f.fault.profile.is_none() || f.fault.profile == profile)
             && f.fault.times.is_none_or(|t| f.hits < t);
         if matches {
             f.hits += 1;
@@ -60,9 +66,20 @@ pub(super) fn call<T>(
     gpu: Option<u32>,
     body: impl FnOnce(&mut FakeState) -> Result<T, u32>,
 ) -> Result<T, u32> {
+    call_about(function, gpu, None, body)
+}
+
+/// As [`call`], for a function with a profile argument (ID or index), which faults may
+/// be limited to.
+pub(super) fn call_about<T>(
+    function: &str,
+    gpu: Option<u32>,
+    profile: Option<u32>,
+    body: impl FnOnce(&mut FakeState) -> Result<T, u32>,
+) -> Result<T, u32> {
     let path = state_path()?;
     let mut body = Some(body);
-    let step = update_state(&path, |state| match fire_faults(state, function, gpu) {
+    let step = update_state(&path, |state| match fire_faults(state, function, gpu, profile) {
         (0, None) => Step::Done(body.take().map_or(Err(UNKNOWN), |b| b(state))),
         (latency, error) => Step::Delayed(latency, error),
     })
@@ -110,12 +127,24 @@ pub(super) fn get<H: Target, O: Out>(
     null: NullOut,
     value: impl FnOnce(&GpuState, H) -> Result<O::Value, u32>,
 ) -> nvmlReturn_t {
+    get_about(function, None, target, out, null, value)
+}
+
+/// As [`get`], for a getter with a profile argument (ID or index).
+pub(super) fn get_about<H: Target, O: Out>(
+    function: &str,
+    profile: Option<u32>,
+    target: Result<H, u32>,
+    out: O,
+    null: NullOut,
+    value: impl FnOnce(&GpuState, H) -> Result<O::Value, u32>,
+) -> nvmlReturn_t {
     entry(|| {
         let target = target?;
         if null == NullOut::First {
             out.check()?;
         }
-        call(function, Some(target.gpu()), |s| {
+        call_about(function, Some(target.gpu()), profile, |s| {
             out.put(value(gpu_ref(s, target.gpu())?, target)?)
         })
     })

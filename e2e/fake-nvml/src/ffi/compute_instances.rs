@@ -12,11 +12,12 @@ use nvml_wrapper_sys::bindings::{
 
 use super::{
     CI_PROFILE_INFO_V2, CI_PROFILE_INFO_V3,
-    call::{NullOut::First, call, entry, get, gpu_mut, gpu_ref},
+    call::{NullOut::First, call, call_about, entry, get, get_about, gpu_mut, gpu_ref},
     handles::{Handle, ci_handle, gi_handle, handle_ptr},
     memory::{Array, Ptr, fixed_str},
 };
 use crate::{
+    CiInfoDevice,
     code::{ARGUMENT_VERSION_MISMATCH, INVALID_ARGUMENT, NOT_FOUND},
     model::GiProfile,
     sim::{CI_ENGINE_PROFILE_SHARED, ComputeProfile},
@@ -80,10 +81,17 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfo(
     // SAFETY: NVML contract: `info` is NULL or a valid out pointer.
     let out = unsafe { Ptr::new(info) };
     let function = "nvmlGpuInstanceGetComputeInstanceProfileInfo";
-    get(function, gi_handle(gpuInstance), out, First, |g, (_, serial)| {
-        let (cp, gi) = ci_profile_lookup(g, serial, profile, engProfile)?;
-        Ok(ci_profile_v1(&cp, gi))
-    })
+    get_about(
+        function,
+        Some(profile),
+        gi_handle(gpuInstance),
+        out,
+        First,
+        |g, (_, serial)| {
+            let (cp, gi) = ci_profile_lookup(g, serial, profile, engProfile)?;
+            Ok(ci_profile_v1(&cp, gi))
+        },
+    )
 }
 
 #[unsafe(no_mangle)]
@@ -99,7 +107,8 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(
     entry(|| {
         let (gpu, serial) = gi_handle(gpuInstance)?;
         let version = out.version()?;
-        call("nvmlGpuInstanceGetComputeInstanceProfileInfoV", Some(gpu), |s| {
+        let function = "nvmlGpuInstanceGetComputeInstanceProfileInfoV";
+        call_about(function, Some(gpu), Some(profile), |s| {
             let (cp, gi) = ci_profile_lookup(gpu_ref(s, gpu)?, serial, profile, engProfile)?;
             let v1 = ci_profile_v1(&cp, gi);
             let name_text = if cp.slices == gi.compute_slices {
@@ -266,18 +275,23 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstances(
         if array.is_null() {
             return Err(INVALID_ARGUMENT);
         }
-        call("nvmlGpuInstanceGetComputeInstances", Some(gpu), |s| {
-            let g = gpu_ref(s, gpu)?;
-            g.compute_profile(serial, profileId)?;
-            let gi = g.gpu_instance_by_serial(serial).ok_or(INVALID_ARGUMENT)?;
-            let handles = gi
-                .compute_instances
-                .iter()
-                .filter(|ci| ci.profile_id == profileId)
-                .map(|ci| handle_ptr(Handle::Ci { gpu, ci: ci.serial }))
-                .collect();
-            array.fill_listed(&count, handles)
-        })
+        call_about(
+            "nvmlGpuInstanceGetComputeInstances",
+            Some(gpu),
+            Some(profileId),
+            |s| {
+                let g = gpu_ref(s, gpu)?;
+                g.compute_profile(serial, profileId)?;
+                let gi = g.gpu_instance_by_serial(serial).ok_or(INVALID_ARGUMENT)?;
+                let handles = gi
+                    .compute_instances
+                    .iter()
+                    .filter(|ci| ci.profile_id == profileId)
+                    .map(|ci| handle_ptr(Handle::Ci { gpu, ci: ci.serial }))
+                    .collect();
+                array.fill_listed(&count, handles)
+            },
+        )
     })
 }
 
@@ -307,11 +321,16 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceById(
     )
 }
 
-/// `nvmlComputeInstanceInfo_t` of a compute instance; `device` is its MIG device handle.
+/// `nvmlComputeInstanceInfo_t` of a compute instance; `device` is its MIG device handle, or
+/// the parent GPU's where `quirks.ciInfoDevice` says so (nvml.h documents the parent; §12).
 fn compute_instance_info(g: &GpuState, (gpu, serial): (u32, u64)) -> Result<nvmlComputeInstanceInfo_t, u32> {
     let (gi, ci) = g.compute_instance_by_serial(serial).ok_or(INVALID_ARGUMENT)?;
+    let device = match g.quirks.ci_info_device {
+        CiInfoDevice::MigDevice => handle_ptr(Handle::Mig { gpu, ci: serial }),
+        CiInfoDevice::Parent => handle_ptr(Handle::Gpu(gpu)),
+    };
     Ok(nvmlComputeInstanceInfo_t {
-        device: handle_ptr(Handle::Mig { gpu, ci: serial }),
+        device,
         gpuInstance: handle_ptr(Handle::Gi { gpu, gi: gi.serial }),
         id: ci.id,
         profileId: ci.profile_id,

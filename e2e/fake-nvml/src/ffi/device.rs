@@ -266,7 +266,28 @@ pub unsafe extern "C" fn nvmlDeviceGetArchitecture(
         any_device(device),
         out,
         OnWrite,
-        |g, _| Ok(g.fake_model().ok_or(UNKNOWN)?.architecture),
+        |g, _| match g.quirks.architecture {
+            Some(architecture) => Ok(architecture),
+            None => Ok(g.fake_model().ok_or(UNKNOWN)?.architecture),
+        },
+    )
+}
+
+/// `nvmlDeviceGetVirtualizationMode`: whether the GPU is bare metal (0), passed through to a
+/// VM (1), a vGPU inside a guest (2) or a hypervisor host's (3, 4); `quirks.virtualizationMode`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetVirtualizationMode(
+    device: nvmlDevice_t,
+    mode: *mut nvml_wrapper_sys::bindings::nvmlGpuVirtualizationMode_t,
+) -> nvmlReturn_t {
+    // SAFETY: NVML contract: `mode` is NULL or a valid out pointer.
+    let out = unsafe { Ptr::new(mode) };
+    get(
+        "nvmlDeviceGetVirtualizationMode",
+        physical(device),
+        out,
+        OnWrite,
+        |g, _| Ok(g.quirks.virtualization_mode),
     )
 }
 

@@ -11,7 +11,7 @@ use nvml_wrapper_sys::bindings::{
 
 use super::{
     GI_PROFILE_INFO_V2, GI_PROFILE_INFO_V3,
-    call::{NullOut::First, call, entry, get, gpu_ref},
+    call::{NullOut::First, call_about, entry, get_about, gpu_ref},
     handles::physical,
     memory::{Array, Ptr, fixed_str},
 };
@@ -57,9 +57,17 @@ macro_rules! gi_info_from_v1 {
 }
 
 /// Writes a v2 or v3 GI profile info, whichever version the caller preset.
-fn put_gi_profile_versioned(out: &Ptr<nvmlGpuInstanceProfileInfo_v2_t>, p: &GiProfile) -> Result<(), u32> {
+fn put_gi_profile_versioned(
+    out: &Ptr<nvmlGpuInstanceProfileInfo_v2_t>,
+    g: &GpuState,
+    p: &GiProfile,
+) -> Result<(), u32> {
     let v1 = gi_profile_v1(p);
-    let name = fixed_str::<96>(&format!("MIG {}", p.name));
+    // A driver may name a profile differently from the model table (quirks.profileNames).
+    let name = match g.quirks.profile_names.get(&p.id) {
+        Some(name) => fixed_str::<96>(&format!("MIG {name}")),
+        None => fixed_str::<96>(&format!("MIG {}", p.name)),
+    };
     match out.version()? {
         GI_PROFILE_INFO_V2 => out.set(gi_info_from_v1!(
             nvmlGpuInstanceProfileInfo_v2_t,
@@ -89,8 +97,9 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
 ) -> nvmlReturn_t {
     // SAFETY: NVML contract: `info` is NULL or a valid out pointer.
     let out = unsafe { Ptr::new(info) };
-    get(
+    get_about(
         "nvmlDeviceGetGpuInstanceProfileInfo",
+        Some(profile),
         physical(device),
         out,
         First,
@@ -105,6 +114,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
 unsafe fn get_versioned_info(
     function: &str,
     device: nvmlDevice_t,
+    profile_argument: u32,
     info: *mut nvmlGpuInstanceProfileInfo_v2_t,
     profile: impl FnOnce(&GpuState) -> Result<&'static GiProfile, u32>,
 ) -> nvmlReturn_t {
@@ -113,10 +123,10 @@ unsafe fn get_versioned_info(
     entry(|| {
         let gpu = physical(device)?;
         out.check()?;
-        call(function, Some(gpu), |s| {
+        call_about(function, Some(gpu), Some(profile_argument), |s| {
             let g = gpu_ref(s, gpu)?;
             g.require_mig()?;
-            put_gi_profile_versioned(&out, profile(g)?)
+            put_gi_profile_versioned(&out, g, profile(g)?)
         })
     })
 }
@@ -129,9 +139,13 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoV(
 ) -> nvmlReturn_t {
     // SAFETY: NVML contract: `info` is NULL or a versioned v2/v3 info (same size).
     unsafe {
-        get_versioned_info("nvmlDeviceGetGpuInstanceProfileInfoV", device, info, |g| {
-            g.gi_profile_by_index(profile)
-        })
+        get_versioned_info(
+            "nvmlDeviceGetGpuInstanceProfileInfoV",
+            device,
+            profile,
+            info,
+            |g| g.gi_profile_by_index(profile),
+        )
     }
 }
 
@@ -143,9 +157,13 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoByIdV(
 ) -> nvmlReturn_t {
     // SAFETY: NVML contract: `info` is NULL or a versioned v2/v3 info (same size).
     unsafe {
-        get_versioned_info("nvmlDeviceGetGpuInstanceProfileInfoByIdV", device, info, |g| {
-            g.gi_profile(profileId).ok_or(INVALID_ARGUMENT)
-        })
+        get_versioned_info(
+            "nvmlDeviceGetGpuInstanceProfileInfoByIdV",
+            device,
+            profileId,
+            info,
+            |g| g.gi_profile(profileId).ok_or(INVALID_ARGUMENT),
+        )
     }
 }
 
@@ -162,7 +180,8 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
     entry(|| {
         let gpu = physical(device)?;
         count.check()?;
-        call("nvmlDeviceGetGpuInstancePossiblePlacements_v2", Some(gpu), |s| {
+        let function = "nvmlDeviceGetGpuInstancePossiblePlacements_v2";
+        call_about(function, Some(gpu), Some(profileId), |s| {
             let g = gpu_ref(s, gpu)?;
             if g.mig_table().is_none() {
                 return Err(NOT_SUPPORTED);
@@ -189,8 +208,9 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceRemainingCapacity(
 ) -> nvmlReturn_t {
     // SAFETY: NVML contract: `count` is NULL or a valid out pointer.
     let out = unsafe { Ptr::new(count) };
-    get(
+    get_about(
         "nvmlDeviceGetGpuInstanceRemainingCapacity",
+        Some(profileId),
         physical(device),
         out,
         First,

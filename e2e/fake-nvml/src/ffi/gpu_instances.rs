@@ -9,7 +9,7 @@ use nvml_wrapper_sys::bindings::{
 };
 
 use super::{
-    call::{NullOut::First, call, entry, get, gpu_mut, gpu_ref},
+    call::{NullOut::First, call, call_about, entry, get, gpu_mut, gpu_ref},
     handles::{Handle, gi_handle, handle_ptr, physical},
     memory::{Array, Ptr},
 };
@@ -91,7 +91,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstances(
         if array.is_null() {
             return Err(INVALID_ARGUMENT);
         }
-        call("nvmlDeviceGetGpuInstances", Some(gpu), |s| {
+        call_about("nvmlDeviceGetGpuInstances", Some(gpu), Some(profileId), |s| {
             let g = gpu_ref(s, gpu)?;
             g.require_mig()?;
             g.gi_profile(profileId).ok_or(INVALID_ARGUMENT)?;
