@@ -370,18 +370,40 @@ fn a_failing_creation_is_a_mismatch_and_the_mig_mode_is_restored_anyway() {
 }
 
 #[test]
-fn full_mode_on_ampere_with_mig_off_reports_the_reset_and_leaves_the_mode() {
+fn full_mode_on_an_idle_ampere_with_mig_off_switches_exercises_and_switches_back() {
+    // On idle bare-metal Ampere NVML resets the GPU itself when the mode changes.
     let node = CheckedHost::with_gpus(&[("A100-SXM4-40GB", false)]);
-    let before = node.host.read_state().unwrap();
     let report = node.check(&node.options(false)).unwrap();
-    let m = mismatches(&report);
-    assert!(m.iter().any(|l| l.contains("needs a GPU reset")), "{m:?}");
+    assert_eq!(report.exit_code(), 0, "{:?}", mismatches(&report));
+    let ex = report.gpus[0].exercise.as_ref().unwrap();
+    assert_eq!(ex.placements.len(), placements_of("A100-SXM4-40GB"));
+    assert!(ex.placements.iter().all(|p| p.ok));
     let after = node.host.read_state().unwrap();
     assert_eq!(
         (after.gpus[0].mig_enabled, after.gpus[0].mig_pending),
         (false, false),
         "restored"
     );
+    assert!(after.gpus[0].gpu_instances.is_empty());
+}
+
+#[test]
+fn full_mode_on_ampere_that_cannot_reset_reports_the_reset_and_leaves_the_mode() {
+    let node = CheckedHost::new(FakeConfig {
+        gpus: vec![
+            GpuConfig::new("A100-SXM4-40GB", false).with_quirks(migdra_fake_nvml::GpuQuirks {
+                no_driver_reset: true,
+                ..Default::default()
+            }),
+        ],
+        ..FakeConfig::default()
+    });
+    let before = node.host.read_state().unwrap();
+    let report = node.check(&node.options(false)).unwrap();
+    let m = mismatches(&report);
+    assert!(m.iter().any(|l| l.contains("needs a GPU reset")), "{m:?}");
+    let after = node.host.read_state().unwrap();
+    assert!(!after.gpus[0].mig_enabled, "MIG stays off");
     assert_eq!(after.gpus[0].gpu_instances, before.gpus[0].gpu_instances);
 }
 
