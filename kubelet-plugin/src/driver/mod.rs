@@ -36,7 +36,7 @@ use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 
 use migdra_api::inventory;
 
-pub use self::recovery::RecoveryReport;
+pub use self::{prepare::uuid_variable, recovery::RecoveryReport};
 use crate::{
     cdi::{CdiError, CdiWriter},
     checkpoint::{CheckpointError, ClaimRecord, LoadOutcome},
@@ -132,6 +132,10 @@ pub enum ClaimFailure {
     /// The CDI spec could not be written or removed.
     #[error("writing the CDI spec: {0}")]
     Cdi(#[from] CdiError),
+    /// The node lacks the driver's files or control device nodes every CUDA container
+    /// needs (checked before anything is created).
+    #[error("{0}")]
+    NodeNotReady(CdiError),
     /// The node lock could not be taken (shared by every claim of the call).
     #[error("node lock: {0}")]
     NodeLock(Arc<NodeLockError>),
@@ -160,6 +164,7 @@ impl ClaimFailure {
             Self::Backend(_) => "NvmlError",
             Self::Checkpoint(_) => "CheckpointError",
             Self::Cdi(_) => "CdiError",
+            Self::NodeNotReady(_) => "DriverFilesUnavailable",
             Self::NodeLock(_) => "NodeLockUnavailable",
             Self::RollbackFailed(..) => "RollbackFailed",
         }
@@ -223,9 +228,25 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 metrics,
             }),
         };
+        // Discovered once at start; a failure is not fatal (the plugin keeps serving and
+        // reporting), every prepare fails with it until it is fixed.
+        if let Err(e) = driver.ensure_driver_spec() {
+            tracing::error!(error = %e, "this node cannot hand out GPUs until this is fixed; every prepare fails with this error");
+        }
         let mut report = driver.recover()?;
         report.checkpoint = Some(outcome);
         Ok((driver, report))
+    }
+
+    /// Makes sure the node-wide driver CDI spec matches the driver version NVML reports now
+    /// (discovering the driver's files again after a driver change) and that the node has
+    /// what every CUDA container needs.
+    pub fn ensure_driver_spec(&self) -> Result<(), ClaimFailure> {
+        let version = self.backend().driver_version()?;
+        self.inner
+            .cdi
+            .ensure_driver_spec(&version)
+            .map_err(ClaimFailure::NodeNotReady)
     }
 
     /// This node's pool name.
