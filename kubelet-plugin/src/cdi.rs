@@ -316,10 +316,7 @@ impl CdiWriter {
         let spec = DriverSpec {
             cdi_version: CDI_VERSION,
             kind: self.driver_kind(),
-            annotations: BTreeMap::from([(
-                format!("{}/driver-version", self.vendor),
-                files.version.clone(),
-            )]),
+            annotations: BTreeMap::from([(format!("{}/driver-version", self.vendor), files.version.clone())]),
             devices: vec![DriverSpecDevice {
                 name: DRIVER_DEVICE,
                 container_edits: driver_files::container_edits(files),

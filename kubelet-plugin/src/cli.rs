@@ -170,7 +170,10 @@ mod tests {
             "--driver-root-mount=/driver-root",
         ])
         .unwrap();
-        assert_eq!(mounted.resolved_driver_root_mount(), PathBuf::from("/driver-root"));
+        assert_eq!(
+            mounted.resolved_driver_root_mount(),
+            PathBuf::from("/driver-root")
+        );
         assert_eq!(a.resolved_state_dir(), PathBuf::from("/s"));
         assert_eq!(
             a.heartbeat_interval(),

@@ -155,9 +155,18 @@ async fn several_devices_and_requests_in_one_claim() {
             .map(|i| i.2[0].clone())
             .unwrap()
     };
-    assert_eq!(env(0), format!("MIGDRA_DEVICE_UUID_GPU_0_MIG_1G10GB_0={}", uuid_of(0, 0)));
-    assert_eq!(env(1), format!("MIGDRA_DEVICE_UUID_GPU_0_MIG_1G10GB_1={}", uuid_of(0, 1)));
-    assert_eq!(env(2), format!("MIGDRA_DEVICE_UUID_GPU_1_MIG_2G20GB_2={}", uuid_of(1, 2)));
+    assert_eq!(
+        env(0),
+        format!("MIGDRA_DEVICE_UUID_GPU_0_MIG_1G10GB_0={}", uuid_of(0, 0))
+    );
+    assert_eq!(
+        env(1),
+        format!("MIGDRA_DEVICE_UUID_GPU_0_MIG_1G10GB_1={}", uuid_of(0, 1))
+    );
+    assert_eq!(
+        env(2),
+        format!("MIGDRA_DEVICE_UUID_GPU_1_MIG_2G20GB_2={}", uuid_of(1, 2))
+    );
     for device in &devices {
         assert_eq!(device.cdi_device_ids[1], DRIVER_DEVICE_ID);
     }

@@ -17,9 +17,9 @@ use migdra_fake_nvml::{
 };
 use migdra_kubelet_plugin::{
     cdi::{CdiWriter, DriverSetup},
-    driver_files::HostDir,
     claims::ClaimSource,
     driver::{Driver, DriverConfig, PrepareResult, RecoveryReport, StepHook, UnprepareResult},
+    driver_files::HostDir,
     metrics::Metrics,
     nvml::NvmlBackend,
 };
