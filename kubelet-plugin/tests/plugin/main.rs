@@ -5,5 +5,6 @@
 mod claims_api;
 mod crash;
 mod driver;
+mod driver_files;
 mod nvml_backend;
 mod support;
