@@ -532,7 +532,7 @@ mod tests {
             device_name: "gpu-1-mig-3g40gb-4".into(),
             gpu_minor: 1,
             mig: Some((2, 0)),
-            env: BTreeMap::from([("NVIDIA_VISIBLE_DEVICES".into(), "MIG-abc".into())]),
+            env: BTreeMap::from([("MIGDRA_DEVICE_UUID_GPU_1_MIG_3G40GB_4".into(), "MIG-abc".into())]),
         };
         let path = writer.write_claim_spec("uid-1", &[device]).unwrap();
         assert!(path.ends_with("gpu.migdra.dev-claim_uid-1.json"));
@@ -540,7 +540,10 @@ mod tests {
         assert_eq!(spec["kind"], "gpu.migdra.dev/claim");
         let dev = &spec["devices"][0];
         assert_eq!(dev["name"], "uid-1-gpu-1-mig-3g40gb-4");
-        assert_eq!(dev["containerEdits"]["env"][0], "NVIDIA_VISIBLE_DEVICES=MIG-abc");
+        assert_eq!(
+            dev["containerEdits"]["env"][0],
+            "MIGDRA_DEVICE_UUID_GPU_1_MIG_3G40GB_4=MIG-abc"
+        );
         let nodes = dev["containerEdits"]["deviceNodes"].as_array().unwrap();
         let paths: Vec<&str> = nodes.iter().map(|n| n["path"].as_str().unwrap()).collect();
         assert_eq!(
@@ -581,5 +584,75 @@ mod tests {
         let err = writer.write_claim_spec("uid-2", &[device]).unwrap_err();
         assert!(err.to_string().contains("gi9"), "{err}");
         assert!(!writer.has_claim_spec("uid-2"));
+    }
+
+    #[test]
+    fn no_uvm_major_is_an_error_not_a_smaller_spec() {
+        let dir = tempfile::tempdir().unwrap();
+        proc_root(dir.path());
+        fs::write(
+            dir.path().join("devices"),
+            "Character devices:\n195 nvidia\n508 nvidia-caps\n",
+        )
+        .unwrap();
+        let writer = CdiWriter::new(dir.path().join("cdi"), "gpu.migdra.dev", dir.path());
+        let device = ClaimDevice {
+            device_name: "gpu-1".into(),
+            gpu_minor: 1,
+            mig: None,
+            env: BTreeMap::new(),
+        };
+        let err = writer.write_claim_spec("uid-3", &[device]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("the nvidia-uvm kernel module is not loaded"),
+            "{err}"
+        );
+        assert!(!writer.has_claim_spec("uid-3"));
+    }
+
+    #[test]
+    fn driver_spec_is_written_once_and_rewritten_when_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        proc_root(dir.path());
+        let version = "580.82.07";
+        let root = dir.path().join("driver-root");
+        fs::create_dir_all(&root).unwrap();
+        migdra_fake_nvml::driver_root::create_driver_root(&root, version, &Default::default()).unwrap();
+        let dev = dir.path().join("dev");
+        fs::create_dir_all(&dev).unwrap();
+        for name in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
+            fs::write(dev.join(name), b"").unwrap();
+        }
+        let writer =
+            CdiWriter::new(dir.path().join("cdi"), "gpu.migdra.dev", dir.path()).with_driver(DriverSetup {
+                driver_root: HostDir::same(&root),
+                host_root: dir.path().join("no-host"),
+                hook_path: PathBuf::from(driver_files::DEFAULT_HOOK_PATH),
+                dev_root: dev,
+                kernel_release: String::new(),
+            });
+        assert_eq!(
+            writer.device_ids("u", "gpu-1"),
+            ["gpu.migdra.dev/claim=u-gpu-1", "gpu.migdra.dev/driver=files"]
+        );
+        writer.ensure_driver_spec(version).unwrap();
+        let path = writer.driver_spec_path();
+        // An atomic write replaces the file: the same inode means it was not rewritten.
+        let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&fs::metadata(p).unwrap());
+        let first = inode(&path);
+        writer.ensure_driver_spec(version).unwrap();
+        assert_eq!(inode(&path), first, "unchanged inputs: not rewritten");
+        fs::remove_file(&path).unwrap();
+        writer.ensure_driver_spec(version).unwrap();
+        let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(spec["kind"], "gpu.migdra.dev/driver");
+        assert_eq!(spec["devices"][0]["name"], DRIVER_DEVICE);
+        assert!(
+            spec["devices"][0]["containerEdits"]["env"]
+                .as_array()
+                .unwrap()
+                .contains(&serde_json::json!("NVIDIA_VISIBLE_DEVICES=void"))
+        );
     }
 }
