@@ -1,8 +1,10 @@
 //! The prepare/unprepare state machine behind the kubelet's DRA calls.
 //!
 //! - `prepare.rs`: per claim, GET the claim and validate it (no lock held, nothing created);
-//!   then, under the node lock and the locks of the claim's GPUs, plan it
-//!   ([`crate::plan`]), record `PrepareStarted` with the planned placements, switch MIG mode
+//!   then, under the node lock and the locks of the claim's GPUs, check that the node can
+//!   run CUDA containers (driver files and control nodes; the node-wide driver CDI spec is
+//!   rewritten after a driver change, [`crate::cdi::CdiWriter::ensure_driver_spec`]), plan
+//!   it ([`crate::plan`]), record `PrepareStarted` with the planned placements, switch MIG mode
 //!   where the plan says so, create each GPU instance and its full compute instance, write
 //!   the CDI spec, record `PrepareCompleted`. Any failure after the first record tears down
 //!   what was created and forgets the claim.
