@@ -72,6 +72,28 @@ def test_plugin_mounts_cdi_dev_and_driver_root(case):
     assert nvml.endswith("libnvidia-ml.so.1")
 
 
+def test_plugin_gets_the_driver_files_settings(case):
+    """Driver root (host path and where the plugin sees it), /dev and the hook's host dir."""
+    rendered, values = case
+    _, pod = plugin_pod(rendered)
+    c = container(pod)
+    mounts = mounts_by_host_path(pod, c)
+    env = env_of(c)
+
+    driver_root = values["nvidiaDriverRoot"]
+    assert env["DRIVER_ROOT"]["value"] == driver_root, "CDI mounts name host paths"
+    assert env["DRIVER_ROOT_MOUNT"]["value"] == mounts[driver_root]["mountPath"]
+    assert env["DEV_ROOT"]["value"] == mounts["/dev"]["mountPath"]
+
+    hook = values["kubeletPlugin"]["nvidiaCdiHookPath"]
+    assert env["NVIDIA_CDI_HOOK_PATH"]["value"] == hook
+    hook_dir = hook.rsplit("/", 1)[0]
+    m = mounts[hook_dir]
+    assert m["readOnly"] is True
+    # The plugin looks the hook up at HOST_ROOT + its host path.
+    assert m["mountPath"] == env["HOST_ROOT"]["value"].rstrip("/") + hook_dir
+
+
 def test_plugin_state_dir_persists(case):
     """The checkpoint lives in <root>/plugins/<driver> (the binary's default) on a hostPath."""
     rendered, _ = case

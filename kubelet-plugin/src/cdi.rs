@@ -1,5 +1,16 @@
 //! Container Device Interface specs: one transient spec file per claim that tells the
-//! container runtime which device nodes and environment a container gets.
+//! container runtime which device nodes and environment a container gets, and one node-wide
+//! driver spec with what every CUDA container needs besides its devices.
+//!
+//! The node-wide spec (kind `<vendor>/driver`, one device [`DRIVER_DEVICE`]) carries the
+//! driver's files as read-only bind mounts, the `nvidia-cdi-hook` hooks and
+//! `NVIDIA_VISIBLE_DEVICES=void` ([`crate::driver_files::container_edits`]). Every prepared
+//! device names it as a second CDI device ID, so a container with devices of several
+//! requests or claims gets the driver's edits once (runtimes inject a device named twice
+//! once) and the device nodes of all of them: no environment variable is set by two devices
+//! with different values. It is written at start and whenever discovery runs again (a new
+//! driver version), atomically, and never removed (claims may reference it at any time).
+//! A claim's own spec keeps only device nodes and per-device environment.
 //!
 //! Every device node is written with an explicit type, major and minor, so the runtime
 //! creates it inside the container even when the host node does not exist (the kernel driver
@@ -14,13 +25,22 @@ use std::{
 
 use serde::Serialize;
 
-use crate::state_dir::write_atomically;
+use crate::{
+    driver_files::{
+        self, DiscoveryInputs, DriverFiles, DriverFilesCache, DriverFilesError, HostDir, LibraryArch,
+    },
+    state_dir::write_atomically,
+};
 
 /// CDI spec version we write: explicit device-node fields need nothing newer, dots in the
 /// vendor name and annotations are covered by 0.6.0.
 pub const CDI_VERSION: &str = "0.6.0";
 /// CDI class of per-claim specs.
 pub const CDI_CLASS: &str = "claim";
+/// CDI class of the node-wide driver spec.
+pub const DRIVER_CLASS: &str = "driver";
+/// The one device of the node-wide driver spec.
+pub const DRIVER_DEVICE: &str = "files";
 /// Major number of `/dev/nvidia*` (fixed by the NVIDIA kernel driver).
 const NVIDIA_MAJOR: u32 = 195;
 /// Minor of `/dev/nvidiactl`.
@@ -58,6 +78,9 @@ pub enum CdiError {
     /// Encoding failed.
     #[error("encoding a CDI spec: {0}")]
     Encode(#[from] serde_json::Error),
+    /// The node lacks what every CUDA container needs (driver files, control device nodes).
+    #[error("this node cannot run CUDA containers: {0}")]
+    DriverFiles(#[from] DriverFilesError),
 }
 
 /// A device node in a CDI spec.
@@ -121,8 +144,60 @@ pub struct ClaimDevice {
     pub gpu_minor: u32,
     /// `(GPU instance, compute instance)` for a MIG device.
     pub mig: Option<(u32, u32)>,
-    /// Environment variables (`NVIDIA_VISIBLE_DEVICES` and the configured ones).
+    /// Environment variables (the device's own UUID variable and the configured ones).
     pub env: BTreeMap<String, String>,
+}
+
+/// Where the node's driver installation is and what the node-wide spec needs to find it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverSetup {
+    /// The driver root on the host and where this process sees it.
+    pub driver_root: HostDir,
+    /// Where this process sees the host's `/` (the hook is looked up there).
+    pub host_root: PathBuf,
+    /// Host path of `nvidia-cdi-hook`.
+    pub hook_path: PathBuf,
+    /// Where this process sees the host's `/dev` (for the required control nodes).
+    pub dev_root: PathBuf,
+    /// The running kernel's release (for firmware directories); empty when unknown.
+    pub kernel_release: String,
+}
+
+impl DriverSetup {
+    fn inputs(&self, driver_version: &str) -> DiscoveryInputs {
+        DiscoveryInputs {
+            driver_root: self.driver_root.clone(),
+            driver_version: driver_version.to_string(),
+            kernel_release: self.kernel_release.clone(),
+            host_root: self.host_root.clone(),
+            hook_path: self.hook_path.clone(),
+            arch: LibraryArch::HOST,
+        }
+    }
+}
+
+/// The driver setup with the last discovery and the files the node-wide spec was written
+/// from.
+#[derive(Debug)]
+struct DriverSpecState {
+    setup: DriverSetup,
+    cache: std::sync::Mutex<(DriverFilesCache, Option<std::sync::Arc<DriverFiles>>)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct DriverSpecDevice {
+    name: &'static str,
+    container_edits: driver_files::ContainerEdits,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct DriverSpec {
+    cdi_version: &'static str,
+    kind: String,
+    annotations: BTreeMap<String, String>,
+    devices: Vec<DriverSpecDevice>,
 }
 
 /// Major numbers of the NVIDIA character devices, from `/proc/devices`.
@@ -134,12 +209,13 @@ pub struct Majors {
     pub caps: Option<u32>,
 }
 
-/// Writes and removes per-claim CDI specs.
+/// Writes and removes per-claim CDI specs and writes the node-wide driver spec.
 #[derive(Clone, Debug)]
 pub struct CdiWriter {
     spec_dir: PathBuf,
     vendor: String,
     proc_root: PathBuf,
+    driver: Option<std::sync::Arc<DriverSpecState>>,
 }
 
 impl CdiWriter {
@@ -154,7 +230,104 @@ impl CdiWriter {
             spec_dir: spec_dir.into(),
             vendor: vendor.into(),
             proc_root: proc_root.into(),
+            driver: None,
         }
+    }
+
+    /// Hands every claim device the driver's files through the node-wide driver spec. A
+    /// writer without it writes claim specs with device nodes only (benchmarks, tests of
+    /// the state machine); the plugin always sets it.
+    pub fn with_driver(mut self, setup: DriverSetup) -> Self {
+        self.driver = Some(std::sync::Arc::new(DriverSpecState {
+            setup,
+            cache: std::sync::Mutex::new((DriverFilesCache::new(), None)),
+        }));
+        self
+    }
+
+    /// `<vendor>/driver`.
+    pub fn driver_kind(&self) -> String {
+        format!("{}/{DRIVER_CLASS}", self.vendor)
+    }
+
+    /// The CDI device ID of the node-wide driver device, when a driver setup is configured.
+    pub fn driver_device_id(&self) -> Option<String> {
+        self.driver
+            .as_ref()
+            .map(|_| format!("{}={DRIVER_DEVICE}", self.driver_kind()))
+    }
+
+    /// Path of the node-wide driver spec.
+    pub fn driver_spec_path(&self) -> PathBuf {
+        self.spec_dir.join(format!("{}-{DRIVER_CLASS}.json", self.vendor))
+    }
+
+    /// The CDI device IDs a prepared claim device hands the runtime: its own and the
+    /// node-wide driver device.
+    pub fn device_ids(&self, claim_uid: &str, device_name: &str) -> Vec<String> {
+        std::iter::once(self.device_id(claim_uid, device_name))
+            .chain(self.driver_device_id())
+            .collect()
+    }
+
+    /// Checks that the node can run CUDA containers with driver `driver_version` (the
+    /// control device nodes exist, the driver's libraries are found) and makes sure the
+    /// node-wide driver spec describes that version's files: discovery runs again when the
+    /// version changed (or the last one failed) and the spec is rewritten when the files
+    /// changed or the spec file is gone. Called before anything is created for a claim.
+    pub fn ensure_driver_spec(&self, driver_version: &str) -> Result<(), CdiError> {
+        let Some(driver) = &self.driver else {
+            return Ok(());
+        };
+        driver_files::check_required_device_nodes(&driver.setup.dev_root, |p| p.exists())?;
+        let inputs = driver.setup.inputs(driver_version);
+        // Poisoning only means another thread panicked mid-discovery; the cache is still
+        // a valid (possibly empty) cache.
+        let mut guard = driver
+            .cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (cache, written) = &mut *guard;
+        let files = cache.get(&inputs)?;
+        let path = self.driver_spec_path();
+        let current = written
+            .as_ref()
+            .is_some_and(|w| std::sync::Arc::ptr_eq(w, &files))
+            && path.exists();
+        if !current {
+            self.write_driver_spec(&path, &files)?;
+            tracing::info!(
+                path = %path.display(),
+                version = %files.version,
+                libraries = files.libraries.len(),
+                hooks = files.hook.is_some(),
+                "wrote the node-wide driver CDI spec"
+            );
+            *written = Some(files);
+        }
+        Ok(())
+    }
+
+    fn write_driver_spec(&self, path: &Path, files: &DriverFiles) -> Result<(), CdiError> {
+        fs::create_dir_all(&self.spec_dir).map_err(|source| CdiError::Write {
+            path: self.spec_dir.clone(),
+            source,
+        })?;
+        let spec = DriverSpec {
+            cdi_version: CDI_VERSION,
+            kind: self.driver_kind(),
+            annotations: BTreeMap::from([(format!("{}/driver-version", self.vendor), files.version.clone())]),
+            devices: vec![DriverSpecDevice {
+                name: DRIVER_DEVICE,
+                container_edits: driver_files::container_edits(files),
+            }],
+        };
+        let mut bytes = serde_json::to_vec_pretty(&spec)?;
+        bytes.push(b'\n');
+        write_atomically(path, &bytes, 0o644).map_err(|source| CdiError::Write {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 
     /// `<vendor>/claim`.
@@ -246,10 +419,13 @@ impl CdiWriter {
             ),
             char_node("/dev/nvidiactl".into(), NVIDIA_MAJOR, NVIDIACTL_MINOR, 0o666),
         ];
-        if let Some(uvm) = majors.uvm {
-            nodes.push(char_node("/dev/nvidia-uvm".into(), uvm, 0, 0o666));
-            nodes.push(char_node("/dev/nvidia-uvm-tools".into(), uvm, 1, 0o666));
-        }
+        // CUDA cannot initialise without unified memory: no node, no device.
+        let uvm = majors.uvm.ok_or_else(|| CdiError::Missing {
+            path: self.proc_root.join("devices"),
+            what: "no nvidia-uvm character device: the nvidia-uvm kernel module is not loaded".into(),
+        })?;
+        nodes.push(char_node("/dev/nvidia-uvm".into(), uvm, 0, 0o666));
+        nodes.push(char_node("/dev/nvidia-uvm-tools".into(), uvm, 1, 0o666));
         if let Some((gi, ci)) = device.mig {
             let caps = majors.caps.ok_or_else(|| CdiError::Missing {
                 path: self.proc_root.join("devices"),
@@ -356,7 +532,7 @@ mod tests {
             device_name: "gpu-1-mig-3g40gb-4".into(),
             gpu_minor: 1,
             mig: Some((2, 0)),
-            env: BTreeMap::from([("NVIDIA_VISIBLE_DEVICES".into(), "MIG-abc".into())]),
+            env: BTreeMap::from([("MIGDRA_DEVICE_UUID_GPU_1_MIG_3G40GB_4".into(), "MIG-abc".into())]),
         };
         let path = writer.write_claim_spec("uid-1", &[device]).unwrap();
         assert!(path.ends_with("gpu.migdra.dev-claim_uid-1.json"));
@@ -364,7 +540,10 @@ mod tests {
         assert_eq!(spec["kind"], "gpu.migdra.dev/claim");
         let dev = &spec["devices"][0];
         assert_eq!(dev["name"], "uid-1-gpu-1-mig-3g40gb-4");
-        assert_eq!(dev["containerEdits"]["env"][0], "NVIDIA_VISIBLE_DEVICES=MIG-abc");
+        assert_eq!(
+            dev["containerEdits"]["env"][0],
+            "MIGDRA_DEVICE_UUID_GPU_1_MIG_3G40GB_4=MIG-abc"
+        );
         let nodes = dev["containerEdits"]["deviceNodes"].as_array().unwrap();
         let paths: Vec<&str> = nodes.iter().map(|n| n["path"].as_str().unwrap()).collect();
         assert_eq!(
@@ -405,5 +584,75 @@ mod tests {
         let err = writer.write_claim_spec("uid-2", &[device]).unwrap_err();
         assert!(err.to_string().contains("gi9"), "{err}");
         assert!(!writer.has_claim_spec("uid-2"));
+    }
+
+    #[test]
+    fn no_uvm_major_is_an_error_not_a_smaller_spec() {
+        let dir = tempfile::tempdir().unwrap();
+        proc_root(dir.path());
+        fs::write(
+            dir.path().join("devices"),
+            "Character devices:\n195 nvidia\n508 nvidia-caps\n",
+        )
+        .unwrap();
+        let writer = CdiWriter::new(dir.path().join("cdi"), "gpu.migdra.dev", dir.path());
+        let device = ClaimDevice {
+            device_name: "gpu-1".into(),
+            gpu_minor: 1,
+            mig: None,
+            env: BTreeMap::new(),
+        };
+        let err = writer.write_claim_spec("uid-3", &[device]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("the nvidia-uvm kernel module is not loaded"),
+            "{err}"
+        );
+        assert!(!writer.has_claim_spec("uid-3"));
+    }
+
+    #[test]
+    fn driver_spec_is_written_once_and_rewritten_when_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        proc_root(dir.path());
+        let version = "580.82.07";
+        let root = dir.path().join("driver-root");
+        fs::create_dir_all(&root).unwrap();
+        migdra_fake_nvml::driver_root::create_driver_root(&root, version, &Default::default()).unwrap();
+        let dev = dir.path().join("dev");
+        fs::create_dir_all(&dev).unwrap();
+        for name in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
+            fs::write(dev.join(name), b"").unwrap();
+        }
+        let writer =
+            CdiWriter::new(dir.path().join("cdi"), "gpu.migdra.dev", dir.path()).with_driver(DriverSetup {
+                driver_root: HostDir::same(&root),
+                host_root: dir.path().join("no-host"),
+                hook_path: PathBuf::from(driver_files::DEFAULT_HOOK_PATH),
+                dev_root: dev,
+                kernel_release: String::new(),
+            });
+        assert_eq!(
+            writer.device_ids("u", "gpu-1"),
+            ["gpu.migdra.dev/claim=u-gpu-1", "gpu.migdra.dev/driver=files"]
+        );
+        writer.ensure_driver_spec(version).unwrap();
+        let path = writer.driver_spec_path();
+        // An atomic write replaces the file: the same inode means it was not rewritten.
+        let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&fs::metadata(p).unwrap());
+        let first = inode(&path);
+        writer.ensure_driver_spec(version).unwrap();
+        assert_eq!(inode(&path), first, "unchanged inputs: not rewritten");
+        fs::remove_file(&path).unwrap();
+        writer.ensure_driver_spec(version).unwrap();
+        let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(spec["kind"], "gpu.migdra.dev/driver");
+        assert_eq!(spec["devices"][0]["name"], DRIVER_DEVICE);
+        assert!(
+            spec["devices"][0]["containerEdits"]["env"]
+                .as_array()
+                .unwrap()
+                .contains(&serde_json::json!("NVIDIA_VISIBLE_DEVICES=void"))
+        );
     }
 }

@@ -33,6 +33,26 @@ pub struct Args {
     /// Where /proc is (for /proc/devices and the MIG capability files).
     #[arg(long, env = "PROC_ROOT", default_value = "/proc")]
     pub proc_root: PathBuf,
+    /// Host path of the NVIDIA driver installation whose files containers get: `/` for a
+    /// driver installed on the host, `/run/nvidia/driver` for NVIDIA's driver container.
+    #[arg(long, env = "DRIVER_ROOT", default_value = "/")]
+    pub driver_root: PathBuf,
+    /// Where this process sees the driver root (a DaemonSet mounts it elsewhere, e.g.
+    /// `/driver-root`). Default: the driver root itself.
+    #[arg(long, env = "DRIVER_ROOT_MOUNT")]
+    pub driver_root_mount: Option<PathBuf>,
+    /// Where this process sees the host's `/` (the `nvidia-cdi-hook` binary runs on the
+    /// host, so it is looked up here).
+    #[arg(long, env = "HOST_ROOT", default_value = "/")]
+    pub host_root: PathBuf,
+    /// Host path of NVIDIA's `nvidia-cdi-hook`; when it does not exist containers get the
+    /// soname links as bind mounts and no hooks.
+    #[arg(long, env = "NVIDIA_CDI_HOOK_PATH", default_value = crate::driver_files::DEFAULT_HOOK_PATH)]
+    pub nvidia_cdi_hook_path: PathBuf,
+    /// Where this process sees the host's `/dev` (for `/dev/nvidiactl` and `/dev/nvidia-uvm*`,
+    /// which every CUDA container needs).
+    #[arg(long, env = "DEV_ROOT", default_value = "/dev")]
+    pub dev_root: PathBuf,
     /// File holding the kernel boot ID.
     #[arg(long, env = "BOOT_ID_PATH", default_value = "/proc/sys/kernel/random/boot_id")]
     pub boot_id_path: PathBuf,
@@ -118,6 +138,13 @@ impl Args {
         Duration::from_secs(self.health_resend_interval_seconds.max(1))
     }
 
+    /// Where this process sees the driver root.
+    pub fn resolved_driver_root_mount(&self) -> PathBuf {
+        self.driver_root_mount
+            .clone()
+            .unwrap_or_else(|| self.driver_root.clone())
+    }
+
     /// How long a call waits for the node lock.
     pub fn lock_timeout(&self) -> Duration {
         Duration::from_secs(self.lock_timeout_seconds)
@@ -154,6 +181,11 @@ mod tests {
         assert_eq!(a.lock_timeout(), Duration::from_secs(30));
         assert_eq!(a.log_format, LogFormat::Text);
         assert!(a.nvml_lib_path.is_none());
+        assert_eq!(a.driver_root, PathBuf::from("/"));
+        assert_eq!(a.resolved_driver_root_mount(), PathBuf::from("/"));
+        assert_eq!(a.host_root, PathBuf::from("/"));
+        assert_eq!(a.nvidia_cdi_hook_path, PathBuf::from("/usr/bin/nvidia-cdi-hook"));
+        assert_eq!(a.dev_root, PathBuf::from("/dev"));
 
         let a = Args::try_parse_from([
             "migdra-kubelet-plugin",
@@ -161,8 +193,25 @@ mod tests {
             "--state-dir=/s",
             "--heartbeat-interval-seconds=0",
             "--log-format=json",
+            "--driver-root=/run/nvidia/driver",
         ])
         .unwrap();
+        assert_eq!(
+            a.resolved_driver_root_mount(),
+            PathBuf::from("/run/nvidia/driver"),
+            "the driver root is seen at its host path unless a mount is named"
+        );
+        let mounted = Args::try_parse_from([
+            "migdra-kubelet-plugin",
+            "--node-name=n1",
+            "--driver-root=/run/nvidia/driver",
+            "--driver-root-mount=/driver-root",
+        ])
+        .unwrap();
+        assert_eq!(
+            mounted.resolved_driver_root_mount(),
+            PathBuf::from("/driver-root")
+        );
         assert_eq!(a.resolved_state_dir(), PathBuf::from("/s"));
         assert_eq!(
             a.heartbeat_interval(),
@@ -243,6 +292,11 @@ mod tests {
             ("nvml-lib-path", "NVML_LIB_PATH"),
             ("state-dir", "STATE_DIR"),
             ("proc-root", "PROC_ROOT"),
+            ("driver-root", "DRIVER_ROOT"),
+            ("driver-root-mount", "DRIVER_ROOT_MOUNT"),
+            ("host-root", "HOST_ROOT"),
+            ("nvidia-cdi-hook-path", "NVIDIA_CDI_HOOK_PATH"),
+            ("dev-root", "DEV_ROOT"),
             ("boot-id-path", "BOOT_ID_PATH"),
             ("kubeconfig", "KUBECONFIG"),
             ("log-format", "LOG_FORMAT"),

@@ -5,7 +5,8 @@
 //! calls (served by [`migdra_kubeletplugin`]) reach the [`driver`] state machine, which reads
 //! claims ([`claims`]), plans placements from plain values ([`plan`]), records progress in the [`journal`] (the
 //! [`checkpoint`] file, written through [`state_dir`]), works on GPUs through the GPU table
-//! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]). Beside it, the status loop
+//! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]: per claim, plus the node-wide spec of the driver's
+//! files found by [`driver_files`]). Beside it, the status loop
 //! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
 //! counts what happens. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
 //! against what migdra expects, without running the plugin.
@@ -32,7 +33,7 @@ use migdra_runtime::Readiness;
 use tokio::sync::watch;
 
 use crate::{
-    cdi::CdiWriter,
+    cdi::{CdiWriter, DriverSetup},
     claims::KubeClaims,
     driver::{Driver, DriverConfig},
     metrics::Metrics,
@@ -94,7 +95,22 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         boot_id,
         lock_timeout: args.lock_timeout(),
     };
-    let cdi = CdiWriter::new(&args.cdi_dir, &args.driver_name, &args.proc_root);
+    let kernel_release = driver_files::read_kernel_release(&args.proc_root).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "kernel release unknown; firmware is looked for in the version-independent directories only");
+        String::new()
+    });
+    let driver_setup = DriverSetup {
+        driver_root: driver_files::HostDir {
+            on_host: args.driver_root.clone(),
+            visible_at: args.resolved_driver_root_mount(),
+        },
+        host_root: args.host_root.clone(),
+        hook_path: args.nvidia_cdi_hook_path.clone(),
+        dev_root: args.dev_root.clone(),
+        kernel_release,
+    };
+    tracing::info!(?driver_setup, "driver files");
+    let cdi = CdiWriter::new(&args.cdi_dir, &args.driver_name, &args.proc_root).with_driver(driver_setup);
     let (driver, report) = {
         let claims = KubeClaims::new(client.clone());
         let metrics = metrics.clone();

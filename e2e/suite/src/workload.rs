@@ -102,6 +102,35 @@ pub async fn create_pod(
     create_pod_with(client, name, template, &[("main", command)], restart_never).await
 }
 
+/// Creates a pod with one container `main` that uses one claim per template, the claims
+/// named `claim-0`, `claim-1`, … in the order of `templates`.
+pub async fn create_pod_with_claims(client: &Client, name: &str, templates: &[&str]) -> anyhow::Result<()> {
+    let claims: Vec<Value> = (0..templates.len())
+        .map(|i| json!({"name": format!("claim-{i}")}))
+        .collect();
+    let resource_claims: Vec<Value> = templates
+        .iter()
+        .enumerate()
+        .map(|(i, t)| json!({"name": format!("claim-{i}"), "resourceClaimTemplateName": t}))
+        .collect();
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app.kubernetes.io/part-of": "migdra-e2e"}},
+        "spec": {
+            "restartPolicy": "Always",
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "registry.k8s.io/e2e-test-images/busybox:1.36", "command": ["sleep", "3600"], "resources": {"claims": claims}}],
+            "resourceClaims": resource_claims,
+        }
+    }))?;
+    Api::<Pod>::namespaced(client.clone(), NAMESPACE)
+        .create(&PostParams::default(), &pod)
+        .await?;
+    Ok(())
+}
+
 /// Creates a pod whose containers all use the one claim made from `template`.
 pub async fn create_pod_with(
     client: &Client,
@@ -154,13 +183,18 @@ pub async fn wait_phase(client: &Client, pod: &str, want: &str, timeout: Duratio
 
 /// The ResourceClaim generated for the pod's claim `gpu`.
 pub async fn pod_claim(client: &Client, pod: &str) -> anyhow::Result<ResourceClaim> {
+    pod_claim_named(client, pod, "gpu").await
+}
+
+/// The ResourceClaim generated for the pod's claim `claim`.
+pub async fn pod_claim_named(client: &Client, pod: &str, claim: &str) -> anyhow::Result<ResourceClaim> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let name = wait_until(Duration::from_secs(30), || async {
         let pod = pods.get(pod).await.ok()?;
         pod.status?
             .resource_claim_statuses?
             .into_iter()
-            .find(|s| s.name == "gpu")?
+            .find(|s| s.name == claim)?
             .resource_claim_name
     })
     .await
@@ -249,9 +283,18 @@ pub struct ContainerRecord {
     /// Device nodes after CDI injection.
     #[serde(default)]
     pub device_nodes: Vec<DeviceNodeRecord>,
+    /// The de-duplicated CDI devices the runtime resolved and injected.
+    #[serde(default, rename = "injectedCDIDevices")]
+    pub injected_cdi_devices: Vec<String>,
     /// Environment after CDI injection.
     #[serde(default)]
     pub env: Vec<String>,
+    /// Mounts after CDI injection.
+    #[serde(default)]
+    pub mounts: Vec<MountRecord>,
+    /// OCI hooks after CDI injection.
+    #[serde(default)]
+    pub hooks: Vec<HookRecord>,
     /// created | running | exited.
     pub state: String,
     /// Exit code once exited.
@@ -273,7 +316,132 @@ pub struct DeviceNodeRecord {
     pub minor: i64,
 }
 
+/// A mount the container received.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct MountRecord {
+    /// Host path.
+    pub source: String,
+    /// Path in the container.
+    pub destination: String,
+    /// Mount options.
+    #[serde(default)]
+    pub options: Vec<String>,
+}
+
+/// An OCI hook the container received.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct HookRecord {
+    /// OCI stage, e.g. `createContainer`.
+    pub stage: String,
+    /// Executable on the host.
+    pub path: String,
+    /// Full argv.
+    #[serde(default)]
+    pub args: Vec<String>,
+}
+
+/// The variable that carries a device's UUID in its containers (the plugin's contract):
+/// `MIGDRA_DEVICE_UUID_` and the device name upper-cased, other characters as `_`.
+pub fn device_uuid_variable(device: &str) -> String {
+    let suffix: String = device
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("MIGDRA_DEVICE_UUID_{suffix}")
+}
+
 impl ContainerRecord {
+    /// The UUID the container sees for `device` (its per-device variable).
+    pub fn device_uuid(&self, device: &str) -> Option<&str> {
+        self.env_value(&device_uuid_variable(device))
+    }
+
+    /// Checks that the container got the driver's files exactly once: `libcuda.so.<version>`
+    /// and `libnvidia-ml.so.<version>` bind-mounted read-only from `driver_root` (a host
+    /// path) at their path in the root, one `create-symlinks` hook (`nvidia-cdi-hook` at
+    /// `hook_path`) linking the sonames `libcuda.so.1` / `libnvidia-ml.so.1` to them, one
+    /// `update-ldcache` hook for their directory, no mount destination twice, and
+    /// `NVIDIA_VISIBLE_DEVICES=void`.
+    pub fn check_driver_files(
+        &self,
+        driver_root: &Path,
+        version: &str,
+        hook_path: &str,
+    ) -> anyhow::Result<()> {
+        const LIB_DIR: &str = "/usr/lib/x86_64-linux-gnu";
+        let mut destinations: Vec<&str> = self.mounts.iter().map(|m| m.destination.as_str()).collect();
+        destinations.sort_unstable();
+        let before = destinations.len();
+        destinations.dedup();
+        if destinations.len() != before {
+            bail!("a mount destination appears twice: {:?}", self.mounts);
+        }
+        for library in ["libcuda", "libnvidia-ml"] {
+            let destination = format!("{LIB_DIR}/{library}.so.{version}");
+            let mount = self
+                .mounts
+                .iter()
+                .find(|m| m.destination == destination)
+                .with_context(|| format!("no mount of {destination} in {:?}", self.mounts))?;
+            let source = driver_root.join(destination.trim_start_matches('/'));
+            if Path::new(&mount.source) != source {
+                bail!(
+                    "{destination} mounted from {}, not {}",
+                    mount.source,
+                    source.display()
+                );
+            }
+            if !mount.options.iter().any(|o| o == "ro") || !mount.options.iter().any(|o| o == "rbind") {
+                bail!("{destination} is not a read-only bind mount: {:?}", mount.options);
+            }
+        }
+        let hooks = |name: &str| -> Vec<&HookRecord> {
+            self.hooks
+                .iter()
+                .filter(|h| h.args.get(1).map(String::as_str) == Some(name))
+                .collect()
+        };
+        let symlinks = hooks("create-symlinks");
+        if symlinks.len() != 1 {
+            bail!("expected one create-symlinks hook, got {:?}", self.hooks);
+        }
+        let symlinks = symlinks[0];
+        if symlinks.path != hook_path || symlinks.stage != "createContainer" {
+            bail!("create-symlinks hook {symlinks:?} is not {hook_path} at createContainer");
+        }
+        for (soname, library) in [("libcuda.so.1", "libcuda"), ("libnvidia-ml.so.1", "libnvidia-ml")] {
+            let link = format!("{library}.so.{version}::{LIB_DIR}/{soname}");
+            if !symlinks.args.contains(&link) {
+                bail!("create-symlinks does not link {soname}: {:?}", symlinks.args);
+            }
+        }
+        let ldcache = hooks("update-ldcache");
+        if ldcache.len() != 1 || !ldcache[0].args.iter().any(|a| a == LIB_DIR) || ldcache[0].path != hook_path
+        {
+            bail!(
+                "expected one update-ldcache hook for {LIB_DIR}, got {:?}",
+                self.hooks
+            );
+        }
+        let visible: Vec<&String> = self
+            .env
+            .iter()
+            .filter(|e| e.starts_with("NVIDIA_VISIBLE_DEVICES="))
+            .collect();
+        if visible != [&"NVIDIA_VISIBLE_DEVICES=void".to_string()] {
+            bail!("NVIDIA_VISIBLE_DEVICES entries {visible:?}, expected exactly \"void\"");
+        }
+        Ok(())
+    }
+
     /// An environment variable's value.
     pub fn env_value(&self, name: &str) -> Option<&str> {
         self.env

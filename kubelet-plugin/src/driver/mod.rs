@@ -1,8 +1,10 @@
 //! The prepare/unprepare state machine behind the kubelet's DRA calls.
 //!
 //! - `prepare.rs`: per claim, GET the claim and validate it (no lock held, nothing created);
-//!   then, under the node lock and the locks of the claim's GPUs, plan it
-//!   ([`crate::plan`]), record `PrepareStarted` with the planned placements, switch MIG mode
+//!   then, under the node lock and the locks of the claim's GPUs, check that the node can
+//!   run CUDA containers (driver files and control nodes; the node-wide driver CDI spec is
+//!   rewritten after a driver change, [`crate::cdi::CdiWriter::ensure_driver_spec`]), plan
+//!   it ([`crate::plan`]), record `PrepareStarted` with the planned placements, switch MIG mode
 //!   where the plan says so, create each GPU instance and its full compute instance, write
 //!   the CDI spec, record `PrepareCompleted`. Any failure after the first record tears down
 //!   what was created and forgets the claim.
@@ -36,7 +38,7 @@ use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 
 use migdra_api::inventory;
 
-pub use self::recovery::RecoveryReport;
+pub use self::{prepare::uuid_variable, recovery::RecoveryReport};
 use crate::{
     cdi::{CdiError, CdiWriter},
     checkpoint::{CheckpointError, ClaimRecord, LoadOutcome},
@@ -132,6 +134,10 @@ pub enum ClaimFailure {
     /// The CDI spec could not be written or removed.
     #[error("writing the CDI spec: {0}")]
     Cdi(#[from] CdiError),
+    /// The node lacks the driver's files or control device nodes every CUDA container
+    /// needs (checked before anything is created).
+    #[error("{0}")]
+    NodeNotReady(CdiError),
     /// The node lock could not be taken (shared by every claim of the call).
     #[error("node lock: {0}")]
     NodeLock(Arc<NodeLockError>),
@@ -160,6 +166,7 @@ impl ClaimFailure {
             Self::Backend(_) => "NvmlError",
             Self::Checkpoint(_) => "CheckpointError",
             Self::Cdi(_) => "CdiError",
+            Self::NodeNotReady(_) => "DriverFilesUnavailable",
             Self::NodeLock(_) => "NodeLockUnavailable",
             Self::RollbackFailed(..) => "RollbackFailed",
         }
@@ -223,9 +230,25 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 metrics,
             }),
         };
+        // Discovered once at start; a failure is not fatal (the plugin keeps serving and
+        // reporting), every prepare fails with it until it is fixed.
+        if let Err(e) = driver.ensure_driver_spec() {
+            tracing::error!(error = %e, "this node cannot hand out GPUs until this is fixed; every prepare fails with this error");
+        }
         let mut report = driver.recover()?;
         report.checkpoint = Some(outcome);
         Ok((driver, report))
+    }
+
+    /// Makes sure the node-wide driver CDI spec matches the driver version NVML reports now
+    /// (discovering the driver's files again after a driver change) and that the node has
+    /// what every CUDA container needs.
+    pub fn ensure_driver_spec(&self) -> Result<(), ClaimFailure> {
+        let version = self.backend().driver_version()?;
+        self.inner
+            .cdi
+            .ensure_driver_spec(&version)
+            .map_err(ClaimFailure::NodeNotReady)
     }
 
     /// This node's pool name.

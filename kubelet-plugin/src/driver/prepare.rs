@@ -88,6 +88,8 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             }
             None => {}
         }
+        // Before anything is created: a node that cannot run CUDA containers hands out nothing.
+        self.ensure_driver_spec()?;
         let others = self.inner.journal.others(&claim.uid);
         let plan = plan::plan(&devices, &locks.views(&self.inner.gpus), &others)?;
         let mut record =
@@ -173,26 +175,15 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         Ok(())
     }
 
-    /// Writes a claim's CDI spec from its device records.
+    /// Writes a claim's CDI spec from its device records. Each device's environment is its
+    /// configured variables plus its own UUID variable ([`uuid_variable`]): no two devices
+    /// set the same variable, so a container with several devices gets all of them.
     pub(super) fn write_cdi(&self, uid: &str, devices: &[DeviceRecord]) -> Result<(), ClaimFailure> {
-        // NVIDIA_VISIBLE_DEVICES lists every device of the same request, so a container that
-        // references one request sees exactly that request's devices.
-        let mut by_request: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-        for d in devices {
-            by_request
-                .entry(claims::base_request(&d.request))
-                .or_default()
-                .push(visible_id(d));
-        }
         let cdi_devices: Vec<ClaimDevice> = devices
             .iter()
             .map(|d| {
                 let mut env = d.env.clone();
-                let ids = by_request
-                    .get(claims::base_request(&d.request))
-                    .map(|v| v.join(","))
-                    .unwrap_or_default();
-                env.insert("NVIDIA_VISIBLE_DEVICES".into(), ids);
+                env.insert(uuid_variable(&d.device), device_uuid(d));
                 let mig = match &d.kind {
                     DeviceKind::Mig {
                         gpu_instance: Some(gi),
@@ -221,19 +212,36 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 request_names: vec![claims::base_request(&d.request).to_string()],
                 pool_name: d.pool.clone(),
                 device_name: d.device.clone(),
-                cdi_device_ids: vec![self.inner.cdi.device_id(uid, &d.device)],
+                cdi_device_ids: self.inner.cdi.device_ids(uid, &d.device),
                 share_id: None,
             })
             .collect()
     }
 }
 
-/// What `NVIDIA_VISIBLE_DEVICES` names for a device: the MIG UUID, or the GPU's.
-fn visible_id(device: &DeviceRecord) -> String {
+/// The device's UUID: the MIG device's, or the GPU's.
+fn device_uuid(device: &DeviceRecord) -> String {
     match &device.kind {
         DeviceKind::Mig {
             mig_uuid: Some(uuid), ..
         } => uuid.clone(),
         _ => device.gpu_uuid.clone(),
     }
+}
+
+/// The environment variable that carries a device's UUID in the container:
+/// `MIGDRA_DEVICE_UUID_<device name>`, upper-cased, other characters as `_`. Device names
+/// are unique on a node, so two devices in one container never set the same variable.
+pub fn uuid_variable(device_name: &str) -> String {
+    let suffix: String = device_name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("MIGDRA_DEVICE_UUID_{suffix}")
 }

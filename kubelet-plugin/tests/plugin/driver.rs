@@ -34,7 +34,11 @@ async fn prepare_creates_the_allocated_instance_and_unprepare_destroys_it() {
     assert_eq!(devices[0].request_names, vec!["gpu".to_string()]);
     assert_eq!(
         devices[0].cdi_device_ids,
-        vec![format!("gpu.migdra.dev/claim=uid-1-{H100_3G_AT_4}")]
+        vec![
+            format!("gpu.migdra.dev/claim=uid-1-{H100_3G_AT_4}"),
+            DRIVER_DEVICE_ID.to_string()
+        ],
+        "the claim's device and the node-wide driver device"
     );
 
     // Exactly the allocated placement exists: 3g is GI profile 9, at memory slice 4.
@@ -49,7 +53,11 @@ async fn prepare_creates_the_allocated_instance_and_unprepare_destroys_it() {
     // The CDI spec hands the container exactly that instance.
     let spec = node.cdi_spec("uid-1");
     let edits = &spec["devices"][0]["containerEdits"];
-    assert_eq!(edits["env"][0], format!("NVIDIA_VISIBLE_DEVICES={mig_uuid}"));
+    assert_eq!(
+        edits["env"],
+        json!([format!("MIGDRA_DEVICE_UUID_GPU_0_MIG_3G40GB_4={mig_uuid}")]),
+        "only the device's own UUID variable; NVIDIA_VISIBLE_DEVICES is the driver spec's"
+    );
     let paths: Vec<&str> = edits["deviceNodes"]
         .as_array()
         .unwrap()
@@ -106,7 +114,7 @@ async fn recreating_an_instance_yields_a_fresh_mig_uuid() {
     assert_ne!(first, second);
     assert_eq!(
         node.cdi_spec("uid-2")["devices"][0]["containerEdits"]["env"][0],
-        format!("NVIDIA_VISIBLE_DEVICES={second}")
+        format!("MIGDRA_DEVICE_UUID_GPU_0_MIG_1G5GB_3={second}")
     );
 }
 
@@ -139,11 +147,29 @@ async fn several_devices_and_requests_in_one_claim() {
             .unwrap()
             .to_string()
     };
-    let a_uuids: Vec<String> = node.instances(0).iter().map(|i| i.2[0].clone()).collect();
-    // Devices of one request share the list of that request's devices.
-    assert_eq!(env(0), env(1));
-    assert!(a_uuids.iter().all(|u| env(0).contains(u.as_str())));
-    assert!(!env(2).contains(&a_uuids[0]));
+    // Each device sets only its own variable, so a container with all of them sees each.
+    let uuid_of = |gpu: usize, start: u32| {
+        node.instances(gpu)
+            .iter()
+            .find(|i| i.1 == start)
+            .map(|i| i.2[0].clone())
+            .unwrap()
+    };
+    assert_eq!(
+        env(0),
+        format!("MIGDRA_DEVICE_UUID_GPU_0_MIG_1G10GB_0={}", uuid_of(0, 0))
+    );
+    assert_eq!(
+        env(1),
+        format!("MIGDRA_DEVICE_UUID_GPU_0_MIG_1G10GB_1={}", uuid_of(0, 1))
+    );
+    assert_eq!(
+        env(2),
+        format!("MIGDRA_DEVICE_UUID_GPU_1_MIG_2G20GB_2={}", uuid_of(1, 2))
+    );
+    for device in &devices {
+        assert_eq!(device.cdi_device_ids[1], DRIVER_DEVICE_ID);
+    }
     unprepare_one(&driver, "uid-1", "c1").await.unwrap();
     assert_eq!(node.total_instances(), 0);
 }
@@ -164,7 +190,7 @@ async fn whole_gpu_switches_mig_mode_where_no_reset_is_needed() {
         .as_str()
         .unwrap()
         .to_string();
-    assert_eq!(env, format!("NVIDIA_VISIBLE_DEVICES={}", state.gpus[0].uuid));
+    assert_eq!(env, format!("MIGDRA_DEVICE_UUID_GPU_0={}", state.gpus[0].uuid));
     unprepare_one(&driver, "uid-1", "whole").await.unwrap();
 
     node.claims.put(claim("uid-2", "mig", &[("gpu", H100_3G_AT_4)]));

@@ -5,6 +5,7 @@
 mod claims_api;
 mod crash;
 mod driver;
+mod driver_files;
 mod gpu_check;
 mod nvml_backend;
 mod real_gpus;

@@ -17,15 +17,16 @@ use k8s_openapi::{
 };
 use kube::Api;
 use migdra_fake_nvml::{
-    config::{CONFIG_FILE_NAME, FakeConfig, GpuConfig},
+    config::{CONFIG_FILE_NAME, DEFAULT_DRIVER_VERSION, FakeConfig, GpuConfig},
+    driver_root::{DriverRootOptions, create_driver_root},
     state::ensure_state,
     testing::{HOST_LIBRARY, fake_library_path},
 };
 
 use super::{
-    ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, Layout, NODE, PLUGIN_ACCOUNT,
-    free_port, kubeconfig_yaml, migdra::migdra_bin_dir, repo_root, teardown::KUBELET_HOST_DIRS, wait_until,
-    write,
+    ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, HOOK_PATH, Layout, NODE,
+    PLUGIN_ACCOUNT, free_port, kubeconfig_yaml, migdra::migdra_bin_dir, repo_root,
+    teardown::KUBELET_HOST_DIRS, wait_until, write,
 };
 
 /// Token of the kubelet (system:node:<NODE>).
@@ -391,6 +392,28 @@ impl Cluster {
         };
         write(&dir.join(CONFIG_FILE_NAME), &serde_json::to_string_pretty(&fake)?)?;
         ensure_state(&fake, dir)?;
+        // The driver's user-space files, of the version the fake NVML reports.
+        let version = fake.driver_version.as_deref().unwrap_or(DEFAULT_DRIVER_VERSION);
+        let driver_root = self.layout.driver_root();
+        fs::create_dir_all(&driver_root)?;
+        create_driver_root(&driver_root, version, &DriverRootOptions::default())
+            .with_context(|| format!("creating the fake driver root {}", driver_root.display()))?;
+        // The control device nodes every CUDA container needs (the plugin checks they exist).
+        let dev = self.layout.dev_root();
+        fs::create_dir_all(&dev)?;
+        for node in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
+            fs::write(dev.join(node), b"")?;
+        }
+        // nvidia-cdi-hook on the "host": a script (the fake runtime records hooks only).
+        let hook = self.layout.host_root().join(HOOK_PATH.trim_start_matches('/'));
+        if let Some(parent) = hook.parent() {
+            fs::create_dir_all(parent)?;
+        }
+        fs::write(
+            &hook,
+            "#!/bin/sh\n# fake nvidia-cdi-hook: the e2e runtime never runs hooks\nexit 0\n",
+        )?;
+        fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use migdra_api::inventory::{GpuNode, pool_name};
 use migdra_fake_nvml::testing::HOST_LIBRARY;
 use serde_json::json;
 
-use super::{CHART_NAMESPACE, Cluster, DRIVER, NODE, kubeconfig_yaml, wait_until, write};
+use super::{CHART_NAMESPACE, Cluster, DRIVER, HOOK_PATH, NODE, kubeconfig_yaml, wait_until, write};
 
 /// Finds migdra's binaries: `$MIGDRA_BIN_DIR`, or the cargo target directory of the running
 /// executable (tests run from target/<profile>/deps, binaries from target/<profile>).
@@ -106,6 +106,10 @@ impl Cluster {
                 &format!("--nvml-lib-path={}", l.gpu_host.join(HOST_LIBRARY).display()),
                 &format!("--state-dir={}", l.plugin_state.display()),
                 &format!("--proc-root={}", l.gpu_host.join("proc-root").display()),
+                &format!("--driver-root={}", l.driver_root().display()),
+                &format!("--host-root={}", l.host_root().display()),
+                &format!("--nvidia-cdi-hook-path={HOOK_PATH}"),
+                &format!("--dev-root={}", l.dev_root().display()),
                 &format!("--http-address=127.0.0.1:{http}"),
                 &format!("--grpc-health-address=127.0.0.1:{grpc}"),
                 "--heartbeat-interval-seconds=3",

@@ -36,6 +36,10 @@ const ADMIN_TOKEN: &str = "migdra-e2e-admin";
 pub const CHART_NAMESPACE: &str = "migdra-system";
 /// The chart's controller ServiceAccount (release name `migdra`).
 pub const CONTROLLER_ACCOUNT: &str = "migdra-controller";
+/// Host path of the fake `nvidia-cdi-hook` (under [`Layout::host_root`]); the fake runtime
+/// records hooks, it does not run them.
+pub const HOOK_PATH: &str = "/usr/bin/nvidia-cdi-hook";
+
 /// The chart's kubelet-plugin ServiceAccount.
 pub const PLUGIN_ACCOUNT: &str = "migdra-kubelet-plugin";
 
@@ -102,6 +106,22 @@ impl Layout {
     /// The fake NVML state file.
     pub fn gpu_state_path(&self) -> PathBuf {
         self.gpu_host.join("fake-nvml-state.json")
+    }
+
+    /// The simulated host's NVIDIA driver installation (the plugin's `--driver-root`).
+    pub fn driver_root(&self) -> PathBuf {
+        self.gpu_host.join("driver-root")
+    }
+
+    /// The simulated host's `/dev` (the plugin's `--dev-root`): the control device nodes.
+    pub fn dev_root(&self) -> PathBuf {
+        self.gpu_host.join("dev")
+    }
+
+    /// The simulated host's `/` (the plugin's `--host-root`): holds the fake
+    /// `nvidia-cdi-hook` at [`HOOK_PATH`].
+    pub fn host_root(&self) -> PathBuf {
+        self.gpu_host.join("host")
     }
 
     /// Log file of a component.

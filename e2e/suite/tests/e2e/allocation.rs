@@ -10,12 +10,127 @@ use migdra_e2e::{
     workload::{self, create_pod, create_template, profile_is, wait_phase},
 };
 
-use crate::support::{SHORT, device_health, instances, mig, settle};
+use crate::support::{SHORT, check_driver_files, device_health, instances, mig, settle};
 
 tests![
     mig_pod_gets_exactly_its_instance,
+    two_claims_in_one_container_get_both_devices_and_one_set_of_driver_files,
     finished_pod_releases_its_instance
 ];
+
+/// The MIG device's GI and CI capability minors, from the simulated /proc.
+fn capability_minors(cluster: &Cluster, device: &str) -> anyhow::Result<Vec<i64>> {
+    let DeviceName::Mig { minor, start, .. } = device.parse::<DeviceName>()? else {
+        bail!("{device} is not MIG")
+    };
+    let state = cluster.gpus()?;
+    let gi = state
+        .gpus
+        .iter()
+        .find(|g| g.minor == minor)
+        .context("no such GPU")?
+        .gpu_instances
+        .iter()
+        .find(|gi| gi.start == start)
+        .with_context(|| format!("no instance for {device}"))?
+        .clone();
+    let ci = gi.compute_instances.first().context("no compute instance")?;
+    let base = cluster.layout.gpu_host.join(format!(
+        "proc-root/driver/nvidia/capabilities/gpu{minor}/mig/gi{}",
+        gi.id
+    ));
+    let mut minors = Vec::new();
+    for access in [base.join("access"), base.join(format!("ci{}/access", ci.id))] {
+        let text = std::fs::read_to_string(&access)?;
+        minors.push(
+            text.lines()
+                .find_map(|l| l.strip_prefix("DeviceFileMinor:"))
+                .context("minor")?
+                .trim()
+                .parse()?,
+        );
+    }
+    Ok(minors)
+}
+
+async fn two_claims_in_one_container_get_both_devices_and_one_set_of_driver_files(
+    cluster: &mut Cluster,
+) -> anyhow::Result<()> {
+    let c = cluster.client.clone();
+    create_template(&c, "pair-1g", mig(&[profile_is("1g.10gb")]), None).await?;
+    create_template(&c, "pair-2g", mig(&[profile_is("2g.20gb")]), None).await?;
+    workload::create_pod_with_claims(&c, "pair", &["pair-1g", "pair-2g"]).await?;
+    wait_phase(&c, "pair", "Running", SHORT).await?;
+    let record = workload::container_record(&cluster.layout.records_dir, "pair", "main")?;
+    let mut devices = Vec::new();
+    for name in ["claim-0", "claim-1"] {
+        let claim = workload::pod_claim_named(&c, "pair", name).await?;
+        let allocated = workload::allocated(&claim);
+        ensure!(allocated.len() == 1, "{name}: {allocated:?}");
+        devices.push(allocated[0].1.clone());
+    }
+    let state = cluster.gpus()?;
+    for device in &devices {
+        // Each device's capability nodes (GI and CI) and its own UUID variable are there.
+        let nodes: Vec<i64> = record
+            .device_nodes
+            .iter()
+            .filter(|n| n.path.starts_with("/dev/nvidia-caps/"))
+            .map(|n| n.minor)
+            .collect();
+        for minor in capability_minors(cluster, device)? {
+            ensure!(
+                nodes.contains(&minor),
+                "{device}: capability minor {minor} not in {nodes:?}"
+            );
+        }
+        let DeviceName::Mig { minor, start, .. } = device.parse::<DeviceName>()? else {
+            bail!("{device} is not MIG")
+        };
+        let uuid = state
+            .gpus
+            .iter()
+            .find(|g| g.minor == minor)
+            .and_then(|g| g.gpu_instances.iter().find(|gi| gi.start == start))
+            .and_then(|gi| gi.compute_instances.first())
+            .map(|ci| ci.uuid.clone())
+            .context("no instance")?;
+        ensure!(
+            record.device_uuid(device) == Some(uuid.as_str()),
+            "{device}: env {:?}",
+            record.env
+        );
+    }
+    let caps = record
+        .device_nodes
+        .iter()
+        .filter(|n| n.path.starts_with("/dev/nvidia-caps/"))
+        .count();
+    ensure!(
+        caps == 4,
+        "two GI and two CI capability nodes: {:?}",
+        record.device_nodes
+    );
+    // Both claims name the driver device; the runtime resolves it once.
+    let driver_device = format!("{DRIVER}/driver=files");
+    ensure!(
+        record.cdi_devices.iter().filter(|d| **d == driver_device).count() == 2,
+        "CDI devices {:?}",
+        record.cdi_devices
+    );
+    ensure!(
+        record
+            .injected_cdi_devices
+            .iter()
+            .filter(|d| **d == driver_device)
+            .count()
+            == 1,
+        "injected {:?}",
+        record.injected_cdi_devices
+    );
+    check_driver_files(cluster, &record)?;
+    settle(cluster).await
+}
 
 async fn mig_pod_gets_exactly_its_instance(cluster: &mut Cluster) -> anyhow::Result<()> {
     let c = cluster.client.clone();
@@ -49,16 +164,23 @@ async fn mig_pod_gets_exactly_its_instance(cluster: &mut Cluster) -> anyhow::Res
     // The container received exactly that instance.
     let record = workload::container_record(&cluster.layout.records_dir, "mig-3g", "main")?;
     ensure!(
-        record.env_value("NVIDIA_VISIBLE_DEVICES") == Some(mig_uuid.as_str()),
+        record.device_uuid(device) == Some(mig_uuid.as_str()),
         "env {:?}",
         record.env
     );
     let uid = claim.metadata.uid.clone().unwrap_or_default();
     ensure!(
-        record.cdi_devices == vec![format!("{DRIVER}/claim={uid}-{device}")],
+        record.cdi_devices
+            == vec![
+                format!("{DRIVER}/claim={uid}-{device}"),
+                format!("{DRIVER}/driver=files")
+            ],
         "CDI devices {:?}",
         record.cdi_devices
     );
+    // Plain runc gets a CUDA-capable container: the driver's libraries, hooks, and no
+    // second injection by a NVIDIA runtime.
+    check_driver_files(cluster, &record)?;
     let paths: Vec<&str> = record.device_nodes.iter().map(|n| n.path.as_str()).collect();
     for expected in [
         format!("/dev/nvidia{minor}"),

@@ -137,7 +137,11 @@ async fn plugin_killed_mid_prepare_converges(cluster: &mut Cluster) -> anyhow::R
         "{all:?} vs {device}"
     );
     let record = workload::container_record(&cluster.layout.records_dir, "crashy", "main")?;
-    ensure!(record.env_value("NVIDIA_VISIBLE_DEVICES") == Some(all[0].compute_instances[0].uuid.as_str()));
+    ensure!(
+        record.device_uuid(&device) == Some(all[0].compute_instances[0].uuid.as_str()),
+        "env {:?}",
+        record.env
+    );
     ensure!(
         cluster
             .gpus()?

@@ -9,7 +9,7 @@ use migdra_e2e::{
     workload::{self, Request, create_pod, create_template, on_gpu, profile_is, wait_phase},
 };
 
-use crate::support::{MIG, SHORT, WHOLE, gpu_uuid, instances, mig, settle};
+use crate::support::{MIG, SHORT, WHOLE, check_driver_files, gpu_uuid, instances, mig, settle};
 
 tests![
     seven_1g_pods_pack_one_gpu_and_an_eighth_waits,
@@ -88,7 +88,29 @@ async fn whole_gpu_and_partitions_exclude_each_other(cluster: &mut Cluster) -> a
         "whole GPU needs MIG off and no instances"
     );
     let record = workload::container_record(&cluster.layout.records_dir, "whole-1", "main")?;
-    ensure!(record.env_value("NVIDIA_VISIBLE_DEVICES") == Some(uuid.as_str()));
+    ensure!(
+        record.device_uuid("gpu-1") == Some(uuid.as_str()),
+        "env {:?}",
+        record.env
+    );
+    // A whole GPU gets its device node and the same driver files as a partition.
+    ensure!(
+        record
+            .device_nodes
+            .iter()
+            .any(|n| n.path == "/dev/nvidia1" && n.minor == 1),
+        "{:?}",
+        record.device_nodes
+    );
+    ensure!(
+        !record
+            .device_nodes
+            .iter()
+            .any(|n| n.path.starts_with("/dev/nvidia-caps/")),
+        "a whole GPU has no MIG capability nodes: {:?}",
+        record.device_nodes
+    );
+    check_driver_files(cluster, &record)?;
     create_pod(&c, "part-2", "part", &["sleep", "3600"], false).await?;
     tokio::time::sleep(Duration::from_secs(8)).await;
     ensure!(
@@ -145,8 +167,10 @@ async fn first_available_falls_back_when_no_2g_fits(cluster: &mut Cluster) -> an
     let record = workload::container_record(&cluster.layout.records_dir, "fallback", "main")?;
     ensure!(
         record
-            .env_value("NVIDIA_VISIBLE_DEVICES")
-            .is_some_and(|v| v.starts_with("MIG-"))
+            .device_uuid("gpu-2-mig-1g5gb-6")
+            .is_some_and(|v| v.starts_with("MIG-")),
+        "env {:?}",
+        record.env
     );
     settle(cluster).await
 }

@@ -9,9 +9,18 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::{Api, ResourceExt};
 use migdra_api::inventory::pool_name;
 use migdra_e2e::{
-    cluster::{Cluster, DRIVER, NODE, wait_until},
-    workload::{self, Request},
+    cluster::{Cluster, DRIVER, HOOK_PATH, NODE, wait_until},
+    workload::{self, ContainerRecord, Request},
 };
+
+/// Checks that a container got the simulated host's driver files once (see
+/// [`ContainerRecord::check_driver_files`]), of the version the fake NVML reports.
+pub(crate) fn check_driver_files(cluster: &Cluster, record: &ContainerRecord) -> anyhow::Result<()> {
+    let version = cluster.gpus()?.driver_version;
+    record
+        .check_driver_files(&cluster.layout.driver_root(), &version, HOOK_PATH)
+        .with_context(|| format!("container {}/{}", record.pod_name, record.container_name))
+}
 
 /// One end-to-end test: its name in the results and its body, run on the shared cluster.
 #[derive(Clone, Copy)]
@@ -91,7 +100,8 @@ pub(crate) async fn slices(cluster: &Cluster) -> anyhow::Result<Vec<ResourceSlic
 }
 
 /// Cleans up after a test: every test pod and template gone, every MIG instance destroyed,
-/// every CDI spec removed.
+/// every claim's CDI spec removed (the node-wide driver spec stays: claims of any later pod
+/// name it).
 pub(crate) async fn settle(cluster: &Cluster) -> anyhow::Result<()> {
     workload::delete_all(&cluster.client).await?;
     wait_until(Duration::from_secs(120), || async {
@@ -99,9 +109,16 @@ pub(crate) async fn settle(cluster: &Cluster) -> anyhow::Result<()> {
     })
     .await
     .with_context(|| format!("MIG instances left behind: {:?}", cluster.gpus().map(|s| s.gpus)))?;
+    let driver_spec = cluster.layout.cdi_dir.join(format!("{DRIVER}-driver.json"));
+    ensure!(
+        driver_spec.is_file(),
+        "the node-wide driver spec {} is gone",
+        driver_spec.display()
+    );
     let specs: Vec<_> = std::fs::read_dir(&cluster.layout.cdi_dir)?
         .flatten()
         .map(|e| e.path())
+        .filter(|p| *p != driver_spec)
         .collect();
     ensure!(specs.is_empty(), "CDI specs left behind: {specs:?}");
     Ok(())

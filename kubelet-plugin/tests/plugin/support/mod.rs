@@ -10,11 +10,16 @@ use std::{
 };
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use migdra_fake_nvml::{config::FakeConfig, testing::FakeGpuHost};
+use migdra_fake_nvml::{
+    config::FakeConfig,
+    driver_root::{DriverRootOptions, create_driver_root},
+    testing::FakeGpuHost,
+};
 use migdra_kubelet_plugin::{
-    cdi::CdiWriter,
+    cdi::{CdiWriter, DriverSetup},
     claims::ClaimSource,
     driver::{Driver, DriverConfig, PrepareResult, RecoveryReport, StepHook, UnprepareResult},
+    driver_files::HostDir,
     metrics::Metrics,
     nvml::NvmlBackend,
 };
@@ -27,6 +32,10 @@ use serde_json::json;
 pub const DRIVER: &str = "gpu.migdra.dev";
 pub const NODE: &str = "node-a";
 pub const POOL: &str = "node-a/gpu.migdra.dev";
+/// Host path of the fake `nvidia-cdi-hook` (under [`Node::host_root`]).
+pub const HOOK_PATH: &str = "/usr/bin/nvidia-cdi-hook";
+/// The node-wide driver device every prepared device names.
+pub const DRIVER_DEVICE_ID: &str = "gpu.migdra.dev/driver=files";
 
 /// Claims served from memory, as the API server would.
 #[derive(Clone, Default)]
@@ -115,12 +124,64 @@ impl Node {
     }
 
     fn from_host(host: FakeGpuHost) -> Self {
-        Self {
+        let node = Self {
             host,
             dir: tempfile::tempdir().unwrap(),
             claims: StaticClaims::default(),
             boot_id: "boot-1".into(),
+        };
+        // A driver installation of the version the fake NVML reports, the control device
+        // nodes (existence is all that is checked) and the hook on the "host".
+        let version = node.driver_version();
+        std::fs::create_dir_all(node.driver_root()).unwrap();
+        create_driver_root(&node.driver_root(), &version, &DriverRootOptions::default()).unwrap();
+        std::fs::create_dir_all(node.dev_root()).unwrap();
+        for name in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
+            std::fs::write(node.dev_root().join(name), b"").unwrap();
         }
+        let hook = node.host_root().join(HOOK_PATH.trim_start_matches('/'));
+        std::fs::create_dir_all(hook.parent().unwrap()).unwrap();
+        std::fs::write(&hook, b"#!/bin/sh\nexit 0\n").unwrap();
+        std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        node
+    }
+
+    /// The driver version the fake NVML reports.
+    pub fn driver_version(&self) -> String {
+        self.host.read_state().unwrap().driver_version
+    }
+
+    /// The fake driver root (seen at its "host" path).
+    pub fn driver_root(&self) -> PathBuf {
+        self.dir.path().join("driver-root")
+    }
+
+    /// The fake host's `/dev`.
+    pub fn dev_root(&self) -> PathBuf {
+        self.dir.path().join("dev")
+    }
+
+    /// The fake host's `/` (holds the hook).
+    pub fn host_root(&self) -> PathBuf {
+        self.dir.path().join("host")
+    }
+
+    /// Where the plugin finds the driver.
+    pub fn driver_setup(&self) -> DriverSetup {
+        DriverSetup {
+            driver_root: HostDir::same(self.driver_root()),
+            host_root: self.host_root(),
+            hook_path: PathBuf::from(HOOK_PATH),
+            dev_root: self.dev_root(),
+            kernel_release: "6.8.0-test".into(),
+        }
+    }
+
+    /// The node-wide driver spec.
+    pub fn driver_spec(&self) -> serde_json::Value {
+        let path = self.cdi().driver_spec_path();
+        serde_json::from_slice(&std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+            .unwrap()
     }
 
     pub fn state_dir(&self) -> PathBuf {
@@ -132,7 +193,7 @@ impl Node {
     }
 
     pub fn cdi(&self) -> CdiWriter {
-        CdiWriter::new(self.cdi_dir(), DRIVER, self.host.proc_root())
+        CdiWriter::new(self.cdi_dir(), DRIVER, self.host.proc_root()).with_driver(self.driver_setup())
     }
 
     /// Starts a plugin process' driver (a new NVML session each time, as after a restart).
@@ -197,11 +258,14 @@ impl Node {
             .sum()
     }
 
+    /// The claims' CDI specs (not the node-wide driver spec, which stays).
     pub fn cdi_specs(&self) -> Vec<PathBuf> {
+        let driver_spec = self.cdi().driver_spec_path();
         match std::fs::read_dir(self.cdi_dir()) {
             Ok(entries) => entries
                 .map(|e| e.unwrap().path())
                 .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
+                .filter(|p| *p != driver_spec)
                 .collect(),
             Err(_) => Vec::new(),
         }
