@@ -129,6 +129,7 @@ pub enum Rejection {
         cause: PlacementError,
     },
     /// A partition of a GPU whose MIG mode is off and cannot be switched without a reset.
+    /// Planning no longer produces it (NVML decides: [`Rejection::MigModeChangePending`]).
     #[error(
         "GPU {minor} ({product_name}) has MIG mode disabled, and switching it needs a GPU reset on this architecture"
     )]
@@ -139,6 +140,7 @@ pub enum Rejection {
         product_name: String,
     },
     /// A whole GPU whose MIG mode is on and cannot be switched off without a reset.
+    /// Planning no longer produces it (NVML decides: [`Rejection::MigModeChangePending`]).
     #[error(
         "GPU {minor} ({product_name}) is in MIG mode, and switching it off needs a GPU reset on this architecture"
     )]
@@ -360,14 +362,14 @@ fn check_nvml_rules(
 }
 
 /// Whether MIG devices can be made on the GPU; `Ok(true)` when MIG must be switched on first.
+///
+/// Whatever the architecture: whether a switch needs a reset nobody can do is NVML's
+/// answer, not the plan's. An idle bare-metal Ampere is reset by the driver itself (§12);
+/// only when that fails does the switch stay pending ([`Rejection::MigModeChangePending`]).
 fn check_mig_usable(device: &str, gpu: &GpuDescription) -> Result<bool, Rejection> {
     match &gpu.mig {
         Some(mig) if mig.enabled => Ok(false),
-        Some(_) if mode_switchable(gpu) => Ok(true),
-        Some(_) => Err(Rejection::MigModeOffNeedsReset {
-            minor: gpu.minor,
-            product_name: gpu.product_name.clone(),
-        }),
+        Some(_) => Ok(true),
         None => Err(Rejection::NotMigCapable {
             device: device.to_string(),
             minor: gpu.minor,
@@ -376,15 +378,11 @@ fn check_mig_usable(device: &str, gpu: &GpuDescription) -> Result<bool, Rejectio
     }
 }
 
-/// Whether the GPU can be handed out whole; `Ok(true)` when MIG must be switched off first.
+/// Whether the GPU can be handed out whole; `Ok(true)` when MIG must be switched off first
+/// (as for switching on, NVML says whether that needs a reset it cannot do).
 fn check_whole_gpu_usable(gpu: &GpuView) -> Result<bool, PlanError> {
     let description = &gpu.description;
     match &description.mig {
-        Some(mig) if mig.enabled && !mode_switchable(description) => Err(Rejection::MigModeOnNeedsReset {
-            minor: description.minor,
-            product_name: description.product_name.clone(),
-        }
-        .into()),
         Some(mig) if mig.enabled => {
             let instances = gpu.instances.clone()?;
             if instances.is_empty() {
@@ -632,6 +630,22 @@ mod tests {
                 mode_changes: vec![(1, true)],
             },
             Case {
+                what: "a partition of an Ampere GPU with MIG off asks NVML to switch it on",
+                gpus: vec![view(gpu(0, "A100-SXM4-40GB", Some(false)), Vec::new())],
+                others: vec![],
+                devices: &["gpu-0-mig-1g5gb-0"],
+                kinds: vec![mig(P_1G, 0, 1)],
+                mode_changes: vec![(0, true)],
+            },
+            Case {
+                what: "a whole, empty Ampere GPU in MIG mode asks NVML to switch it off",
+                gpus: vec![view(gpu(0, "A100-SXM4-40GB", Some(true)), Vec::new())],
+                others: vec![],
+                devices: &["gpu-0"],
+                kinds: vec![DeviceKind::Gpu],
+                mode_changes: vec![(0, false)],
+            },
+            Case {
                 what: "a listing failure does not matter when the decision does not need it",
                 gpus: vec![GpuView {
                     description: gpu(0, "H100-80GB", Some(false)),
@@ -772,20 +786,6 @@ mod tests {
                 vec![],
                 &["gpu-0-mig-3g40gb-4", "gpu-0-mig-2g20gb-4"],
                 "PlacementOverlap",
-            ),
-            (
-                "partition of an Ampere GPU with MIG off",
-                vec![view(gpu(0, "A100-SXM4-40GB", Some(false)), Vec::new())],
-                vec![],
-                &["gpu-0-mig-1g5gb-0"],
-                "MigModeOffNeedsReset",
-            ),
-            (
-                "whole Ampere GPU in MIG mode",
-                vec![view(gpu(0, "A100-SXM4-40GB", Some(true)), Vec::new())],
-                vec![],
-                &["gpu-0"],
-                "MigModeOnNeedsReset",
             ),
             (
                 "whole GPU with a foreign instance",

@@ -342,3 +342,49 @@ async fn a_renumbered_gpu_moves_to_its_new_minor() {
     prepare_one(&driver, "uid-2", "c2").await.unwrap();
     assert_eq!(node.instances(0).len(), 1);
 }
+
+/// Whether an Ampere GPU's MIG mode can be switched is NVML's answer, not the plan's: an
+/// idle bare-metal GPU is reset by the driver itself; one the driver cannot reset stays
+/// pending, and the claim is refused as such.
+#[tokio::test(flavor = "multi_thread")]
+async fn ampere_mode_switches_are_left_to_nvml() {
+    let no_reset = GpuQuirks {
+        no_driver_reset: true,
+        ..GpuQuirks::default()
+    };
+    let node = Node::with_config(FakeConfig {
+        gpus: vec![
+            GpuConfig::new("A100-SXM4-40GB", false),
+            GpuConfig::new("A100-SXM4-40GB", true),
+            quirky("A100-SXM4-40GB", false, no_reset),
+        ],
+        ..FakeConfig::default()
+    });
+    let (driver, _) = node.start(None);
+    node.claims
+        .put(claim("uid-1", "mig-on-idle", &[("gpu", "gpu-0-mig-1g5gb-0")]));
+    prepare_one(&driver, "uid-1", "mig-on-idle").await.unwrap();
+    node.claims
+        .put(claim("uid-2", "whole-on-mig", &[("gpu", "gpu-1")]));
+    prepare_one(&driver, "uid-2", "whole-on-mig").await.unwrap();
+    node.claims
+        .put(claim("uid-3", "mig-no-reset", &[("gpu", "gpu-2-mig-1g5gb-0")]));
+    let err = prepare_typed(&driver, "uid-3", "mig-no-reset").await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            migdra_kubelet_plugin::driver::ClaimFailure::Rejected(
+                migdra_kubelet_plugin::plan::Rejection::MigModeChangePending { minor: 2 }
+            )
+        ),
+        "{err}"
+    );
+    let state = node.host.read_state().unwrap();
+    let modes: Vec<(bool, bool)> = state
+        .gpus
+        .iter()
+        .map(|g| (g.mig_enabled, g.mig_pending))
+        .collect();
+    assert_eq!(modes, vec![(true, true), (false, false), (false, true)]);
+    assert_eq!(node.instances(0).len(), 1);
+}
