@@ -27,7 +27,12 @@ const RESERVED_ENV: &[&str] = &[
     "NVIDIA_VISIBLE_DEVICES",
     "CUDA_VISIBLE_DEVICES",
     "NVIDIA_MIG_CONFIG_DEVICES",
+    "NVIDIA_CTK_LIBCUDA_DIR",
 ];
+
+/// Prefix of the per-device variables through which the plugin tells a container the UUID of
+/// each of its devices (`MIGDRA_DEVICE_UUID_<DEVICE>`); users may not set any of them.
+pub const DEVICE_UUID_ENV_PREFIX: &str = "MIGDRA_DEVICE_UUID_";
 
 /// Configuration of the devices of one or more requests.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -84,7 +89,7 @@ impl DeviceConfig {
             if !valid {
                 return Err(ConfigError::EnvName(name.clone()));
             }
-            if RESERVED_ENV.contains(&name.as_str()) {
+            if RESERVED_ENV.contains(&name.as_str()) || name.starts_with(DEVICE_UUID_ENV_PREFIX) {
                 return Err(ConfigError::ReservedEnv(name.clone()));
             }
         }
@@ -155,6 +160,10 @@ mod tests {
         assert_eq!(
             DeviceConfig::parse(&config(json!({"CUDA_VISIBLE_DEVICES": "0"}))).unwrap_err(),
             ConfigError::ReservedEnv("CUDA_VISIBLE_DEVICES".into())
+        );
+        assert_eq!(
+            DeviceConfig::parse(&config(json!({"MIGDRA_DEVICE_UUID_GPU_0": "x"}))).unwrap_err(),
+            ConfigError::ReservedEnv("MIGDRA_DEVICE_UUID_GPU_0".into())
         );
         assert!(matches!(
             DeviceConfig::parse(&config(json!({"A": 1}))).unwrap_err(),

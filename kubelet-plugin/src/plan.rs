@@ -128,28 +128,6 @@ pub enum Rejection {
         /// What the geometry says.
         cause: PlacementError,
     },
-    /// A partition of a GPU whose MIG mode is off and cannot be switched without a reset.
-    /// Planning no longer produces it (NVML decides: [`Rejection::MigModeChangePending`]).
-    #[error(
-        "GPU {minor} ({product_name}) has MIG mode disabled, and switching it needs a GPU reset on this architecture"
-    )]
-    MigModeOffNeedsReset {
-        /// GPU minor.
-        minor: u32,
-        /// Product name.
-        product_name: String,
-    },
-    /// A whole GPU whose MIG mode is on and cannot be switched off without a reset.
-    /// Planning no longer produces it (NVML decides: [`Rejection::MigModeChangePending`]).
-    #[error(
-        "GPU {minor} ({product_name}) is in MIG mode, and switching it off needs a GPU reset on this architecture"
-    )]
-    MigModeOnNeedsReset {
-        /// GPU minor.
-        minor: u32,
-        /// Product name.
-        product_name: String,
-    },
     /// A whole GPU that carries instances migdra did not create.
     #[error(
         "GPU {minor} has {count} MIG instance(s) that migdra does not own; it cannot be handed out whole"
@@ -160,8 +138,10 @@ pub enum Rejection {
         /// How many instances.
         count: usize,
     },
-    /// The MIG-mode switch was accepted but waits for a GPU reset.
-    #[error("switching MIG mode on GPU {minor} needs a GPU reset; the change is pending")]
+    /// The MIG-mode switch waited for a GPU reset the driver could not do; it was withdrawn.
+    #[error(
+        "switching MIG mode on GPU {minor} needs a GPU reset the driver could not do (processes hold the GPU, or it is passed through to a VM); the change was withdrawn"
+    )]
     MigModeChangePending {
         /// GPU minor.
         minor: u32,
@@ -191,8 +171,6 @@ impl Rejection {
                 PlacementError::InstanceLimit { .. } => "InstanceLimit",
                 PlacementError::Budget { .. } => "MigBudgetExceeded",
             },
-            Self::MigModeOffNeedsReset { .. } => "MigModeOffNeedsReset",
-            Self::MigModeOnNeedsReset { .. } => "MigModeOnNeedsReset",
             Self::ForeignInstances { .. } => "ForeignInstances",
             Self::MigModeChangePending { .. } => "MigModeChangePending",
             Self::GpuGone { .. } => "GpuGone",

@@ -122,7 +122,17 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 locks.set_mig_mode(minor, enabled);
                 Ok(())
             }
-            MigModeChange::PendingReset => Err(Rejection::MigModeChangePending { minor }.into()),
+            MigModeChange::PendingReset => {
+                // Withdraw the pending change, so a later reset does not switch a GPU that no
+                // claim asked for any more; the claim is refused either way.
+                match self.backend().set_mig_mode(index, !enabled) {
+                    Ok(_) => tracing::info!(gpu = minor, "withdrew the pending MIG-mode change"),
+                    Err(e) => {
+                        tracing::warn!(gpu = minor, error = %e, "could not withdraw the pending MIG-mode change")
+                    }
+                }
+                Err(Rejection::MigModeChangePending { minor }.into())
+            }
         }
     }
 
@@ -243,5 +253,5 @@ pub fn uuid_variable(device_name: &str) -> String {
             }
         })
         .collect();
-    format!("MIGDRA_DEVICE_UUID_{suffix}")
+    format!("{}{suffix}", migdra_api::config::DEVICE_UUID_ENV_PREFIX)
 }

@@ -202,41 +202,6 @@ async fn whole_gpu_switches_mig_mode_where_no_reset_is_needed() {
     assert_eq!(node.instances(0).len(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn ampere_serves_only_what_its_current_mode_allows() {
-    let node = Node::new(&[("A100-SXM4-40GB", true), ("A100-SXM4-40GB", false)]);
-    let (driver, _) = node.start(None);
-    node.claims
-        .put(claim("uid-1", "whole-on-mig", &[("gpu", "gpu-0")]));
-    let err = prepare_typed(&driver, "uid-1", "whole-on-mig").await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ClaimFailure::Rejected(Rejection::MigModeOnNeedsReset { minor: 0, .. })
-        ),
-        "{err}"
-    );
-    node.claims
-        .put(claim("uid-2", "mig-on-whole", &[("gpu", "gpu-1-mig-1g5gb-0")]));
-    let err = prepare_typed(&driver, "uid-2", "mig-on-whole").await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ClaimFailure::Rejected(Rejection::MigModeOffNeedsReset { minor: 1, .. })
-        ),
-        "{err}"
-    );
-    let state = node.host.read_state().unwrap();
-    assert!(
-        state.gpus[0].mig_enabled && !state.gpus[1].mig_enabled,
-        "modes untouched"
-    );
-    assert_eq!(node.total_instances(), 0);
-    assert!(driver.recorded_claims().is_empty());
-    node.claims.put(claim("uid-3", "whole", &[("gpu", "gpu-1")]));
-    prepare_one(&driver, "uid-3", "whole").await.unwrap();
-}
-
 /// Asserts that a failed prepare left nothing behind.
 fn assert_nothing_created(node: &Node, driver: &TestDriver) {
     assert_eq!(node.total_instances(), 0);
