@@ -30,12 +30,12 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use migdra_runtime::Readiness;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use crate::{
     cdi::{CdiWriter, DriverSetup},
     claims::KubeClaims,
-    driver::{Driver, DriverConfig},
+    driver::{Backoff, Driver, DriverConfig, RecoveryEvent},
     metrics::Metrics,
     node_status::{NodeStatusWriter, StatusLoop},
     nvml::NvmlBackend,
@@ -122,6 +122,18 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     };
     tracing::info!(?report, pool = driver.pool(), "driver ready");
 
+    // Records recovery could not repair keep their GPUs unhealthy and are retried in the
+    // background; serving does not wait for them.
+    let (recovery_tx, recovery_rx) = mpsc::unbounded_channel();
+    if let Some(event) = RecoveryEvent::pending(&report) {
+        let _ = recovery_tx.send(event);
+    }
+    let repair_task = tokio::spawn(driver.clone().run_repair_loop(
+        Backoff::default(),
+        recovery_tx,
+        shutdown.clone(),
+    ));
+
     // The health list starts from a first inventory, so the kubelet never sees an empty one.
     let gpus = driver.gpus().clone();
     let first = {
@@ -138,6 +150,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         gpus,
         writer: Some(writer),
         recovery_note: report.summary(),
+        recovery_events: Some(recovery_rx),
         registration: registration_rx.clone(),
         health: health_tx,
         interval: heartbeat,
@@ -166,7 +179,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         tracing::warn!(error = %e, "status task failed");
     }
     shutdown.cancel();
-    let _ = tokio::join!(http_task, grpc_health_task);
+    let _ = tokio::join!(http_task, grpc_health_task, repair_task);
     served.context("kubelet gRPC servers")?;
     tracing::info!("stopped");
     Ok(())
