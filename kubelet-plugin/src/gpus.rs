@@ -287,11 +287,13 @@ impl<B: GpuBackend> Gpus<B> {
         lock(&self.inner.recovery_pending).values().cloned().collect()
     }
 
-    /// A pending repair on GPU `minor` of a claim other than `except_uid`.
-    pub fn recovery_pending_on(&self, minor: u32, except_uid: &str) -> Option<PendingRepair> {
+    /// A pending repair of a record on GPU `minor`, other than claim `except_uid`'s (a claim's
+    /// own half-done record does not keep that claim off the GPU: preparing it again tears
+    /// the record down first).
+    pub fn recovery_pending_on(&self, minor: u32, except_uid: Option<&str>) -> Option<PendingRepair> {
         lock(&self.inner.recovery_pending)
             .values()
-            .find(|p| p.uid != except_uid && p.minors.contains(&minor))
+            .find(|p| Some(p.uid.as_str()) != except_uid && p.minors.contains(&minor))
             .cloned()
     }
 
@@ -356,7 +358,7 @@ impl<B: GpuBackend> Gpus<B> {
                 .err()
                 .map(|e| e.to_string());
             let pending = self
-                .recovery_pending_on(description.minor, "")
+                .recovery_pending_on(description.minor, None)
                 .map(|p| p.health_reason());
             let health = match (probe, pending) {
                 (None, None) => GpuHealth::healthy(),

@@ -6,7 +6,8 @@
 //! claims ([`claims`]), plans placements from plain values ([`plan`]), records progress in the [`journal`] (the
 //! [`checkpoint`] file, written through [`state_dir`]), works on GPUs through the GPU table
 //! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]: per claim, plus the node-wide spec of the driver's
-//! files found by [`driver_files`]). Beside it, the status loop
+//! files found by [`driver_files`]); records startup recovery could not repair are retried by
+//! the driver's background repair loop while the plugin serves. Beside it, the status loop
 //! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
 //! counts what happens. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
 //! against what migdra expects, without running the plugin.
@@ -43,7 +44,8 @@ use crate::{
 use migdra_kubeletplugin::{PluginServer, PluginServerConfig, RegistrationState};
 
 /// Runs the plugin until SIGTERM/SIGINT: metrics and probes, NVML, the driver (with startup
-/// recovery), the status loop, then the kubelet's DRA and registration sockets.
+/// recovery), the background repair of what recovery left pending, the status loop, then the
+/// kubelet's DRA and registration sockets.
 pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     migdra_runtime::init_logging(args.log_format, &args.log_level)
         .map_err(|e| anyhow::anyhow!("setting up logging: {e}"))?;

@@ -1,5 +1,6 @@
 //! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`): claim outcomes
-//! and failure causes, call durations, startup repairs, and gauges from the inventory.
+//! and failure causes, call durations, startup repairs, repairs left pending and their retries,
+//! and gauges from the inventory.
 
 use std::{sync::Arc, time::Duration};
 

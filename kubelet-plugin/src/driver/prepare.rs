@@ -92,7 +92,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         // is on it is not known to be what the journal says.
         for device in &devices {
             let minor = device.name.minor();
-            if let Some(pending) = self.inner.gpus.recovery_pending_on(minor, &claim.uid) {
+            if let Some(pending) = self.inner.gpus.recovery_pending_on(minor, Some(&claim.uid)) {
                 return Err(Rejection::GpuRecoveryPending {
                     device: device.device.clone(),
                     minor,

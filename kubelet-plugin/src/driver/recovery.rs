@@ -270,6 +270,9 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         events: mpsc::UnboundedSender<RecoveryEvent>,
         shutdown: CancellationToken,
     ) {
+        if self.pending_repairs().is_empty() {
+            return;
+        }
         let mut attempt = 0u32;
         while !self.pending_repairs().is_empty() {
             tokio::select! {
@@ -289,7 +292,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 Err(e) => tracing::error!(error = %e, "background repair task failed"),
             }
         }
-        tracing::info!("no repairs pending");
+        tracing::info!("every repair left pending at start is done");
     }
 }
 
