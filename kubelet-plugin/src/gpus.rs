@@ -8,6 +8,11 @@
 //! once and in minor order, and released before it (the borrow checker enforces the last).
 //! The inventory takes one GPU lock at a time, never the node lock (it must keep reporting
 //! while another plugin instance holds that), so it cannot deadlock with the driver.
+//!
+//! The table also knows which GPUs hold a checkpoint record that startup recovery could not
+//! repair ([`Gpus::mark_recovery_pending`]): such a GPU is reported unhealthy (so the
+//! resource-health stream and the controller's policy keep new work off it) and refuses
+//! prepares, until the repair succeeds ([`Gpus::clear_recovery_pending`]).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -182,6 +187,29 @@ struct Inner<B> {
     journal: Arc<Journal>,
     metrics: Metrics,
     table: RwLock<BTreeMap<u32, Arc<Gpu>>>,
+    /// Records recovery could not repair yet, by claim UID.
+    recovery_pending: Mutex<BTreeMap<String, PendingRepair>>,
+}
+
+/// A checkpoint record that recovery could not repair yet; it stays in the journal as it was
+/// and is retried in the background.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PendingRepair {
+    /// The claim's UID.
+    pub uid: String,
+    /// The claim, `namespace/name`.
+    pub claim: String,
+    /// The GPUs the record touches (marked unhealthy meanwhile).
+    pub minors: BTreeSet<u32>,
+    /// Why the last attempt failed.
+    pub error: String,
+}
+
+impl PendingRepair {
+    /// Why a GPU this record touches is unhealthy.
+    pub fn health_reason(&self) -> String {
+        format!("recovery of claim {} pending: {}", self.claim, self.error)
+    }
 }
 
 /// The GPU table. Cheap to clone; clones share state.
@@ -233,8 +261,40 @@ impl<B: GpuBackend> Gpus<B> {
                 journal,
                 metrics,
                 table: RwLock::new(table),
+                recovery_pending: Mutex::new(BTreeMap::new()),
             }),
         })
+    }
+
+    /// Records (or updates) a record recovery could not repair: its GPUs turn unhealthy.
+    pub fn mark_recovery_pending(&self, pending: PendingRepair) {
+        let mut map = lock(&self.inner.recovery_pending);
+        map.insert(pending.uid.clone(), pending);
+        self.inner.metrics.pending_repairs(map.len());
+    }
+
+    /// Forgets a pending repair (repaired, or torn down by the kubelet's unprepare); returns
+    /// whether one was pending.
+    pub fn clear_recovery_pending(&self, uid: &str) -> bool {
+        let mut map = lock(&self.inner.recovery_pending);
+        let was = map.remove(uid).is_some();
+        self.inner.metrics.pending_repairs(map.len());
+        was
+    }
+
+    /// The records waiting for repair, by UID.
+    pub fn recovery_pending(&self) -> Vec<PendingRepair> {
+        lock(&self.inner.recovery_pending).values().cloned().collect()
+    }
+
+    /// A pending repair of a record on GPU `minor`, other than claim `except_uid`'s (a claim's
+    /// own half-done record does not keep that claim off the GPU: preparing it again tears
+    /// the record down first).
+    pub fn recovery_pending_on(&self, minor: u32, except_uid: Option<&str>) -> Option<PendingRepair> {
+        lock(&self.inner.recovery_pending)
+            .values()
+            .find(|p| Some(p.uid.as_str()) != except_uid && p.minors.contains(&minor))
+            .cloned()
     }
 
     /// GPU instances present on a GPU (none when MIG is off).
@@ -291,11 +351,24 @@ impl<B: GpuBackend> Gpus<B> {
             let _held = gpu.acquire();
             *write(&gpu.description) = description.clone();
             let records = self.inner.journal.claims();
-            let health = match self.inner.backend.probe_health(description.index) {
-                Ok(()) => GpuHealth::healthy(),
-                Err(e) => GpuHealth {
+            let probe = self
+                .inner
+                .backend
+                .probe_health(description.index)
+                .err()
+                .map(|e| e.to_string());
+            let pending = self
+                .recovery_pending_on(description.minor, None)
+                .map(|p| p.health_reason());
+            let health = match (probe, pending) {
+                (None, None) => GpuHealth::healthy(),
+                (Some(reason), None) | (None, Some(reason)) => GpuHealth {
                     healthy: false,
-                    reason: Some(e.to_string()),
+                    reason: Some(reason),
+                },
+                (Some(probe), Some(pending)) => GpuHealth {
+                    healthy: false,
+                    reason: Some(format!("{probe}; {pending}")),
                 },
             };
             let mig = match &description.mig {

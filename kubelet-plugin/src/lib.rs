@@ -6,7 +6,8 @@
 //! claims ([`claims`]), plans placements from plain values ([`plan`]), records progress in the [`journal`] (the
 //! [`checkpoint`] file, written through [`state_dir`]), works on GPUs through the GPU table
 //! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]: per claim, plus the node-wide spec of the driver's
-//! files found by [`driver_files`]). Beside it, the status loop
+//! files found by [`driver_files`]); records startup recovery could not repair are retried by
+//! the driver's background repair loop while the plugin serves. Beside it, the status loop
 //! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
 //! counts what happens. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
 //! against what migdra expects, without running the plugin.
@@ -30,12 +31,12 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use migdra_runtime::Readiness;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use crate::{
     cdi::{CdiWriter, DriverSetup},
     claims::KubeClaims,
-    driver::{Driver, DriverConfig},
+    driver::{Backoff, Driver, DriverConfig, RecoveryEvent},
     metrics::Metrics,
     node_status::{NodeStatusWriter, StatusLoop},
     nvml::NvmlBackend,
@@ -43,7 +44,8 @@ use crate::{
 use migdra_kubeletplugin::{PluginServer, PluginServerConfig, RegistrationState};
 
 /// Runs the plugin until SIGTERM/SIGINT: metrics and probes, NVML, the driver (with startup
-/// recovery), the status loop, then the kubelet's DRA and registration sockets.
+/// recovery), the background repair of what recovery left pending, the status loop, then the
+/// kubelet's DRA and registration sockets.
 pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     migdra_runtime::init_logging(args.log_format, &args.log_level)
         .map_err(|e| anyhow::anyhow!("setting up logging: {e}"))?;
@@ -122,6 +124,18 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     };
     tracing::info!(?report, pool = driver.pool(), "driver ready");
 
+    // Records recovery could not repair keep their GPUs unhealthy and are retried in the
+    // background; serving does not wait for them.
+    let (recovery_tx, recovery_rx) = mpsc::unbounded_channel();
+    if let Some(event) = RecoveryEvent::pending(&report) {
+        let _ = recovery_tx.send(event);
+    }
+    let repair_task = tokio::spawn(driver.clone().run_repair_loop(
+        Backoff::default(),
+        recovery_tx,
+        shutdown.clone(),
+    ));
+
     // The health list starts from a first inventory, so the kubelet never sees an empty one.
     let gpus = driver.gpus().clone();
     let first = {
@@ -138,6 +152,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         gpus,
         writer: Some(writer),
         recovery_note: report.summary(),
+        recovery_events: Some(recovery_rx),
         registration: registration_rx.clone(),
         health: health_tx,
         interval: heartbeat,
@@ -166,7 +181,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         tracing::warn!(error = %e, "status task failed");
     }
     shutdown.cancel();
-    let _ = tokio::join!(http_task, grpc_health_task);
+    let _ = tokio::join!(http_task, grpc_health_task, repair_task);
     served.context("kubelet gRPC servers")?;
     tracing::info!("stopped");
     Ok(())

@@ -1,5 +1,6 @@
 //! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`): claim outcomes
-//! and failure causes, call durations, startup repairs, and gauges from the inventory.
+//! and failure causes, call durations, startup repairs, repairs left pending and their retries,
+//! and gauges from the inventory.
 
 use std::{sync::Arc, time::Duration};
 
@@ -33,6 +34,11 @@ struct ActionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OwnerLabels {
     owner: &'static str,
 }
@@ -49,6 +55,8 @@ pub struct Metrics {
     claim_failures: Family<FailureLabels, Counter>,
     call_duration: Family<OperationLabels, Histogram>,
     recoveries: Family<ActionLabels, Counter>,
+    repair_attempts: Family<OutcomeLabels, Counter>,
+    pending_repairs: Gauge,
     prepared_claims: Gauge,
     mig_instances: Family<OwnerLabels, Gauge>,
     gpus: Family<HealthLabels, Gauge>,
@@ -93,6 +101,18 @@ impl Metrics {
             "Repairs of interrupted operations at start",
             recoveries.clone(),
         );
+        let repair_attempts = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "repair_attempts",
+            "Attempts to repair a checkpoint record recovery left unrepaired (at start and in the background), by outcome",
+            repair_attempts.clone(),
+        );
+        let pending_repairs = Gauge::default();
+        registry.register(
+            "pending_repairs",
+            "Checkpoint records recovery could not repair yet (their GPUs are reported unhealthy)",
+            pending_repairs.clone(),
+        );
         let prepared_claims = Gauge::default();
         registry.register(
             "prepared_claims",
@@ -112,6 +132,8 @@ impl Metrics {
             claim_failures,
             call_duration,
             recoveries,
+            repair_attempts,
+            pending_repairs,
             prepared_claims,
             mig_instances,
             gpus,
@@ -144,6 +166,19 @@ impl Metrics {
     /// Counts one startup repair.
     pub fn recovery(&self, action: &'static str) {
         self.recoveries.get_or_create(&ActionLabels { action }).inc();
+    }
+
+    /// Counts one repair attempt of a record (`outcome`: `repaired` or `failed`).
+    pub fn repair_attempt(&self, repaired: bool) {
+        let outcome = if repaired { "repaired" } else { "failed" };
+        self.repair_attempts
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+
+    /// Sets how many records wait for repair.
+    pub fn pending_repairs(&self, count: usize) {
+        self.pending_repairs.set(i64::try_from(count).unwrap_or(i64::MAX));
     }
 
     /// Updates the gauges from an inventory.

@@ -19,10 +19,10 @@ use kube::{
 };
 use migdra_api::inventory::{API_VERSION, GpuInventory, GpuNode, PluginStatus};
 use serde_json::json;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::{gpus::Gpus, nvml::GpuBackend};
+use crate::{driver::RecoveryEvent, gpus::Gpus, nvml::GpuBackend};
 use migdra_kubeletplugin::{DeviceHealthReport, RegistrationState};
 
 /// Field manager of the plugin's writes.
@@ -149,6 +149,9 @@ pub struct StatusLoop<B> {
     /// What startup recovery repaired, recorded once as an event (see
     /// [`crate::driver::RecoveryReport::summary`]).
     pub recovery_note: Option<String>,
+    /// Recovery events to record (records left unrepaired at start, repairs finished in the
+    /// background); kept until the GpuNode exists.
+    pub recovery_events: Option<mpsc::UnboundedReceiver<RecoveryEvent>>,
     /// The kubelet's registration state.
     pub registration: watch::Receiver<RegistrationState>,
     /// Where the device health goes (the resource-health stream).
@@ -165,6 +168,7 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
             gpus,
             mut writer,
             mut recovery_note,
+            mut recovery_events,
             mut registration,
             health,
             interval,
@@ -196,6 +200,11 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                     writer
                         .event(EventType::Warning, "RecoveredInterruptedOperations", note)
                         .await;
+                }
+                if object_ready && let Some(events) = &mut recovery_events {
+                    while let Ok(event) = events.try_recv() {
+                        writer.event(event.type_, event.reason, event.note).await;
+                    }
                 }
                 for gpu in inventory {
                     let before = health_seen.insert(gpu.minor, gpu.health.healthy);

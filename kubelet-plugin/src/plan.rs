@@ -45,6 +45,19 @@ pub struct Plan {
 /// pod's event; [`Rejection::reason`] is the stable label for metrics.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Rejection {
+    /// The GPU holds a checkpoint record that recovery could not repair yet; nothing is
+    /// created on it until the repair succeeds.
+    #[error("device {device}: GPU {minor} is unavailable until recovery of claim {claim} succeeds: {error}")]
+    GpuRecoveryPending {
+        /// Device name.
+        device: String,
+        /// GPU minor.
+        minor: u32,
+        /// The unrepaired claim, `namespace/name`.
+        claim: String,
+        /// Why its repair failed last.
+        error: String,
+    },
     /// The device names a GPU this node does not have.
     #[error("device {device}: this node has no GPU with minor number {minor}")]
     NoSuchGpu {
@@ -158,6 +171,7 @@ impl Rejection {
     /// A stable CamelCase label of the cause (a bounded set, for metrics).
     pub fn reason(&self) -> &'static str {
         match self {
+            Self::GpuRecoveryPending { .. } => "GpuRecoveryPending",
             Self::NoSuchGpu { .. } => "NoSuchGpu",
             Self::WholeGpuAlsoPartitioned { .. } => "WholeGpuAlsoPartitioned",
             Self::PartitionOfWholeGpu { .. } => "PartitionOfWholeGpu",

@@ -13,7 +13,9 @@
 //!   routine is also the rollback of a failed or interrupted prepare.
 //! - `recovery.rs`: at start, half-prepared claims are rolled back, half-unprepared ones
 //!   finished and missing CDI specs rewritten. Every instance the journal does not describe
-//!   belongs to someone else and is never touched.
+//!   belongs to someone else and is never touched. A record that cannot be repaired does
+//!   not stop the start: it stays recorded, its GPUs are unhealthy and refuse prepares, and
+//!   a background loop retries it with backoff through the same routine.
 //!
 //! Because the record is written before the GPU is touched ([`crate::journal`]), a crash
 //! between any two steps is repaired from the checkpoint alone.
@@ -38,7 +40,11 @@ use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 
 use migdra_api::inventory;
 
-pub use self::{prepare::uuid_variable, recovery::RecoveryReport};
+pub use self::{
+    prepare::uuid_variable,
+    recovery::{Backoff, RecoveryEvent, RecoveryReport, Repair, RepairRound},
+};
+pub use crate::gpus::PendingRepair;
 use crate::{
     cdi::{CdiError, CdiWriter},
     checkpoint::{CheckpointError, ClaimRecord, LoadOutcome},
@@ -110,9 +116,6 @@ pub enum DriverError {
     /// The node lock could not be taken.
     #[error("node lock: {0}")]
     NodeLock(#[from] NodeLockError),
-    /// Startup recovery could not finish; the named claims stay recorded for the next try.
-    #[error("recovery left {0} claim(s) unrepaired: {1}")]
-    Recovery(usize, String),
 }
 
 /// Why one claim failed. Its message goes to the kubelet and from there into a pod event;
@@ -203,7 +206,9 @@ impl<B, C> Clone for Driver<B, C> {
 
 impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// Opens the checkpoint, discovers the GPUs and repairs whatever a previous run left half
-    /// done. Instances that no record describes are left alone.
+    /// done. Instances that no record describes are left alone. Records that cannot be
+    /// repaired now do not fail the start: they are in [`RecoveryReport::pending`], for
+    /// [`Driver::run_repair_loop`].
     pub fn start(
         config: DriverConfig,
         backend: Arc<B>,

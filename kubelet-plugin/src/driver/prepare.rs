@@ -88,6 +88,20 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             }
             None => {}
         }
+        // A GPU with another claim's record that recovery could not repair is off limits: what
+        // is on it is not known to be what the journal says.
+        for device in &devices {
+            let minor = device.name.minor();
+            if let Some(pending) = self.inner.gpus.recovery_pending_on(minor, Some(&claim.uid)) {
+                return Err(Rejection::GpuRecoveryPending {
+                    device: device.device.clone(),
+                    minor,
+                    claim: pending.claim,
+                    error: pending.error,
+                }
+                .into());
+            }
+        }
         // Before anything is created: a node that cannot run CUDA containers hands out nothing.
         self.ensure_driver_spec()?;
         let others = self.inner.journal.others(&claim.uid);

@@ -60,6 +60,11 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         self.step(uid, Step::CdiRemoved);
         self.inner.journal.forget(uid)?;
         self.step(uid, Step::ClaimForgotten);
+        // Whoever tore it down (recovery, the background repair, the kubelet's unprepare or a
+        // retried prepare), nothing is left to repair.
+        if self.inner.gpus.clear_recovery_pending(uid) {
+            tracing::info!(claim = %record.key(), %uid, "pending recovery resolved");
+        }
         if record.state == ClaimState::PrepareStarted {
             tracing::info!(claim = %record.key(), %uid, "rolled back");
         } else {

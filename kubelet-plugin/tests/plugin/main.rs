@@ -9,4 +9,5 @@ mod driver_files;
 mod gpu_check;
 mod nvml_backend;
 mod real_gpus;
+mod recovery;
 mod support;
