@@ -28,7 +28,8 @@ pub const DEFAULT_UUID_SEED: &str = "migdra-fake-nvml";
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FakeConfig {
-    /// GPU groups, enumerated in order (NVML index and device minor count up from 0).
+    /// GPU groups, enumerated in order (NVML indexes count up from 0; device minors are the
+    /// index unless a group gives its own, see [`GpuConfig::minor`]).
     #[serde(default)]
     pub gpus: Vec<GpuConfig>,
     /// Driver version `nvmlSystemGetDriverVersion` reports.
@@ -66,6 +67,12 @@ pub struct GpuConfig {
     /// How many GPUs of this kind (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub count: Option<u32>,
+    /// Device minor (`/dev/nvidia<minor>`, `nvmlDeviceGetMinorNumber`) of the group's first
+    /// GPU; the group's other GPUs count up from it. Default: each GPU's NVML index. Real
+    /// machines number indexes by PCI bus order, and minors can differ from them
+    /// (`shared/reference/mig-nvml.md` §12). Minors must be unique on the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor: Option<u32>,
     /// Number GPU-instance IDs with the two halves swapped, as some boards do.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub swap_halves: bool,
@@ -145,12 +152,19 @@ impl GpuConfig {
             model: model.to_string(),
             mig_enabled,
             count: None,
+            minor: None,
             swap_halves: false,
             mig_capable: None,
             numa_node: None,
             auto_placement: BTreeMap::new(),
             quirks: GpuQuirks::default(),
         }
+    }
+
+    /// The same GPU with device minor `minor` (instead of its NVML index).
+    pub fn with_minor(mut self, minor: u32) -> Self {
+        self.minor = Some(minor);
+        self
     }
 
     /// The same GPU with `quirks`.
@@ -278,7 +292,7 @@ mod tests {
         let config: FakeConfig = serde_json::from_str(
             r#"{
                 "gpus": [{"model": "H100-80GB", "migEnabled": true, "count": 2, "swapHalves": true},
-                         {"model": "A100-SXM4-40GB", "migEnabled": false, "autoPlacement": {"19": [0, 1]}}],
+                         {"model": "A100-SXM4-40GB", "migEnabled": false, "minor": 5, "autoPlacement": {"19": [0, 1]}}],
                 "driverVersion": "570.1.2",
                 "stateFile": "s.json",
                 "faults": [{"function": "nvmlDeviceCreateGpuInstanceWithPlacement", "gpu": 1,
@@ -290,6 +304,7 @@ mod tests {
         assert_eq!(config.gpus[0].count, Some(2));
         assert!(config.gpus[0].swap_halves);
         assert_eq!(config.gpus[1].auto_placement[&19], vec![0, 1]);
+        assert_eq!((config.gpus[0].minor, config.gpus[1].minor), (None, Some(5)));
         assert_eq!(config.faults[0].times, Some(2));
         assert_eq!(config.instances[0].profile_id, 9);
         assert_eq!(config.state_path(Path::new("/x")), PathBuf::from("/x/s.json"));

@@ -80,6 +80,18 @@ impl MigTable {
     pub fn profile_by_index(&self, index: u32) -> Option<&'static GiProfile> {
         self.profiles.iter().find(|p| p.index == index)
     }
+
+    /// Optical-flow accelerators of the whole GPU: those of the profile that covers every
+    /// memory slice (a GPU instance of the whole GPU has all its engines). One on every
+    /// simulated model (§4: "a single OFA/JPEG").
+    pub fn ofa_engines(&self) -> u32 {
+        self.profiles
+            .iter()
+            .filter(|p| p.memory_slices == self.memory_slices)
+            .map(|p| p.engines.ofa_engines)
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// What the fake needs to know about a GPU model.

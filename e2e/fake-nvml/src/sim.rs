@@ -5,7 +5,11 @@
 //! GPU instances (§12 "NVML's placement rule"): a GPU instance can be created only at one
 //! of its profile's placements, its memory slices must not overlap any existing GPU
 //! instance's, and a profile has at most `instanceCount` instances. SM and engine counts
-//! are not budgets NVML checks.
+//! are not budgets NVML checks, with one exception the fake adds on its own: the GPU's
+//! optical-flow accelerators (one per GPU) go to at most as many instances as there are,
+//! because §4 says the `+me` profiles exist once "because there is a single OFA/JPEG". On
+//! A30, whose two `+me` profiles each have instanceCount 1, that keeps them from coexisting.
+//! It is inferred from the hardware, not a documented NVML return.
 
 use crate::{
     code,
@@ -222,8 +226,9 @@ impl GpuState {
         })
     }
 
-    /// Whether `profile` at `start` is free of the existing GPU instances' memory slices and
-    /// under the profile's instance count: INSUFFICIENT_RESOURCES otherwise (§1.3, §12).
+    /// Whether `profile` at `start` is free of the existing GPU instances' memory slices,
+    /// under the profile's instance count and within the GPU's free OFA engines:
+    /// INSUFFICIENT_RESOURCES otherwise (§1.3, §12; the OFA rule is the fake's, from §4).
     fn check_resources(&self, profile: &GiProfile, start: u32) -> Result<(), u32> {
         let overlap = self
             .gpu_instances
@@ -234,10 +239,27 @@ impl GpuState {
             .iter()
             .filter(|gi| gi.profile_id == profile.id)
             .count();
-        if overlap || same_profile >= profile.instance_count as usize {
+        if overlap
+            || same_profile >= profile.instance_count as usize
+            || profile.engines.ofa_engines > self.free_ofa_engines()
+        {
             return Err(code::INSUFFICIENT_RESOURCES);
         }
         Ok(())
+    }
+
+    /// OFA engines of the GPU that no GPU instance holds (0 for a GPU without MIG).
+    pub fn free_ofa_engines(&self) -> u32 {
+        let Some(table) = self.mig_table() else {
+            return 0;
+        };
+        let held: u32 = self
+            .gpu_instances
+            .iter()
+            .filter_map(|gi| table.profile_by_id(gi.profile_id))
+            .map(|p| p.engines.ofa_engines)
+            .sum();
+        table.ofa_engines().saturating_sub(held)
     }
 
     /// Checks whether `profile_id` can be placed at `start`, in NVML's order (§11 rule 3 as
@@ -322,8 +344,9 @@ impl GpuState {
         Ok(id)
     }
 
-    /// How many more GPU instances of `profile_id` fit (§11 rule 6 without the engine budget,
-    /// §12): the smaller of the instance count left and the free placements. Placements of
+    /// How many more GPU instances of `profile_id` fit (§11 rule 6 without the SM and engine
+    /// budgets, §12): the smallest of the instance count left, the free placements and, for
+    /// a profile with OFA engines, how many of them the free OFA engines give. Placements of
     /// one profile never overlap each other, so every free one can be used at once.
     pub fn remaining_gpu_instance_capacity(&self, profile_id: u32) -> Result<u32, u32> {
         let table = self.require_mig()?;
@@ -343,7 +366,11 @@ impl GpuState {
             })
             .count();
         let left = (profile.instance_count as usize).saturating_sub(existing);
-        Ok(u32::try_from(free.min(left)).unwrap_or(u32::MAX))
+        let by_ofa = match profile.engines.ofa_engines {
+            0 => usize::MAX,
+            per_instance => (self.free_ofa_engines() / per_instance) as usize,
+        };
+        Ok(u32::try_from(free.min(left).min(by_ofa)).unwrap_or(u32::MAX))
     }
 
     /// Destroys the GPU instance with `serial`: INVALID_ARGUMENT when it no longer exists
@@ -608,18 +635,32 @@ mod tests {
     }
 
     #[test]
-    fn only_overlap_and_instance_count_limit_gpu_instances() {
-        // §12: SM and engine counts are not budgets. A30's two `+me` profiles each have
-        // instanceCount 1; on disjoint slices they coexist.
+    fn overlap_instance_count_and_the_single_ofa_limit_gpu_instances() {
+        // §12: SM and most engine counts are not budgets; the single OFA (§4) is. A30's two
+        // `+me` profiles each have instanceCount 1, and on disjoint slices they still cannot
+        // coexist: both need the OFA.
         let mut a30 = gpu("A30-24GB", true);
+        assert_eq!(a30.mig_table().unwrap().ofa_engines(), 1);
+        assert_eq!(a30.remaining_gpu_instance_capacity(6), Ok(1));
         assert_eq!(a30.create_gpu_instance(21, Some(0), 1), Ok(3));
-        assert_eq!(a30.create_gpu_instance(6, Some(2), 2), Ok(2));
+        assert_eq!(a30.free_ofa_engines(), 0);
+        assert_eq!(a30.remaining_gpu_instance_capacity(6), Ok(0), "the OFA is taken");
+        assert_eq!(
+            a30.create_gpu_instance(6, Some(2), 2),
+            Err(code::INSUFFICIENT_RESOURCES)
+        );
+        // Profiles without an OFA are not limited by it.
+        assert_eq!(a30.create_gpu_instance(5, Some(2), 2), Ok(2));
         assert_eq!(
             a30.create_gpu_instance(21, Some(1), 3),
             Err(code::INSUFFICIENT_RESOURCES)
         );
         assert_eq!(a30.remaining_gpu_instance_capacity(14), Ok(1));
         assert_eq!(a30.remaining_gpu_instance_capacity(21), Ok(0));
+        // Destroying the OFA holder frees it for the other `+me` profile.
+        a30.destroy_gpu_instance(1).unwrap();
+        assert_eq!(a30.free_ofa_engines(), 1);
+        assert_eq!(a30.create_gpu_instance(6, Some(0), 4), Ok(1));
         // A size that is not the profile's is not one of its placements.
         let mut h100 = gpu("H100-80GB", true);
         assert_eq!(

@@ -157,13 +157,25 @@ impl FakeState {
                 ))
             })?;
             let mig_capable = model.mig.is_some() && gpu.mig_capable.unwrap_or(true);
-            for _ in 0..gpu.count.unwrap_or(1) {
+            for nth in 0..gpu.count.unwrap_or(1) {
                 let index =
                     u32::try_from(gpus.len()).map_err(|_| FakeError::Config("too many GPUs".into()))?;
+                let minor = match gpu.minor {
+                    Some(first) => first.checked_add(nth).ok_or_else(|| {
+                        FakeError::Config(format!("device minor {first} + {nth} overflows"))
+                    })?,
+                    None => index,
+                };
+                if let Some(other) = gpus.iter().find(|g: &&GpuState| g.minor == minor) {
+                    return Err(FakeError::Config(format!(
+                        "device minor {minor} is given to GPU {} and GPU {index}; minors must be unique",
+                        other.index
+                    )));
+                }
                 let enabled = mig_capable && gpu.mig_enabled;
                 gpus.push(GpuState {
                     index,
-                    minor: index,
+                    minor,
                     uuid: gpu_uuid(seed, index),
                     model: model.key.to_string(),
                     pci_bus: pci_bus(index),

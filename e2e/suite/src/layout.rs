@@ -50,7 +50,10 @@ pub async fn device_owners(client: &Client) -> anyhow::Result<BTreeMap<String, S
 /// `[0 1 2 3 . . . .]`.
 pub fn render(state: &FakeState, owners: &BTreeMap<String, String>) -> String {
     let mut out = String::new();
-    for gpu in &state.gpus {
+    // By device minor, the number device names carry (the state is in NVML index order).
+    let mut gpus: Vec<_> = state.gpus.iter().collect();
+    gpus.sort_by_key(|g| g.minor);
+    for gpu in gpus {
         let model = catalog::model(&gpu.model);
         let product = model.map_or(gpu.model.as_str(), |m| m.product_name);
         let slices = model.map_or(8, |m| m.memory_slices());

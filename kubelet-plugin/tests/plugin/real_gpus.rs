@@ -3,10 +3,13 @@
 //! (`shared/reference/mig-nvml.md` §12): the compute-instance info naming the parent device,
 //! MIG-mode switches reported through the activation status, renumbered GPUs,
 //! per-profile NOT_SUPPORTED, failing profiles, vGPU guests, the 7-slice NVL compute
-//! profile and architectures newer than migdra knows.
+//! profile, architectures newer than migdra knows, and NVML indexes that differ from device
+//! minors.
 
 use migdra_fake_nvml::{
-    CiInfoDevice, FakeConfig, FaultConfig, FaultState, GpuConfig, GpuQuirks, code, testing::FakeGpuHost,
+    CiInfoDevice, FakeConfig, FaultConfig, FaultState, GpuConfig, GpuQuirks, code,
+    procfs::{ci_cap_minor, gi_cap_minor},
+    testing::FakeGpuHost,
 };
 use migdra_kubelet_plugin::{
     nvml::{GpuBackend, MigModeChange, NvmlBackend, NvmlErrorKind},
@@ -388,4 +391,125 @@ async fn ampere_mode_switches_are_left_to_nvml() {
     // The refused switch is withdrawn: nothing is left pending for a later reset.
     assert_eq!(modes, vec![(true, true), (false, false), (false, false)]);
     assert_eq!(node.instances(0).len(), 1);
+}
+
+/// The `(path, minor)` of every device node a claim's CDI spec hands its container.
+fn cdi_device_nodes(node: &Node, uid: &str) -> Vec<(String, u64)> {
+    node.cdi_spec(uid)["devices"][0]["containerEdits"]["deviceNodes"]
+        .as_array()
+        .expect("device nodes")
+        .iter()
+        .map(|n| {
+            (
+                n["path"].as_str().expect("path").to_string(),
+                n["minor"].as_u64().expect("minor"),
+            )
+        })
+        .collect()
+}
+
+/// The fake's position (its NVML index) of the GPU with device `minor`.
+fn state_index_of_minor(node: &Node, minor: u32) -> usize {
+    node.host
+        .read_state()
+        .expect("fake state")
+        .gpus
+        .iter()
+        .position(|g| g.minor == minor)
+        .unwrap_or_else(|| panic!("no GPU with minor {minor}"))
+}
+
+/// NVML numbers GPUs by PCI order, the driver by device minor, and the two can differ
+/// (§12). Two identical H100s whose minors are swapped relative to their indexes: a device
+/// name carries the minor, so every claim must land on the GPU with that minor, and its
+/// CDI spec must name that minor's device node and capability minors.
+#[tokio::test(flavor = "multi_thread")]
+async fn devices_are_addressed_by_minor_when_indexes_differ() {
+    let node = Node::with_config(FakeConfig {
+        gpus: vec![
+            GpuConfig::new("H100-80GB", true).with_minor(1),
+            GpuConfig::new("H100-80GB", true).with_minor(0),
+        ],
+        ..FakeConfig::default()
+    });
+    assert_eq!(
+        (state_index_of_minor(&node, 0), state_index_of_minor(&node, 1)),
+        (1, 0)
+    );
+    let (driver, _) = node.start(None);
+
+    // A 3g at 4 on minor 0 (index 1) and a 1g at 0 on minor 1 (index 0).
+    node.claims
+        .put(claim("uid-1", "on-minor-0", &[("gpu", "gpu-0-mig-3g40gb-4")]));
+    node.claims
+        .put(claim("uid-2", "on-minor-1", &[("gpu", "gpu-1-mig-1g10gb-0")]));
+    prepare_one(&driver, "uid-1", "on-minor-0").await.unwrap();
+    prepare_one(&driver, "uid-2", "on-minor-1").await.unwrap();
+    let on = |minor| node.instances(state_index_of_minor(&node, minor));
+    let (on_minor_0, on_minor_1) = (on(0), on(1));
+    assert_eq!(on_minor_0.len(), 1, "{on_minor_0:?}");
+    assert_eq!((on_minor_0[0].0, on_minor_0[0].1), (P_3G, 4));
+    assert_eq!(on_minor_1.len(), 1, "{on_minor_1:?}");
+    assert_eq!((on_minor_1[0].0, on_minor_1[0].1), (P_1G, 0));
+
+    let state = node.host.read_state().unwrap();
+    for (uid, minor, device) in [
+        ("uid-1", 0, "GPU_0_MIG_3G40GB_4"),
+        ("uid-2", 1, "GPU_1_MIG_1G10GB_0"),
+    ] {
+        let gpu = &state.gpus[state_index_of_minor(&node, minor)];
+        let gi = &gpu.gpu_instances[0];
+        let nodes = cdi_device_nodes(&node, uid);
+        assert_eq!(
+            nodes[0],
+            (format!("/dev/nvidia{minor}"), u64::from(minor)),
+            "{uid}: {nodes:?}"
+        );
+        assert!(
+            !nodes
+                .iter()
+                .any(|(p, _)| *p == format!("/dev/nvidia{}", 1 - minor)),
+            "{uid}: the other GPU's node: {nodes:?}"
+        );
+        let gi_cap = gi_cap_minor(minor, gi.id);
+        let ci_cap = ci_cap_minor(minor, gi.id, gi.compute_instances[0].id);
+        for cap in [gi_cap, ci_cap] {
+            assert!(
+                nodes.contains(&(format!("/dev/nvidia-caps/nvidia-cap{cap}"), u64::from(cap))),
+                "{uid}: capability minor {cap} of GPU minor {minor} missing from {nodes:?}"
+            );
+        }
+        let env = &node.cdi_spec(uid)["devices"][0]["containerEdits"]["env"][0];
+        assert_eq!(
+            env.as_str().unwrap(),
+            format!("MIGDRA_DEVICE_UUID_{device}={}", gi.compute_instances[0].uuid)
+        );
+    }
+
+    // Unprepare destroys the instance on minor 0 only.
+    unprepare_one(&driver, "uid-1", "on-minor-0").await.unwrap();
+    assert!(on(0).is_empty());
+    assert_eq!(on(1).len(), 1, "the other GPU's instance stays");
+
+    // Minor 0 whole: its MIG mode goes off (Hopper, idle), minor 1 keeps its instance.
+    node.claims.put(claim("uid-3", "whole", &[("gpu", "gpu-0")]));
+    let devices = prepare_one(&driver, "uid-3", "whole").await.unwrap();
+    assert_eq!(devices[0].device_name, "gpu-0");
+    let state = node.host.read_state().unwrap();
+    let (minor_0, minor_1) = (
+        &state.gpus[state_index_of_minor(&node, 0)],
+        &state.gpus[state_index_of_minor(&node, 1)],
+    );
+    assert!(!minor_0.mig_enabled, "MIG switched off on minor 0");
+    assert!(minor_1.mig_enabled && minor_1.gpu_instances.len() == 1);
+    let nodes = cdi_device_nodes(&node, "uid-3");
+    assert_eq!(nodes[0], ("/dev/nvidia0".to_string(), 0), "{nodes:?}");
+    assert!(!nodes.iter().any(|(p, _)| p == "/dev/nvidia1"), "{nodes:?}");
+    assert_eq!(
+        node.cdi_spec("uid-3")["devices"][0]["containerEdits"]["env"][0],
+        format!("MIGDRA_DEVICE_UUID_GPU_0={}", minor_0.uuid)
+    );
+    unprepare_one(&driver, "uid-3", "whole").await.unwrap();
+    unprepare_one(&driver, "uid-2", "on-minor-1").await.unwrap();
+    assert_eq!(node.total_instances(), 0);
 }

@@ -589,3 +589,116 @@ fn mig_mode_calls_report_activation_status() {
     );
     assert_eq!(unsafe { set(t4, 1, &mut status) }, code::NOT_SUPPORTED);
 }
+
+#[test]
+fn handles_go_by_index_and_minors_by_the_configured_minor() {
+    // Index 0 has minor 1, index 1 minor 0, as on a machine whose PCI order differs from
+    // the driver's numbering.
+    let host = FakeGpuHost::new(FakeConfig {
+        gpus: vec![
+            GpuConfig::new("H100-80GB", true).with_minor(1),
+            GpuConfig::new("A100-80GB", true).with_minor(0),
+        ],
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    let lib = unsafe { NvmlLib::new(host.lib_path()) }.unwrap();
+    assert_eq!(unsafe { f!(lib, nvmlInit_v2)() }, code::SUCCESS);
+    let mut buf = [0 as c_char; 96];
+    for (index, minor, name) in [(0, 1, "NVIDIA H100 80GB HBM3"), (1, 0, "NVIDIA A100-SXM4-80GB")] {
+        let dev = device(&lib, index);
+        let (mut got_index, mut got_minor) = (99, 99);
+        assert_eq!(
+            unsafe { f!(lib, nvmlDeviceGetIndex)(dev, &mut got_index) },
+            code::SUCCESS
+        );
+        assert_eq!(
+            unsafe { f!(lib, nvmlDeviceGetMinorNumber)(dev, &mut got_minor) },
+            code::SUCCESS
+        );
+        assert_eq!((got_index, got_minor), (index, minor));
+        assert_eq!(
+            unsafe { f!(lib, nvmlDeviceGetName)(dev, buf.as_mut_ptr(), 96) },
+            code::SUCCESS
+        );
+        assert_eq!(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap(), name);
+    }
+    // A GPU instance on index 0 gets its capability files under the GPU's minor, 1.
+    let (rc, _) = create_gi(&lib, device(&lib, 0), 9, 4, 4);
+    assert_eq!(rc, code::SUCCESS);
+    let caps = host.proc_root().join("driver/nvidia/capabilities");
+    let access = std::fs::read_to_string(caps.join("gpu1/mig/gi2/access")).unwrap();
+    assert!(
+        access.contains(&format!(
+            "DeviceFileMinor: {}\n",
+            migdra_fake_nvml::procfs::gi_cap_minor(1, 2)
+        )),
+        "{access}"
+    );
+    assert!(
+        !caps.join("gpu0/mig/gi2").exists(),
+        "nothing under the other GPU's minor"
+    );
+    let state = host.read_state().unwrap();
+    assert_eq!(state.gpus[0].gpu_instances.len(), 1);
+    assert!(state.gpus[1].gpu_instances.is_empty());
+}
+
+#[test]
+fn a_minor_given_twice_is_a_configuration_error() {
+    let config = FakeConfig {
+        gpus: vec![
+            GpuConfig {
+                count: Some(2),
+                ..GpuConfig::new("H100-80GB", true).with_minor(3)
+            },
+            GpuConfig::new("H100-80GB", true).with_minor(4),
+        ],
+        ..FakeConfig::default()
+    };
+    let err = migdra_fake_nvml::state::FakeState::from_config(&config, std::path::Path::new("unused"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("device minor 4") && err.contains("unique"), "{err}");
+    // Without the clash the group counts up from its minor, the rest default to the index.
+    let config = FakeConfig {
+        gpus: vec![
+            GpuConfig {
+                count: Some(2),
+                ..GpuConfig::new("H100-80GB", true).with_minor(3)
+            },
+            GpuConfig::new("H100-80GB", true),
+        ],
+        ..FakeConfig::default()
+    };
+    let state =
+        migdra_fake_nvml::state::FakeState::from_config(&config, std::path::Path::new("unused")).unwrap();
+    let numbering: Vec<(u32, u32)> = state.gpus.iter().map(|g| (g.index, g.minor)).collect();
+    assert_eq!(numbering, vec![(0, 3), (1, 4), (2, 2)]);
+}
+
+#[test]
+fn the_single_ofa_goes_to_one_instance_and_remaining_capacity_says_so() {
+    let l = load(&[("A30-24GB", true)]);
+    let dev = device(&l.lib, 0);
+    let remaining = |profile: u32| {
+        let mut n = 99;
+        assert_eq!(
+            unsafe { f!(l.lib, nvmlDeviceGetGpuInstanceRemainingCapacity)(dev, profile, &mut n) },
+            code::SUCCESS
+        );
+        n
+    };
+    assert_eq!((remaining(21), remaining(6)), (1, 1));
+    // 1g.6gb+me at slice 0 takes the OFA ...
+    let (rc, me) = create_gi(&l.lib, dev, 21, 0, 1);
+    assert_eq!(rc, code::SUCCESS);
+    assert_eq!((remaining(21), remaining(6)), (0, 0));
+    // ... so 2g.12gb+me on the free slices 2-3 cannot have it; a plain 2g can.
+    assert_eq!(create_gi(&l.lib, dev, 6, 2, 2).0, code::INSUFFICIENT_RESOURCES);
+    assert_eq!(remaining(5), 1);
+    assert_eq!(create_gi(&l.lib, dev, 5, 2, 2).0, code::SUCCESS);
+    assert_eq!(unsafe { f!(l.lib, nvmlGpuInstanceDestroy)(me) }, code::SUCCESS);
+    assert_eq!(remaining(6), 1);
+    assert_eq!(create_gi(&l.lib, dev, 6, 0, 2).0, code::SUCCESS);
+}

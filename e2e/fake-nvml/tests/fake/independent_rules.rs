@@ -45,22 +45,10 @@ struct LayoutDiscrepancy {
     why: &'static str,
 }
 
-/// A30: `1g.6gb+me` (ID 21) and `2g.12gb+me` (ID 6) each have instanceCount 1 (§5), and
-/// NVML's placement rule is memory overlap plus instanceCount; SM and engine counts are not
-/// budgets NVML checks (§12, "NVML's placement rule"). The fake therefore admits one of each
-/// side by side on disjoint slices. migdra's counters refuse the pair: both consume the
-/// single `ofa-engines` (and `jpeg-engines`) counter. Unverified on hardware either way;
-/// the counters' side is the conservative one.
-fn both_a30_media_profiles(layout: &Layout) -> bool {
-    layout.iter().any(|(id, _)| *id == 21) && layout.iter().any(|(id, _)| *id == 6)
-}
-
-const EXPECTED_LAYOUT_DISCREPANCIES: &[LayoutDiscrepancy] = &[LayoutDiscrepancy {
-    model: "A30-24GB",
-    explains: both_a30_media_profiles,
-    fake_admits: true,
-    why: "mig-nvml.md §12: only overlap and instanceCount limit GPU instances; the counters add an OFA budget",
-}];
+/// None at present. The A30 pair `1g.6gb+me` (ID 21) with `2g.12gb+me` (ID 6) was one until
+/// the fake modelled the single OFA engine (mig-nvml.md §4): migdra's counters refuse the pair
+/// through the single `ofa-engines` counter, and now the fake refuses it too.
+const EXPECTED_LAYOUT_DISCREPANCIES: &[LayoutDiscrepancy] = &[];
 
 fn fake_model(key: &str) -> FakeModel {
     FakeModel::lookup(key).unwrap_or_else(|| panic!("the fake does not simulate catalog model {key}"))

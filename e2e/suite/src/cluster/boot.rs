@@ -17,7 +17,7 @@ use k8s_openapi::{
 };
 use kube::Api;
 use migdra_fake_nvml::{
-    config::{CONFIG_FILE_NAME, DEFAULT_DRIVER_VERSION, FakeConfig, GpuConfig},
+    config::{CONFIG_FILE_NAME, DEFAULT_DRIVER_VERSION, FakeConfig},
     driver_root::{DriverRootOptions, create_driver_root},
     state::ensure_state,
     testing::{HOST_LIBRARY, fake_library_path},
@@ -382,11 +382,7 @@ impl Cluster {
         let dir = &self.layout.gpu_host;
         fs::copy(fake_library_path()?, dir.join(HOST_LIBRARY))?;
         let fake = FakeConfig {
-            gpus: config
-                .gpus
-                .iter()
-                .map(|(model, mig)| GpuConfig::new(model, *mig))
-                .collect(),
+            gpus: config.gpus.clone(),
             uuid_seed: Some(NODE.into()),
             ..FakeConfig::default()
         };

@@ -24,7 +24,10 @@ use std::{
 
 use anyhow::{Context, bail};
 use kube::Client;
-use migdra_fake_nvml::state::{FakeState, read_state, update_state};
+use migdra_fake_nvml::{
+    config::GpuConfig,
+    state::{FakeState, read_state, update_state},
+};
 
 /// DRA driver name used by the cluster.
 pub const DRIVER: &str = "gpu.migdra.dev";
@@ -46,8 +49,8 @@ pub const PLUGIN_ACCOUNT: &str = "migdra-kubelet-plugin";
 /// What to simulate.
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
-    /// GPUs: (catalog model, MIG mode at boot).
-    pub gpus: Vec<(String, bool)>,
+    /// The simulated GPUs, in NVML index order (the fake's per-GPU configuration).
+    pub gpus: Vec<GpuConfig>,
     /// Base directory for run directories.
     pub runs_dir: PathBuf,
 }
@@ -55,10 +58,14 @@ pub struct ClusterConfig {
 impl Default for ClusterConfig {
     fn default() -> Self {
         Self {
+            // The two H100s have their device minors swapped relative to their NVML
+            // indexes, as on machines whose PCI order differs from the driver's numbering
+            // (mig-nvml.md §12): index 0 is minor 1, index 1 is minor 0. Device names carry
+            // the minor, so a product that confused the two would act on the wrong GPU.
             gpus: vec![
-                ("H100-80GB".into(), true),
-                ("H100-80GB".into(), true),
-                ("A100-SXM4-40GB".into(), true),
+                GpuConfig::new("H100-80GB", true).with_minor(1),
+                GpuConfig::new("H100-80GB", true).with_minor(0),
+                GpuConfig::new("A100-SXM4-40GB", true).with_minor(2),
             ],
             runs_dir: repo_root().join("target").join("e2e-runs"),
         }
@@ -218,6 +225,17 @@ impl Cluster {
     /// The simulated GPUs' current state.
     pub fn gpus(&self) -> anyhow::Result<FakeState> {
         Ok(read_state(&self.layout.gpu_state_path())?)
+    }
+
+    /// The position in the fake's state (`FakeState::gpus`, which is NVML index order) of
+    /// the GPU with device `minor`, the number device names carry. The two differ on this
+    /// cluster, so tests that edit the state of a GPU they know by minor go through this.
+    pub fn state_index_of_minor(&self, minor: u32) -> anyhow::Result<usize> {
+        self.gpus()?
+            .gpus
+            .iter()
+            .position(|g| g.minor == minor)
+            .with_context(|| format!("no simulated GPU has minor {minor}"))
     }
 
     /// Edits the simulated GPUs' state.

@@ -224,7 +224,9 @@ async fn lost_gpu_turns_unhealthy_and_leaves_the_pool(cluster: &mut Cluster) -> 
     );
     // The GPU falls off the bus: the kubelet learns it from the health stream, and the
     // controller withdraws the GPU's free devices (the default policy omits unhealthy GPUs).
-    cluster.update_gpus(|s| s.gpus[2].lost = true)?;
+    // The A100 is minor 2; the state is in NVML index order.
+    let a100_at = cluster.state_index_of_minor(2)?;
+    cluster.update_gpus(|s| s.gpus[a100_at].lost = true)?;
     wait_health(cluster, "watched", &device, "Unhealthy").await?;
     wait_until(Duration::from_secs(60), || async {
         (published_on(cluster, 2).await == Some(0)).then_some(())
@@ -243,7 +245,7 @@ async fn lost_gpu_turns_unhealthy_and_leaves_the_pool(cluster: &mut Cluster) -> 
         "the healthy GPUs stay published"
     );
     // It comes back.
-    cluster.update_gpus(|s| s.gpus[2].lost = false)?;
+    cluster.update_gpus(|s| s.gpus[a100_at].lost = false)?;
     wait_health(cluster, "watched", &device, "Healthy").await?;
     wait_until(Duration::from_secs(60), || async {
         (published_on(cluster, 2).await > Some(0)).then_some(())
