@@ -16,6 +16,8 @@
 //!   belongs to someone else and is never touched. A record that cannot be repaired does
 //!   not stop the start: it stays recorded, its GPUs are unhealthy and refuse prepares, and
 //!   a background loop retries it with backoff through the same routine.
+//! - `stale_gc.rs`: at start and periodically, records whose ResourceClaim is gone (not
+//!   found, replaced, no longer allocated here) are torn down through the same routine.
 //!
 //! Because the record is written before the GPU is touched ([`crate::journal`]), a crash
 //! between any two steps is repaired from the checkpoint alone.
@@ -34,6 +36,7 @@
 
 mod prepare;
 mod recovery;
+mod stale_gc;
 mod unprepare;
 
 use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
@@ -43,6 +46,7 @@ use migdra_api::inventory;
 pub use self::{
     prepare::uuid_variable,
     recovery::{Backoff, RecoveryEvent, RecoveryReport, Repair, RepairRound},
+    stale_gc::{ReleasedClaim, StaleCause, StaleGcRound, stale_cause},
 };
 pub use crate::gpus::PendingRepair;
 use crate::{
