@@ -8,7 +8,8 @@
 //! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]: per claim, plus the node-wide spec of the driver's
 //! files found by [`driver_files`]); records startup recovery could not repair are retried by
 //! the driver's background repair loop while the plugin serves, and a periodic pass releases
-//! recorded claims whose ResourceClaim is gone. Beside it, the status loop
+//! recorded claims whose ResourceClaim is gone; instances a teardown left on a lost GPU are
+//! listed in [`orphans`] and destroyed when it is back. Beside it, the status loop
 //! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
 //! counts what happens. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
 //! against what migdra expects, without running the plugin.
@@ -25,6 +26,7 @@ pub mod journal;
 pub mod metrics;
 pub mod node_status;
 pub mod nvml;
+pub mod orphans;
 pub mod plan;
 pub mod state_dir;
 

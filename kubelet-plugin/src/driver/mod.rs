@@ -16,6 +16,8 @@
 //!   belongs to someone else and is never touched. A record that cannot be repaired does
 //!   not stop the start: it stays recorded, its GPUs are unhealthy and refuse prepares, and
 //!   a background loop retries it with backoff through the same routine.
+//!   On a lost GPU (`GPU_IS_LOST`) the instances count as gone, so pods terminate; they
+//!   are listed in [`crate::orphans`] and destroyed when the GPU is back.
 //! - `stale_gc.rs`: at start and periodically, records whose ResourceClaim is gone (not
 //!   found, replaced, no longer allocated here) are torn down through the same routine.
 //!
@@ -57,6 +59,7 @@ use crate::{
     journal::Journal,
     metrics::Metrics,
     nvml::{BackendError, GpuBackend},
+    orphans::LostGpuOrphans,
     plan::{PlanError, Rejection},
     state_dir::{NodeLock, NodeLockError},
 };
@@ -227,7 +230,8 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         }
         let journal = Arc::new(journal);
         let pool = inventory::pool_name(&config.node_name, &config.driver_name);
-        let gpus = Gpus::discover(backend, pool, journal.clone(), metrics.clone())?;
+        let orphans = Arc::new(LostGpuOrphans::open(&config.state_dir, &config.boot_id)?);
+        let gpus = Gpus::discover(backend, pool, journal.clone(), metrics.clone())?.with_orphans(orphans);
         let driver = Self {
             inner: Arc::new(Inner {
                 config,

@@ -7,6 +7,7 @@ mod crash;
 mod driver;
 mod driver_files;
 mod gpu_check;
+mod lost_gpu;
 mod nvml_backend;
 mod real_gpus;
 mod recovery;
