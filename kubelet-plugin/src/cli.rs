@@ -80,6 +80,10 @@ pub struct Args {
     /// Seconds a call waits for the node lock held by another plugin instance.
     #[arg(long, env = "LOCK_TIMEOUT_SECONDS", default_value_t = 30)]
     pub lock_timeout_seconds: u64,
+    /// Seconds between passes that release recorded claims whose ResourceClaim is gone (0
+    /// disables them; a pass also runs at start).
+    #[arg(long, env = "STALE_CLAIM_GC_INTERVAL_SECONDS", default_value_t = 300)]
+    pub stale_claim_gc_interval_seconds: u64,
 }
 
 /// The subcommand that checks this node's GPUs instead of running the plugin.
@@ -149,6 +153,11 @@ impl Args {
     pub fn lock_timeout(&self) -> Duration {
         Duration::from_secs(self.lock_timeout_seconds)
     }
+
+    /// Time between stale-claim garbage-collection passes; zero means disabled.
+    pub fn stale_claim_gc_interval(&self) -> Duration {
+        Duration::from_secs(self.stale_claim_gc_interval_seconds)
+    }
 }
 
 #[cfg(test)]
@@ -179,6 +188,7 @@ mod tests {
         assert_eq!(a.heartbeat_interval(), Duration::from_secs(15));
         assert_eq!(a.health_resend_interval(), Duration::from_secs(10));
         assert_eq!(a.lock_timeout(), Duration::from_secs(30));
+        assert_eq!(a.stale_claim_gc_interval(), Duration::from_secs(300));
         assert_eq!(a.log_format, LogFormat::Text);
         assert!(a.nvml_lib_path.is_none());
         assert_eq!(a.driver_root, PathBuf::from("/"));
@@ -306,6 +316,10 @@ mod tests {
             ("heartbeat-interval-seconds", "HEARTBEAT_INTERVAL_SECONDS"),
             ("health-resend-interval-seconds", "HEALTH_RESEND_INTERVAL_SECONDS"),
             ("lock-timeout-seconds", "LOCK_TIMEOUT_SECONDS"),
+            (
+                "stale-claim-gc-interval-seconds",
+                "STALE_CLAIM_GC_INTERVAL_SECONDS",
+            ),
         ];
         let expected: Vec<(String, String)> = expected
             .iter()

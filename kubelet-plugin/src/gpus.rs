@@ -6,8 +6,10 @@
 //! of a GPU the driver works on can only be had as part of a [`GpuLocks`], which only
 //! [`NodeLock::lock_gpus`] makes: so GPU locks are always taken after the node lock, all at
 //! once and in minor order, and released before it (the borrow checker enforces the last).
-//! The inventory takes one GPU lock at a time, never the node lock (it must keep reporting
-//! while another plugin instance holds that), so it cannot deadlock with the driver.
+//! The inventory takes one GPU lock at a time and never waits for the node lock (it must keep
+//! reporting while another plugin instance holds that), so it cannot deadlock with the driver.
+//! Only to destroy instances left on a GPU while it was lost ([`crate::orphans`]) does it
+//! take the node lock, before any GPU lock and only when it is free at once.
 //!
 //! The table also knows which GPUs hold a checkpoint record that startup recovery could not
 //! repair ([`Gpus::mark_recovery_pending`]): such a GPU is reported unhealthy (so the
@@ -17,7 +19,8 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     marker::PhantomData,
-    sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard},
+    sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard},
+    time::Duration,
 };
 
 use migdra_api::{
@@ -31,6 +34,7 @@ use crate::{
     journal::Journal,
     metrics::Metrics,
     nvml::{BackendError, GpuBackend, GpuDescription, GpuInstanceRecord, NvmlErrorKind},
+    orphans::LostGpuOrphans,
     plan::{GpuView, mode_switchable},
     state_dir::NodeLock,
 };
@@ -189,6 +193,8 @@ struct Inner<B> {
     table: RwLock<BTreeMap<u32, Arc<Gpu>>>,
     /// Records recovery could not repair yet, by claim UID.
     recovery_pending: Mutex<BTreeMap<String, PendingRepair>>,
+    /// Instances teardown left on lost GPUs (set by the driver).
+    orphans: OnceLock<Arc<LostGpuOrphans>>,
 }
 
 /// A checkpoint record that recovery could not repair yet; it stays in the journal as it was
@@ -262,8 +268,72 @@ impl<B: GpuBackend> Gpus<B> {
                 metrics,
                 table: RwLock::new(table),
                 recovery_pending: Mutex::new(BTreeMap::new()),
+                orphans: OnceLock::new(),
             }),
         })
+    }
+
+    /// Uses `orphans` as the list of instances left on lost GPUs: the inventory destroys them
+    /// when their GPU is back.
+    pub fn with_orphans(self, orphans: Arc<LostGpuOrphans>) -> Self {
+        if self.inner.orphans.set(orphans).is_err() {
+            tracing::warn!("the list of instances left on lost GPUs was already set; kept the first");
+        }
+        self
+    }
+
+    /// The list of instances left on lost GPUs, if the driver set one.
+    pub fn orphans(&self) -> Option<&Arc<LostGpuOrphans>> {
+        self.inner.orphans.get()
+    }
+
+    /// Destroys the instances teardown left on `gpu` while it was lost, now that it answers
+    /// again: exactly those (same profile, placement and GPU-instance ID where recorded),
+    /// never another. One that is gone is forgotten; one that cannot be destroyed now stays
+    /// listed for the next pass. Called under the GPU's lock and the node lock.
+    fn destroy_orphans(&self, orphans: &LostGpuOrphans, gpu: &GpuDescription) {
+        let listed = orphans.on_gpu(&gpu.uuid);
+        if listed.is_empty() {
+            return;
+        }
+        let instances = match self.occupied(gpu) {
+            Ok(instances) => instances,
+            Err(e) => {
+                tracing::warn!(gpu = gpu.minor, error = %e, "listing GPU instances to destroy those left while the GPU was lost failed; retrying later");
+                return;
+            }
+        };
+        for orphan in listed {
+            let found = instances.iter().find(|gi| {
+                gi.profile_id == orphan.profile_id
+                    && gi.start == orphan.start
+                    && orphan.gpu_instance.is_none_or(|id| id == gi.id)
+            });
+            if let Some(gi) = found {
+                let destroyed = gi
+                    .compute_instances
+                    .iter()
+                    .map(|ci| {
+                        self.inner
+                            .backend
+                            .destroy_compute_instance(gpu.index, gi.id, ci.id)
+                    })
+                    .chain(std::iter::once_with(|| {
+                        self.inner.backend.destroy_gpu_instance(gpu.index, gi.id)
+                    }))
+                    .find_map(|r| r.err().filter(|e| e.kind != NvmlErrorKind::NotFound));
+                if let Some(e) = destroyed {
+                    tracing::warn!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, error = %e, "destroying an instance left while the GPU was lost failed; retrying later");
+                    continue;
+                }
+                tracing::info!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, gpu_instance = gi.id, "destroyed an instance left while the GPU was lost");
+            } else {
+                tracing::info!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, "an instance left while the GPU was lost is gone");
+            }
+            if let Err(e) = orphans.remove(&orphan) {
+                tracing::warn!(error = %e, "forgetting an instance left while the GPU was lost failed; retrying later");
+            }
+        }
     }
 
     /// Records (or updates) a record recovery could not repair: its GPUs turn unhealthy.
@@ -318,6 +388,17 @@ impl<B: GpuBackend> Gpus<B> {
     /// for the GpuNode: geometry, instances (ours or foreign) and health.
     pub fn inventory(&self) -> Result<Vec<GpuInventory>, BackendError> {
         let mut discovered = self.inner.backend.discover()?;
+        // Instances left on lost GPUs are destroyed only with the node lock (no other plugin
+        // instance is working on the node), taken before any GPU lock and only if free at once.
+        let orphans = self.orphans().filter(|o| !o.is_empty()).and_then(|o| {
+            match NodeLock::acquire(o.state_dir(), Duration::ZERO) {
+                Ok(node) => Some((o.clone(), node)),
+                Err(e) => {
+                    tracing::debug!(error = %e, "node lock busy; instances left on lost GPUs are destroyed at a later pass");
+                    None
+                }
+            }
+        });
         // GPUs known from earlier that NVML no longer describes are kept, so they show up as
         // unhealthy (their probe fails) instead of silently vanishing. A GPU that NVML
         // renumbered (a MIG-mode change may change the minor, §12) is the same GPU: it moves
@@ -357,6 +438,11 @@ impl<B: GpuBackend> Gpus<B> {
                 .probe_health(description.index)
                 .err()
                 .map(|e| e.to_string());
+            if probe.is_none()
+                && let Some((orphans, _node)) = &orphans
+            {
+                self.destroy_orphans(orphans, &description);
+            }
             let pending = self
                 .recovery_pending_on(description.minor, None)
                 .map(|p| p.health_reason());

@@ -7,7 +7,9 @@
 //! [`checkpoint`] file, written through [`state_dir`]), works on GPUs through the GPU table
 //! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]: per claim, plus the node-wide spec of the driver's
 //! files found by [`driver_files`]); records startup recovery could not repair are retried by
-//! the driver's background repair loop while the plugin serves. Beside it, the status loop
+//! the driver's background repair loop while the plugin serves, and a periodic pass releases
+//! recorded claims whose ResourceClaim is gone; instances a teardown left on a lost GPU are
+//! listed in [`orphans`] and destroyed when it is back. Beside it, the status loop
 //! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
 //! counts what happens. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
 //! against what migdra expects, without running the plugin.
@@ -24,6 +26,7 @@ pub mod journal;
 pub mod metrics;
 pub mod node_status;
 pub mod nvml;
+pub mod orphans;
 pub mod plan;
 pub mod state_dir;
 
@@ -132,6 +135,13 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     }
     let repair_task = tokio::spawn(driver.clone().run_repair_loop(
         Backoff::default(),
+        recovery_tx.clone(),
+        shutdown.clone(),
+    ));
+    // Claims deleted while nobody unprepared them release their instances; the first pass
+    // runs now, after recovery.
+    let stale_gc_task = tokio::spawn(driver.clone().run_stale_claim_gc(
+        args.stale_claim_gc_interval(),
         recovery_tx,
         shutdown.clone(),
     ));
@@ -181,7 +191,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         tracing::warn!(error = %e, "status task failed");
     }
     shutdown.cancel();
-    let _ = tokio::join!(http_task, grpc_health_task, repair_task);
+    let _ = tokio::join!(http_task, grpc_health_task, repair_task, stale_gc_task);
     served.context("kubelet gRPC servers")?;
     tracing::info!("stopped");
     Ok(())

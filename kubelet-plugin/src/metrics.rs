@@ -1,5 +1,5 @@
 //! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`): claim outcomes
-//! and failure causes, call durations, startup repairs, repairs left pending and their retries,
+//! and failure causes, call durations, startup repairs, repairs left pending and their retries, stale claims released,
 //! and gauges from the inventory.
 
 use std::{sync::Arc, time::Duration};
@@ -26,6 +26,11 @@ struct FailureLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OperationLabels {
     operation: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -57,6 +62,7 @@ pub struct Metrics {
     recoveries: Family<ActionLabels, Counter>,
     repair_attempts: Family<OutcomeLabels, Counter>,
     pending_repairs: Gauge,
+    stale_claims_released: Family<ReasonLabels, Counter>,
     prepared_claims: Gauge,
     mig_instances: Family<OwnerLabels, Gauge>,
     gpus: Family<HealthLabels, Gauge>,
@@ -113,6 +119,12 @@ impl Metrics {
             "Checkpoint records recovery could not repair yet (their GPUs are reported unhealthy)",
             pending_repairs.clone(),
         );
+        let stale_claims_released = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "stale_claims_released",
+            "Recorded claims released because their ResourceClaim is gone, replaced or no longer allocated here, by cause",
+            stale_claims_released.clone(),
+        );
         let prepared_claims = Gauge::default();
         registry.register(
             "prepared_claims",
@@ -134,6 +146,7 @@ impl Metrics {
             recoveries,
             repair_attempts,
             pending_repairs,
+            stale_claims_released,
             prepared_claims,
             mig_instances,
             gpus,
@@ -179,6 +192,13 @@ impl Metrics {
     /// Sets how many records wait for repair.
     pub fn pending_repairs(&self, count: usize) {
         self.pending_repairs.set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
+    /// Counts one stale claim released (`reason`: a [`crate::driver::StaleCause::reason`]).
+    pub fn stale_claim_released(&self, reason: &'static str) {
+        self.stale_claims_released
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
     }
 
     /// Updates the gauges from an inventory.

@@ -149,8 +149,8 @@ pub struct StatusLoop<B> {
     /// What startup recovery repaired, recorded once as an event (see
     /// [`crate::driver::RecoveryReport::summary`]).
     pub recovery_note: Option<String>,
-    /// Recovery events to record (records left unrepaired at start, repairs finished in the
-    /// background); kept until the GpuNode exists.
+    /// Driver events to record (records left unrepaired at start, repairs finished in the
+    /// background, stale claims released); kept until the GpuNode exists.
     pub recovery_events: Option<mpsc::UnboundedReceiver<RecoveryEvent>>,
     /// The kubelet's registration state.
     pub registration: watch::Receiver<RegistrationState>,

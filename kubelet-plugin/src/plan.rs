@@ -58,6 +58,17 @@ pub enum Rejection {
         /// Why its repair failed last.
         error: String,
     },
+    /// The GPU is lost (fallen off the bus, or mid reset): NVML cannot reach it, so nothing
+    /// is created on it.
+    #[error("device {device}: GPU {minor} is lost and cannot be used until it is back: {message}")]
+    GpuLost {
+        /// Device name.
+        device: String,
+        /// GPU minor.
+        minor: u32,
+        /// What NVML said.
+        message: String,
+    },
     /// The device names a GPU this node does not have.
     #[error("device {device}: this node has no GPU with minor number {minor}")]
     NoSuchGpu {
@@ -172,6 +183,7 @@ impl Rejection {
     pub fn reason(&self) -> &'static str {
         match self {
             Self::GpuRecoveryPending { .. } => "GpuRecoveryPending",
+            Self::GpuLost { .. } => "GpuLost",
             Self::NoSuchGpu { .. } => "NoSuchGpu",
             Self::WholeGpuAlsoPartitioned { .. } => "WholeGpuAlsoPartitioned",
             Self::PartitionOfWholeGpu { .. } => "PartitionOfWholeGpu",

@@ -16,6 +16,10 @@
 //!   belongs to someone else and is never touched. A record that cannot be repaired does
 //!   not stop the start: it stays recorded, its GPUs are unhealthy and refuse prepares, and
 //!   a background loop retries it with backoff through the same routine.
+//!   On a lost GPU (`GPU_IS_LOST`) the instances count as gone, so pods terminate; they
+//!   are listed in [`crate::orphans`] and destroyed when the GPU is back.
+//! - `stale_gc.rs`: at start and periodically, records whose ResourceClaim is gone (not
+//!   found, replaced, no longer allocated here) are torn down through the same routine.
 //!
 //! Because the record is written before the GPU is touched ([`crate::journal`]), a crash
 //! between any two steps is repaired from the checkpoint alone.
@@ -34,6 +38,7 @@
 
 mod prepare;
 mod recovery;
+mod stale_gc;
 mod unprepare;
 
 use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
@@ -43,6 +48,7 @@ use migdra_api::inventory;
 pub use self::{
     prepare::uuid_variable,
     recovery::{Backoff, RecoveryEvent, RecoveryReport, Repair, RepairRound},
+    stale_gc::{ReleasedClaim, StaleCause, StaleGcRound, stale_cause},
 };
 pub use crate::gpus::PendingRepair;
 use crate::{
@@ -53,6 +59,7 @@ use crate::{
     journal::Journal,
     metrics::Metrics,
     nvml::{BackendError, GpuBackend},
+    orphans::LostGpuOrphans,
     plan::{PlanError, Rejection},
     state_dir::{NodeLock, NodeLockError},
 };
@@ -223,7 +230,8 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         }
         let journal = Arc::new(journal);
         let pool = inventory::pool_name(&config.node_name, &config.driver_name);
-        let gpus = Gpus::discover(backend, pool, journal.clone(), metrics.clone())?;
+        let orphans = Arc::new(LostGpuOrphans::open(&config.state_dir, &config.boot_id)?);
+        let gpus = Gpus::discover(backend, pool, journal.clone(), metrics.clone())?.with_orphans(orphans);
         let driver = Self {
             inner: Arc::new(Inner {
                 config,

@@ -11,7 +11,7 @@ use crate::{
     checkpoint::{ClaimRecord, ClaimState, DeviceKind, DeviceRecord},
     claims::{self, AllocatedDevice, ClaimError, ClaimSource},
     gpus::GpuLocks,
-    nvml::{GpuBackend, MigModeChange},
+    nvml::{GpuBackend, MigModeChange, NvmlErrorKind},
     plan::{self, Rejection},
     state_dir::NodeLock,
 };
@@ -98,6 +98,21 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                     minor,
                     claim: pending.claim,
                     error: pending.error,
+                }
+                .into());
+            }
+        }
+        // A lost GPU answers nothing; say so rather than fail somewhere in planning.
+        for device in &devices {
+            let minor = device.name.minor();
+            if let Some(index) = locks.index(minor)
+                && let Err(e) = self.backend().probe_health(index)
+                && e.kind == NvmlErrorKind::GpuLost
+            {
+                return Err(Rejection::GpuLost {
+                    device: device.device.clone(),
+                    minor,
+                    message: e.to_string(),
                 }
                 .into());
             }

@@ -9,6 +9,7 @@ use crate::{
     claims::ClaimSource,
     gpus::GpuLocks,
     nvml::{GpuBackend, NvmlErrorKind},
+    orphans::OrphanedInstance,
     state_dir::NodeLock,
 };
 use migdra_kubeletplugin::ClaimRef;
@@ -73,11 +74,34 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         Ok(())
     }
 
+    /// Destroys the record's instances. On a lost GPU (or one NVML no longer has) they count
+    /// as gone, so the claim can be forgotten and its pod terminate; they are listed as
+    /// orphans first ([`crate::orphans`]), to be destroyed if the GPU comes back with them.
     fn destroy_instances(
         &self,
         locks: &GpuLocks<'_>,
         uid: &str,
         record: &ClaimRecord,
+    ) -> Result<(), ClaimFailure> {
+        let mut orphans = Vec::new();
+        let result = self.destroy_reachable_instances(locks, uid, record, &mut orphans);
+        if !orphans.is_empty() {
+            match self.inner.gpus.orphans() {
+                Some(list) => list.add(orphans)?,
+                None => {
+                    tracing::warn!(claim = %record.key(), "instances on a lost GPU are not tracked; they stay if it comes back")
+                }
+            }
+        }
+        result
+    }
+
+    fn destroy_reachable_instances(
+        &self,
+        locks: &GpuLocks<'_>,
+        uid: &str,
+        record: &ClaimRecord,
+        orphans: &mut Vec<OrphanedInstance>,
     ) -> Result<(), ClaimFailure> {
         for device in &record.devices {
             let DeviceKind::Mig {
@@ -89,12 +113,27 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             else {
                 continue;
             };
+            let orphan = || OrphanedInstance {
+                gpu_uuid: device.gpu_uuid.clone(),
+                gpu_minor: device.gpu_minor,
+                profile_id: *profile_id,
+                start: *start,
+                gpu_instance: *gpu_instance,
+                claim: record.key(),
+                device: device.device.clone(),
+            };
             let Some(index) = locks.index(device.gpu_minor) else {
-                tracing::warn!(device = %device.device, "GPU is gone; nothing to destroy");
+                tracing::warn!(device = %device.device, "GPU is gone; its instance counts as gone (destroyed if the GPU comes back)");
+                orphans.push(orphan());
                 continue;
             };
             let instances = match self.backend().list_gpu_instances(index) {
                 Ok(list) => list,
+                Err(e) if e.kind == NvmlErrorKind::GpuLost => {
+                    tracing::warn!(claim = %record.key(), device = %device.device, error = %e, "GPU is lost; its instance counts as gone (destroyed if the GPU comes back)");
+                    orphans.push(orphan());
+                    continue;
+                }
                 // NOT_SUPPORTED means "gone" only when MIG mode is off (every instance went
                 // with it); with MIG on the instance may still exist, so the claim stays.
                 Err(e) if e.kind == NvmlErrorKind::NotSupported => match self.backend().mig_enabled(index)? {
@@ -115,15 +154,33 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 tracing::debug!(device = %device.device, "instance already gone");
                 continue;
             };
+            // The GPU may be lost between listing and destroying.
+            let lost = |e: &crate::nvml::BackendError| e.kind == NvmlErrorKind::GpuLost;
+            let mut gone_with_gpu = false;
             for ci in &gi.compute_instances {
                 match self.backend().destroy_compute_instance(index, gi.id, ci.id) {
+                    Err(e) if lost(&e) => {
+                        gone_with_gpu = true;
+                        break;
+                    }
                     Err(e) if e.kind != NvmlErrorKind::NotFound => return Err(e.into()),
                     _ => self.step(uid, Step::ComputeInstanceDestroyed),
                 }
             }
-            match self.backend().destroy_gpu_instance(index, gi.id) {
-                Err(e) if e.kind != NvmlErrorKind::NotFound => return Err(e.into()),
-                _ => self.step(uid, Step::GpuInstanceDestroyed),
+            if !gone_with_gpu {
+                match self.backend().destroy_gpu_instance(index, gi.id) {
+                    Err(e) if lost(&e) => gone_with_gpu = true,
+                    Err(e) if e.kind != NvmlErrorKind::NotFound => return Err(e.into()),
+                    _ => self.step(uid, Step::GpuInstanceDestroyed),
+                }
+            }
+            if gone_with_gpu {
+                tracing::warn!(claim = %record.key(), device = %device.device, "GPU was lost while its instance was destroyed; it counts as gone (destroyed if the GPU comes back)");
+                orphans.push(OrphanedInstance {
+                    gpu_instance: Some(gi.id),
+                    ..orphan()
+                });
+                continue;
             }
             tracing::info!(claim = %record.key(), device = %device.device, gpu_instance = gi.id, "destroyed MIG instance");
         }

@@ -37,9 +37,13 @@ pub const HOOK_PATH: &str = "/usr/bin/nvidia-cdi-hook";
 /// The node-wide driver device every prepared device names.
 pub const DRIVER_DEVICE_ID: &str = "gpu.migdra.dev/driver=files";
 
-/// Claims served from memory, as the API server would.
+/// Claims served from memory, as the API server would; [`StaticClaims::set_unreachable`]
+/// makes every GET fail as if the API server could not be reached.
 #[derive(Clone, Default)]
-pub struct StaticClaims(pub Arc<Mutex<HashMap<(String, String), ResourceClaim>>>);
+pub struct StaticClaims(
+    pub Arc<Mutex<HashMap<(String, String), ResourceClaim>>>,
+    pub Arc<std::sync::atomic::AtomicBool>,
+);
 
 impl StaticClaims {
     pub fn put(&self, claim: ResourceClaim) {
@@ -48,6 +52,10 @@ impl StaticClaims {
             claim.metadata.name.clone().unwrap_or_default(),
         );
         self.0.lock().unwrap().insert(key, claim);
+    }
+
+    pub fn set_unreachable(&self, unreachable: bool) {
+        self.1.store(unreachable, std::sync::atomic::Ordering::SeqCst);
     }
 
     pub fn remove(&self, namespace: &str, name: &str) {
@@ -60,6 +68,11 @@ impl StaticClaims {
 
 impl ClaimSource for StaticClaims {
     async fn get(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, kube::Error> {
+        if self.1.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(kube::Error::ReadEvents(std::io::Error::other(
+                "connection refused (simulated)",
+            )));
+        }
         Ok(self
             .0
             .lock()

@@ -1,0 +1,231 @@
+//! Garbage collection of stale claims: checkpoint records whose ResourceClaim is gone.
+//!
+//! A claim deleted while the plugin was down, or one a kubelet never unprepared, would keep
+//! its MIG instance (and block that placement) forever. At start, after recovery, and then
+//! every interval ([`Driver::run_stale_claim_gc`]), each recorded claim that is not being
+//! prepared right now is looked up through the [`ClaimSource`], with no lock held. It is
+//! stale only when the API answers clearly: the claim is not found, it has another UID (it
+//! was replaced), or its allocation no longer names this driver and pool. An API error or a
+//! timeout proves nothing, so the claim is kept. A stale claim is torn down through the same
+//! routine as the kubelet's unprepare, under the node lock and its GPU locks, after the
+//! record is read again there (the kubelet may have unprepared it meanwhile, and a claim
+//! being prepared is never collected). Each release is counted
+//! (`stale_claims_released_total`) and sent to the status loop, which records a
+//! `StaleClaimReleased` event on the GpuNode.
+
+use std::time::Duration;
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::runtime::events::EventType;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{ClaimFailure, Driver, RecoveryEvent};
+use crate::{
+    checkpoint::{ClaimRecord, ClaimState},
+    claims::ClaimSource,
+    nvml::GpuBackend,
+};
+
+/// How long one claim's GET may take before the claim is kept (a timeout is not "gone").
+const GET_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a recorded claim is stale.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StaleCause {
+    /// The API server says the claim does not exist.
+    NotFound,
+    /// A claim of that name exists with another UID: the recorded one was deleted.
+    Replaced {
+        /// The UID the API server has now.
+        current_uid: String,
+    },
+    /// The claim exists but its allocation no longer names this driver and pool.
+    NotAllocatedHere,
+}
+
+impl StaleCause {
+    /// A stable CamelCase label (for metrics).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::NotFound => "ClaimNotFound",
+            Self::Replaced { .. } => "ClaimReplaced",
+            Self::NotAllocatedHere => "NotAllocatedHere",
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Self::NotFound => "the ResourceClaim no longer exists".into(),
+            Self::Replaced { current_uid } => {
+                format!("the ResourceClaim was replaced (it now has UID {current_uid})")
+            }
+            Self::NotAllocatedHere => "the ResourceClaim is no longer allocated from this node's pool".into(),
+        }
+    }
+}
+
+/// A stale claim that was released.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReleasedClaim {
+    /// The recorded UID.
+    pub uid: String,
+    /// `namespace/name`.
+    pub claim: String,
+    /// Why it was stale.
+    pub cause: StaleCause,
+}
+
+/// What one garbage-collection pass did.
+#[derive(Debug, Default)]
+pub struct StaleGcRound {
+    /// Stale claims torn down.
+    pub released: Vec<ReleasedClaim>,
+    /// Claims kept because the API server could not be asked (error or timeout), by UID.
+    pub unknown: Vec<String>,
+    /// Stale claims whose teardown failed (retried at the next pass), with the failure.
+    pub failed: Vec<(ReleasedClaim, ClaimFailure)>,
+}
+
+impl RecoveryEvent {
+    /// The Normal event for a stale claim that was released.
+    pub fn stale_released(released: &ReleasedClaim) -> Self {
+        Self {
+            type_: EventType::Normal,
+            reason: "StaleClaimReleased",
+            note: format!(
+                "released claim {} (UID {}): {}; its MIG instances were destroyed",
+                released.claim,
+                released.uid,
+                released.cause.describe()
+            ),
+        }
+    }
+}
+
+/// Whether `found` (the API server's answer for `record`'s claim) makes the record stale.
+pub fn stale_cause(uid: &str, found: Option<&ResourceClaim>, driver: &str, pool: &str) -> Option<StaleCause> {
+    let Some(claim) = found else {
+        return Some(StaleCause::NotFound);
+    };
+    let current_uid = claim.metadata.uid.as_deref().unwrap_or_default();
+    if current_uid != uid {
+        return Some(StaleCause::Replaced {
+            current_uid: current_uid.to_string(),
+        });
+    }
+    let allocated_here = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .is_some_and(|d| {
+            d.results
+                .iter()
+                .flatten()
+                .any(|r| r.driver == driver && r.pool == pool)
+        });
+    (!allocated_here).then_some(StaleCause::NotAllocatedHere)
+}
+
+impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
+    /// Looks up every recorded claim that is not being prepared and releases the stale ones.
+    pub async fn collect_stale_claims(&self) -> StaleGcRound {
+        let mut round = StaleGcRound::default();
+        let mut stale = Vec::new();
+        for (uid, record) in self.recorded_claims() {
+            if record.state == ClaimState::PrepareStarted {
+                continue;
+            }
+            match self.look_up(&uid, &record).await {
+                Ok(Some(cause)) => stale.push(ReleasedClaim {
+                    uid,
+                    claim: record.key(),
+                    cause,
+                }),
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::debug!(claim = %record.key(), %uid, %error, "cannot tell whether the claim still exists; keeping it");
+                    round.unknown.push(uid);
+                }
+            }
+        }
+        for released in stale {
+            let driver = self.clone();
+            let uid = released.uid.clone();
+            let outcome = tokio::task::spawn_blocking(move || driver.release_stale(&uid)).await;
+            match outcome {
+                Ok(Ok(true)) => {
+                    tracing::info!(claim = %released.claim, uid = %released.uid, cause = ?released.cause, "released a stale claim");
+                    self.inner.metrics.stale_claim_released(released.cause.reason());
+                    round.released.push(released);
+                }
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(claim = %released.claim, uid = %released.uid, error = %e, "releasing a stale claim failed; retrying at the next pass");
+                    round.failed.push((released, e));
+                }
+                Err(e) => tracing::error!(error = %e, "stale claim release task failed"),
+            }
+        }
+        round
+    }
+
+    async fn look_up(&self, uid: &str, record: &ClaimRecord) -> Result<Option<StaleCause>, String> {
+        let get = self.inner.claims.get(&record.namespace, &record.name);
+        match tokio::time::timeout(GET_TIMEOUT, get).await {
+            Err(_) => Err(format!("no answer within {GET_TIMEOUT:?}")),
+            Ok(Err(e)) => Err(e.to_string()),
+            Ok(Ok(found)) => Ok(stale_cause(
+                uid,
+                found.as_ref(),
+                &self.inner.config.driver_name,
+                self.pool(),
+            )),
+        }
+    }
+
+    /// Tears down a stale claim under the node lock and its GPU locks, unless the record is
+    /// gone or being prepared by then. Returns whether it was torn down. Blocking.
+    fn release_stale(&self, uid: &str) -> Result<bool, ClaimFailure> {
+        let node = self.node_lock().map_err(|e| ClaimFailure::NodeLock(e.into()))?;
+        let Some(record) = self.inner.journal.get(uid) else {
+            return Ok(false);
+        };
+        let locks = self.lock_record_gpus(&node, &record);
+        match self.inner.journal.get(uid) {
+            Some(record) if record.state != ClaimState::PrepareStarted => {
+                self.tear_down(&locks, uid, &record).map(|()| true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Runs a pass now and then every `interval` until `shutdown`; each released claim is
+    /// sent to `events`. A zero interval disables the collection.
+    pub async fn run_stale_claim_gc(
+        self,
+        interval: Duration,
+        events: mpsc::UnboundedSender<RecoveryEvent>,
+        shutdown: CancellationToken,
+    ) {
+        if interval.is_zero() {
+            tracing::info!("stale claim garbage collection is disabled");
+            return;
+        }
+        loop {
+            let round = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                round = self.collect_stale_claims() => round,
+            };
+            for released in &round.released {
+                // A closed channel only means nobody records events any more.
+                let _ = events.send(RecoveryEvent::stale_released(released));
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+}

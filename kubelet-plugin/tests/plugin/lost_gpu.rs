@@ -1,0 +1,180 @@
+//! A lost GPU never wedges pod termination: unprepare of its claims completes (its instances
+//! count as gone), the instances it could not destroy are remembered and destroyed when the
+//! GPU comes back (never a foreign one), and prepare on a lost GPU is a typed rejection.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
+
+use crate::support::*;
+use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
+use migdra_kubelet_plugin::{driver::ClaimFailure, plan::Rejection};
+
+/// Profile 3g.40gb (ID 9) at start 0 on GPU 0.
+const OURS: &str = "gpu-0-mig-3g40gb-0";
+/// A foreign 1g.10gb (profile 19) at start 6 on GPU 0.
+const FOREIGN: (u32, u32) = (19, 6);
+
+/// Two H100s (so NVML still describes one while the other is lost); GPU 0 holds a foreign
+/// instance.
+fn node() -> Node {
+    let node = Node::with_config(FakeConfig {
+        gpus: vec![
+            GpuConfig::new("H100-80GB", true),
+            GpuConfig::new("H100-80GB", true),
+        ],
+        instances: vec![InstanceConfig {
+            gpu: 0,
+            profile_id: FOREIGN.0,
+            start: FOREIGN.1,
+        }],
+        ..FakeConfig::default()
+    });
+    node.claims.put(claim("u1", "c1", &[("gpu", OURS)]));
+    node
+}
+
+fn set_lost(node: &Node, lost: bool) {
+    node.host.update_state(|s| s.gpus[0].lost = lost).unwrap();
+}
+
+fn placements(node: &Node) -> Vec<(u32, u32)> {
+    let mut placements: Vec<_> = node.instances(0).into_iter().map(|(p, s, _)| (p, s)).collect();
+    placements.sort();
+    placements
+}
+
+fn orphans(driver: &TestDriver) -> Vec<(u32, u32, String)> {
+    driver
+        .gpus()
+        .orphans()
+        .unwrap()
+        .all()
+        .into_iter()
+        .map(|o| (o.profile_id, o.start, o.claim))
+        .collect()
+}
+
+/// Prepares u1, loses GPU 0 and unprepares u1 there.
+async fn unprepared_while_lost(node: &Node, driver: &TestDriver) {
+    prepare_one(driver, "u1", "c1").await.unwrap();
+    assert_eq!(placements(node), [(9, 0), FOREIGN]);
+    set_lost(node, true);
+    unprepare_typed(driver, "u1", "c1")
+        .await
+        .expect("unprepare on a lost GPU completes");
+    assert!(driver.recorded_claims().is_empty(), "the record is gone");
+    assert!(node.cdi_specs().is_empty(), "the CDI spec is gone");
+    assert_eq!(orphans(driver), [(9, 0, "default/c1".to_string())]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unprepare_on_a_lost_gpu_completes_and_its_instance_is_destroyed_when_it_returns() {
+    let node = node();
+    let (driver, _) = node.start(None);
+    unprepared_while_lost(&node, &driver).await;
+    // A second unprepare (the kubelet retries) is still a success.
+    unprepare_typed(&driver, "u1", "c1").await.unwrap();
+
+    // While lost: unhealthy, nothing destroyed, the orphan is kept.
+    let inventory = driver.gpus().inventory().unwrap();
+    assert!(!inventory[0].health.healthy, "{:?}", inventory[0].health);
+    assert!(inventory[1].health.healthy);
+    assert_eq!(
+        placements(&node),
+        [(9, 0), FOREIGN],
+        "the lost GPU kept its instances"
+    );
+    assert_eq!(orphans(&driver).len(), 1);
+
+    // Back with the instance still there: exactly that one is destroyed.
+    set_lost(&node, false);
+    let inventory = driver.gpus().inventory().unwrap();
+    assert!(inventory[0].health.healthy, "{:?}", inventory[0].health);
+    assert_eq!(
+        placements(&node),
+        [FOREIGN],
+        "ours destroyed, the foreign one untouched"
+    );
+    assert!(orphans(&driver).is_empty());
+    let reported: Vec<_> = inventory[0]
+        .mig
+        .as_ref()
+        .unwrap()
+        .instances
+        .iter()
+        .map(|i| (i.placement.profile_id, i.placement.start))
+        .collect();
+    assert_eq!(reported, [FOREIGN]);
+
+    // The placement is usable again.
+    node.claims.put(claim("u2", "c2", &[("gpu", OURS)]));
+    prepare_one(&driver, "u2", "c2").await.unwrap();
+    assert_eq!(placements(&node), [(9, 0), FOREIGN]);
+    driver.gpus().inventory().unwrap();
+    assert_eq!(
+        placements(&node),
+        [(9, 0), FOREIGN],
+        "a live claim's instance is not an orphan"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_orphan_list_survives_a_restart() {
+    let node = node();
+    {
+        let (driver, _) = node.start(None);
+        unprepared_while_lost(&node, &driver).await;
+    }
+    // Restarted while the GPU is still lost; it comes back later.
+    let (driver, _) = node.start(None);
+    assert_eq!(orphans(&driver).len(), 1);
+    set_lost(&node, false);
+    driver.gpus().inventory().unwrap();
+    assert_eq!(placements(&node), [FOREIGN]);
+    assert!(orphans(&driver).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_gone_with_a_reset_is_forgotten_and_nothing_else_is_destroyed() {
+    let node = node();
+    let (driver, _) = node.start(None);
+    unprepared_while_lost(&node, &driver).await;
+    // The GPU comes back after a reset (its instances are gone), and someone else creates an
+    // instance of another profile meanwhile: it is not ours.
+    node.host
+        .update_state(|s| {
+            s.reset_gpu(0);
+        })
+        .unwrap();
+    assert!(placements(&node).is_empty());
+    node.claims
+        .put(claim("u3", "c3", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    prepare_one(&driver, "u3", "c3").await.unwrap();
+    let before = placements(&node);
+    assert_eq!(before.len(), 1);
+    driver.gpus().inventory().unwrap();
+    assert!(
+        orphans(&driver).is_empty(),
+        "the orphan was gone and is forgotten"
+    );
+    assert_eq!(placements(&node), before, "nothing else was destroyed");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prepare_on_a_lost_gpu_is_a_typed_rejection() {
+    let node = node();
+    let (driver, _) = node.start(None);
+    set_lost(&node, true);
+    let failure = prepare_typed(&driver, "u1", "c1").await.unwrap_err();
+    assert!(
+        matches!(&failure, ClaimFailure::Rejected(Rejection::GpuLost { minor: 0, device, .. }) if device == OURS),
+        "{failure}"
+    );
+    assert_eq!(failure.reason(), "GpuLost");
+    assert!(failure.to_string().contains("GPU 0 is lost"), "{failure}");
+    assert!(driver.recorded_claims().is_empty());
+    assert!(node.cdi_specs().is_empty());
+    assert_eq!(placements(&node), [FOREIGN], "nothing was created");
+    // Back: the same claim prepares.
+    set_lost(&node, false);
+    prepare_one(&driver, "u1", "c1").await.unwrap();
+    assert_eq!(placements(&node), [(9, 0), FOREIGN]);
+}
