@@ -110,6 +110,7 @@ def test_expected_examples_exist():
         "whole-gpu.yaml",
         "shared-claim.yaml",
         "migpolicy.yaml",
+        "device-plugin-style.yaml",
     ):
         assert expected in names
 
@@ -145,15 +146,33 @@ def test_example_is_commented_and_well_formed(path, default):
         if d["kind"] == "Pod":
             spec = d["spec"]
             assert spec.get("automountServiceAccountToken") is False
-            pod_claims = {c["name"]: c for c in spec["resourceClaims"]}
+            pod_claims = {c["name"]: c for c in spec.get("resourceClaims", [])}
             for c in pod_claims.values():
                 assert c["resourceClaimTemplateName"] in templates, c
             for ctr in spec["containers"]:
-                for ref in ctr["resources"]["claims"]:
+                for ref in ctr["resources"].get("claims", []):
                     claim = pod_claims[ref["name"]]
                     if "request" in ref:
                         names = [r["name"] for r in requests_of(templates[claim["resourceClaimTemplateName"]])]
                         assert ref["request"] in names
+
+
+def test_device_plugin_style_pod_is_served_by_the_chart():
+    """The example's limits use names the chart serves with deviceClasses.extendedResources on,
+    through a class that selects the profile the name stands for."""
+    from conftest import render
+
+    (pod,) = [d for d in load(EXAMPLES / "device-plugin-style.yaml") if d["kind"] == "Pod"]
+    assert "resourceClaims" not in pod["spec"], "the point is: no claim"
+    limits = {k: v for c in pod["spec"]["containers"] for k, v in c["resources"]["limits"].items()}
+    assert limits == {"nvidia.com/mig-1g.10gb": 1}
+    served = {
+        c["spec"]["extendedResourceName"]: c
+        for c in render(sets=["deviceClasses.extendedResources.enabled=true"]).all("DeviceClass")
+        if "extendedResourceName" in c["spec"]
+    }
+    picked = {p for p, dev in DEVICES.items() if class_selects(served["nvidia.com/mig-1g.10gb"], dev)}
+    assert picked == {"1g.10gb"}
 
 
 def test_exact_profile(default):

@@ -32,11 +32,15 @@ use super::{
 /// Token of the kubelet (system:node:<NODE>).
 const KUBELET_TOKEN: &str = "migdra-e2e-kubelet";
 /// Chart values for the e2e install: the binaries run as host processes, so the chart's own
-/// workloads stay idle; heartbeats are fast so tests see a dead plugin quickly.
-const CHART_VALUES: [&str; 3] = [
+/// workloads stay idle; heartbeats are fast so tests see a dead plugin quickly. The
+/// device-plugin names are served (nvidia.com/gpu, nvidia.com/mig-<profile>), with a class for
+/// 1g.12gb, a profile no simulated GPU has.
+const CHART_VALUES: [&str; 5] = [
     "controller.replicas=0",
     "heartbeat.intervalSeconds=3",
     "heartbeat.timeoutSeconds=20",
+    "deviceClasses.extendedResources.enabled=true",
+    "deviceClasses.profiles.names={1g.10gb,1g.10gb+me,2g.20gb,3g.40gb,7g.80gb,1g.12gb}",
 ];
 /// Feature gates for the API server and scheduler: the DRA features migdra uses, explicitly.
 const FEATURE_GATES: &str = "DRAPartitionableDevices=true,DRADeviceTaints=true,DRAPrioritizedList=true";

@@ -29,6 +29,7 @@ mod support;
 
 mod allocation;
 mod chart;
+mod compat;
 mod faults;
 mod placement;
 mod pool;
@@ -42,10 +43,11 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 5] = [
+const SUITE: [&[Test]; 6] = [
     pool::TESTS,
     allocation::TESTS,
     placement::TESTS,
+    compat::TESTS,
     faults::TESTS,
     chart::TESTS,
 ];
