@@ -44,6 +44,13 @@ impl Journal {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Re-reads the checkpoint when another plugin instance on the node changed the file (see
+    /// [`Checkpoint::reload_if_changed`]); returns whether it did. The driver calls it right
+    /// after taking the node lock, so records are read and written against the latest file.
+    pub fn reload_if_changed(&self) -> Result<bool, CheckpointError> {
+        self.lock().reload_if_changed()
+    }
+
     /// A claim's record.
     pub fn get(&self, uid: &str) -> Option<ClaimRecord> {
         self.lock().claim(uid).cloned()

@@ -159,7 +159,8 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     };
     let status_task = tokio::spawn(status.run(shutdown.clone()));
 
-    let mut server_config = PluginServerConfig::new(&args.kubelet_root_dir, &args.driver_name);
+    let mut server_config = PluginServerConfig::new(&args.kubelet_root_dir, &args.driver_name)
+        .with_instance(&args.plugin_instance);
     server_config.health_resend_interval = args.health_resend_interval();
     let server = PluginServer::new(server_config, Arc::new(driver), health_rx, registration_tx);
     let serving = server

@@ -11,6 +11,18 @@
 //! <kubelet root>/plugins/<driver>/dra.sock
 //! <kubelet root>/plugins_registry/<driver>-reg.sock
 //! ```
+//!
+//! With an instance name ([`PluginServerConfig::instance`], e.g. the pod UID) the names are
+//! unique per plugin instance, as the kubelet's rolling-update convention has them, so two
+//! instances (a DaemonSet with `maxSurge > 0`) can be registered at once:
+//!
+//! ```text
+//! <kubelet root>/plugins/<driver>/dra-<instance>.sock
+//! <kubelet root>/plugins_registry/<driver>-<instance>-reg.sock
+//! ```
+//!
+//! Each instance removes only its own sockets, at start (a stale file of a crashed run of the
+//! same instance) and on shutdown; the kubelet keeps using the other instance's.
 
 use std::{
     future::Future,
@@ -81,6 +93,9 @@ pub enum ServerError {
         /// Its length in bytes.
         len: usize,
     },
+    /// The instance name cannot be used in a socket file name.
+    #[error("plugin instance name {0:?} cannot be used in a socket file name")]
+    InvalidInstanceName(String),
     /// The socket's directory could not be created.
     #[error("cannot create directory {path} for the {kind} socket: {source}")]
     CreateDir {
@@ -162,6 +177,10 @@ pub struct PluginServerConfig {
     pub health_resend_interval: Duration,
     /// How long shutdown waits for in-flight calls before dropping them.
     pub shutdown_grace: Duration,
+    /// Makes both socket names unique to this plugin instance (the pod UID in a DaemonSet),
+    /// for rolling updates where an old and a new instance run side by side. `None` (or
+    /// empty): the fixed names.
+    pub instance: Option<String>,
 }
 
 impl PluginServerConfig {
@@ -172,28 +191,56 @@ impl PluginServerConfig {
             driver_name: driver_name.into(),
             health_resend_interval: DEFAULT_RESEND_INTERVAL,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            instance: None,
         }
     }
 
-    /// `<kubelet root>/plugins/<driver>/dra.sock`.
+    /// Names the sockets after `instance` (see [`Self::instance`]); empty keeps the fixed
+    /// names.
+    pub fn with_instance(mut self, instance: impl Into<String>) -> Self {
+        let instance = instance.into();
+        self.instance = (!instance.is_empty()).then_some(instance);
+        self
+    }
+
+    fn instance_name(&self) -> Option<&str> {
+        self.instance.as_deref().filter(|i| !i.is_empty())
+    }
+
+    /// `<kubelet root>/plugins/<driver>/dra.sock`, or `dra-<instance>.sock` with an instance.
     pub fn dra_socket(&self) -> PathBuf {
+        let file = match self.instance_name() {
+            Some(instance) => format!("dra-{instance}.sock"),
+            None => "dra.sock".to_string(),
+        };
         self.kubelet_root
             .join("plugins")
             .join(&self.driver_name)
-            .join("dra.sock")
+            .join(file)
     }
 
-    /// `<kubelet root>/plugins_registry/<driver>-reg.sock`.
+    /// `<kubelet root>/plugins_registry/<driver>-reg.sock`, or `<driver>-<instance>-reg.sock`
+    /// with an instance.
     pub fn registration_socket(&self) -> PathBuf {
-        self.kubelet_root
-            .join("plugins_registry")
-            .join(format!("{}-reg.sock", self.driver_name))
+        let file = match self.instance_name() {
+            Some(instance) => format!("{}-{instance}-reg.sock", self.driver_name),
+            None => format!("{}-reg.sock", self.driver_name),
+        };
+        self.kubelet_root.join("plugins_registry").join(file)
     }
 
     fn validate(&self) -> Result<Self, ServerError> {
         let name = &self.driver_name;
         if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\0']) {
             return Err(ServerError::InvalidDriverName(name.clone()));
+        }
+        // A path separator would put the socket elsewhere, and the kubelet's plugin watcher
+        // ignores dot-files (a leading dot cannot occur: the names start with the driver or
+        // `dra-`).
+        if let Some(instance) = self.instance_name()
+            && instance.contains(['/', '\0'])
+        {
+            return Err(ServerError::InvalidInstanceName(instance.to_string()));
         }
         // The kubelet dials the endpoint we announce verbatim, so it must be absolute.
         let kubelet_root =
