@@ -493,4 +493,32 @@ mod tests {
         let (cp2, _) = Checkpoint::open(dir.path(), "b").unwrap();
         assert!(cp2.claim("u").is_none());
     }
+
+    #[test]
+    fn reload_picks_up_another_writer_and_only_then() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut a, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        let (mut b, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        assert!(!b.reload_if_changed().unwrap(), "nothing written yet");
+        a.put("uid-1", record(ClaimState::PrepareCompleted)).unwrap();
+        assert!(!a.reload_if_changed().unwrap(), "its own write is not a change");
+        assert!(b.reload_if_changed().unwrap());
+        assert_eq!(b.claim("uid-1"), Some(&record(ClaimState::PrepareCompleted)));
+        assert!(!b.reload_if_changed().unwrap());
+        b.remove("uid-1").unwrap();
+        assert!(a.reload_if_changed().unwrap());
+        assert!(a.data().claims.is_empty());
+    }
+
+    #[test]
+    fn a_reload_of_a_corrupt_file_fails_and_keeps_the_copy_in_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut a, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        a.put("uid-1", record(ClaimState::PrepareCompleted)).unwrap();
+        fs::write(a.path(), b"{\"checksum\": \"sha256:00\", \"data\": {}}").unwrap();
+        let err = a.reload_if_changed().unwrap_err();
+        assert!(matches!(err, CheckpointError::Corrupt { .. }), "{err}");
+        assert!(a.claim("uid-1").is_some());
+        assert!(dir.path().join("checkpoint.json").exists(), "not moved aside");
+    }
 }

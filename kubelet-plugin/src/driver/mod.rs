@@ -22,8 +22,8 @@
 //!
 //! # Lock order
 //!
-//! The node lock ([`NodeLock`], a file lock shared with other plugin instances on the node),
-//! then the locks of the GPUs a claim touches ([`GpuLocks`], all at once, in minor order),
+//! The node lock ([`NodeLock`], a file lock shared with other plugin instances on the node;
+//! taking it re-reads the checkpoint another instance may have changed), then the locks of the GPUs a claim touches ([`GpuLocks`], all at once, in minor order),
 //! then, briefly, the journal's mutex. The order is enforced by types: GPU locks exist only
 //! as a [`GpuLocks`] made by [`NodeLock::lock_gpus`] and borrowing the node lock, every
 //! step that plans, creates or destroys takes a `&GpuLocks` and reaches the GPU through it,

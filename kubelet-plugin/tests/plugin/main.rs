@@ -10,4 +10,5 @@ mod gpu_check;
 mod nvml_backend;
 mod real_gpus;
 mod recovery;
+mod rolling_update;
 mod support;
