@@ -32,6 +32,7 @@ mod chart;
 mod faults;
 mod placement;
 mod pool;
+mod rolling_update;
 
 use std::{sync::Arc, time::Instant};
 
@@ -42,12 +43,13 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 5] = [
+const SUITE: [&[Test]; 6] = [
     pool::TESTS,
     allocation::TESTS,
     placement::TESTS,
     faults::TESTS,
     chart::TESTS,
+    rolling_update::TESTS,
 ];
 
 type Shared = Arc<Mutex<Cluster>>;
