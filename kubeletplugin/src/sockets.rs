@@ -21,8 +21,10 @@
 //! <kubelet root>/plugins_registry/<driver>-<instance>-reg.sock
 //! ```
 //!
-//! Each instance removes only its own sockets, at start (a stale file of a crashed run of the
-//! same instance) and on shutdown; the kubelet keeps using the other instance's.
+//! Each instance removes its own sockets at start (a stale file of a crashed run) and on
+//! shutdown, and never another instance's live ones: at start it only removes sockets of
+//! this driver that nobody listens on (left by an instance that was killed), because those
+//! names are never reused and the kubelet would keep dialing them.
 
 use std::{
     future::Future,
@@ -294,6 +296,16 @@ impl<D: DraDriver> PluginServer<D> {
         let config = self.config.validate()?;
         let stop = shutdown.child_token();
         let dra_path = config.dra_socket();
+        // Instances that died without cleaning up (SIGKILL, a node crash) left sockets under
+        // names no later instance reuses; the kubelet would keep dialing them.
+        remove_dead_sockets(&config.registration_socket(), |name| {
+            name.starts_with(&format!("{}-", config.driver_name)) && name.ends_with("-reg.sock")
+        })
+        .await;
+        remove_dead_sockets(&dra_path, |name| {
+            name == "dra.sock" || (name.starts_with("dra-") && name.ends_with(".sock"))
+        })
+        .await;
         let listener = bind_socket(SocketKind::Dra, &dra_path).await?;
         let dra_socket = SocketFile {
             kind: SocketKind::Dra,
@@ -544,6 +556,44 @@ impl Drop for SocketFile {
     fn drop(&mut self) {
         if let Err(error) = self.remove() {
             warn!(%error, "socket cleanup failed");
+        }
+    }
+}
+
+/// How long a probe of another instance's socket may take before it counts as alive.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Removes the sockets next to `own` (not `own` itself, which [`bind_socket`] replaces) whose
+/// file name `is_plugin_socket` accepts and that nobody listens on: connecting is refused.
+/// Anything else (a live socket, a probe that times out, other files) is left alone; failures
+/// are logged, never fatal.
+async fn remove_dead_sockets(own: &Path, is_plugin_socket: impl Fn(&str) -> bool) {
+    use std::os::unix::fs::FileTypeExt;
+
+    let Some(dir) = own.parent() else { return };
+    let Ok(mut entries) = tokio::fs::read_dir(dir).await else {
+        return; // not there yet: nothing stale either
+    };
+    while let Ok(Some(entry)) = entries.next_entry().await {
+        let path = entry.path();
+        let is_candidate = path != own
+            && entry.file_name().to_str().is_some_and(&is_plugin_socket)
+            && entry.file_type().await.is_ok_and(|t| t.is_socket());
+        if !is_candidate {
+            continue;
+        }
+        match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::UnixStream::connect(&path)).await {
+            Ok(Err(error)) if error.kind() == io::ErrorKind::ConnectionRefused => {
+                match tokio::fs::remove_file(&path).await {
+                    Ok(()) => {
+                        info!(socket = %path.display(), "removed the dead socket of another plugin instance")
+                    }
+                    Err(error) => {
+                        warn!(socket = %path.display(), %error, "cannot remove a dead plugin socket")
+                    }
+                }
+            }
+            _ => {}
         }
     }
 }

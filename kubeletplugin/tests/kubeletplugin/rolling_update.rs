@@ -158,3 +158,45 @@ async fn two_instances_serve_side_by_side_and_stopping_one_leaves_the_other() {
     new.wait().await.expect("new instance shuts down cleanly");
     assert!(!new_dra.exists() && !new_reg.exists());
 }
+
+#[tokio::test]
+async fn a_starting_instance_removes_dead_sockets_of_others_and_keeps_live_ones() {
+    let dir = short_tempdir();
+    let config = |instance: &str| PluginServerConfig::new(dir.path(), DRIVER).with_instance(instance);
+    // A killed instance: its socket files stay, nobody listens.
+    let dead = config("killed-pod");
+    for path in [dead.dra_socket(), dead.registration_socket()] {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(path.exists());
+    }
+    // Files that are not plugin sockets stay whatever they are.
+    let checkpoint = dead.dra_socket().with_file_name("checkpoint.json");
+    std::fs::write(&checkpoint, b"{}").unwrap();
+    let other_driver = dir.path().join("plugins_registry/other.example.com-x-reg.sock");
+    drop(std::os::unix::net::UnixListener::bind(&other_driver).unwrap());
+
+    let live_stop = CancellationToken::new();
+    let (_live_driver, live) = serve(dir.path(), "live-pod", live_stop.clone()).await;
+    let new_stop = CancellationToken::new();
+    let (_new_driver, new) = serve(dir.path(), "new-pod", new_stop.clone()).await;
+
+    assert!(
+        !dead.dra_socket().exists() && !dead.registration_socket().exists(),
+        "dead sockets removed"
+    );
+    assert!(
+        live.dra_socket().exists() && live.registration_socket().exists(),
+        "live sockets kept"
+    );
+    assert_eq!(
+        announced_endpoint(live.registration_socket()).await,
+        live.dra_socket().to_string_lossy()
+    );
+    assert!(checkpoint.exists() && other_driver.exists());
+
+    for (stop, serving) in [(live_stop, live), (new_stop, new)] {
+        stop.cancel();
+        serving.wait().await.expect("clean shutdown");
+    }
+}
