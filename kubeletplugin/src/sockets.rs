@@ -231,6 +231,25 @@ impl PluginServerConfig {
         self.kubelet_root.join("plugins_registry").join(file)
     }
 
+    /// Whether a registration socket file name belongs to this driver (any instance).
+    fn is_registration_socket(&self, name: &str) -> bool {
+        name.starts_with(&format!("{}-", self.driver_name)) && name.ends_with("-reg.sock")
+    }
+
+    /// The registration sockets of other instances of this driver that a process listens on:
+    /// during a rolling update, the instance the kubelet keeps calling once this one is gone.
+    /// A stopping instance uses it to tell a hand-over (someone else still serves the node)
+    /// from the node losing its plugin.
+    pub async fn live_peer_registrations(&self) -> Vec<PathBuf> {
+        let mut live = Vec::new();
+        for path in sibling_sockets(&self.registration_socket(), |n| self.is_registration_socket(n)).await {
+            if probe(&path).await == Probe::Alive {
+                live.push(path);
+            }
+        }
+        live
+    }
+
     fn validate(&self) -> Result<Self, ServerError> {
         let name = &self.driver_name;
         if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\0']) {
@@ -299,7 +318,7 @@ impl<D: DraDriver> PluginServer<D> {
         // Instances that died without cleaning up (SIGKILL, a node crash) left sockets under
         // names no later instance reuses; the kubelet would keep dialing them.
         remove_dead_sockets(&config.registration_socket(), |name| {
-            name.starts_with(&format!("{}-", config.driver_name)) && name.ends_with("-reg.sock")
+            config.is_registration_socket(name)
         })
         .await;
         remove_dead_sockets(&dra_path, |name| {
@@ -563,37 +582,56 @@ impl Drop for SocketFile {
 /// How long a probe of another instance's socket may take before it counts as alive.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Removes the sockets next to `own` (not `own` itself, which [`bind_socket`] replaces) whose
-/// file name `is_plugin_socket` accepts and that nobody listens on: connecting is refused.
-/// Anything else (a live socket, a probe that times out, other files) is left alone; failures
-/// are logged, never fatal.
-async fn remove_dead_sockets(own: &Path, is_plugin_socket: impl Fn(&str) -> bool) {
+/// Whether something listens on a socket file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Probe {
+    /// Connecting was refused: the process that bound it is gone.
+    Dead,
+    /// Connected, or could not tell (a probe that times out counts as alive).
+    Alive,
+}
+
+async fn probe(path: &Path) -> Probe {
+    match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::UnixStream::connect(path)).await {
+        Ok(Err(error)) if error.kind() == io::ErrorKind::ConnectionRefused => Probe::Dead,
+        _ => Probe::Alive,
+    }
+}
+
+/// The sockets next to `own` (not `own` itself) whose file name `is_plugin_socket` accepts.
+async fn sibling_sockets(own: &Path, is_plugin_socket: impl Fn(&str) -> bool) -> Vec<PathBuf> {
     use std::os::unix::fs::FileTypeExt;
 
-    let Some(dir) = own.parent() else { return };
+    let mut found = Vec::new();
+    let Some(dir) = own.parent() else { return found };
     let Ok(mut entries) = tokio::fs::read_dir(dir).await else {
-        return; // not there yet: nothing stale either
+        return found; // not there yet: no siblings either
     };
     while let Ok(Some(entry)) = entries.next_entry().await {
         let path = entry.path();
-        let is_candidate = path != own
+        if path != own
             && entry.file_name().to_str().is_some_and(&is_plugin_socket)
-            && entry.file_type().await.is_ok_and(|t| t.is_socket());
-        if !is_candidate {
-            continue;
+            && entry.file_type().await.is_ok_and(|t| t.is_socket())
+        {
+            found.push(path);
         }
-        match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::UnixStream::connect(&path)).await {
-            Ok(Err(error)) if error.kind() == io::ErrorKind::ConnectionRefused => {
-                match tokio::fs::remove_file(&path).await {
-                    Ok(()) => {
-                        info!(socket = %path.display(), "removed the dead socket of another plugin instance")
-                    }
-                    Err(error) => {
-                        warn!(socket = %path.display(), %error, "cannot remove a dead plugin socket")
-                    }
+    }
+    found
+}
+
+/// Removes the sockets next to `own` (not `own` itself, which [`bind_socket`] replaces) whose
+/// file name `is_plugin_socket` accepts and that nobody listens on. Anything else (a live
+/// socket, a probe that times out, other files) is left alone; failures are logged, never
+/// fatal.
+async fn remove_dead_sockets(own: &Path, is_plugin_socket: impl Fn(&str) -> bool) {
+    for path in sibling_sockets(own, is_plugin_socket).await {
+        if probe(&path).await == Probe::Dead {
+            match tokio::fs::remove_file(&path).await {
+                Ok(()) => {
+                    info!(socket = %path.display(), "removed the dead socket of another plugin instance")
                 }
+                Err(error) => warn!(socket = %path.display(), %error, "cannot remove a dead plugin socket"),
             }
-            _ => {}
         }
     }
 }

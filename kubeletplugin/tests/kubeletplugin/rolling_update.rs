@@ -194,9 +194,24 @@ async fn a_starting_instance_removes_dead_sockets_of_others_and_keeps_live_ones(
         live.dra_socket().to_string_lossy()
     );
     assert!(checkpoint.exists() && other_driver.exists());
+    // Each sees the other as the live peer that keeps serving the node.
+    let live_config = config("live-pod");
+    let new_config = config("new-pod");
+    assert_eq!(
+        new_config.live_peer_registrations().await,
+        [live.registration_socket().to_path_buf()]
+    );
+    assert_eq!(
+        live_config.live_peer_registrations().await,
+        [new.registration_socket().to_path_buf()]
+    );
 
-    for (stop, serving) in [(live_stop, live), (new_stop, new)] {
-        stop.cancel();
-        serving.wait().await.expect("clean shutdown");
-    }
+    live_stop.cancel();
+    live.wait().await.expect("clean shutdown");
+    assert!(
+        new_config.live_peer_registrations().await.is_empty(),
+        "the last instance has no peer"
+    );
+    new_stop.cancel();
+    new.wait().await.expect("clean shutdown");
 }
