@@ -32,6 +32,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use migdra_runtime::Readiness;
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     cdi::{CdiWriter, DriverSetup},
@@ -157,11 +158,14 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         health: health_tx,
         interval: heartbeat,
     };
-    let status_task = tokio::spawn(status.run(shutdown.clone()));
+    // Stopped after the sockets are gone, not on the shutdown signal: see the hand-over below.
+    let status_stop = CancellationToken::new();
+    let status_task = tokio::spawn(status.run(status_stop.clone()));
 
     let mut server_config = PluginServerConfig::new(&args.kubelet_root_dir, &args.driver_name)
         .with_instance(&args.plugin_instance);
     server_config.health_resend_interval = args.health_resend_interval();
+    let peer_config = server_config.clone();
     let server = PluginServer::new(server_config, Arc::new(driver), health_rx, registration_tx);
     let serving = server
         .serve_dra(shutdown.clone())
@@ -178,8 +182,22 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     tracing::info!("serving the kubelet");
     let served = serving.wait().await;
     ready.set(false);
-    if let Err(e) = status_task.await {
-        tracing::warn!(error = %e, "status task failed");
+    // A stopping plugin normally reports itself unregistered, so the controller withdraws the
+    // node's pool at once. In a rolling update another instance is still registered and keeps
+    // serving: then this one just stops reporting (the other's heartbeat continues), or the
+    // pool would vanish for a heartbeat interval.
+    let peers = peer_config.live_peer_registrations().await;
+    if peers.is_empty() {
+        status_stop.cancel();
+        if let Err(e) = status_task.await {
+            tracing::warn!(error = %e, "status task failed");
+        }
+    } else {
+        tracing::info!(
+            ?peers,
+            "another plugin instance serves this node; handing over without reporting unregistered"
+        );
+        status_task.abort();
     }
     shutdown.cancel();
     let _ = tokio::join!(http_task, grpc_health_task, repair_task);

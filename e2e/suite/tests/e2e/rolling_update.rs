@@ -120,6 +120,7 @@ async fn roll(
     let fixed = sockets(&root, None);
     let surge = sockets(&root, Some("surge-1"));
     one_more_cycle(cycles, churn).await?;
+    let withdrawn_before = withdrawals(cluster);
 
     // The new instance starts next to the old one; both serve.
     let before = registrations(cluster, SURGE_PLUGIN);
@@ -164,7 +165,21 @@ async fn roll(
     );
     ensure!(fixed.iter().all(|s| s.exists()), "the plugin's sockets stay");
     one_more_cycle(cycles, churn).await?;
-    one_more_cycle(cycles, churn).await
+    one_more_cycle(cycles, churn).await?;
+    // A hand-over, not an outage: the stopping instance saw the other registered and did not
+    // report the node's plugin unregistered, so the pool stayed published throughout.
+    ensure!(
+        withdrawals(cluster) == withdrawn_before,
+        "the controller withdrew the pool during the rolling update"
+    );
+    Ok(())
+}
+
+/// How often the controller's log says it withdrew the node's pool.
+fn withdrawals(cluster: &Cluster) -> usize {
+    std::fs::read_to_string(cluster.layout.log("migdra-controller"))
+        .map(|log| log.matches("withdrawing the pool").count())
+        .unwrap_or(0)
 }
 
 /// The DRA and registration socket of an instance.
