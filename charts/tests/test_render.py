@@ -130,6 +130,8 @@ BAD_VALUES = [
     ("root-relative", ["--set", "kubeletRootDir=var/lib/kubelet"], "/kubeletRootDir"),
     ("bad-profile", ["--set", "deviceClasses.profiles.names={3g.40GB}"], "/deviceClasses/profiles/names"),
     ("bad-port", ["--set", "kubeletPlugin.grpcHealthPort=70000"], "/kubeletPlugin/grpcHealthPort"),
+    ("bad-surge", ["--set", "kubeletPlugin.maxSurge=-1"], "/kubeletPlugin/maxSurge"),
+    ("bad-surge-percent", ["--set", "kubeletPlugin.maxSurge=150%"], "/kubeletPlugin/maxSurge"),
     ("bad-pull-policy", ["--set", "controller.image.pullPolicy=Sometimes"], "/controller/image/pullPolicy"),
     ("bad-failure-policy", ["--set", "admissionPolicy.failurePolicy=Warn"], "/admissionPolicy/failurePolicy"),
     ("lease-too-short", ["--set", "controller.leaderElection.leaseDurationSeconds=1"], "leaseDurationSeconds"),
@@ -161,6 +163,16 @@ FAILS = [
     ("heartbeat-timeout", ["heartbeat.intervalSeconds=15", "heartbeat.timeoutSeconds=22"], "heartbeat.timeoutSeconds"),
     ("same-ports", ["kubeletPlugin.httpPort=9000", "kubeletPlugin.grpcHealthPort=9000"], "must differ"),
     ("same-class-names", ["deviceClasses.mig.name=gpu.migdra.dev"], "must differ"),
+    (
+        "update-cannot-progress",
+        ["kubeletPlugin.maxSurge=0", "kubeletPlugin.maxUnavailable=0"],
+        "cannot both be 0",
+    ),
+    (
+        "update-cannot-progress-percent",
+        ["kubeletPlugin.maxSurge=0%", "kubeletPlugin.maxUnavailable=0"],
+        "cannot both be 0",
+    ),
 ]
 
 

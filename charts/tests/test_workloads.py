@@ -110,18 +110,25 @@ def test_plugin_is_privileged_and_node_critical(case):
     assert pod["priorityClassName"] == "system-node-critical"
 
 
-def test_plugin_update_strategy_never_surges(case):
+def test_plugin_update_strategy_follows_values(case):
     rendered, values = case
     ds, _ = plugin_pod(rendered)
     strategy = ds["spec"]["updateStrategy"]
     assert strategy["type"] == "RollingUpdate"
-    assert strategy["rollingUpdate"]["maxSurge"] == 0
+    assert strategy["rollingUpdate"]["maxSurge"] == values["kubeletPlugin"]["maxSurge"]
     assert strategy["rollingUpdate"]["maxUnavailable"] == values["kubeletPlugin"]["maxUnavailable"]
 
 
-def test_plugin_default_update_strategy(default):
+def test_plugin_default_update_strategy_surges_without_downtime(default):
     ds, _ = plugin_pod(default)
-    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_plugin_instance_is_named_by_its_pod_uid(case):
+    rendered, _ = case
+    _, pod = plugin_pod(rendered)
+    env = env_of(container(pod))
+    assert env["POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
 
 
 def test_plugin_node_name_from_downward_api(case):

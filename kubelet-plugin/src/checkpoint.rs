@@ -178,6 +178,10 @@ pub enum LoadOutcome {
 pub struct Checkpoint {
     path: PathBuf,
     data: CheckpointData,
+    /// The file's bytes as this process last read or wrote them (`None`: no file yet). Another
+    /// plugin instance on the node (a rolling update) may have rewritten the file since;
+    /// [`Checkpoint::reload_if_changed`] compares against these.
+    on_disk: Option<Vec<u8>>,
 }
 
 impl Checkpoint {
@@ -201,14 +205,32 @@ impl Checkpoint {
         let bytes = match fs::read(&path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok((Self { path, data: empty }, LoadOutcome::Fresh));
+                return Ok((
+                    Self {
+                        path,
+                        data: empty,
+                        on_disk: None,
+                    },
+                    LoadOutcome::Fresh,
+                ));
             }
             Err(source) => return Err(CheckpointError::Io { path, source }),
         };
         match decode(&bytes) {
-            Ok(data) if data.boot_id == boot_id => Ok((Self { path, data }, LoadOutcome::Loaded)),
+            Ok(data) if data.boot_id == boot_id => Ok((
+                Self {
+                    path,
+                    data,
+                    on_disk: Some(bytes),
+                },
+                LoadOutcome::Loaded,
+            )),
             Ok(data) => {
-                let checkpoint = Self { path, data: empty };
+                let mut checkpoint = Self {
+                    path,
+                    data: empty,
+                    on_disk: None,
+                };
                 checkpoint.persist()?;
                 Ok((
                     checkpoint,
@@ -224,7 +246,11 @@ impl Checkpoint {
                     source,
                 })?;
                 tracing::error!(path = %path.display(), %reason, aside = %aside.display(), "checkpoint is corrupt; starting empty");
-                let checkpoint = Self { path, data: empty };
+                let mut checkpoint = Self {
+                    path,
+                    data: empty,
+                    on_disk: None,
+                };
                 checkpoint.persist()?;
                 Ok((checkpoint, LoadOutcome::CorruptMovedAside(aside)))
             }
@@ -276,12 +302,64 @@ impl Checkpoint {
         result
     }
 
-    fn persist(&self) -> Result<(), CheckpointError> {
+    fn persist(&mut self) -> Result<(), CheckpointError> {
         let bytes = encode(&self.data)?;
         write_atomically(&self.path, &bytes, 0o600).map_err(|source| CheckpointError::Io {
             path: self.path.clone(),
             source,
-        })
+        })?;
+        self.on_disk = Some(bytes);
+        Ok(())
+    }
+
+    /// Re-reads the file when its bytes differ from what this process last read or wrote:
+    /// another plugin instance on the node (a rolling update) changed it. Returns whether the
+    /// content was replaced. Call it holding the node lock before reading records that will
+    /// be acted on, and always before writing (a write replaces the whole file). Comparing the
+    /// bytes (a few KiB) is exact, where file metadata can repeat (inode reuse, coarse mtime).
+    /// A file that cannot be used is an error and the content in memory is kept: unlike at
+    /// start it is not moved aside, because the other instance may be writing it right now.
+    pub fn reload_if_changed(&mut self) -> Result<bool, CheckpointError> {
+        let bytes = match fs::read(&self.path) {
+            Ok(bytes) => Some(bytes),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(source) => {
+                return Err(CheckpointError::Io {
+                    path: self.path.clone(),
+                    source,
+                });
+            }
+        };
+        if bytes == self.on_disk {
+            return Ok(false);
+        }
+        let data = match &bytes {
+            // Nobody writes the file away; a missing one (a wiped state dir) holds no claims.
+            None => CheckpointData {
+                claims: BTreeMap::new(),
+                ..self.data.clone()
+            },
+            Some(bytes) => {
+                let data = decode(bytes).map_err(|reason| CheckpointError::Corrupt {
+                    path: self.path.clone(),
+                    reason,
+                })?;
+                if data.boot_id != self.data.boot_id {
+                    return Err(CheckpointError::Corrupt {
+                        path: self.path.clone(),
+                        reason: format!(
+                            "another instance wrote it for boot {}, this is boot {}",
+                            data.boot_id, self.data.boot_id
+                        ),
+                    });
+                }
+                data
+            }
+        };
+        tracing::debug!(path = %self.path.display(), claims = data.claims.len(), "checkpoint changed on disk; reloaded");
+        self.data = data;
+        self.on_disk = bytes;
+        Ok(true)
     }
 }
 
@@ -414,5 +492,33 @@ mod tests {
         cp.remove("never-there").unwrap();
         let (cp2, _) = Checkpoint::open(dir.path(), "b").unwrap();
         assert!(cp2.claim("u").is_none());
+    }
+
+    #[test]
+    fn reload_picks_up_another_writer_and_only_then() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut a, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        let (mut b, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        assert!(!b.reload_if_changed().unwrap(), "nothing written yet");
+        a.put("uid-1", record(ClaimState::PrepareCompleted)).unwrap();
+        assert!(!a.reload_if_changed().unwrap(), "its own write is not a change");
+        assert!(b.reload_if_changed().unwrap());
+        assert_eq!(b.claim("uid-1"), Some(&record(ClaimState::PrepareCompleted)));
+        assert!(!b.reload_if_changed().unwrap());
+        b.remove("uid-1").unwrap();
+        assert!(a.reload_if_changed().unwrap());
+        assert!(a.data().claims.is_empty());
+    }
+
+    #[test]
+    fn a_reload_of_a_corrupt_file_fails_and_keeps_the_copy_in_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut a, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        a.put("uid-1", record(ClaimState::PrepareCompleted)).unwrap();
+        fs::write(a.path(), b"{\"checksum\": \"sha256:00\", \"data\": {}}").unwrap();
+        let err = a.reload_if_changed().unwrap_err();
+        assert!(matches!(err, CheckpointError::Corrupt { .. }), "{err}");
+        assert!(a.claim("uid-1").is_some());
+        assert!(dir.path().join("checkpoint.json").exists(), "not moved aside");
     }
 }

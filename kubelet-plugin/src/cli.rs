@@ -84,6 +84,12 @@ pub struct Args {
     /// disables them; a pass also runs at start).
     #[arg(long, env = "STALE_CLAIM_GC_INTERVAL_SECONDS", default_value_t = 300)]
     pub stale_claim_gc_interval_seconds: u64,
+    /// Names this plugin instance's kubelet sockets (`dra-<instance>.sock`,
+    /// `<driver>-<instance>-reg.sock`) so that an old and a new instance can run side by side
+    /// during a rolling update (kubelet 1.33 or newer, DaemonSet `maxSurge` > 0). The chart
+    /// passes the pod UID. Empty: the fixed names `dra.sock` and `<driver>-reg.sock`.
+    #[arg(long, env = "POD_UID", default_value = "")]
+    pub plugin_instance: String,
 }
 
 /// The subcommand that checks this node's GPUs instead of running the plugin.
@@ -196,6 +202,7 @@ mod tests {
         assert_eq!(a.host_root, PathBuf::from("/"));
         assert_eq!(a.nvidia_cdi_hook_path, PathBuf::from("/usr/bin/nvidia-cdi-hook"));
         assert_eq!(a.dev_root, PathBuf::from("/dev"));
+        assert_eq!(a.plugin_instance, "", "no instance: the fixed socket names");
 
         let a = Args::try_parse_from([
             "migdra-kubelet-plugin",
@@ -320,6 +327,7 @@ mod tests {
                 "stale-claim-gc-interval-seconds",
                 "STALE_CLAIM_GC_INTERVAL_SECONDS",
             ),
+            ("plugin-instance", "POD_UID"),
         ];
         let expected: Vec<(String, String)> = expected
             .iter()

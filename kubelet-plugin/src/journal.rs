@@ -9,6 +9,13 @@
 //!
 //! The mutex is a leaf: it is held only inside these methods, never while another lock is
 //! taken or the GPU is touched.
+//!
+//! During a rolling update two plugin instances share the file. The copy in memory is then
+//! only a cache: the driver calls [`Journal::reload_if_changed`] right after taking the node
+//! lock (so every record it acts on or writes is the latest), the idempotent prepare answer
+//! re-reads before answering, and the read-only views ([`Journal::claims`], [`Journal::len`])
+//! re-read too. A re-read compares the file's bytes with the last ones this process read or
+//! wrote, and parses only when they differ.
 
 use std::{
     collections::BTreeMap,
@@ -44,6 +51,13 @@ impl Journal {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Re-reads the checkpoint when another plugin instance on the node changed the file (see
+    /// [`Checkpoint::reload_if_changed`]); returns whether it did. The driver calls it right
+    /// after taking the node lock, so records are read and written against the latest file.
+    pub fn reload_if_changed(&self) -> Result<bool, CheckpointError> {
+        self.lock().reload_if_changed()
+    }
+
     /// A claim's record.
     pub fn get(&self, uid: &str) -> Option<ClaimRecord> {
         self.lock().claim(uid).cloned()
@@ -54,14 +68,21 @@ impl Journal {
         self.get(uid).filter(|r| r.state == ClaimState::PrepareCompleted)
     }
 
-    /// A copy of every record, by claim UID.
+    /// A copy of every record, by claim UID, as the file has them now: another plugin instance
+    /// may have changed it (the inventory must know its instances as migdra's too). Reading
+    /// without the node lock is safe because the file is replaced atomically; when it cannot
+    /// be read, the copy in memory is returned.
     pub fn claims(&self) -> BTreeMap<String, ClaimRecord> {
-        self.lock().data().claims.clone()
+        let mut checkpoint = self.lock();
+        refresh_for_reading(&mut checkpoint);
+        checkpoint.data().claims.clone()
     }
 
-    /// How many claims are recorded.
+    /// How many claims are recorded (re-read like [`Self::claims`]).
     pub fn len(&self) -> usize {
-        self.lock().data().claims.len()
+        let mut checkpoint = self.lock();
+        refresh_for_reading(&mut checkpoint);
+        checkpoint.data().claims.len()
     }
 
     /// True when no claim is recorded.
@@ -126,6 +147,14 @@ impl Journal {
     /// Forgets a claim whose instances are gone.
     pub fn forget(&self, uid: &str) -> Result<(), CheckpointError> {
         self.lock().remove(uid)
+    }
+}
+
+/// Best-effort reload for read-only views; acting on records always reloads under the node
+/// lock, where a failure is an error.
+fn refresh_for_reading(checkpoint: &mut Checkpoint) {
+    if let Err(e) = checkpoint.reload_if_changed() {
+        tracing::warn!(error = %e, "cannot re-read the checkpoint; reporting the copy in memory");
     }
 }
 

@@ -35,6 +35,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use migdra_runtime::Readiness;
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     cdi::{CdiWriter, DriverSetup},
@@ -45,6 +46,10 @@ use crate::{
     nvml::NvmlBackend,
 };
 use migdra_kubeletplugin::{PluginServer, PluginServerConfig, RegistrationState};
+
+/// How long an instance joining a running one (a rolling update) waits for the kubelet's
+/// registration before it reports status regardless.
+const JOIN_REGISTRATION_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Runs the plugin until SIGTERM/SIGINT: metrics and probes, NVML, the driver (with startup
 /// recovery), the background repair of what recovery left pending, the status loop, then the
@@ -167,10 +172,15 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         health: health_tx,
         interval: heartbeat,
     };
-    let status_task = tokio::spawn(status.run(shutdown.clone()));
-
-    let mut server_config = PluginServerConfig::new(&args.kubelet_root_dir, &args.driver_name);
+    let mut server_config = PluginServerConfig::new(&args.kubelet_root_dir, &args.driver_name)
+        .with_instance(&args.plugin_instance);
     server_config.health_resend_interval = args.health_resend_interval();
+    let peer_config = server_config.clone();
+    // Joining a running instance (a rolling update): until the kubelet has registered this
+    // one, its heartbeat would report the node's plugin unregistered over the other's and
+    // the controller would withdraw the pool. So the status loop starts once registered.
+    let joining = !peer_config.live_peer_registrations().await.is_empty();
+    let mut registered = registration_rx.clone();
     let server = PluginServer::new(server_config, Arc::new(driver), health_rx, registration_tx);
     let serving = server
         .serve_dra(shutdown.clone())
@@ -185,10 +195,39 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
     tracing::info!("serving the kubelet");
+    if joining {
+        tracing::info!(
+            "another plugin instance serves this node; reporting status once the kubelet registered this one"
+        );
+        let confirmed = tokio::time::timeout(JOIN_REGISTRATION_WAIT, registered.wait_for(|r| r.registered));
+        tokio::select! {
+            outcome = confirmed => if outcome.is_err() {
+                tracing::warn!("the kubelet did not register this instance in time; reporting status anyway");
+            },
+            () = shutdown.cancelled() => {}
+        }
+    }
+    // Stopped after the sockets are gone, not on the shutdown signal: see the hand-over below.
+    let status_stop = CancellationToken::new();
+    let status_task = tokio::spawn(status.run(status_stop.clone()));
     let served = serving.wait().await;
     ready.set(false);
-    if let Err(e) = status_task.await {
-        tracing::warn!(error = %e, "status task failed");
+    // A stopping plugin normally reports itself unregistered, so the controller withdraws the
+    // node's pool at once. In a rolling update another instance is still registered and keeps
+    // serving: then this one just stops reporting (the other's heartbeat continues), or the
+    // pool would vanish for a heartbeat interval.
+    let peers = peer_config.live_peer_registrations().await;
+    if peers.is_empty() {
+        status_stop.cancel();
+        if let Err(e) = status_task.await {
+            tracing::warn!(error = %e, "status task failed");
+        }
+    } else {
+        tracing::info!(
+            ?peers,
+            "another plugin instance serves this node; handing over without reporting unregistered"
+        );
+        status_task.abort();
     }
     shutdown.cancel();
     let _ = tokio::join!(http_task, grpc_health_task, repair_task, stale_gc_task);

@@ -10,6 +10,9 @@
 //! * then binds the registration socket `<kubelet root>/plugins_registry/<driver>-reg.sock` and
 //!   answers the kubelet's plugin registration (the kubelet may call the DRA socket as soon as it
 //!   has registered, so the DRA socket is served first);
+//! * with an instance name ([`PluginServerConfig::with_instance`], the pod UID) names both
+//!   sockets per instance (`dra-<instance>.sock`, `<driver>-<instance>-reg.sock`), so an old and
+//!   a new instance can serve side by side during a rolling update (kubelet ≥ 1.33);
 //! * serves both sockets behind an `:authority` fix, because kubelets send the percent-encoded
 //!   socket path as HTTP/2 `:authority` (on the registration socket always, on the DRA socket
 //!   before 1.34), which the HTTP/2 server under tonic rejects;

@@ -11,6 +11,20 @@
 //! <kubelet root>/plugins/<driver>/dra.sock
 //! <kubelet root>/plugins_registry/<driver>-reg.sock
 //! ```
+//!
+//! With an instance name ([`PluginServerConfig::instance`], e.g. the pod UID) the names are
+//! unique per plugin instance, as the kubelet's rolling-update convention has them, so two
+//! instances (a DaemonSet with `maxSurge > 0`) can be registered at once:
+//!
+//! ```text
+//! <kubelet root>/plugins/<driver>/dra-<instance>.sock
+//! <kubelet root>/plugins_registry/<driver>-<instance>-reg.sock
+//! ```
+//!
+//! Each instance removes its own sockets at start (a stale file of a crashed run) and on
+//! shutdown, and never another instance's live ones: at start it only removes sockets of
+//! this driver that nobody listens on (left by an instance that was killed), because those
+//! names are never reused and the kubelet would keep dialing them.
 
 use std::{
     future::Future,
@@ -81,6 +95,9 @@ pub enum ServerError {
         /// Its length in bytes.
         len: usize,
     },
+    /// The instance name cannot be used in a socket file name.
+    #[error("plugin instance name {0:?} cannot be used in a socket file name")]
+    InvalidInstanceName(String),
     /// The socket's directory could not be created.
     #[error("cannot create directory {path} for the {kind} socket: {source}")]
     CreateDir {
@@ -162,6 +179,10 @@ pub struct PluginServerConfig {
     pub health_resend_interval: Duration,
     /// How long shutdown waits for in-flight calls before dropping them.
     pub shutdown_grace: Duration,
+    /// Makes both socket names unique to this plugin instance (the pod UID in a DaemonSet),
+    /// for rolling updates where an old and a new instance run side by side. `None` (or
+    /// empty): the fixed names.
+    pub instance: Option<String>,
 }
 
 impl PluginServerConfig {
@@ -172,28 +193,75 @@ impl PluginServerConfig {
             driver_name: driver_name.into(),
             health_resend_interval: DEFAULT_RESEND_INTERVAL,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            instance: None,
         }
     }
 
-    /// `<kubelet root>/plugins/<driver>/dra.sock`.
+    /// Names the sockets after `instance` (see [`Self::instance`]); empty keeps the fixed
+    /// names.
+    pub fn with_instance(mut self, instance: impl Into<String>) -> Self {
+        let instance = instance.into();
+        self.instance = (!instance.is_empty()).then_some(instance);
+        self
+    }
+
+    fn instance_name(&self) -> Option<&str> {
+        self.instance.as_deref().filter(|i| !i.is_empty())
+    }
+
+    /// `<kubelet root>/plugins/<driver>/dra.sock`, or `dra-<instance>.sock` with an instance.
     pub fn dra_socket(&self) -> PathBuf {
+        let file = match self.instance_name() {
+            Some(instance) => format!("dra-{instance}.sock"),
+            None => "dra.sock".to_string(),
+        };
         self.kubelet_root
             .join("plugins")
             .join(&self.driver_name)
-            .join("dra.sock")
+            .join(file)
     }
 
-    /// `<kubelet root>/plugins_registry/<driver>-reg.sock`.
+    /// `<kubelet root>/plugins_registry/<driver>-reg.sock`, or `<driver>-<instance>-reg.sock`
+    /// with an instance.
     pub fn registration_socket(&self) -> PathBuf {
-        self.kubelet_root
-            .join("plugins_registry")
-            .join(format!("{}-reg.sock", self.driver_name))
+        let file = match self.instance_name() {
+            Some(instance) => format!("{}-{instance}-reg.sock", self.driver_name),
+            None => format!("{}-reg.sock", self.driver_name),
+        };
+        self.kubelet_root.join("plugins_registry").join(file)
+    }
+
+    /// Whether a registration socket file name belongs to this driver (any instance).
+    fn is_registration_socket(&self, name: &str) -> bool {
+        name.starts_with(&format!("{}-", self.driver_name)) && name.ends_with("-reg.sock")
+    }
+
+    /// The registration sockets of other instances of this driver that a process listens on:
+    /// during a rolling update, the instance the kubelet keeps calling once this one is gone.
+    /// A stopping instance uses it to tell a hand-over (someone else still serves the node)
+    /// from the node losing its plugin.
+    pub async fn live_peer_registrations(&self) -> Vec<PathBuf> {
+        let mut live = Vec::new();
+        for path in sibling_sockets(&self.registration_socket(), |n| self.is_registration_socket(n)).await {
+            if probe(&path).await == Probe::Alive {
+                live.push(path);
+            }
+        }
+        live
     }
 
     fn validate(&self) -> Result<Self, ServerError> {
         let name = &self.driver_name;
         if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\0']) {
             return Err(ServerError::InvalidDriverName(name.clone()));
+        }
+        // A path separator would put the socket elsewhere, and the kubelet's plugin watcher
+        // ignores dot-files (a leading dot cannot occur: the names start with the driver or
+        // `dra-`).
+        if let Some(instance) = self.instance_name()
+            && instance.contains(['/', '\0'])
+        {
+            return Err(ServerError::InvalidInstanceName(instance.to_string()));
         }
         // The kubelet dials the endpoint we announce verbatim, so it must be absolute.
         let kubelet_root =
@@ -247,6 +315,16 @@ impl<D: DraDriver> PluginServer<D> {
         let config = self.config.validate()?;
         let stop = shutdown.child_token();
         let dra_path = config.dra_socket();
+        // Instances that died without cleaning up (SIGKILL, a node crash) left sockets under
+        // names no later instance reuses; the kubelet would keep dialing them.
+        remove_dead_sockets(&config.registration_socket(), |name| {
+            config.is_registration_socket(name)
+        })
+        .await;
+        remove_dead_sockets(&dra_path, |name| {
+            name == "dra.sock" || (name.starts_with("dra-") && name.ends_with(".sock"))
+        })
+        .await;
         let listener = bind_socket(SocketKind::Dra, &dra_path).await?;
         let dra_socket = SocketFile {
             kind: SocketKind::Dra,
@@ -497,6 +575,63 @@ impl Drop for SocketFile {
     fn drop(&mut self) {
         if let Err(error) = self.remove() {
             warn!(%error, "socket cleanup failed");
+        }
+    }
+}
+
+/// How long a probe of another instance's socket may take before it counts as alive.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Whether something listens on a socket file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Probe {
+    /// Connecting was refused: the process that bound it is gone.
+    Dead,
+    /// Connected, or could not tell (a probe that times out counts as alive).
+    Alive,
+}
+
+async fn probe(path: &Path) -> Probe {
+    match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::UnixStream::connect(path)).await {
+        Ok(Err(error)) if error.kind() == io::ErrorKind::ConnectionRefused => Probe::Dead,
+        _ => Probe::Alive,
+    }
+}
+
+/// The sockets next to `own` (not `own` itself) whose file name `is_plugin_socket` accepts.
+async fn sibling_sockets(own: &Path, is_plugin_socket: impl Fn(&str) -> bool) -> Vec<PathBuf> {
+    use std::os::unix::fs::FileTypeExt;
+
+    let mut found = Vec::new();
+    let Some(dir) = own.parent() else { return found };
+    let Ok(mut entries) = tokio::fs::read_dir(dir).await else {
+        return found; // not there yet: no siblings either
+    };
+    while let Ok(Some(entry)) = entries.next_entry().await {
+        let path = entry.path();
+        if path != own
+            && entry.file_name().to_str().is_some_and(&is_plugin_socket)
+            && entry.file_type().await.is_ok_and(|t| t.is_socket())
+        {
+            found.push(path);
+        }
+    }
+    found
+}
+
+/// Removes the sockets next to `own` (not `own` itself, which [`bind_socket`] replaces) whose
+/// file name `is_plugin_socket` accepts and that nobody listens on. Anything else (a live
+/// socket, a probe that times out, other files) is left alone; failures are logged, never
+/// fatal.
+async fn remove_dead_sockets(own: &Path, is_plugin_socket: impl Fn(&str) -> bool) {
+    for path in sibling_sockets(own, is_plugin_socket).await {
+        if probe(&path).await == Probe::Dead {
+            match tokio::fs::remove_file(&path).await {
+                Ok(()) => {
+                    info!(socket = %path.display(), "removed the dead socket of another plugin instance")
+                }
+                Err(error) => warn!(socket = %path.display(), %error, "cannot remove a dead plugin socket"),
+            }
         }
     }
 }

@@ -144,4 +144,9 @@ Cross-field checks the schema cannot express.
 {{- if and .Values.deviceClasses.gpu.enabled .Values.deviceClasses.mig.enabled (eq .Values.deviceClasses.gpu.name .Values.deviceClasses.mig.name) }}
 {{- fail "deviceClasses.gpu.name and deviceClasses.mig.name must differ" }}
 {{- end }}
+{{- $surge := toString .Values.kubeletPlugin.maxSurge }}
+{{- $unavailable := toString .Values.kubeletPlugin.maxUnavailable }}
+{{- if and (has $surge (list "0" "0%")) (has $unavailable (list "0" "0%")) }}
+{{- fail "kubeletPlugin.maxSurge and kubeletPlugin.maxUnavailable cannot both be 0 (the DaemonSet could never update)" }}
+{{- end }}
 {{- end }}

@@ -26,8 +26,8 @@
 //!
 //! # Lock order
 //!
-//! The node lock ([`NodeLock`], a file lock shared with other plugin instances on the node),
-//! then the locks of the GPUs a claim touches ([`GpuLocks`], all at once, in minor order),
+//! The node lock ([`NodeLock`], a file lock shared with other plugin instances on the node;
+//! taking it re-reads the checkpoint another instance may have changed), then the locks of the GPUs a claim touches ([`GpuLocks`], all at once, in minor order),
 //! then, briefly, the journal's mutex. The order is enforced by types: GPU locks exist only
 //! as a [`GpuLocks`] made by [`NodeLock::lock_gpus`] and borrowing the node lock, every
 //! step that plans, creates or destroys takes a `&GpuLocks` and reaches the GPU through it,
@@ -120,9 +120,22 @@ pub enum DriverError {
     /// NVML failed.
     #[error(transparent)]
     Backend(#[from] BackendError),
-    /// The node lock could not be taken.
+    /// The node lock could not be taken, or the checkpoint not re-read under it.
+    #[error(transparent)]
+    NodeAccess(#[from] NodeAccessError),
+}
+
+/// Why the node could not be taken for an operation. Shared by every claim of a kubelet call
+/// (hence the `Arc`s).
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum NodeAccessError {
+    /// The node lock could not be taken (another plugin instance held it).
     #[error("node lock: {0}")]
-    NodeLock(#[from] NodeLockError),
+    Lock(Arc<NodeLockError>),
+    /// Under the node lock, the checkpoint (which another plugin instance may have changed)
+    /// could not be re-read.
+    #[error("re-reading the checkpoint under the node lock: {0}")]
+    Reload(Arc<CheckpointError>),
 }
 
 /// Why one claim failed. Its message goes to the kubelet and from there into a pod event;
@@ -151,11 +164,24 @@ pub enum ClaimFailure {
     /// The node lock could not be taken (shared by every claim of the call).
     #[error("node lock: {0}")]
     NodeLock(Arc<NodeLockError>),
+    /// The checkpoint could not be re-read under the node lock (shared by every claim of the
+    /// call).
+    #[error("re-reading the checkpoint under the node lock: {0}")]
+    CheckpointReload(Arc<CheckpointError>),
     /// The operation failed and undoing it failed too.
     #[error(
         "{0}; rolling back also failed: {1} (the claim stays recorded and is rolled back on the next attempt)"
     )]
     RollbackFailed(Box<ClaimFailure>, Box<ClaimFailure>),
+}
+
+impl From<NodeAccessError> for ClaimFailure {
+    fn from(e: NodeAccessError) -> Self {
+        match e {
+            NodeAccessError::Lock(e) => Self::NodeLock(e),
+            NodeAccessError::Reload(e) => Self::CheckpointReload(e),
+        }
+    }
 }
 
 impl From<PlanError> for ClaimFailure {
@@ -178,6 +204,7 @@ impl ClaimFailure {
             Self::Cdi(_) => "CdiError",
             Self::NodeNotReady(_) => "DriverFilesUnavailable",
             Self::NodeLock(_) => "NodeLockUnavailable",
+            Self::CheckpointReload(_) => "CheckpointError",
             Self::RollbackFailed(..) => "RollbackFailed",
         }
     }
@@ -284,8 +311,22 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         self.inner.journal.claims()
     }
 
-    fn node_lock(&self) -> Result<NodeLock, NodeLockError> {
-        NodeLock::acquire(&self.inner.config.state_dir, self.inner.config.lock_timeout)
+    /// Takes the node lock and then brings the journal up to date with the checkpoint file:
+    /// during a rolling update another plugin instance may have prepared or unprepared claims
+    /// since this one last held the lock. Every path that reads records to act on them, or
+    /// writes them, goes through here first.
+    fn node_lock(&self) -> Result<NodeLock, NodeAccessError> {
+        let node = NodeLock::acquire(&self.inner.config.state_dir, self.inner.config.lock_timeout)
+            .map_err(|e| NodeAccessError::Lock(Arc::new(e)))?;
+        if self
+            .inner
+            .journal
+            .reload_if_changed()
+            .map_err(|e| NodeAccessError::Reload(Arc::new(e)))?
+        {
+            tracing::info!("the checkpoint was changed by another plugin instance; reloaded it");
+        }
+        Ok(node)
     }
 
     /// Locks the GPUs `record` touches.
@@ -313,7 +354,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     {
         let driver = self.clone();
         let task = tokio::task::spawn_blocking(move || {
-            let node = driver.node_lock().map_err(Arc::new);
+            let node = driver.node_lock();
             std::thread::scope(|scope| {
                 let handles: Vec<_> = items
                     .into_iter()
@@ -321,7 +362,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                         let (node, driver, work) = (&node, &driver, &work);
                         scope.spawn(move || {
                             let outcome = match node {
-                                Err(e) => Err(ClaimFailure::NodeLock(e.clone())),
+                                Err(e) => Err(ClaimFailure::from(e.clone())),
                                 Ok(node) => work(driver, node, &claim, item),
                             };
                             (claim, outcome)

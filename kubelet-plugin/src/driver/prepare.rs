@@ -24,9 +24,26 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         let started = Instant::now();
         let mut outcomes = HashMap::with_capacity(claims.len());
         let mut pending = Vec::new();
+        // The fast path below answers without the node lock, so first catch up with what
+        // another plugin instance (a rolling update) wrote: a claim it unprepared meanwhile
+        // must not be answered from this instance's stale copy. The file is replaced
+        // atomically, so reading it without the lock sees one whole version. When it cannot
+        // be read, every claim takes the locked path, which reports why.
+        let fresh = match self.inner.journal.reload_if_changed() {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot re-read the checkpoint; answering no claim from it before the node lock");
+                false
+            }
+        };
         for claim in claims {
             // Idempotency without an API call: a completed claim is answered from the record.
-            match self.inner.journal.completed(&claim.uid) {
+            let completed = if fresh {
+                self.inner.journal.completed(&claim.uid)
+            } else {
+                None
+            };
+            match completed {
                 Some(record) => {
                     self.inner.metrics.claim("prepare", true);
                     outcomes.insert(claim.uid.clone(), Ok(self.prepared_devices(&claim.uid, &record)));

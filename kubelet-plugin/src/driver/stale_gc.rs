@@ -188,7 +188,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// Tears down a stale claim under the node lock and its GPU locks, unless the record is
     /// gone or being prepared by then. Returns whether it was torn down. Blocking.
     fn release_stale(&self, uid: &str) -> Result<bool, ClaimFailure> {
-        let node = self.node_lock().map_err(|e| ClaimFailure::NodeLock(e.into()))?;
+        let node = self.node_lock()?;
         let Some(record) = self.inner.journal.get(uid) else {
             return Ok(false);
         };

@@ -11,5 +11,6 @@ mod lost_gpu;
 mod nvml_backend;
 mod real_gpus;
 mod recovery;
+mod rolling_update;
 mod stale_gc;
 mod support;

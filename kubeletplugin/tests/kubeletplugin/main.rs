@@ -6,5 +6,6 @@ mod authority;
 mod dra;
 mod health;
 mod registration;
+mod rolling_update;
 mod sockets;
 mod support;

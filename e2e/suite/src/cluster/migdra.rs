@@ -13,6 +13,11 @@ use serde_json::json;
 
 use super::{CHART_NAMESPACE, Cluster, DRIVER, HOOK_PATH, NODE, kubeconfig_yaml, wait_until, write};
 
+/// The kubelet plugin's component name (logs, pid file, [`Cluster::stop`]).
+pub const PLUGIN: &str = "migdra-kubelet-plugin";
+/// The second kubelet plugin of a rolling update ([`Cluster::start_surge_plugin`]).
+pub const SURGE_PLUGIN: &str = "migdra-kubelet-plugin-surge";
+
 /// Finds migdra's binaries: `$MIGDRA_BIN_DIR`, or the cargo target directory of the running
 /// executable (tests run from target/<profile>/deps, binaries from target/<profile>).
 pub(super) fn migdra_bin_dir() -> anyhow::Result<PathBuf> {
@@ -88,16 +93,39 @@ impl Cluster {
     }
 
     /// Starts (or restarts) migdra's kubelet plugin, as the chart's plugin ServiceAccount with
-    /// a token bound to the node.
+    /// a token bound to the node. It uses the fixed socket names.
     pub fn start_plugin(&mut self) -> anyhow::Result<()> {
+        self.start_plugin_process(PLUGIN, None)
+    }
+
+    /// Starts a second kubelet plugin process next to [`PLUGIN`], as a DaemonSet rolling update
+    /// with `maxSurge` does: socket names of its own (`--plugin-instance=<instance>`), its own
+    /// ports, the same state dir, CDI dir and GPUs. Stop it with `stop(SURGE_PLUGIN, …)`.
+    pub fn start_surge_plugin(&mut self, instance: &str) -> anyhow::Result<()> {
+        self.start_plugin_process(SURGE_PLUGIN, Some(instance))
+    }
+
+    fn start_plugin_process(
+        &mut self,
+        component: &'static str,
+        instance: Option<&str>,
+    ) -> anyhow::Result<()> {
         let l = self.layout.clone();
         let kubeconfig = self.plugin_kubeconfig.clone().context("no plugin token yet")?;
-        let http = self.port("plugin-http")?;
-        let grpc = self.port("plugin-grpc-health")?;
+        let (http, grpc) = if component == SURGE_PLUGIN {
+            (
+                self.port("surge-plugin-http")?,
+                self.port("surge-plugin-grpc-health")?,
+            )
+        } else {
+            (self.port("plugin-http")?, self.port("plugin-grpc-health")?)
+        };
+        let instance = format!("--plugin-instance={}", instance.unwrap_or_default());
         self.start_component(
-            "migdra-kubelet-plugin",
+            component,
             &l.migdra_bin.join("migdra-kubelet-plugin"),
             &[
+                &instance,
                 &format!("--kubeconfig={}", kubeconfig.display()),
                 &format!("--node-name={NODE}"),
                 &format!("--driver-name={DRIVER}"),

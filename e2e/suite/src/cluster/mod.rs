@@ -13,6 +13,8 @@ mod boot;
 mod migdra;
 mod teardown;
 
+pub use migdra::{PLUGIN, SURGE_PLUGIN};
+
 use std::{
     collections::BTreeMap,
     fs,

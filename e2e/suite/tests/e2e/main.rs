@@ -33,6 +33,7 @@ mod compat;
 mod faults;
 mod placement;
 mod pool;
+mod rolling_update;
 
 use std::{sync::Arc, time::Instant};
 
@@ -43,13 +44,14 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 6] = [
+const SUITE: [&[Test]; 7] = [
     pool::TESTS,
     allocation::TESTS,
     placement::TESTS,
     compat::TESTS,
     faults::TESTS,
     chart::TESTS,
+    rolling_update::TESTS,
 ];
 
 type Shared = Arc<Mutex<Cluster>>;
