@@ -10,7 +10,7 @@ use migdra_e2e::{
     workload::{self, create_pod, create_template, profile_is, wait_phase},
 };
 
-use crate::support::{SHORT, check_driver_files, device_health, instances, mig, settle};
+use crate::support::{SHORT, check_driver_files, device_health, instances, mig, mig_instance, settle};
 
 tests![
     mig_pod_gets_exactly_its_instance,
@@ -23,34 +23,7 @@ fn capability_minors(cluster: &Cluster, device: &str) -> anyhow::Result<Vec<i64>
     let DeviceName::Mig { minor, start, .. } = device.parse::<DeviceName>()? else {
         bail!("{device} is not MIG")
     };
-    let state = cluster.gpus()?;
-    let gi = state
-        .gpus
-        .iter()
-        .find(|g| g.minor == minor)
-        .context("no such GPU")?
-        .gpu_instances
-        .iter()
-        .find(|gi| gi.start == start)
-        .with_context(|| format!("no instance for {device}"))?
-        .clone();
-    let ci = gi.compute_instances.first().context("no compute instance")?;
-    let base = cluster.layout.gpu_host.join(format!(
-        "proc-root/driver/nvidia/capabilities/gpu{minor}/mig/gi{}",
-        gi.id
-    ));
-    let mut minors = Vec::new();
-    for access in [base.join("access"), base.join(format!("ci{}/access", ci.id))] {
-        let text = std::fs::read_to_string(&access)?;
-        minors.push(
-            text.lines()
-                .find_map(|l| l.strip_prefix("DeviceFileMinor:"))
-                .context("minor")?
-                .trim()
-                .parse()?,
-        );
-    }
-    Ok(minors)
+    Ok(mig_instance(cluster, minor, start)?.0)
 }
 
 async fn two_claims_in_one_container_get_both_devices_and_one_set_of_driver_files(

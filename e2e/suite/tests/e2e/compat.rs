@@ -17,7 +17,9 @@ use migdra_e2e::{
 };
 use serde_json::json;
 
-use crate::support::{SHORT, check_driver_files, gpu_uuid, instances, mig, settle, total_instances};
+use crate::support::{
+    SHORT, check_driver_files, gpu_uuid, instances, mig, mig_instance, settle, total_instances,
+};
 
 tests![
     device_plugin_mig_request_gets_an_instance_on_demand,
@@ -87,37 +89,6 @@ async fn extended_resource_claim(
             .get(&status.resource_claim_name)
             .await?,
     )
-}
-
-/// The MIG device's GI and CI capability minors and its CI UUID, from the simulated GPUs.
-fn mig_instance(cluster: &Cluster, minor: u32, start: u32) -> anyhow::Result<(Vec<i64>, String)> {
-    let state = cluster.gpus()?;
-    let gi = state
-        .gpus
-        .iter()
-        .find(|g| g.minor == minor)
-        .context("no such GPU")?
-        .gpu_instances
-        .iter()
-        .find(|gi| gi.start == start)
-        .with_context(|| format!("no instance at {start} on GPU {minor}"))?;
-    let ci = gi.compute_instances.first().context("no compute instance")?;
-    let base = cluster.layout.gpu_host.join(format!(
-        "proc-root/driver/nvidia/capabilities/gpu{minor}/mig/gi{}",
-        gi.id
-    ));
-    let mut minors = Vec::new();
-    for access in [base.join("access"), base.join(format!("ci{}/access", ci.id))] {
-        let text = std::fs::read_to_string(&access)?;
-        minors.push(
-            text.lines()
-                .find_map(|l| l.strip_prefix("DeviceFileMinor:"))
-                .context("no DeviceFileMinor")?
-                .trim()
-                .parse()?,
-        );
-    }
-    Ok((minors, ci.uuid.clone()))
 }
 
 async fn device_plugin_mig_request_gets_an_instance_on_demand(cluster: &mut Cluster) -> anyhow::Result<()> {

@@ -143,3 +143,34 @@ pub(crate) async fn device_health(cluster: &Cluster, pod: &str, device: &str) ->
             }
         })
 }
+
+/// The MIG device's GI and CI capability minors and its CI UUID, from the simulated GPUs.
+pub fn mig_instance(cluster: &Cluster, minor: u32, start: u32) -> anyhow::Result<(Vec<i64>, String)> {
+    let state = cluster.gpus()?;
+    let gi = state
+        .gpus
+        .iter()
+        .find(|g| g.minor == minor)
+        .context("no such GPU")?
+        .gpu_instances
+        .iter()
+        .find(|gi| gi.start == start)
+        .with_context(|| format!("no instance at {start} on GPU {minor}"))?;
+    let ci = gi.compute_instances.first().context("no compute instance")?;
+    let base = cluster.layout.gpu_host.join(format!(
+        "proc-root/driver/nvidia/capabilities/gpu{minor}/mig/gi{}",
+        gi.id
+    ));
+    let mut minors = Vec::new();
+    for access in [base.join("access"), base.join(format!("ci{}/access", ci.id))] {
+        let text = std::fs::read_to_string(&access)?;
+        minors.push(
+            text.lines()
+                .find_map(|l| l.strip_prefix("DeviceFileMinor:"))
+                .context("no DeviceFileMinor")?
+                .trim()
+                .parse()?,
+        );
+    }
+    Ok((minors, ci.uuid.clone()))
+}
