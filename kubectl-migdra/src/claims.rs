@@ -115,10 +115,7 @@ pub fn build(snapshot: &Snapshot, namespace: Option<&str>) -> ClaimsView {
 
 fn claim_row(snapshot: &Snapshot, usage: &Usage, claim: &ResourceClaim) -> Option<ClaimRow> {
     let key = ObjectRef::of_claim(claim);
-    let allocated = claim
-        .status
-        .as_ref()
-        .is_some_and(|s| s.allocation.is_some());
+    let allocated = claim.status.as_ref().is_some_and(|s| s.allocation.is_some());
     let devices: Vec<ClaimDevice> = allocation_results(claim)
         .filter(|r| r.driver == snapshot.driver)
         .map(|r| {
@@ -148,14 +145,15 @@ fn claim_row(snapshot: &Snapshot, usage: &Usage, claim: &ResourceClaim) -> Optio
     let node = devices.first().map(|d| node_of_pool(snapshot, &d.pool));
     let (state, message) = if !allocated {
         (ClaimState::Pending, None)
-    } else if let Some(failed) = devices
-        .iter()
-        .filter_map(|d| d.ready.as_ref())
-        .find(|r| !r.ready)
-    {
-        (ClaimState::Failed, failed.message.clone().or(failed.reason.clone()))
+    } else if let Some(failed) = devices.iter().filter_map(|d| d.ready.as_ref()).find(|r| !r.ready) {
+        (
+            ClaimState::Failed,
+            failed.message.clone().or(failed.reason.clone()),
+        )
     } else if devices.iter().all(|d| d.ready.as_ref().is_some_and(|r| r.ready))
-        || pods.iter().any(|p| p.phase == "Running" || p.phase == "Succeeded")
+        || pods
+            .iter()
+            .any(|p| p.phase == "Running" || p.phase == "Succeeded")
     {
         let message = devices
             .iter()
@@ -214,8 +212,7 @@ fn asks_for_driver(snapshot: &Snapshot, claim: &ResourceClaim) -> bool {
         .flat_map(|d| d.requests.iter().flatten())
         .any(|r| {
             r.exactly.as_ref().is_some_and(|e| ours(&e.device_class_name))
-                || r
-                    .first_available
+                || r.first_available
                     .iter()
                     .flatten()
                     .any(|s| ours(&s.device_class_name))
@@ -245,8 +242,7 @@ fn failure_event(snapshot: &Snapshot, claim: &ObjectRef, pods: &[PodUse]) -> Opt
                 && pods.iter().any(|p| {
                     o.namespace.as_deref() == Some(p.namespace.as_str())
                         && o.name.as_deref() == Some(p.name.as_str())
-                        && (single_claim(p)
-                            || e.message.as_deref().is_some_and(|m| m.contains(&claim.name)))
+                        && (single_claim(p) || e.message.as_deref().is_some_and(|m| m.contains(&claim.name)))
                 })
         })
         .max_by_key(|e| event_time(e))

@@ -180,14 +180,75 @@ pub fn parse_shape(profile: Option<&str>, memory: Option<&str>) -> Result<Shape,
             .map(Shape::Profile)
             .map_err(|e| CliError::Usage(e.to_string())),
         (None, Some(m)) => Shape::memory(m).map_err(CliError::Usage),
-        _ => Err(CliError::Usage("give either a PROFILE or --memory, not both".into())),
+        _ => Err(CliError::Usage(
+            "give either a PROFILE or --memory, not both".into(),
+        )),
     }
 }
 
-fn output<T: serde::Serialize>(view: &T, format: Format, text: impl Fn(&T) -> String) -> Result<String, CliError> {
+fn output<T: serde::Serialize>(
+    view: &T,
+    format: Format,
+    text: impl Fn(&T) -> String,
+) -> Result<String, CliError> {
     Ok(match format {
         Format::Text => text(view),
         Format::Json => render::json(view)?,
         Format::Yaml => render::yaml(view)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn global_flags_are_accepted_after_the_command_as_kubectl_passes_them() {
+        let cli = Cli::try_parse_from([
+            "kubectl-migdra",
+            "claims",
+            "-n",
+            "team-b",
+            "-o",
+            "json",
+            "--context",
+            "prod",
+        ])
+        .unwrap();
+        assert!(matches!(cli.command, Command::Claims));
+        assert_eq!(cli.global.namespace.as_deref(), Some("team-b"));
+        assert_eq!(cli.global.output, Format::Json);
+        assert_eq!(cli.global.context.as_deref(), Some("prod"));
+        assert_eq!(cli.global.driver, DEFAULT_DRIVER_NAME);
+    }
+
+    #[test]
+    fn fits_takes_a_profile_or_a_memory_size_but_not_both() {
+        let cli =
+            Cli::try_parse_from(["kubectl-migdra", "fits", "--memory", "20Gi", "--node", "n1"]).unwrap();
+        let Command::Fits {
+            profile,
+            memory,
+            node,
+        } = cli.command
+        else {
+            panic!("not fits")
+        };
+        assert_eq!(
+            (profile, memory.as_deref(), node.as_deref()),
+            (None, Some("20Gi"), Some("n1"))
+        );
+        assert!(Cli::try_parse_from(["kubectl-migdra", "fits"]).is_err());
+        assert!(Cli::try_parse_from(["kubectl-migdra", "fits", "1g.10gb", "--memory", "1Gi"]).is_err());
+        assert!(matches!(
+            parse_shape(Some("3g.40gb"), None),
+            Ok(Shape::Profile(_))
+        ));
+        assert!(matches!(parse_shape(Some("3g"), None), Err(CliError::Usage(_))));
+        assert!(
+            matches!(parse_shape(None, Some("20Gi")), Ok(Shape::Memory { bytes, .. }) if bytes == 20 << 30)
+        );
+    }
 }

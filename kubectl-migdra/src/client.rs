@@ -140,7 +140,13 @@ pub async fn snapshot(connection: &Connection, driver: &str, needs: &Needs) -> R
         .await?;
     }
     if needs.claims {
-        snapshot.claims = list(scoped::<ResourceClaim>(client, ns), &all, "resourceclaims", warnings).await?;
+        snapshot.claims = list(
+            scoped::<ResourceClaim>(client, ns),
+            &all,
+            "resourceclaims",
+            warnings,
+        )
+        .await?;
     }
     if needs.pods {
         snapshot.pods = list(scoped::<Pod>(client, ns), &all, "pods", warnings).await?;
@@ -150,7 +156,13 @@ pub async fn snapshot(connection: &Connection, driver: &str, needs: &Needs) -> R
         snapshot.events = list(scoped::<Event>(client, ns), &warning_events, "events", warnings).await?;
     }
     if needs.policies {
-        snapshot.policies = list(Api::<MigPolicy>::all(client.clone()), &all, "migpolicies", warnings).await?;
+        snapshot.policies = list(
+            Api::<MigPolicy>::all(client.clone()),
+            &all,
+            "migpolicies",
+            warnings,
+        )
+        .await?;
     }
     if needs.device_classes {
         snapshot.device_classes = list(

@@ -306,7 +306,11 @@ fn rebuild_plan(gpu_node: &GpuNode, slices: &[&ResourceSlice]) -> (PoolPlan, Vec
         };
         let (kind, mig) = match name {
             DeviceName::Gpu { .. } => (PlannedKind::Gpu, None),
-            DeviceName::Mig { minor, profile, start } => {
+            DeviceName::Mig {
+                minor,
+                profile,
+                start,
+            } => {
                 let Some(p) = gpus
                     .iter()
                     .find(|g| g.minor == minor)
@@ -361,7 +365,11 @@ fn rebuild_plan(gpu_node: &GpuNode, slices: &[&ResourceSlice]) -> (PoolPlan, Vec
 /// A counter's value in the plan's units (MiB for `memory`, a count otherwise).
 fn counter_value(name: &str, quantity_text: &str) -> u64 {
     let value = quantity::parse(quantity_text).unwrap_or(0);
-    let value = if name == MEMORY_COUNTER { value >> 20 } else { value };
+    let value = if name == MEMORY_COUNTER {
+        value >> 20
+    } else {
+        value
+    };
     u64::try_from(value).unwrap_or(u64::MAX)
 }
 
@@ -413,12 +421,16 @@ fn explain(plan: &PoolPlan, holders: &BTreeMap<usize, &[DeviceUse]>, index: usiz
         .unwrap_or_default();
     // Memory slices first, in slice order, then the budgets.
     let mut needs: Vec<(&String, &u64)> = device.consumes.iter().collect();
-    needs.sort_by_key(|(name, _)| (!name.starts_with("memory-slice-"), slice_number(name), (*name).clone()));
+    needs.sort_by_key(|(name, _)| {
+        (
+            !name.starts_with("memory-slice-"),
+            slice_number(name),
+            (*name).clone(),
+        )
+    });
+    // Memory slices by who holds them; budgets by how much is short.
     let mut by_holder: Vec<(String, Vec<String>)> = Vec::new();
-    let mut push = |holder: String, counter: String| match by_holder.iter_mut().find(|(h, _)| *h == holder) {
-        Some((_, counters)) => counters.push(counter),
-        None => by_holder.push((holder, vec![counter])),
-    };
+    let mut short_budgets: Vec<String> = Vec::new();
     for (counter, need) in needs {
         let have = total.get(counter).copied().unwrap_or(0);
         let users: Vec<(usize, u64)> = holders
@@ -431,33 +443,47 @@ fn explain(plan: &PoolPlan, holders: &BTreeMap<usize, &[DeviceUse]>, index: usiz
             })
             .collect();
         let used: u64 = users.iter().map(|(_, v)| v).sum();
-        if have.saturating_sub(used) >= *need {
+        let left = have.saturating_sub(used);
+        if left >= *need {
             continue;
         }
-        if users.is_empty() {
-            let holder = if counter.starts_with("memory-slice-") {
-                "held by an instance migdra did not create".to_string()
-            } else {
-                format!("not in the GPU's remaining budget ({have} published)")
-            };
-            push(holder, counter.clone());
+        if !counter.starts_with("memory-slice-") {
+            let unit = if counter == MEMORY_COUNTER { "Mi" } else { "" };
+            short_budgets.push(format!("{counter} (needs {need}{unit}, {left}{unit} left)"));
+            continue;
+        }
+        let holders_of_slice: Vec<String> = if users.is_empty() {
+            vec!["held by an instance migdra did not create".to_string()]
         } else {
-            for (i, _) in users {
-                push(
-                    format!("used by {}", holder_text(plan, i, holders.get(&i).copied().unwrap_or(&[]))),
-                    counter.clone(),
-                );
+            users
+                .iter()
+                .map(|(i, _)| {
+                    format!(
+                        "used by {}",
+                        holder_text(plan, *i, holders.get(i).copied().unwrap_or(&[]))
+                    )
+                })
+                .collect()
+        };
+        for holder in holders_of_slice {
+            match by_holder.iter_mut().find(|(h, _)| *h == holder) {
+                Some((_, counters)) => counters.push(counter.clone()),
+                None => by_holder.push((holder, vec![counter.clone()])),
             }
         }
     }
-    if by_holder.is_empty() {
-        return "does not fit the remaining counters".into();
-    }
-    by_holder
+    let mut parts: Vec<String> = by_holder
         .into_iter()
         .map(|(holder, counters)| format!("{} {holder}", counters.join(",")))
-        .collect::<Vec<_>>()
-        .join("; ")
+        .collect();
+    // Budgets matter only when the slices are free: slices held by others explain it all.
+    if parts.is_empty() && !short_budgets.is_empty() {
+        parts.push(format!("budget short: {}", short_budgets.join(", ")));
+    }
+    if parts.is_empty() {
+        return "does not fit the remaining counters".into();
+    }
+    parts.join("; ")
 }
 
 fn slice_number(counter: &str) -> u32 {
@@ -503,8 +529,19 @@ fn not_published(snapshot: &Snapshot, gpu_node: &GpuNode, shape: &Shape) -> Stri
                 _ => {}
             }
         }
-        if gpus.iter().all(|g| !g.health.healthy) {
-            return format!("the pool publishes no {profile} device: every GPU of the node is unhealthy");
+        let with_profile = gpus.iter().filter(|g| {
+            g.mig
+                .as_ref()
+                .is_some_and(|m| m.geometry.profile_by_name(profile).is_some())
+        });
+        if with_profile.clone().all(|g| !g.health.healthy) {
+            return format!(
+                "the pool publishes no {profile} device: every GPU with the profile is unhealthy ({})",
+                with_profile
+                    .map(|g| format!("GPU {}", g.minor))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
         }
         return format!("the pool publishes no {profile} device");
     }

@@ -292,9 +292,11 @@ fn mig_layout(layout: &mut GpuLayout, usage: &Usage, pool: &str, mig: &MigInvent
         .instances
         .iter()
         .map(|instance| {
-            let profile = instance
-                .profile
-                .or_else(|| geometry.profile_by_id(instance.placement.profile_id).map(|p| p.name));
+            let profile = instance.profile.or_else(|| {
+                geometry
+                    .profile_by_id(instance.placement.profile_id)
+                    .map(|p| p.name)
+            });
             let device = profile.map(|profile| {
                 DeviceName::Mig {
                     minor,
@@ -359,9 +361,17 @@ fn mig_layout(layout: &mut GpuLayout, usage: &Usage, pool: &str, mig: &MigInvent
             users: users.to_vec(),
         });
     }
-    instances.sort_by(|a, b| (a.start, a.memory_slices.len()).cmp(&(b.start, b.memory_slices.len())));
+    instances.sort_by_key(|i| (i.start, i.memory_slices.len()));
 
     let whole = !layout.whole_gpu.is_empty();
+    let existing: Vec<Placement> = instances
+        .iter()
+        .filter(|i| geometry.profile_by_id(i.profile_id).is_some())
+        .map(|i| Placement {
+            profile_id: i.profile_id,
+            start: i.start,
+        })
+        .collect();
     layout.slice_map = (0..geometry.budget.memory_slices)
         .map(|s| {
             if whole {
@@ -377,27 +387,29 @@ fn mig_layout(layout: &mut GpuLayout, usage: &Usage, pool: &str, mig: &MigInvent
                 })
         })
         .collect();
+    layout.instances = instances;
 
     // Placements are free only where NVML would create an instance: MIG on, or switchable on
     // demand, and the whole GPU not taken.
     if whole || !(mig.enabled || mig.mode_switchable) {
         return;
     }
-    let existing: Vec<Placement> = instances
-        .iter()
-        .filter(|i| geometry.profile_by_id(i.profile_id).is_some())
-        .map(|i| Placement {
-            profile_id: i.profile_id,
-            start: i.start,
-        })
-        .collect();
     layout.free = free_placements(geometry, &existing);
     let free_slices = count_u32(layout.slice_map.iter().filter(|s| **s == SliceUse::Free).count());
     let largest = layout
         .free
         .iter()
         .filter_map(|f| geometry.profile_by_name(&f.profile.parse().ok()?))
-        .max_by_key(|p| (p.memory_slices, p.compute_slices));
+        // The first of the largest in profile-table order: the plain profile before its variants.
+        .fold(
+            None,
+            |best: Option<&migdra_api::geometry::MigProfile>, p| match best {
+                Some(b) if (b.memory_slices, b.compute_slices) >= (p.memory_slices, p.compute_slices) => {
+                    Some(b)
+                }
+                _ => Some(p),
+            },
+        );
     let largest_fit_slices = largest.map_or(0, |p| p.memory_slices).min(free_slices);
     let stranded_slices = free_slices - largest_fit_slices;
     layout.fragmentation = Some(Fragmentation {

@@ -181,7 +181,10 @@ impl Usage {
     }
 
     /// Every allocated device of `pool`, by device name.
-    pub fn pool_devices<'a>(&'a self, pool: &'a str) -> impl Iterator<Item = (&'a str, &'a [DeviceUse])> + 'a {
+    pub fn pool_devices<'a>(
+        &'a self,
+        pool: &'a str,
+    ) -> impl Iterator<Item = (&'a str, &'a [DeviceUse])> + 'a {
         self.by_device
             .iter()
             .filter(move |((p, _), _)| p == pool)
@@ -255,11 +258,7 @@ pub fn device_status<'a>(
 
 /// The `Ready` condition of a device status.
 pub fn ready_condition(status: &AllocatedDeviceStatus) -> Option<ReadyCondition> {
-    let condition = status
-        .conditions
-        .iter()
-        .flatten()
-        .find(|c| c.type_ == "Ready")?;
+    let condition = status.conditions.iter().flatten().find(|c| c.type_ == "Ready")?;
     Some(ReadyCondition {
         ready: condition.status == "True",
         reason: Some(condition.reason.clone()).filter(|r| !r.is_empty()),

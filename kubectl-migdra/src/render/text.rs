@@ -71,13 +71,17 @@ fn gpu_text(out: &mut String, gpu: &GpuLayout, style: &Style) {
     };
     let _ = writeln!(
         out,
-        "  {} {}  {mode}{health}  {}",
+        "  {}  {}  {mode}{health}  {}",
         style.paint(&format!("GPU {}", gpu.minor), Paint::Bold),
         gpu.product,
         style.paint(&gpu.uuid, Paint::Dim)
     );
     if !gpu.whole_gpu.is_empty() {
-        let _ = writeln!(out, "    whole GPU  {}", style.paint(&users_text(&gpu.whole_gpu), Paint::Cyan));
+        let _ = writeln!(
+            out,
+            "    whole GPU  {}",
+            style.paint(&users_text(&gpu.whole_gpu), Paint::Cyan)
+        );
     } else if gpu.mig != MigMode::Enabled && gpu.instances.is_empty() {
         let _ = writeln!(out, "    whole GPU  idle");
     }
@@ -92,9 +96,11 @@ fn gpu_text(out: &mut String, gpu: &GpuLayout, style: &Style) {
         instance_text(out, gpu, instance, style);
     }
     if let Some(f) = &gpu.fragmentation {
-        let map = slice_map(gpu.memory_slices, |s| gpu.slice_map.get(s as usize) == Some(&SliceUse::Free));
+        let map = slice_map(gpu.memory_slices, |s| {
+            gpu.slice_map.get(s as usize) == Some(&SliceUse::Free)
+        });
         let largest = match &f.largest_fit {
-            Some(p) => format!("largest fit {p} ({} slices)", f.largest_fit_slices),
+            Some(p) => format!("largest fit {p} ({})", slices_text(f.largest_fit_slices)),
             None => "nothing fits".to_string(),
         };
         let stranded = format!("{} stranded ({}%)", f.stranded_slices, f.percent);
@@ -158,6 +164,14 @@ fn instance_text(out: &mut String, gpu: &GpuLayout, instance: &InstanceLayout, s
         style.paint(&map, paint),
         style.paint(&who, paint)
     );
+}
+
+fn slices_text(n: u32) -> String {
+    if n == 1 {
+        "1 slice".to_string()
+    } else {
+        format!("{n} slices")
+    }
 }
 
 fn slice_map(slices: u32, covers: impl Fn(u32) -> bool) -> String {
@@ -248,8 +262,16 @@ pub fn claims(view: &ClaimsView, style: &Style) -> String {
                 c.name.clone(),
                 format!("{:?}", c.state),
                 c.node.clone().unwrap_or_else(|| "-".into()),
-                if devices.is_empty() { "-".into() } else { devices.join(",") },
-                if pods.is_empty() { "-".into() } else { pods.join(", ") },
+                if devices.is_empty() {
+                    "-".into()
+                } else {
+                    devices.join(",")
+                },
+                if pods.is_empty() {
+                    "-".into()
+                } else {
+                    pods.join(", ")
+                },
             ]
         })
         .collect();
@@ -295,7 +317,11 @@ pub fn claims(view: &ClaimsView, style: &Style) -> String {
         if claim.state == ClaimState::Failed
             && let Some(message) = &claim.message
         {
-            let _ = writeln!(out, "  {}", style.paint(&format!("message: {message}"), Paint::Red));
+            let _ = writeln!(
+                out,
+                "  {}",
+                style.paint(&format!("message: {message}"), Paint::Red)
+            );
         }
     }
     out
