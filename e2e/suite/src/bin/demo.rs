@@ -1,6 +1,7 @@
 //! The migdra demo: brings up a local cluster with simulated GPUs (two H100-80GB and one
 //! A100-40GB), runs workloads asking for different MIG profiles, prints each GPU's MIG layout
-//! (which placement is used by which pod), and tears everything down on exit or Ctrl-C.
+//! (which placement is used by which pod, as `kubectl migdra layout` prints it), and tears
+//! everything down on exit or Ctrl-C.
 //!
 //! Run: `make demo` (or `cargo build --workspace && cargo run -p migdra-e2e --bin migdra-demo`).
 
@@ -22,9 +23,9 @@ fn mig(selectors: Vec<String>) -> Request {
     }
 }
 
+/// Prints the layout as `kubectl migdra layout` does.
 async fn show(cluster: &Cluster, title: &str) -> anyhow::Result<()> {
-    let owners = layout::device_owners(&cluster.client).await?;
-    println!("\n== {title}\n{}", layout::render(&cluster.gpus()?, &owners));
+    println!("\n== {title}\n{}", layout::render(cluster).await?);
     Ok(())
 }
 
@@ -107,6 +108,7 @@ async fn run(cluster: &Cluster) -> anyhow::Result<()> {
 
     println!("Deleting inference-a and training...");
     workload::delete_pods(c, &["inference-a", "training"]).await?;
+    // The kubelet unprepares (and the plugin destroys the instances) just after the pods go.
     tokio::time::sleep(Duration::from_secs(3)).await;
     show(
         cluster,
