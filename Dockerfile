@@ -1,9 +1,14 @@
 # syntax=docker/dockerfile:1
 #
-# migdra images. One builder compiles both binaries; each runtime stage carries one of them.
+# migdra images. One builder compiles the binaries; each runtime stage carries one of them.
 #
 #   docker build --target controller     -t ghcr.io/migdra/migdra-controller:0.1.0 .
 #   docker build --target kubelet-plugin -t ghcr.io/migdra/migdra-kubelet-plugin:0.1.0 .
+#   docker build --target kubectl-migdra -t ghcr.io/migdra/kubectl-migdra:0.1.0 .
+#
+# The kubectl plugin is a client-side binary: its image exists to ship the binary built with
+# the same toolchain as the release (`docker run --rm ghcr.io/migdra/kubectl-migdra:0.1.0
+# --help`, or copy /usr/local/bin/kubectl-migdra out of it onto your PATH).
 #
 # The builder and the runtime images are the same Debian release (trixie), so the binaries
 # link against the glibc they run with. The kubelet plugin does not ship NVML: it dlopens
@@ -19,9 +24,9 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
     --mount=type=cache,target=/src/target,sharing=locked \
-    cargo build --release --locked -p migdra-controller -p migdra-kubelet-plugin \
+    cargo build --release --locked -p migdra-controller -p migdra-kubelet-plugin -p kubectl-migdra \
     && mkdir -p /out \
-    && cp target/release/migdra-controller target/release/migdra-kubelet-plugin /out/
+    && cp target/release/migdra-controller target/release/migdra-kubelet-plugin target/release/kubectl-migdra /out/
 
 FROM debian:${DEBIAN_RELEASE}-slim AS runtime-base
 LABEL org.opencontainers.image.source="https://github.com/migdra/migdra" \
@@ -41,3 +46,12 @@ LABEL org.opencontainers.image.title="migdra-kubelet-plugin" \
       org.opencontainers.image.description="migdra kubelet plugin: creates and destroys NVIDIA MIG instances for DRA claims"
 COPY --from=builder /out/migdra-kubelet-plugin /usr/local/bin/migdra-kubelet-plugin
 ENTRYPOINT ["/usr/local/bin/migdra-kubelet-plugin"]
+
+# kubectl plugin: read-only client; runs as an unprivileged user. Mount a kubeconfig to use it
+# from the image, e.g. `docker run --rm -v ~/.kube:/kube:ro -e KUBECONFIG=/kube/config ...`.
+FROM runtime-base AS kubectl-migdra
+LABEL org.opencontainers.image.title="kubectl-migdra" \
+      org.opencontainers.image.description="kubectl migdra: MIG layouts, placement predictions and claim states of migdra's GPUs"
+COPY --from=builder /out/kubectl-migdra /usr/local/bin/kubectl-migdra
+USER 65532:65532
+ENTRYPOINT ["/usr/local/bin/kubectl-migdra"]

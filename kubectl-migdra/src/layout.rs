@@ -191,9 +191,12 @@ pub struct Fragmentation {
     pub largest_fit: Option<String>,
     /// Memory slices of that profile.
     pub largest_fit_slices: u32,
-    /// Free slices the largest fitting instance cannot use: `freeSlices - largestFitSlices`.
+    /// Free slices beyond what one instance of the largest fitting profile covers:
+    /// `freeSlices - largestFitSlices`. They may still take smaller instances; what they
+    /// measure is how far the free memory is from being one usable block.
     pub stranded_slices: u32,
-    /// `strandedSlices` as a percentage of `freeSlices`, rounded down (0 when nothing is free).
+    /// The fragmentation figure: `strandedSlices` as a percentage of `freeSlices`, rounded
+    /// down (0 when nothing is free, 100 when free slices take no profile at all).
     pub percent: u32,
 }
 

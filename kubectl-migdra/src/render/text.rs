@@ -99,23 +99,30 @@ fn gpu_text(out: &mut String, gpu: &GpuLayout, style: &Style) {
         let map = slice_map(gpu.memory_slices, |s| {
             gpu.slice_map.get(s as usize) == Some(&SliceUse::Free)
         });
-        let largest = match &f.largest_fit {
-            Some(p) => format!("largest fit {p} ({})", slices_text(f.largest_fit_slices)),
-            None => "nothing fits".to_string(),
+        let summary = match &f.largest_fit {
+            _ if f.free_slices == 0 => "none".to_string(),
+            Some(p) => {
+                let fragmentation = format!("fragmentation {}%", f.percent);
+                let fragmentation = if f.percent > 0 {
+                    style.paint(&fragmentation, Paint::Yellow)
+                } else {
+                    fragmentation
+                };
+                format!(
+                    "{} of {}; largest fit {p} ({}); {fragmentation}",
+                    f.free_slices,
+                    slices_text(gpu.memory_slices),
+                    slices_text(f.largest_fit_slices)
+                )
+            }
+            None => format!(
+                "{} of {}; {}",
+                f.free_slices,
+                slices_text(gpu.memory_slices),
+                style.paint("no profile fits (fragmentation 100%)", Paint::Yellow)
+            ),
         };
-        let stranded = format!("{} stranded ({}%)", f.stranded_slices, f.percent);
-        let stranded = if f.stranded_slices > 0 {
-            style.paint(&stranded, Paint::Yellow)
-        } else {
-            stranded
-        };
-        let _ = writeln!(
-            out,
-            "    free [{}]  {} of {} slices; {largest}; {stranded}",
-            style.paint(&map, Paint::Green),
-            f.free_slices,
-            gpu.memory_slices
-        );
+        let _ = writeln!(out, "    free [{}]  {summary}", style.paint(&map, Paint::Green));
         if !gpu.free.is_empty() {
             let placements: Vec<String> = gpu
                 .free
