@@ -93,7 +93,7 @@ pub struct DeviceUse {
     pub request: String,
     /// Pods using the claim.
     pub pods: Vec<PodUse>,
-    /// MIG UUID the plugin reported in `status.devices[].data`.
+    /// MIG UUID the plugin reported in `status.devices[].data` (see [`mig_uuid`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mig_uuid: Option<String>,
     /// The plugin's `Ready` condition, when it wrote one.
@@ -266,12 +266,50 @@ pub fn ready_condition(status: &AllocatedDeviceStatus) -> Option<ReadyCondition>
     })
 }
 
-/// The MIG UUID in a device status's `data` (the plugin writes it as `migUUID`; the other
-/// spellings are accepted so that a renamed key does not silently hide it).
+/// The MIG UUID in a device status's `data`. The plugin writes `{"type": "mig", "uuid":
+/// "MIG-…", "parentUUID": …}` for a MIG device (and `"type": "gpu"` with the GPU's UUID for a
+/// whole GPU, which is not a MIG UUID); a `migUUID` key is accepted as well.
 pub fn mig_uuid(status: &AllocatedDeviceStatus) -> Option<String> {
     let data = &status.data.as_ref()?.0;
-    ["migUUID", "migUuid", "mig_uuid"]
-        .iter()
-        .find_map(|key| data.get(key).and_then(|v| v.as_str()))
+    let tagged = (data.get("type").and_then(|t| t.as_str()) == Some("mig"))
+        .then(|| data.get("uuid"))
+        .flatten();
+    tagged
+        .or_else(|| data.get("migUUID"))
+        .and_then(|v| v.as_str())
+        .filter(|u| u.starts_with("MIG-"))
         .map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn status(data: serde_json::Value) -> AllocatedDeviceStatus {
+        serde_json::from_value(json!({"driver": "d", "pool": "p", "device": "x", "data": data})).unwrap()
+    }
+
+    #[test]
+    fn only_a_mig_entry_yields_a_mig_uuid() {
+        let mig = status(json!({"type": "mig", "uuid": "MIG-abc", "parentUUID": "GPU-1"}));
+        assert_eq!(mig_uuid(&mig).as_deref(), Some("MIG-abc"));
+        let whole = status(json!({"type": "gpu", "uuid": "GPU-1"}));
+        assert_eq!(mig_uuid(&whole), None);
+        assert_eq!(
+            mig_uuid(&status(json!({"migUUID": "MIG-def"}))).as_deref(),
+            Some("MIG-def")
+        );
+        assert_eq!(mig_uuid(&status(json!({"type": "mig", "uuid": "garbage"}))), None);
+    }
+
+    #[test]
+    fn namespaced_names_parse_only_with_both_parts() {
+        assert_eq!(ObjectRef::parse("ns/name"), Some(ObjectRef::new("ns", "name")));
+        assert_eq!(ObjectRef::parse("name"), None);
+        assert_eq!(ObjectRef::parse("/name"), None);
+    }
 }

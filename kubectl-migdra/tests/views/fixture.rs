@@ -176,7 +176,9 @@ pub fn claims() -> Vec<ResourceClaim> {
         "driver": DRIVER, "pool": pool, "device": "gpu-0-mig-1g10gb-0",
         "conditions": [{"type": "Ready", "status": "True", "reason": "Prepared", "message": "MIG instance created",
             "lastTransitionTime": "2026-12-01T20:00:00Z"}],
-        "data": {"migUUID": "MIG-11111111-2222-3333-4444-555555555555", "gpuUUID": "GPU-x"},
+        "data": {"type": "mig", "uuid": "MIG-11111111-2222-3333-4444-555555555555", "parentUUID": "GPU-x",
+            "gpuIndex": 0, "gpuMinor": 0, "gpuInstanceID": 7, "computeInstanceID": 0, "profile": "1g.10gb",
+            "placement": {"start": 0, "size": 1}},
     }]);
     vec![
         claim("default", "train-a-gpu", train),
