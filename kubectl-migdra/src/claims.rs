@@ -3,8 +3,8 @@
 //! has not prepared them), `Prepared` (the plugin's `Ready` condition in `status.devices`, or,
 //! where the plugin writes no status, a pod using the claim is running, which the kubelet
 //! allows only after a successful prepare) and `Failed` (a `Ready` condition that is false,
-//! or the kubelet's `FailedPrepareDynamicResources` event on a pod of the claim, which carries
-//! the plugin's message).
+//! or the newest of the kubelet's `FailedPrepareDynamicResources` events on a pod of the claim,
+//! which carry the plugin's message, and the plugin's own Warning events on the claim).
 
 use k8s_openapi::{
     api::{core::v1::Event, resource::v1::ResourceClaim},
@@ -219,8 +219,10 @@ fn asks_for_driver(snapshot: &Snapshot, claim: &ResourceClaim) -> bool {
         })
 }
 
-/// The newest prepare failure the kubelet reported on a pod of the claim. A pod with several
-/// claims counts only when the message names this claim.
+/// The newest prepare failure reported for the claim: the kubelet's
+/// [`FAILED_PREPARE_REASON`] event on a pod of the claim (a pod with several claims counts
+/// only when the message names this claim), or a Warning event the plugin recorded on the
+/// claim itself (its message prefixed with the event's reason).
 fn failure_event(snapshot: &Snapshot, claim: &ObjectRef, pods: &[PodUse]) -> Option<String> {
     let single_claim = |pod: &PodUse| {
         snapshot
@@ -232,21 +234,35 @@ fn failure_event(snapshot: &Snapshot, claim: &ObjectRef, pods: &[PodUse]) -> Opt
             })
             .is_none_or(|p| claim_names(p).len() <= 1)
     };
+    let on_pod = |e: &Event| {
+        let o = &e.involved_object;
+        e.reason.as_deref() == Some(FAILED_PREPARE_REASON)
+            && o.kind.as_deref() == Some("Pod")
+            && pods.iter().any(|p| {
+                o.namespace.as_deref() == Some(p.namespace.as_str())
+                    && o.name.as_deref() == Some(p.name.as_str())
+                    && (single_claim(p) || e.message.as_deref().is_some_and(|m| m.contains(&claim.name)))
+            })
+    };
+    let on_claim = |e: &Event| {
+        let o = &e.involved_object;
+        e.type_.as_deref() == Some("Warning")
+            && o.kind.as_deref() == Some("ResourceClaim")
+            && o.namespace.as_deref() == Some(claim.namespace.as_str())
+            && o.name.as_deref() == Some(claim.name.as_str())
+    };
     snapshot
         .events
         .iter()
-        .filter(|e| e.reason.as_deref() == Some(FAILED_PREPARE_REASON))
-        .filter(|e| {
-            let o = &e.involved_object;
-            o.kind.as_deref() == Some("Pod")
-                && pods.iter().any(|p| {
-                    o.namespace.as_deref() == Some(p.namespace.as_str())
-                        && o.name.as_deref() == Some(p.name.as_str())
-                        && (single_claim(p) || e.message.as_deref().is_some_and(|m| m.contains(&claim.name)))
-                })
-        })
+        .filter(|e| on_pod(e) || on_claim(e))
         .max_by_key(|e| event_time(e))
-        .and_then(|e| e.message.clone())
+        .and_then(|e| {
+            let message = e.message.clone()?;
+            Some(match e.reason.as_deref() {
+                Some(reason) if on_claim(e) && !reason.is_empty() => format!("{reason}: {message}"),
+                _ => message,
+            })
+        })
 }
 
 fn event_time(event: &Event) -> Option<Timestamp> {

@@ -322,7 +322,10 @@ fn mig_layout(layout: &mut GpuLayout, usage: &Usage, pool: &str, mig: &MigInvent
                     InstanceOwner::Migdra => InstanceOwnerView::Migdra,
                     InstanceOwner::Foreign => InstanceOwnerView::Foreign,
                 },
-                mig_uuid: users.iter().find_map(|u| u.mig_uuid.clone()),
+                mig_uuid: users
+                    .iter()
+                    .find_map(|u| u.mig_uuid.clone())
+                    .or_else(|| recorded_mig_uuid(instance)),
                 device,
                 recorded_claim: instance.claim.clone(),
                 users,
@@ -453,6 +456,18 @@ pub fn free_placements(geometry: &MigGeometry, existing: &[Placement]) -> Vec<Fr
             })
         })
         .collect()
+}
+
+/// The MIG UUID the plugin recorded for an instance in the GpuNode (`migUuid`), when its
+/// version records one. Read through the instance's serde form so that this crate builds
+/// against GpuNode schemas with and without the field.
+fn recorded_mig_uuid(instance: &migdra_api::inventory::MigInstance) -> Option<String> {
+    let value = serde_json::to_value(instance).ok()?;
+    value
+        .get("migUuid")
+        .and_then(|u| u.as_str())
+        .filter(|u| u.starts_with("MIG-"))
+        .map(str::to_string)
 }
 
 fn covered(geometry: &MigGeometry, placement: Placement) -> Vec<u32> {

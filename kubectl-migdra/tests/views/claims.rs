@@ -70,6 +70,34 @@ fn without_a_ready_condition_or_a_running_pod_an_allocated_claim_is_only_allocat
 }
 
 #[test]
+fn a_warning_the_plugin_recorded_on_the_claim_counts_when_it_is_newest() {
+    let mut snapshot = fixture::snapshot();
+    snapshot.events.push(
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": "infer-b-gpu.1", "namespace": "default"},
+            "involvedObject": {"kind": "ResourceClaim", "namespace": "default", "name": "infer-b-gpu"},
+            "reason": "MigModeChangePending",
+            "type": "Warning",
+            "eventTime": "2026-12-01T20:00:09.000000Z",
+            "message": "GPU 0 needs a reset to enable MIG",
+        }))
+        .unwrap(),
+    );
+    let view = claims::build(&snapshot, Some("default"));
+    let claim = view.claims.iter().find(|c| c.name == "infer-b-gpu").unwrap();
+    assert_eq!(claim.state, ClaimState::Failed);
+    assert_eq!(
+        claim.message.as_deref(),
+        Some("MigModeChangePending: GPU 0 needs a reset to enable MIG")
+    );
+    // The same warning on a claim whose pod runs does not make it failed.
+    let train = view.claims.iter().find(|c| c.name == "train-a-gpu").unwrap();
+    assert_eq!(train.state, ClaimState::Prepared);
+}
+
+#[test]
 fn claims_renderings_match_the_goldens() {
     let view = claims::build(&fixture::snapshot(), None);
     golden::check("claims.txt", &text::claims(&view, &Style::PLAIN));

@@ -22,10 +22,10 @@ use k8s_openapi::{
 use kubectl_migdra::snapshot::Snapshot;
 use migdra_api::{
     catalog,
-    geometry::{Placement, gpu_instance_id},
+    geometry::gpu_instance_id,
     inventory::{
         GpuHealth, GpuInventory, GpuNode, GpuNodeSpec, GpuNodeStatus, InstanceOwner, MigInstance,
-        PluginStatus, PublicationStatus, pool_name,
+        PublicationStatus, pool_name,
     },
     policy::EffectivePolicy,
     profile::ProfileName,
@@ -46,16 +46,15 @@ fn instance(
     let mig = gpu.mig.as_ref().unwrap();
     let name: ProfileName = profile.parse().unwrap();
     let p = mig.geometry.profile_by_name(&name).unwrap();
-    MigInstance {
-        profile: Some(name),
-        placement: Placement {
-            profile_id: p.gi_profile_id,
-            start,
-        },
-        gpu_instance_id: gpu_instance_id(start, p.memory_slices, mig.geometry.budget.memory_slices, false),
-        owner,
-        claim: claim.map(str::to_string),
-    }
+    // Through serde, so fields later versions add (all optional) take their defaults.
+    serde_json::from_value(json!({
+        "profile": name.to_string(),
+        "placement": {"profileId": p.gi_profile_id, "start": start},
+        "gpuInstanceId": gpu_instance_id(start, p.memory_slices, mig.geometry.budget.memory_slices, false),
+        "owner": owner,
+        "claim": claim,
+    }))
+    .unwrap()
 }
 
 /// The node's GPU inventory.
@@ -102,27 +101,26 @@ pub fn gpu_node(gpus: Vec<GpuInventory>) -> GpuNode {
             driver: DRIVER.into(),
         },
     );
-    let time = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time("2026-12-01T20:00:00Z".parse().unwrap());
     node.status = Some(GpuNodeStatus {
-        plugin: Some(PluginStatus {
-            version: "0.1.0".into(),
-            registered: true,
-            registration_error: None,
-            start_time: time.clone(),
-            heartbeat_time: time,
-            heartbeat_interval_seconds: 15,
-            driver_version: Some("580.82.07".into()),
-        }),
+        plugin: Some(
+            serde_json::from_value(json!({
+                "version": "0.1.0",
+                "registered": true,
+                "startTime": "2026-12-01T20:00:00Z",
+                "heartbeatTime": "2026-12-01T20:00:00Z",
+                "heartbeatIntervalSeconds": 15,
+                "driverVersion": "580.82.07",
+            }))
+            .unwrap(),
+        ),
         gpus: Some(gpus),
         publication: Some(PublicationStatus {
             pool: pool_name(NODE, DRIVER),
             generation: 1,
-            slices: 0,
-            devices: 0,
             gpus: 3,
-            policy: None,
+            ..PublicationStatus::default()
         }),
-        conditions: None,
+        ..GpuNodeStatus::default()
     });
     node
 }
