@@ -101,6 +101,20 @@ impl Journal {
             .collect()
     }
 
+    /// The other claims holding shares of `device` (a shared device's record): uid, record and
+    /// their record of the device. The instance must outlive each of them.
+    pub fn other_holders(&self, uid: &str, device: &DeviceRecord) -> Vec<(String, ClaimRecord)> {
+        self.lock()
+            .data()
+            .claims
+            .iter()
+            .filter(|(other, r)| {
+                *other != uid && r.devices.iter().any(|d| d.same_shared_instance(device))
+            })
+            .map(|(u, r)| (u.clone(), r.clone()))
+            .collect()
+    }
+
     /// Records the intent to prepare: the claim and the placements it will create, before
     /// anything is created.
     pub fn start_prepare(
@@ -172,6 +186,7 @@ mod tests {
             gpu_minor: 0,
             kind: DeviceKind::Gpu,
             env: BTreeMap::new(),
+            share_id: None,
         }
     }
 
