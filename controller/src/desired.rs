@@ -291,11 +291,25 @@ mod tests {
         };
         let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", &BTreeSet::new()).unwrap();
         let all = devices(&pool);
-        let is_shared = |d: &k8s_openapi::api::resource::v1::Device| d.allow_multiple_allocations == Some(true);
-        assert_eq!(all.iter().filter(|d| is_shared(d)).count(), 7, "the 7 1g.10gb placements");
-        assert!(all.iter().filter(|d| is_shared(d)).all(|d| d.name.contains("-mig-1g10gb-")));
-        let shares = &all.iter().find(|d| is_shared(d)).unwrap().capacity.as_ref().unwrap()
-            [migdra_api::slices::SHARES_CAPACITY];
+        let is_shared =
+            |d: &k8s_openapi::api::resource::v1::Device| d.allow_multiple_allocations == Some(true);
+        assert_eq!(
+            all.iter().filter(|d| is_shared(d)).count(),
+            7,
+            "the 7 1g.10gb placements"
+        );
+        assert!(
+            all.iter()
+                .filter(|d| is_shared(d))
+                .all(|d| d.name.contains("-mig-1g10gb-"))
+        );
+        let shares = &all
+            .iter()
+            .find(|d| is_shared(d))
+            .unwrap()
+            .capacity
+            .as_ref()
+            .unwrap()[migdra_api::slices::SHARES_CAPACITY];
         assert_eq!(shares.value.0, "2");
         // Several claims hold one shared device (the allocated set names it once); the policy
         // stops offering 1g: the device stays, tainted, with its counters.

@@ -517,7 +517,8 @@ mod tests {
         let data = r#"{"version":1,"bootId":"boot-a","claims":{"uid-1":{"namespace":"ns","name":"claim","state":"PrepareCompleted","devices":[{"request":"gpu","pool":"node/gpu.migdra.dev","device":"gpu-0-mig-3g40gb-4","gpuUuid":"GPU-1","gpuMinor":0,"type":"mig","profile_id":9,"start":4,"size":4,"gpu_instance":2,"compute_instance":0,"mig_uuid":"MIG-1"}]}}}"#;
         let file = format!(r#"{{"checksum":"{}","data":{data}}}"#, checksum(data.as_bytes()));
         fs::write(dir.path().join("checkpoint.json"), file).unwrap();
-        decode(fs::read(dir.path().join("checkpoint.json")).unwrap().as_slice()).expect("an old checkpoint decodes");
+        decode(fs::read(dir.path().join("checkpoint.json")).unwrap().as_slice())
+            .expect("an old checkpoint decodes");
         let (cp, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
         assert_eq!(outcome, LoadOutcome::Loaded);
         let loaded = cp.claim("uid-1").unwrap();

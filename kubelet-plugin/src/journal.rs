@@ -108,9 +108,7 @@ impl Journal {
             .data()
             .claims
             .iter()
-            .filter(|(other, r)| {
-                *other != uid && r.devices.iter().any(|d| d.same_shared_instance(device))
-            })
+            .filter(|(other, r)| *other != uid && r.devices.iter().any(|d| d.same_shared_instance(device)))
             .map(|(u, r)| (u.clone(), r.clone()))
             .collect()
     }

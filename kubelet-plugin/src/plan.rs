@@ -324,7 +324,10 @@ pub fn plan(
                 }
                 let size = p.memory_slices;
                 if device.share_id.is_some() {
-                    if records.iter().any(|r: &DeviceRecord| r.is_share() && r.device == device.device) {
+                    if records
+                        .iter()
+                        .any(|r: &DeviceRecord| r.is_share() && r.device == device.device)
+                    {
                         return Err(Rejection::DuplicateShare {
                             device: device.device.clone(),
                         }
@@ -707,7 +710,10 @@ mod tests {
         let others = [holder("a", ClaimState::PrepareCompleted, 6, true)];
         assert!(matches!(
             plan(&shares(&[device]), &gpus(vec![h100(Some(true))]), &others),
-            Err(PlanError::Rejected(Rejection::SharedInstanceMissing { gpu_instance: 7, .. }))
+            Err(PlanError::Rejected(Rejection::SharedInstanceMissing {
+                gpu_instance: 7,
+                ..
+            }))
         ));
         // An exclusive allocation of a shared device, or a share next to an exclusive holder of
         // an overlapping placement, is a clash as before.
