@@ -34,6 +34,7 @@ mod faults;
 mod placement;
 mod pool;
 mod rolling_update;
+mod sharing;
 
 use std::{sync::Arc, time::Instant};
 
@@ -44,10 +45,11 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 7] = [
+const SUITE: [&[Test]; 8] = [
     pool::TESTS,
     allocation::TESTS,
     placement::TESTS,
+    sharing::TESTS,
     compat::TESTS,
     faults::TESTS,
     chart::TESTS,
