@@ -311,17 +311,43 @@ mod tests {
             .as_ref()
             .unwrap()[migdra_api::slices::SHARES_CAPACITY];
         assert_eq!(shares.value.0, "2");
-        // Several claims hold one shared device (the allocated set names it once); the policy
-        // stops offering 1g: the device stays, tainted, with its counters.
+        // Two claims hold shares of one device; the policy stops offering 1g: the device stays,
+        // tainted, with its counters, while either claim holds it.
         shared.spec.profiles = vec!["3g".into()];
-        let held = BTreeSet::from(["gpu-0-mig-1g10gb-6".to_string()]);
+        let share = |name: &str, share: &str| -> k8s_openapi::api::resource::v1::ResourceClaim {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"devices": {}},
+                "status": {"allocation": {"devices": {"results": [{
+                    "request": "mig", "driver": "gpu.migdra.dev", "pool": "node-a/gpu.migdra.dev",
+                    "device": "gpu-0-mig-1g10gb-6", "shareID": share,
+                }]}}},
+            }))
+            .unwrap()
+        };
+        let (a, b) = (share("a", "share-a"), share("b", "share-b"));
+        let pool_name = "node-a/gpu.migdra.dev";
+        for holders in [vec![&a, &b], vec![&b]] {
+            let held = crate::claims::allocated_devices(holders.iter().copied(), "gpu.migdra.dev", pool_name);
+            let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", &held).unwrap();
+            assert_eq!(
+                pool.retention.kept,
+                ["gpu-0-mig-1g10gb-6"],
+                "{} holder(s)",
+                holders.len()
+            );
+            let kept = devices(&pool)
+                .into_iter()
+                .find(|d| d.name == "gpu-0-mig-1g10gb-6")
+                .expect("held device stays");
+            assert!(kept.taints.is_some() && kept.consumes_counters.is_some());
+        }
+        let held = crate::claims::allocated_devices([], "gpu.migdra.dev", pool_name);
         let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", &held).unwrap();
-        assert_eq!(pool.retention.kept, ["gpu-0-mig-1g10gb-6"]);
-        let kept = devices(&pool)
-            .into_iter()
-            .find(|d| d.name == "gpu-0-mig-1g10gb-6")
-            .expect("held device stays");
-        assert!(kept.taints.is_some() && kept.consumes_counters.is_some());
+        assert!(
+            devices(&pool).iter().all(|d| d.name != "gpu-0-mig-1g10gb-6"),
+            "released by both: gone"
+        );
     }
 
     #[test]

@@ -189,6 +189,40 @@ mod tests {
     }
 
     #[test]
+    fn the_holders_of_a_shared_device_are_the_other_records_of_its_shares() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, _) = Journal::open(dir.path(), "boot").unwrap();
+        let share = |id: &str| DeviceRecord {
+            device: "gpu-0-mig-1g10gb-6".into(),
+            share_id: Some(id.into()),
+            ..device()
+        };
+        journal
+            .start_prepare("u1", "ns", "c1", vec![share("s1")])
+            .unwrap();
+        journal
+            .start_prepare("u2", "ns", "c2", vec![share("s2")])
+            .unwrap();
+        // An exclusive record of the same device name is not a holder of the shared instance.
+        let exclusive = DeviceRecord {
+            device: "gpu-0-mig-1g10gb-6".into(),
+            ..device()
+        };
+        journal.start_prepare("u3", "ns", "c3", vec![exclusive]).unwrap();
+        let holders = |uid: &str| -> Vec<String> {
+            journal
+                .other_holders(uid, &share("x"))
+                .into_iter()
+                .map(|(u, _)| u)
+                .collect()
+        };
+        assert_eq!(holders("u1"), ["u2"]);
+        assert_eq!(holders("u2"), ["u1"]);
+        journal.forget("u2").unwrap();
+        assert!(holders("u1").is_empty(), "the last holder");
+    }
+
+    #[test]
     fn a_claim_moves_through_the_protocol_and_each_step_is_durable() {
         let dir = tempfile::tempdir().unwrap();
         let (journal, _) = Journal::open(dir.path(), "boot").unwrap();
