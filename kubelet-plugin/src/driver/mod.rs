@@ -11,14 +11,6 @@
 //! - `unprepare.rs`: per claim, record `UnprepareStarted`, destroy compute then GPU
 //!   instances, remove the CDI spec, forget the claim. Already gone is success. Its teardown
 //!   routine is also the rollback of a failed or interrupted prepare.
-//!
-//! Shared devices: several claims hold one MIG instance, each with its own record of it
-//! (same IDs, its own share ID). The first share's prepare creates the instance as above;
-//! a later one finds a prepared holder under the GPU lock and records the holder's IDs
-//! instead of creating ([`crate::plan`]); a teardown destroys the instance only when no other
-//! record holds it. The set of holder records is the reference count: every change to it is
-//! one atomic checkpoint write, so a crash never leaves it wrong, and recovery and the
-//! stale-claim GC, which tear down through the same routine, respect it without knowing.
 //! - `recovery.rs`: at start, half-prepared claims are rolled back, half-unprepared ones
 //!   finished and missing CDI specs rewritten. Every instance the journal does not describe
 //!   belongs to someone else and is never touched. A record that cannot be repaired does
@@ -28,6 +20,14 @@
 //!   are listed in [`crate::orphans`] and destroyed when the GPU is back.
 //! - `stale_gc.rs`: at start and periodically, records whose ResourceClaim is gone (not
 //!   found, replaced, no longer allocated here) are torn down through the same routine.
+//!
+//! Shared devices: several claims hold one MIG instance, each with its own record of it
+//! (same IDs, its own share ID). The first share's prepare creates the instance as above;
+//! a later one finds a prepared holder under the GPU lock and records the holder's IDs
+//! instead of creating ([`crate::plan`]); a teardown destroys the instance only when no other
+//! record holds it. The set of holder records is the reference count: every change to it is
+//! one atomic checkpoint write, so a crash never leaves it wrong, and recovery and the
+//! stale-claim GC, which tear down through the same routine, respect it without knowing.
 //!
 //! Because the record is written before the GPU is touched ([`crate::journal`]), a crash
 //! between any two steps is repaired from the checkpoint alone.
