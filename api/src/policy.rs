@@ -51,7 +51,39 @@ pub struct MigPolicySpec {
     /// What to do with the devices of an unhealthy GPU (default `Omit`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unhealthy_gpus: Option<UnhealthyGpus>,
+    /// Shared partitions (opt-in; needs DRAConsumableCapacity, beta and on from Kubernetes
+    /// 1.36). The MIG devices of the listed profiles are published with
+    /// `allowMultipleAllocations: true` and a `shares` capacity, so several claims can hold
+    /// one MIG instance at once, each taking shares of it. The instance is created at the
+    /// first prepare and destroyed after the last claim releases it. Absent: every device is
+    /// exclusive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<SharingSpec>,
 }
+
+/// Which MIG devices are shared, and into how many shares.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SharingSpec {
+    /// Profiles whose devices are shared, in the syntax of `profiles` (`1g.10gb`, `1g`,
+    /// `1g+me`). They must also be offered (see `profiles` and `excludeProfiles`). Whole GPUs
+    /// are never shared.
+    pub profiles: Vec<String>,
+    /// The value of each shared device's `shares` capacity (default 4, at most 64). A claim
+    /// takes one share unless it asks for more with `capacity.requests: {shares: N}` (the
+    /// request policy is default 1, valid range 1 to `shares` in steps of 1); the scheduler
+    /// lets claims onto a device as long as their shares add up to at most this. Shares only
+    /// divide the scheduler's view: the processes on one MIG instance share its memory and
+    /// compute without isolation between them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub shares: Option<u32>,
+}
+
+/// Shares of a shared device when the policy does not say.
+pub const DEFAULT_SHARES: u32 = 4;
+/// Most shares a shared device may have.
+pub const MAX_SHARES: u32 = 64;
 
 /// How devices are ordered in the pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
@@ -147,6 +179,10 @@ pub struct EffectivePolicy {
     pub device_order: DeviceOrder,
     /// Unhealthy GPU handling.
     pub unhealthy_gpus: UnhealthyGpus,
+    /// Shared profiles (empty: nothing is shared).
+    pub shared_profiles: Vec<ProfileMatcher>,
+    /// Shares of each shared device.
+    pub shares: u32,
 }
 
 impl Default for EffectivePolicy {
@@ -159,6 +195,8 @@ impl Default for EffectivePolicy {
             mig: true,
             device_order: DeviceOrder::default(),
             unhealthy_gpus: UnhealthyGpus::default(),
+            shared_profiles: Vec::new(),
+            shares: DEFAULT_SHARES,
         }
     }
 }
@@ -169,6 +207,15 @@ impl EffectivePolicy {
         self.mig
             && (self.profiles.is_empty() || self.profiles.iter().any(|m| m.matches(profile)))
             && !self.exclude_profiles.iter().any(|m| m.matches(profile))
+    }
+
+    /// The `shares` capacity of `profile`'s devices when the policy shares them; `None` for
+    /// exclusive devices.
+    pub fn shares_of(&self, profile: &ProfileName) -> Option<u32> {
+        self.shared_profiles
+            .iter()
+            .any(|m| m.matches(profile))
+            .then_some(self.shares)
     }
 }
 
@@ -183,6 +230,14 @@ pub enum PolicyError {
         /// Cause.
         #[source]
         source: InvalidProfileMatcher,
+    },
+    /// A share count out of range.
+    #[error("MigPolicy {policy}: sharing.shares is {shares}, but must be between 1 and {MAX_SHARES}")]
+    Shares {
+        /// Policy name.
+        policy: String,
+        /// The value given.
+        shares: u32,
     },
     /// A bad selector.
     #[error("MigPolicy {policy}: invalid nodeSelector: {reason}")]
@@ -225,6 +280,14 @@ impl MigPolicy {
                 })
         };
         let defaults = EffectivePolicy::default();
+        let sharing = self.spec.sharing.clone().unwrap_or_default();
+        let shares = sharing.shares.unwrap_or(defaults.shares);
+        if !(1..=MAX_SHARES).contains(&shares) {
+            return Err(PolicyError::Shares {
+                policy: self.policy_name(),
+                shares,
+            });
+        }
         Ok(EffectivePolicy {
             name: Some(self.policy_name()),
             profiles: parse(&self.spec.profiles)?,
@@ -233,6 +296,8 @@ impl MigPolicy {
             mig: self.spec.mig.unwrap_or(defaults.mig),
             device_order: self.spec.device_order.unwrap_or(defaults.device_order),
             unhealthy_gpus: self.spec.unhealthy_gpus.unwrap_or(defaults.unhealthy_gpus),
+            shared_profiles: parse(&sharing.profiles)?,
+            shares,
         })
     }
 }
@@ -392,6 +457,55 @@ mod tests {
         };
         assert!(label_selector_matches(&ml, &with).unwrap());
         assert!(!label_selector_matches(&ml, &without).unwrap());
+    }
+
+    #[test]
+    fn sharing_is_opt_in_per_profile_and_bounded() {
+        let g1: ProfileName = "1g.10gb".parse().unwrap();
+        let g3: ProfileName = "3g.40gb".parse().unwrap();
+        let mut p = policy("share", 0, None);
+        assert_eq!(
+            p.effective().unwrap().shares_of(&g1),
+            None,
+            "nothing shared by default"
+        );
+        p.spec.sharing = Some(SharingSpec {
+            profiles: vec!["1g".into()],
+            shares: None,
+        });
+        let effective = p.effective().unwrap();
+        assert_eq!(effective.shares_of(&g1), Some(DEFAULT_SHARES));
+        assert_eq!(effective.shares_of(&g3), None);
+        for (shares, ok) in [(0, false), (1, true), (MAX_SHARES, true), (MAX_SHARES + 1, false)] {
+            p.spec.sharing = Some(SharingSpec {
+                profiles: vec!["1g.10gb".into()],
+                shares: Some(shares),
+            });
+            match p.effective() {
+                Ok(e) => {
+                    assert!(ok, "{shares} accepted");
+                    assert_eq!(e.shares_of(&g1), Some(shares));
+                }
+                Err(e) => {
+                    assert!(!ok, "{shares} refused: {e}");
+                    assert!(matches!(e, PolicyError::Shares { .. }));
+                }
+            }
+        }
+        p.spec.sharing = Some(SharingSpec {
+            profiles: vec!["9x".into()],
+            shares: Some(2),
+        });
+        assert!(matches!(p.effective(), Err(PolicyError::Profile { .. })));
+        let yaml: MigPolicySpec =
+            serde_json::from_str(r#"{"sharing":{"profiles":["1g.10gb"],"shares":3}}"#).unwrap();
+        assert_eq!(
+            yaml.sharing,
+            Some(SharingSpec {
+                profiles: vec!["1g.10gb".into()],
+                shares: Some(3)
+            })
+        );
     }
 
     #[test]

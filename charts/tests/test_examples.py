@@ -111,6 +111,7 @@ def test_expected_examples_exist():
         "shared-claim.yaml",
         "migpolicy.yaml",
         "device-plugin-style.yaml",
+        "shared-partition.yaml",
     ):
         assert expected in names
 
@@ -226,11 +227,18 @@ def test_examples_validate_against_kubernetes_schemas(tmp_path):
 
 
 @pytest.mark.skipif(not crds_present(), reason="CRD files not generated yet: MigPolicy example not schema-checked")
-def test_migpolicy_matches_crd_schema():
+@pytest.mark.parametrize(
+    "path, name",
+    [
+        ("migpolicy.yaml", "MigPolicy/inference-small-partitions"),
+        ("shared-partition.yaml", "MigPolicy/share-small-partitions"),
+    ],
+)
+def test_migpolicy_matches_crd_schema(path, name):
     (crd,) = [d for d in yaml.safe_load_all(CRD_FILES["migpolicies.gpu.migdra.dev"].read_text()) if d]
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
     schema = version["schema"]["openAPIV3Schema"]
-    policy = docs_of("migpolicy.yaml")["MigPolicy/inference-small-partitions"]
+    policy = docs_of(path)[name]
     jsonschema.validate(policy, schema)
     # Structural schemas prune unknown fields silently; make sure every field we show is declared.
     declared = set(schema["properties"]["spec"]["properties"])

@@ -266,6 +266,91 @@ mod tests {
     }
 
     #[test]
+    fn a_sharing_policy_publishes_shared_devices_that_stay_while_held() {
+        let labels = BTreeMap::new();
+        let node = NodeRef {
+            name: "node-a",
+            uid: None,
+            labels: &labels,
+        };
+        let mut shared = MigPolicy::new(
+            "shared-1g",
+            MigPolicySpec {
+                sharing: Some(migdra_api::policy::SharingSpec {
+                    profiles: vec!["1g.10gb".into()],
+                    shares: Some(2),
+                }),
+                ..Default::default()
+            },
+        );
+        let devices = |pool: &DesiredPool| -> Vec<k8s_openapi::api::resource::v1::Device> {
+            pool.slices
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten().cloned())
+                .collect()
+        };
+        let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", &BTreeSet::new()).unwrap();
+        let all = devices(&pool);
+        let is_shared =
+            |d: &k8s_openapi::api::resource::v1::Device| d.allow_multiple_allocations == Some(true);
+        assert_eq!(
+            all.iter().filter(|d| is_shared(d)).count(),
+            7,
+            "the 7 1g.10gb placements"
+        );
+        assert!(
+            all.iter()
+                .filter(|d| is_shared(d))
+                .all(|d| d.name.contains("-mig-1g10gb-"))
+        );
+        let shares = &all
+            .iter()
+            .find(|d| is_shared(d))
+            .unwrap()
+            .capacity
+            .as_ref()
+            .unwrap()[migdra_api::slices::SHARES_CAPACITY];
+        assert_eq!(shares.value.0, "2");
+        // Two claims hold shares of one device; the policy stops offering 1g: the device stays,
+        // tainted, with its counters, while either claim holds it.
+        shared.spec.profiles = vec!["3g".into()];
+        let share = |name: &str, share: &str| -> k8s_openapi::api::resource::v1::ResourceClaim {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"devices": {}},
+                "status": {"allocation": {"devices": {"results": [{
+                    "request": "mig", "driver": "gpu.migdra.dev", "pool": "node-a/gpu.migdra.dev",
+                    "device": "gpu-0-mig-1g10gb-6", "shareID": share,
+                }]}}},
+            }))
+            .unwrap()
+        };
+        let (a, b) = (share("a", "share-a"), share("b", "share-b"));
+        let pool_name = "node-a/gpu.migdra.dev";
+        for holders in [vec![&a, &b], vec![&b]] {
+            let held = crate::claims::allocated_devices(holders.iter().copied(), "gpu.migdra.dev", pool_name);
+            let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", &held).unwrap();
+            assert_eq!(
+                pool.retention.kept,
+                ["gpu-0-mig-1g10gb-6"],
+                "{} holder(s)",
+                holders.len()
+            );
+            let kept = devices(&pool)
+                .into_iter()
+                .find(|d| d.name == "gpu-0-mig-1g10gb-6")
+                .expect("held device stays");
+            assert!(kept.taints.is_some() && kept.consumes_counters.is_some());
+        }
+        let held = crate::claims::allocated_devices([], "gpu.migdra.dev", pool_name);
+        let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", &held).unwrap();
+        assert!(
+            devices(&pool).iter().all(|d| d.name != "gpu-0-mig-1g10gb-6"),
+            "released by both: gone"
+        );
+    }
+
+    #[test]
     fn invalid_pools_are_refused() {
         let labels = BTreeMap::new();
         let node = NodeRef {

@@ -17,7 +17,7 @@ use migdra_api::{
     inventory::GpuNode,
     profile::ProfileName,
     slices::{
-        Counters, MEMORY_COUNTER, NOT_OFFERED_TAINT, PlannedDevice, PlannedKind, PoolPlan, UNHEALTHY_TAINT,
+        Counters, MEMORY_COUNTER, NOT_OFFERED_TAINT, PlannedDevice, PlannedKind, PoolPlan, SHARES_CAPACITY, UNHEALTHY_TAINT,
         allocator::Allocator, quantity,
     },
 };
@@ -348,6 +348,19 @@ fn rebuild_plan(gpu_node: &GpuNode, slices: &[&ResourceSlice]) -> (PoolPlan, Vec
                 .any(|t| t.starts_with(UNHEALTHY_TAINT))
                 .then(|| "tainted unhealthy".to_string()),
             not_offered: taints.iter().any(|t| t.starts_with(NOT_OFFERED_TAINT)),
+            // A shared device's `shares` capacity; `fits` still treats a held shared device
+            // as taken (it does not read the shares each holder consumed).
+            shares: device
+                .allow_multiple_allocations
+                .unwrap_or(false)
+                .then(|| {
+                    device
+                        .capacity
+                        .as_ref()
+                        .and_then(|c| c.get(SHARES_CAPACITY))
+                        .and_then(|q| q.value.0.parse().ok())
+                })
+                .flatten(),
         });
         published.push(Published {
             mig,

@@ -84,6 +84,32 @@ pub struct DeviceRecord {
     /// Extra environment from the resolved opaque configuration.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
+    /// Set when the device is shared (`allowMultipleAllocations`): the allocation's share ID.
+    /// Several claims then hold the same MIG instance, each with a record of it carrying the
+    /// same IDs; the records of a device's shares *are* its reference count (see
+    /// [`DeviceRecord::same_shared_instance`]). Absent in checkpoints written before shared
+    /// partitions existed, which therefore load as exclusive devices, as they were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
+}
+
+impl DeviceRecord {
+    /// True when this device is a share of a shared device.
+    pub fn is_share(&self) -> bool {
+        self.share_id.is_some()
+    }
+
+    /// True when both are shares of the same shared device (the same device of the same GPU),
+    /// hence of one MIG instance. The instance lives while any record it is true for exists:
+    /// each holder is one record, so the count changes with exactly one atomic checkpoint write
+    /// and cannot drift from the holders after a crash.
+    pub fn same_shared_instance(&self, other: &DeviceRecord) -> bool {
+        self.is_share()
+            && other.is_share()
+            && self.gpu_minor == other.gpu_minor
+            && self.gpu_uuid == other.gpu_uuid
+            && self.device == other.device
+    }
 }
 
 /// One claim's record.
@@ -421,6 +447,7 @@ mod tests {
                     mig_uuid: Some("MIG-1".into()),
                 },
                 env: BTreeMap::new(),
+                share_id: None,
             }],
         }
     }
@@ -481,6 +508,40 @@ mod tests {
         fs::write(dir.path().join("checkpoint.json"), file).unwrap();
         let (_, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
         assert_eq!(outcome, LoadOutcome::Loaded);
+    }
+
+    #[test]
+    fn a_checkpoint_from_before_shared_partitions_loads_with_exclusive_devices() {
+        // The bytes an earlier binary wrote (no shareId anywhere).
+        let dir = tempfile::tempdir().unwrap();
+        let data = r#"{"version":1,"bootId":"boot-a","claims":{"uid-1":{"namespace":"ns","name":"claim","state":"PrepareCompleted","devices":[{"request":"gpu","pool":"node/gpu.migdra.dev","device":"gpu-0-mig-3g40gb-4","gpuUuid":"GPU-1","gpuMinor":0,"type":"mig","profile_id":9,"start":4,"size":4,"gpu_instance":2,"compute_instance":0,"mig_uuid":"MIG-1"}]}}}"#;
+        let file = format!(r#"{{"checksum":"{}","data":{data}}}"#, checksum(data.as_bytes()));
+        fs::write(dir.path().join("checkpoint.json"), file).unwrap();
+        decode(fs::read(dir.path().join("checkpoint.json")).unwrap().as_slice())
+            .expect("an old checkpoint decodes");
+        let (cp, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        assert_eq!(outcome, LoadOutcome::Loaded);
+        let loaded = cp.claim("uid-1").unwrap();
+        assert_eq!(loaded, &record(ClaimState::PrepareCompleted));
+        assert!(!loaded.devices[0].is_share());
+    }
+
+    #[test]
+    fn shares_round_trip_and_name_one_instance() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut cp, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        let mut shared = record(ClaimState::PrepareCompleted);
+        shared.devices[0].share_id = Some("share-a".into());
+        cp.put("uid-1", shared.clone()).unwrap();
+        let (reopened, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        assert_eq!(reopened.claim("uid-1"), Some(&shared));
+        let mut other = shared.devices[0].clone();
+        other.share_id = Some("share-b".into());
+        assert!(shared.devices[0].same_shared_instance(&other));
+        let exclusive = record(ClaimState::PrepareCompleted).devices[0].clone();
+        assert!(!shared.devices[0].same_shared_instance(&exclusive));
+        other.gpu_minor = 1;
+        assert!(!shared.devices[0].same_shared_instance(&other));
     }
 
     #[test]

@@ -152,6 +152,9 @@ pub struct AllocatedDevice {
     pub name: DeviceName,
     /// Resolved opaque configuration.
     pub config: DeviceConfig,
+    /// The allocation's share of a shared device (`allowMultipleAllocations`); `None` for an
+    /// exclusive device.
+    pub share_id: Option<String>,
 }
 
 /// Extracts this driver's devices from a claim, validating that the claim is the one the
@@ -232,6 +235,7 @@ pub fn allocated_devices(
             device: result.device.clone(),
             name,
             config,
+            share_id: result.share_id.clone(),
         });
     }
     Ok(devices)

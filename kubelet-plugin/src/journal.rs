@@ -101,6 +101,18 @@ impl Journal {
             .collect()
     }
 
+    /// The other claims holding shares of `device` (a shared device's record): uid, record and
+    /// their record of the device. The instance must outlive each of them.
+    pub fn other_holders(&self, uid: &str, device: &DeviceRecord) -> Vec<(String, ClaimRecord)> {
+        self.lock()
+            .data()
+            .claims
+            .iter()
+            .filter(|(other, r)| *other != uid && r.devices.iter().any(|d| d.same_shared_instance(device)))
+            .map(|(u, r)| (u.clone(), r.clone()))
+            .collect()
+    }
+
     /// Records the intent to prepare: the claim and the placements it will create, before
     /// anything is created.
     pub fn start_prepare(
@@ -172,7 +184,42 @@ mod tests {
             gpu_minor: 0,
             kind: DeviceKind::Gpu,
             env: BTreeMap::new(),
+            share_id: None,
         }
+    }
+
+    #[test]
+    fn the_holders_of_a_shared_device_are_the_other_records_of_its_shares() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, _) = Journal::open(dir.path(), "boot").unwrap();
+        let share = |id: &str| DeviceRecord {
+            device: "gpu-0-mig-1g10gb-6".into(),
+            share_id: Some(id.into()),
+            ..device()
+        };
+        journal
+            .start_prepare("u1", "ns", "c1", vec![share("s1")])
+            .unwrap();
+        journal
+            .start_prepare("u2", "ns", "c2", vec![share("s2")])
+            .unwrap();
+        // An exclusive record of the same device name is not a holder of the shared instance.
+        let exclusive = DeviceRecord {
+            device: "gpu-0-mig-1g10gb-6".into(),
+            ..device()
+        };
+        journal.start_prepare("u3", "ns", "c3", vec![exclusive]).unwrap();
+        let holders = |uid: &str| -> Vec<String> {
+            journal
+                .other_holders(uid, &share("x"))
+                .into_iter()
+                .map(|(u, _)| u)
+                .collect()
+        };
+        assert_eq!(holders("u1"), ["u2"]);
+        assert_eq!(holders("u2"), ["u1"]);
+        journal.forget("u2").unwrap();
+        assert!(holders("u1").is_empty(), "the last holder");
     }
 
     #[test]

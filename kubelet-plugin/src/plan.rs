@@ -6,6 +6,10 @@
 //! anything, and the MIG-mode switches needed) or why not ([`Rejection`]). It reads no file,
 //! takes no lock and calls no NVML function: the driver gathers the views under the GPU
 //! locks, and the tests below build them by hand.
+//!
+//! A share of a shared device (the allocation carries a share ID) that another claim already
+//! holds *joins* its instance: the planned record carries the holder's instance IDs, and
+//! nothing is created. Only the first share plans a new instance, like an exclusive device.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -16,7 +20,7 @@ use migdra_api::{
 };
 
 use crate::{
-    checkpoint::{ClaimRecord, DeviceKind, DeviceRecord},
+    checkpoint::{ClaimRecord, ClaimState, DeviceKind, DeviceRecord},
     claims::AllocatedDevice,
     nvml::{BackendError, GpuDescription, GpuInstanceRecord},
 };
@@ -113,6 +117,40 @@ pub enum Rejection {
         /// The other claim's UID.
         other_uid: String,
     },
+    /// The same shared device twice in one claim (more shares are asked for with
+    /// `capacity.requests`, not with a second device).
+    #[error(
+        "shared device {device} is allocated twice in this claim; ask for more shares with capacity.requests instead"
+    )]
+    DuplicateShare {
+        /// Device name.
+        device: String,
+    },
+    /// A shared device's instance is held only by claims that are not fully prepared (one is
+    /// being rolled back or unprepared): it cannot be joined until that finishes.
+    #[error(
+        "shared device {device}: its MIG instance is being set up or torn down for claim {holder}; retry once that finishes"
+    )]
+    SharedInstanceUnsettled {
+        /// Device name.
+        device: String,
+        /// A holder, `namespace/name`.
+        holder: String,
+    },
+    /// The instance the holders of a shared device recorded is gone from the GPU.
+    #[error(
+        "shared device {device}: MIG instance {gpu_instance} on GPU {minor}, held by claim {holder}, no longer exists"
+    )]
+    SharedInstanceMissing {
+        /// Device name.
+        device: String,
+        /// GPU minor.
+        minor: u32,
+        /// Recorded GPU-instance ID.
+        gpu_instance: u32,
+        /// A holder, `namespace/name`.
+        holder: String,
+    },
     /// A partition of a GPU that has no MIG.
     #[error("device {device}: GPU {minor} ({product_name}) is not MIG-capable")]
     NotMigCapable {
@@ -189,6 +227,9 @@ impl Rejection {
             Self::PartitionOfWholeGpu { .. } => "PartitionOfWholeGpu",
             Self::DuplicateDevice { .. } => "DuplicateDevice",
             Self::InUseByClaim { .. } => "InUseByClaim",
+            Self::DuplicateShare { .. } => "DuplicateShare",
+            Self::SharedInstanceUnsettled { .. } => "SharedInstanceUnsettled",
+            Self::SharedInstanceMissing { .. } => "SharedInstanceMissing",
             Self::NotMigCapable { .. } => "NotMigCapable",
             Self::UnknownProfile { .. } => "UnknownProfile",
             Self::PlacementUnavailable { cause, .. } => match cause {
@@ -282,6 +323,30 @@ pub fn plan(
                     .into());
                 }
                 let size = p.memory_slices;
+                if device.share_id.is_some() {
+                    if records
+                        .iter()
+                        .any(|r: &DeviceRecord| r.is_share() && r.device == device.device)
+                    {
+                        return Err(Rejection::DuplicateShare {
+                            device: device.device.clone(),
+                        }
+                        .into());
+                    }
+                    if let Some(joined) = join_shared(device, minor, &description.uuid, gpu, others)? {
+                        records.push(DeviceRecord {
+                            request: device.request.clone(),
+                            pool: device.pool.clone(),
+                            device: device.device.clone(),
+                            gpu_uuid: description.uuid.clone(),
+                            gpu_minor: minor,
+                            kind: joined,
+                            env: device.config.env.clone(),
+                            share_id: device.share_id.clone(),
+                        });
+                        continue;
+                    }
+                }
                 let clash = find_other(others, |d| {
                     d.gpu_minor == minor
                         && match d.kind {
@@ -340,12 +405,79 @@ pub fn plan(
             gpu_minor: minor,
             kind,
             env: device.config.env.clone(),
+            share_id: device.share_id.clone(),
         });
     }
     Ok(Plan {
         devices: records,
         mig_mode_changes,
     })
+}
+
+/// For a share of a shared device: the instance its other holders recorded, when there are
+/// any (`None`: this is the first share, which creates the instance). Joining needs a fully
+/// prepared holder (a half-prepared or half-unprepared one may not have, or no longer have, a
+/// whole instance) and the instance to still be on the GPU.
+fn join_shared(
+    device: &AllocatedDevice,
+    minor: u32,
+    gpu_uuid: &str,
+    gpu: &GpuView,
+    others: &[(String, ClaimRecord)],
+) -> Result<Option<DeviceKind>, PlanError> {
+    let probe = DeviceRecord {
+        request: device.request.clone(),
+        pool: device.pool.clone(),
+        device: device.device.clone(),
+        gpu_uuid: gpu_uuid.to_string(),
+        gpu_minor: minor,
+        kind: DeviceKind::Gpu,
+        env: BTreeMap::new(),
+        share_id: device.share_id.clone(),
+    };
+    let holders: Vec<(&ClaimRecord, &DeviceRecord)> = others
+        .iter()
+        .flat_map(|(_, r)| r.devices.iter().map(move |d| (r, d)))
+        .filter(|(_, d)| d.same_shared_instance(&probe))
+        .collect();
+    let Some((first, _)) = holders.first() else {
+        return Ok(None);
+    };
+    let settled = holders.iter().find_map(|(r, d)| match &d.kind {
+        DeviceKind::Mig {
+            gpu_instance: Some(gi),
+            compute_instance: Some(_),
+            mig_uuid: Some(_),
+            ..
+        } if r.state == ClaimState::PrepareCompleted => Some((*r, *gi, d.kind.clone())),
+        _ => None,
+    });
+    let Some((holder, gi, kind)) = settled else {
+        return Err(Rejection::SharedInstanceUnsettled {
+            device: device.device.clone(),
+            holder: first.key(),
+        }
+        .into());
+    };
+    let instances = gpu.instances.clone()?;
+    let exists = match &kind {
+        DeviceKind::Mig {
+            profile_id, start, ..
+        } => instances
+            .iter()
+            .any(|i| i.id == gi && i.profile_id == *profile_id && i.start == *start),
+        DeviceKind::Gpu => false,
+    };
+    if !exists {
+        return Err(Rejection::SharedInstanceMissing {
+            device: device.device.clone(),
+            minor,
+            gpu_instance: gi,
+            holder: holder.key(),
+        }
+        .into());
+    }
+    Ok(Some(kind))
 }
 
 /// Checks what NVML itself enforces when creating a GPU instance, and nothing more: a known
@@ -506,8 +638,102 @@ mod tests {
                 device: name.to_string(),
                 name: name.parse().unwrap(),
                 config: DeviceConfig::default(),
+                share_id: None,
             })
             .collect()
+    }
+
+    /// `allocated`, each device a share (share IDs `share-<i>`).
+    fn shares(names: &[&str]) -> Vec<AllocatedDevice> {
+        let mut devices = allocated(names);
+        for (i, d) in devices.iter_mut().enumerate() {
+            d.share_id = Some(format!("share-{i}"));
+        }
+        devices
+    }
+
+    /// A claim holding a share of `device` (1g.10gb at `start` on GPU 0 of an H100), in
+    /// `state`, with instance IDs when `created`.
+    fn holder(uid: &str, state: ClaimState, start: u32, created: bool) -> (String, ClaimRecord) {
+        let device = format!("gpu-0-mig-1g10gb-{start}");
+        let (_, mut record) = other_mig(P_1G, start, 1, &device);
+        record.name = uid.into();
+        record.state = state;
+        let d = &mut record.devices[0];
+        d.share_id = Some(format!("share-of-{uid}"));
+        d.gpu_uuid = catalog::model("H100-80GB").unwrap().uuid(0);
+        if let DeviceKind::Mig {
+            gpu_instance,
+            compute_instance,
+            mig_uuid,
+            ..
+        } = &mut d.kind
+        {
+            *gpu_instance = created.then_some(7);
+            *compute_instance = created.then_some(0);
+            *mig_uuid = created.then(|| "MIG-shared".to_string());
+        }
+        (uid.into(), record)
+    }
+
+    #[test]
+    fn a_share_joins_the_instance_of_a_prepared_holder_and_only_the_first_creates() {
+        let device = "gpu-0-mig-1g10gb-6";
+        let mig_on = || view(gpu(0, "H100-80GB", Some(true)), vec![instance(7, P_1G, 6, 1)]);
+        // First share: planned like an exclusive device, remembered as a share.
+        let first = plan(&shares(&[device]), &gpus(vec![h100(Some(true))]), &[]).unwrap();
+        assert_eq!(first.devices[0].kind, mig(P_1G, 6, 1));
+        assert_eq!(first.devices[0].share_id.as_deref(), Some("share-0"));
+        // Second share: the holder's instance, nothing to create.
+        let others = [holder("a", ClaimState::PrepareCompleted, 6, true)];
+        let joined = plan(&shares(&[device]), &gpus(vec![mig_on()]), &others).unwrap();
+        assert_eq!(joined.devices[0].kind, others[0].1.devices[0].kind);
+        assert!(joined.mig_mode_changes.is_empty());
+        // A half-prepared or half-unprepared holder alone cannot be joined.
+        for state in [ClaimState::PrepareStarted, ClaimState::UnprepareStarted] {
+            let others = [holder("a", state, 6, true)];
+            assert!(
+                matches!(
+                    plan(&shares(&[device]), &gpus(vec![mig_on()]), &others),
+                    Err(PlanError::Rejected(Rejection::SharedInstanceUnsettled { .. }))
+                ),
+                "{state:?}"
+            );
+        }
+        // ...but next to a prepared one it does not matter.
+        let others = [
+            holder("a", ClaimState::UnprepareStarted, 6, true),
+            holder("b", ClaimState::PrepareCompleted, 6, true),
+        ];
+        assert!(plan(&shares(&[device]), &gpus(vec![mig_on()]), &others).is_ok());
+        // The holders' instance vanished from the GPU.
+        let others = [holder("a", ClaimState::PrepareCompleted, 6, true)];
+        assert!(matches!(
+            plan(&shares(&[device]), &gpus(vec![h100(Some(true))]), &others),
+            Err(PlanError::Rejected(Rejection::SharedInstanceMissing {
+                gpu_instance: 7,
+                ..
+            }))
+        ));
+        // An exclusive allocation of a shared device, or a share next to an exclusive holder of
+        // an overlapping placement, is a clash as before.
+        assert!(matches!(
+            plan(&allocated(&[device]), &gpus(vec![mig_on()]), &others),
+            Err(PlanError::Rejected(Rejection::InUseByClaim { .. }))
+        ));
+        let exclusive = [other_mig(P_3G, 4, 4, "gpu-0-mig-3g40gb-4")];
+        assert!(matches!(
+            plan(&shares(&[device]), &gpus(vec![h100(Some(true))]), &exclusive),
+            Err(PlanError::Rejected(Rejection::InUseByClaim { .. }))
+        ));
+        // A share of another placement of the same profile is another instance.
+        let elsewhere = plan(&shares(&["gpu-0-mig-1g10gb-5"]), &gpus(vec![mig_on()]), &others).unwrap();
+        assert_eq!(elsewhere.devices[0].kind, mig(P_1G, 5, 1));
+        // One claim, the same shared device twice.
+        assert!(matches!(
+            plan(&shares(&[device, device]), &gpus(vec![h100(Some(true))]), &[]),
+            Err(PlanError::Rejected(Rejection::DuplicateShare { .. }))
+        ));
     }
 
     /// Another claim, prepared, holding MIG `profile_id` at `start` (size `size`) on GPU 0.
@@ -540,6 +766,7 @@ mod tests {
                     gpu_minor: 0,
                     kind,
                     env: BTreeMap::new(),
+                    share_id: None,
                 }],
             },
         )

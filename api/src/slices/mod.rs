@@ -11,6 +11,15 @@
 //! * Counter sets live in counter-only slices (at most 8 sets each); devices fill device-only
 //!   slices (at most 64 each) in the published order, which is the scheduler's first-fit order.
 //!
+//! A MIG device of a profile the policy shares ([`crate::policy::SharingSpec`]) is published
+//! with `allowMultipleAllocations: true` and a [`SHARES_CAPACITY`] capacity: the scheduler
+//! (DRAConsumableCapacity) lets several claims hold it while their shares fit, and charges its
+//! counters once, when the first claim takes it, so a shared partition blocks its memory
+//! slices exactly like an exclusive one. Its other capacities describe the instance and are
+//! not divided: each has the request policy "default 0, only 0", so a claim consumes none of
+//! them (the allocator would otherwise charge each claim the full value, and a second claim
+//! would never fit).
+//!
 //! Placements occupied by instances migdra did not create are left out, and their engines
 //! are subtracted from the budgets; so are unhealthy GPUs (or they are tainted, by policy).
 //! Devices that claims hold stay in the pool, tainted, even when no longer offered
@@ -27,8 +36,8 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::{
     api::resource::v1::{
-        Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceCounterConsumption, DeviceTaint,
-        ResourcePool, ResourceSliceSpec,
+        CapacityRequestPolicy, CapacityRequestPolicyRange, Counter, CounterSet, Device, DeviceAttribute,
+        DeviceCapacity, DeviceCounterConsumption, DeviceTaint, ResourcePool, ResourceSliceSpec,
     },
     apimachinery::pkg::api::resource::Quantity,
 };
@@ -50,6 +59,8 @@ pub const MEMORY_COUNTER: &str = "memory";
 pub const UNHEALTHY_TAINT: &str = "gpu.migdra.dev/unhealthy";
 /// Taint key on devices kept in the pool only because a claim holds them.
 pub const NOT_OFFERED_TAINT: &str = "gpu.migdra.dev/not-offered";
+/// The capacity a shared device is divided into; each claim takes some of it (default 1).
+pub const SHARES_CAPACITY: &str = "shares";
 
 /// Counter values by counter name. `memory` is in MiB; everything else is a count.
 pub type Counters = BTreeMap<String, u64>;
@@ -86,6 +97,9 @@ pub struct PlannedDevice {
     /// True for a device the pool keeps only because a claim holds it (see [`retained`]):
     /// published tainted [`NOT_OFFERED_TAINT`] so nothing new lands on it.
     pub not_offered: bool,
+    /// For a shared MIG device, its [`SHARES_CAPACITY`]: several claims may hold it while
+    /// their shares add up to at most this. `None`: exclusive.
+    pub shares: Option<u32>,
 }
 
 /// The structure of a node's pool: counter sets and ordered devices.
@@ -241,6 +255,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                     consumes,
                     unhealthy: unhealthy.clone(),
                     not_offered: false,
+                    shares: policy.shares_of(&profile.name),
                 });
             }
             if whole_possible && policy.whole_gpus {
@@ -254,6 +269,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                     consumes: counters.clone(),
                     unhealthy: unhealthy.clone(),
                     not_offered: false,
+                    shares: None,
                 });
             }
             if !devices.is_empty() {
@@ -269,6 +285,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                 consumes: Counters::new(),
                 unhealthy: unhealthy.clone(),
                 not_offered: false,
+                shares: None,
             });
         }
         per_gpu.push((gpu.minor, geometry_used, devices));
@@ -461,14 +478,52 @@ fn render_device(id: &PoolIdentity<'_>, gpu: &GpuInventory, device: &PlannedDevi
     .flatten()
     .collect();
     let taints = (!taints.is_empty()).then_some(taints);
+    let allow_multiple_allocations = match (device.shares, &device.kind) {
+        (Some(shares), PlannedKind::Mig { .. }) => {
+            share_capacity(&mut capacity, shares);
+            Some(true)
+        }
+        _ => None,
+    };
     Device {
         name: device.name.to_string(),
         attributes: Some(attributes),
         capacity: Some(capacity),
         consumes_counters,
         taints,
+        allow_multiple_allocations,
         ..Default::default()
     }
+}
+
+/// Makes a device's capacities those of a shared device: `shares` with the policy "default 1,
+/// 1 to `shares` in steps of 1", and every descriptive capacity "default 0, only 0" (without a
+/// policy the allocator charges each claim the whole value).
+fn share_capacity(capacity: &mut BTreeMap<String, DeviceCapacity>, shares: u32) {
+    let zero = || Quantity("0".to_string());
+    for described in capacity.values_mut() {
+        described.request_policy = Some(CapacityRequestPolicy {
+            default: Some(zero()),
+            valid_values: Some(vec![zero()]),
+            valid_range: None,
+        });
+    }
+    let q = |v: u32| Quantity(v.to_string());
+    capacity.insert(
+        SHARES_CAPACITY.to_string(),
+        DeviceCapacity {
+            value: q(shares),
+            request_policy: Some(CapacityRequestPolicy {
+                default: Some(q(1)),
+                valid_values: None,
+                valid_range: Some(CapacityRequestPolicyRange {
+                    min: q(1),
+                    max: Some(q(shares)),
+                    step: Some(q(1)),
+                }),
+            }),
+        },
+    );
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -479,5 +534,7 @@ fn truncate(s: &str, max: usize) -> String {
     s[..end].to_string()
 }
 
+#[cfg(test)]
+mod sharing_tests;
 #[cfg(test)]
 mod tests;

@@ -144,6 +144,7 @@ fn keep(plan: &mut PoolPlan, gpu: &GpuInventory, device: DeviceName) -> Result<P
                 consumes,
                 unhealthy,
                 not_offered: true,
+                shares: None,
             })
         }
         DeviceName::Gpu { .. } => {
@@ -158,6 +159,7 @@ fn keep(plan: &mut PoolPlan, gpu: &GpuInventory, device: DeviceName) -> Result<P
                 consumes: counters.unwrap_or_default(),
                 unhealthy,
                 not_offered: true,
+                shares: None,
             })
         }
     }

@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::resource::v1::{Device, ResourceSliceSpec};
+use k8s_openapi::api::resource::v1::{CapacityRequestPolicy, Device, ResourceSliceSpec};
 
 use super::quantity;
 use crate::device_name::is_dns_label;
@@ -31,6 +31,8 @@ pub mod limits {
     pub const ATTRIBUTE_VALUE_LENGTH: usize = 64;
     /// Taints per device.
     pub const TAINTS_PER_DEVICE: usize = 16;
+    /// Entries of a capacity request policy's `validValues`.
+    pub const REQUEST_POLICY_VALID_VALUES: usize = 10;
     /// Driver name length.
     pub const DRIVER_NAME_LENGTH: usize = 63;
     /// Pool name length.
@@ -317,6 +319,68 @@ pub fn validate_pool(slices: &[ResourceSliceSpec]) -> Result<(), Vec<PoolError>>
     if errors.is_empty() { Ok(()) } else { Err(errors) }
 }
 
+/// The API server's rules for a consumable capacity's request policy (1.37, integer
+/// quantities): at most one of `validValues` and `validRange`, a `default` with either, every
+/// bound within the capacity, the default a valid request, steps that land on the bounds.
+fn check_request_policy(capacity: u128, policy: &CapacityRequestPolicy) -> Result<(), String> {
+    let parse = |what: &str, q: &k8s_openapi::apimachinery::pkg::api::resource::Quantity| {
+        quantity::parse(&q.0)
+            .ok_or_else(|| format!("{what} {:?} is not a non-negative integer quantity", q.0))
+    };
+    let default = policy.default.as_ref().map(|d| parse("default", d)).transpose()?;
+    let values = policy.valid_values.as_deref().unwrap_or_default();
+    match (&policy.valid_range, values.is_empty()) {
+        (Some(_), false) => Err("sets both validValues and validRange".into()),
+        (None, false) => {
+            let default = default.ok_or("needs a default with validValues")?;
+            if values.len() > limits::REQUEST_POLICY_VALID_VALUES {
+                return Err(format!(
+                    "has {} validValues; at most {}",
+                    values.len(),
+                    limits::REQUEST_POLICY_VALID_VALUES
+                ));
+            }
+            let values = values
+                .iter()
+                .map(|v| parse("valid value", v))
+                .collect::<Result<Vec<_>, _>>()?;
+            if !values.is_sorted() || values.windows(2).any(|w| w[0] == w[1]) {
+                return Err("validValues must be ascending and distinct".into());
+            }
+            if values.last().is_some_and(|v| *v > capacity) {
+                return Err("has a valid value larger than the capacity".into());
+            }
+            if !values.contains(&default) {
+                return Err("default is not one of validValues".into());
+            }
+            Ok(())
+        }
+        (Some(range), true) => {
+            let default = default.ok_or("needs a default with validRange")?;
+            let min = parse("min", &range.min)?;
+            let max = range.max.as_ref().map(|m| parse("max", m)).transpose()?;
+            let step = range.step.as_ref().map(|s| parse("step", s)).transpose()?;
+            if min > capacity || max.is_some_and(|m| m > capacity || m < min) {
+                return Err("range bounds must satisfy min <= max <= capacity".into());
+            }
+            if default < min || max.is_some_and(|m| default > m) {
+                return Err("default lies outside validRange".into());
+            }
+            if let Some(step) = step {
+                if step == 0 || min + step > capacity {
+                    return Err("step must be positive and min + step at most the capacity".into());
+                }
+                let on_step = |v: u128| (v - min).is_multiple_of(step);
+                if !on_step(default) || max.is_some_and(|m| !on_step(m)) {
+                    return Err("default and max must be min plus a multiple of step".into());
+                }
+            }
+            Ok(())
+        }
+        (None, true) => Ok(()),
+    }
+}
+
 fn validate_device(
     device: &Device,
     sets: &BTreeMap<&str, BTreeMap<&str, u128>>,
@@ -372,11 +436,21 @@ fn validate_device(
         if !is_qualified_name(name) {
             fail(format!("capacity name {name:?} is not a qualified name"));
         }
-        if quantity::parse(&cap.value.0).is_none() {
+        let Some(value) = quantity::parse(&cap.value.0) else {
             fail(format!(
                 "capacity {name}: {:?} is not a non-negative integer quantity",
                 cap.value.0
             ));
+            continue;
+        };
+        if let Some(policy) = &cap.request_policy {
+            if device.allow_multiple_allocations != Some(true) {
+                fail(format!(
+                    "capacity {name}: a requestPolicy needs allowMultipleAllocations: true"
+                ));
+            } else if let Err(reason) = check_request_policy(value, policy) {
+                fail(format!("capacity {name}: requestPolicy {reason}"));
+            }
         }
     }
     if device

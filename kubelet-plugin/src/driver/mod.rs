@@ -21,6 +21,14 @@
 //! - `stale_gc.rs`: at start and periodically, records whose ResourceClaim is gone (not
 //!   found, replaced, no longer allocated here) are torn down through the same routine.
 //!
+//! Shared devices: several claims hold one MIG instance, each with its own record of it
+//! (same IDs, its own share ID). The first share's prepare creates the instance as above;
+//! a later one finds a prepared holder under the GPU lock and records the holder's IDs
+//! instead of creating ([`crate::plan`]); a teardown destroys the instance only when no other
+//! record holds it. The set of holder records is the reference count: every change to it is
+//! one atomic checkpoint write, so a crash never leaves it wrong, and recovery and the
+//! stale-claim GC, which tear down through the same routine, respect it without knowing.
+//!
 //! Because the record is written before the GPU is touched ([`crate::journal`]), a crash
 //! between any two steps is repaired from the checkpoint alone.
 //!
@@ -71,6 +79,9 @@ use migdra_kubeletplugin::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome
 pub enum Step {
     /// `PrepareStarted` written.
     PrepareRecorded,
+    /// A share of a shared device joined the MIG instance its other holders recorded (the
+    /// record, written at `PrepareRecorded`, already carries the instance's IDs).
+    ShareJoined,
     /// A GPU instance exists.
     GpuInstanceCreated,
     /// Its compute instance exists.
@@ -87,6 +98,9 @@ pub enum Step {
     ComputeInstanceDestroyed,
     /// A GPU instance was destroyed.
     GpuInstanceDestroyed,
+    /// A share of a shared device was let go without destroying the instance, which other
+    /// claims still hold.
+    ShareReleased,
     /// The CDI spec is removed.
     CdiRemoved,
     /// The claim is gone from the checkpoint.

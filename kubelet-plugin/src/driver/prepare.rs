@@ -199,11 +199,22 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 self.switch_mig_mode(locks, minor, enabled)?;
             }
             let DeviceKind::Mig {
-                profile_id, start, ..
+                profile_id,
+                start,
+                gpu_instance,
+                ..
             } = device.kind
             else {
                 continue;
             };
+            if device.is_share()
+                && let Some(gi) = gpu_instance
+            {
+                // Planned as a join: the instance exists and the record already names it.
+                self.step(uid, Step::ShareJoined);
+                tracing::info!(claim = %record.key(), device = %device.device, gpu_instance = gi, "joined the shared MIG instance other claims hold");
+                continue;
+            }
             let index = locks.index(minor).ok_or(Rejection::GpuGone { minor })?;
             let gi = self.backend().create_gpu_instance(index, profile_id, start)?;
             self.step(uid, Step::GpuInstanceCreated);
@@ -269,7 +280,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 pool_name: d.pool.clone(),
                 device_name: d.device.clone(),
                 cdi_device_ids: self.inner.cdi.device_ids(uid, &d.device),
-                share_id: None,
+                share_id: d.share_id.clone(),
             })
             .collect()
     }

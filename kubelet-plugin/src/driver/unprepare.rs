@@ -45,8 +45,9 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
 
     /// Removes everything a recorded claim has, in any state: records `UnprepareStarted` for
     /// a prepared claim (a half-prepared one is rolled back without), destroys the instances
-    /// the record describes (only those: matched by placement, and by ID where recorded),
-    /// removes the CDI spec and forgets the claim.
+    /// the record describes (only those: matched by placement, and by ID where recorded; a
+    /// shared instance only when no other claim's record holds it), removes the CDI spec and
+    /// forgets the claim.
     pub(super) fn tear_down(
         &self,
         locks: &GpuLocks<'_>,
@@ -113,6 +114,15 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             else {
                 continue;
             };
+            if device.is_share() {
+                let holders = self.inner.journal.other_holders(uid, device);
+                if let Some((_, holder)) = holders.first() {
+                    // Not the last share: the instance stays for the others.
+                    tracing::info!(claim = %record.key(), device = %device.device, holders = holders.len(), holder = %holder.key(), "released a share; the MIG instance stays for the claims still holding it");
+                    self.step(uid, Step::ShareReleased);
+                    continue;
+                }
+            }
             let orphan = || OrphanedInstance {
                 gpu_uuid: device.gpu_uuid.clone(),
                 gpu_minor: device.gpu_minor,

@@ -12,5 +12,6 @@ mod nvml_backend;
 mod real_gpus;
 mod recovery;
 mod rolling_update;
+mod sharing;
 mod stale_gc;
 mod support;

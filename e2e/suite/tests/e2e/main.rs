@@ -35,6 +35,7 @@ mod kubectl_plugin;
 mod placement;
 mod pool;
 mod rolling_update;
+mod sharing;
 
 use std::{sync::Arc, time::Instant};
 
@@ -49,6 +50,7 @@ const SUITE: [&[Test]; 8] = [
     pool::TESTS,
     allocation::TESTS,
     placement::TESTS,
+    sharing::TESTS,
     compat::TESTS,
     faults::TESTS,
     chart::TESTS,
