@@ -30,6 +30,7 @@ mod support;
 mod allocation;
 mod chart;
 mod compat;
+mod day2;
 mod faults;
 mod placement;
 mod pool;
@@ -44,7 +45,7 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 7] = [
+const SUITE: [&[Test]; 8] = [
     pool::TESTS,
     allocation::TESTS,
     placement::TESTS,
@@ -52,6 +53,7 @@ const SUITE: [&[Test]; 7] = [
     faults::TESTS,
     chart::TESTS,
     rolling_update::TESTS,
+    day2::TESTS,
 ];
 
 type Shared = Arc<Mutex<Cluster>>;
