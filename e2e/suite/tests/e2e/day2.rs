@@ -25,8 +25,8 @@ use migdra_e2e::{
 };
 
 use crate::support::{
-    SHORT, bound_node, gpu_uuid, gpunode_events, instances, mig, published_devices, settle, slices,
-    wait_unschedulable,
+    SHORT, bound_node, gpu_uuid, gpunode_events, instances, mig, plain_log, published_devices, registrations,
+    settle, slices, wait_registered, wait_unschedulable,
 };
 
 tests![
@@ -55,13 +55,12 @@ fn mig_placement(claim: &ResourceClaim) -> anyhow::Result<(String, u32, u32)> {
 /// How often the controller's log says it withdrew the node's pool because the plugin's
 /// heartbeat expired (the log is appended across the suite, so callers compare counts).
 fn heartbeat_withdrawals(cluster: &Cluster) -> usize {
-    std::fs::read_to_string(cluster.layout.log("migdra-controller"))
-        .map(|log| {
-            log.lines()
-                .filter(|l| l.contains("withdrawing the pool") && l.contains("is older than"))
-                .count()
+    plain_log(cluster, "migdra-controller")
+        .lines()
+        .filter(|l| {
+            l.contains("withdrawing the pool") && l.contains("last heartbeat") && l.contains("is older than")
         })
-        .unwrap_or(0)
+        .count()
 }
 
 /// The plugin is SIGKILLed and stays down: its pool must be gone before the kubelet's 30 s
@@ -219,7 +218,9 @@ async fn claim_deleted_while_the_plugin_is_down_is_garbage_collected(
 
     // The kubelet comes back, unprepares the claim it still remembers (the plugin answers
     // for a claim it no longer has) and removes the pod's container.
+    let registered_before = registrations(cluster, PLUGIN);
     cluster.start_kubelet()?;
+    wait_registered(cluster, PLUGIN, registered_before).await?;
     cluster.wait_node_ready().await?;
     cluster.wait_published(Duration::from_secs(90)).await?;
     settle(cluster).await

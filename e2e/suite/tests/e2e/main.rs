@@ -13,12 +13,14 @@
 #![allow(clippy::unwrap_used)] // test code
 
 /// Makes a module's `TESTS` table from its test functions, in the order given. Each test is an
-/// `async fn(&mut Cluster) -> anyhow::Result<()>`; its name in the results is the function's.
+/// `async fn(&mut Cluster) -> anyhow::Result<()>`; its name in the results is the function's,
+/// its kind the theme module's name (`[day2] name`), so a filter can select a whole theme.
 macro_rules! tests {
     ($($test:ident),+ $(,)?) => {
         pub(crate) const TESTS: &[$crate::support::Test] = &[$(
             $crate::support::Test {
                 name: stringify!($test),
+                module: module_path!(),
                 run: |cluster| Box::pin($test(cluster)),
             }
         ),+];
@@ -66,7 +68,7 @@ fn main() {
     if args.list {
         let trials = tests
             .iter()
-            .map(|test| Trial::test(test.name, || Ok(())))
+            .map(|test| Trial::test(test.name, || Ok(())).with_kind(test.theme()))
             .collect();
         libtest_mimic::run(&args, trials).exit();
     }
@@ -88,7 +90,9 @@ fn main() {
     let handle = runtime.handle().clone();
     let trials = tests
         .into_iter()
-        .map(|Test { name, run }| {
+        .map(|test| {
+            let theme = test.theme();
+            let Test { name, run, .. } = test;
             let shared = shared.clone();
             let handle = handle.clone();
             let logs = logs.clone();
@@ -107,6 +111,7 @@ fn main() {
                     result.map_err(|e| Failed::from(format!("{e:?}\n(component logs in {})", logs.display())))
                 })
             })
+            .with_kind(theme)
         })
         .collect();
     let conclusion = libtest_mimic::run(&args, trials);

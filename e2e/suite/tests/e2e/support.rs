@@ -25,10 +25,12 @@ pub(crate) fn check_driver_files(cluster: &Cluster, record: &ContainerRecord) ->
         .with_context(|| format!("container {}/{}", record.pod_name, record.container_name))
 }
 
-/// One end-to-end test: its name in the results and its body, run on the shared cluster.
+/// One end-to-end test: its name in the results, the module it is in, and its body, run on
+/// the shared cluster.
 #[derive(Clone, Copy)]
 pub(crate) struct Test {
     pub name: &'static str,
+    pub module: &'static str,
     pub run: for<'a> fn(&'a mut Cluster) -> BoxFuture<'a, anyhow::Result<()>>,
 }
 
@@ -254,4 +256,49 @@ pub(crate) async fn published_devices(cluster: &Cluster) -> anyhow::Result<Vec<(
         .collect();
     devices.sort();
     Ok(devices)
+}
+
+impl Test {
+    /// The theme: the last segment of the module path (`day2` for `e2e::day2`).
+    pub(crate) fn theme(&self) -> &'static str {
+        self.module.rsplit("::").next().unwrap_or(self.module)
+    }
+}
+
+/// A component's log without the terminal colour codes tracing writes around field names
+/// (`claim=default/x` reads as written). Empty when there is no log yet.
+pub(crate) fn plain_log(cluster: &Cluster, component: &str) -> String {
+    let log = std::fs::read_to_string(cluster.layout.log(component)).unwrap_or_default();
+    let mut plain = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI sequence: ESC '[' parameters, ended by a letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+}
+
+/// What the plugin logs once the kubelet accepted its registration.
+pub(crate) const REGISTERED: &str = "kubelet registered the plugin";
+
+/// How often a component's log says the kubelet registered it (the log is appended across
+/// restarts, so callers wait for the count to grow).
+pub(crate) fn registrations(cluster: &Cluster, component: &str) -> usize {
+    plain_log(cluster, component).matches(REGISTERED).count()
+}
+
+pub(crate) async fn wait_registered(cluster: &Cluster, component: &str, before: usize) -> anyhow::Result<()> {
+    wait_until(SHORT, || async {
+        (registrations(cluster, component) > before).then_some(())
+    })
+    .await
+    .with_context(|| format!("the kubelet did not register {component}"))
 }
