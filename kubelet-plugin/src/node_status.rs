@@ -5,7 +5,11 @@
 //! [`StatusLoop`] reads the GPU table ([`crate::gpus`]), never the driver: it keeps running
 //! while another plugin instance holds the node lock.
 
-use std::time::Duration;
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use k8s_openapi::{
     api::core::v1::Node,
@@ -28,6 +32,9 @@ use migdra_kubeletplugin::{DeviceHealthReport, RegistrationState};
 /// Field manager of the plugin's writes.
 pub const FIELD_MANAGER: &str = "migdra-kubelet-plugin";
 
+/// By event type and reason: the note of the last event recorded, and its recorder.
+type LastEvents = HashMap<(EventType, String), (String, Recorder)>;
+
 /// Writes this node's GpuNode.
 #[derive(Clone)]
 pub struct NodeStatusWriter {
@@ -37,7 +44,8 @@ pub struct NodeStatusWriter {
     driver: String,
     started: Timestamp,
     heartbeat_interval: Duration,
-    recorder: Recorder,
+    client: Client,
+    recorders: Arc<Mutex<LastEvents>>,
     reference: Option<k8s_openapi::api::core::v1::ObjectReference>,
 }
 
@@ -51,15 +59,37 @@ impl NodeStatusWriter {
             driver: driver.to_string(),
             started: Timestamp::now(),
             heartbeat_interval,
-            recorder: Recorder::new(
-                client,
-                Reporter {
-                    controller: FIELD_MANAGER.into(),
-                    instance: Some(node.to_string()),
-                },
-            ),
+            client,
+            recorders: Arc::default(),
             reference: None,
         }
+    }
+
+    /// The recorder for an event of `type_` and `reason` with `note`. kube's [`Recorder`] folds
+    /// every event of one type and reason on one object into a single series that keeps the
+    /// first note, so the release of a second claim (or a second GPU turning unhealthy) would
+    /// show the first one's message. A repeat of the last note of that type and reason stays
+    /// in its series; another note gets a recorder, and so an event, of its own.
+    fn recorder(&self, type_: EventType, reason: &str, note: &str) -> Recorder {
+        let mut recorders = self
+            .recorders
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let key = (type_, reason.to_string());
+        if let Some((last, recorder)) = recorders.get(&key)
+            && last == note
+        {
+            return recorder.clone();
+        }
+        let recorder = Recorder::new(
+            self.client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: Some(self.node.clone()),
+            },
+        );
+        recorders.insert(key, (note.to_string(), recorder.clone()));
+        recorder
     }
 
     /// Creates or adopts the GpuNode (metadata and spec), owned by the Node.
@@ -94,6 +124,7 @@ impl NodeStatusWriter {
     /// events are for people, never a reason to stop.
     pub async fn event(&self, type_: EventType, reason: &str, note: String) {
         let Some(reference) = &self.reference else { return };
+        let recorder = self.recorder(type_, reason, &note);
         let event = Event {
             type_,
             reason: reason.into(),
@@ -101,7 +132,7 @@ impl NodeStatusWriter {
             action: reason.into(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&event, reference).await {
+        if let Err(e) = recorder.publish(&event, reference).await {
             tracing::warn!(error = %e, reason, "recording an event failed");
         }
     }

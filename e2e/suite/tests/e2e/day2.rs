@@ -32,6 +32,7 @@ use crate::support::{
 tests![
     killed_plugin_withdraws_the_pool_and_pods_wait_for_it,
     claim_deleted_while_the_plugin_is_down_is_garbage_collected,
+    claim_nobody_unprepares_is_garbage_collected_while_the_plugin_runs,
     lost_gpu_lets_pods_terminate_and_refuses_prepare,
     narrowed_policy_keeps_used_placements_counted,
 ];
@@ -136,11 +137,111 @@ async fn killed_plugin_withdraws_the_pool_and_pods_wait_for_it(cluster: &mut Clu
     settle(cluster).await
 }
 
-/// Deletes a pod without waiting for the kubelet (grace period 0).
-async fn force_delete_pod(cluster: &Cluster, pod: &str) -> anyhow::Result<()> {
-    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), NAMESPACE);
-    pods.delete(pod, &DeleteParams::default().grace_period(0)).await?;
-    Ok(())
+/// A running pod's claim, as the node knows it.
+struct HeldClaim {
+    name: String,
+    uid: String,
+    /// `namespace/name`.
+    key: String,
+    device: String,
+    minor: u32,
+    start: u32,
+}
+
+impl HeldClaim {
+    /// Starts pod `pod` with a `2g.20gb` claim from template `pod` and waits until it runs.
+    async fn start(cluster: &Cluster, pod: &str) -> anyhow::Result<Self> {
+        let c = &cluster.client;
+        create_template(c, pod, mig(&[profile_is("2g.20gb")]), None).await?;
+        create_pod(c, pod, pod, &["sleep", "3600"], false).await?;
+        wait_phase(c, pod, "Running", SHORT).await?;
+        let claim = workload::pod_claim(c, pod).await?;
+        let name = claim.metadata.name.clone().context("claim without a name")?;
+        let uid = claim.metadata.uid.clone().context("claim without a UID")?;
+        let (device, minor, start) = mig_placement(&claim)?;
+        let held = Self {
+            key: format!("{NAMESPACE}/{name}"),
+            name,
+            uid,
+            device,
+            minor,
+            start,
+        };
+        ensure!(held.has_instance(cluster), "no MIG instance for {}", held.device);
+        Ok(held)
+    }
+
+    fn has_instance(&self, cluster: &Cluster) -> bool {
+        instances(cluster, self.minor)
+            .iter()
+            .any(|(_, s, _)| *s == self.start)
+    }
+
+    fn checkpointed(&self, cluster: &Cluster) -> anyhow::Result<bool> {
+        let checkpoint = cluster.layout.plugin_state.join("checkpoint.json");
+        Ok(std::fs::read_to_string(checkpoint)?.contains(&self.uid))
+    }
+
+    /// Deletes the pod without the kubelet (grace period 0; the kubelet is down) and waits
+    /// until its claim is gone from the API. The node still holds the claim.
+    async fn delete_behind_the_nodes_back(&self, cluster: &Cluster, pod: &str) -> anyhow::Result<()> {
+        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), NAMESPACE);
+        pods.delete(pod, &DeleteParams::default().grace_period(0)).await?;
+        let claims: Api<ResourceClaim> = Api::namespaced(cluster.client.clone(), NAMESPACE);
+        wait_until(Duration::from_secs(90), || async {
+            claims
+                .get_opt(&self.name)
+                .await
+                .ok()
+                .and_then(|found| found.is_none().then_some(()))
+        })
+        .await
+        .with_context(|| format!("the claim {} was not deleted with its pod", self.key))
+    }
+
+    /// Waits for the plugin's `StaleClaimReleased` event about this claim, then checks that
+    /// the instance, the checkpoint record and the CDI spec are gone.
+    async fn wait_released(&self, cluster: &Cluster) -> anyhow::Result<()> {
+        let note = wait_until(SHORT, || async {
+            gpunode_events(cluster, "StaleClaimReleased")
+                .await
+                .ok()?
+                .into_iter()
+                .find(|m| m.contains(&self.key))
+        })
+        .await
+        .with_context(|| format!("no StaleClaimReleased event for {}", self.key))?;
+        eprintln!("e2e: {note}");
+        ensure!(
+            note.contains(&self.uid) && note.contains("no longer exists"),
+            "the event does not say why: {note}"
+        );
+        wait_until(SHORT, || async { (!self.has_instance(cluster)).then_some(()) })
+            .await
+            .with_context(|| format!("the stale claim's instance {} was not destroyed", self.device))?;
+        ensure!(
+            !self.checkpointed(cluster)?,
+            "the stale claim is still in the checkpoint"
+        );
+        let specs: Vec<_> = std::fs::read_dir(&cluster.layout.cdi_dir)?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|n| n.contains(&self.uid))
+            .collect();
+        ensure!(specs.is_empty(), "the stale claim's CDI spec is left: {specs:?}");
+        Ok(())
+    }
+}
+
+/// Starts the kubelet again and waits until it registered the plugin and the pool is back
+/// (the kubelet wipes the node's slices when it starts). It unprepares the claims it still
+/// remembers (the plugin answers for claims it no longer has) and removes their containers.
+async fn bring_back_the_kubelet(cluster: &mut Cluster) -> anyhow::Result<()> {
+    let registered_before = registrations(cluster, PLUGIN);
+    cluster.start_kubelet()?;
+    wait_registered(cluster, PLUGIN, registered_before).await?;
+    cluster.wait_node_ready().await?;
+    cluster.wait_published(Duration::from_secs(90)).await
 }
 
 /// A claim is deleted while the plugin is down. Its record and instance outlive it; the
@@ -152,77 +253,32 @@ async fn force_delete_pod(cluster: &Cluster, pod: &str) -> anyhow::Result<()> {
 async fn claim_deleted_while_the_plugin_is_down_is_garbage_collected(
     cluster: &mut Cluster,
 ) -> anyhow::Result<()> {
-    let c = cluster.client.clone();
-    create_template(&c, "stale", mig(&[profile_is("2g.20gb")]), None).await?;
-    create_pod(&c, "stale-holder", "stale", &["sleep", "3600"], false).await?;
-    wait_phase(&c, "stale-holder", "Running", SHORT).await?;
-    let claim = workload::pod_claim(&c, "stale-holder").await?;
-    let claim_name = claim.metadata.name.clone().context("claim without a name")?;
-    let uid = claim.metadata.uid.clone().context("claim without a UID")?;
-    let key = format!("{NAMESPACE}/{claim_name}");
-    let (device, minor, start) = mig_placement(&claim)?;
-    let has_instance = |cluster: &Cluster| instances(cluster, minor).iter().any(|(_, s, _)| *s == start);
-    ensure!(has_instance(cluster), "no MIG instance for {device}");
-
+    let held = HeldClaim::start(cluster, "stale-holder").await?;
     cluster.kill(PLUGIN);
     cluster.stop_kubelet();
-    force_delete_pod(cluster, "stale-holder").await?;
-    let claims: Api<ResourceClaim> = Api::namespaced(c.clone(), NAMESPACE);
-    wait_until(Duration::from_secs(90), || async {
-        claims
-            .get_opt(&claim_name)
-            .await
-            .ok()
-            .and_then(|found| found.is_none().then_some(()))
-    })
-    .await
-    .with_context(|| format!("the claim {key} was not deleted with its pod"))?;
+    held.delete_behind_the_nodes_back(cluster, "stale-holder").await?;
     ensure!(
-        has_instance(cluster),
-        "the instance of {device} went away while nobody could unprepare it"
+        held.has_instance(cluster) && held.checkpointed(cluster)?,
+        "the claim {} was released while nobody could unprepare it",
+        held.key
     );
-    let checkpoint = cluster.layout.plugin_state.join("checkpoint.json");
-    ensure!(
-        std::fs::read_to_string(&checkpoint)?.contains(&uid),
-        "the checkpoint no longer records the claim"
-    );
-
     cluster.start_plugin()?;
-    let note = wait_until(SHORT, || async {
-        gpunode_events(cluster, "StaleClaimReleased")
-            .await
-            .ok()?
-            .into_iter()
-            .find(|m| m.contains(&key))
-    })
-    .await
-    .with_context(|| format!("no StaleClaimReleased event for {key}"))?;
-    eprintln!("e2e: {note}");
-    ensure!(
-        note.contains(&uid) && note.contains("no longer exists"),
-        "the event does not say why: {note}"
-    );
-    wait_until(SHORT, || async { (!has_instance(cluster)).then_some(()) })
-        .await
-        .with_context(|| format!("the stale claim's instance {device} was not destroyed"))?;
-    ensure!(
-        !std::fs::read_to_string(&checkpoint)?.contains(&uid),
-        "the stale claim is still in the checkpoint"
-    );
-    let specs: Vec<_> = std::fs::read_dir(&cluster.layout.cdi_dir)?
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().to_string())
-        .filter(|n| n.contains(&uid))
-        .collect();
-    ensure!(specs.is_empty(), "the stale claim's CDI spec is left: {specs:?}");
+    held.wait_released(cluster).await?;
+    bring_back_the_kubelet(cluster).await?;
+    settle(cluster).await
+}
 
-    // The kubelet comes back, unprepares the claim it still remembers (the plugin answers
-    // for a claim it no longer has) and removes the pod's container.
-    let registered_before = registrations(cluster, PLUGIN);
-    cluster.start_kubelet()?;
-    wait_registered(cluster, PLUGIN, registered_before).await?;
-    cluster.wait_node_ready().await?;
-    cluster.wait_published(Duration::from_secs(90)).await?;
+/// The same while the plugin runs: the kubelet is down when the claim goes, so nobody
+/// unprepares it, and the plugin's periodic pass (every few seconds on this cluster) releases
+/// it.
+async fn claim_nobody_unprepares_is_garbage_collected_while_the_plugin_runs(
+    cluster: &mut Cluster,
+) -> anyhow::Result<()> {
+    let held = HeldClaim::start(cluster, "unwatched").await?;
+    cluster.stop_kubelet();
+    held.delete_behind_the_nodes_back(cluster, "unwatched").await?;
+    held.wait_released(cluster).await?;
+    bring_back_the_kubelet(cluster).await?;
     settle(cluster).await
 }
 

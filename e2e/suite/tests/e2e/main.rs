@@ -103,7 +103,11 @@ fn main() {
                     let result = run(&mut cluster).await;
                     eprintln!("e2e: {name} took {:.1}s", started.elapsed().as_secs_f64());
                     if result.is_err() {
-                        // Leave the GPUs clean for the next test even after a failure.
+                        // Leave the node and the GPUs as the next test expects them even
+                        // after a failure.
+                        if let Err(e) = cluster.restore().await {
+                            eprintln!("e2e: restoring the node after {name} failed: {e:?}");
+                        }
                         if let Err(e) = settle(&cluster).await {
                             eprintln!("e2e: cleanup after {name} failed: {e:?}");
                         }
