@@ -42,7 +42,7 @@ fn placement_is(start: u32) -> String {
     format!("device.attributes[\"{DRIVER}\"].placementStart == {start}")
 }
 
-/// The (GPU minor, placement start) of the claim's one MIG device.
+/// The claim's one MIG device: its name, GPU minor and placement start.
 fn mig_placement(claim: &ResourceClaim) -> anyhow::Result<(String, u32, u32)> {
     let (_, device) = workload::allocated(claim)
         .pop()
@@ -307,9 +307,8 @@ async fn delete_policy(cluster: &Cluster, name: &str) -> anyhow::Result<()> {
     .with_context(|| format!("the MigPolicy {name} was not deleted"))
 }
 
-/// The runs of [`lost_gpu_lets_pods_terminate_and_refuses_prepare`] and
-/// [`narrowed_policy_keeps_used_placements_counted`] under their policy, which is deleted
-/// again whatever happened.
+/// Runs `run` under a MigPolicy for every node, which is deleted again whatever happened (the
+/// tests after it expect the default behaviour).
 async fn with_policy<F>(cluster: &mut Cluster, name: &str, spec: MigPolicySpec, run: F) -> anyhow::Result<()>
 where
     F: AsyncFnOnce(&mut Cluster) -> anyhow::Result<()>,
