@@ -519,6 +519,12 @@ async fn narrowed_policy_keeps_used_placements_counted(cluster: &mut Cluster) ->
                 condition.reason.as_deref() == Some("Unschedulable"),
                 "{pod}: {condition:?}"
             );
+            let claim = workload::pod_claim(&c, pod).await?;
+            ensure!(
+                workload::allocated(&claim).is_empty(),
+                "{pod} waits with an allocated claim: {:?}",
+                workload::allocated(&claim)
+            );
         }
         let mut starts = Vec::new();
         for pod in &running {
