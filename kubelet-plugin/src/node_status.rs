@@ -297,3 +297,92 @@ async fn refresh<B: GpuBackend + 'static>(gpus: &Gpus<B>) -> Option<Vec<GpuInven
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use http::{Method, Request, Response};
+    use k8s_openapi::api::core::v1::ObjectReference;
+    use kube::client::Body;
+    use tower_test::mock;
+
+    use super::*;
+
+    /// What the API server was asked: (method, event name, note), answering each request with
+    /// its own body (which is the event for a create and for the recorder's merge patch).
+    async fn serve_events(
+        mut handle: mock::Handle<Request<Body>, Response<Body>>,
+        count: usize,
+    ) -> Vec<(Method, String, String)> {
+        let mut seen = Vec::new();
+        for _ in 0..count {
+            let (request, send) = handle.next_request().await.expect("the writer stopped asking");
+            let method = request.method().clone();
+            let path = request.uri().path().to_string();
+            let body = request.into_body().collect_bytes().await.expect("request body");
+            let event: serde_json::Value = serde_json::from_slice(&body).expect("an event");
+            let name = match method {
+                Method::POST => event["metadata"]["name"].as_str().unwrap_or_default().to_string(),
+                _ => path.rsplit('/').next().unwrap_or_default().to_string(),
+            };
+            seen.push((
+                method,
+                name,
+                event["note"].as_str().unwrap_or_default().to_string(),
+            ));
+            send.send_response(
+                Response::builder()
+                    .body(Body::from(body.to_vec()))
+                    .expect("response"),
+            );
+        }
+        seen
+    }
+
+    #[tokio::test]
+    async fn events_with_another_note_are_not_folded_into_the_first() {
+        let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let mut writer = NodeStatusWriter::new(
+            Client::new(service, "default"),
+            "node-a",
+            "gpu.migdra.dev",
+            Duration::from_secs(15),
+        );
+        writer.reference = Some(ObjectReference {
+            api_version: Some(API_VERSION.into()),
+            kind: Some("GpuNode".into()),
+            name: Some("node-a".into()),
+            uid: Some("uid-1".into()),
+            ..ObjectReference::default()
+        });
+        let server = tokio::spawn(serve_events(handle, 3));
+        for claim in ["ns/a", "ns/b", "ns/b"] {
+            writer
+                .event(
+                    EventType::Normal,
+                    "StaleClaimReleased",
+                    format!("released claim {claim}"),
+                )
+                .await;
+        }
+        let seen = server.await.expect("server");
+        let [
+            (first, a, note_a),
+            (second, b, note_b),
+            (third, again, note_again),
+        ] = &seen[..]
+        else {
+            panic!("expected three requests, got {seen:?}")
+        };
+        // Each claim's release is an event of its own, with its own message...
+        assert_eq!((first, second), (&Method::POST, &Method::POST), "{seen:?}");
+        assert_ne!(a, b);
+        assert_eq!(
+            (note_a.as_str(), note_b.as_str()),
+            ("released claim ns/a", "released claim ns/b")
+        );
+        // ...and a repeat of the same message counts up the series of its event.
+        assert_eq!(third, &Method::PATCH);
+        assert_eq!(again, b);
+        assert_eq!(note_again, "released claim ns/b");
+    }
+}
