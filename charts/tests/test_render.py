@@ -130,6 +130,7 @@ BAD_VALUES = [
     ("root-relative", ["--set", "kubeletRootDir=var/lib/kubelet"], "/kubeletRootDir"),
     ("bad-profile", ["--set", "deviceClasses.profiles.names={3g.40GB}"], "/deviceClasses/profiles/names"),
     ("bad-port", ["--set", "kubeletPlugin.grpcHealthPort=70000"], "/kubeletPlugin/grpcHealthPort"),
+    ("negative-gc-interval", ["--set", "kubeletPlugin.staleClaimGcIntervalSeconds=-1"], "/kubeletPlugin/staleClaimGcIntervalSeconds"),
     ("bad-surge", ["--set", "kubeletPlugin.maxSurge=-1"], "/kubeletPlugin/maxSurge"),
     ("bad-surge-percent", ["--set", "kubeletPlugin.maxSurge=150%"], "/kubeletPlugin/maxSurge"),
     ("bad-pull-policy", ["--set", "controller.image.pullPolicy=Sometimes"], "/controller/image/pullPolicy"),

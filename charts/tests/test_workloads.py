@@ -149,6 +149,7 @@ def test_plugin_env_follows_values(case):
     assert env["HEARTBEAT_INTERVAL_SECONDS"] == str(values["heartbeat"]["intervalSeconds"])
     assert env["HEALTH_RESEND_INTERVAL_SECONDS"] == str(p["healthResendIntervalSeconds"])
     assert env["LOCK_TIMEOUT_SECONDS"] == str(p["lockTimeoutSeconds"])
+    assert env["STALE_CLAIM_GC_INTERVAL_SECONDS"] == str(p["staleClaimGcIntervalSeconds"])
     assert env["HTTP_ADDRESS"].endswith(f":{p['httpPort']}")
     assert env["GRPC_HEALTH_ADDRESS"].endswith(f":{p['grpcHealthPort']}")
 

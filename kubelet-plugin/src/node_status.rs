@@ -5,7 +5,11 @@
 //! [`StatusLoop`] reads the GPU table ([`crate::gpus`]), never the driver: it keeps running
 //! while another plugin instance holds the node lock.
 
-use std::time::Duration;
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use k8s_openapi::{
     api::core::v1::Node,
@@ -28,6 +32,9 @@ use migdra_kubeletplugin::{DeviceHealthReport, RegistrationState};
 /// Field manager of the plugin's writes.
 pub const FIELD_MANAGER: &str = "migdra-kubelet-plugin";
 
+/// By event type and reason: the note of the last event recorded, and its recorder.
+type LastEvents = HashMap<(EventType, String), (String, Recorder)>;
+
 /// Writes this node's GpuNode.
 #[derive(Clone)]
 pub struct NodeStatusWriter {
@@ -37,7 +44,8 @@ pub struct NodeStatusWriter {
     driver: String,
     started: Timestamp,
     heartbeat_interval: Duration,
-    recorder: Recorder,
+    client: Client,
+    recorders: Arc<Mutex<LastEvents>>,
     reference: Option<k8s_openapi::api::core::v1::ObjectReference>,
 }
 
@@ -51,15 +59,37 @@ impl NodeStatusWriter {
             driver: driver.to_string(),
             started: Timestamp::now(),
             heartbeat_interval,
-            recorder: Recorder::new(
-                client,
-                Reporter {
-                    controller: FIELD_MANAGER.into(),
-                    instance: Some(node.to_string()),
-                },
-            ),
+            client,
+            recorders: Arc::default(),
             reference: None,
         }
+    }
+
+    /// The recorder for an event of `type_` and `reason` with `note`. kube's [`Recorder`] folds
+    /// every event of one type and reason on one object into a single series that keeps the
+    /// first note, so the release of a second claim (or a second GPU turning unhealthy) would
+    /// show the first one's message. A repeat of the last note of that type and reason stays
+    /// in its series; another note gets a recorder, and so an event, of its own.
+    fn recorder(&self, type_: EventType, reason: &str, note: &str) -> Recorder {
+        let mut recorders = self
+            .recorders
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let key = (type_, reason.to_string());
+        if let Some((last, recorder)) = recorders.get(&key)
+            && last == note
+        {
+            return recorder.clone();
+        }
+        let recorder = Recorder::new(
+            self.client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: Some(self.node.clone()),
+            },
+        );
+        recorders.insert(key, (note.to_string(), recorder.clone()));
+        recorder
     }
 
     /// Creates or adopts the GpuNode (metadata and spec), owned by the Node.
@@ -94,6 +124,7 @@ impl NodeStatusWriter {
     /// events are for people, never a reason to stop.
     pub async fn event(&self, type_: EventType, reason: &str, note: String) {
         let Some(reference) = &self.reference else { return };
+        let recorder = self.recorder(type_, reason, &note);
         let event = Event {
             type_,
             reason: reason.into(),
@@ -101,7 +132,7 @@ impl NodeStatusWriter {
             action: reason.into(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&event, reference).await {
+        if let Err(e) = recorder.publish(&event, reference).await {
             tracing::warn!(error = %e, reason, "recording an event failed");
         }
     }
@@ -264,5 +295,94 @@ async fn refresh<B: GpuBackend + 'static>(gpus: &Gpus<B>) -> Option<Vec<GpuInven
             tracing::error!(error = %e, "inventory task failed");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{Method, Request, Response};
+    use k8s_openapi::api::core::v1::ObjectReference;
+    use kube::client::Body;
+    use tower_test::mock;
+
+    use super::*;
+
+    /// What the API server was asked: (method, event name, note), answering each request with
+    /// its own body (which is the event for a create and for the recorder's merge patch).
+    async fn serve_events(
+        mut handle: mock::Handle<Request<Body>, Response<Body>>,
+        count: usize,
+    ) -> Vec<(Method, String, String)> {
+        let mut seen = Vec::new();
+        for _ in 0..count {
+            let (request, send) = handle.next_request().await.expect("the writer stopped asking");
+            let method = request.method().clone();
+            let path = request.uri().path().to_string();
+            let body = request.into_body().collect_bytes().await.expect("request body");
+            let event: serde_json::Value = serde_json::from_slice(&body).expect("an event");
+            let name = match method {
+                Method::POST => event["metadata"]["name"].as_str().unwrap_or_default().to_string(),
+                _ => path.rsplit('/').next().unwrap_or_default().to_string(),
+            };
+            seen.push((
+                method,
+                name,
+                event["note"].as_str().unwrap_or_default().to_string(),
+            ));
+            send.send_response(
+                Response::builder()
+                    .body(Body::from(body.to_vec()))
+                    .expect("response"),
+            );
+        }
+        seen
+    }
+
+    #[tokio::test]
+    async fn events_with_another_note_are_not_folded_into_the_first() {
+        let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let mut writer = NodeStatusWriter::new(
+            Client::new(service, "default"),
+            "node-a",
+            "gpu.migdra.dev",
+            Duration::from_secs(15),
+        );
+        writer.reference = Some(ObjectReference {
+            api_version: Some(API_VERSION.into()),
+            kind: Some("GpuNode".into()),
+            name: Some("node-a".into()),
+            uid: Some("uid-1".into()),
+            ..ObjectReference::default()
+        });
+        let server = tokio::spawn(serve_events(handle, 3));
+        for claim in ["ns/a", "ns/b", "ns/b"] {
+            writer
+                .event(
+                    EventType::Normal,
+                    "StaleClaimReleased",
+                    format!("released claim {claim}"),
+                )
+                .await;
+        }
+        let seen = server.await.expect("server");
+        let [
+            (first, a, note_a),
+            (second, b, note_b),
+            (third, again, note_again),
+        ] = &seen[..]
+        else {
+            panic!("expected three requests, got {seen:?}")
+        };
+        // Each claim's release is an event of its own, with its own message...
+        assert_eq!((first, second), (&Method::POST, &Method::POST), "{seen:?}");
+        assert_ne!(a, b);
+        assert_eq!(
+            (note_a.as_str(), note_b.as_str()),
+            ("released claim ns/a", "released claim ns/b")
+        );
+        // ...and a repeat of the same message counts up the series of its event.
+        assert_eq!(third, &Method::PATCH);
+        assert_eq!(again, b);
+        assert_eq!(note_again, "released claim ns/b");
     }
 }

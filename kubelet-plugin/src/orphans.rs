@@ -11,7 +11,10 @@
 //!
 //! The list is `<state dir>/lost-gpu-orphans.json`, written atomically like the checkpoint,
 //! and belongs to one boot (instances never survive a reboot). It is changed only under the
-//! lock of the GPU concerned.
+//! node lock (and the lock of the GPU concerned). Two plugin instances share it during a
+//! rolling update, so the file, not this process's copy, is the list: every read and every
+//! change starts from the file as it is now, and a change made under the node lock cannot
+//! overwrite what the other instance added.
 
 use std::{
     path::{Path, PathBuf},
@@ -58,7 +61,38 @@ pub struct LostGpuOrphans {
     state_dir: PathBuf,
     path: PathBuf,
     boot_id: String,
-    orphans: Mutex<Vec<OrphanedInstance>>,
+    list: Mutex<Loaded>,
+}
+
+/// The list as last read or written, with the file's bytes then (to notice another
+/// instance's change without parsing the file again every time).
+#[derive(Debug, Default)]
+struct Loaded {
+    on_disk: Option<Vec<u8>>,
+    orphans: Vec<OrphanedInstance>,
+}
+
+impl Loaded {
+    /// Follows the file's current bytes (`None`: no file): a list of another boot is empty,
+    /// an unreadable one is logged (once per content) and treated as empty (its instances
+    /// then show as foreign, which is safe: they are never destroyed).
+    fn follow(&mut self, path: &Path, boot_id: &str, bytes: Option<Vec<u8>>) {
+        if bytes == self.on_disk {
+            return;
+        }
+        self.orphans = match &bytes {
+            None => Vec::new(),
+            Some(bytes) => match serde_json::from_slice::<OrphanFile>(bytes) {
+                Ok(file) if file.boot_id == boot_id => file.orphans,
+                Ok(_) => Vec::new(),
+                Err(e) => {
+                    tracing::error!(path = %path.display(), error = %e, "the list of instances left on lost GPUs is unreadable; treating it as empty");
+                    Vec::new()
+                }
+            },
+        };
+        self.on_disk = bytes;
+    }
 }
 
 impl LostGpuOrphans {
@@ -67,23 +101,13 @@ impl LostGpuOrphans {
     /// show as foreign, which is safe: they are never destroyed).
     pub fn open(state_dir: &Path, boot_id: &str) -> Result<Self, CheckpointError> {
         let path = state_dir.join(ORPHANS_FILE);
-        let orphans = match std::fs::read(&path) {
-            Ok(bytes) => match serde_json::from_slice::<OrphanFile>(&bytes) {
-                Ok(file) if file.boot_id == boot_id => file.orphans,
-                Ok(_) => Vec::new(),
-                Err(e) => {
-                    tracing::error!(path = %path.display(), error = %e, "the list of instances left on lost GPUs is unreadable; starting empty");
-                    Vec::new()
-                }
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(source) => return Err(CheckpointError::Io { path, source }),
-        };
+        let mut list = Loaded::default();
+        list.follow(&path, boot_id, read_bytes(&path)?);
         Ok(Self {
             state_dir: state_dir.to_path_buf(),
             path,
             boot_id: boot_id.to_string(),
-            orphans: Mutex::new(orphans),
+            list: Mutex::new(list),
         })
     }
 
@@ -92,71 +116,92 @@ impl LostGpuOrphans {
         &self.state_dir
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<OrphanedInstance>> {
-        self.orphans
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    /// The list as the file has it now (another plugin instance may have changed it). When
+    /// the file cannot be read the last list this process knew stands.
+    fn lock(&self) -> MutexGuard<'_, Loaded> {
+        let mut list = self.list.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match read_bytes(&self.path) {
+            Ok(bytes) => list.follow(&self.path, &self.boot_id, bytes),
+            Err(e) => {
+                tracing::warn!(error = %e, "re-reading the list of instances left on lost GPUs failed; using the last one read")
+            }
+        }
+        list
     }
 
     /// Every orphaned instance.
     pub fn all(&self) -> Vec<OrphanedInstance> {
-        self.lock().clone()
+        self.lock().orphans.clone()
     }
 
     /// Whether any instance is orphaned.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.lock().orphans.is_empty()
     }
 
     /// The instances orphaned on the GPU with this UUID.
     pub fn on_gpu(&self, gpu_uuid: &str) -> Vec<OrphanedInstance> {
         self.lock()
+            .orphans
             .iter()
             .filter(|o| o.gpu_uuid == gpu_uuid)
             .cloned()
             .collect()
     }
 
-    /// Adds instances (each once) and writes the file; on failure nothing is added.
+    /// Adds instances (each once) and writes the file; on failure nothing is added. Callers
+    /// hold the node lock, so the file read here is not changed before it is written.
     pub fn add(&self, new: impl IntoIterator<Item = OrphanedInstance>) -> Result<(), CheckpointError> {
-        let mut orphans = self.lock();
-        let mut next = orphans.clone();
+        let mut list = self.lock();
+        let mut next = list.orphans.clone();
         for orphan in new {
             if !next.contains(&orphan) {
                 next.push(orphan);
             }
         }
-        if next.len() == orphans.len() {
+        if next.len() == list.orphans.len() {
             return Ok(());
         }
-        self.persist(&next)?;
-        *orphans = next;
-        Ok(())
+        self.persist(&mut list, next)
     }
 
-    /// Removes an instance (destroyed, or found gone) and writes the file.
+    /// Removes an instance (destroyed, or found gone) and writes the file (under the node
+    /// lock, like [`Self::add`]).
     pub fn remove(&self, orphan: &OrphanedInstance) -> Result<(), CheckpointError> {
-        let mut orphans = self.lock();
-        let next: Vec<_> = orphans.iter().filter(|o| *o != orphan).cloned().collect();
-        if next.len() == orphans.len() {
+        let mut list = self.lock();
+        let next: Vec<_> = list.orphans.iter().filter(|o| *o != orphan).cloned().collect();
+        if next.len() == list.orphans.len() {
             return Ok(());
         }
-        self.persist(&next)?;
-        *orphans = next;
-        Ok(())
+        self.persist(&mut list, next)
     }
 
-    fn persist(&self, orphans: &[OrphanedInstance]) -> Result<(), CheckpointError> {
+    fn persist(&self, list: &mut Loaded, orphans: Vec<OrphanedInstance>) -> Result<(), CheckpointError> {
         let file = OrphanFile {
             boot_id: self.boot_id.clone(),
-            orphans: orphans.to_vec(),
+            orphans,
         };
         let mut bytes = serde_json::to_vec(&file)?;
         bytes.push(b'\n');
         write_atomically(&self.path, &bytes, 0o600).map_err(|source| CheckpointError::Io {
             path: self.path.clone(),
             source,
-        })
+        })?;
+        list.orphans = file.orphans;
+        list.on_disk = Some(bytes);
+        Ok(())
+    }
+}
+
+/// The file's bytes, `None` when there is none.
+fn read_bytes(path: &Path) -> Result<Option<Vec<u8>>, CheckpointError> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(CheckpointError::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
     }
 }
 
@@ -192,6 +237,24 @@ mod tests {
             [orphan(4)]
         );
         assert!(LostGpuOrphans::open(dir.path(), "boot-b").unwrap().is_empty());
+    }
+
+    #[test]
+    fn two_instances_sharing_the_file_see_and_keep_each_others_orphans() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = LostGpuOrphans::open(dir.path(), "boot-a").unwrap();
+        let new = LostGpuOrphans::open(dir.path(), "boot-a").unwrap();
+        old.add([orphan(0)]).unwrap();
+        // The other instance sees it, and its own addition keeps it.
+        assert_eq!(new.on_gpu("GPU-1"), [orphan(0)]);
+        new.add([orphan(4)]).unwrap();
+        assert_eq!(old.all(), [orphan(0), orphan(4)]);
+        // A removal by one is seen by the other and does not bring back what it removed.
+        new.remove(&orphan(0)).unwrap();
+        assert_eq!(old.all(), [orphan(4)]);
+        old.remove(&orphan(4)).unwrap();
+        assert!(new.is_empty());
+        assert!(LostGpuOrphans::open(dir.path(), "boot-a").unwrap().is_empty());
     }
 
     #[test]

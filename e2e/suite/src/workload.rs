@@ -63,13 +63,36 @@ pub async fn create_template(
     request: Request,
     config: Option<Value>,
 ) -> anyhow::Result<()> {
+    create_template_tolerating(client, name, request, config, &[]).await
+}
+
+/// [`create_template`] whose request tolerates the device taints with these keys (every
+/// effect): the scheduler may then allocate devices that carry them.
+pub async fn create_template_tolerating(
+    client: &Client,
+    name: &str,
+    request: Request,
+    config: Option<Value>,
+    tolerated_taints: &[&str],
+) -> anyhow::Result<()> {
+    let tolerations: Vec<Value> = tolerated_taints
+        .iter()
+        .map(|key| json!({"key": key, "operator": "Exists"}))
+        .collect();
+    // A device request (exactly, or one firstAvailable alternative) with the tolerations.
+    let device_request = |mut request: Value| {
+        if !tolerations.is_empty() {
+            request["tolerations"] = Value::Array(tolerations.clone());
+        }
+        request
+    };
     let request = match request {
         Request::Exactly { class, selectors } => {
-            json!({"name": "gpu", "exactly": {"deviceClassName": class, "selectors": selectors_json(&selectors)}})
+            json!({"name": "gpu", "exactly": device_request(json!({"deviceClassName": class, "selectors": selectors_json(&selectors)}))})
         }
         Request::FirstAvailable(alternatives) => {
             json!({"name": "gpu", "firstAvailable": alternatives.iter().map(|(n, class, sel)| {
-            json!({"name": n, "deviceClassName": class, "selectors": selectors_json(sel)})
+            device_request(json!({"name": n, "deviceClassName": class, "selectors": selectors_json(sel)}))
         }).collect::<Vec<_>>()})
         }
     };

@@ -473,7 +473,9 @@ fileCheckFrequency: 5s
         Ok(path)
     }
 
-    fn start_kubelet(&mut self) -> anyhow::Result<()> {
+    /// Starts the kubelet (again, after [`Cluster::stop_kubelet`]); it deletes the node's
+    /// ResourceSlices when it starts.
+    pub fn start_kubelet(&mut self) -> anyhow::Result<()> {
         let config = self.write_kubelet_config()?;
         let l = self.layout.clone();
         self.start_component(
@@ -493,11 +495,18 @@ fileCheckFrequency: 5s
 
     /// Restarts the kubelet (it deletes the node's ResourceSlices when it starts).
     pub fn restart_kubelet(&mut self) -> anyhow::Result<()> {
-        self.stop("kubelet", Duration::from_secs(10));
+        self.stop_kubelet();
         self.start_kubelet()
     }
 
-    async fn wait_node_ready(&self) -> anyhow::Result<()> {
+    /// Stops the kubelet (SIGTERM) and leaves it down; the pods' containers keep running in
+    /// the fake runtime, as they do in a real one.
+    pub fn stop_kubelet(&mut self) {
+        self.stop("kubelet", Duration::from_secs(10));
+    }
+
+    /// Waits until the node reports Ready.
+    pub async fn wait_node_ready(&self) -> anyhow::Result<()> {
         let nodes: Api<Node> = Api::all(self.client.clone());
         wait_until(Duration::from_secs(120), || async {
             let node = nodes.get(NODE).await.ok()?;

@@ -17,6 +17,10 @@ use super::{CHART_NAMESPACE, Cluster, DRIVER, HOOK_PATH, NODE, kubeconfig_yaml, 
 pub const PLUGIN: &str = "migdra-kubelet-plugin";
 /// The second kubelet plugin of a rolling update ([`Cluster::start_surge_plugin`]).
 pub const SURGE_PLUGIN: &str = "migdra-kubelet-plugin-surge";
+/// Seconds between the plugin's stale-claim garbage-collection passes: short, so that a test
+/// sees a pass while the plugin runs (a pass never touches a claim that still exists, so the
+/// other tests are unaffected, and prove that).
+pub const STALE_CLAIM_GC_INTERVAL_SECONDS: u64 = 5;
 
 /// Finds migdra's binaries: `$MIGDRA_BIN_DIR`, or the cargo target directory of the running
 /// executable (tests run from target/<profile>/deps, binaries from target/<profile>).
@@ -141,9 +145,37 @@ impl Cluster {
                 &format!("--http-address=127.0.0.1:{http}"),
                 &format!("--grpc-health-address=127.0.0.1:{grpc}"),
                 "--heartbeat-interval-seconds=3",
+                &format!("--stale-claim-gc-interval-seconds={STALE_CLAIM_GC_INTERVAL_SECONDS}"),
                 "--log-level=info,migdra_kubelet_plugin=debug",
             ],
         )
+    }
+
+    /// Whether a component this launcher started is still running.
+    pub fn is_running(&mut self, name: &str) -> bool {
+        self.components
+            .get_mut(name)
+            .is_some_and(|child| matches!(child.try_wait(), Ok(None)))
+    }
+
+    /// After a failed test: starts the kubelet and the kubelet plugin again if the test left
+    /// either down (or either died), and waits until the node's pool is published, so the
+    /// tests after it find the node as it was.
+    pub async fn restore(&mut self) -> anyhow::Result<()> {
+        for (name, start) in [
+            (
+                "kubelet",
+                Self::start_kubelet as fn(&mut Self) -> anyhow::Result<()>,
+            ),
+            (PLUGIN, Self::start_plugin),
+        ] {
+            if !self.is_running(name) {
+                eprintln!("e2e: {name} is down after a failed test; starting it again");
+                self.kill(name); // reaps it, when it died
+                start(self)?;
+            }
+        }
+        self.wait_published(Duration::from_secs(90)).await
     }
 
     /// The whole node pool is published and the plugin registered.

@@ -14,7 +14,9 @@ use migdra_e2e::{
 use migdra_fake_nvml::config::FaultConfig;
 use serde_json::json;
 
-use crate::support::{SHORT, device_health, gpu_uuid, mig, settle, slices, total_instances};
+use crate::support::{
+    SHORT, device_health, gpu_uuid, mig, published_on, settle, slices, taint_keys, total_instances,
+};
 
 tests![
     kubelet_restart_republishes_slices_and_keeps_pods,
@@ -173,30 +175,6 @@ async fn bad_opaque_config_is_reported_and_creates_nothing(cluster: &mut Cluster
     ensure!(workload::phase(&c, "bad-config").await.as_deref() == Some("Pending"));
     ensure!(total_instances(cluster) == 0, "something was created on the GPU");
     settle(cluster).await
-}
-
-/// Devices of GPU `minor` in the published pool that new claims can get (untainted).
-async fn published_on(cluster: &Cluster, minor: u32) -> Option<usize> {
-    let prefix = format!("gpu-{minor}");
-    let slices = slices(cluster).await.ok()?;
-    Some(
-        slices
-            .iter()
-            .flat_map(|s| s.spec.devices.iter().flatten())
-            .filter(|d| d.name == prefix || d.name.starts_with(&format!("{prefix}-")))
-            .filter(|d| d.taints.as_ref().is_none_or(|t| t.is_empty()))
-            .count(),
-    )
-}
-
-/// The taint keys of a published device, or `None` when it is not published.
-async fn taint_keys(cluster: &Cluster, device: &str) -> Option<Vec<String>> {
-    let slices = slices(cluster).await.ok()?;
-    slices
-        .iter()
-        .flat_map(|s| s.spec.devices.iter().flatten())
-        .find(|d| d.name == device)
-        .map(|d| d.taints.iter().flatten().map(|t| t.key.clone()).collect())
 }
 
 async fn wait_health(cluster: &Cluster, pod: &str, device: &str, want: &str) -> anyhow::Result<()> {

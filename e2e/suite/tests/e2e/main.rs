@@ -13,12 +13,14 @@
 #![allow(clippy::unwrap_used)] // test code
 
 /// Makes a module's `TESTS` table from its test functions, in the order given. Each test is an
-/// `async fn(&mut Cluster) -> anyhow::Result<()>`; its name in the results is the function's.
+/// `async fn(&mut Cluster) -> anyhow::Result<()>`; its name in the results is the function's,
+/// its kind the theme module's name (`[day2] name`), so a filter can select a whole theme.
 macro_rules! tests {
     ($($test:ident),+ $(,)?) => {
         pub(crate) const TESTS: &[$crate::support::Test] = &[$(
             $crate::support::Test {
                 name: stringify!($test),
+                module: module_path!(),
                 run: |cluster| Box::pin($test(cluster)),
             }
         ),+];
@@ -30,6 +32,7 @@ mod support;
 mod allocation;
 mod chart;
 mod compat;
+mod day2;
 mod faults;
 mod kubectl_plugin;
 mod placement;
@@ -46,7 +49,7 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 8] = [
+const SUITE: [&[Test]; 10] = [
     pool::TESTS,
     allocation::TESTS,
     placement::TESTS,
@@ -55,6 +58,7 @@ const SUITE: [&[Test]; 8] = [
     faults::TESTS,
     chart::TESTS,
     rolling_update::TESTS,
+    day2::TESTS,
     kubectl_plugin::TESTS,
 ];
 
@@ -68,7 +72,7 @@ fn main() {
     if args.list {
         let trials = tests
             .iter()
-            .map(|test| Trial::test(test.name, || Ok(())))
+            .map(|test| Trial::test(test.name, || Ok(())).with_kind(test.theme()))
             .collect();
         libtest_mimic::run(&args, trials).exit();
     }
@@ -90,7 +94,9 @@ fn main() {
     let handle = runtime.handle().clone();
     let trials = tests
         .into_iter()
-        .map(|Test { name, run }| {
+        .map(|test| {
+            let theme = test.theme();
+            let Test { name, run, .. } = test;
             let shared = shared.clone();
             let handle = handle.clone();
             let logs = logs.clone();
@@ -101,7 +107,11 @@ fn main() {
                     let result = run(&mut cluster).await;
                     eprintln!("e2e: {name} took {:.1}s", started.elapsed().as_secs_f64());
                     if result.is_err() {
-                        // Leave the GPUs clean for the next test even after a failure.
+                        // Leave the node and the GPUs as the next test expects them even
+                        // after a failure.
+                        if let Err(e) = cluster.restore().await {
+                            eprintln!("e2e: restoring the node after {name} failed: {e:?}");
+                        }
                         if let Err(e) = settle(&cluster).await {
                             eprintln!("e2e: cleanup after {name} failed: {e:?}");
                         }
@@ -109,6 +119,7 @@ fn main() {
                     result.map_err(|e| Failed::from(format!("{e:?}\n(component logs in {})", logs.display())))
                 })
             })
+            .with_kind(theme)
         })
         .collect();
     let conclusion = libtest_mimic::run(&args, trials);

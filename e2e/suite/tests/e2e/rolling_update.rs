@@ -6,8 +6,8 @@
 use std::{
     path::Path,
     sync::{
-        Arc,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
     },
     time::Duration,
 };
@@ -19,38 +19,45 @@ use migdra_e2e::{
     workload::{self, create_pod, create_template, profile_is, wait_phase},
 };
 
-use crate::support::{SHORT, mig, settle, total_instances};
+use crate::support::{SHORT, mig, plain_log, registrations, settle, total_instances, wait_registered};
 
 tests![plugin_rolling_update_keeps_claims_flowing];
 
-/// What the plugin logs once the kubelet accepted its registration.
-const REGISTERED: &str = "kubelet registered the plugin";
+/// The claims (`namespace/name`) of the churn's finished cycles, in order.
+#[derive(Default)]
+struct Churned(Mutex<Vec<String>>);
 
-/// How often a component's log says the kubelet registered it (the log is appended across
-/// restarts, so callers wait for the count to grow).
-fn registrations(cluster: &Cluster, component: &str) -> usize {
-    std::fs::read_to_string(cluster.layout.log(component))
-        .map(|log| log.matches(REGISTERED).count())
-        .unwrap_or(0)
-}
+impl Churned {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
 
-async fn wait_registered(cluster: &Cluster, component: &str, before: usize) -> anyhow::Result<()> {
-    wait_until(SHORT, || async {
-        (registrations(cluster, component) > before).then_some(())
-    })
-    .await
-    .with_context(|| format!("the kubelet did not register {component}"))
+    /// How many cycles finished.
+    fn count(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// The claim of finished cycle `n` (from 1).
+    fn claim(&self, n: usize) -> Option<String> {
+        self.lock().get(n.checked_sub(1)?).cloned()
+    }
 }
 
 /// Claims coming and going: pods `churn-<n>` one after another, each until it runs, then
-/// deleted (which unprepares its claim). Any prepare failure the kubelet reports on a pod
-/// is an error.
-async fn churn(client: Client, stop: Arc<AtomicBool>, cycles: Arc<AtomicUsize>) -> anyhow::Result<()> {
+/// deleted (which unprepares its claim: the kubelet finishes a pod only once that worked).
+/// Any prepare failure the kubelet reports on a pod is an error.
+async fn churn(client: Client, stop: Arc<AtomicBool>, churned: Arc<Churned>) -> anyhow::Result<()> {
     let mut n = 0;
     while !stop.load(Ordering::SeqCst) {
         let pod = format!("churn-{n}");
         create_pod(&client, &pod, "rolling", &["sleep", "3600"], false).await?;
         wait_phase(&client, &pod, "Running", Duration::from_secs(120)).await?;
+        let claim = workload::pod_claim(&client, &pod).await?;
+        let key = format!(
+            "{}/{}",
+            claim.metadata.namespace.unwrap_or_default(),
+            claim.metadata.name.unwrap_or_default()
+        );
         let failures: Vec<String> = workload::pod_events(&client, &pod)
             .await?
             .into_iter()
@@ -60,23 +67,55 @@ async fn churn(client: Client, stop: Arc<AtomicBool>, cycles: Arc<AtomicUsize>) 
         ensure!(failures.is_empty(), "pod {pod}: {failures:?}");
         workload::delete_pods(&client, &[&pod]).await?;
         n += 1;
-        cycles.fetch_add(1, Ordering::SeqCst);
+        churned.lock().push(key);
     }
     Ok(())
 }
 
-/// Waits until the churn completed one more whole cycle than it had now.
-async fn one_more_cycle(
-    cycles: &AtomicUsize,
+/// Waits until the churn finished `more` cycles more than it had now; returns the count then.
+async fn cycles_more(
+    more: usize,
+    churned: &Churned,
     churn: &tokio::task::JoinHandle<anyhow::Result<()>>,
-) -> anyhow::Result<()> {
-    let target = cycles.load(Ordering::SeqCst) + 1;
+) -> anyhow::Result<usize> {
+    let target = churned.count() + more;
     wait_until(Duration::from_secs(180), || async {
-        (cycles.load(Ordering::SeqCst) >= target || churn.is_finished()).then_some(())
+        (churned.count() >= target || churn.is_finished()).then_some(())
     })
     .await
     .context("the claim churn stalled")?;
     ensure!(!churn.is_finished(), "the claim churn stopped early");
+    Ok(target)
+}
+
+/// Waits until the churn completed one more whole cycle than it had now.
+async fn one_more_cycle(
+    churned: &Churned,
+    churn: &tokio::task::JoinHandle<anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    cycles_more(1, churned, churn).await.map(drop)
+}
+
+/// With `component` the only plugin serving: waits for a cycle that starts after now (the one
+/// under way may have been prepared by the instance that just stopped) and checks that
+/// `component` prepared its claim (created its instance) and unprepared it.
+async fn cycle_served_by(
+    cluster: &Cluster,
+    component: &str,
+    churned: &Churned,
+    churn: &tokio::task::JoinHandle<anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    let finished = cycles_more(2, churned, churn).await?;
+    let key = churned
+        .claim(finished)
+        .context("no claim recorded for the cycle")?;
+    let log = plain_log(cluster, component);
+    let field = format!("claim={key} ");
+    let logged = |what: &str| log.lines().any(|l| l.contains(what) && l.contains(&field));
+    ensure!(
+        logged("created MIG instance") && logged(": unprepared"),
+        "{component} did not both prepare and unprepare {key}"
+    );
     Ok(())
 }
 
@@ -88,17 +127,14 @@ async fn plugin_rolling_update_keeps_claims_flowing(cluster: &mut Cluster) -> an
     wait_phase(&c, "rolling-keeper", "Running", SHORT).await?;
 
     let stop = Arc::new(AtomicBool::new(false));
-    let cycles = Arc::new(AtomicUsize::new(0));
-    let churn = tokio::spawn(churn(c.clone(), stop.clone(), cycles.clone()));
-    let rolled = roll(cluster, &cycles, &churn).await;
+    let churned = Arc::new(Churned::default());
+    let churn = tokio::spawn(churn(c.clone(), stop.clone(), churned.clone()));
+    let rolled = roll(cluster, &churned, &churn).await;
     stop.store(true, Ordering::SeqCst);
-    let churned = churn.await.context("the claim churn panicked")?;
+    let outcome = churn.await.context("the claim churn panicked")?;
     rolled?;
-    churned.context("a claim failed during the rolling update")?;
-    ensure!(
-        cycles.load(Ordering::SeqCst) >= 5,
-        "too few claims went through the update"
-    );
+    outcome.context("a claim failed during the rolling update")?;
+    ensure!(churned.count() >= 7, "too few claims went through the update");
     cluster.wait_published(SHORT).await?;
     settle(cluster).await?;
     let checkpoint = std::fs::read_to_string(cluster.layout.plugin_state.join("checkpoint.json"))?;
@@ -109,17 +145,18 @@ async fn plugin_rolling_update_keeps_claims_flowing(cluster: &mut Cluster) -> an
     Ok(())
 }
 
-/// Old → surge → old, with the churn running.
+/// Old → surge → old, with the churn running: at least one whole cycle in each phase, and
+/// one prepared and unprepared by each instance while it serves alone.
 async fn roll(
     cluster: &mut Cluster,
-    cycles: &AtomicUsize,
+    churned: &Churned,
     churn: &tokio::task::JoinHandle<anyhow::Result<()>>,
 ) -> anyhow::Result<()> {
     let c = cluster.client.clone();
     let root = cluster.layout.kubelet_root.clone();
     let fixed = sockets(&root, None);
     let surge = sockets(&root, Some("surge-1"));
-    one_more_cycle(cycles, churn).await?;
+    one_more_cycle(churned, churn).await?;
     let withdrawn_before = withdrawals(cluster);
 
     // The new instance starts next to the old one; both serve.
@@ -130,7 +167,7 @@ async fn roll(
         fixed.iter().chain(&surge).all(|s| s.exists()),
         "both instances' sockets exist"
     );
-    one_more_cycle(cycles, churn).await?;
+    one_more_cycle(churned, churn).await?;
 
     // The old one stops and removes only its own sockets.
     cluster.stop(PLUGIN, Duration::from_secs(20));
@@ -142,7 +179,8 @@ async fn roll(
         surge.iter().all(|s| s.exists()),
         "the new instance's sockets stay"
     );
-    one_more_cycle(cycles, churn).await?;
+    // Alone, the new instance prepares and unprepares claims.
+    cycle_served_by(cluster, SURGE_PLUGIN, churned, churn).await?;
 
     // The new instance unprepares the claim the old one prepared.
     let instances = total_instances(cluster);
@@ -157,15 +195,14 @@ async fn roll(
     let before = registrations(cluster, PLUGIN);
     cluster.start_plugin()?;
     wait_registered(cluster, PLUGIN, before).await?;
-    one_more_cycle(cycles, churn).await?;
+    one_more_cycle(churned, churn).await?;
     cluster.stop(SURGE_PLUGIN, Duration::from_secs(20));
     ensure!(
         surge.iter().all(|s| !s.exists()),
         "the surge instance's sockets are gone"
     );
     ensure!(fixed.iter().all(|s| s.exists()), "the plugin's sockets stay");
-    one_more_cycle(cycles, churn).await?;
-    one_more_cycle(cycles, churn).await?;
+    cycle_served_by(cluster, PLUGIN, churned, churn).await?;
     // A hand-over, not an outage: the stopping instance saw the other registered and did not
     // report the node's plugin unregistered, so the pool stayed published throughout.
     ensure!(

@@ -5,8 +5,11 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use futures::future::BoxFuture;
-use k8s_openapi::api::resource::v1::ResourceSlice;
-use kube::{Api, ResourceExt};
+use k8s_openapi::api::{
+    core::v1::{Event, Pod, PodCondition},
+    resource::v1::ResourceSlice,
+};
+use kube::{Api, ResourceExt, api::ListParams};
 use migdra_api::inventory::pool_name;
 use migdra_e2e::{
     cluster::{Cluster, DRIVER, HOOK_PATH, NODE, wait_until},
@@ -22,10 +25,12 @@ pub(crate) fn check_driver_files(cluster: &Cluster, record: &ContainerRecord) ->
         .with_context(|| format!("container {}/{}", record.pod_name, record.container_name))
 }
 
-/// One end-to-end test: its name in the results and its body, run on the shared cluster.
+/// One end-to-end test: its name in the results, the module it is in, and its body, run on
+/// the shared cluster.
 #[derive(Clone, Copy)]
 pub(crate) struct Test {
     pub name: &'static str,
+    pub module: &'static str,
     pub run: for<'a> fn(&'a mut Cluster) -> BoxFuture<'a, anyhow::Result<()>>,
 }
 
@@ -173,4 +178,127 @@ pub fn mig_instance(cluster: &Cluster, minor: u32, start: u32) -> anyhow::Result
         );
     }
     Ok((minors, ci.uuid.clone()))
+}
+
+/// Devices of GPU `minor` in the published pool that new claims can get (untainted).
+pub(crate) async fn published_on(cluster: &Cluster, minor: u32) -> Option<usize> {
+    let prefix = format!("gpu-{minor}");
+    let slices = slices(cluster).await.ok()?;
+    Some(
+        slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .filter(|d| d.name == prefix || d.name.starts_with(&format!("{prefix}-")))
+            .filter(|d| d.taints.as_ref().is_none_or(|t| t.is_empty()))
+            .count(),
+    )
+}
+
+/// The taint keys of a published device, or `None` when it is not published.
+pub(crate) async fn taint_keys(cluster: &Cluster, device: &str) -> Option<Vec<String>> {
+    let slices = slices(cluster).await.ok()?;
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| d.name == device)
+        .map(|d| d.taints.iter().flatten().map(|t| t.key.clone()).collect())
+}
+
+/// Waits until the scheduler reports the pod unschedulable (`PodScheduled=False`) and returns
+/// that condition.
+pub(crate) async fn wait_unschedulable(cluster: &Cluster, pod: &str) -> anyhow::Result<PodCondition> {
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), workload::NAMESPACE);
+    wait_until(SHORT, || async {
+        pods.get(pod)
+            .await
+            .ok()?
+            .status?
+            .conditions?
+            .into_iter()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+    })
+    .await
+    .with_context(|| format!("the scheduler never reported {pod} unschedulable"))
+}
+
+/// The node the pod is bound to, if any.
+pub(crate) async fn bound_node(cluster: &Cluster, pod: &str) -> anyhow::Result<Option<String>> {
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), workload::NAMESPACE);
+    Ok(pods.get(pod).await?.spec.and_then(|s| s.node_name))
+}
+
+/// Messages of the events with `reason` that the plugin recorded on this node's GpuNode.
+pub(crate) async fn gpunode_events(cluster: &Cluster, reason: &str) -> anyhow::Result<Vec<String>> {
+    let events: Api<Event> = Api::namespaced(cluster.client.clone(), workload::NAMESPACE);
+    let list = events
+        .list(&ListParams::default().fields(&format!("involvedObject.name={NODE}")))
+        .await?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .filter_map(|e| e.message)
+        .collect())
+}
+
+/// Every device of this node's pool with its taint keys, by name.
+pub(crate) async fn published_devices(cluster: &Cluster) -> anyhow::Result<Vec<(String, Vec<String>)>> {
+    let mut devices: Vec<(String, Vec<String>)> = slices(cluster)
+        .await?
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| {
+            (
+                d.name.clone(),
+                d.taints.iter().flatten().map(|t| t.key.clone()).collect(),
+            )
+        })
+        .collect();
+    devices.sort();
+    Ok(devices)
+}
+
+impl Test {
+    /// The theme: the last segment of the module path (`day2` for `e2e::day2`).
+    pub(crate) fn theme(&self) -> &'static str {
+        self.module.rsplit("::").next().unwrap_or(self.module)
+    }
+}
+
+/// A component's log without the terminal colour codes tracing writes around field names
+/// (`claim=default/x` reads as written). Empty when there is no log yet.
+pub(crate) fn plain_log(cluster: &Cluster, component: &str) -> String {
+    let log = std::fs::read_to_string(cluster.layout.log(component)).unwrap_or_default();
+    let mut plain = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI sequence: ESC '[' parameters, ended by a letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+}
+
+/// What the plugin logs once the kubelet accepted its registration.
+pub(crate) const REGISTERED: &str = "kubelet registered the plugin";
+
+/// How often a component's log says the kubelet registered it (the log is appended across
+/// restarts, so callers wait for the count to grow).
+pub(crate) fn registrations(cluster: &Cluster, component: &str) -> usize {
+    plain_log(cluster, component).matches(REGISTERED).count()
+}
+
+pub(crate) async fn wait_registered(cluster: &Cluster, component: &str, before: usize) -> anyhow::Result<()> {
+    wait_until(SHORT, || async {
+        (registrations(cluster, component) > before).then_some(())
+    })
+    .await
+    .with_context(|| format!("the kubelet did not register {component}"))
 }
