@@ -536,6 +536,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn for_node_puts_the_node_on_every_series() {
+        let metrics = Metrics::for_node("gpu-node-1");
+        metrics.claim("prepare", true);
+        metrics.pending_repairs(2);
+        let text = metrics.encode();
+        assert!(
+            text.contains(r#"migdra_kubelet_plugin_claims_total{node="gpu-node-1",operation="prepare",result="success"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"migdra_kubelet_plugin_pending_repairs{node="gpu-node-1"} 2"#),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn failures_are_counted_by_operation_and_reason() {
         let metrics = Metrics::new();
         metrics.claim_failure("prepare", "UnknownProfile");

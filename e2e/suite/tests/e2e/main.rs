@@ -31,6 +31,7 @@ mod allocation;
 mod chart;
 mod compat;
 mod faults;
+mod observability;
 mod placement;
 mod pool;
 mod rolling_update;
@@ -44,13 +45,14 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 7] = [
+const SUITE: [&[Test]; 8] = [
     pool::TESTS,
     allocation::TESTS,
     placement::TESTS,
     compat::TESTS,
     faults::TESTS,
     chart::TESTS,
+    observability::TESTS,
     rolling_update::TESTS,
 ];
 
