@@ -1,15 +1,19 @@
 //! What an operator observes, on the real cluster: the plugin's and the controller's
 //! `/metrics` (scraped over HTTP as Prometheus would), with the instance info series naming
 //! the pod that uses the instance, and the GpuNode status with its instances' claims and the
-//! summary behind `kubectl get gpunodes -o wide`.
+//! summary behind `kubectl get gpunodes -o wide`; a claim the plugin rejects gets a Warning
+//! event on the ResourceClaim with the failure's reason, counted by reason.
 //!
-//! The metric names the scrape exposes are compared with `charts/tests/metric_names.txt`, the
-//! list the chart tests check every dashboard query and alert expression against; run with
-//! `MIGDRA_UPDATE_METRIC_NAMES=1` to rewrite it after adding a metric.
+//! Every name in `charts/tests/metric_names.txt` (the list the chart tests check every
+//! dashboard query and alert expression against) must be one the processes expose; run with
+//! `MIGDRA_UPDATE_METRIC_NAMES=1` to rewrite it from the scrape after adding a metric. (A
+//! family shows up in a scrape once it has a series, so the list holds what this test makes
+//! happen: an instance, a rejected claim; earlier tests may add more.)
 
 use std::{collections::BTreeSet, time::Duration};
 
 use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use migdra_api::{
     device_name::DeviceName,
@@ -24,6 +28,22 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::support::{SHORT, mig, settle};
 
 tests![metrics_and_gpunode_status_show_each_instance_with_its_pod];
+
+/// The Warning events the plugin recorded on ResourceClaim `claim` in `default`.
+async fn claim_events(cluster: &Cluster, claim: &str) -> anyhow::Result<Vec<Event>> {
+    let events: Api<Event> = Api::namespaced(cluster.client.clone(), "default");
+    Ok(events
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.regarding.as_ref().is_some_and(|r| {
+                r.kind.as_deref() == Some("ResourceClaim") && r.name.as_deref() == Some(claim)
+            }) && e.reporting_controller.as_deref() == Some("migdra-kubelet-plugin")
+        })
+        .collect())
+}
 
 /// The checked-in list of metric names (sample names: counters with `_total`, histograms
 /// with `_bucket`/`_sum`/`_count`).
@@ -129,7 +149,13 @@ async fn metrics_and_gpunode_status_show_each_instance_with_its_pod(
         "migdra_kubelet_plugin_gpu_memory_slices{{node=\"{NODE}\",gpu=\"{}\",gpu_minor=\"{minor}\",gpu_uuid=\"{}\",state=\"used\"}} 2",
         gpu.index, gpu.uuid
     );
-    ensure!(plugin.lines().any(|l| l == used), "no {used} in\n{plugin}");
+    // The per-GPU series follow the inventory, refreshed every heartbeat.
+    wait_until(SHORT, || async {
+        let text = scrape(cluster, "plugin-http").await.ok()?;
+        text.lines().any(|l| l == used).then_some(())
+    })
+    .await
+    .with_context(|| format!("no {used} in\n{plugin}"))?;
 
     // The controller publishes this node's pool and sees its plugin live.
     let controller = scrape(cluster, "controller-http").await?;
@@ -188,29 +214,103 @@ async fn metrics_and_gpunode_status_show_each_instance_with_its_pod(
         "{instance:?}"
     );
 
-    // Every family the dashboard and alerts may name, from the real processes.
+    // The wide view reads the summary and the Published condition.
+    let out = std::process::Command::new(cluster.layout.upstream_bin.join("kubectl"))
+        .arg(format!("--kubeconfig={}", cluster.layout.kubeconfig.display()))
+        .args(["get", "gpunodes", "-o", "wide"])
+        .output()?;
+    let wide = String::from_utf8_lossy(&out.stdout).to_string();
+    ensure!(
+        out.status.success(),
+        "kubectl: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(cluster.layout.run_dir.join("gpunodes-wide.txt"), &wide)?;
+    let rows: Vec<Vec<&str>> = wide.lines().map(|l| l.split_whitespace().collect()).collect();
+    let header = rows.first().context("no header")?;
+    let row = rows
+        .iter()
+        .find(|r| r.first() == Some(&NODE))
+        .with_context(|| format!("no row for {NODE}:\n{wide}"))?;
+    let column = |name: &str| {
+        header
+            .iter()
+            .position(|h| *h == name)
+            .and_then(|i| row.get(i).copied())
+            .with_context(|| format!("no {name} column:\n{wide}"))
+    };
+    let free = format!("{}/{total_slices}", total_slices - 2);
+    for (name, want) in [
+        ("INSTANCES", "1"),
+        ("FOREIGN", "0"),
+        ("FREE-SLICES", free.as_str()),
+        ("HEALTH", "Healthy"),
+        ("LIVE", "True"),
+    ] {
+        ensure!(column(name)? == want, "{name} is not {want}:\n{wide}");
+    }
+
+    // A claim the plugin rejects (bad opaque configuration): a Warning on the claim with the
+    // failure's reason, and the failure counted under the same reason.
+    let config = serde_json::json!({"apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "DeviceConfig", "sharing": "mps"});
+    create_template(&c, "rejected", mig(&[profile_is("1g.10gb")]), Some(config)).await?;
+    create_pod(&c, "rejected", "rejected", &["sleep", "3600"], false).await?;
+    let rejected = workload::pod_claim(&c, "rejected").await?;
+    let rejected_name = rejected.metadata.name.clone().unwrap_or_default();
+    let event = wait_until(Duration::from_secs(90), || async {
+        let events = claim_events(cluster, &rejected_name).await.ok()?;
+        events
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("InvalidConfig"))
+    })
+    .await
+    .with_context(|| format!("no InvalidConfig event on claim {rejected_name}"))?;
+    let note = event.note.clone().unwrap_or_default();
+    ensure!(
+        event.type_.as_deref() == Some("Warning")
+            && event.action.as_deref() == Some("PrepareResourceClaim")
+            && note.contains("unknown field `sharing`"),
+        "{event:?}"
+    );
+    let regarding_uid = event.regarding.as_ref().and_then(|r| r.uid.clone());
+    ensure!(regarding_uid == rejected.metadata.uid, "{event:?}");
+    let plugin = scrape(cluster, "plugin-http").await?;
+    let failures = format!(
+        "migdra_kubelet_plugin_claim_failures_total{{node=\"{NODE}\",operation=\"prepare\",reason=\"InvalidConfig\"}} "
+    );
+    ensure!(
+        plugin.lines().any(|l| l.starts_with(&failures)),
+        "no {failures} in\n{plugin}"
+    );
+    ensure!(
+        claim_events(cluster, &claim_name).await?.is_empty(),
+        "the prepared claim got no Warning"
+    );
+
+    // Every name the dashboard and alerts may use is one the real processes expose.
+    let controller = scrape(cluster, "controller-http").await?;
     let mut names = sample_names(&plugin)?;
     names.extend(sample_names(&controller)?);
-    let listed: String = names.iter().map(|n| format!("{n}\n")).collect();
     let path = repo_root().join(NAMES_FILE);
     if std::env::var_os("MIGDRA_UPDATE_METRIC_NAMES").is_some() {
+        let listed: String = names.iter().map(|n| format!("{n}\n")).collect();
         std::fs::write(&path, &listed).with_context(|| format!("writing {}", path.display()))?;
     } else {
         let checked_in =
             std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-        if checked_in != listed {
-            let scraped = cluster.layout.run_dir.join("metric_names.txt");
-            std::fs::write(&scraped, &listed)?;
-            bail!(
-                "{NAMES_FILE} differs from the names the cluster's processes expose (written to {}); \
-                 rerun with MIGDRA_UPDATE_METRIC_NAMES=1 if the change is intended",
-                scraped.display()
-            );
-        }
+        let missing: Vec<&str> = checked_in
+            .lines()
+            .filter(|n| !n.is_empty() && !names.contains(*n))
+            .collect();
+        ensure!(
+            missing.is_empty(),
+            "{NAMES_FILE} lists names the cluster's processes do not expose: {missing:?} \
+             (rerun with MIGDRA_UPDATE_METRIC_NAMES=1 if they were renamed or removed)"
+        );
     }
 
     // Gone with the pod: the info series leaves the scrape.
-    workload::delete_pods(&c, &["observed"]).await?;
+    workload::delete_pods(&c, &["observed", "rejected"]).await?;
     wait_until(Duration::from_secs(120), || async {
         let text = scrape(cluster, "plugin-http").await.ok()?;
         samples(&text, "migdra_kubelet_plugin_mig_instance_info")
