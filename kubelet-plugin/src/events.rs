@@ -10,15 +10,16 @@
 //! server. The reasons are those of [`crate::driver::ClaimFailure::reason`] (the failure
 //! label of `migdra_kubelet_plugin_claim_failures_total`), so an alert by reason and the
 //! claim's events speak the same words; `GpuUnhealthy` goes to the claims using a GPU that
-//! became unhealthy. Node-level events (recovery, GPU health) stay on the GpuNode
-//! ([`crate::node_status`]).
+//! became unhealthy, `RecoveryPending`/`RecoveryCompleted` to a claim whose interrupted
+//! operation could not be repaired yet / was repaired. The node-level events stay on the
+//! GpuNode too ([`crate::node_status`]).
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::driver::ClaimFailure;
+use crate::{driver::ClaimFailure, gpus::PendingRepair};
 use migdra_kubeletplugin::ClaimRef;
 
 /// Events waiting to be written; more are dropped (each is also logged and counted).
@@ -86,6 +87,41 @@ impl ClaimEvent {
                 "GPU {gpu_minor} ({gpu_uuid}), which holds this claim's device, is unhealthy: {why}"
             )),
         }
+    }
+
+    /// The Warning for a claim whose interrupted operation could not be repaired yet; `None`
+    /// when the record's claim is not `namespace/name`.
+    pub fn recovery_pending(repair: &PendingRepair) -> Option<Self> {
+        let (namespace, name) = repair.claim.split_once('/')?;
+        Some(Self {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            uid: repair.uid.clone(),
+            type_: EventType::Warning,
+            reason: "RecoveryPending",
+            action: "RecoverInterruptedOperation",
+            note: truncate_note(format!(
+                "an interrupted operation of this claim could not be repaired yet (retried in the background; GPU(s) {:?} refuse new claims meanwhile): {}",
+                repair.minors, repair.error
+            )),
+        })
+    }
+
+    /// The Normal event for a claim whose pending repair is done (repaired, or torn down).
+    pub fn recovery_completed(repair: &PendingRepair) -> Option<Self> {
+        let (namespace, name) = repair.claim.split_once('/')?;
+        Some(Self {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            uid: repair.uid.clone(),
+            type_: EventType::Normal,
+            reason: "RecoveryCompleted",
+            action: "RecoverInterruptedOperation",
+            note: format!(
+                "the interrupted operation of this claim was repaired; GPU(s) {:?} are usable again",
+                repair.minors
+            ),
+        })
     }
 
     /// The reference the event is about.

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     driver::RecoveryEvent,
     events::{ClaimEvent, ClaimEvents},
-    gpus::Gpus,
+    gpus::{Gpus, PendingRepair},
     nvml::GpuBackend,
 };
 use migdra_kubeletplugin::{DeviceHealthReport, RegistrationState};
@@ -164,7 +164,7 @@ pub struct StatusLoop<B> {
     /// Time between refreshes (the heartbeat).
     pub interval: Duration,
     /// Where events about claims go: a GPU turning unhealthy is also a Warning on each claim
-    /// with a device on it.
+    /// with a device on it; a repair left pending and its completion are events on the claim.
     pub claim_events: ClaimEvents,
 }
 
@@ -186,6 +186,7 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
         let mut object_ready = false;
         let mut registration_open = true;
         let mut health_seen: std::collections::BTreeMap<u32, bool> = std::collections::BTreeMap::new();
+        let mut repairs_seen = std::collections::BTreeMap::new();
         loop {
             let inventory = refresh(&gpus).await;
             if let Some(inventory) = &inventory {
@@ -197,6 +198,10 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                     }
                     changed
                 });
+            }
+            // Repairs that became pending or are done: an event on their claim.
+            for event in repair_claim_events(&mut repairs_seen, gpus.recovery_pending()) {
+                claim_events.send(event);
             }
             // GPU health changes: a Warning on each claim using a GPU that became unhealthy
             // (queued, with or without a GpuNode writer), and an event on the GpuNode.
@@ -267,6 +272,27 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
             }
         }
     }
+}
+
+/// The events for repairs that appeared in `now` (pending) or left it (completed) since
+/// `seen`, which becomes `now`.
+fn repair_claim_events(
+    seen: &mut std::collections::BTreeMap<String, PendingRepair>,
+    now: Vec<PendingRepair>,
+) -> Vec<ClaimEvent> {
+    let now: std::collections::BTreeMap<String, PendingRepair> =
+        now.into_iter().map(|p| (p.uid.clone(), p)).collect();
+    let pending = now
+        .iter()
+        .filter(|(uid, _)| !seen.contains_key(*uid))
+        .filter_map(|(_, p)| ClaimEvent::recovery_pending(p));
+    let completed = seen
+        .iter()
+        .filter(|(uid, _)| !now.contains_key(*uid))
+        .filter_map(|(_, p)| ClaimEvent::recovery_completed(p));
+    let events = pending.chain(completed).collect();
+    *seen = now;
+    events
 }
 
 /// The events for the recorded claims with a device on `gpu`, which became unhealthy.

@@ -3,7 +3,7 @@
 //! written by the event task to the events API).
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use crate::support::*;
 use http::{Method, Request, Response};
@@ -11,8 +11,12 @@ use kube::{
     client::Body,
     runtime::events::{EventType, Recorder, Reporter},
 };
-use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
+use migdra_fake_nvml::{
+    FaultState,
+    config::{FakeConfig, FaultConfig, GpuConfig, InstanceConfig},
+};
 use migdra_kubelet_plugin::{
+    driver::{Step, StepHook},
     events::{ClaimEvent, ClaimEvents, publish_claim_events},
     metrics::Metrics,
     node_status::StatusLoop,
@@ -214,20 +218,8 @@ async fn a_gpu_turning_unhealthy_is_a_warning_event_on_the_claims_using_it() {
     prepare_one(&driver, "u2", "on-gpu-1").await.unwrap();
 
     let (claim_events, mut events) = ClaimEvents::channel();
-    let (_registration_tx, registration) = watch::channel(RegistrationState::default());
-    let (health, _health_rx) = watch::channel(Vec::new());
     let stop = CancellationToken::new();
-    let status = StatusLoop {
-        gpus: driver.gpus().clone(),
-        writer: None,
-        recovery_note: None,
-        recovery_events: None,
-        registration,
-        health,
-        interval: Duration::from_millis(50),
-        claim_events,
-    };
-    let task = tokio::spawn(status.run(stop.clone()));
+    let task = status_loop(&driver, claim_events, &stop);
     // Healthy GPUs: nothing for any claim.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(queued_events(&mut events), Vec::new());
@@ -246,6 +238,100 @@ async fn a_gpu_turning_unhealthy_is_a_warning_event_on_the_claims_using_it() {
     assert!(
         queued_events(&mut events).iter().all(|e| e.uid == "u1"),
         "the claim on the healthy GPU gets nothing, and the lost GPU's claim one event per change"
+    );
+}
+
+/// A status loop over `driver`'s GPUs without a GpuNode writer, sending claim events to
+/// `claim_events`, refreshing every 50 ms until `stop`.
+fn status_loop(
+    driver: &TestDriver,
+    claim_events: ClaimEvents,
+    stop: &CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let (_registration_tx, registration) = watch::channel(RegistrationState::default());
+    let (health, _health_rx) = watch::channel(Vec::new());
+    let status = StatusLoop {
+        gpus: driver.gpus().clone(),
+        writer: None,
+        recovery_note: None,
+        recovery_events: None,
+        registration,
+        health,
+        interval: Duration::from_millis(50),
+        claim_events,
+    };
+    tokio::spawn(status.run(stop.clone()))
+}
+
+/// The next queued event with `reason` (others are skipped), within 20 s.
+async fn next_event(events: &mut tokio::sync::mpsc::Receiver<ClaimEvent>, reason: &str) -> ClaimEvent {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let event = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no {reason} event"))
+            .unwrap();
+        if event.reason == reason {
+            return event;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_repair_left_pending_and_its_completion_are_events_on_the_claim() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims.put(claim("uid-1", "stuck", &[("gpu", H100_3G_AT_4)]));
+    {
+        // A crash after the instance was recorded leaves the claim half prepared...
+        let hook: StepHook = Arc::new(|_uid, step| {
+            if step == Step::DeviceRecorded {
+                panic!("injected crash after the device was recorded");
+            }
+        });
+        let (driver, _) = node.start(Some(hook));
+        assert!(prepare_one(&driver, "uid-1", "stuck").await.is_err());
+    }
+    // ...and the rollback at the next start fails once (NVML cannot destroy the instance).
+    node.host
+        .update_state(|s| {
+            s.faults.push(FaultState {
+                fault: FaultConfig::error("nvmlGpuInstanceDestroy", migdra_fake_nvml::code::UNKNOWN)
+                    .on_gpu(0)
+                    .times(1),
+                hits: 0,
+            })
+        })
+        .unwrap();
+    let (driver, report) = node.start(None);
+    assert_eq!(report.pending.len(), 1, "{report:?}");
+
+    let (claim_events, mut events) = ClaimEvents::channel();
+    let stop = CancellationToken::new();
+    let task = status_loop(&driver, claim_events, &stop);
+    let pending = next_event(&mut events, "RecoveryPending").await;
+    assert_eq!((pending.uid.as_str(), pending.name.as_str()), ("uid-1", "stuck"));
+    assert_eq!(pending.type_, EventType::Warning);
+    assert!(
+        pending.note.contains(&report.pending[0].error),
+        "{}",
+        pending.note
+    );
+
+    // The background repair succeeds now: the claim hears it is done.
+    let round = driver.retry_pending_repairs().unwrap();
+    assert_eq!(round.completed.len(), 1, "{round:?}");
+    let completed = next_event(&mut events, "RecoveryCompleted").await;
+    stop.cancel();
+    task.await.unwrap();
+    assert_eq!(
+        (completed.uid.as_str(), completed.type_),
+        ("uid-1", EventType::Normal)
+    );
+    assert!(
+        queued_events(&mut events)
+            .iter()
+            .all(|e| e.reason != "RecoveryPending"),
+        "pending is reported once, not at every refresh"
     );
 }
 
