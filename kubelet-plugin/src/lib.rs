@@ -11,7 +11,7 @@
 //! recorded claims whose ResourceClaim is gone; instances a teardown left on a lost GPU are
 //! listed in [`orphans`] and destroyed when it is back. Beside it, the status loop
 //! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
-//! counts what happens. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
+//! counts what happens; [`events`] records what went wrong with a claim on the claim. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
 //! against what migdra expects, without running the plugin.
 
 pub mod cdi;
