@@ -159,7 +159,9 @@ impl MigBudget {
 }
 
 /// A GPU instance placed on a GPU: which profile, at which start.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub struct Placement {
     /// GPU-instance profile ID.

@@ -37,7 +37,12 @@ pub const DEFAULT_DRIVER_NAME: &str = "gpu.migdra.dev";
     printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.publication.gpus"}"#,
     printcolumn = r#"{"name":"Registered","type":"boolean","jsonPath":".status.plugin.registered"}"#,
     printcolumn = r#"{"name":"Devices","type":"integer","jsonPath":".status.publication.devices"}"#,
-    printcolumn = r#"{"name":"Heartbeat","type":"date","jsonPath":".status.plugin.heartbeatTime"}"#
+    printcolumn = r#"{"name":"Heartbeat","type":"date","jsonPath":".status.plugin.heartbeatTime"}"#,
+    printcolumn = r#"{"name":"Instances","type":"integer","priority":1,"description":"MIG instances on the node (migdra's and foreign)","jsonPath":".status.summary.instances"}"#,
+    printcolumn = r#"{"name":"Foreign","type":"integer","priority":1,"description":"MIG instances migdra did not create","jsonPath":".status.summary.foreignInstances"}"#,
+    printcolumn = r#"{"name":"Free-Slices","type":"string","priority":1,"description":"Free memory slices of the MIG-enabled GPUs, free/total","jsonPath":".status.summary.freeMemorySlices"}"#,
+    printcolumn = r#"{"name":"Health","type":"string","priority":1,"description":"Healthy, or how many GPUs are unhealthy","jsonPath":".status.summary.health"}"#,
+    printcolumn = r#"{"name":"Live","type":"string","priority":1,"description":"Whether the controller sees the plugin live and publishes its pool (the Published condition)","jsonPath":".status.conditions[?(@.type==\"Published\")].status"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct GpuNodeSpec {
@@ -57,12 +62,72 @@ pub struct GpuNodeStatus {
     /// The GPUs of the node (written by the plugin).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpus: Option<Vec<GpuInventory>>,
+    /// Figures of `gpus` at a glance, for `kubectl get gpunodes -o wide` (written by the
+    /// plugin with `gpus`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<NodeSummary>,
     /// What the controller published for this node (written by the controller).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub publication: Option<PublicationStatus>,
     /// Conditions (written by the controller): `Published`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conditions: Option<Vec<Condition>>,
+}
+
+/// A node's GPUs at a glance: counts a printer column can show (a column cannot count a list).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeSummary {
+    /// GPUs on the node.
+    pub gpus: u32,
+    /// GPUs that failed their last health probe (or wait for a repair).
+    pub unhealthy_gpus: u32,
+    /// MIG instances on the node, migdra's and foreign.
+    pub instances: u32,
+    /// MIG instances migdra did not create.
+    pub foreign_instances: u32,
+    /// Free memory slices over all MIG-enabled GPUs, as `free/total`.
+    pub free_memory_slices: String,
+    /// `Healthy`, or `<n>/<gpus> unhealthy`.
+    pub health: String,
+}
+
+impl NodeSummary {
+    /// The summary of an inventory. A MIG-enabled GPU's used memory slices are the union of its
+    /// instances' placements (foreign ones included); GPUs with MIG off count as neither free
+    /// nor used (a whole-GPU claim takes them as one device).
+    pub fn of(gpus: &[GpuInventory]) -> Self {
+        let mut summary = Self {
+            gpus: u32::try_from(gpus.len()).unwrap_or(u32::MAX),
+            ..Self::default()
+        };
+        let (mut free, mut total) = (0u32, 0u32);
+        for gpu in gpus {
+            if !gpu.health.healthy {
+                summary.unhealthy_gpus += 1;
+            }
+            let Some(mig) = &gpu.mig else { continue };
+            let count = |owner| {
+                let n = mig.instances.iter().filter(|i| i.owner == owner).count();
+                u32::try_from(n).unwrap_or(u32::MAX)
+            };
+            summary.instances += count(InstanceOwner::Migdra) + count(InstanceOwner::Foreign);
+            summary.foreign_instances += count(InstanceOwner::Foreign);
+            if mig.enabled {
+                let used = mig.used_memory_slices().len();
+                let slices = mig.geometry.budget.memory_slices;
+                total += slices;
+                free += slices.saturating_sub(u32::try_from(used).unwrap_or(u32::MAX));
+            }
+        }
+        summary.free_memory_slices = format!("{free}/{total}");
+        summary.health = if summary.unhealthy_gpus == 0 {
+            "Healthy".into()
+        } else {
+            format!("{}/{} unhealthy", summary.unhealthy_gpus, summary.gpus)
+        };
+        summary
+    }
 }
 
 /// The kubelet plugin's view of itself.
@@ -160,17 +225,34 @@ pub struct MigInventory {
     pub instances: Vec<MigInstance>,
 }
 
+impl MigInventory {
+    /// The memory slices covered by the GPU's instances (foreign ones included), in order.
+    /// An instance of a profile the GPU does not report covers nothing known.
+    pub fn used_memory_slices(&self) -> std::collections::BTreeSet<u32> {
+        self.instances
+            .iter()
+            .filter_map(|i| {
+                self.geometry
+                    .profile_by_id(i.placement.profile_id)
+                    .map(|p| p.memory_range(i.placement.start))
+            })
+            .flatten()
+            .collect()
+    }
+}
+
 /// Who made a GPU instance.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub enum InstanceOwner {
     /// Created by migdra for a claim.
     Migdra,
     /// Created by someone else (an admin, mig-parted, another driver); migdra never touches it.
+    #[default]
     Foreign,
 }
 
 /// A GPU instance that exists on a GPU.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MigInstance {
     /// Profile name, when the profile ID is one the GPU reports.
@@ -185,6 +267,16 @@ pub struct MigInstance {
     /// `namespace/name` of the claim it serves, for migdra's instances.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim: Option<String>,
+    /// UID of the claim it serves, for migdra's instances.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_uid: Option<String>,
+    /// NVML compute-instance ID of the instance migdra created in it (migdra's instances).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_instance_id: Option<u32>,
+    /// MIG device UUID (`MIG-…`) of that compute instance (migdra's instances): what
+    /// `nvidia-smi -L` and the container's `NVIDIA_VISIBLE_DEVICES` show.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_uuid: Option<String>,
 }
 
 /// What the controller published for a node.
@@ -211,4 +303,58 @@ pub struct PublicationStatus {
 /// pools of different drivers.
 pub fn pool_name(node: &str, driver: &str) -> String {
     format!("{node}/{driver}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog;
+
+    fn instance(gpu: &GpuInventory, profile: &str, start: u32, owner: InstanceOwner) -> MigInstance {
+        let mig = gpu.mig.as_ref().unwrap();
+        let profile = mig.geometry.profile_by_name(&profile.parse().unwrap()).unwrap();
+        MigInstance {
+            profile: Some(profile.name),
+            placement: Placement {
+                profile_id: profile.gi_profile_id,
+                start,
+            },
+            gpu_instance_id: start + 1,
+            owner,
+            ..MigInstance::default()
+        }
+    }
+
+    #[test]
+    fn summary_counts_instances_free_slices_and_health() {
+        let model = catalog::model("H100-80GB").unwrap();
+        let mut busy = model.inventory(0, true);
+        let ours = instance(&busy, "3g.40gb", 4, InstanceOwner::Migdra);
+        let foreign = instance(&busy, "1g.10gb", 0, InstanceOwner::Foreign);
+        busy.mig.as_mut().unwrap().instances = vec![ours, foreign];
+        let mut sick = model.inventory(1, true);
+        sick.health = GpuHealth {
+            healthy: false,
+            reason: Some("GPU is lost".into()),
+        };
+        let off = model.inventory(2, false);
+
+        let summary = NodeSummary::of(&[busy.clone(), sick, off]);
+        assert_eq!(summary.gpus, 3);
+        assert_eq!(summary.unhealthy_gpus, 1);
+        assert_eq!(summary.instances, 2);
+        assert_eq!(summary.foreign_instances, 1);
+        // GPU 0: 3g.40gb@4 covers slices 4..8, 1g.10gb@0 covers 0; GPU 1 is empty; GPU 2 has MIG off.
+        assert_eq!(summary.free_memory_slices, "11/16");
+        assert_eq!(summary.health, "1/3 unhealthy");
+        assert_eq!(
+            busy.mig
+                .unwrap()
+                .used_memory_slices()
+                .into_iter()
+                .collect::<Vec<_>>(),
+            vec![0, 4, 5, 6, 7]
+        );
+        assert_eq!(NodeSummary::of(&[]).health, "Healthy");
+    }
 }

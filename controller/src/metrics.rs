@@ -1,7 +1,11 @@
-//! Prometheus metrics of the controller (prefix `migdra_controller_`).
+//! Prometheus metrics of the controller (prefix `migdra_controller_`): reconciliations and
+//! their duration, ResourceSlice writes by kind, and per node what is published (devices,
+//! slices, GPUs) and whether its plugin is live; the count of published pools. The `node`
+//! label is bounded by the cluster's GPU nodes, and a node's series go with its GpuNode.
 
 use std::{
-    sync::Arc,
+    collections::BTreeMap,
+    sync::{Arc, Mutex, PoisonError},
     time::{Duration, Instant},
 };
 
@@ -60,6 +64,12 @@ pub struct Metrics {
     reconcile_errors: Family<ReasonLabels, Counter>,
     slice_writes: Family<OperationLabels, Counter>,
     published_devices: Family<NodeLabels, Gauge>,
+    published_slices: Family<NodeLabels, Gauge>,
+    published_gpus: Family<NodeLabels, Gauge>,
+    pools: Gauge,
+    plugin_live: Family<NodeLabels, Gauge>,
+    /// Devices published per node, to count the published pools.
+    devices_by_node: Arc<Mutex<BTreeMap<String, u32>>>,
     reconcile_duration: Histogram,
     leader: Gauge,
     slice_wipes: Counter,
@@ -102,6 +112,31 @@ impl Metrics {
             "Devices currently published in each node's pool",
             published_devices.clone(),
         );
+        let published_slices = Family::<NodeLabels, Gauge>::default();
+        registry.register(
+            "published_slices",
+            "ResourceSlices currently published in each node's pool (counter-set slices included)",
+            published_slices.clone(),
+        );
+        let published_gpus = Family::<NodeLabels, Gauge>::default();
+        registry.register(
+            "published_gpus",
+            "GPUs currently published in each node's pool",
+            published_gpus.clone(),
+        );
+        let pools = Gauge::default();
+        registry.register(
+            "published_pools",
+            "Nodes whose pool is published with at least one device",
+            pools.clone(),
+        );
+        let plugin_live = Family::<NodeLabels, Gauge>::default();
+        registry.register(
+            "plugin_live",
+            "1 while the node's kubelet plugin is registered and heartbeating (its pool may be \
+             published), else 0, at the node's last reconcile",
+            plugin_live.clone(),
+        );
         let reconcile_duration = Histogram::new([
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ]);
@@ -143,6 +178,11 @@ impl Metrics {
             reconcile_errors,
             slice_writes,
             published_devices,
+            published_slices,
+            published_gpus,
+            pools,
+            plugin_live,
+            devices_by_node: Arc::default(),
             reconcile_duration,
             leader,
             registry: Arc::new(registry),
@@ -183,20 +223,67 @@ impl Metrics {
             .inc();
     }
 
-    /// Sets the number of devices published for `node`.
+    /// Sets the number of devices published for `node`. Zero means the pool is withdrawn:
+    /// its slice and GPU counts go to zero too.
     pub fn set_published_devices(&self, node: &str, devices: u32) {
+        let labels = NodeLabels {
+            node: node.to_string(),
+        };
         self.published_devices
+            .get_or_create(&labels)
+            .set(i64::from(devices));
+        if devices == 0 {
+            self.published_slices.get_or_create(&labels).set(0);
+            self.published_gpus.get_or_create(&labels).set(0);
+        }
+        let mut by_node = self
+            .devices_by_node
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        by_node.insert(node.to_string(), devices);
+        self.set_pool_count(&by_node);
+    }
+
+    /// Sets the slices and GPUs published in `node`'s pool.
+    pub fn set_published_pool(&self, node: &str, slices: usize, gpus: u32) {
+        let labels = NodeLabels {
+            node: node.to_string(),
+        };
+        self.published_slices
+            .get_or_create(&labels)
+            .set(i64::try_from(slices).unwrap_or(i64::MAX));
+        self.published_gpus.get_or_create(&labels).set(i64::from(gpus));
+    }
+
+    /// Records whether `node`'s plugin is live.
+    pub fn set_plugin_live(&self, node: &str, live: bool) {
+        self.plugin_live
             .get_or_create(&NodeLabels {
                 node: node.to_string(),
             })
-            .set(i64::from(devices));
+            .set(i64::from(live));
+    }
+
+    fn set_pool_count(&self, by_node: &BTreeMap<String, u32>) {
+        let published = by_node.values().filter(|d| **d > 0).count();
+        self.pools.set(i64::try_from(published).unwrap_or(i64::MAX));
     }
 
     /// Forgets `node` (its GpuNode or Node is gone).
     pub fn forget_node(&self, node: &str) {
-        self.published_devices.remove(&NodeLabels {
+        let labels = NodeLabels {
             node: node.to_string(),
-        });
+        };
+        self.published_devices.remove(&labels);
+        self.published_slices.remove(&labels);
+        self.published_gpus.remove(&labels);
+        self.plugin_live.remove(&labels);
+        let mut by_node = self
+            .devices_by_node
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        by_node.remove(node);
+        self.set_pool_count(&by_node);
     }
 
     /// Counts owned slices found deleted by someone else.
@@ -257,6 +344,11 @@ mod tests {
         m.slice_write(SliceOperation::Create);
         m.slice_write(SliceOperation::Delete);
         m.set_published_devices("node-a", 42);
+        m.set_published_pool("node-a", 3, 2);
+        m.set_plugin_live("node-a", true);
+        m.set_published_devices("node-b", 7);
+        m.set_published_pool("node-b", 2, 1);
+        m.set_published_devices("node-b", 0);
         m.set_leader(true);
         m.slices_wiped(3);
         m.set_heartbeat_census(4, true);
@@ -269,6 +361,12 @@ mod tests {
             "migdra_controller_slice_writes_total{operation=\"create\"} 1",
             "migdra_controller_slice_writes_total{operation=\"delete\"} 1",
             "migdra_controller_published_devices{node=\"node-a\"} 42",
+            "migdra_controller_published_slices{node=\"node-a\"} 3",
+            "migdra_controller_published_gpus{node=\"node-a\"} 2",
+            "migdra_controller_plugin_live{node=\"node-a\"} 1",
+            "migdra_controller_published_slices{node=\"node-b\"} 0",
+            "migdra_controller_published_gpus{node=\"node-b\"} 0",
+            "migdra_controller_published_pools 1",
             "migdra_controller_leader 1",
             "migdra_controller_slice_wipes_total 3",
             "migdra_controller_expired_heartbeats 4",
@@ -278,6 +376,8 @@ mod tests {
             assert!(text.contains(needle), "{needle} missing from\n{text}");
         }
         m.forget_node("node-a");
-        assert!(!m.encode().contains("node=\"node-a\""));
+        let text = m.encode();
+        assert!(!text.contains("node=\"node-a\""), "{text}");
+        assert!(text.contains("migdra_controller_published_pools 0"), "{text}");
     }
 }

@@ -152,6 +152,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     let cap = effective_timeout(ctx.config.heartbeat_timeout, interval);
     let requeue = match liveness(plugin, now, ctx.config.heartbeat_timeout, wiped_at, hold) {
         Liveness::Gone(why) => {
+            ctx.metrics.set_plugin_live(&node_name, false);
             if !cached.is_empty() || matches!(why, GoneReason::SlicesWiped { .. }) {
                 tracing::info!(reason = %why.message(), "plugin is not live; withdrawing the pool");
             }
@@ -164,10 +165,12 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             return Ok(Outcome::done(Action::await_change()));
         }
         Liveness::Held { last } => {
+            ctx.metrics.set_plugin_live(&node_name, false);
             tracing::debug!(%last, "heartbeat expired, but so did most others: keeping the pool");
             Action::requeue(HELD_RECHECK)
         }
         Liveness::Live { expires } => {
+            ctx.metrics.set_plugin_live(&node_name, true);
             if let Some(at) = wiped_at {
                 tracing::info!(%at, "the plugin heartbeated after its slices were wiped; republishing");
                 ctx.expectations.wipe_answered(&node_name, at);
@@ -242,6 +245,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     }
     ctx.expectations.own(&node_name, desired_names);
     ctx.metrics.set_published_devices(&node_name, desired.devices);
+    ctx.metrics.set_published_pool(&node_name, slices, desired.gpus);
     let publication = PublicationStatus {
         pool: desired.pool,
         generation: diff.generation,

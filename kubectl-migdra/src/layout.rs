@@ -458,16 +458,13 @@ pub fn free_placements(geometry: &MigGeometry, existing: &[Placement]) -> Vec<Fr
         .collect()
 }
 
-/// The MIG UUID the plugin recorded for an instance in the GpuNode (`migUuid`), when its
-/// version records one. Read through the instance's serde form so that this crate builds
-/// against GpuNode schemas with and without the field.
+/// The MIG UUID the plugin recorded for an instance in the GpuNode (`migUuid`); plugins
+/// before that field record none.
 fn recorded_mig_uuid(instance: &migdra_api::inventory::MigInstance) -> Option<String> {
-    let value = serde_json::to_value(instance).ok()?;
-    value
-        .get("migUuid")
-        .and_then(|u| u.as_str())
+    instance
+        .mig_uuid
+        .clone()
         .filter(|u| u.starts_with("MIG-"))
-        .map(str::to_string)
 }
 
 fn covered(geometry: &MigGeometry, placement: Placement) -> Vec<u32> {

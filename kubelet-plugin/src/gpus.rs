@@ -367,6 +367,17 @@ impl<B: GpuBackend> Gpus<B> {
             .cloned()
     }
 
+    /// The recorded claims with a device on GPU `minor`, as `(uid, namespace, name)`, by UID.
+    pub fn recorded_claims_on(&self, minor: u32) -> Vec<(String, String, String)> {
+        self.inner
+            .journal
+            .claims()
+            .into_iter()
+            .filter(|(_, r)| r.devices.iter().any(|d| d.gpu_minor == minor))
+            .map(|(uid, r)| (uid, r.namespace, r.name))
+            .collect()
+    }
+
     /// GPU instances present on a GPU (none when MIG is off).
     fn occupied(&self, gpu: &GpuDescription) -> Result<Vec<GpuInstanceRecord>, BackendError> {
         match &gpu.mig {
@@ -496,7 +507,7 @@ impl<B: GpuBackend> Gpus<B> {
         }
         self.inner
             .metrics
-            .observe_inventory(&inventory, self.inner.journal.len());
+            .observe_inventory(&inventory, &self.inner.journal.claims());
         Ok(inventory)
     }
 
@@ -537,13 +548,24 @@ pub fn describe_instance(
     minor: u32,
     records: &BTreeMap<String, ClaimRecord>,
 ) -> MigInstance {
-    let owner = records.values().find(|r| {
-        r.devices.iter().any(|d| {
-            d.gpu_minor == minor
-                && matches!(d.kind, DeviceKind::Mig { profile_id, start, gpu_instance, .. }
+    let owner = records.iter().find_map(|(uid, r)| {
+        r.devices
+            .iter()
+            .find(|d| {
+                d.gpu_minor == minor
+                    && matches!(d.kind, DeviceKind::Mig { profile_id, start, gpu_instance, .. }
                     if profile_id == gi.profile_id && start == gi.start && gpu_instance.is_none_or(|id| id == gi.id))
-        })
+            })
+            .map(|d| (uid, r, d))
     });
+    let (compute_instance_id, mig_uuid) = match owner.map(|(_, _, d)| &d.kind) {
+        Some(DeviceKind::Mig {
+            compute_instance,
+            mig_uuid,
+            ..
+        }) => (*compute_instance, mig_uuid.clone()),
+        _ => (None, None),
+    };
     MigInstance {
         profile: geometry.profile_by_id(gi.profile_id).map(|p: &MigProfile| p.name),
         placement: Placement {
@@ -556,6 +578,9 @@ pub fn describe_instance(
         } else {
             InstanceOwner::Foreign
         },
-        claim: owner.map(ClaimRecord::key),
+        claim: owner.map(|(_, r, _)| r.key()),
+        claim_uid: owner.map(|(uid, _, _)| uid.clone()),
+        compute_instance_id,
+        mig_uuid,
     }
 }

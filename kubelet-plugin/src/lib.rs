@@ -11,7 +11,7 @@
 //! recorded claims whose ResourceClaim is gone; instances a teardown left on a lost GPU are
 //! listed in [`orphans`] and destroyed when it is back. Beside it, the status loop
 //! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
-//! counts what happens. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
+//! counts what happens; [`events`] records what went wrong with a claim on the claim. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
 //! against what migdra expects, without running the plugin.
 
 pub mod cdi;
@@ -20,6 +20,7 @@ pub mod claims;
 pub mod cli;
 pub mod driver;
 pub mod driver_files;
+pub mod events;
 pub mod gpu_check;
 pub mod gpus;
 pub mod journal;
@@ -41,6 +42,7 @@ use crate::{
     cdi::{CdiWriter, DriverSetup},
     claims::KubeClaims,
     driver::{Backoff, Driver, DriverConfig, RecoveryEvent},
+    events::ClaimEvents,
     metrics::Metrics,
     node_status::{NodeStatusWriter, StatusLoop},
     nvml::NvmlBackend,
@@ -60,7 +62,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %args.node_name, driver = %args.driver_name, "starting");
     let shutdown = migdra_runtime::shutdown_on_signals().context("installing signal handlers")?;
 
-    let metrics = Metrics::new();
+    let metrics = Metrics::for_node(&args.node_name);
     let ready = Readiness::default();
     let renderer = {
         let metrics = metrics.clone();
@@ -131,6 +133,20 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         .context("starting the driver")?
     };
     tracing::info!(?report, pool = driver.pool(), "driver ready");
+    // Failed claims become events on the claim, written by their own task (never under a lock).
+    let (claim_events, claim_events_rx) = ClaimEvents::channel();
+    driver.set_claim_events(claim_events.clone());
+    let claim_events_task = tokio::spawn(events::publish_claim_events(
+        kube::runtime::events::Recorder::new(
+            client.clone(),
+            kube::runtime::events::Reporter {
+                controller: node_status::FIELD_MANAGER.into(),
+                instance: Some(args.node_name.clone()),
+            },
+        ),
+        claim_events_rx,
+        shutdown.clone(),
+    ));
 
     // Records recovery could not repair keep their GPUs unhealthy and are retried in the
     // background; serving does not wait for them.
@@ -171,6 +187,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         registration: registration_rx.clone(),
         health: health_tx,
         interval: heartbeat,
+        claim_events,
     };
     let mut server_config = PluginServerConfig::new(&args.kubelet_root_dir, &args.driver_name)
         .with_instance(&args.plugin_instance);
@@ -230,7 +247,13 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         status_task.abort();
     }
     shutdown.cancel();
-    let _ = tokio::join!(http_task, grpc_health_task, repair_task, stale_gc_task);
+    let _ = tokio::join!(
+        http_task,
+        grpc_health_task,
+        repair_task,
+        stale_gc_task,
+        claim_events_task
+    );
     served.context("kubelet gRPC servers")?;
     tracing::info!("stopped");
     Ok(())

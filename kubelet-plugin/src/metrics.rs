@@ -1,15 +1,34 @@
-//! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`): claim outcomes
-//! and failure causes, call durations, startup repairs, repairs left pending and their retries, stale claims released,
-//! and gauges from the inventory.
+//! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`; in production
+//! every series carries the node's name as `node`, see [`Metrics::for_node`]): claim outcomes
+//! and failure causes, call durations, startup repairs, repairs left pending and their
+//! retries, stale claims released; from the inventory, per GPU (`gpu` = NVML index as
+//! DCGM's exporter labels it, `gpu_minor`, `gpu_uuid`) its MIG mode, health, used and free
+//! memory slices and instances by profile; and one `mig_instance_info` series per MIG
+//! instance migdra created, carrying what joins DCGM's per-instance series to the pod.
+//!
+//! Every label value comes from a bounded set: fixed words, profile names, and the node's own
+//! GPUs and instances (at most a few dozen series per node). Series of GPUs and instances that
+//! are gone are removed, not left at their last value.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    hash::Hash,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::Duration,
+};
 
-use migdra_api::inventory::{GpuInventory, InstanceOwner};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use migdra_api::{
+    device_name::DeviceName,
+    inventory::{GpuInventory, InstanceOwner},
+};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
     registry::Registry,
 };
+
+use crate::checkpoint::{ClaimRecord, DeviceKind};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClaimLabels {
@@ -53,6 +72,103 @@ struct HealthLabels {
     health: &'static str,
 }
 
+/// Names one GPU: `gpu` is the NVML index (DCGM exporter's `gpu` label), `gpu_minor` the
+/// device minor (what migdra's device names use).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    gpu: String,
+    gpu_minor: String,
+    gpu_uuid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuSliceLabels {
+    gpu: String,
+    gpu_minor: String,
+    gpu_uuid: String,
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuProfileLabels {
+    gpu: String,
+    gpu_minor: String,
+    gpu_uuid: String,
+    profile: String,
+    owner: &'static str,
+}
+
+/// One MIG instance migdra created. `gpu_uuid` and `gi` are what DCGM exporter's `UUID` and
+/// `GPU_I_ID` carry; `namespace`/`claim` name the ResourceClaim, `pod` the pods it is reserved
+/// for (comma-separated; empty when the plugin has not read the claim since it started).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InstanceInfoLabels {
+    gpu_uuid: String,
+    gpu: String,
+    gpu_minor: String,
+    gi: String,
+    ci: String,
+    mig_uuid: String,
+    profile: String,
+    placement: String,
+    namespace: String,
+    pod: String,
+    claim: String,
+}
+
+/// A gauge family whose whole set of series is replaced at each observation: series not in
+/// the new set are removed (a GPU or instance that is gone leaves no stale series).
+#[derive(Clone)]
+struct GaugeSet<L> {
+    family: Family<L, Gauge>,
+    present: Arc<Mutex<HashSet<L>>>,
+}
+
+impl<L: Clone + Hash + Eq + EncodeLabelSet + std::fmt::Debug + Send + Sync + 'static> GaugeSet<L> {
+    fn new() -> Self {
+        Self {
+            family: Family::default(),
+            present: Arc::default(),
+        }
+    }
+
+    fn replace(&self, values: impl IntoIterator<Item = (L, i64)>) {
+        let mut present = lock(&self.present);
+        let mut next = HashSet::new();
+        for (labels, value) in values {
+            self.family.get_or_create(&labels).set(value);
+            next.insert(labels);
+        }
+        for gone in present.difference(&next) {
+            self.family.remove(gone);
+        }
+        *present = next;
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The maps only cache label values; a panic elsewhere leaves them usable.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn count(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// The pods a claim is reserved for (`status.reservedFor` entries of kind Pod), sorted.
+pub fn reserved_pods(claim: &ResourceClaim) -> Vec<String> {
+    let mut pods: Vec<String> = claim
+        .status
+        .iter()
+        .flat_map(|s| s.reserved_for.iter().flatten())
+        .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or_default().is_empty())
+        .map(|r| r.name.clone())
+        .collect();
+    pods.sort();
+    pods.dedup();
+    pods
+}
+
 /// The plugin's metrics. Cheap to clone.
 #[derive(Clone)]
 pub struct Metrics {
@@ -66,6 +182,15 @@ pub struct Metrics {
     prepared_claims: Gauge,
     mig_instances: Family<OwnerLabels, Gauge>,
     gpus: Family<HealthLabels, Gauge>,
+    gpu_healthy: GaugeSet<GpuLabels>,
+    gpu_mig_mode: GaugeSet<GpuLabels>,
+    gpu_memory_slices: GaugeSet<GpuSliceLabels>,
+    gpu_mig_instances: GaugeSet<GpuProfileLabels>,
+    mig_instance_info: GaugeSet<InstanceInfoLabels>,
+    /// NVML index by GPU minor, from the last inventory (the checkpoint records minors).
+    gpu_index: Arc<Mutex<BTreeMap<u32, u32>>>,
+    /// Pods each claim (by UID) is reserved for, from its last GET.
+    claim_pods: Arc<Mutex<HashMap<String, Vec<String>>>>,
     registry: Arc<Registry>,
 }
 
@@ -76,9 +201,23 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Creates the metrics and their registry.
+    /// Creates the metrics and their registry, without a node label (tests).
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("migdra_kubelet_plugin");
+        Self::with_registry(Registry::with_prefix("migdra_kubelet_plugin"))
+    }
+
+    /// The metrics of the plugin on `node`: every series carries `node="<node>"`, so the
+    /// series of all nodes stay apart whatever target labels the scraper adds, and the
+    /// instance series join DCGM's (whose `Hostname` is the node) by node too.
+    pub fn for_node(node: &str) -> Self {
+        let labels = [("node".into(), node.to_string().into())];
+        Self::with_registry(Registry::with_prefix_and_labels(
+            "migdra_kubelet_plugin",
+            labels.into_iter(),
+        ))
+    }
+
+    fn with_registry(mut registry: Registry) -> Self {
         let claims = Family::<ClaimLabels, Counter>::default();
         registry.register(
             "claims",
@@ -139,7 +278,46 @@ impl Metrics {
         );
         let gpus = Family::<HealthLabels, Gauge>::default();
         registry.register("gpus", "GPUs on the node, by health", gpus.clone());
+        let gpu_healthy = GaugeSet::new();
+        registry.register(
+            "gpu_healthy",
+            "1 while the GPU passes its health probe and has no repair pending, else 0",
+            gpu_healthy.family.clone(),
+        );
+        let gpu_mig_mode = GaugeSet::new();
+        registry.register(
+            "gpu_mig_mode",
+            "1 while MIG mode is enabled on the GPU, 0 while disabled (MIG-capable GPUs only)",
+            gpu_mig_mode.family.clone(),
+        );
+        let gpu_memory_slices = GaugeSet::new();
+        registry.register(
+            "gpu_memory_slices",
+            "Memory slices of a MIG-enabled GPU, by state (used by any instance, or free)",
+            gpu_memory_slices.family.clone(),
+        );
+        let gpu_mig_instances = GaugeSet::new();
+        registry.register(
+            "gpu_mig_instances",
+            "MIG GPU instances on the GPU, by profile and creator",
+            gpu_mig_instances.family.clone(),
+        );
+        let mig_instance_info = GaugeSet::new();
+        registry.register(
+            "mig_instance_info",
+            "One series (value 1) per MIG instance migdra created, naming its GPU, GPU and \
+             compute instance IDs, MIG UUID, profile, placement start and claim; join on \
+             gpu_uuid/gi with DCGM exporter's UUID/GPU_I_ID",
+            mig_instance_info.family.clone(),
+        );
         Self {
+            gpu_healthy,
+            gpu_mig_mode,
+            gpu_memory_slices,
+            gpu_mig_instances,
+            mig_instance_info,
+            gpu_index: Arc::default(),
+            claim_pods: Arc::default(),
             claims,
             claim_failures,
             call_duration,
@@ -201,10 +379,65 @@ impl Metrics {
             .inc();
     }
 
-    /// Updates the gauges from an inventory.
-    pub fn observe_inventory(&self, inventory: &[GpuInventory], prepared_claims: usize) {
-        self.prepared_claims
-            .set(i64::try_from(prepared_claims).unwrap_or(i64::MAX));
+    /// Remembers the pods `claim` (UID `uid`) is reserved for, for its instances' info series.
+    pub fn claim_read(&self, uid: &str, claim: &ResourceClaim) {
+        lock(&self.claim_pods).insert(uid.to_string(), reserved_pods(claim));
+    }
+
+    /// Updates the per-instance info series from the checkpoint's records: one series per MIG
+    /// instance a record says exists (created, IDs recorded), none for claims that are gone.
+    /// Called after every kubelet call and with every inventory.
+    pub fn observe_claims(&self, records: &BTreeMap<String, ClaimRecord>) {
+        let gpu_index = lock(&self.gpu_index).clone();
+        let mut pods = lock(&self.claim_pods);
+        pods.retain(|uid, _| records.contains_key(uid));
+        let mut series = Vec::new();
+        for (uid, record) in records {
+            for device in &record.devices {
+                let DeviceKind::Mig {
+                    start,
+                    gpu_instance: Some(gi),
+                    compute_instance: Some(ci),
+                    mig_uuid: Some(mig_uuid),
+                    ..
+                } = &device.kind
+                else {
+                    continue;
+                };
+                let profile = match device.device.parse::<DeviceName>() {
+                    Ok(DeviceName::Mig { profile, .. }) => profile.to_string(),
+                    _ => String::new(),
+                };
+                let index = gpu_index
+                    .get(&device.gpu_minor)
+                    .map(u32::to_string)
+                    .unwrap_or_default();
+                let labels = InstanceInfoLabels {
+                    gpu_uuid: device.gpu_uuid.clone(),
+                    gpu: index,
+                    gpu_minor: device.gpu_minor.to_string(),
+                    gi: gi.to_string(),
+                    ci: ci.to_string(),
+                    mig_uuid: mig_uuid.clone(),
+                    profile,
+                    placement: start.to_string(),
+                    namespace: record.namespace.clone(),
+                    pod: pods.get(uid).map(|p| p.join(",")).unwrap_or_default(),
+                    claim: record.name.clone(),
+                };
+                series.push((labels, 1));
+            }
+        }
+        drop(pods);
+        self.mig_instance_info.replace(series);
+        self.prepared_claims.set(count(records.len()));
+    }
+
+    /// Updates the gauges from an inventory and the checkpoint's records.
+    pub fn observe_inventory(&self, inventory: &[GpuInventory], records: &BTreeMap<String, ClaimRecord>) {
+        *lock(&self.gpu_index) = inventory.iter().map(|g| (g.minor, g.index)).collect();
+        self.observe_claims(records);
+        self.observe_gpus(inventory);
         let instances = inventory
             .iter()
             .filter_map(|g| g.mig.as_ref())
@@ -232,6 +465,62 @@ impl Metrics {
             .set((total - healthy) as i64);
     }
 
+    /// The per-GPU series of an inventory.
+    fn observe_gpus(&self, inventory: &[GpuInventory]) {
+        let gpu = |g: &GpuInventory| GpuLabels {
+            gpu: g.index.to_string(),
+            gpu_minor: g.minor.to_string(),
+            gpu_uuid: g.uuid.clone(),
+        };
+        self.gpu_healthy
+            .replace(inventory.iter().map(|g| (gpu(g), i64::from(g.health.healthy))));
+        let mig_gpus = || inventory.iter().filter_map(|g| g.mig.as_ref().map(|m| (g, m)));
+        self.gpu_mig_mode
+            .replace(mig_gpus().map(|(g, m)| (gpu(g), i64::from(m.enabled))));
+        self.gpu_memory_slices
+            .replace(mig_gpus().filter(|(_, m)| m.enabled).flat_map(|(g, m)| {
+                let used = m.used_memory_slices().len();
+                let total = usize::try_from(m.geometry.budget.memory_slices).unwrap_or(usize::MAX);
+                let labels = |state| GpuSliceLabels {
+                    gpu: g.index.to_string(),
+                    gpu_minor: g.minor.to_string(),
+                    gpu_uuid: g.uuid.clone(),
+                    state,
+                };
+                [
+                    (labels("used"), count(used)),
+                    (labels("free"), count(total.saturating_sub(used))),
+                ]
+            }));
+        let mut by_profile: BTreeMap<(u32, String, &'static str), (GpuLabels, i64)> = BTreeMap::new();
+        for (g, m) in mig_gpus() {
+            for instance in &m.instances {
+                let profile = instance
+                    .profile
+                    .map_or_else(|| "unknown".to_string(), |p| p.to_string());
+                let owner = match instance.owner {
+                    InstanceOwner::Migdra => "migdra",
+                    InstanceOwner::Foreign => "foreign",
+                };
+                by_profile
+                    .entry((g.minor, profile, owner))
+                    .or_insert_with(|| (gpu(g), 0))
+                    .1 += 1;
+            }
+        }
+        self.gpu_mig_instances
+            .replace(by_profile.into_iter().map(|((_, profile, owner), (g, n))| {
+                let labels = GpuProfileLabels {
+                    gpu: g.gpu,
+                    gpu_minor: g.gpu_minor,
+                    gpu_uuid: g.gpu_uuid,
+                    profile,
+                    owner,
+                };
+                (labels, n)
+            }));
+    }
+
     /// Renders the OpenMetrics text.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -245,6 +534,22 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn for_node_puts_the_node_on_every_series() {
+        let metrics = Metrics::for_node("gpu-node-1");
+        metrics.claim("prepare", true);
+        metrics.pending_repairs(2);
+        let text = metrics.encode();
+        assert!(
+            text.contains(r#"migdra_kubelet_plugin_claims_total{node="gpu-node-1",operation="prepare",result="success"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"migdra_kubelet_plugin_pending_repairs{node="gpu-node-1"} 2"#),
+            "{text}"
+        );
+    }
 
     #[test]
     fn failures_are_counted_by_operation_and_reason() {

@@ -21,12 +21,17 @@ use kube::{
     api::{Patch, PatchParams},
     runtime::events::{Event, EventType, Recorder, Reporter},
 };
-use migdra_api::inventory::{API_VERSION, GpuInventory, GpuNode, PluginStatus};
+use migdra_api::inventory::{API_VERSION, GpuInventory, GpuNode, NodeSummary, PluginStatus};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::{driver::RecoveryEvent, gpus::Gpus, nvml::GpuBackend};
+use crate::{
+    driver::RecoveryEvent,
+    events::{ClaimEvent, ClaimEvents},
+    gpus::{Gpus, PendingRepair},
+    nvml::GpuBackend,
+};
 use migdra_kubeletplugin::{DeviceHealthReport, RegistrationState};
 
 /// Field manager of the plugin's writes.
@@ -156,7 +161,7 @@ impl NodeStatusWriter {
         let status = json!({
             "apiVersion": API_VERSION,
             "kind": "GpuNode",
-            "status": { "plugin": plugin, "gpus": gpus },
+            "status": { "plugin": plugin, "gpus": gpus, "summary": NodeSummary::of(gpus) },
         });
         self.api
             .patch_status(
@@ -189,6 +194,9 @@ pub struct StatusLoop<B> {
     pub health: watch::Sender<Vec<DeviceHealthReport>>,
     /// Time between refreshes (the heartbeat).
     pub interval: Duration,
+    /// Where events about claims go: a GPU turning unhealthy is also a Warning on each claim
+    /// with a device on it; a repair left pending and its completion are events on the claim.
+    pub claim_events: ClaimEvents,
 }
 
 impl<B: GpuBackend + 'static> StatusLoop<B> {
@@ -203,11 +211,13 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
             mut registration,
             health,
             interval,
+            claim_events,
         } = self;
         let driver_version = gpus.backend().driver_version().ok();
         let mut object_ready = false;
         let mut registration_open = true;
         let mut health_seen: std::collections::BTreeMap<u32, bool> = std::collections::BTreeMap::new();
+        let mut repairs_seen = std::collections::BTreeMap::new();
         loop {
             let inventory = refresh(&gpus).await;
             if let Some(inventory) = &inventory {
@@ -219,6 +229,31 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                     }
                     changed
                 });
+            }
+            // Repairs that became pending or are done: an event on their claim.
+            for event in repair_claim_events(&mut repairs_seen, gpus.recovery_pending()) {
+                claim_events.send(event);
+            }
+            // GPU health changes: a Warning on each claim using a GPU that became unhealthy
+            // (queued, with or without a GpuNode writer), and an event on the GpuNode.
+            let mut health_changes = Vec::new();
+            for gpu in inventory.iter().flatten() {
+                let before = health_seen.insert(gpu.minor, gpu.health.healthy);
+                match (before, gpu.health.healthy) {
+                    (Some(true) | None, false) => {
+                        let reason = gpu.health.reason.clone().unwrap_or_default();
+                        for event in unhealthy_gpu_claim_events(&gpus, gpu, &reason) {
+                            claim_events.send(event);
+                        }
+                        let note = format!("GPU {} ({}) is unhealthy: {reason}", gpu.minor, gpu.uuid);
+                        health_changes.push((EventType::Warning, "GpuUnhealthy", note));
+                    }
+                    (Some(false), true) => {
+                        let note = format!("GPU {} ({}) is healthy again", gpu.minor, gpu.uuid);
+                        health_changes.push((EventType::Normal, "GpuHealthy", note));
+                    }
+                    _ => {}
+                }
             }
             if let (Some(writer), Some(inventory)) = (&mut writer, &inventory) {
                 if !object_ready {
@@ -237,20 +272,8 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                         writer.event(event.type_, event.reason, event.note).await;
                     }
                 }
-                for gpu in inventory {
-                    let before = health_seen.insert(gpu.minor, gpu.health.healthy);
-                    match (before, gpu.health.healthy) {
-                        (Some(true) | None, false) => {
-                            let reason = gpu.health.reason.clone().unwrap_or_default();
-                            let note = format!("GPU {} ({}) is unhealthy: {reason}", gpu.minor, gpu.uuid);
-                            writer.event(EventType::Warning, "GpuUnhealthy", note).await;
-                        }
-                        (Some(false), true) => {
-                            let note = format!("GPU {} ({}) is healthy again", gpu.minor, gpu.uuid);
-                            writer.event(EventType::Normal, "GpuHealthy", note).await;
-                        }
-                        _ => {}
-                    }
+                for (type_, reason, note) in health_changes {
+                    writer.event(type_, reason, note).await;
                 }
                 if object_ready {
                     let state = registration.borrow().clone();
@@ -280,6 +303,41 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
             }
         }
     }
+}
+
+/// The events for repairs that appeared in `now` (pending) or left it (completed) since
+/// `seen`, which becomes `now`.
+fn repair_claim_events(
+    seen: &mut std::collections::BTreeMap<String, PendingRepair>,
+    now: Vec<PendingRepair>,
+) -> Vec<ClaimEvent> {
+    let now: std::collections::BTreeMap<String, PendingRepair> =
+        now.into_iter().map(|p| (p.uid.clone(), p)).collect();
+    let pending = now
+        .iter()
+        .filter(|(uid, _)| !seen.contains_key(*uid))
+        .filter_map(|(_, p)| ClaimEvent::recovery_pending(p));
+    let completed = seen
+        .iter()
+        .filter(|(uid, _)| !now.contains_key(*uid))
+        .filter_map(|(_, p)| ClaimEvent::recovery_completed(p));
+    let events = pending.chain(completed).collect();
+    *seen = now;
+    events
+}
+
+/// The events for the recorded claims with a device on `gpu`, which became unhealthy.
+fn unhealthy_gpu_claim_events<B: GpuBackend + 'static>(
+    gpus: &Gpus<B>,
+    gpu: &GpuInventory,
+    why: &str,
+) -> Vec<ClaimEvent> {
+    gpus.recorded_claims_on(gpu.minor)
+        .into_iter()
+        .map(|(uid, namespace, name)| {
+            ClaimEvent::gpu_unhealthy(namespace, name, uid, gpu.minor, &gpu.uuid, why)
+        })
+        .collect()
 }
 
 /// One inventory, on a blocking thread (NVML calls block); `None` when it failed (logged).

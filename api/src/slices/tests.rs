@@ -316,7 +316,7 @@ fn foreign_instances_remove_their_placements_and_budget() {
         },
         gpu_instance_id: 13,
         owner: InstanceOwner::Foreign,
-        claim: None,
+        ..MigInstance::default()
     });
     let plan = plan_pool(std::slice::from_ref(&gpu), &EffectivePolicy::default());
     let names: Vec<String> = plan.devices.iter().map(|d| d.name.to_string()).collect();
@@ -859,7 +859,7 @@ proptest! {
                     placement: Placement { profile_id: profile.gi_profile_id, start },
                     gpu_instance_id: 1,
                     owner: InstanceOwner::Foreign,
-                    claim: None,
+                    ..MigInstance::default()
                 });
             }
             gpu

@@ -63,6 +63,7 @@ use crate::{
     cdi::{CdiError, CdiWriter},
     checkpoint::{CheckpointError, ClaimRecord, LoadOutcome},
     claims::{ClaimError, ClaimSource},
+    events::{ClaimEvent, ClaimEvents},
     gpus::{GpuLocks, Gpus},
     journal::Journal,
     metrics::Metrics,
@@ -237,6 +238,8 @@ struct Inner<B, C> {
     gpus: Gpus<B>,
     hook: StepHook,
     metrics: Metrics,
+    /// Where events about failed claims go; set once by [`Driver::set_claim_events`].
+    events: std::sync::OnceLock<ClaimEvents>,
 }
 
 /// The driver. Cheap to clone; clones share state.
@@ -282,6 +285,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 gpus,
                 hook: hook.unwrap_or_else(|| Arc::new(|_, _| {})),
                 metrics,
+                events: std::sync::OnceLock::new(),
             }),
         };
         // Discovered once at start; a failure is not fatal (the plugin keeps serving and
@@ -303,6 +307,14 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             .cdi
             .ensure_driver_spec(&version)
             .map_err(ClaimFailure::NodeNotReady)
+    }
+
+    /// Sends an event about every claim that fails to prepare or unprepare to `events` (once;
+    /// later calls are ignored). Without it failures are only logged and counted.
+    pub fn set_claim_events(&self, events: ClaimEvents) {
+        if self.inner.events.set(events).is_err() {
+            tracing::debug!("claim events were already set up");
+        }
     }
 
     /// This node's pool name.
@@ -392,11 +404,15 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         let mut outcomes = HashMap::new();
         match task.await {
             Ok(results) => {
+                // The locks are released: events are queued (never awaited) from here.
                 for (claim, outcome) in results {
                     if let Err(e) = &outcome {
                         let key = format!("{}/{}", claim.namespace, claim.name);
                         tracing::warn!(claim = %key, uid = %claim.uid, error = %e, reason = e.reason(), "{operation} failed");
                         self.inner.metrics.claim_failure(operation, e.reason());
+                        if let Some(events) = self.inner.events.get() {
+                            events.send(ClaimEvent::failed(operation, &claim, e));
+                        }
                     }
                     self.inner.metrics.claim(operation, outcome.is_ok());
                     outcomes.insert(claim.uid, outcome);
@@ -404,6 +420,8 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             }
             Err(e) => tracing::error!(error = %e, "{operation} worker failed"),
         }
+        // Instances created or destroyed show in (or leave) the info series at once.
+        self.inner.metrics.observe_claims(&self.inner.journal.claims());
         outcomes
     }
 }

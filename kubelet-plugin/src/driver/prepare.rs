@@ -71,12 +71,15 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     async fn fetch_allocation(&self, claim: &ClaimRef) -> Result<Vec<AllocatedDevice>, ClaimFailure> {
         let key = format!("{}/{}", claim.namespace, claim.name);
         match self.inner.claims.get(&claim.namespace, &claim.name).await {
-            Ok(Some(object)) => Ok(claims::allocated_devices(
-                &object,
-                &claim.uid,
-                &self.inner.config.driver_name,
-                self.pool(),
-            )?),
+            Ok(Some(object)) => {
+                self.inner.metrics.claim_read(&claim.uid, &object);
+                Ok(claims::allocated_devices(
+                    &object,
+                    &claim.uid,
+                    &self.inner.config.driver_name,
+                    self.pool(),
+                )?)
+            }
             Ok(None) => Err(ClaimError::NotFound { claim: key }.into()),
             Err(source) => Err(ClaimError::Api { claim: key, source }.into()),
         }

@@ -9,6 +9,7 @@ mod driver_files;
 mod gpu_check;
 mod lost_gpu;
 mod nvml_backend;
+mod observability;
 mod real_gpus;
 mod recovery;
 mod rolling_update;

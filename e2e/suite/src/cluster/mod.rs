@@ -224,6 +224,12 @@ impl Cluster {
         Ok(())
     }
 
+    /// The loopback port given to a component's endpoint (`"plugin-http"`,
+    /// `"controller-http"`, …), once the component was started.
+    pub fn endpoint_port(&self, name: &str) -> Option<u16> {
+        self.ports.get(name).copied()
+    }
+
     /// The simulated GPUs' current state.
     pub fn gpus(&self) -> anyhow::Result<FakeState> {
         Ok(read_state(&self.layout.gpu_state_path())?)

@@ -26,8 +26,16 @@ fn kubectl(cluster: &Cluster, args: &[&str]) -> anyhow::Result<std::process::Out
 
 async fn chart_objects_pass_server_side_dry_run(cluster: &mut Cluster) -> anyhow::Result<()> {
     for file in ["chart-default.yaml", "chart-custom.yaml"] {
-        let path = cluster.layout.run_dir.join(file);
-        let rendered = std::fs::read_to_string(&path)?;
+        let rendered = std::fs::read_to_string(cluster.layout.run_dir.join(file))?;
+        // This API server has no Prometheus Operator CRDs: its PodMonitors and PrometheusRule
+        // are left out here (the chart tests check them).
+        let rendered: String = rendered
+            .split("\n---")
+            .filter(|doc| !doc.contains("\napiVersion: monitoring.coreos.com/"))
+            .collect::<Vec<_>>()
+            .join("\n---");
+        let path = cluster.layout.run_dir.join(format!("dry-run-{file}"));
+        std::fs::write(&path, &rendered)?;
         let objects = rendered.matches("\nkind: ").count() + usize::from(rendered.starts_with("kind: "));
         ensure!(objects >= 10, "{file}: only {objects} objects rendered");
         let out = kubectl(

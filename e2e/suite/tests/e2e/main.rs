@@ -35,6 +35,7 @@ mod compat;
 mod day2;
 mod faults;
 mod kubectl_plugin;
+mod observability;
 mod placement;
 mod pool;
 mod rolling_update;
@@ -49,7 +50,7 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 10] = [
+const SUITE: [&[Test]; 11] = [
     pool::TESTS,
     allocation::TESTS,
     placement::TESTS,
@@ -57,6 +58,7 @@ const SUITE: [&[Test]; 10] = [
     compat::TESTS,
     faults::TESTS,
     chart::TESTS,
+    observability::TESTS,
     rolling_update::TESTS,
     day2::TESTS,
     kubectl_plugin::TESTS,

@@ -20,6 +20,7 @@ use migdra_kubelet_plugin::{
     claims::ClaimSource,
     driver::{Driver, DriverConfig, PrepareResult, RecoveryReport, StepHook, UnprepareResult},
     driver_files::HostDir,
+    events::{ClaimEvent, ClaimEvents},
     metrics::Metrics,
     nvml::NvmlBackend,
 };
@@ -311,4 +312,27 @@ pub async fn prepare_typed(driver: &TestDriver, uid: &str, name: &str) -> Prepar
 pub async fn unprepare_typed(driver: &TestDriver, uid: &str, name: &str) -> UnprepareResult {
     let mut out = driver.unprepare_claims(vec![claim_ref(uid, name)]).await;
     out.remove(uid).expect("one outcome per claim")
+}
+
+/// `claim` reserved for `pods` (its `status.reservedFor`, as the scheduler writes it).
+pub fn reserved_for(mut claim: ResourceClaim, pods: &[&str]) -> ResourceClaim {
+    let entries = pods
+        .iter()
+        .map(|pod| json!({"resource": "pods", "name": pod, "uid": format!("uid-of-{pod}")}))
+        .collect::<Vec<_>>();
+    let status = claim.status.get_or_insert_with(Default::default);
+    status.reserved_for = Some(serde_json::from_value(json!(entries)).unwrap());
+    claim
+}
+
+/// Records the claim events `driver` emits: what the event task would write to the API server.
+pub fn record_claim_events(driver: &TestDriver) -> tokio::sync::mpsc::Receiver<ClaimEvent> {
+    let (events, receiver) = ClaimEvents::channel();
+    driver.set_claim_events(events);
+    receiver
+}
+
+/// The claim events queued so far.
+pub fn queued_events(receiver: &mut tokio::sync::mpsc::Receiver<ClaimEvent>) -> Vec<ClaimEvent> {
+    std::iter::from_fn(|| receiver.try_recv().ok()).collect()
 }

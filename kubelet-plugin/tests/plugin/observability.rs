@@ -1,0 +1,404 @@
+//! What an operator sees of the plugin: the per-instance info series and per-GPU series of
+//! the metrics, and the events on ResourceClaims (queued by the driver and the status loop,
+//! written by the event task to the events API).
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
+
+use std::{sync::Arc, time::Duration};
+
+use crate::support::*;
+use http::{Method, Request, Response};
+use kube::{
+    client::Body,
+    runtime::events::{EventType, Recorder, Reporter},
+};
+use migdra_fake_nvml::{
+    FaultState,
+    config::{FakeConfig, FaultConfig, GpuConfig, InstanceConfig},
+};
+use migdra_kubelet_plugin::{
+    driver::{Step, StepHook},
+    events::{ClaimEvent, ClaimEvents, publish_claim_events},
+    metrics::Metrics,
+    node_status::StatusLoop,
+};
+use migdra_kubeletplugin::RegistrationState;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tower_test::mock;
+
+const H100_3G_AT_4: &str = "gpu-0-mig-3g40gb-4";
+/// A foreign 1g.10gb (GI profile 19) at memory slice 0.
+const FOREIGN: (u32, u32) = (19, 0);
+
+/// The metric lines of `family` (exact name, with labels), from an OpenMetrics text.
+fn lines<'a>(text: &'a str, family: &str) -> Vec<&'a str> {
+    let prefix = format!("{family}{{");
+    text.lines().filter(|l| l.starts_with(&prefix)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_created_instance_has_an_info_series_until_it_is_destroyed() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let metrics = Metrics::new();
+    let (driver, _) = node.try_start_with(None, metrics.clone()).unwrap();
+    driver.gpus().inventory().unwrap(); // as the status loop does: learns the GPUs' indices
+    node.claims.put(reserved_for(
+        claim("uid-1", "train", &[("gpu", H100_3G_AT_4)]),
+        &["trainer-0"],
+    ));
+
+    prepare_one(&driver, "uid-1", "train").await.unwrap();
+    let state = node.host.read_state().unwrap();
+    let gpu = &state.gpus[0];
+    let gi = &gpu.gpu_instances[0];
+    let ci = &gi.compute_instances[0];
+    let expected = format!(
+        "migdra_kubelet_plugin_mig_instance_info{{gpu_uuid=\"{}\",gpu=\"{}\",gpu_minor=\"{}\",gi=\"{}\",ci=\"{}\",mig_uuid=\"{}\",profile=\"3g.40gb\",placement=\"4\",namespace=\"default\",pod=\"trainer-0\",claim=\"train\"}} 1",
+        gpu.uuid, gpu.index, gpu.minor, gi.id, ci.id, ci.uuid
+    );
+    let text = metrics.encode();
+    assert_eq!(
+        lines(&text, "migdra_kubelet_plugin_mig_instance_info"),
+        vec![expected.as_str()],
+        "{text}"
+    );
+
+    unprepare_one(&driver, "uid-1", "train").await.unwrap();
+    let text = metrics.encode();
+    assert!(
+        lines(&text, "migdra_kubelet_plugin_mig_instance_info").is_empty(),
+        "the destroyed instance's series is gone:\n{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn per_gpu_series_show_slices_instances_by_profile_mig_mode_and_health() {
+    let node = Node::with_config(FakeConfig {
+        gpus: vec![
+            GpuConfig::new("H100-80GB", true),
+            GpuConfig::new("H100-80GB", false),
+        ],
+        instances: vec![InstanceConfig {
+            gpu: 0,
+            profile_id: FOREIGN.0,
+            start: FOREIGN.1,
+        }],
+        ..FakeConfig::default()
+    });
+    let metrics = Metrics::new();
+    let (driver, _) = node.try_start_with(None, metrics.clone()).unwrap();
+    node.claims.put(claim("uid-1", "c1", &[("gpu", H100_3G_AT_4)]));
+    prepare_one(&driver, "uid-1", "c1").await.unwrap();
+    let inventory = driver.gpus().inventory().unwrap();
+    let gpu = |minor: u32| {
+        let g = inventory.iter().find(|g| g.minor == minor).unwrap();
+        format!(
+            "gpu=\"{}\",gpu_minor=\"{}\",gpu_uuid=\"{}\"",
+            g.index, g.minor, g.uuid
+        )
+    };
+    let (g0, g1) = (gpu(0), gpu(1));
+    let text = metrics.encode();
+
+    // 3g.40gb@4 covers slices 4..8, the foreign 1g.10gb@0 slice 0: 5 of 8 used.
+    let mut slices = lines(&text, "migdra_kubelet_plugin_gpu_memory_slices");
+    slices.sort();
+    assert_eq!(
+        slices,
+        vec![
+            format!("migdra_kubelet_plugin_gpu_memory_slices{{{g0},state=\"free\"}} 3"),
+            format!("migdra_kubelet_plugin_gpu_memory_slices{{{g0},state=\"used\"}} 5"),
+        ],
+        "only the MIG-enabled GPU has memory slices:\n{text}"
+    );
+    let mut by_profile = lines(&text, "migdra_kubelet_plugin_gpu_mig_instances");
+    by_profile.sort();
+    assert_eq!(
+        by_profile,
+        vec![
+            format!(
+                "migdra_kubelet_plugin_gpu_mig_instances{{{g0},profile=\"1g.10gb\",owner=\"foreign\"}} 1"
+            ),
+            format!("migdra_kubelet_plugin_gpu_mig_instances{{{g0},profile=\"3g.40gb\",owner=\"migdra\"}} 1"),
+        ],
+        "{text}"
+    );
+    let mut modes = lines(&text, "migdra_kubelet_plugin_gpu_mig_mode");
+    modes.sort();
+    let mut expected_modes = vec![
+        format!("migdra_kubelet_plugin_gpu_mig_mode{{{g0}}} 1"),
+        format!("migdra_kubelet_plugin_gpu_mig_mode{{{g1}}} 0"),
+    ];
+    expected_modes.sort();
+    assert_eq!(modes, expected_modes, "{text}");
+    assert!(
+        text.contains(&format!("migdra_kubelet_plugin_gpu_healthy{{{g0}}} 1")),
+        "{text}"
+    );
+
+    // The GPU is lost: unhealthy. The instance is destroyed once it is back: series follow.
+    node.host.update_state(|s| s.gpus[0].lost = true).unwrap();
+    driver.gpus().inventory().unwrap();
+    let text = metrics.encode();
+    assert!(
+        text.contains(&format!("migdra_kubelet_plugin_gpu_healthy{{{g0}}} 0")),
+        "{text}"
+    );
+    node.host.update_state(|s| s.gpus[0].lost = false).unwrap();
+    unprepare_one(&driver, "uid-1", "c1").await.unwrap();
+    driver.gpus().inventory().unwrap();
+    let text = metrics.encode();
+    assert_eq!(
+        lines(&text, "migdra_kubelet_plugin_gpu_mig_instances"),
+        vec![format!(
+            "migdra_kubelet_plugin_gpu_mig_instances{{{g0},profile=\"1g.10gb\",owner=\"foreign\"}} 1"
+        )],
+        "the destroyed profile's series is removed, not left at 0:\n{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_prepare_is_a_warning_event_on_the_claim_with_its_reason() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let (driver, _) = node.start(None);
+    let mut events = record_claim_events(&driver);
+    node.claims
+        .put(claim("u1", "bad-profile", &[("gpu", "gpu-0-mig-1g5gb-0")]));
+    node.claims.put(claim("u2", "good", &[("gpu", H100_3G_AT_4)]));
+    let outcomes = driver
+        .prepare_claims(vec![
+            claim_ref("u1", "bad-profile"),
+            claim_ref("u2", "good"),
+            claim_ref("u3", "missing"),
+        ])
+        .await;
+    let mut queued = queued_events(&mut events);
+    queued.sort_by(|a, b| a.uid.cmp(&b.uid));
+    let summary: Vec<_> = queued
+        .iter()
+        .map(|e| (e.uid.as_str(), e.name.as_str(), e.reason, e.action, e.type_))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            (
+                "u1",
+                "bad-profile",
+                "UnknownProfile",
+                "PrepareResourceClaim",
+                EventType::Warning
+            ),
+            (
+                "u3",
+                "missing",
+                "ClaimNotFound",
+                "PrepareResourceClaim",
+                EventType::Warning
+            ),
+        ],
+        "one event per failed claim, none for the prepared one"
+    );
+    let failure = outcomes["u1"].as_ref().unwrap_err();
+    assert!(
+        queued[0].note.contains(&failure.to_string()),
+        "{}",
+        queued[0].note
+    );
+    assert_eq!(queued[0].namespace, "default");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gpu_turning_unhealthy_is_a_warning_event_on_the_claims_using_it() {
+    let node = Node::new(&[("H100-80GB", true), ("H100-80GB", true)]);
+    let (driver, _) = node.start(None);
+    node.claims.put(claim("u1", "on-gpu-0", &[("gpu", H100_3G_AT_4)]));
+    node.claims
+        .put(claim("u2", "on-gpu-1", &[("gpu", "gpu-1-mig-3g40gb-4")]));
+    prepare_one(&driver, "u1", "on-gpu-0").await.unwrap();
+    prepare_one(&driver, "u2", "on-gpu-1").await.unwrap();
+
+    let (claim_events, mut events) = ClaimEvents::channel();
+    let stop = CancellationToken::new();
+    let task = status_loop(&driver, claim_events, &stop);
+    // Healthy GPUs: nothing for any claim.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(queued_events(&mut events), Vec::new());
+
+    node.host.update_state(|s| s.gpus[0].lost = true).unwrap();
+    let event = tokio::time::timeout(Duration::from_secs(20), events.recv())
+        .await
+        .expect("an event for the claim on the lost GPU")
+        .unwrap();
+    stop.cancel();
+    task.await.unwrap();
+    assert_eq!((event.uid.as_str(), event.name.as_str()), ("u1", "on-gpu-0"));
+    assert_eq!((event.reason, event.type_), ("GpuUnhealthy", EventType::Warning));
+    let uuid = node.host.read_state().unwrap().gpus[0].uuid.clone();
+    assert!(event.note.contains(&uuid), "{}", event.note);
+    assert!(
+        queued_events(&mut events).iter().all(|e| e.uid == "u1"),
+        "the claim on the healthy GPU gets nothing, and the lost GPU's claim one event per change"
+    );
+}
+
+/// A status loop over `driver`'s GPUs without a GpuNode writer, sending claim events to
+/// `claim_events`, refreshing every 50 ms until `stop`.
+fn status_loop(
+    driver: &TestDriver,
+    claim_events: ClaimEvents,
+    stop: &CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let (_registration_tx, registration) = watch::channel(RegistrationState::default());
+    let (health, _health_rx) = watch::channel(Vec::new());
+    let status = StatusLoop {
+        gpus: driver.gpus().clone(),
+        writer: None,
+        recovery_note: None,
+        recovery_events: None,
+        registration,
+        health,
+        interval: Duration::from_millis(50),
+        claim_events,
+    };
+    tokio::spawn(status.run(stop.clone()))
+}
+
+/// The next queued event with `reason` (others are skipped), within 20 s.
+async fn next_event(events: &mut tokio::sync::mpsc::Receiver<ClaimEvent>, reason: &str) -> ClaimEvent {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let event = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no {reason} event"))
+            .unwrap();
+        if event.reason == reason {
+            return event;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_repair_left_pending_and_its_completion_are_events_on_the_claim() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims.put(claim("uid-1", "stuck", &[("gpu", H100_3G_AT_4)]));
+    {
+        // A crash after the instance was recorded leaves the claim half prepared...
+        let hook: StepHook = Arc::new(|_uid, step| {
+            if step == Step::DeviceRecorded {
+                panic!("injected crash after the device was recorded");
+            }
+        });
+        let (driver, _) = node.start(Some(hook));
+        assert!(prepare_one(&driver, "uid-1", "stuck").await.is_err());
+    }
+    // ...and the rollback at the next start fails once (NVML cannot destroy the instance).
+    node.host
+        .update_state(|s| {
+            s.faults.push(FaultState {
+                fault: FaultConfig::error("nvmlGpuInstanceDestroy", migdra_fake_nvml::code::UNKNOWN)
+                    .on_gpu(0)
+                    .times(1),
+                hits: 0,
+            })
+        })
+        .unwrap();
+    let (driver, report) = node.start(None);
+    assert_eq!(report.pending.len(), 1, "{report:?}");
+
+    let (claim_events, mut events) = ClaimEvents::channel();
+    let stop = CancellationToken::new();
+    let task = status_loop(&driver, claim_events, &stop);
+    let pending = next_event(&mut events, "RecoveryPending").await;
+    assert_eq!((pending.uid.as_str(), pending.name.as_str()), ("uid-1", "stuck"));
+    assert_eq!(pending.type_, EventType::Warning);
+    assert!(
+        pending.note.contains(&report.pending[0].error),
+        "{}",
+        pending.note
+    );
+
+    // The background repair succeeds now: the claim hears it is done.
+    let round = driver.retry_pending_repairs().unwrap();
+    assert_eq!(round.completed.len(), 1, "{round:?}");
+    let completed = next_event(&mut events, "RecoveryCompleted").await;
+    stop.cancel();
+    task.await.unwrap();
+    assert_eq!(
+        (completed.uid.as_str(), completed.type_),
+        ("uid-1", EventType::Normal)
+    );
+    assert!(
+        queued_events(&mut events)
+            .iter()
+            .all(|e| e.reason != "RecoveryPending"),
+        "pending is reported once, not at every refresh"
+    );
+}
+
+/// Answers one request of the mocked API server with `body` and returns the request's method,
+/// path and JSON body.
+async fn answer(
+    handle: &mut mock::Handle<Request<Body>, Response<Body>>,
+) -> (Method, String, serde_json::Value) {
+    let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+        .await
+        .expect("the event task stopped writing")
+        .expect("mock closed");
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let bytes = request.into_body().collect_bytes().await.unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    send.send_response(Response::builder().body(Body::from(bytes.to_vec())).unwrap());
+    (method, path, body)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn claim_events_are_written_to_the_claims_namespace_and_repeats_aggregate() {
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "default");
+    let recorder = Recorder::new(
+        client,
+        Reporter {
+            controller: "migdra-kubelet-plugin".into(),
+            instance: Some(NODE.into()),
+        },
+    );
+    let (events, receiver) = ClaimEvents::channel();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(publish_claim_events(recorder, receiver, stop.clone()));
+    let event = ClaimEvent {
+        namespace: "team-a".into(),
+        name: "train".into(),
+        uid: "uid-1".into(),
+        type_: EventType::Warning,
+        reason: "PlacementOverlap",
+        action: "PrepareResourceClaim",
+        note: "prepare failed on this node: overlap".into(),
+    };
+    events.send(event.clone());
+    events.send(event);
+
+    let (method, path, first) = answer(&mut handle).await;
+    assert_eq!(method, Method::POST);
+    assert_eq!(path, "/apis/events.k8s.io/v1/namespaces/team-a/events");
+    assert_eq!(first["reason"], "PlacementOverlap");
+    assert_eq!(first["type"], "Warning");
+    assert_eq!(first["action"], "PrepareResourceClaim");
+    assert_eq!(first["reportingController"], "migdra-kubelet-plugin");
+    assert_eq!(first["reportingInstance"], NODE);
+    assert_eq!(
+        first["regarding"],
+        serde_json::json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "namespace": "team-a", "name": "train", "uid": "uid-1"})
+    );
+    // The repeat is a count on the same event, not a second object.
+    let (method, path, second) = answer(&mut handle).await;
+    assert_eq!(method, Method::PATCH);
+    let name = first["metadata"]["name"].as_str().unwrap();
+    assert_eq!(
+        path,
+        format!("/apis/events.k8s.io/v1/namespaces/team-a/events/{name}")
+    );
+    assert_eq!(second["series"]["count"], 2);
+    stop.cancel();
+    task.await.unwrap();
+}
