@@ -1,6 +1,6 @@
 //! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`): claim outcomes
 //! and failure causes, call durations, startup repairs, repairs left pending and their retries, stale claims released,
-//! and gauges from the inventory.
+//! claim status writes (and those waiting for a retry), and gauges from the inventory.
 
 use std::{sync::Arc, time::Duration};
 
@@ -44,6 +44,12 @@ struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusWriteLabels {
+    operation: &'static str,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OwnerLabels {
     owner: &'static str,
 }
@@ -63,6 +69,8 @@ pub struct Metrics {
     repair_attempts: Family<OutcomeLabels, Counter>,
     pending_repairs: Gauge,
     stale_claims_released: Family<ReasonLabels, Counter>,
+    claim_status_writes: Family<StatusWriteLabels, Counter>,
+    claim_status_pending: Gauge,
     prepared_claims: Gauge,
     mig_instances: Family<OwnerLabels, Gauge>,
     gpus: Family<HealthLabels, Gauge>,
@@ -125,6 +133,18 @@ impl Metrics {
             "Recorded claims released because their ResourceClaim is gone, replaced or no longer allocated here, by cause",
             stale_claims_released.clone(),
         );
+        let claim_status_writes = Family::<StatusWriteLabels, Counter>::default();
+        registry.register(
+            "claim_status_writes",
+            "Writes of this driver's ResourceClaim status.devices entries (operation ready or clear), by outcome (written, failed, dropped)",
+            claim_status_writes.clone(),
+        );
+        let claim_status_pending = Gauge::default();
+        registry.register(
+            "claim_status_pending",
+            "ResourceClaim status writes that failed and wait for the periodic retry",
+            claim_status_pending.clone(),
+        );
         let prepared_claims = Gauge::default();
         registry.register(
             "prepared_claims",
@@ -147,6 +167,8 @@ impl Metrics {
             repair_attempts,
             pending_repairs,
             stale_claims_released,
+            claim_status_writes,
+            claim_status_pending,
             prepared_claims,
             mig_instances,
             gpus,
@@ -199,6 +221,21 @@ impl Metrics {
         self.stale_claims_released
             .get_or_create(&ReasonLabels { reason })
             .inc();
+    }
+
+    /// Counts one claim status write (`operation`: `ready` or `clear`; `outcome`: `written`,
+    /// `failed` (retried later) or `dropped` (not retried: the claim is gone, replaced, or the
+    /// API server refused the content)).
+    pub fn claim_status_write(&self, operation: &'static str, outcome: &'static str) {
+        self.claim_status_writes
+            .get_or_create(&StatusWriteLabels { operation, outcome })
+            .inc();
+    }
+
+    /// Sets how many claim status writes wait for a retry.
+    pub fn claim_status_pending(&self, count: usize) {
+        self.claim_status_pending
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
     }
 
     /// Updates the gauges from an inventory.
