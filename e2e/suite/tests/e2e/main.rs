@@ -29,6 +29,7 @@ mod support;
 
 mod allocation;
 mod chart;
+mod claim_status;
 mod compat;
 mod faults;
 mod placement;
@@ -44,9 +45,10 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 7] = [
+const SUITE: [&[Test]; 8] = [
     pool::TESTS,
     allocation::TESTS,
+    claim_status::TESTS,
     placement::TESTS,
     compat::TESTS,
     faults::TESTS,
