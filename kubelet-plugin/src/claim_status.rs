@@ -52,7 +52,7 @@ pub const MAX_DATA_BYTES: usize = 10 * 1024;
 pub const MAX_CONDITION_MESSAGE_BYTES: usize = 32 * 1024;
 /// How long one status write may take before it counts as failed (and is retried later), so
 /// a slow API server never holds up the kubelet's call for long.
-pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Where a MIG device sits on its GPU, in memory slices.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -539,6 +539,13 @@ impl ClaimStatusWriter {
             },
         });
         self.metrics.claim_status_pending(pending.len());
+    }
+
+    /// Queues a write for the next retry pass without trying now (the caller saw the API server
+    /// fail a moment ago, and the kubelet's call should not wait for it again).
+    pub fn defer(&self, claim: &ClaimRef, desired: DesiredStatus) {
+        self.metrics.claim_status_write(desired.operation(), "deferred");
+        self.set_pending(claim, Some(desired));
     }
 
     /// Writes a prepared claim's entries, with what the prepare's GET of the claim said

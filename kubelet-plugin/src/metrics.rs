@@ -136,7 +136,7 @@ impl Metrics {
         let claim_status_writes = Family::<StatusWriteLabels, Counter>::default();
         registry.register(
             "claim_status_writes",
-            "Writes of this driver's ResourceClaim status.devices entries (operation ready or clear), by outcome (written, failed, dropped)",
+            "Writes of this driver's ResourceClaim status.devices entries (operation ready or clear), by outcome (written, failed, dropped, deferred)",
             claim_status_writes.clone(),
         );
         let claim_status_pending = Gauge::default();
@@ -224,8 +224,9 @@ impl Metrics {
     }
 
     /// Counts one claim status write (`operation`: `ready` or `clear`; `outcome`: `written`,
-    /// `failed` (retried later) or `dropped` (not retried: the claim is gone, replaced, or the
-    /// API server refused the content)).
+    /// `failed` (retried later), `dropped` (not retried: the claim is gone, replaced, or the
+    /// API server refused the content) or `deferred` (not tried, after another write of the
+    /// same kubelet call failed; retried later)).
     pub fn claim_status_write(&self, operation: &'static str, outcome: &'static str) {
         self.claim_status_writes
             .get_or_create(&StatusWriteLabels { operation, outcome })

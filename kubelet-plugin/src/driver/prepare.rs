@@ -12,7 +12,7 @@ use super::{ClaimFailure, Driver, PrepareResult, Step};
 use crate::{
     cdi::ClaimDevice,
     checkpoint::{ClaimRecord, ClaimState, DeviceKind, DeviceRecord},
-    claim_status::{self, StatusContext, StatusDevice, StatusRetryRound},
+    claim_status::{self, DesiredStatus, StatusContext, StatusDevice, StatusRetryRound, WriteOutcome},
     claims::{self, AllocatedDevice, ClaimError, ClaimSource},
     gpus::GpuLocks,
     nvml::{GpuBackend, MigModeChange, NvmlErrorKind},
@@ -84,20 +84,32 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 })
             })
             .await;
-        // The checkpoint says prepared and every lock is released: now the claim's status.
+        // The checkpoint says prepared and every lock is released: now the claims' status.
+        // Once a write failed, the others of this call go straight to the retry queue, so an
+        // unreachable API server delays the kubelet's call by one write timeout at most.
+        let mut api_failing = false;
         for (uid, outcome) in prepared {
             let outcome = match outcome {
                 Ok(done) => {
-                    self.inner
-                        .status
-                        .publish_ready(
-                            &self.inner.claims,
-                            &done.claim,
-                            done.status,
-                            done.recorded,
-                            &done.context,
-                        )
-                        .await;
+                    let status = &self.inner.status;
+                    if api_failing {
+                        let desired = DesiredStatus::Ready {
+                            devices: done.status,
+                            recorded: done.recorded,
+                        };
+                        status.defer(&done.claim, desired);
+                    } else {
+                        let written = status
+                            .publish_ready(
+                                &self.inner.claims,
+                                &done.claim,
+                                done.status,
+                                done.recorded,
+                                &done.context,
+                            )
+                            .await;
+                        api_failing = written == WriteOutcome::Failed;
+                    }
                     Ok(done.devices)
                 }
                 Err(e) => Err(e),

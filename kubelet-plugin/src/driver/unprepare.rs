@@ -6,6 +6,7 @@ use std::{collections::HashMap, time::Instant};
 use super::{ClaimFailure, Driver, Step, UnprepareResult};
 use crate::{
     checkpoint::{ClaimRecord, ClaimState, DeviceKind},
+    claim_status::{DesiredStatus, WriteOutcome},
     claims::ClaimSource,
     gpus::GpuLocks,
     nvml::{GpuBackend, NvmlErrorKind},
@@ -28,10 +29,18 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             .await;
         // Outside the locks: a claim this node had prepared loses its status entries (what
         // they describe is gone). Claims never prepared here are not written.
+        // After one failed write the others of the call wait for the retry pass.
         let mut outcomes = HashMap::with_capacity(unprepared.len());
+        let mut api_failing = false;
         for (uid, outcome) in unprepared {
             if let (Ok(true), Some(claim)) = (&outcome, refs.get(&uid)) {
-                self.inner.status.publish_cleared(&self.inner.claims, claim).await;
+                let status = &self.inner.status;
+                if api_failing {
+                    status.defer(claim, DesiredStatus::Cleared);
+                } else {
+                    api_failing =
+                        status.publish_cleared(&self.inner.claims, claim).await == WriteOutcome::Failed;
+                }
             }
             outcomes.insert(uid, outcome.map(|_| ()));
         }

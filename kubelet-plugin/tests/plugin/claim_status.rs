@@ -7,6 +7,8 @@
 use migdra_kubelet_plugin::{driver::ClaimFailure, metrics::Metrics, plan::Rejection};
 use serde_json::json;
 
+use migdra_kubeletplugin::DraDriver;
+
 use crate::support::*;
 
 /// Another driver's entry, which the plugin must never touch.
@@ -328,4 +330,33 @@ async fn admin_access_to_a_mig_device_is_refused_with_a_clear_reason() {
     assert_eq!(node.total_instances(), 0);
     assert!(node.cdi_specs().is_empty());
     assert!(node.claims.status_writes().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_one_failed_write_the_rest_of_the_call_waits_for_the_retry() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims
+        .put(claim("uid-a", "a", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    node.claims
+        .put(claim("uid-b", "b", &[("gpu", "gpu-0-mig-1g10gb-1")]));
+    let metrics = Metrics::new();
+    let (driver, _) = node.try_start_with(None, metrics.clone()).unwrap();
+    node.claims.set_status_failing(true);
+    let out = driver
+        .prepare(vec![claim_ref("uid-a", "a"), claim_ref("uid-b", "b")])
+        .await;
+    assert!(out["uid-a"].is_ok() && out["uid-b"].is_ok());
+    // One write tried; the other claim queued without a try.
+    assert_eq!(node.claims.status_writes().len(), 1);
+    assert_eq!(driver.claim_status_pending(), ["uid-a", "uid-b"]);
+    assert!(metrics.encode().contains(
+        r#"migdra_kubelet_plugin_claim_status_writes_total{operation="ready",outcome="deferred"} 1"#
+    ));
+    node.claims.set_status_failing(false);
+    let mut written = driver.retry_claim_status().await.written;
+    written.sort();
+    assert_eq!(written, ["uid-a", "uid-b"]);
+    for name in ["a", "b"] {
+        assert_eq!(ours(&node.claims.device_status(name)).len(), 1, "{name}");
+    }
 }
