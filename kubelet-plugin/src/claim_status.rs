@@ -357,7 +357,8 @@ fn truncate(text: &mut String, max: usize) {
 }
 
 /// The partial ResourceClaim server-side applied to the `status` subresource: type, name,
-/// namespace, UID (so a claim replaced under the same name is refused, not written) and
+/// namespace, UID (so a claim replaced under the same name is refused, not written: the API
+/// server answers 422, `metadata.uid` is immutable) and
 /// `status.devices` = `entries`. An empty list removes every entry this field manager wrote.
 pub fn apply_object(claim: &ClaimRef, entries: &[AllocatedDeviceStatus]) -> serde_json::Value {
     json!({

@@ -360,3 +360,28 @@ async fn after_one_failed_write_the_rest_of_the_call_waits_for_the_retry() {
         assert_eq!(ours(&node.claims.device_status(name)).len(), 1, "{name}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_status_of_a_claim_replaced_under_the_same_name_is_never_touched() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims
+        .put(claim("uid-old", "c", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    let (driver, _) = node.start(None);
+    prepare_one(&driver, "uid-old", "c").await.unwrap();
+    // The claim is deleted and created again under its name; the new one is prepared
+    // elsewhere and has an entry of this driver already.
+    let mut replacement = claim("uid-new", "c", &[("gpu", "gpu-0-mig-1g10gb-1")]);
+    let theirs = json!({"driver": DRIVER, "pool": POOL, "device": "gpu-0-mig-1g10gb-1"});
+    replacement.status.as_mut().unwrap().devices =
+        Some(vec![serde_json::from_value(theirs.clone()).unwrap()]);
+    node.claims.put(replacement);
+    // Unpreparing the old one removes its instance; its status write names the old UID and is
+    // refused, and not retried.
+    unprepare_one(&driver, "uid-old", "c").await.unwrap();
+    assert_eq!(node.total_instances(), 0);
+    let last = node.claims.status_writes().pop().unwrap();
+    assert_eq!(last.object["metadata"]["uid"], "uid-old");
+    assert!(!last.accepted);
+    assert!(driver.claim_status_pending().is_empty());
+    assert_eq!(node.claims.device_status("c"), json!([theirs]));
+}

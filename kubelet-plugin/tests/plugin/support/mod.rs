@@ -46,7 +46,7 @@ pub const DRIVER_DEVICE_ID: &str = "gpu.migdra.dev/driver=files";
 /// ([`StaticClaims::status_writes`]) and applied as server-side apply would for one field
 /// manager that owns all of its driver's entries: the stored claim's entries of that driver
 /// are replaced by the applied ones, other drivers' entries stay, and a UID that does not
-/// match is refused (409), a missing claim is 404.
+/// match is refused (422, as the API server refuses it), a missing claim is 404.
 #[derive(Clone, Default)]
 pub struct StaticClaims {
     claims: Arc<Mutex<HashMap<(String, String), ResourceClaim>>>,
@@ -132,7 +132,12 @@ impl StaticClaims {
             return Err(api_error(404, "NotFound", "not found"));
         };
         if object["metadata"]["uid"].as_str() != claim.metadata.uid.as_deref() {
-            return Err(api_error(409, "Conflict", "Precondition failed: UID"));
+            // What the API server answers a server-side apply naming another UID.
+            return Err(api_error(
+                422,
+                "Invalid",
+                "metadata.uid: Invalid value: field is immutable",
+            ));
         }
         let applied: Vec<AllocatedDeviceStatus> =
             serde_json::from_value(object["status"]["devices"].clone()).unwrap();
