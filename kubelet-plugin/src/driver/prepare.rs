@@ -219,6 +219,12 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// ([`crate::claim_status::ClaimStatusWriter::retry_pending`]).
     pub async fn retry_claim_status(&self) -> StatusRetryRound {
         let journal = &self.inner.journal;
+        // Another plugin instance (a rolling update) may have unprepared claims since this
+        // one last read the checkpoint; their status must not be written back as ready.
+        if let Err(e) = journal.reload_if_changed() {
+            tracing::warn!(error = %e, "cannot re-read the checkpoint; claim status retries wait for the next pass");
+            return StatusRetryRound::default();
+        }
         self.inner
             .status
             .retry_pending(&self.inner.claims, |uid| journal.completed(uid).is_some())

@@ -385,3 +385,23 @@ async fn the_status_of_a_claim_replaced_under_the_same_name_is_never_touched() {
     assert!(driver.claim_status_pending().is_empty());
     assert_eq!(node.claims.device_status("c"), json!([theirs]));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_another_instance_unprepared_is_not_written_back_as_ready() {
+    // Two plugin instances on one node (a rolling update), sharing the checkpoint.
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims
+        .put(claim("uid-a", "a", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    let (old, _) = node.start(None);
+    node.claims.set_status_failing(true);
+    prepare_one(&old, "uid-a", "a").await.unwrap();
+    assert_eq!(old.claim_status_pending(), ["uid-a"]);
+    node.claims.set_status_failing(false);
+    let (new, _) = node.start(None);
+    unprepare_one(&new, "uid-a", "a").await.unwrap();
+    assert_eq!(node.total_instances(), 0);
+    // The old instance's pending ready write finds the claim no longer prepared.
+    let round = old.retry_claim_status().await;
+    assert_eq!(round.dropped, ["uid-a"]);
+    assert!(ours(&node.claims.device_status("a")).is_empty());
+}
