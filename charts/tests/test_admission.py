@@ -23,6 +23,15 @@ def cel(expression: str, activation: dict):
     return program.evaluate({k: celpy.json_to_cel(v) for k, v in activation.items()})
 
 
+GPUNODE_POLICY_SUFFIX = "-kubelet-plugin-own-gpunode"
+
+
+def gpunode_policy(rendered, kind="ValidatingAdmissionPolicy") -> dict:
+    """The policy (or its binding) pinning plugins to their own GpuNode."""
+    (found,) = [d for d in rendered.all(kind) if d["metadata"]["name"].endswith(GPUNODE_POLICY_SUFFIX)]
+    return found
+
+
 def plugin_username(rendered) -> str:
     sa = rendered.one("DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"]
     return f"system:serviceaccount:{NAMESPACE}:{sa}"
@@ -44,7 +53,7 @@ def plugin_request(rendered, node: str | None, operation="UPDATE", subresource="
 
 def evaluate_policy(rendered, request: dict, object_name: str) -> tuple[bool, list[str]]:
     """(allowed, denial messages) of the rendered policy for one GpuNode write."""
-    policy = rendered.one("ValidatingAdmissionPolicy")
+    policy = gpunode_policy(rendered)
     spec = policy["spec"]
     resource = request["resource"]["resource"] + (f"/{request['subResource']}" if request["subResource"] else "")
     matched = any(
@@ -75,7 +84,7 @@ def evaluate_policy(rendered, request: dict, object_name: str) -> tuple[bool, li
 
 
 def test_policy_targets_gpunodes_and_status(default):
-    policy = default.one("ValidatingAdmissionPolicy")
+    policy = gpunode_policy(default)
     (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
     assert rule["apiGroups"] == ["gpu.migdra.dev"]
     assert sorted(rule["resources"]) == ["gpunodes", "gpunodes/status"]
@@ -84,22 +93,22 @@ def test_policy_targets_gpunodes_and_status(default):
 
 
 def test_policy_references_plugin_service_account(default):
-    policy = default.one("ValidatingAdmissionPolicy")
+    policy = gpunode_policy(default)
     (condition,) = policy["spec"]["matchConditions"]
     assert f'"{plugin_username(default)}"' in condition["expression"]
     assert "migdra-kubelet-plugin" in plugin_username(default)
 
 
 def test_policy_guards_the_node_name_lookup(default):
-    text = " ".join(v["expression"] for v in default.one("ValidatingAdmissionPolicy")["spec"]["variables"])
+    text = " ".join(v["expression"] for v in gpunode_policy(default)["spec"]["variables"])
     assert "has(request.userInfo.extra)" in text
     assert f'"{NODE_KEY}" in request.userInfo.extra' in text
     assert "size(" in text
 
 
 def test_binding_denies(default):
-    policy = default.one("ValidatingAdmissionPolicy")
-    binding = default.one("ValidatingAdmissionPolicyBinding")
+    policy = gpunode_policy(default)
+    binding = gpunode_policy(default, "ValidatingAdmissionPolicyBinding")
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
     assert "matchResources" not in binding["spec"] or binding["spec"]["matchResources"]
@@ -107,7 +116,7 @@ def test_binding_denies(default):
 
 def test_messages_have_no_line_breaks(default):
     """The API server rejects a validation message with a line break."""
-    for v in default.one("ValidatingAdmissionPolicy")["spec"]["validations"]:
+    for v in gpunode_policy(default)["spec"]["validations"]:
         assert "\n" not in v.get("message", ""), v
 
 
@@ -153,7 +162,7 @@ def test_other_users_unaffected(default):
 
 def test_policy_follows_service_account_name():
     rendered = render(sets=["kubeletPlugin.serviceAccount.name=my-plugin"])
-    (condition,) = rendered.one("ValidatingAdmissionPolicy")["spec"]["matchConditions"]
+    (condition,) = gpunode_policy(rendered)["spec"]["matchConditions"]
     assert '"system:serviceaccount:migdra-system:my-plugin"' in condition["expression"]
     request = plugin_request(rendered, "n1")
     assert request["userInfo"]["username"].endswith(":my-plugin")

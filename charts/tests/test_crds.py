@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from conftest import CHART, CRD_FILES, crds_present
+from test_admission import gpunode_policy
 
 pytestmark = pytest.mark.skipif(
     not crds_present(),
@@ -74,7 +75,7 @@ def test_rbac_and_policy_name_real_resources(default, crds):
             if "gpu.migdra.dev" in rule["apiGroups"]:
                 for r in rule["resources"]:
                     assert r.split("/")[0] in plurals, r
-    policy = default.one("ValidatingAdmissionPolicy")
+    policy = gpunode_policy(default)
     for rule in policy["spec"]["matchConstraints"]["resourceRules"]:
         for r in rule["resources"]:
             assert r.split("/")[0] in plurals, r

@@ -7,7 +7,7 @@ ServiceAccount anything the matrix asks about).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -44,7 +44,7 @@ def parse_matrix(path: Path = MATRIX) -> list[Row]:
         subject, verb, resource, sub, ns, name, expected, check = fields
         assert subject in ("plugin", "controller"), number
         assert expected in ("yes", "no"), number
-        assert check in ("can-i", "admission"), number
+        assert check in ("can-i", "admission", "claim-status"), number
         plural, _, group = resource.partition(".")
         rows.append(
             Row(
@@ -136,6 +136,8 @@ def test_matrix_covers_the_required_checks():
     assert has("plugin", "patch", "gpunodes.gpu.migdra.dev", False, "admission", name="other-node")
     assert has("plugin", "get", "resourceclaims.resource.k8s.io", True)
     assert has("plugin", "list", "secrets", False)
+    assert has("plugin", "patch", "resourceclaims.resource.k8s.io", True, "claim-status", name=NODE, sub="status")
+    assert has("plugin", "patch", "resourceclaims.resource.k8s.io", False, "claim-status", name="other-node", sub="status")
     assert has("controller", "create", "resourceslices.resource.k8s.io", True)
     assert has("controller", "patch", "gpunodes.gpu.migdra.dev", True, sub="status")
     assert has("controller", "get", "secrets", False)
@@ -160,6 +162,38 @@ def test_matrix_admission(default, row):
     request = plugin_request(default, node=NODE, operation=operation, subresource=row.subresource)
     allowed, _ = evaluate_policy(default, request, object_name=row.name)
     assert allowed is row.expected, row
+
+
+def device_status_write_allowed(auth: Authorizer, sa: str, row: Row, token_node: str, driver: str) -> bool:
+    """What the API server decides for a write of `driver`'s status.devices entries by `sa`
+    with a token bound to `token_node`, on a claim allocated on `row.name` (1.36+): RBAC on
+    resourceclaims/status, plus resourceclaims/driver named `driver` with associated-node:<verb>
+    when the claim's node is the token's, else arbitrary-node:<verb>."""
+    status = auth.allowed(sa, replace(row, name=""))
+
+    def driver_verb(prefix: str) -> bool:
+        return auth.allowed(sa, replace(row, verb=f"{prefix}:{row.verb}", subresource="driver", name=driver))
+
+    associated = row.name == token_node and driver_verb("associated-node")
+    return status and (associated or driver_verb("arbitrary-node"))
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.check == "claim-status"], ids=lambda r: f"line{r.line}")
+def test_matrix_claim_status(default, default_values, row):
+    assert row.subject == "plugin" and row.subresource == "status"
+    auth = Authorizer(default.docs)
+    sa = sa_name(default, "kubelet-plugin")
+    allowed = device_status_write_allowed(auth, sa, row, token_node=NODE, driver=default_values["driverName"])
+    assert allowed is row.expected, row
+
+
+def test_claim_status_rules_name_the_driver(case):
+    rendered, values = case
+    role = cluster_role(rendered, "kubelet-plugin")
+    (rule,) = [r for r in role["rules"] if "resourceclaims/driver" in r["resources"]]
+    assert rule["resourceNames"] == [values["driverName"]]
+    assert rule["verbs"] == ["associated-node:patch"], "never arbitrary-node: only claims on the plugin's node"
+    assert rule["resources"] == ["resourceclaims/driver"]
 
 
 # ---- direct structural checks ------------------------------------------------------------
@@ -208,6 +242,8 @@ def test_exact_rule_sets(default):
     events = {(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")}
     assert flatten(cluster_role(default, "kubelet-plugin")) == {
         ("resource.k8s.io", "resourceclaims", "get"),
+        ("resource.k8s.io", "resourceclaims/status", "patch"),
+        ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch"),
         ("", "nodes", "get"),
         ("gpu.migdra.dev", "gpunodes", "get"),
         ("gpu.migdra.dev", "gpunodes", "create"),

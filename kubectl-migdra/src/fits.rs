@@ -17,8 +17,8 @@ use migdra_api::{
     inventory::GpuNode,
     profile::ProfileName,
     slices::{
-        Counters, MEMORY_COUNTER, NOT_OFFERED_TAINT, PlannedDevice, PlannedKind, PoolPlan, SHARES_CAPACITY, UNHEALTHY_TAINT,
-        allocator::Allocator, quantity,
+        Counters, MEMORY_COUNTER, NOT_OFFERED_TAINT, PlannedDevice, PlannedKind, PoolPlan, SHARES_CAPACITY,
+        UNHEALTHY_TAINT, allocator::Allocator, quantity,
     },
 };
 use serde::Serialize;

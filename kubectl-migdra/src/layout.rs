@@ -461,10 +461,7 @@ pub fn free_placements(geometry: &MigGeometry, existing: &[Placement]) -> Vec<Fr
 /// The MIG UUID the plugin recorded for an instance in the GpuNode (`migUuid`); plugins
 /// before that field record none.
 fn recorded_mig_uuid(instance: &migdra_api::inventory::MigInstance) -> Option<String> {
-    instance
-        .mig_uuid
-        .clone()
-        .filter(|u| u.starts_with("MIG-"))
+    instance.mig_uuid.clone().filter(|u| u.starts_with("MIG-"))
 }
 
 fn covered(geometry: &MigGeometry, placement: Placement) -> Vec<u32> {

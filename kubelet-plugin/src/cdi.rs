@@ -100,6 +100,26 @@ pub struct DeviceNode {
     pub file_mode: u32,
 }
 
+/// Minor and mode of a capability from its file (`DeviceFileMinor:` / `DeviceFileMode:`).
+fn read_capability(path: &Path) -> Result<(u32, u32), CdiError> {
+    let text = fs::read_to_string(path).map_err(|source| CdiError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<u32>().ok()))
+            .ok_or_else(|| CdiError::Missing {
+                path: path.to_path_buf(),
+                what: format!("no {name} line"),
+            })
+    };
+    Ok((
+        field("DeviceFileMinor:")?,
+        field("DeviceFileMode:").unwrap_or(0o444),
+    ))
+}
+
 fn char_node(path: String, major: u32, minor: u32, file_mode: u32) -> DeviceNode {
     DeviceNode {
         path,
@@ -144,6 +164,10 @@ pub struct ClaimDevice {
     pub gpu_minor: u32,
     /// `(GPU instance, compute instance)` for a MIG device.
     pub mig: Option<(u32, u32)>,
+    /// Also the MIG monitor capability (`mig/monitor`), with which NVML inside the container
+    /// lists every MIG instance of the GPU: for a whole GPU in MIG mode handed out with
+    /// `adminAccess` to a monitoring agent.
+    pub mig_monitor: bool,
     /// Environment variables (the device's own UUID variable and the configured ones).
     pub env: BTreeMap<String, String>,
 }
@@ -380,6 +404,11 @@ impl CdiWriter {
         Ok(majors)
     }
 
+    /// Minor and mode of the MIG monitor capability (`mig/monitor`, readable by everyone).
+    pub fn monitor_capability(&self) -> Result<(u32, u32), CdiError> {
+        read_capability(&self.proc_root.join("driver/nvidia/capabilities/mig/monitor"))
+    }
+
     /// Minor and mode of a MIG capability, from the per-instance access file, which exists
     /// only while the instance exists (so a stale minor is never handed out).
     pub fn capability(&self, gpu_minor: u32, gi: u32, ci: Option<u32>) -> Result<(u32, u32), CdiError> {
@@ -390,22 +419,7 @@ impl CdiWriter {
             path.push(format!("ci{ci}"));
         }
         path.push("access");
-        let text = fs::read_to_string(&path).map_err(|source| CdiError::Read {
-            path: path.clone(),
-            source,
-        })?;
-        let field = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<u32>().ok()))
-                .ok_or_else(|| CdiError::Missing {
-                    path: path.clone(),
-                    what: format!("no {name} line"),
-                })
-        };
-        Ok((
-            field("DeviceFileMinor:")?,
-            field("DeviceFileMode:").unwrap_or(0o444),
-        ))
+        read_capability(&path)
     }
 
     /// The device nodes a container needs for a device.
@@ -426,11 +440,23 @@ impl CdiWriter {
         })?;
         nodes.push(char_node("/dev/nvidia-uvm".into(), uvm, 0, 0o666));
         nodes.push(char_node("/dev/nvidia-uvm-tools".into(), uvm, 1, 0o666));
-        if let Some((gi, ci)) = device.mig {
-            let caps = majors.caps.ok_or_else(|| CdiError::Missing {
+        let caps_major = || {
+            majors.caps.ok_or_else(|| CdiError::Missing {
                 path: self.proc_root.join("devices"),
                 what: "no nvidia-caps character device (MIG capabilities unavailable)".into(),
-            })?;
+            })
+        };
+        if device.mig_monitor {
+            let (minor, mode) = self.monitor_capability()?;
+            nodes.push(char_node(
+                format!("/dev/nvidia-caps/nvidia-cap{minor}"),
+                caps_major()?,
+                minor,
+                mode,
+            ));
+        }
+        if let Some((gi, ci)) = device.mig {
+            let caps = caps_major()?;
             for (minor, mode) in [
                 self.capability(device.gpu_minor, gi, None)?,
                 self.capability(device.gpu_minor, gi, Some(ci))?,
@@ -532,6 +558,7 @@ mod tests {
             device_name: "gpu-1-mig-3g40gb-4".into(),
             gpu_minor: 1,
             mig: Some((2, 0)),
+            mig_monitor: false,
             env: BTreeMap::from([("MIGDRA_DEVICE_UUID_GPU_1_MIG_3G40GB_4".into(), "MIG-abc".into())]),
         };
         let path = writer.write_claim_spec("uid-1", &[device]).unwrap();
@@ -571,6 +598,45 @@ mod tests {
     }
 
     #[test]
+    fn a_monitored_gpu_gets_the_mig_monitor_capability_and_no_instance_capability() {
+        let dir = tempfile::tempdir().unwrap();
+        proc_root(dir.path());
+        let writer = CdiWriter::new(dir.path().join("cdi"), "gpu.migdra.dev", dir.path());
+        let device = ClaimDevice {
+            device_name: "gpu-1".into(),
+            gpu_minor: 1,
+            mig: None,
+            mig_monitor: true,
+            env: BTreeMap::new(),
+        };
+        // Without the driver's monitor capability file the spec is refused, not made smaller.
+        let err = writer
+            .write_claim_spec("uid-m", std::slice::from_ref(&device))
+            .unwrap_err();
+        assert!(err.to_string().contains("mig/monitor"), "{err}");
+        fs::create_dir_all(dir.path().join("driver/nvidia/capabilities/mig")).unwrap();
+        fs::write(
+            dir.path().join("driver/nvidia/capabilities/mig/monitor"),
+            "DeviceFileMinor: 2\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
+        )
+        .unwrap();
+        let path = writer.write_claim_spec("uid-m", &[device]).unwrap();
+        let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        let nodes = spec["devices"][0]["containerEdits"]["deviceNodes"]
+            .as_array()
+            .unwrap();
+        let caps: Vec<_> = nodes
+            .iter()
+            .filter(|n| n["path"].as_str().unwrap().starts_with("/dev/nvidia-caps/"))
+            .collect();
+        assert_eq!(caps.len(), 1, "{nodes:?}");
+        assert_eq!(caps[0]["path"], "/dev/nvidia-caps/nvidia-cap2");
+        assert_eq!(caps[0]["major"], 508);
+        assert_eq!(caps[0]["minor"], 2);
+        assert_eq!(caps[0]["fileMode"], 292);
+    }
+
+    #[test]
     fn missing_capability_file_fails_instead_of_guessing() {
         let dir = tempfile::tempdir().unwrap();
         proc_root(dir.path());
@@ -579,6 +645,7 @@ mod tests {
             device_name: "gpu-1-mig-1g10gb-0".into(),
             gpu_minor: 1,
             mig: Some((9, 0)),
+            mig_monitor: false,
             env: BTreeMap::new(),
         };
         let err = writer.write_claim_spec("uid-2", &[device]).unwrap_err();
@@ -600,6 +667,7 @@ mod tests {
             device_name: "gpu-1".into(),
             gpu_minor: 1,
             mig: None,
+            mig_monitor: false,
             env: BTreeMap::new(),
         };
         let err = writer.write_claim_spec("uid-3", &[device]).unwrap_err();

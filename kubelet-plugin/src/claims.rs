@@ -1,10 +1,15 @@
-//! Reading ResourceClaims: the GET the plugin does per claim at prepare time, and the pure
-//! interpretation of the allocation (which devices are ours, with which configuration).
+//! The ResourceClaims API as the plugin uses it: the GET per claim at prepare time, the pure
+//! interpretation of the allocation (which devices are ours, with which configuration), and
+//! the server-side apply of this driver's `status.devices` entries ([`crate::claim_status`]
+//! builds them).
 
 use std::future::Future;
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use kube::{Api, Client};
+use kube::{
+    Api, Client,
+    api::{Patch, PatchParams},
+};
 use migdra_api::{
     config::{self, ConfigEntry, ConfigError, DeviceConfig},
     device_name::{DeviceName, InvalidDeviceName},
@@ -18,6 +23,18 @@ pub trait ClaimSource: Send + Sync + 'static {
         namespace: &str,
         name: &str,
     ) -> impl Future<Output = Result<Option<ResourceClaim>, kube::Error>> + Send;
+
+    /// Server-side applies `object` (a partial ResourceClaim: type, name, namespace, UID and
+    /// `status.devices`) to the claim's `status` subresource as `field_manager`, forcing
+    /// ownership of the fields it names. Entries this manager applied before and `object`
+    /// leaves out are removed; other managers' entries stay.
+    fn apply_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        field_manager: &str,
+        object: &serde_json::Value,
+    ) -> impl Future<Output = Result<(), kube::Error>> + Send;
 }
 
 /// Claims read from the API server.
@@ -38,6 +55,23 @@ impl ClaimSource for KubeClaims {
         Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
             .get_opt(name)
             .await
+    }
+
+    async fn apply_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        field_manager: &str,
+        object: &serde_json::Value,
+    ) -> Result<(), kube::Error> {
+        Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
+            .patch_status(
+                name,
+                &PatchParams::apply(field_manager).force(),
+                &Patch::Apply(object),
+            )
+            .await
+            .map(|_| ())
     }
 }
 
@@ -112,15 +146,6 @@ pub enum ClaimError {
         #[source]
         source: ConfigError,
     },
-    /// Admin access asks for monitoring access to a device in use, which MIG devices created on
-    /// demand cannot offer.
-    #[error("ResourceClaim {claim}: adminAccess is not supported by this driver (device {device})")]
-    AdminAccess {
-        /// `namespace/name`.
-        claim: String,
-        /// Device name.
-        device: String,
-    },
 }
 
 impl ClaimError {
@@ -134,7 +159,6 @@ impl ClaimError {
             Self::OtherPool { .. } => "OtherPool",
             Self::DeviceName { .. } => "InvalidDeviceName",
             Self::Config { .. } => "InvalidConfig",
-            Self::AdminAccess { .. } => "AdminAccessUnsupported",
         }
     }
 }
@@ -155,6 +179,9 @@ pub struct AllocatedDevice {
     /// The allocation's share of a shared device (`allowMultipleAllocations`); `None` for an
     /// exclusive device.
     pub share_id: Option<String>,
+    /// Allocated with `adminAccess`: access to a device that may be in use by others, for
+    /// monitoring; nothing is created or reserved for it.
+    pub admin_access: bool,
 }
 
 /// Extracts this driver's devices from a claim, validating that the claim is the one the
@@ -214,12 +241,6 @@ pub fn allocated_devices(
                 expected: pool.into(),
             });
         }
-        if result.admin_access == Some(true) {
-            return Err(ClaimError::AdminAccess {
-                claim: key,
-                device: result.device.clone(),
-            });
-        }
         let name: DeviceName = result.device.parse().map_err(|source| ClaimError::DeviceName {
             claim: key.clone(),
             source,
@@ -236,6 +257,7 @@ pub fn allocated_devices(
             name,
             config,
             share_id: result.share_id.clone(),
+            admin_access: result.admin_access == Some(true),
         });
     }
     Ok(devices)

@@ -9,13 +9,15 @@
 //! files found by [`driver_files`]); records startup recovery could not repair are retried by
 //! the driver's background repair loop while the plugin serves, and a periodic pass releases
 //! recorded claims whose ResourceClaim is gone; instances a teardown left on a lost GPU are
-//! listed in [`orphans`] and destroyed when it is back. Beside it, the status loop
+//! listed in [`orphans`] and destroyed when it is back. Prepared claims report their devices
+//! in their status ([`claim_status`]), with failed writes retried periodically. Beside it, the status loop
 //! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
 //! counts what happens; [`events`] records what went wrong with a claim on the claim. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
 //! against what migdra expects, without running the plugin.
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod claim_status;
 pub mod claims;
 pub mod cli;
 pub mod driver;
@@ -52,6 +54,9 @@ use migdra_kubeletplugin::{PluginServer, PluginServerConfig, RegistrationState};
 /// How long an instance joining a running one (a rolling update) waits for the kubelet's
 /// registration before it reports status regardless.
 const JOIN_REGISTRATION_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// How often claim status writes that failed are retried.
+const CLAIM_STATUS_RETRY_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Runs the plugin until SIGTERM/SIGINT: metrics and probes, NVML, the driver (with startup
 /// recovery), the background repair of what recovery left pending, the status loop, then the
@@ -166,6 +171,13 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         recovery_tx,
         shutdown.clone(),
     ));
+    // Claim status writes that failed (API server unreachable, RBAC missing) are retried;
+    // the first pass also writes the status of claims a previous run prepared.
+    let claim_status_task = tokio::spawn(
+        driver
+            .clone()
+            .run_claim_status_retries(CLAIM_STATUS_RETRY_INTERVAL, shutdown.clone()),
+    );
 
     // The health list starts from a first inventory, so the kubelet never sees an empty one.
     let gpus = driver.gpus().clone();
@@ -252,7 +264,8 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         grpc_health_task,
         repair_task,
         stale_gc_task,
-        claim_events_task
+        claim_events_task,
+        claim_status_task
     );
     served.context("kubelet gRPC servers")?;
     tracing::info!("stopped");

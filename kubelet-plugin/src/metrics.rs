@@ -1,10 +1,11 @@
 //! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`; in production
 //! every series carries the node's name as `node`, see [`Metrics::for_node`]): claim outcomes
 //! and failure causes, call durations, startup repairs, repairs left pending and their
-//! retries, stale claims released; from the inventory, per GPU (`gpu` = NVML index as
-//! DCGM's exporter labels it, `gpu_minor`, `gpu_uuid`) its MIG mode, health, used and free
-//! memory slices and instances by profile; and one `mig_instance_info` series per MIG
-//! instance migdra created, carrying what joins DCGM's per-instance series to the pod.
+//! retries, stale claims released, claim status writes (and those waiting for a retry); from
+//! the inventory, per GPU (`gpu` = NVML index as DCGM's exporter labels it, `gpu_minor`,
+//! `gpu_uuid`) its MIG mode, health, used and free memory slices and instances by profile;
+//! and one `mig_instance_info` series per MIG instance migdra created, carrying what joins
+//! DCGM's per-instance series to the pod.
 //!
 //! Every label value comes from a bounded set: fixed words, profile names, and the node's own
 //! GPUs and instances (at most a few dozen series per node). Series of GPUs and instances that
@@ -59,6 +60,12 @@ struct ActionLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusWriteLabels {
+    operation: &'static str,
     outcome: &'static str,
 }
 
@@ -179,6 +186,8 @@ pub struct Metrics {
     repair_attempts: Family<OutcomeLabels, Counter>,
     pending_repairs: Gauge,
     stale_claims_released: Family<ReasonLabels, Counter>,
+    claim_status_writes: Family<StatusWriteLabels, Counter>,
+    claim_status_pending: Gauge,
     prepared_claims: Gauge,
     mig_instances: Family<OwnerLabels, Gauge>,
     gpus: Family<HealthLabels, Gauge>,
@@ -264,6 +273,18 @@ impl Metrics {
             "Recorded claims released because their ResourceClaim is gone, replaced or no longer allocated here, by cause",
             stale_claims_released.clone(),
         );
+        let claim_status_writes = Family::<StatusWriteLabels, Counter>::default();
+        registry.register(
+            "claim_status_writes",
+            "Writes of this driver's ResourceClaim status.devices entries (operation ready or clear), by outcome (written, failed, dropped, deferred)",
+            claim_status_writes.clone(),
+        );
+        let claim_status_pending = Gauge::default();
+        registry.register(
+            "claim_status_pending",
+            "ResourceClaim status writes that failed and wait for the periodic retry",
+            claim_status_pending.clone(),
+        );
         let prepared_claims = Gauge::default();
         registry.register(
             "prepared_claims",
@@ -325,6 +346,8 @@ impl Metrics {
             repair_attempts,
             pending_repairs,
             stale_claims_released,
+            claim_status_writes,
+            claim_status_pending,
             prepared_claims,
             mig_instances,
             gpus,
@@ -377,6 +400,22 @@ impl Metrics {
         self.stale_claims_released
             .get_or_create(&ReasonLabels { reason })
             .inc();
+    }
+
+    /// Counts one claim status write (`operation`: `ready` or `clear`; `outcome`: `written`,
+    /// `failed` (retried later), `dropped` (not retried: the claim is gone, replaced, or the
+    /// API server refused the content) or `deferred` (not tried, after another write of the
+    /// same kubelet call failed; retried later)).
+    pub fn claim_status_write(&self, operation: &'static str, outcome: &'static str) {
+        self.claim_status_writes
+            .get_or_create(&StatusWriteLabels { operation, outcome })
+            .inc();
+    }
+
+    /// Sets how many claim status writes wait for a retry.
+    pub fn claim_status_pending(&self, count: usize) {
+        self.claim_status_pending
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
     }
 
     /// Remembers the pods `claim` (UID `uid`) is reserved for, for its instances' info series.

@@ -214,6 +214,26 @@ pub enum Rejection {
         /// GPU minor.
         minor: u32,
     },
+    /// `adminAccess` to a MIG device: MIG devices exist only once a claim has them created,
+    /// so there is nothing to monitor (the chart's admission policy refuses such claims
+    /// earlier; this is the plugin's own check).
+    #[error(
+        "device {device}: adminAccess is only supported for whole GPUs; a MIG device does not exist until a claim without adminAccess has it created (request a whole GPU, device class gpu.migdra.dev, to monitor a GPU and all its MIG instances)"
+    )]
+    AdminAccessMigDevice {
+        /// Device name.
+        device: String,
+    },
+    /// A claim with `adminAccess` devices and ordinary ones of this driver.
+    #[error(
+        "device {device} is allocated with adminAccess but device {other} of the same claim is not; put the monitoring request in a claim of its own"
+    )]
+    AdminAccessMixed {
+        /// A device with admin access.
+        device: String,
+        /// A device without.
+        other: String,
+    },
 }
 
 impl Rejection {
@@ -241,6 +261,8 @@ impl Rejection {
             Self::ForeignInstances { .. } => "ForeignInstances",
             Self::MigModeChangePending { .. } => "MigModeChangePending",
             Self::GpuGone { .. } => "GpuGone",
+            Self::AdminAccessMigDevice { .. } => "AdminAccessMigDevice",
+            Self::AdminAccessMixed { .. } => "AdminAccessMixed",
         }
     }
 }
@@ -254,6 +276,29 @@ pub enum PlanError {
     /// Listing a GPU's instances failed, and the decision needed them.
     #[error(transparent)]
     Backend(#[from] BackendError),
+}
+
+/// Whether a claim is an `adminAccess` claim: `Ok(true)` when every device is allocated with
+/// admin access (then only whole GPUs: nothing is planned, created or recorded for it),
+/// `Ok(false)` when none is. A MIG device with admin access, or a mix, is refused.
+pub fn admin_access(devices: &[AllocatedDevice]) -> Result<bool, Rejection> {
+    if let Some(device) = devices
+        .iter()
+        .find(|d| d.admin_access && matches!(d.name, DeviceName::Mig { .. }))
+    {
+        return Err(Rejection::AdminAccessMigDevice {
+            device: device.device.clone(),
+        });
+    }
+    let admin = devices.iter().find(|d| d.admin_access);
+    let ordinary = devices.iter().find(|d| !d.admin_access);
+    match (admin, ordinary) {
+        (Some(admin), Some(ordinary)) => Err(Rejection::AdminAccessMixed {
+            device: admin.device.clone(),
+            other: ordinary.device.clone(),
+        }),
+        (admin, _) => Ok(admin.is_some()),
+    }
 }
 
 /// Plans a claim's `devices` on `gpus` (by minor), next to the `others` recorded claims
@@ -639,6 +684,7 @@ mod tests {
                 name: name.parse().unwrap(),
                 config: DeviceConfig::default(),
                 share_id: None,
+                admin_access: false,
             })
             .collect()
     }
@@ -734,6 +780,66 @@ mod tests {
             plan(&shares(&[device, device]), &gpus(vec![h100(Some(true))]), &[]),
             Err(PlanError::Rejected(Rejection::DuplicateShare { .. }))
         ));
+    }
+
+    /// Devices allocated with (`true`) or without admin access.
+    fn with_admin(names: &[(&str, bool)]) -> Vec<AllocatedDevice> {
+        let plain: Vec<&str> = names.iter().map(|(n, _)| *n).collect();
+        allocated(&plain)
+            .into_iter()
+            .zip(names)
+            .map(|(d, (_, admin))| AllocatedDevice {
+                admin_access: *admin,
+                ..d
+            })
+            .collect()
+    }
+
+    #[test]
+    fn admin_access_is_whole_gpus_only_and_never_mixed() {
+        // (what, devices, expected: Ok(is admin) or the rejection's reason)
+        type Case<'a> = (&'a str, &'a [(&'a str, bool)], Result<bool, &'a str>);
+        let cases: &[Case] = &[
+            (
+                "no admin access",
+                &[("gpu-0", false), ("gpu-1-mig-1g10gb-0", false)],
+                Ok(false),
+            ),
+            (
+                "two whole GPUs with admin access",
+                &[("gpu-0", true), ("gpu-1", true)],
+                Ok(true),
+            ),
+            (
+                "a MIG device with admin access",
+                &[("gpu-0-mig-1g10gb-0", true)],
+                Err("AdminAccessMigDevice"),
+            ),
+            (
+                "a MIG device with admin access next to a whole GPU with it",
+                &[("gpu-0", true), ("gpu-1-mig-3g40gb-4", true)],
+                Err("AdminAccessMigDevice"),
+            ),
+            (
+                "admin and ordinary",
+                &[("gpu-0", true), ("gpu-1", false)],
+                Err("AdminAccessMixed"),
+            ),
+            ("nothing", &[], Ok(false)),
+        ];
+        for (what, names, expected) in cases {
+            let got = admin_access(&with_admin(names)).map_err(|r| r.reason());
+            assert_eq!(got, *expected, "{what}");
+        }
+        let Err(rejection) = admin_access(&with_admin(&[("gpu-0-mig-1g10gb-0", true)])) else {
+            panic!("expected a rejection")
+        };
+        assert!(
+            rejection
+                .to_string()
+                .starts_with("device gpu-0-mig-1g10gb-0: adminAccess is only supported for whole GPUs"),
+            "{rejection}"
+        );
     }
 
     /// Another claim, prepared, holding MIG `profile_id` at `start` (size `size`) on GPU 0.

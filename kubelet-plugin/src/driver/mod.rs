@@ -7,10 +7,14 @@
 //!   it ([`crate::plan`]), record `PrepareStarted` with the planned placements, switch MIG mode
 //!   where the plan says so, create each GPU instance and its full compute instance, write
 //!   the CDI spec, record `PrepareCompleted`. Any failure after the first record tears down
-//!   what was created and forgets the claim.
+//!   what was created and forgets the claim. Then, outside every lock, the claim's
+//!   `status.devices` entries are written ([`crate::claim_status`]; a failure is retried by a
+//!   periodic pass, never fails the prepare). An `adminAccess` claim (whole GPUs only) gets
+//!   its CDI spec and status and nothing else: no plan, no record, no MIG-mode change.
 //! - `unprepare.rs`: per claim, record `UnprepareStarted`, destroy compute then GPU
-//!   instances, remove the CDI spec, forget the claim. Already gone is success. Its teardown
-//!   routine is also the rollback of a failed or interrupted prepare.
+//!   instances, remove the CDI spec, forget the claim, then remove the claim's status
+//!   entries. Already gone is success. Its teardown routine is also the rollback of a failed
+//!   or interrupted prepare.
 //! - `recovery.rs`: at start, half-prepared claims are rolled back, half-unprepared ones
 //!   finished and missing CDI specs rewritten. Every instance the journal does not describe
 //!   belongs to someone else and is never touched. A record that cannot be repaired does
@@ -62,6 +66,7 @@ pub use crate::gpus::PendingRepair;
 use crate::{
     cdi::{CdiError, CdiWriter},
     checkpoint::{CheckpointError, ClaimRecord, LoadOutcome},
+    claim_status::ClaimStatusWriter,
     claims::{ClaimError, ClaimSource},
     events::{ClaimEvent, ClaimEvents},
     gpus::{GpuLocks, Gpus},
@@ -240,6 +245,7 @@ struct Inner<B, C> {
     metrics: Metrics,
     /// Where events about failed claims go; set once by [`Driver::set_claim_events`].
     events: std::sync::OnceLock<ClaimEvents>,
+    status: ClaimStatusWriter,
 }
 
 /// The driver. Cheap to clone; clones share state.
@@ -276,6 +282,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         let pool = inventory::pool_name(&config.node_name, &config.driver_name);
         let orphans = Arc::new(LostGpuOrphans::open(&config.state_dir, &config.boot_id)?);
         let gpus = Gpus::discover(backend, pool, journal.clone(), metrics.clone())?.with_orphans(orphans);
+        let status = ClaimStatusWriter::new(&config.driver_name, metrics.clone());
         let driver = Self {
             inner: Arc::new(Inner {
                 config,
@@ -284,6 +291,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 journal,
                 gpus,
                 hook: hook.unwrap_or_else(|| Arc::new(|_, _| {})),
+                status,
                 metrics,
                 events: std::sync::OnceLock::new(),
             }),

@@ -1,14 +1,18 @@
-//! Prepare: read and validate each claim, then plan, record, create, hand out.
+//! Prepare: read and validate each claim, then plan, record, create, hand out, and write the
+//! claim's status. Also the periodic retry of status writes that failed.
 
 use std::{
     collections::{BTreeMap, HashMap},
-    time::Instant,
+    time::{Duration, Instant},
 };
+
+use tokio_util::sync::CancellationToken;
 
 use super::{ClaimFailure, Driver, PrepareResult, Step};
 use crate::{
     cdi::ClaimDevice,
     checkpoint::{ClaimRecord, ClaimState, DeviceKind, DeviceRecord},
+    claim_status::{self, DesiredStatus, StatusContext, StatusDevice, StatusRetryRound, WriteOutcome},
     claims::{self, AllocatedDevice, ClaimError, ClaimSource},
     gpus::GpuLocks,
     nvml::{GpuBackend, MigModeChange, NvmlErrorKind},
@@ -58,30 +62,224 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         .await;
 
         let prepared = self
-            .run_claims("prepare", fetched, |driver, node, claim, devices| {
-                driver.prepare_allocated(node, claim, devices?)
+            .run_claims("prepare", fetched, |driver, node, claim, fetched| {
+                let (devices, context) = fetched?;
+                if plan::admin_access(&devices)? {
+                    let (devices, status) = driver.prepare_admin_access(node, claim, &devices)?;
+                    return Ok(Prepared {
+                        claim: claim.clone(),
+                        devices,
+                        status,
+                        recorded: false,
+                        context,
+                    });
+                }
+                let devices = driver.prepare_allocated(node, claim, devices)?;
+                Ok(Prepared {
+                    claim: claim.clone(),
+                    devices,
+                    status: driver.recorded_status_devices(node, &claim.uid),
+                    recorded: true,
+                    context,
+                })
             })
             .await;
-        outcomes.extend(prepared);
+        // The checkpoint says prepared and every lock is released: now the claims' status.
+        // Once a write failed, the others of this call go straight to the retry queue, so an
+        // unreachable API server delays the kubelet's call by one write timeout at most.
+        let mut api_failing = false;
+        for (uid, outcome) in prepared {
+            let outcome = match outcome {
+                Ok(done) => {
+                    let status = &self.inner.status;
+                    if api_failing {
+                        let desired = DesiredStatus::Ready {
+                            devices: done.status,
+                            recorded: done.recorded,
+                        };
+                        status.defer(&done.claim, desired);
+                    } else {
+                        let written = status
+                            .publish_ready(
+                                &self.inner.claims,
+                                &done.claim,
+                                done.status,
+                                done.recorded,
+                                &done.context,
+                            )
+                            .await;
+                        api_failing = written == WriteOutcome::Failed;
+                    }
+                    Ok(done.devices)
+                }
+                Err(e) => Err(e),
+            };
+            outcomes.insert(uid, outcome);
+        }
         self.inner.metrics.call("prepare", started.elapsed());
         outcomes
     }
 
-    /// GETs a claim and extracts its devices of this driver and pool. No lock held.
-    async fn fetch_allocation(&self, claim: &ClaimRef) -> Result<Vec<AllocatedDevice>, ClaimFailure> {
+    /// GETs a claim and extracts its devices of this driver and pool, and what its status
+    /// entries need from it. No lock held.
+    async fn fetch_allocation(
+        &self,
+        claim: &ClaimRef,
+    ) -> Result<(Vec<AllocatedDevice>, StatusContext), ClaimFailure> {
         let key = format!("{}/{}", claim.namespace, claim.name);
+        let driver = &self.inner.config.driver_name;
         match self.inner.claims.get(&claim.namespace, &claim.name).await {
             Ok(Some(object)) => {
                 self.inner.metrics.claim_read(&claim.uid, &object);
-                Ok(claims::allocated_devices(
-                    &object,
-                    &claim.uid,
-                    &self.inner.config.driver_name,
-                    self.pool(),
-                )?)
+                let devices = claims::allocated_devices(&object, &claim.uid, driver, self.pool())?;
+                Ok((
+                    devices,
+                    StatusContext::from_claim(&object, driver, claim_status::now()),
+                ))
             }
             Ok(None) => Err(ClaimError::NotFound { claim: key }.into()),
             Err(source) => Err(ClaimError::Api { claim: key, source }.into()),
+        }
+    }
+
+    /// The status entries' devices of a completed record (with the GPUs' NVML indexes, read
+    /// under their locks).
+    fn recorded_status_devices(&self, node: &NodeLock, uid: &str) -> Vec<StatusDevice> {
+        let Some(record) = self.inner.journal.completed(uid) else {
+            return Vec::new();
+        };
+        let locks = self.lock_record_gpus(node, &record);
+        record
+            .devices
+            .iter()
+            .filter_map(|d| StatusDevice::from_record(d, locks.index(d.gpu_minor)))
+            .collect()
+    }
+
+    /// Prepares an `adminAccess` claim (whole GPUs, checked by [`plan::admin_access`]): a CDI
+    /// spec with each GPU's device nodes, plus the MIG monitor capability on a GPU in MIG mode
+    /// so the agent sees every instance. Nothing else: no plan, no checkpoint record (so the
+    /// claim blocks no other claim and is not counted as prepared), no MIG-mode switch, no
+    /// instance. Unprepare removes the spec. Blocking.
+    fn prepare_admin_access(
+        &self,
+        node: &NodeLock,
+        claim: &ClaimRef,
+        devices: &[AllocatedDevice],
+    ) -> Result<(Vec<PreparedDevice>, Vec<StatusDevice>), ClaimFailure> {
+        // Only to read the GPUs' descriptions consistently; nothing on them changes.
+        let locks = node.lock_gpus(&self.inner.gpus, devices.iter().map(|d| d.name.minor()));
+        self.ensure_driver_spec()?;
+        let mut cdi_devices = Vec::with_capacity(devices.len());
+        let mut status = Vec::with_capacity(devices.len());
+        for device in devices {
+            let minor = device.name.minor();
+            let description = locks.description(minor).ok_or_else(|| Rejection::NoSuchGpu {
+                device: device.device.clone(),
+                minor,
+            })?;
+            let mut env = device.config.env.clone();
+            env.insert(uuid_variable(&device.device), description.uuid.clone());
+            cdi_devices.push(ClaimDevice {
+                device_name: device.device.clone(),
+                gpu_minor: minor,
+                mig: None,
+                mig_monitor: description.mig.as_ref().is_some_and(|m| m.enabled),
+                env,
+            });
+            status.push(StatusDevice::admin_gpu(
+                &device.request,
+                &device.pool,
+                &device.device,
+                &description.uuid,
+                description.index,
+                minor,
+            ));
+        }
+        self.inner.cdi.write_claim_spec(&claim.uid, &cdi_devices)?;
+        tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, devices = devices.len(), "prepared for monitoring (adminAccess): nothing created, changed or reserved");
+        let prepared = devices
+            .iter()
+            .map(|d| PreparedDevice {
+                request_names: vec![claims::base_request(&d.request).to_string()],
+                pool_name: d.pool.clone(),
+                device_name: d.device.clone(),
+                cdi_device_ids: self.inner.cdi.device_ids(&claim.uid, &d.device),
+                share_id: None,
+            })
+            .collect();
+        Ok((prepared, status))
+    }
+
+    /// UIDs of the claims whose status write failed and waits for the periodic retry.
+    pub fn claim_status_pending(&self) -> Vec<String> {
+        self.inner.status.pending_claims()
+    }
+
+    /// Retries the claim status writes that failed
+    /// ([`crate::claim_status::ClaimStatusWriter::retry_pending`]).
+    pub async fn retry_claim_status(&self) -> StatusRetryRound {
+        let journal = &self.inner.journal;
+        // Another plugin instance (a rolling update) may have unprepared claims since this
+        // one last read the checkpoint; their status must not be written back as ready.
+        if let Err(e) = journal.reload_if_changed() {
+            tracing::warn!(error = %e, "cannot re-read the checkpoint; claim status retries wait for the next pass");
+            return StatusRetryRound::default();
+        }
+        self.inner
+            .status
+            .retry_pending(&self.inner.claims, |uid| journal.completed(uid).is_some())
+            .await
+    }
+
+    /// Queues a status write for every claim the checkpoint holds as prepared (a previous run
+    /// may have stopped before writing it, or predate status writes); the next retry pass
+    /// writes them. GPU indexes come from `inventory`.
+    pub fn queue_recorded_claim_status(&self, inventory: &[migdra_api::inventory::GpuInventory]) {
+        let index = |minor: u32| inventory.iter().find(|g| g.minor == minor).map(|g| g.index);
+        for (uid, record) in self.inner.journal.claims() {
+            if record.state != ClaimState::PrepareCompleted {
+                continue;
+            }
+            let devices = record
+                .devices
+                .iter()
+                .filter_map(|d| StatusDevice::from_record(d, index(d.gpu_minor)))
+                .collect();
+            let claim = ClaimRef {
+                namespace: record.namespace.clone(),
+                uid,
+                name: record.name.clone(),
+            };
+            self.inner.status.enqueue_ready(claim, devices);
+        }
+    }
+
+    /// Every `interval` until `shutdown`, retries the claim status writes that failed. The
+    /// first pass runs at once and covers every claim a previous run prepared.
+    pub async fn run_claim_status_retries(self, interval: Duration, shutdown: CancellationToken) {
+        let gpus = self.inner.gpus.clone();
+        match tokio::task::spawn_blocking(move || gpus.inventory()).await {
+            Ok(Ok(inventory)) => self.queue_recorded_claim_status(&inventory),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "no GPU inventory; recorded claims' status is not refreshed at start")
+            }
+            Err(e) => tracing::warn!(error = %e, "GPU inventory task failed"),
+        }
+        loop {
+            let round = self.retry_claim_status().await;
+            if round != StatusRetryRound::default() {
+                tracing::info!(
+                    written = round.written.len(),
+                    dropped = round.dropped.len(),
+                    failed = round.failed.len(),
+                    "claim status retry pass"
+                );
+            }
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = shutdown.cancelled() => return,
+            }
         }
     }
 
@@ -266,6 +464,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                     device_name: d.device.clone(),
                     gpu_minor: d.gpu_minor,
                     mig,
+                    mig_monitor: false,
                     env,
                 }
             })
@@ -287,6 +486,15 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             })
             .collect()
     }
+}
+
+/// A claim prepared under the locks, with what its status write needs afterwards.
+struct Prepared {
+    claim: ClaimRef,
+    devices: Vec<PreparedDevice>,
+    status: Vec<StatusDevice>,
+    recorded: bool,
+    context: StatusContext,
 }
 
 /// The device's UUID: the MIG device's, or the GPU's.

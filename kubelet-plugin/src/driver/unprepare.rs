@@ -1,11 +1,12 @@
-//! Unprepare, and the one teardown routine that also rolls back failed or interrupted
-//! prepares.
+//! Unprepare (then the removal of the claim's status entries), and the one teardown routine
+//! that also rolls back failed or interrupted prepares.
 
 use std::{collections::HashMap, time::Instant};
 
 use super::{ClaimFailure, Driver, Step, UnprepareResult};
 use crate::{
     checkpoint::{ClaimRecord, ClaimState, DeviceKind},
+    claim_status::{DesiredStatus, WriteOutcome},
     claims::ClaimSource,
     gpus::GpuLocks,
     nvml::{GpuBackend, NvmlErrorKind},
@@ -19,27 +20,53 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// [`migdra_kubeletplugin::DraDriver::unprepare`] is this, with the failures as messages.)
     pub async fn unprepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareResult> {
         let started = Instant::now();
+        let refs: HashMap<String, ClaimRef> = claims.iter().map(|c| (c.uid.clone(), c.clone())).collect();
         let items = claims.into_iter().map(|c| (c, ())).collect();
-        let outcomes = self
+        let unprepared = self
             .run_claims("unprepare", items, |driver, node, claim, ()| {
                 driver.unprepare_claim(node, &claim.uid)
             })
             .await;
+        // Outside the locks: a claim this node had prepared loses its status entries (what
+        // they describe is gone). Claims never prepared here are not written.
+        // After one failed write the others of the call wait for the retry pass.
+        let mut outcomes = HashMap::with_capacity(unprepared.len());
+        let mut api_failing = false;
+        for (uid, outcome) in unprepared {
+            if let (Ok(true), Some(claim)) = (&outcome, refs.get(&uid)) {
+                let status = &self.inner.status;
+                if api_failing {
+                    status.defer(claim, DesiredStatus::Cleared);
+                } else {
+                    api_failing =
+                        status.publish_cleared(&self.inner.claims, claim).await == WriteOutcome::Failed;
+                }
+            }
+            outcomes.insert(uid, outcome.map(|_| ()));
+        }
         self.inner.metrics.call("unprepare", started.elapsed());
         outcomes
     }
 
-    /// Unprepares one claim by UID. Unknown claims succeed (the kubelet may ask for claims it
-    /// never prepared here, or again after success). Blocking.
-    fn unprepare_claim(&self, node: &NodeLock, uid: &str) -> Result<(), ClaimFailure> {
+    /// Unprepares one claim by UID; `Ok(true)` when there was something of it here (a record,
+    /// or the CDI spec of an `adminAccess` claim, which has no record). Unknown claims succeed
+    /// (the kubelet may ask for claims it never prepared here, or again after success).
+    /// Blocking.
+    fn unprepare_claim(&self, node: &NodeLock, uid: &str) -> Result<bool, ClaimFailure> {
         let Some(record) = self.inner.journal.get(uid) else {
-            return Ok(());
+            // An adminAccess claim left nothing but its spec.
+            let had_spec = self.inner.cdi.has_claim_spec(uid);
+            self.inner.cdi.remove_claim_spec(uid)?;
+            if had_spec {
+                tracing::info!(%uid, "unprepared (adminAccess: nothing was created)");
+            }
+            return Ok(had_spec);
         };
         let locks = self.lock_record_gpus(node, &record);
         // Re-read under the locks: a concurrent call may have finished it meanwhile.
         match self.inner.journal.get(uid) {
-            Some(record) => self.tear_down(&locks, uid, &record),
-            None => Ok(()),
+            Some(record) => self.tear_down(&locks, uid, &record).map(|()| true),
+            None => Ok(true),
         }
     }
 

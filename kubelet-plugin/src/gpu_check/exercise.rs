@@ -346,6 +346,7 @@ fn check_device_files(cdi: &CdiWriter, gpu_minor: u32, gi: u32, ci: u32) -> Resu
         device_name: "gpu-check".into(),
         gpu_minor,
         mig: Some((gi, ci)),
+        mig_monitor: false,
         env: BTreeMap::new(),
     };
     let nodes = cdi.device_nodes(&device, majors).map_err(|e| e.to_string())?;

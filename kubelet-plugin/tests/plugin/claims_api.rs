@@ -31,37 +31,88 @@ fn not_found(name: &str) -> Response<Body> {
         .unwrap()
 }
 
+/// A status write the plugin sent to the mocked API server.
+#[derive(Debug)]
+struct StatusPatch {
+    path: String,
+    query: String,
+    content_type: String,
+    body: serde_json::Value,
+}
+
 /// Answers the expected GETs in any order (the plugin fetches a batch concurrently), checking
-/// each is a GET of a ResourceClaim by name in resource.k8s.io/v1.
-async fn serve_claims(
+/// each is a GET of a ResourceClaim by name in resource.k8s.io/v1, and `patches` status
+/// writes (PATCHes of the `status` subresource), answered with the claim as last served.
+async fn serve_claims_and_status(
     mut handle: Handle,
     mut expected: Vec<(&'static str, Option<serde_json::Value>)>,
-) -> Handle {
-    while !expected.is_empty() {
+    mut patches: usize,
+) -> (Handle, Vec<StatusPatch>) {
+    let mut served: std::collections::HashMap<String, serde_json::Value> = Default::default();
+    let mut written = Vec::new();
+    while !expected.is_empty() || patches > 0 {
         let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
             .await
             .expect("the plugin stopped asking")
             .expect("mock closed");
-        assert_eq!(request.method(), Method::GET);
         let path = request.uri().path().to_string();
         let name = path
             .strip_prefix("/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/")
-            .unwrap_or_else(|| panic!("unexpected request {path}"));
+            .unwrap_or_else(|| panic!("unexpected request {path}"))
+            .to_string();
+        if request.method() == Method::PATCH {
+            assert!(patches > 0, "unexpected status write {path}");
+            patches -= 1;
+            let name = name
+                .strip_suffix("/status")
+                .unwrap_or_else(|| panic!("a PATCH of something else than the status: {path}"))
+                .to_string();
+            let query = request.uri().query().unwrap_or_default().to_string();
+            let content_type = request
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string();
+            let bytes = request.into_body().collect_bytes().await.unwrap();
+            let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            // The claim as stored after the write (the mock keeps no state: the applied
+            // object, completed with a spec).
+            let mut answer = served.get(&name).cloned().unwrap_or_else(|| body.clone());
+            answer["status"]["devices"] = body["status"]["devices"].clone();
+            answer["spec"] = json!({"devices": {"requests": []}});
+            written.push(StatusPatch {
+                path,
+                query,
+                content_type,
+                body,
+            });
+            send.send_response(
+                Response::builder()
+                    .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                    .unwrap(),
+            );
+            continue;
+        }
+        assert_eq!(request.method(), Method::GET);
         let position = expected
             .iter()
             .position(|(n, _)| *n == name)
             .unwrap_or_else(|| panic!("unexpected GET of {name}"));
         let (_, answer) = expected.remove(position);
         match answer {
-            Some(object) => send.send_response(
-                Response::builder()
-                    .body(Body::from(serde_json::to_vec(&object).unwrap()))
-                    .unwrap(),
-            ),
-            None => send.send_response(not_found(name)),
+            Some(object) => {
+                served.insert(name.clone(), object.clone());
+                send.send_response(
+                    Response::builder()
+                        .body(Body::from(serde_json::to_vec(&object).unwrap()))
+                        .unwrap(),
+                )
+            }
+            None => send.send_response(not_found(&name)),
         }
     }
-    handle
+    (handle, written)
 }
 
 /// A driver on `node` whose claim GETs go to a mocked API server.
@@ -107,7 +158,7 @@ async fn prepare_reads_each_claim_and_rejects_the_wrong_ones() {
     .unwrap();
     let replaced =
         serde_json::to_value(claim("uid-new", "replaced", &[("gpu", "gpu-0-mig-1g10gb-0")])).unwrap();
-    let server = tokio::spawn(serve_claims(
+    let server = tokio::spawn(serve_claims_and_status(
         handle,
         vec![
             ("good", Some(good)),
@@ -116,6 +167,7 @@ async fn prepare_reads_each_claim_and_rejects_the_wrong_ones() {
             ("other-node", Some(other_node)),
             ("replaced", Some(replaced)),
         ],
+        1,
     ));
     let out = driver
         .prepare(vec![
@@ -126,8 +178,31 @@ async fn prepare_reads_each_claim_and_rejects_the_wrong_ones() {
             claim_ref("uid-old", "replaced"),
         ])
         .await;
-    server.await.unwrap();
+    let (_, patches) = server.await.unwrap();
     assert_eq!(out.len(), 5);
+    // Only the prepared claim's status is written: a server-side apply of its status
+    // subresource, forced, by the plugin's field manager, with the claim's UID.
+    assert_eq!(patches.len(), 1, "{patches:?}");
+    let patch = &patches[0];
+    assert_eq!(
+        patch.path,
+        "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/good/status"
+    );
+    assert_eq!(patch.content_type, "application/apply-patch+yaml");
+    assert!(
+        patch
+            .query
+            .contains("fieldManager=gpu.migdra.dev%2Fkubelet-plugin")
+            && patch.query.contains("force=true"),
+        "{}",
+        patch.query
+    );
+    assert_eq!(patch.body["metadata"]["uid"], "uid-good");
+    assert_eq!(patch.body["status"]["devices"][0]["device"], "gpu-0-mig-3g40gb-4");
+    assert_eq!(
+        patch.body["status"]["devices"][0]["conditions"][0]["type"],
+        "Ready"
+    );
     assert_eq!(
         out["uid-good"].as_ref().unwrap()[0].device_name,
         "gpu-0-mig-3g40gb-4"
@@ -163,19 +238,27 @@ async fn prepared_claims_and_unprepare_need_no_api_calls() {
     let node = Node::new(&[("H100-80GB", true)]);
     let (driver, handle) = start_with_mock_api(&node);
     let good = serde_json::to_value(claim("uid-1", "c1", &[("gpu", "gpu-0-mig-3g40gb-4")])).unwrap();
-    let server = tokio::spawn(serve_claims(handle, vec![("c1", Some(good))]));
+    // One GET, and the status write after the prepare.
+    let server = tokio::spawn(serve_claims_and_status(handle, vec![("c1", Some(good))], 1));
     let first = driver.prepare(vec![claim_ref("uid-1", "c1")]).await;
-    let mut handle = server.await.unwrap();
+    let (handle, _) = server.await.unwrap();
     assert!(first["uid-1"].is_ok());
     // Answered from the checkpoint: the claim may even be gone from the API by now.
     let again = driver.prepare(vec![claim_ref("uid-1", "c1")]).await;
     assert_eq!(again["uid-1"], first["uid-1"]);
-    // Unprepare carries only namespace, UID and name, and needs nothing from the API.
+    // Unprepare carries only namespace, UID and name and reads nothing from the API; it
+    // removes the status entries of the claim it had prepared (and writes nothing for the
+    // claim it never had).
+    let server = tokio::spawn(serve_claims_and_status(handle, vec![], 1));
     let out = driver
         .unprepare(vec![claim_ref("uid-1", "c1"), claim_ref("uid-unknown", "gone")])
         .await;
+    let (mut handle, patches) = server.await.unwrap();
     assert!(out["uid-1"].is_ok() && out["uid-unknown"].is_ok());
     assert_eq!(node.total_instances(), 0);
+    assert_eq!(patches.len(), 1);
+    assert!(patches[0].path.ends_with("/resourceclaims/c1/status"));
+    assert_eq!(patches[0].body["status"], json!({"devices": []}));
     assert!(
         tokio::time::timeout(Duration::from_millis(200), handle.next_request())
             .await

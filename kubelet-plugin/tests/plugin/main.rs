@@ -2,6 +2,7 @@
 //! (`NvmlBackend` included) against the fake NVML library; [`support`] builds the simulated
 //! node, the claim store and the claims.
 
+mod claim_status;
 mod claims_api;
 mod crash;
 mod driver;

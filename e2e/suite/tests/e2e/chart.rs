@@ -1,12 +1,15 @@
 //! The Helm chart under a real API server: every rendered object and example passes a
-//! server-side dry run, and the RBAC matrix holds for the chart's ServiceAccounts.
+//! server-side dry run, and the RBAC matrix holds for the chart's ServiceAccounts (including
+//! real writes with the plugin's node-bound token: its own node's GpuNode and claim status
+//! only).
 
 use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::{
     Api,
     api::{Patch, PatchParams, PostParams},
 };
-use migdra_api::inventory::GpuNode;
+use migdra_api::inventory::{GpuNode, pool_name};
 use migdra_e2e::cluster::{CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, DRIVER, NODE, PLUGIN_ACCOUNT};
 use serde_json::json;
 
@@ -97,6 +100,81 @@ async fn chart_objects_pass_server_side_dry_run(cluster: &mut Cluster) -> anyhow
         "{applied} of {objects} example objects applied:\n{stdout}"
     );
     Ok(())
+}
+
+/// Claim-status rows: for each, the admin creates a claim allocated on the row's node (as the
+/// scheduler would: results from that node's pool, a nodeSelector naming it), and the plugin,
+/// with its token bound to this node, server-side applies a status.devices entry of its
+/// driver (dry run). The API server's associated-node check decides. Returns the rows checked.
+async fn check_claim_status_rows(
+    cluster: &Cluster,
+    rows: &[Row],
+    failures: &mut Vec<String>,
+) -> anyhow::Result<usize> {
+    let admin: Api<ResourceClaim> = Api::namespaced(cluster.client.clone(), "default");
+    let plugin: Api<ResourceClaim> = Api::namespaced(cluster.plugin_client().await?, "default");
+    let mut checked = 0;
+    for row in rows.iter().filter(|r| r.check == "claim-status") {
+        let node = row
+            .name
+            .clone()
+            .context("claim-status rows name the claim's node")?;
+        ensure!(
+            row.verb == "patch" && row.subresource.as_deref() == Some("status"),
+            "unsupported claim-status row"
+        );
+        let name = format!("rbac-probe-{node}");
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.migdra.dev"}}]}},
+        }))?;
+        admin.create(&PostParams::default(), &claim).await?;
+        let allocation = json!({"status": {"allocation": {
+            "devices": {"results": [{"request": "gpu", "driver": DRIVER, "pool": pool_name(&node, DRIVER), "device": "gpu-0"}]},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [node]}
+            ]}]},
+        }}});
+        admin
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(allocation))
+            .await
+            .context("allocating the probe claim")?;
+        let entry = json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"},
+            "status": {"devices": [{
+                "driver": DRIVER, "pool": pool_name(&node, DRIVER), "device": "gpu-0",
+                "data": {"type": "gpu", "uuid": "GPU-probe"},
+            }]},
+        });
+        let params = PatchParams {
+            dry_run: true,
+            ..PatchParams::apply(&format!("{DRIVER}/kubelet-plugin")).force()
+        };
+        let result = plugin.patch_status(&name, &params, &Patch::Apply(entry)).await;
+        admin.delete(&name, &Default::default()).await?;
+        let allowed = match &result {
+            Ok(_) => true,
+            Err(kube::Error::Api(e)) if e.code == 403 || e.code == 422 => {
+                ensure!(
+                    e.message.contains("status.devices"),
+                    "refused for another reason: {}",
+                    e.message
+                );
+                false
+            }
+            Err(e) => bail!("status write on a claim allocated on {node}: {e}"),
+        };
+        if allowed != row.expected {
+            failures.push(format!(
+                "plugin status.devices write on a claim allocated on {node}: allowed={allowed}, expected {}",
+                row.expected
+            ));
+        }
+        checked += 1;
+    }
+    Ok(checked)
 }
 
 /// One row of charts/tests/rbac_matrix.txt.
@@ -235,6 +313,7 @@ async fn rbac_matrix_holds_against_the_api_server(cluster: &mut Cluster) -> anyh
         checked += 1;
     }
     admin.delete("other-node", &Default::default()).await?;
+    checked += check_claim_status_rows(cluster, &rows, &mut failures).await?;
     ensure!(checked == rows.len(), "checked {checked} of {} rows", rows.len());
     ensure!(
         failures.is_empty(),

@@ -31,6 +31,7 @@ mod support;
 
 mod allocation;
 mod chart;
+mod claim_status;
 mod compat;
 mod day2;
 mod faults;
@@ -50,9 +51,10 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 11] = [
+const SUITE: [&[Test]; 12] = [
     pool::TESTS,
     allocation::TESTS,
+    claim_status::TESTS,
     placement::TESTS,
     sharing::TESTS,
     compat::TESTS,
