@@ -291,11 +291,26 @@ impl<B: GpuBackend> Gpus<B> {
     /// again: exactly those (same profile, placement and GPU-instance ID where recorded),
     /// never another. One that is gone is forgotten; one that cannot be destroyed now stays
     /// listed for the next pass. Called under the GPU's lock and the node lock.
-    fn destroy_orphans(&self, orphans: &LostGpuOrphans, gpu: &GpuDescription) {
+    /// Destroys the instances teardown left on `gpu` while it was lost, now that it answers.
+    /// An orphan whose placement a recorded claim holds is forgotten instead: the instance
+    /// there is that claim's (the orphan's own was gone before the claim could be prepared
+    /// there; an orphan recorded before its instance had an ID would otherwise match it).
+    fn destroy_orphans(
+        &self,
+        orphans: &LostGpuOrphans,
+        gpu: &GpuDescription,
+        records: &BTreeMap<String, ClaimRecord>,
+    ) {
         let listed = orphans.on_gpu(&gpu.uuid);
         if listed.is_empty() {
             return;
         }
+        let claimed = |profile: u32, at: u32| {
+            records.values().flat_map(|r| &r.devices).any(|d| {
+                d.gpu_uuid == gpu.uuid
+                    && matches!(d.kind, DeviceKind::Mig { profile_id, start, .. } if profile_id == profile && start == at)
+            })
+        };
         let instances = match self.occupied(gpu) {
             Ok(instances) => instances,
             Err(e) => {
@@ -304,6 +319,13 @@ impl<B: GpuBackend> Gpus<B> {
             }
         };
         for orphan in listed {
+            if claimed(orphan.profile_id, orphan.start) {
+                tracing::info!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, "the placement of an instance left while the GPU was lost belongs to a recorded claim now; forgetting it");
+                if let Err(e) = orphans.remove(&orphan) {
+                    tracing::warn!(error = %e, "forgetting an instance left while the GPU was lost failed; retrying later");
+                }
+                continue;
+            }
             let found = instances.iter().find(|gi| {
                 gi.profile_id == orphan.profile_id
                     && gi.start == orphan.start
@@ -390,11 +412,20 @@ impl<B: GpuBackend> Gpus<B> {
         let mut discovered = self.inner.backend.discover()?;
         // Instances left on lost GPUs are destroyed only with the node lock (no other plugin
         // instance is working on the node), taken before any GPU lock and only if free at once.
+        // Under it the journal is re-read, since another instance may have prepared a claim
+        // at an orphan's placement meanwhile (see `destroy_orphans`).
         let orphans = self.orphans().filter(|o| !o.is_empty()).and_then(|o| {
-            match NodeLock::acquire(o.state_dir(), Duration::ZERO) {
-                Ok(node) => Some((o.clone(), node)),
+            let node = match NodeLock::acquire(o.state_dir(), Duration::ZERO) {
+                Ok(node) => node,
                 Err(e) => {
                     tracing::debug!(error = %e, "node lock busy; instances left on lost GPUs are destroyed at a later pass");
+                    return None;
+                }
+            };
+            match self.inner.journal.reload_if_changed() {
+                Ok(_) => Some((o.clone(), node)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot re-read the checkpoint; instances left on lost GPUs are destroyed at a later pass");
                     None
                 }
             }
@@ -441,7 +472,7 @@ impl<B: GpuBackend> Gpus<B> {
             if probe.is_none()
                 && let Some((orphans, _node)) = &orphans
             {
-                self.destroy_orphans(orphans, &description);
+                self.destroy_orphans(orphans, &description, &records);
             }
             let pending = self
                 .recovery_pending_on(description.minor, None)

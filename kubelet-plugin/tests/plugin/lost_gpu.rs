@@ -178,3 +178,54 @@ async fn prepare_on_a_lost_gpu_is_a_typed_rejection() {
     prepare_one(&driver, "u1", "c1").await.unwrap();
     assert_eq!(placements(&node), [(9, 0), FOREIGN]);
 }
+
+/// Found by the fault campaign: an orphan recorded before its GPU instance had an ID (a
+/// half-prepared claim torn down while its GPU was lost) matches any instance at its
+/// placement. The instance was never created, so once the GPU is back another claim may be
+/// prepared there before the next inventory; that inventory must not destroy the live
+/// claim's instance.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_never_destroys_the_instance_of_a_live_claim_at_its_placement() {
+    use std::sync::Arc;
+
+    use migdra_kubelet_plugin::driver::{Step, StepHook};
+
+    let node = node();
+    let (driver, _) = node.start(None);
+    {
+        // Another plugin instance (a rolling update) dies right after PrepareStarted: nothing
+        // is created yet.
+        let hook: StepHook = Arc::new(|_uid, step| {
+            if step == Step::PrepareRecorded {
+                panic!("injected crash after PrepareStarted");
+            }
+        });
+        let (old, _) = node.start(Some(hook));
+        assert!(prepare_one(&old, "u1", "c1").await.is_err());
+    }
+    assert_eq!(placements(&node), [FOREIGN], "nothing was created");
+    // The pod is deleted while GPU 0 is lost: the unprepare completes, the (never created)
+    // instance counts as gone and is listed as an orphan.
+    set_lost(&node, true);
+    unprepare_typed(&driver, "u1", "c1").await.unwrap();
+    assert!(driver.recorded_claims().is_empty());
+    assert_eq!(orphans(&driver), [(9, 0, "default/c1".to_string())]);
+    // The GPU is back; another claim gets the same placement before the next inventory.
+    set_lost(&node, false);
+    node.claims.put(claim("u2", "c2", &[("gpu", OURS)]));
+    prepare_one(&driver, "u2", "c2").await.unwrap();
+    assert_eq!(placements(&node), [(9, 0), FOREIGN]);
+
+    driver.gpus().inventory().unwrap();
+    assert_eq!(
+        placements(&node),
+        [(9, 0), FOREIGN],
+        "the live claim's instance survives the orphan pass"
+    );
+    assert!(
+        orphans(&driver).is_empty(),
+        "the orphan's placement belongs to u2 now"
+    );
+    unprepare_one(&driver, "u2", "c2").await.unwrap();
+    assert_eq!(placements(&node), [FOREIGN]);
+}
