@@ -10,8 +10,11 @@
 //! foreign and untouched.
 //!
 //! The list is `<state dir>/lost-gpu-orphans.json`, written atomically like the checkpoint,
-//! and belongs to one boot (instances never survive a reboot). It is changed only under the
-//! lock of the GPU concerned.
+//! and belongs to one boot (instances never survive a reboot). It is the node's, not one
+//! plugin instance's: during a rolling update the instance that left an orphan may not be
+//! the one running when the GPU returns. So every access reads the file again, and it is
+//! changed only under the node lock (teardown and the inventory's orphan pass both hold it),
+//! so that two instances never overwrite each other's entries.
 
 use std::{
     path::{Path, PathBuf},
@@ -67,17 +70,13 @@ impl LostGpuOrphans {
     /// show as foreign, which is safe: they are never destroyed).
     pub fn open(state_dir: &Path, boot_id: &str) -> Result<Self, CheckpointError> {
         let path = state_dir.join(ORPHANS_FILE);
-        let orphans = match std::fs::read(&path) {
-            Ok(bytes) => match serde_json::from_slice::<OrphanFile>(&bytes) {
-                Ok(file) if file.boot_id == boot_id => file.orphans,
-                Ok(_) => Vec::new(),
-                Err(e) => {
-                    tracing::error!(path = %path.display(), error = %e, "the list of instances left on lost GPUs is unreadable; starting empty");
-                    Vec::new()
-                }
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(source) => return Err(CheckpointError::Io { path, source }),
+        let orphans = match read_file(&path, boot_id) {
+            Ok(orphans) => orphans,
+            Err(ReadError::Io(source)) => return Err(CheckpointError::Io { path, source }),
+            Err(ReadError::Parse(e)) => {
+                tracing::error!(path = %path.display(), error = %e, "the list of instances left on lost GPUs is unreadable; starting empty");
+                Vec::new()
+            }
         };
         Ok(Self {
             state_dir: state_dir.to_path_buf(),
@@ -92,10 +91,20 @@ impl LostGpuOrphans {
         &self.state_dir
     }
 
+    /// The list, as the file has it now (another plugin instance may have changed it); if the
+    /// file cannot be read, as last read.
     fn lock(&self) -> MutexGuard<'_, Vec<OrphanedInstance>> {
-        self.orphans
+        let mut orphans = self
+            .orphans
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        match read_file(&self.path, &self.boot_id) {
+            Ok(now) => *orphans = now,
+            Err(e) => {
+                tracing::warn!(path = %self.path.display(), error = %e, "cannot re-read the list of instances left on lost GPUs; using the last one read")
+            }
+        }
+        orphans
     }
 
     /// Every orphaned instance.
@@ -160,6 +169,27 @@ impl LostGpuOrphans {
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+enum ReadError {
+    #[error(transparent)]
+    Io(std::io::Error),
+    #[error(transparent)]
+    Parse(serde_json::Error),
+}
+
+/// The list in `path` for boot `boot_id`: empty when the file is missing or of another boot.
+fn read_file(path: &Path, boot_id: &str) -> Result<Vec<OrphanedInstance>, ReadError> {
+    match std::fs::read(path) {
+        Ok(bytes) => match serde_json::from_slice::<OrphanFile>(&bytes) {
+            Ok(file) if file.boot_id == boot_id => Ok(file.orphans),
+            Ok(_) => Ok(Vec::new()),
+            Err(e) => Err(ReadError::Parse(e)),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(ReadError::Io(e)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,6 +222,23 @@ mod tests {
             [orphan(4)]
         );
         assert!(LostGpuOrphans::open(dir.path(), "boot-b").unwrap().is_empty());
+    }
+
+    #[test]
+    fn two_lists_of_one_node_see_each_others_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = LostGpuOrphans::open(dir.path(), "boot-a").unwrap();
+        let other = LostGpuOrphans::open(dir.path(), "boot-a").unwrap();
+        one.add([orphan(0)]).unwrap();
+        other.add([orphan(4)]).unwrap();
+        assert_eq!(
+            one.all(),
+            [orphan(0), orphan(4)],
+            "the other's addition kept mine"
+        );
+        one.remove(&orphan(4)).unwrap();
+        assert_eq!(other.on_gpu("GPU-1"), [orphan(0)]);
+        assert!(!other.is_empty());
     }
 
     #[test]

@@ -229,3 +229,40 @@ async fn an_orphan_never_destroys_the_instance_of_a_live_claim_at_its_placement(
     unprepare_one(&driver, "u2", "c2").await.unwrap();
     assert_eq!(placements(&node), [FOREIGN]);
 }
+
+/// Found by the fault campaign: during a rolling update the instance that tears a claim down
+/// on a lost GPU may not be the one still running when the GPU returns. The list of orphans
+/// is the node's (a file under the node lock), not one instance's: the survivor destroys what
+/// the other left, and its own additions keep the other's.
+#[tokio::test(flavor = "multi_thread")]
+async fn orphans_left_by_one_plugin_instance_are_destroyed_by_the_other() {
+    let node = node();
+    node.claims
+        .put(claim("u2", "c2", &[("gpu", "gpu-0-mig-1g10gb-5")]));
+    let (new, _) = node.start(None);
+    {
+        let (old, _) = node.start(None);
+        prepare_one(&old, "u1", "c1").await.unwrap();
+        prepare_one(&old, "u2", "c2").await.unwrap();
+        set_lost(&node, true);
+        unprepare_typed(&old, "u1", "c1").await.unwrap();
+    } // the old instance is gone (the rolling update finished)
+    // The new instance leaves an orphan of its own on the same lost GPU.
+    unprepare_typed(&new, "u2", "c2").await.unwrap();
+    assert_eq!(
+        orphans(&new),
+        [
+            (9, 0, "default/c1".to_string()),
+            (19, 5, "default/c2".to_string())
+        ],
+        "both instances' orphans are listed"
+    );
+    set_lost(&node, false);
+    new.gpus().inventory().unwrap();
+    assert_eq!(
+        placements(&node),
+        [FOREIGN],
+        "both orphans destroyed, the foreign one kept"
+    );
+    assert!(orphans(&new).is_empty());
+}
