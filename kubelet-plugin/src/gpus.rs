@@ -166,6 +166,22 @@ impl GpuLocks<'_> {
         }
     }
 
+    /// Destroys what teardown left on the locked GPUs while they were lost
+    /// ([`crate::orphans`]), on those that answer now. Prepare calls it under the node lock
+    /// (the journal just re-read) before planning, so a claim whose placement such an
+    /// instance blocks does not wait for an inventory that finds the node lock free.
+    pub fn destroy_orphans<B: GpuBackend>(&self, gpus: &Gpus<B>, records: &BTreeMap<String, ClaimRecord>) {
+        let Some(orphans) = gpus.orphans().filter(|o| !o.is_empty()) else {
+            return;
+        };
+        for gpu in self.held.values() {
+            let description = read(&gpu.0.description).clone();
+            if gpus.inner.backend.probe_health(description.index).is_ok() {
+                gpus.destroy_orphans(orphans, &description, records);
+            }
+        }
+    }
+
     /// What planning needs of the locked GPUs: descriptions and existing instances.
     pub fn views<B: GpuBackend>(&self, gpus: &Gpus<B>) -> BTreeMap<u32, GpuView> {
         self.held

@@ -266,3 +266,38 @@ async fn orphans_left_by_one_plugin_instance_are_destroyed_by_the_other() {
     );
     assert!(orphans(&new).is_empty());
 }
+
+/// Found by the fault campaign: the inventory destroys orphans only when the node lock is
+/// free at once, which on a busy node (kubelet calls back to back) can take long; meanwhile
+/// the claim allocated at the orphan's placement (its own claim retrying, or a new one) failed
+/// with an overlap. A prepare, which holds the node lock, destroys the orphans on its GPUs
+/// first.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prepare_destroys_the_orphans_on_its_gpu_before_planning() {
+    let node = node();
+    let (driver, _) = node.start(None);
+    unprepared_while_lost(&node, &driver).await;
+    set_lost(&node, false);
+    assert_eq!(placements(&node), [(9, 0), FOREIGN], "the orphan is still there");
+    // No inventory ran since the GPU came back.
+    node.claims.put(claim("u2", "c2", &[("gpu", OURS)]));
+    prepare_one(&driver, "u2", "c2").await.unwrap();
+    assert_eq!(placements(&node), [(9, 0), FOREIGN]);
+    assert!(
+        orphans(&driver).is_empty(),
+        "the orphan was destroyed by the prepare"
+    );
+    let recorded = driver.recorded_claims();
+    let uuid = match &recorded["u2"].devices[0].kind {
+        migdra_kubelet_plugin::checkpoint::DeviceKind::Mig { mig_uuid, .. } => mig_uuid.clone().unwrap(),
+        other => panic!("{other:?}"),
+    };
+    let state = node.host.read_state().unwrap();
+    assert!(
+        state.gpus[0]
+            .gpu_instances
+            .iter()
+            .any(|gi| gi.compute_instances.iter().any(|ci| ci.uuid == uuid)),
+        "the instance at the placement is u2's new one"
+    );
+}
