@@ -327,7 +327,9 @@ impl<B: GpuBackend> Gpus<B> {
                     && matches!(d.kind, DeviceKind::Mig { profile_id, start, .. } if profile_id == profile && start == at)
             })
         };
-        let instances = match self.occupied(gpu) {
+        // Asked of NVML, not of `gpu.mig`: a rescan that could not read everything may describe
+        // the GPU without MIG, and "no instances" must not be concluded from that.
+        let instances = match self.listed(gpu.index) {
             Ok(instances) => instances,
             Err(e) => {
                 tracing::warn!(gpu = gpu.minor, error = %e, "listing GPU instances to destroy those left while the GPU was lost failed; retrying later");
@@ -408,17 +410,20 @@ impl<B: GpuBackend> Gpus<B> {
     /// GPU instances present on a GPU (none when MIG is off).
     fn occupied(&self, gpu: &GpuDescription) -> Result<Vec<GpuInstanceRecord>, BackendError> {
         match &gpu.mig {
-            Some(mig) if mig.enabled => match self.inner.backend.list_gpu_instances(gpu.index) {
-                // Nothing exists only if MIG mode really went off since discovery.
-                Err(e) if e.kind == NvmlErrorKind::NotSupported => {
-                    match self.inner.backend.mig_enabled(gpu.index)? {
-                        Some(true) => Err(e),
-                        Some(false) | None => Ok(Vec::new()),
-                    }
-                }
-                other => other,
-            },
+            Some(mig) if mig.enabled => self.listed(gpu.index),
             _ => Ok(Vec::new()),
+        }
+    }
+
+    /// GPU instances NVML lists on GPU `index` (none when its MIG mode is off now).
+    fn listed(&self, index: u32) -> Result<Vec<GpuInstanceRecord>, BackendError> {
+        match self.inner.backend.list_gpu_instances(index) {
+            // Nothing exists only if MIG mode really went off since discovery.
+            Err(e) if e.kind == NvmlErrorKind::NotSupported => match self.inner.backend.mig_enabled(index)? {
+                Some(true) => Err(e),
+                Some(false) | None => Ok(Vec::new()),
+            },
+            other => other,
         }
     }
 

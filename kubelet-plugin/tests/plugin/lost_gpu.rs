@@ -301,3 +301,38 @@ async fn a_prepare_destroys_the_orphans_on_its_gpu_before_planning() {
         "the instance at the placement is u2's new one"
     );
 }
+
+/// Found by the fault campaign: a rescan that cannot read a GPU's virtualization mode
+/// describes it without MIG for that round. The orphan pass must ask NVML what is on the GPU
+/// rather than trust that description, or it takes the orphan for gone and the instance leaks.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_is_destroyed_even_when_a_rescan_misdescribes_its_gpu() {
+    use migdra_fake_nvml::{FaultState, config::FaultConfig};
+
+    let node = node();
+    let (driver, _) = node.start(None);
+    unprepared_while_lost(&node, &driver).await;
+    set_lost(&node, false);
+    node.host
+        .update_state(|s| {
+            s.faults.push(FaultState {
+                fault: FaultConfig::error("nvmlDeviceGetVirtualizationMode", migdra_fake_nvml::code::UNKNOWN)
+                    .on_gpu(0)
+                    .times(1),
+                hits: 0,
+            })
+        })
+        .unwrap();
+    driver.gpus().inventory().unwrap();
+    assert_eq!(
+        node.host.read_state().unwrap().faults[0].hits,
+        1,
+        "the rescan hit the fault"
+    );
+    assert_eq!(
+        placements(&node),
+        [FOREIGN],
+        "the orphan was destroyed, not forgotten"
+    );
+    assert!(orphans(&driver).is_empty());
+}
