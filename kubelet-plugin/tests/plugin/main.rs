@@ -2,10 +2,12 @@
 //! (`NvmlBackend` included) against the fake NVML library; [`support`] builds the simulated
 //! node, the claim store and the claims.
 
+mod campaign;
 mod claims_api;
 mod crash;
 mod driver;
 mod driver_files;
+mod fault_campaign;
 mod gpu_check;
 mod lost_gpu;
 mod nvml_backend;
