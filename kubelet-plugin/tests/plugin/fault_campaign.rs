@@ -7,8 +7,8 @@ use crate::campaign::{Options, run};
 
 /// Trials per test run, at `JOBS` at once: small enough for a loaded two-core machine with
 /// the debug build of the fake NVML.
-const TRIALS: u64 = 12;
-const JOBS: usize = 6;
+const TRIALS: u64 = 4;
+const JOBS: usize = 4;
 
 fn env(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|s| s.parse().ok())

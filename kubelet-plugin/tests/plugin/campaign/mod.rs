@@ -76,7 +76,11 @@ pub async fn run(options: Options) -> CampaignReport {
         first_seed: options.seed,
         functions: calls.functions.len(),
         total_pairs: calls.pairs(),
-        excluded_pairs: calls.excluded.len(),
+        excluded: calls
+            .excluded
+            .iter()
+            .map(|(function, _, name)| format!("{function}/{name}"))
+            .collect(),
         ..CampaignReport::default()
     };
     let mut outcomes: Vec<trial::TrialOutcome> = futures::stream::iter(0..options.trials)

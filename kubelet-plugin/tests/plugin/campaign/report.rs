@@ -30,8 +30,8 @@ pub struct CampaignReport {
     pub fired_pairs: BTreeSet<(String, u32)>,
     pub functions: usize,
     pub total_pairs: usize,
-    /// Absence answers not injected (see `nvml_calls::ABSENCE_ANSWERS`).
-    pub excluded_pairs: usize,
+    /// Absence answers not injected (see `nvml_calls::ABSENCE_ANSWERS`), as `function/CODE`.
+    pub excluded: Vec<String>,
     pub wall: Duration,
 }
 
@@ -81,8 +81,15 @@ impl CampaignReport {
             self.fired_pairs.len(),
             self.total_pairs,
             self.functions,
-            self.excluded_pairs
+            self.excluded.len()
         );
+        if !self.excluded.is_empty() {
+            let _ = writeln!(
+                t,
+                "| absence answers not injected | {} |",
+                self.excluded.join(", ")
+            );
+        }
         for (what, n) in &self.observed {
             let _ = writeln!(t, "| observed: {what} | {n} |");
         }
