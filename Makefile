@@ -2,6 +2,10 @@
 #   make demo   local cluster with simulated GPUs, workloads, MIG layout, teardown
 #   make test   every test: unit, integration, fake CRI, chart, end-to-end
 #   make lint   formatting and lints: Rust, the Go in e2e/upstream, shell scripts
+#   make fault-campaign TRIALS=1000 [SEED=1] [JOBS=8]
+#               the kubelet plugin's randomized fault campaign in benchmark mode (a table of
+#               faults injected and invariant violations; not part of `make test`, whose
+#               plugin tests run a bounded campaign)
 #
 # `make test` compiles each crate once: `build` compiles every target of the workspace, and
 # `unit` and `e2e` only run what it built. That needs them to resolve the same features: cargo
@@ -12,7 +16,7 @@
 # migdra-e2e` resolves the same features as the whole workspace, because every feature the e2e
 # crate turns on is also turned on by another member.
 
-.PHONY: test demo build unit go-test chart-test e2e lint lint-rust lint-go lint-shell crds check-crds
+.PHONY: test demo build unit go-test chart-test e2e lint lint-rust lint-go lint-shell crds check-crds fault-campaign
 
 build:
 	cargo build --workspace --all-targets
@@ -57,3 +61,15 @@ crds:
 
 check-crds:
 	bash scripts/crds.sh check
+
+# The campaign's time goes mostly into the fake NVML's JSON state file, so the fake is built
+# optimized (a small crate); the campaign itself runs as a debug example.
+TRIALS ?= 1000
+SEED ?= 1
+JOBS ?= 8
+CAMPAIGN_TARGET = $${CARGO_TARGET_DIR:-target}
+fault-campaign:
+	cargo build --release -p migdra-fake-nvml
+	cargo build -p migdra-kubelet-plugin --example fault_campaign
+	MIGDRA_FAKE_NVML_LIB="$$(realpath $(CAMPAIGN_TARGET)/release/libmigdra_fake_nvml.so)" \
+	  $(CAMPAIGN_TARGET)/debug/examples/fault_campaign --trials $(TRIALS) --seed $(SEED) --jobs $(JOBS)

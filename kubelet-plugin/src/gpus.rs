@@ -166,6 +166,22 @@ impl GpuLocks<'_> {
         }
     }
 
+    /// Destroys what teardown left on the locked GPUs while they were lost
+    /// ([`crate::orphans`]), on those that answer now. Prepare calls it under the node lock
+    /// (the journal just re-read) before planning, so a claim whose placement such an
+    /// instance blocks does not wait for an inventory that finds the node lock free.
+    pub fn destroy_orphans<B: GpuBackend>(&self, gpus: &Gpus<B>, records: &BTreeMap<String, ClaimRecord>) {
+        let Some(orphans) = gpus.orphans().filter(|o| !o.is_empty()) else {
+            return;
+        };
+        for gpu in self.held.values() {
+            let description = read(&gpu.0.description).clone();
+            if gpus.inner.backend.probe_health(description.index).is_ok() {
+                gpus.destroy_orphans(orphans, &description, records);
+            }
+        }
+    }
+
     /// What planning needs of the locked GPUs: descriptions and existing instances.
     pub fn views<B: GpuBackend>(&self, gpus: &Gpus<B>) -> BTreeMap<u32, GpuView> {
         self.held
@@ -291,12 +307,29 @@ impl<B: GpuBackend> Gpus<B> {
     /// again: exactly those (same profile, placement and GPU-instance ID where recorded),
     /// never another. One that is gone is forgotten; one that cannot be destroyed now stays
     /// listed for the next pass. Called under the GPU's lock and the node lock.
-    fn destroy_orphans(&self, orphans: &LostGpuOrphans, gpu: &GpuDescription) {
+    /// Destroys the instances teardown left on `gpu` while it was lost, now that it answers.
+    /// An orphan whose placement a recorded claim holds is forgotten instead: the instance
+    /// there is that claim's (the orphan's own was gone before the claim could be prepared
+    /// there; an orphan recorded before its instance had an ID would otherwise match it).
+    fn destroy_orphans(
+        &self,
+        orphans: &LostGpuOrphans,
+        gpu: &GpuDescription,
+        records: &BTreeMap<String, ClaimRecord>,
+    ) {
         let listed = orphans.on_gpu(&gpu.uuid);
         if listed.is_empty() {
             return;
         }
-        let instances = match self.occupied(gpu) {
+        let claimed = |profile: u32, at: u32| {
+            records.values().flat_map(|r| &r.devices).any(|d| {
+                d.gpu_uuid == gpu.uuid
+                    && matches!(d.kind, DeviceKind::Mig { profile_id, start, .. } if profile_id == profile && start == at)
+            })
+        };
+        // Asked of NVML, not of `gpu.mig`: a rescan that could not read everything may describe
+        // the GPU without MIG, and "no instances" must not be concluded from that.
+        let instances = match self.listed(gpu.index) {
             Ok(instances) => instances,
             Err(e) => {
                 tracing::warn!(gpu = gpu.minor, error = %e, "listing GPU instances to destroy those left while the GPU was lost failed; retrying later");
@@ -304,6 +337,13 @@ impl<B: GpuBackend> Gpus<B> {
             }
         };
         for orphan in listed {
+            if claimed(orphan.profile_id, orphan.start) {
+                tracing::info!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, "the placement of an instance left while the GPU was lost belongs to a recorded claim now; forgetting it");
+                if let Err(e) = orphans.remove(&orphan) {
+                    tracing::warn!(error = %e, "forgetting an instance left while the GPU was lost failed; retrying later");
+                }
+                continue;
+            }
             let found = instances.iter().find(|gi| {
                 gi.profile_id == orphan.profile_id
                     && gi.start == orphan.start
@@ -381,17 +421,20 @@ impl<B: GpuBackend> Gpus<B> {
     /// GPU instances present on a GPU (none when MIG is off).
     fn occupied(&self, gpu: &GpuDescription) -> Result<Vec<GpuInstanceRecord>, BackendError> {
         match &gpu.mig {
-            Some(mig) if mig.enabled => match self.inner.backend.list_gpu_instances(gpu.index) {
-                // Nothing exists only if MIG mode really went off since discovery.
-                Err(e) if e.kind == NvmlErrorKind::NotSupported => {
-                    match self.inner.backend.mig_enabled(gpu.index)? {
-                        Some(true) => Err(e),
-                        Some(false) | None => Ok(Vec::new()),
-                    }
-                }
-                other => other,
-            },
+            Some(mig) if mig.enabled => self.listed(gpu.index),
             _ => Ok(Vec::new()),
+        }
+    }
+
+    /// GPU instances NVML lists on GPU `index` (none when its MIG mode is off now).
+    fn listed(&self, index: u32) -> Result<Vec<GpuInstanceRecord>, BackendError> {
+        match self.inner.backend.list_gpu_instances(index) {
+            // Nothing exists only if MIG mode really went off since discovery.
+            Err(e) if e.kind == NvmlErrorKind::NotSupported => match self.inner.backend.mig_enabled(index)? {
+                Some(true) => Err(e),
+                Some(false) | None => Ok(Vec::new()),
+            },
+            other => other,
         }
     }
 
@@ -401,11 +444,20 @@ impl<B: GpuBackend> Gpus<B> {
         let mut discovered = self.inner.backend.discover()?;
         // Instances left on lost GPUs are destroyed only with the node lock (no other plugin
         // instance is working on the node), taken before any GPU lock and only if free at once.
+        // Under it the journal is re-read, since another instance may have prepared a claim
+        // at an orphan's placement meanwhile (see `destroy_orphans`).
         let orphans = self.orphans().filter(|o| !o.is_empty()).and_then(|o| {
-            match NodeLock::acquire(o.state_dir(), Duration::ZERO) {
-                Ok(node) => Some((o.clone(), node)),
+            let node = match NodeLock::acquire(o.state_dir(), Duration::ZERO) {
+                Ok(node) => node,
                 Err(e) => {
                     tracing::debug!(error = %e, "node lock busy; instances left on lost GPUs are destroyed at a later pass");
+                    return None;
+                }
+            };
+            match self.inner.journal.reload_if_changed() {
+                Ok(_) => Some((o.clone(), node)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot re-read the checkpoint; instances left on lost GPUs are destroyed at a later pass");
                     None
                 }
             }
@@ -452,7 +504,7 @@ impl<B: GpuBackend> Gpus<B> {
             if probe.is_none()
                 && let Some((orphans, _node)) = &orphans
             {
-                self.destroy_orphans(orphans, &description);
+                self.destroy_orphans(orphans, &description, &records);
             }
             let pending = self
                 .recovery_pending_on(description.minor, None)

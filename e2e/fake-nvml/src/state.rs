@@ -42,6 +42,11 @@ pub struct FakeState {
     /// Injected faults with their hit counters.
     #[serde(default)]
     pub faults: Vec<FaultState>,
+    /// When present, every call that goes through fault injection is counted here by exported
+    /// function name (tests turn it on to learn which NVML calls a client makes). Absent by
+    /// default: counting writes the state on every call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call_log: Option<BTreeMap<String, u64>>,
 }
 
 /// One GPU.
@@ -211,6 +216,7 @@ impl FakeState {
                     hits: 0,
                 })
                 .collect(),
+            call_log: None,
         };
         for instance in &config.instances {
             state

@@ -335,6 +335,8 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 .into());
             }
         }
+        // Instances a lost GPU kept for claims already torn down may block the placements.
+        locks.destroy_orphans(&self.inner.gpus, &self.inner.journal.claims());
         // Before anything is created: a node that cannot run CUDA containers hands out nothing.
         self.ensure_driver_spec()?;
         let others = self.inner.journal.others(&claim.uid);

@@ -2,14 +2,17 @@
 //!
 //! A claim deleted while the plugin was down, or one a kubelet never unprepared, would keep
 //! its MIG instance (and block that placement) forever. At start, after recovery, and then
-//! every interval ([`Driver::run_stale_claim_gc`]), each recorded claim that is not being
-//! prepared right now is looked up through the [`ClaimSource`], with no lock held. It is
-//! stale only when the API answers clearly: the claim is not found, it has another UID (it
-//! was replaced), or its allocation no longer names this driver and pool. An API error or a
-//! timeout proves nothing, so the claim is kept. A stale claim is torn down through the same
-//! routine as the kubelet's unprepare, under the node lock and its GPU locks, after the
-//! record is read again there (the kubelet may have unprepared it meanwhile, and a claim
-//! being prepared is never collected). Each release is counted
+//! every interval ([`Driver::run_stale_claim_gc`]), each recorded claim is looked up through
+//! the [`ClaimSource`], with no lock held. It is stale only when the API answers clearly: the
+//! claim is not found, it has another UID (it was replaced), or its allocation no longer
+//! names this driver and pool. An API error or a timeout proves nothing, so the claim is
+//! kept. A stale claim is torn down through the same routine as the kubelet's unprepare,
+//! under the node lock and its GPU locks, after the record is read again there (the kubelet
+//! may have unprepared it meanwhile). A claim being prepared is never collected: every
+//! prepare holds the node lock from its first record to its last, so a half-prepared record
+//! seen under the node lock is one whose prepare died (another plugin instance crashed, or
+//! a rollback failed); its claim being gone, no kubelet will retry it, so it is rolled back
+//! (recovery would do so only at the next start). Each release is counted
 //! (`stale_claims_released_total`) and sent to the status loop, which records a
 //! `StaleClaimReleased` event on the GpuNode.
 
@@ -21,11 +24,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{ClaimFailure, Driver, RecoveryEvent};
-use crate::{
-    checkpoint::{ClaimRecord, ClaimState},
-    claims::ClaimSource,
-    nvml::GpuBackend,
-};
+use crate::{checkpoint::ClaimRecord, claims::ClaimSource, nvml::GpuBackend};
 
 /// How long one claim's GET may take before the claim is kept (a timeout is not "gone").
 const GET_TIMEOUT: Duration = Duration::from_secs(10);
@@ -129,14 +128,11 @@ pub fn stale_cause(uid: &str, found: Option<&ResourceClaim>, driver: &str, pool:
 }
 
 impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
-    /// Looks up every recorded claim that is not being prepared and releases the stale ones.
+    /// Looks up every recorded claim and releases the stale ones.
     pub async fn collect_stale_claims(&self) -> StaleGcRound {
         let mut round = StaleGcRound::default();
         let mut stale = Vec::new();
         for (uid, record) in self.recorded_claims() {
-            if record.state == ClaimState::PrepareStarted {
-                continue;
-            }
             match self.look_up(&uid, &record).await {
                 Ok(Some(cause)) => stale.push(ReleasedClaim {
                     uid,
@@ -186,7 +182,8 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     }
 
     /// Tears down a stale claim under the node lock and its GPU locks, unless the record is
-    /// gone or being prepared by then. Returns whether it was torn down. Blocking.
+    /// gone by then (a half-prepared one included: under the node lock no prepare is running).
+    /// Returns whether it was torn down. Blocking.
     fn release_stale(&self, uid: &str) -> Result<bool, ClaimFailure> {
         let node = self.node_lock()?;
         let Some(record) = self.inner.journal.get(uid) else {
@@ -194,10 +191,8 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         };
         let locks = self.lock_record_gpus(&node, &record);
         match self.inner.journal.get(uid) {
-            Some(record) if record.state != ClaimState::PrepareStarted => {
-                self.tear_down(&locks, uid, &record).map(|()| true)
-            }
-            _ => Ok(false),
+            Some(record) => self.tear_down(&locks, uid, &record).map(|()| true),
+            None => Ok(false),
         }
     }
 

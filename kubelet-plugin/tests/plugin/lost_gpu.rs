@@ -178,3 +178,161 @@ async fn prepare_on_a_lost_gpu_is_a_typed_rejection() {
     prepare_one(&driver, "u1", "c1").await.unwrap();
     assert_eq!(placements(&node), [(9, 0), FOREIGN]);
 }
+
+/// Found by the fault campaign: an orphan recorded before its GPU instance had an ID (a
+/// half-prepared claim torn down while its GPU was lost) matches any instance at its
+/// placement. The instance was never created, so once the GPU is back another claim may be
+/// prepared there before the next inventory; that inventory must not destroy the live
+/// claim's instance.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_never_destroys_the_instance_of_a_live_claim_at_its_placement() {
+    use std::sync::Arc;
+
+    use migdra_kubelet_plugin::driver::{Step, StepHook};
+
+    let node = node();
+    let (driver, _) = node.start(None);
+    {
+        // Another plugin instance (a rolling update) dies right after PrepareStarted: nothing
+        // is created yet.
+        let hook: StepHook = Arc::new(|_uid, step| {
+            if step == Step::PrepareRecorded {
+                panic!("injected crash after PrepareStarted");
+            }
+        });
+        let (old, _) = node.start(Some(hook));
+        assert!(prepare_one(&old, "u1", "c1").await.is_err());
+    }
+    assert_eq!(placements(&node), [FOREIGN], "nothing was created");
+    // The pod is deleted while GPU 0 is lost: the unprepare completes, the (never created)
+    // instance counts as gone and is listed as an orphan.
+    set_lost(&node, true);
+    unprepare_typed(&driver, "u1", "c1").await.unwrap();
+    assert!(driver.recorded_claims().is_empty());
+    assert_eq!(orphans(&driver), [(9, 0, "default/c1".to_string())]);
+    // The GPU is back; another claim gets the same placement before the next inventory.
+    set_lost(&node, false);
+    node.claims.put(claim("u2", "c2", &[("gpu", OURS)]));
+    prepare_one(&driver, "u2", "c2").await.unwrap();
+    assert_eq!(placements(&node), [(9, 0), FOREIGN]);
+
+    driver.gpus().inventory().unwrap();
+    assert_eq!(
+        placements(&node),
+        [(9, 0), FOREIGN],
+        "the live claim's instance survives the orphan pass"
+    );
+    assert!(
+        orphans(&driver).is_empty(),
+        "the orphan's placement belongs to u2 now"
+    );
+    unprepare_one(&driver, "u2", "c2").await.unwrap();
+    assert_eq!(placements(&node), [FOREIGN]);
+}
+
+/// Found by the fault campaign: during a rolling update the instance that tears a claim down
+/// on a lost GPU may not be the one still running when the GPU returns. The list of orphans
+/// is the node's (a file under the node lock), not one instance's: the survivor destroys what
+/// the other left, and its own additions keep the other's.
+#[tokio::test(flavor = "multi_thread")]
+async fn orphans_left_by_one_plugin_instance_are_destroyed_by_the_other() {
+    let node = node();
+    node.claims
+        .put(claim("u2", "c2", &[("gpu", "gpu-0-mig-1g10gb-5")]));
+    let (new, _) = node.start(None);
+    {
+        let (old, _) = node.start(None);
+        prepare_one(&old, "u1", "c1").await.unwrap();
+        prepare_one(&old, "u2", "c2").await.unwrap();
+        set_lost(&node, true);
+        unprepare_typed(&old, "u1", "c1").await.unwrap();
+    } // the old instance is gone (the rolling update finished)
+    // The new instance leaves an orphan of its own on the same lost GPU.
+    unprepare_typed(&new, "u2", "c2").await.unwrap();
+    assert_eq!(
+        orphans(&new),
+        [
+            (9, 0, "default/c1".to_string()),
+            (19, 5, "default/c2".to_string())
+        ],
+        "both instances' orphans are listed"
+    );
+    set_lost(&node, false);
+    new.gpus().inventory().unwrap();
+    assert_eq!(
+        placements(&node),
+        [FOREIGN],
+        "both orphans destroyed, the foreign one kept"
+    );
+    assert!(orphans(&new).is_empty());
+}
+
+/// Found by the fault campaign: the inventory destroys orphans only when the node lock is
+/// free at once, which on a busy node (kubelet calls back to back) can take long; meanwhile
+/// the claim allocated at the orphan's placement (its own claim retrying, or a new one) failed
+/// with an overlap. A prepare, which holds the node lock, destroys the orphans on its GPUs
+/// first.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prepare_destroys_the_orphans_on_its_gpu_before_planning() {
+    let node = node();
+    let (driver, _) = node.start(None);
+    unprepared_while_lost(&node, &driver).await;
+    set_lost(&node, false);
+    assert_eq!(placements(&node), [(9, 0), FOREIGN], "the orphan is still there");
+    // No inventory ran since the GPU came back.
+    node.claims.put(claim("u2", "c2", &[("gpu", OURS)]));
+    prepare_one(&driver, "u2", "c2").await.unwrap();
+    assert_eq!(placements(&node), [(9, 0), FOREIGN]);
+    assert!(
+        orphans(&driver).is_empty(),
+        "the orphan was destroyed by the prepare"
+    );
+    let recorded = driver.recorded_claims();
+    let uuid = match &recorded["u2"].devices[0].kind {
+        migdra_kubelet_plugin::checkpoint::DeviceKind::Mig { mig_uuid, .. } => mig_uuid.clone().unwrap(),
+        other => panic!("{other:?}"),
+    };
+    let state = node.host.read_state().unwrap();
+    assert!(
+        state.gpus[0]
+            .gpu_instances
+            .iter()
+            .any(|gi| gi.compute_instances.iter().any(|ci| ci.uuid == uuid)),
+        "the instance at the placement is u2's new one"
+    );
+}
+
+/// Found by the fault campaign: a rescan that cannot read a GPU's virtualization mode
+/// describes it without MIG for that round. The orphan pass must ask NVML what is on the GPU
+/// rather than trust that description, or it takes the orphan for gone and the instance leaks.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_is_destroyed_even_when_a_rescan_misdescribes_its_gpu() {
+    use migdra_fake_nvml::{FaultState, config::FaultConfig};
+
+    let node = node();
+    let (driver, _) = node.start(None);
+    unprepared_while_lost(&node, &driver).await;
+    set_lost(&node, false);
+    node.host
+        .update_state(|s| {
+            s.faults.push(FaultState {
+                fault: FaultConfig::error("nvmlDeviceGetVirtualizationMode", migdra_fake_nvml::code::UNKNOWN)
+                    .on_gpu(0)
+                    .times(1),
+                hits: 0,
+            })
+        })
+        .unwrap();
+    driver.gpus().inventory().unwrap();
+    assert_eq!(
+        node.host.read_state().unwrap().faults[0].hits,
+        1,
+        "the rescan hit the fault"
+    );
+    assert_eq!(
+        placements(&node),
+        [FOREIGN],
+        "the orphan was destroyed, not forgotten"
+    );
+    assert!(orphans(&driver).is_empty());
+}

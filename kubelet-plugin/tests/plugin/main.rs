@@ -2,11 +2,13 @@
 //! (`NvmlBackend` included) against the fake NVML library; [`support`] builds the simulated
 //! node, the claim store and the claims.
 
+mod campaign;
 mod claim_status;
 mod claims_api;
 mod crash;
 mod driver;
 mod driver_files;
+mod fault_campaign;
 mod gpu_check;
 mod lost_gpu;
 mod nvml_backend;

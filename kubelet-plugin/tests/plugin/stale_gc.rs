@@ -205,3 +205,53 @@ async fn a_zero_interval_disables_the_collection() {
         .await;
     assert_untouched(&node, &driver);
 }
+
+/// Found by the fault campaign: a plugin instance that dies mid-prepare while another one
+/// serves (a rolling update) leaves a half-prepared record that no recovery will see. Once
+/// its claim is gone no kubelet retries it either, so the collection rolls it back, instance
+/// included; it can tell that nothing is preparing it, since every prepare holds the node lock.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_half_prepared_record_of_a_deleted_claim_is_rolled_back() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims.put(claim("u1", "c1", &[("gpu", DEVICE)]));
+    let (driver, _) = node.start(None);
+    {
+        let hook: StepHook = Arc::new(|_uid, step| {
+            if step == Step::DeviceRecorded {
+                panic!("injected crash after the device was recorded");
+            }
+        });
+        let (old, _) = node.start(Some(hook));
+        assert!(prepare_one(&old, "u1", "c1").await.is_err());
+    }
+    assert_eq!(node.instances(0).len(), 1, "the dead instance left its instance");
+    node.claims.remove("default", "c1");
+
+    let round = driver.collect_stale_claims().await;
+    assert_eq!(round.released.len(), 1, "{round:?}");
+    assert_eq!(round.released[0].cause, StaleCause::NotFound);
+    assert_released(&node, &driver);
+}
+
+/// A half-prepared record whose claim still exists is the kubelet's to retry: left alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_half_prepared_record_of_a_live_claim_is_left_to_the_kubelet() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims.put(claim("u1", "c1", &[("gpu", DEVICE)]));
+    let (driver, _) = node.start(None);
+    {
+        let hook: StepHook = Arc::new(|_uid, step| {
+            if step == Step::DeviceRecorded {
+                panic!("injected crash after the device was recorded");
+            }
+        });
+        let (old, _) = node.start(Some(hook));
+        assert!(prepare_one(&old, "u1", "c1").await.is_err());
+    }
+    let round = driver.collect_stale_claims().await;
+    assert!(round.released.is_empty(), "{round:?}");
+    assert_eq!(node.instances(0).len(), 1);
+    // The kubelet's retry rolls it back and prepares afresh.
+    prepare_one(&driver, "u1", "c1").await.unwrap();
+    assert_untouched(&node, &driver);
+}

@@ -30,13 +30,17 @@ pub(super) fn entry(f: impl FnOnce() -> Result<(), u32>) -> nvmlReturn_t {
     }
 }
 
-/// Counts hits of the faults matching this call; returns (latency ms, error).
+/// Counts the call (when the call log is on) and the hits of the faults matching it; returns
+/// (latency ms, error).
 fn fire_faults(
     state: &mut FakeState,
     function: &str,
     gpu: Option<u32>,
     profile: Option<u32>,
 ) -> (u64, Option<u32>) {
+    if let Some(log) = &mut state.call_log {
+        *log.entry(function.to_string()).or_default() += 1;
+    }
     let mut latency = 0;
     let mut error = None;
     for f in &mut state.faults {

@@ -702,3 +702,37 @@ fn the_single_ofa_goes_to_one_instance_and_remaining_capacity_says_so() {
     assert_eq!(remaining(6), 1);
     assert_eq!(create_gi(&l.lib, dev, 6, 0, 2).0, code::SUCCESS);
 }
+
+#[test]
+fn the_call_log_counts_calls_by_name_only_when_turned_on() {
+    let loaded = load(&[("H100-80GB", true)]);
+    let lib = &loaded.lib;
+    let count = |lib: &NvmlLib| {
+        let mut n = 0u32;
+        // SAFETY: valid out pointer.
+        assert_eq!(unsafe { f!(lib, nvmlDeviceGetCount_v2)(&mut n) }, code::SUCCESS);
+    };
+    count(lib);
+    assert_eq!(
+        loaded._host.read_state().unwrap().call_log,
+        None,
+        "off by default"
+    );
+    loaded
+        ._host
+        .update_state(|s| s.call_log = Some(Default::default()))
+        .unwrap();
+    count(lib);
+    count(lib);
+    let dev = device(lib, 0);
+    let mut minor = 0u32;
+    // SAFETY: valid device handle and out pointer.
+    assert_eq!(
+        unsafe { f!(lib, nvmlDeviceGetMinorNumber)(dev, &mut minor) },
+        code::SUCCESS
+    );
+    let log = loaded._host.read_state().unwrap().call_log.unwrap();
+    assert_eq!(log.get("nvmlDeviceGetCount_v2"), Some(&2));
+    assert_eq!(log.get("nvmlDeviceGetMinorNumber"), Some(&1));
+    assert_eq!(log.get("nvmlDeviceGetHandleByIndex_v2"), Some(&1));
+}
