@@ -21,7 +21,7 @@ pub struct Args {
     /// Kubeconfig file (default: $KUBECONFIG, ~/.kube/config or the in-cluster configuration).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
-    /// Namespace of the leader-election Lease.
+    /// Namespace of the leader-election Lease and of the plugins' heartbeat Leases.
     #[arg(long, env = "POD_NAMESPACE", default_value = "migdra-system")]
     pub namespace: String,
     /// This replica's identity in the Lease (default: the host name).

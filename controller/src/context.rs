@@ -1,17 +1,18 @@
 //! What every reconciliation shares: the API handles, the caches fed by the watches, the
-//! write expectations, the event recorder and the metrics.
+//! write expectations, which nodes are live, the event recorder and the metrics.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use k8s_openapi::{
     api::{
+        coordination::v1::Lease,
         core::v1::Node,
         resource::v1::{ResourceClaim, ResourceSlice},
     },
@@ -22,13 +23,19 @@ use kube::{
     core::PartialObjectMeta,
     runtime::{
         events::{Recorder, Reporter},
-        reflector::Store,
+        reflector::{ObjectRef, Store},
     },
 };
-use migdra_api::{inventory::GpuNode, policy::MigPolicy};
+use migdra_api::{
+    inventory::{GpuNode, heartbeat_lease_name},
+    policy::MigPolicy,
+};
 
 use crate::{
-    error::Error, expectations::Expectations, liveness::HeartbeatCensus, metrics::Metrics,
+    error::Error,
+    expectations::Expectations,
+    liveness::{HeartbeatCensus, LeaseBeat},
+    metrics::Metrics,
     status::FIELD_MANAGER,
 };
 
@@ -46,6 +53,11 @@ pub struct ControllerConfig {
     pub identity: String,
     /// How long a reconciliation waits for the caches to fill before failing.
     pub ready_timeout: Duration,
+    /// Namespace of the plugins' heartbeat Leases (the controller's own).
+    pub heartbeat_namespace: String,
+    /// How long one heartbeat census (a pass over every GpuNode) is reused by the
+    /// reconciliations that follow it.
+    pub census_ttl: Duration,
 }
 
 /// The caches the reconciler reads.
@@ -61,6 +73,8 @@ pub struct Stores {
     pub slices: Store<ResourceSlice>,
     /// Every ResourceClaim, cut down to this driver's allocation results.
     pub claims: Store<ResourceClaim>,
+    /// The plugins' heartbeat Leases of this driver.
+    pub leases: Store<Lease>,
 }
 
 /// Shared state of the reconcilers.
@@ -81,6 +95,8 @@ pub struct Context {
     pub slices: Store<ResourceSlice>,
     /// ResourceClaim cache (this driver's allocation results only).
     pub claims: Store<ResourceClaim>,
+    /// Heartbeat Lease cache.
+    pub leases: Store<Lease>,
     /// What the slice cache should show after our writes.
     pub expectations: Expectations,
     /// Kubernetes events.
@@ -89,6 +105,10 @@ pub struct Context {
     pub metrics: Metrics,
     failures: Mutex<HashMap<String, u32>>,
     holding: AtomicBool,
+    census: Mutex<Option<(Instant, HeartbeatCensus, bool)>>,
+    /// Nodes whose last reconciliation found the plugin live: a Lease renewal of theirs needs
+    /// no reconciliation (their expiry timer re-checks), one of any other node does.
+    live: Mutex<HashSet<String>>,
 }
 
 impl Context {
@@ -107,11 +127,14 @@ impl Context {
             policies: stores.policies,
             slices: stores.slices,
             claims: stores.claims,
+            leases: stores.leases,
             expectations: Expectations::default(),
             metrics,
             config,
             failures: Mutex::new(HashMap::new()),
             holding: AtomicBool::new(false),
+            census: Mutex::new(None),
+            live: Mutex::new(HashSet::new()),
         }
     }
 
@@ -125,6 +148,8 @@ impl Context {
         wait_for("ResourceSlice", timeout, self.slices.wait_until_ready()).await?;
         // A pool computed without the claims could drop a device that is in use.
         wait_for("ResourceClaim", timeout, self.claims.wait_until_ready()).await?;
+        // Without the Leases every new plugin's GpuNode heartbeat looks minutes old.
+        wait_for("Lease", timeout, self.leases.wait_until_ready()).await?;
         Ok(())
     }
 
@@ -140,19 +165,57 @@ impl Context {
         })
     }
 
-    /// The heartbeats of every GpuNode of this driver at `now`; records in the metrics and
-    /// the log whether heartbeat expiry is being held back.
+    /// The last renewal of `node`'s heartbeat Lease, if it has one.
+    pub fn lease_beat(&self, node: &str) -> Option<LeaseBeat> {
+        let name = heartbeat_lease_name(node, &self.config.driver)?;
+        let lease = self
+            .leases
+            .get(&ObjectRef::new(&name).within(&self.config.heartbeat_namespace))?;
+        lease_beat(&lease)
+    }
+
+    /// Records whether `node`'s plugin was found live.
+    pub fn set_live(&self, node: &str, live: bool) {
+        let mut nodes = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if live {
+            nodes.insert(node.to_string());
+        } else {
+            nodes.remove(node);
+        }
+    }
+
+    /// True when the last reconciliation of `node` found its plugin live.
+    pub fn is_live(&self, node: &str) -> bool {
+        self.live.lock().unwrap_or_else(|p| p.into_inner()).contains(node)
+    }
+
+    /// The heartbeats of every GpuNode of this driver at `now` (reused for
+    /// [`ControllerConfig::census_ttl`]); records in the metrics and the log whether heartbeat
+    /// expiry is being held back.
     pub fn heartbeat_census(&self, now: Timestamp) -> (HeartbeatCensus, bool) {
+        let mut cached = self.census.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, census, hold)) = *cached
+            && at.elapsed() < self.config.census_ttl
+        {
+            return (census, hold);
+        }
         let gpunodes = self.gpunodes.state();
         let census = HeartbeatCensus::take(
             gpunodes
                 .iter()
                 .filter(|g| g.spec.driver == self.config.driver)
-                .map(|g| g.status.as_ref().and_then(|s| s.plugin.as_ref())),
+                .map(|g| {
+                    let plugin = g.status.as_ref().and_then(|s| s.plugin.as_ref());
+                    let name = g.metadata.name.as_deref().unwrap_or_default();
+                    let lease = plugin.and_then(|_| self.lease_beat(name));
+                    (plugin, lease)
+                }),
             now,
             self.config.heartbeat_timeout,
         );
         let hold = census.mass_expiry(self.config.mass_expiry_threshold);
+        *cached = Some((Instant::now(), census, hold));
+        drop(cached);
         self.metrics.set_heartbeat_census(census.expired, hold);
         if self.holding.swap(hold, Ordering::Relaxed) != hold {
             if hold {
@@ -200,4 +263,15 @@ async fn wait_for<E>(
         Ok(Ok(())) => Ok(()),
         _ => Err(Error::NotReady { what }),
     }
+}
+
+/// The renewal a heartbeat Lease records, if it has one.
+pub fn lease_beat(lease: &Lease) -> Option<LeaseBeat> {
+    let spec = lease.spec.as_ref()?;
+    let renewed = spec.renew_time.as_ref()?.0;
+    let duration = spec
+        .lease_duration_seconds
+        .and_then(|s| u64::try_from(s).ok())
+        .map_or(Duration::ZERO, Duration::from_secs);
+    Some(LeaseBeat { renewed, duration })
 }

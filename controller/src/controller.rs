@@ -8,7 +8,11 @@
 //!   the GpuNode named by `spec.nodeName` — which is how a kubelet wipe is noticed at once;
 //! * ResourceClaims (cut down to this driver's allocation results): a change of what a claim
 //!   holds reconciles the nodes of the pools it names, before and after (a device in use
-//!   stays in its pool until released).
+//!   stays in its pool until released);
+//! * the plugins' heartbeat Leases in the controller's namespace (label
+//!   `gpu.migdra.dev/heartbeat=<driver>`): a renewal reconciles the node only when the
+//!   controller does not consider it live (a live node's expiry timer re-checks it), so a
+//!   steady heartbeat costs a cache update, not a reconciliation.
 //!
 //! Each watch also fills the cache the reconciler reads. A sweeper deletes this driver's
 //! slices on nodes that have no GpuNode any more.
@@ -21,6 +25,7 @@ use std::{
 
 use futures::{StreamExt, future};
 use k8s_openapi::api::{
+    coordination::v1::Lease,
     core::v1::Node,
     resource::v1::{ResourceClaim, ResourceSlice},
 };
@@ -33,7 +38,10 @@ use kube::{
         watcher::{self, watcher},
     },
 };
-use migdra_api::{inventory::GpuNode, policy::MigPolicy};
+use migdra_api::{
+    inventory::{GpuNode, HEARTBEAT_LEASE_LABEL, heartbeat_lease_node},
+    policy::MigPolicy,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -54,6 +62,11 @@ const DEBOUNCE: Duration = Duration::from_millis(500);
 /// The watch configuration of this driver's slices.
 pub fn slice_watch_config(driver: &str) -> watcher::Config {
     watcher::Config::default().fields(&format!("spec.driver={driver}"))
+}
+
+/// The watch configuration of this driver's heartbeat Leases.
+pub fn lease_watch_config(driver: &str) -> watcher::Config {
+    watcher::Config::default().labels(&format!("{HEARTBEAT_LEASE_LABEL}={driver}"))
 }
 
 /// Passes on the Node events that matter to the pool: a new node, a changed label set or
@@ -126,7 +139,9 @@ pub async fn run(
     let (policies, policy_writer) = reflector::store::<MigPolicy>();
     let (slices, slice_writer) = reflector::store::<ResourceSlice>();
     let (claims, claim_writer) = reflector::store::<ResourceClaim>();
+    let (leases, lease_writer) = reflector::store::<Lease>();
     let driver = config.driver.clone();
+    let namespace = config.heartbeat_namespace.clone();
     let ctx = Arc::new(Context::new(
         client.clone(),
         config,
@@ -136,6 +151,7 @@ pub async fn run(
             policies,
             slices,
             claims,
+            leases,
         },
         metrics,
     ));
@@ -206,6 +222,33 @@ pub async fn run(
         futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::<GpuNode>::new(&node)))
     });
 
+    let lease_ctx = ctx.clone();
+    let lease_driver = driver.clone();
+    let lease_triggers = watcher(
+        Api::<Lease>::namespaced(client.clone(), &namespace),
+        lease_watch_config(&driver),
+    )
+    .default_backoff()
+    .modify(|lease| {
+        lease.metadata.managed_fields = None;
+    })
+    .reflect(lease_writer)
+    .touched_objects()
+    .filter_map(move |result| {
+        future::ready(match result {
+            Ok(lease) => {
+                let name = lease.name_any();
+                heartbeat_lease_node(&name, &lease_driver)
+                    .filter(|node| !lease_ctx.is_live(node))
+                    .map(|node| ObjectRef::<GpuNode>::new(node))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "heartbeat Lease watch failed");
+                None
+            }
+        })
+    });
+
     // The GpuNode cache is shared with the reconciler (the heartbeat census reads it).
     let gpunode_triggers = watcher(Api::<GpuNode>::all(client.clone()), watcher::Config::default())
         .default_backoff()
@@ -221,6 +264,7 @@ pub async fn run(
         })
         .reconcile_all_on(policy_triggers)
         .reconcile_on(claim_triggers)
+        .reconcile_on(lease_triggers)
         .graceful_shutdown_on(shutdown.clone().cancelled_owned());
     // The sweeper lives in this task (not a spawned one), so aborting the task on a lost
     // lease stops it too.
@@ -323,6 +367,15 @@ mod tests {
             "back after deletion"
         );
         assert!(f.admit(&watcher::Event::InitDone).is_none());
+    }
+
+    #[test]
+    fn lease_watch_selects_the_driver() {
+        let config = lease_watch_config("gpu.migdra.dev");
+        assert_eq!(
+            config.label_selector.as_deref(),
+            Some("gpu.migdra.dev/heartbeat=gpu.migdra.dev")
+        );
     }
 
     #[test]

@@ -128,6 +128,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     let published = gpunode.status.as_ref().and_then(|s| s.publication.as_ref());
     let Some(node) = ctx.nodes.get(&ObjectRef::new(&node_name)) else {
         tracing::info!("Node is gone; withdrawing its pool");
+        ctx.set_live(&node_name, false);
         let publication = withdrawn(ctx, &node_name, &cached, published);
         withdraw(ctx, &node_name, &cached).await?;
         ctx.metrics.forget_node(&node_name);
@@ -147,10 +148,21 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     }
     let now = Timestamp::now();
     let plugin = gpunode.status.as_ref().and_then(|s| s.plugin.as_ref());
+    let lease = ctx.lease_beat(&node_name);
     let (_, hold) = ctx.heartbeat_census(now);
     let interval = plugin.map_or(0, |p| p.heartbeat_interval_seconds);
-    let cap = effective_timeout(ctx.config.heartbeat_timeout, interval);
-    let requeue = match liveness(plugin, now, ctx.config.heartbeat_timeout, wiped_at, hold) {
+    let cap = effective_timeout(ctx.config.heartbeat_timeout, interval)
+        .max(lease.map_or(Duration::ZERO, |l| l.duration));
+    let state = liveness(
+        plugin,
+        lease.as_ref(),
+        now,
+        ctx.config.heartbeat_timeout,
+        wiped_at,
+        hold,
+    );
+    ctx.set_live(&node_name, matches!(state, Liveness::Live { .. }));
+    let requeue = match state {
         Liveness::Gone(why) => {
             if !cached.is_empty() || matches!(why, GoneReason::SlicesWiped { .. }) {
                 tracing::info!(reason = %why.message(), "plugin is not live; withdrawing the pool");
@@ -160,7 +172,8 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             ctx.metrics.set_published_devices(&node_name, 0);
             let condition = Published::no(reason::PLUGIN_NOT_READY, why.message());
             write_status(gpunode, ctx, publication, &condition).await?;
-            // The plugin's next heartbeat (a GpuNode change) brings the node back.
+            // The plugin's next heartbeat (a GpuNode change or a Lease renewal) brings the
+            // node back.
             return Ok(Outcome::done(Action::await_change()));
         }
         Liveness::Held { last } => {

@@ -688,3 +688,68 @@ async fn a_single_slice_change_keeps_the_generation_and_the_taint_times() {
     assert!(result.is_ok());
     assert!(served.status_patches.is_empty());
 }
+
+/// A plugin of this version: the GpuNode heartbeat is `gpunode_age` seconds old and
+/// announces the 300 s GpuNode interval.
+fn leased_plugin(gpunode_age: i64) -> migdra_api::inventory::PluginStatus {
+    let mut p = plugin(true, ago(gpunode_age));
+    p.heartbeat_interval_seconds = 300;
+    p
+}
+
+#[tokio::test]
+async fn lease_renewals_keep_a_node_live_between_slow_gpunode_writes() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
+    h.put_lease(NODE, ago(3));
+    // Live through the Lease: nothing to write; requeued at the Lease's expiry (25 s after
+    // the renewal, not 450 s after the GpuNode's beat).
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    let requeue = requeue_secs(&result.unwrap()).unwrap();
+    assert!((18..=24).contains(&requeue), "requeue after {requeue}s");
+    assert!(h.ctx.is_live(NODE));
+}
+
+#[tokio::test]
+async fn a_lease_that_stops_being_renewed_withdraws_the_pool() {
+    // The GpuNode alone (300 s interval, 200 s old) would still be live; the Lease, last
+    // renewed 40 s ago, says the plugin is gone.
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
+    h.put_lease(NODE, ago(40));
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+            let text = body["status"]["conditions"][0]["message"].as_str().unwrap();
+            assert!(text.contains("heartbeat"), "{text}");
+        }));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert!(
+        !h.ctx.is_live(NODE),
+        "the next Lease renewal must trigger a reconcile"
+    );
+}
+
+#[tokio::test]
+async fn an_old_plugin_without_lease_is_judged_by_its_gpunode_heartbeat() {
+    // Version skew: a plugin that predates the Lease beats in the GpuNode every 15 s.
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(requeue_secs(&result.unwrap()).is_some());
+    assert!(h.ctx.is_live(NODE));
+    // A Lease another (downgraded) plugin left behind long ago changes nothing.
+    h.put_lease(NODE, ago(3600));
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    let requeue = requeue_secs(&result.unwrap()).unwrap();
+    assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
+}

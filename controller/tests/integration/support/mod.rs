@@ -10,10 +10,11 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::{
     api::{
+        coordination::v1::{Lease, LeaseSpec},
         core::v1::Node,
         resource::v1::{ResourceClaim, ResourceSlice},
     },
-    apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
+    apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time},
     jiff::{SignedDuration, Timestamp},
 };
 use kube::{
@@ -44,6 +45,7 @@ pub const DRIVER: &str = "gpu.migdra.dev";
 pub const POOL: &str = "node-a/gpu.migdra.dev";
 pub const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(25);
+pub const NAMESPACE: &str = "migdra-system";
 
 type Handle = mock::Handle<Request<Body>, Response<Body>>;
 
@@ -55,6 +57,7 @@ pub struct Harness {
     pub policies: Writer<MigPolicy>,
     pub slices: Writer<ResourceSlice>,
     pub claims: Writer<ResourceClaim>,
+    pub leases: Writer<Lease>,
     handle: Option<Handle>,
     rv: u64,
 }
@@ -69,6 +72,8 @@ impl Harness {
         let (policies_store, mut policies) = reflector::store();
         let (slices_store, mut slices) = reflector::store();
         let (claims_store, mut claims) = reflector::store();
+        let (leases_store, mut leases) = reflector::store();
+        leases.apply_watcher_event(&watcher::Event::InitDone);
         gpunodes.apply_watcher_event(&watcher::Event::InitDone);
         nodes.apply_watcher_event(&watcher::Event::InitDone);
         policies.apply_watcher_event(&watcher::Event::InitDone);
@@ -80,6 +85,8 @@ impl Harness {
             mass_expiry_threshold: 0.55,
             identity: "controller-0".into(),
             ready_timeout: Duration::from_secs(1),
+            heartbeat_namespace: NAMESPACE.into(),
+            census_ttl: Duration::ZERO,
         };
         let stores = Stores {
             gpunodes: gpunodes_store,
@@ -87,6 +94,7 @@ impl Harness {
             policies: policies_store,
             slices: slices_store,
             claims: claims_store,
+            leases: leases_store,
         };
         let ctx = Arc::new(Context::new(client, config, stores, Metrics::new()));
         let mut h = Self {
@@ -96,6 +104,7 @@ impl Harness {
             policies,
             slices,
             claims,
+            leases,
             handle: Some(handle),
             rv: 100,
         };
@@ -173,6 +182,12 @@ impl Harness {
     pub fn put_gpunode(&mut self, gpunode: &GpuNode) {
         self.gpunodes
             .apply_watcher_event(&watcher::Event::Apply(gpunode.clone()));
+    }
+
+    /// Puts `node`'s heartbeat Lease, renewed at `renewed`, into the Lease cache.
+    pub fn put_lease(&mut self, node: &str, renewed: Timestamp) {
+        self.leases
+            .apply_watcher_event(&watcher::Event::Apply(lease(node, renewed)));
     }
 
     pub fn add_policy(&mut self, policy: MigPolicy) {
@@ -644,3 +659,21 @@ pub fn requeue_secs(action: &Action) -> Option<u64> {
     secs.parse::<f64>().ok().map(|s| s as u64)
 }
 pub mod router;
+
+/// The heartbeat Lease of `node` as the plugin writes it (15 s interval: 23 s duration).
+pub fn lease(node: &str, renewed: Timestamp) -> Lease {
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(format!("{node}.{DRIVER}")),
+            namespace: Some(NAMESPACE.into()),
+            labels: Some([("gpu.migdra.dev/heartbeat".to_string(), DRIVER.to_string())].into()),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(node.into()),
+            lease_duration_seconds: Some(23),
+            renew_time: Some(MicroTime(renewed)),
+            ..Default::default()
+        }),
+    }
+}
