@@ -240,7 +240,7 @@ pub async fn run(
                 let name = lease.name_any();
                 heartbeat_lease_node(&name, &lease_driver)
                     .filter(|node| !lease_ctx.is_live(node))
-                    .map(|node| ObjectRef::<GpuNode>::new(node))
+                    .map(ObjectRef::<GpuNode>::new)
             }
             Err(e) => {
                 tracing::warn!(error = %e, "heartbeat Lease watch failed");
