@@ -32,10 +32,12 @@ use migdra_api::{
 };
 
 use crate::{
+    compare::SliceMeta,
     error::Error,
     expectations::Expectations,
     liveness::{HeartbeatCensus, LeaseBeat},
     metrics::Metrics,
+    naming::slice_node,
     status::FIELD_MANAGER,
 };
 
@@ -69,8 +71,8 @@ pub struct Stores {
     pub nodes: Store<PartialObjectMeta<Node>>,
     /// All MigPolicies.
     pub policies: Store<MigPolicy>,
-    /// This driver's ResourceSlices.
-    pub slices: Store<ResourceSlice>,
+    /// The metadata of this driver's ResourceSlices (see [`crate::compare`]).
+    pub slices: Store<SliceMeta>,
     /// Every ResourceClaim, cut down to this driver's allocation results.
     pub claims: Store<ResourceClaim>,
     /// The plugins' heartbeat Leases of this driver.
@@ -91,8 +93,8 @@ pub struct Context {
     pub nodes: Store<PartialObjectMeta<Node>>,
     /// MigPolicy cache.
     pub policies: Store<MigPolicy>,
-    /// ResourceSlice cache (this driver's only).
-    pub slices: Store<ResourceSlice>,
+    /// ResourceSlice metadata cache (this driver's only).
+    pub slices: Store<SliceMeta>,
     /// ResourceClaim cache (this driver's allocation results only).
     pub claims: Store<ResourceClaim>,
     /// Heartbeat Lease cache.
@@ -158,11 +160,9 @@ impl Context {
         crate::claims::allocated_on(&self.claims.state(), &self.config.driver, node)
     }
 
-    /// The cached slices of this driver on `node`.
-    pub fn node_slices(&self, node: &str) -> Vec<Arc<ResourceSlice>> {
-        self.slices.state_filter(|s| {
-            s.spec.driver == self.config.driver && s.spec.node_name.as_deref() == Some(node)
-        })
+    /// The cached slices of this driver on `node` (the watch selects the driver).
+    pub fn node_slices(&self, node: &str) -> Vec<Arc<SliceMeta>> {
+        self.slices.state_filter(|s| slice_node(s) == Some(node))
     }
 
     /// The last renewal of `node`'s heartbeat Lease, if it has one.

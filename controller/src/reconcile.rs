@@ -27,7 +27,7 @@ use migdra_api::inventory::{GpuNode, PublicationStatus, pool_name};
 use tracing::Instrument;
 
 use crate::{
-    compare::diff_pool,
+    compare::{SliceMeta, cached_generation, diff_pool, keep_taint_times, tainted_replacements},
     context::Context,
     desired::{DesiredError, NodeRef, desired_pool},
     error::Error,
@@ -240,7 +240,14 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     }
     let slices = desired.slices.len();
     let desired_names: Vec<String> = desired.slices.iter().map(|s| s.name_any()).collect();
-    let diff = diff_pool(desired.slices, &cached, published.map(|p| p.generation));
+    let mut diff = diff_pool(desired.slices, &cached, published.map(|p| p.generation));
+    let tainted = tainted_replacements(&diff);
+    if !tainted.is_empty() {
+        // The cache has no specs: read the live slices whose taints a rewrite must keep the
+        // times of (rare: only devices claims hold that the policy stopped offering).
+        let live = live_slices(ctx, &tainted).await?;
+        keep_taint_times(&mut diff, &live);
+    }
     if diff.is_empty() {
         tracing::debug!(generation = diff.generation, "pool unchanged");
     } else {
@@ -280,8 +287,21 @@ fn publisher<'a>(ctx: &'a Context, node: &'a str) -> Publisher<'a> {
     }
 }
 
+/// The live versions of the named slices (those that exist).
+async fn live_slices(ctx: &Context, names: &[String]) -> Result<Vec<ResourceSlice>, Error> {
+    let mut live = Vec::with_capacity(names.len());
+    for name in names {
+        match ctx.slice_api.get_opt(name).await {
+            Ok(Some(slice)) => live.push(slice),
+            Ok(None) => {}
+            Err(e) => return Err(Error::slice_write("get", name, e)),
+        }
+    }
+    Ok(live)
+}
+
 /// Deletes every cached slice of the node.
-async fn withdraw(ctx: &Context, node: &str, cached: &[Arc<ResourceSlice>]) -> Result<(), Error> {
+async fn withdraw(ctx: &Context, node: &str, cached: &[Arc<SliceMeta>]) -> Result<(), Error> {
     let diff = diff_pool(Vec::new(), cached, None);
     if !diff.is_empty() {
         publisher(ctx, node).apply(&diff).await?;
@@ -294,12 +314,12 @@ async fn withdraw(ctx: &Context, node: &str, cached: &[Arc<ResourceSlice>]) -> R
 fn withdrawn(
     ctx: &Context,
     node: &str,
-    cached: &[Arc<ResourceSlice>],
+    cached: &[Arc<SliceMeta>],
     published: Option<&PublicationStatus>,
 ) -> PublicationStatus {
     let generation = cached
         .iter()
-        .map(|s| s.spec.pool.generation)
+        .filter_map(|s| cached_generation(s))
         .chain(published.map(|p| p.generation))
         .max()
         .unwrap_or(0);

@@ -586,8 +586,10 @@ async fn a_claimed_device_the_policy_stops_offering_stays_tainted_until_released
         "one counter slice, one device slice"
     );
     let rv = |i: usize| stored[i].metadata.resource_version.clone().unwrap();
-    // Only the device slice changes: one update, the generation stays.
+    // Only the device slice changes: one update, the generation stays. It gains a taint, so
+    // its live version is read first (for the times of taints it may already have).
     let scenario = Scenario::new()
+        .then(get_slice(stored[1].clone()))
         .then(replace_slice(&name(1), Some(&rv(1)), pool_slice(1, 2)))
         .then(patch_status(move |body| {
             assert_eq!(condition(body), ("True", "Published"));
@@ -668,21 +670,25 @@ async fn a_single_slice_change_keeps_the_generation_and_the_taint_times() {
     let mut g = g;
     g.status.as_mut().unwrap().plugin.as_mut().unwrap().driver_version = Some("580.95.05".into());
     let rv = stored[1].metadata.resource_version.clone().unwrap();
-    let scenario = Scenario::new().then(replace_slice(&name(1), Some(&rv), move |s| {
-        assert_eq!(s.spec.pool.generation, 1, "one update: no new generation");
-        let taints: Vec<_> = s
-            .spec
-            .devices
-            .iter()
-            .flatten()
-            .flat_map(|d| d.taints.iter().flatten())
-            .collect();
-        assert_eq!(taints.len(), tainted);
-        assert!(
-            taints.iter().all(|t| t.time_added == Some(added.clone())),
-            "a rewrite keeps when the taints were added"
-        );
-    }));
+    // The cache has no specs: the live slice is read for its taint times.
+    let live = stored[1].clone();
+    let scenario = Scenario::new()
+        .then(get_slice(live))
+        .then(replace_slice(&name(1), Some(&rv), move |s| {
+            assert_eq!(s.spec.pool.generation, 1, "one update: no new generation");
+            let taints: Vec<_> = s
+                .spec
+                .devices
+                .iter()
+                .flatten()
+                .flat_map(|d| d.taints.iter().flatten())
+                .collect();
+            assert_eq!(taints.len(), tainted);
+            assert!(
+                taints.iter().all(|t| t.time_added == Some(added.clone())),
+                "a rewrite keeps when the taints were added"
+            );
+        }));
     // Same generation, same counts: the status already says it all.
     let (result, served) = h.reconcile(&g, scenario).await;
     assert!(result.is_ok());
@@ -752,4 +758,44 @@ async fn an_old_plugin_without_lease_is_judged_by_its_gpunode_heartbeat() {
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     let requeue = requeue_secs(&result.unwrap()).unwrap();
     assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
+}
+
+#[tokio::test]
+async fn slices_of_an_older_controller_are_rewritten_once_then_left_alone() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    for s in &stored {
+        let annotations = s.metadata.annotations.as_ref().unwrap();
+        assert!(
+            annotations.contains_key("gpu.migdra.dev/spec-hash"),
+            "{annotations:?}"
+        );
+        assert_eq!(annotations["gpu.migdra.dev/pool-generation"], "1");
+    }
+    // What an older controller wrote: the same slices without the annotations.
+    let old: Vec<ResourceSlice> = stored
+        .iter()
+        .cloned()
+        .map(|mut s| {
+            s.metadata.annotations = None;
+            s
+        })
+        .collect();
+    h.store_slices(&old);
+    let count = old.len();
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| {
+            let rv = old[i].metadata.resource_version.clone().unwrap();
+            replace_slice(&name(i), Some(&rv), pool_slice(2, count))
+        }))
+        .then(patch_status(|body| {
+            assert_eq!(body["status"]["publication"]["generation"], 2)
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    h.store_slices(&served.written);
+    let g = with_status_patch(g, &served.status_patches[0]);
+    // Annotated now: a resync writes nothing.
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok());
 }

@@ -55,7 +55,7 @@ pub struct Harness {
     pub gpunodes: Writer<GpuNode>,
     pub nodes: Writer<PartialObjectMeta<Node>>,
     pub policies: Writer<MigPolicy>,
-    pub slices: Writer<ResourceSlice>,
+    pub slices: Writer<PartialObjectMeta<ResourceSlice>>,
     pub claims: Writer<ResourceClaim>,
     pub leases: Writer<Lease>,
     handle: Option<Handle>,
@@ -195,8 +195,19 @@ impl Harness {
     }
 
     /// Feeds a watch event to the slice cache and to the expectations, as the controller's
-    /// slice watch does.
+    /// slice watch does: metadata only.
     pub fn slice_event(&mut self, event: watcher::Event<ResourceSlice>) {
+        let meta = |s: ResourceSlice| PartialObjectMeta::<ResourceSlice> {
+            metadata: s.metadata,
+            ..Default::default()
+        };
+        let event = match event {
+            watcher::Event::Apply(s) => watcher::Event::Apply(meta(s)),
+            watcher::Event::InitApply(s) => watcher::Event::InitApply(meta(s)),
+            watcher::Event::Delete(s) => watcher::Event::Delete(meta(s)),
+            watcher::Event::Init => watcher::Event::Init,
+            watcher::Event::InitDone => watcher::Event::InitDone,
+        };
         self.slices.apply_watcher_event(&event);
         let wiped = self.ctx.expectations.observe(&event);
         self.ctx.metrics.slices_wiped(wiped);
@@ -277,6 +288,8 @@ pub enum Answer {
     DropField(&'static str),
     /// Return `{"kind":"Status","status":"Success"}`.
     Success,
+    /// Return this object as it is.
+    Return(Value),
 }
 
 /// One expected call.
@@ -375,6 +388,7 @@ impl Scenario {
                         "message": format!("scripted {reason}"),
                     }),
                 ),
+                Answer::Return(object) => json_response(StatusCode::OK, &object),
                 Answer::Success => {
                     served
                         .deleted
@@ -517,6 +531,18 @@ pub fn replace_slice(name: &str, rv: Option<&str>, check: impl Fn(&ResourceSlice
             check(&slice);
         }),
         answer: Answer::Store(StatusCode::OK),
+    }
+}
+
+/// A GET of slice `name` (the live version of a slice whose taint times a rewrite keeps),
+/// answered with `live`.
+pub fn get_slice(live: ResourceSlice) -> Step {
+    let name = live.name_any();
+    Step {
+        method: Method::GET,
+        path: format!("{SLICES}/{name}"),
+        check: Box::new(|_, _| {}),
+        answer: Answer::Return(serde_json::to_value(live).unwrap()),
     }
 }
 
