@@ -24,6 +24,7 @@ use kube::{
     runtime::{
         events::{Recorder, Reporter},
         reflector::{ObjectRef, Store},
+        watcher,
     },
 };
 use migdra_api::{
@@ -111,6 +112,53 @@ pub struct Context {
     /// Nodes whose last reconciliation found the plugin live: a Lease renewal of theirs needs
     /// no reconciliation (their expiry timer re-checks), one of any other node does.
     live: Mutex<HashSet<String>>,
+    /// The names of the cached slices per node, so a reconciliation looks at its node's
+    /// slices only, not at every slice in the cache.
+    slice_index: Mutex<SliceIndex>,
+    /// Per node, what the last reconciliation that found the pool up to date saw.
+    memos: Mutex<HashMap<String, crate::reconcile::Memo>>,
+}
+
+/// Slice names by node, maintained from the slice watch like the cache itself (a relist
+/// builds a new index, swapped in when it is complete).
+#[derive(Debug, Default)]
+struct SliceIndex {
+    by_node: HashMap<String, HashSet<String>>,
+    relisting: Option<HashMap<String, HashSet<String>>>,
+}
+
+impl SliceIndex {
+    fn observe(&mut self, event: &watcher::Event<SliceMeta>) {
+        let entry = |index: &mut HashMap<String, HashSet<String>>, slice: &SliceMeta| {
+            if let (Some(node), Some(name)) = (slice_node(slice), slice.metadata.name.as_ref()) {
+                index.entry(node.to_string()).or_default().insert(name.clone());
+            }
+        };
+        match event {
+            watcher::Event::Apply(slice) => entry(&mut self.by_node, slice),
+            watcher::Event::Delete(slice) => {
+                if let (Some(node), Some(name)) = (slice_node(slice), slice.metadata.name.as_ref())
+                    && let Some(names) = self.by_node.get_mut(node)
+                {
+                    names.remove(name);
+                    if names.is_empty() {
+                        self.by_node.remove(node);
+                    }
+                }
+            }
+            watcher::Event::Init => self.relisting = Some(HashMap::new()),
+            watcher::Event::InitApply(slice) => {
+                if let Some(index) = &mut self.relisting {
+                    entry(index, slice);
+                }
+            }
+            watcher::Event::InitDone => {
+                if let Some(index) = self.relisting.take() {
+                    self.by_node = index;
+                }
+            }
+        }
+    }
 }
 
 impl Context {
@@ -137,7 +185,37 @@ impl Context {
             holding: AtomicBool::new(false),
             census: Mutex::new(None),
             live: Mutex::new(HashSet::new()),
+            slice_index: Mutex::new(SliceIndex::default()),
+            memos: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Feeds one event of the slice watch (after the cache applied it) to the slice index and
+    /// the expectations; returns how many owned slices it showed wiped by someone else.
+    pub fn observe_slice_event(&self, event: &watcher::Event<SliceMeta>) -> usize {
+        self.slice_index
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .observe(event);
+        self.expectations.observe(event)
+    }
+
+    /// The memo of `node`'s last up-to-date reconciliation.
+    pub fn memo(&self, node: &str) -> Option<crate::reconcile::Memo> {
+        self.memos
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(node)
+            .cloned()
+    }
+
+    /// Records (or, with `None`, forgets) `node`'s memo.
+    pub fn set_memo(&self, node: &str, memo: Option<crate::reconcile::Memo>) {
+        let mut memos = self.memos.lock().unwrap_or_else(|p| p.into_inner());
+        match memo {
+            Some(memo) => memos.insert(node.to_string(), memo),
+            None => memos.remove(node),
+        };
     }
 
     /// Waits until every cache has its initial list (a pool computed from a half-filled policy
@@ -160,9 +238,19 @@ impl Context {
         crate::claims::allocated_on(&self.claims.state(), &self.config.driver, node)
     }
 
-    /// The cached slices of this driver on `node` (the watch selects the driver).
+    /// The cached slices of this driver on `node` (the watch selects the driver), by name.
     pub fn node_slices(&self, node: &str) -> Vec<Arc<SliceMeta>> {
-        self.slices.state_filter(|s| slice_node(s) == Some(node))
+        let index = self.slice_index.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(names) = index.by_node.get(node) else {
+            return Vec::new();
+        };
+        let mut slices: Vec<Arc<SliceMeta>> = names
+            .iter()
+            .filter_map(|name| self.slices.get(&ObjectRef::new(name)))
+            .filter(|s| slice_node(s) == Some(node))
+            .collect();
+        slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        slices
     }
 
     /// The last renewal of `node`'s heartbeat Lease, if it has one.

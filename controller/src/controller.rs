@@ -204,7 +204,7 @@ pub async fn run(
         .reflect(slice_writer)
         .inspect(move |event| {
             if let Ok(event) = event {
-                let wiped = observer.expectations.observe(event);
+                let wiped = observer.observe_slice_event(event);
                 if wiped > 0 {
                     observer.metrics.slices_wiped(wiped);
                 }

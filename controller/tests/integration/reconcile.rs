@@ -799,3 +799,53 @@ async fn slices_of_an_older_controller_are_rewritten_once_then_left_alone() {
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     assert!(result.is_ok());
 }
+
+#[tokio::test]
+async fn an_unchanged_pool_is_remembered_until_an_input_changes() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    assert!(
+        h.ctx.memo(NODE).is_none(),
+        "nothing remembered while writes are in flight"
+    );
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok());
+    assert!(h.ctx.memo(NODE).is_some(), "the pool was found up to date");
+    // Same inputs: still nothing to write (now without computing the pool).
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok());
+
+    // A relabelled node falls under a policy: the memo must not hide that.
+    h.add_policy(MigPolicy::new(
+        "only-7g",
+        MigPolicySpec {
+            profiles: vec!["7g".into()],
+            whole_gpus: Some(false),
+            node_selector: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector {
+                match_labels: Some([("tier".to_string(), "big".to_string())].into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    ));
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok(), "the policy selects no label of this node yet");
+    h.add_node(NODE, &[("gpu", "h100"), ("tier", "big")]);
+    let count = stored.len();
+    let scenario = Scenario::new()
+        .then(replace_slice(&name(1), None, |s| {
+            let devices = s.spec.devices.as_ref().unwrap();
+            assert_eq!(devices.len(), 1, "one 7g placement");
+        }))
+        .then(patch_status(|body| {
+            assert_eq!(body["status"]["publication"]["policy"], "only-7g");
+        }));
+    assert_eq!(count, 2);
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    assert!(
+        h.ctx.memo(NODE).is_none(),
+        "written: not up to date until the cache shows it"
+    );
+}

@@ -209,7 +209,7 @@ impl Harness {
             watcher::Event::InitDone => watcher::Event::InitDone,
         };
         self.slices.apply_watcher_event(&event);
-        let wiped = self.ctx.expectations.observe(&event);
+        let wiped = self.ctx.observe_slice_event(&event);
         self.ctx.metrics.slices_wiped(wiped);
     }
 
