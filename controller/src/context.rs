@@ -61,6 +61,8 @@ pub struct ControllerConfig {
     /// How long one heartbeat census (a pass over every GpuNode) is reused by the
     /// reconciliations that follow it.
     pub census_ttl: Duration,
+    /// Most nodes reconciled at once (0: unbounded).
+    pub concurrency: u16,
 }
 
 /// The caches the reconciler reads.

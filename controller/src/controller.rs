@@ -155,6 +155,7 @@ pub async fn run(
     let (leases, lease_writer) = reflector::store::<Lease>();
     let driver = config.driver.clone();
     let namespace = config.heartbeat_namespace.clone();
+    let concurrency = config.concurrency;
     let ctx = Arc::new(Context::new(
         client.clone(),
         config,
@@ -267,7 +268,11 @@ pub async fn run(
         .reflect(gpunode_writer)
         .applied_objects();
     let controller = Controller::for_stream(gpunode_triggers, gpunodes.clone())
-        .with_config(controller::Config::default().debounce(DEBOUNCE))
+        .with_config(
+            controller::Config::default()
+                .debounce(DEBOUNCE)
+                .concurrency(concurrency),
+        )
         .watches_stream(node_triggers, |node| {
             Some(ObjectRef::<GpuNode>::new(&node.name_any()))
         })

@@ -76,6 +76,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         ready_timeout: READY_TIMEOUT,
         heartbeat_namespace: args.namespace.clone(),
         census_ttl: CENSUS_TTL,
+        concurrency: args.max_concurrent_reconciles,
     };
 
     // Both the leader and a standby replica are ready: a standby is healthy and waiting.

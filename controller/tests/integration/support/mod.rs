@@ -87,6 +87,7 @@ impl Harness {
             ready_timeout: Duration::from_secs(1),
             heartbeat_namespace: NAMESPACE.into(),
             census_ttl: Duration::ZERO,
+            concurrency: 0,
         };
         let stores = Stores {
             gpunodes: gpunodes_store,
