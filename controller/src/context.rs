@@ -36,6 +36,7 @@ use crate::{
     compare::SliceMeta,
     error::Error,
     expectations::Expectations,
+    geometries::Geometries,
     liveness::{HeartbeatCensus, LeaseBeat},
     metrics::Metrics,
     naming::slice_node,
@@ -63,6 +64,9 @@ pub struct ControllerConfig {
     pub census_ttl: Duration,
     /// Most nodes reconciled at once (0: unbounded).
     pub concurrency: u16,
+    /// Heartbeat expiry alone withdraws at most one pool per this interval (see
+    /// [`Context::allow_expiry_withdrawal`]); zero: no limit.
+    pub expiry_withdrawal_interval: Duration,
 }
 
 /// The caches the reconciler reads.
@@ -104,6 +108,8 @@ pub struct Context {
     pub leases: Store<Lease>,
     /// What the slice cache should show after our writes.
     pub expectations: Expectations,
+    /// The MIG geometries moved out of the cached GpuNodes.
+    pub geometries: Arc<Geometries>,
     /// Kubernetes events.
     pub recorder: Recorder,
     /// Metrics.
@@ -111,6 +117,7 @@ pub struct Context {
     failures: Mutex<HashMap<String, u32>>,
     holding: AtomicBool,
     census: Mutex<Option<(Instant, HeartbeatCensus, bool)>>,
+    last_expiry_withdrawal: Mutex<Option<Instant>>,
     /// Nodes whose last reconciliation found the plugin live: a Lease renewal of theirs needs
     /// no reconciliation (their expiry timer re-checks), one of any other node does.
     live: Mutex<HashSet<String>>,
@@ -181,11 +188,13 @@ impl Context {
             claims: stores.claims,
             leases: stores.leases,
             expectations: Expectations::default(),
+            geometries: Arc::new(Geometries::default()),
             metrics,
             config,
             failures: Mutex::new(HashMap::new()),
             holding: AtomicBool::new(false),
             census: Mutex::new(None),
+            last_expiry_withdrawal: Mutex::new(None),
             live: Mutex::new(HashSet::new()),
             slice_index: Mutex::new(SliceIndex::default()),
             memos: Mutex::new(HashMap::new()),
@@ -325,6 +334,31 @@ impl Context {
             }
         }
         (census, hold)
+    }
+
+    /// Whether a pool may be withdrawn for heartbeat expiry alone now; true uses up the
+    /// allowance. At most one per [`ControllerConfig::expiry_withdrawal_interval`], like the
+    /// node lifecycle controller's eviction rate: heartbeats that go stale one after another
+    /// while the API server struggles (each too few for the mass-expiry rule) then cost at
+    /// most a few pools, not every one that happened to be late. A plugin that really died
+    /// still loses its pool at once when its connection drops: the kubelet wipes its slices
+    /// after 30 s, and a wipe withdraws without limit.
+    pub fn allow_expiry_withdrawal(&self) -> bool {
+        let interval = self.config.expiry_withdrawal_interval;
+        if interval.is_zero() {
+            return true;
+        }
+        let mut last = self
+            .last_expiry_withdrawal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match *last {
+            Some(at) if at.elapsed() < interval => false,
+            _ => {
+                *last = Some(Instant::now());
+                true
+            }
+        }
     }
 
     /// Counts one more consecutive failure of `node`; returns the count.

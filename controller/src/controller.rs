@@ -262,9 +262,13 @@ pub async fn run(
     });
 
     // The GpuNode cache is shared with the reconciler (the heartbeat census reads it).
+    let geometries = ctx.geometries.clone();
     let gpunode_triggers = watcher(Api::<GpuNode>::all(client.clone()), watcher::Config::default())
         .default_backoff()
-        .modify(strip_gpunode)
+        .modify(move |gpunode| {
+            strip_gpunode(gpunode);
+            geometries.take(gpunode);
+        })
         .reflect(gpunode_writer)
         .applied_objects();
     let controller = Controller::for_stream(gpunode_triggers, gpunodes.clone())
@@ -317,6 +321,7 @@ async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: Cancellati
             _ = tokio::time::sleep(SWEEP_INTERVAL) => {}
         }
         let names: HashSet<String> = gpunodes.state().iter().map(|g| g.name_any()).collect();
+        ctx.geometries.retain(|name| names.contains(name));
         for (node, orphan) in orphaned_slices(&ctx.slices.state(), &names) {
             tracing::info!(slice = %orphan.name, %node, "deleting a slice of a node without GpuNode");
             ctx.metrics.forget_node(&node);

@@ -3,7 +3,7 @@
 //! kubelet plugin goes away.
 //!
 //! Data flow: [`cli`] → [`leader`] (only the lease holder runs) → [`controller`] (watches and
-//! caches) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, keep the
+//! caches; [`geometries`] keeps the GpuNode cache small) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, keep the
 //! devices [`claims`] hold, render, validate) → [`compare`] (semantic diff) → [`publish`] (slice writes, recorded in
 //! [`expectations`]) → [`status`].
 
@@ -16,6 +16,7 @@ pub mod crds;
 pub mod desired;
 pub mod error;
 pub mod expectations;
+pub mod geometries;
 pub mod leader;
 pub mod liveness;
 pub mod metrics;
@@ -33,6 +34,9 @@ pub use error::{Error, Result};
 
 /// How long a reconciliation waits for the caches after start.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// Heartbeat expiry alone withdraws at most one pool per this interval (the node lifecycle
+/// controller's default eviction rate, 0.1 nodes/s).
+const EXPIRY_WITHDRAWAL_INTERVAL: Duration = Duration::from_secs(10);
 /// How long one heartbeat census is reused (a pass over every GpuNode; at 2,000 nodes the
 /// reconciles of one second would otherwise each repeat it).
 const CENSUS_TTL: Duration = Duration::from_secs(1);
@@ -77,6 +81,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         heartbeat_namespace: args.namespace.clone(),
         census_ttl: CENSUS_TTL,
         concurrency: args.max_concurrent_reconciles,
+        expiry_withdrawal_interval: EXPIRY_WITHDRAWAL_INTERVAL,
     };
 
     // Both the leader and a standby replica are ready: a standby is healthy and waiting.

@@ -5,7 +5,8 @@
 //! * Plugin not live (see [`crate::liveness`]: unregistered, heartbeat expired, or its slices
 //!   wiped by the kubelet and no heartbeat since) → withdraw, `Published=False
 //!   PluginNotReady`; the plugin's next heartbeat brings the node back. Heartbeat expiry is
-//!   held back while most heartbeats expire at once (control-plane trouble).
+//!   held back while most heartbeats expire at once (control-plane trouble), and withdraws
+//!   at most one pool per 10 s otherwise.
 //! * Plugin live → policy, plan (keeping the devices claims hold), render, validate; an
 //!   invalid policy or pool is reported (event + condition) and nothing is written; otherwise
 //!   the pool is diffed and only a real change is written, with a new generation when the
@@ -279,6 +280,17 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         wiped_at,
         hold,
     );
+    let state = match state {
+        // Expiry alone is rate-limited (see `Context::allow_expiry_withdrawal`); a pool
+        // already withdrawn needs no allowance.
+        Liveness::Gone(GoneReason::HeartbeatExpired { last, .. })
+            if !cached.is_empty() && !ctx.allow_expiry_withdrawal() =>
+        {
+            tracing::info!(%last, "heartbeat expired, but another pool was withdrawn for expiry moments ago: keeping this one for now");
+            Liveness::Held { last }
+        }
+        state => state,
+    };
     ctx.set_live(&node_name, matches!(state, Liveness::Live { .. }));
     let requeue = match state {
         Liveness::Gone(why) => {
@@ -295,7 +307,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             return Ok(Outcome::done(Action::await_change()));
         }
         Liveness::Held { last } => {
-            tracing::debug!(%last, "heartbeat expired, but so did most others: keeping the pool");
+            tracing::debug!(%last, "heartbeat expired, but expiry withdrawals are held back: keeping the pool");
             Action::requeue(HELD_RECHECK)
         }
         Liveness::Live { expires } => {
@@ -318,7 +330,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     let gpunode_version = gpunode.metadata.resource_version.clone();
     let inventory = match &memo {
         Some(m) if gpunode_version.is_some() && m.gpunode_version == gpunode_version => m.inventory,
-        _ => inventory_hash(gpunode),
+        _ => inventory_hash(&ctx.geometries.restore(gpunode)),
     };
     let inputs = PoolInputs {
         inventory,
@@ -338,8 +350,10 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         return Ok(Outcome::done(requeue));
     }
     ctx.set_memo(&node_name, None);
+    // The cached GpuNode holds no profile tables (see `crate::geometries`).
+    let full = ctx.geometries.restore(gpunode);
     let desired = match desired_pool(
-        gpunode,
+        &full,
         node_ref,
         policies.iter().map(|p| p.as_ref()),
         &ctx.config.driver,

@@ -101,6 +101,7 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
         heartbeat_namespace: NAMESPACE.into(),
         census_ttl: Duration::from_secs(1),
         concurrency: 4,
+        expiry_withdrawal_interval: Duration::from_secs(10),
     };
     let shutdown = CancellationToken::new();
     let run = tokio::spawn(controller::run(client, config, Metrics::new(), shutdown.clone()));

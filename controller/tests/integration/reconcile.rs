@@ -849,3 +849,31 @@ async fn an_unchanged_pool_is_remembered_until_an_input_changes() {
         "written: not up to date until the cache shows it"
     );
 }
+
+#[tokio::test]
+async fn expiry_withdraws_at_most_one_pool_per_interval() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    other_nodes(&mut h, 6, 0);
+    // Another node's pool was just withdrawn for an expired heartbeat.
+    assert!(h.ctx.allow_expiry_withdrawal());
+    assert!(!h.ctx.allow_expiry_withdrawal(), "one per interval");
+    // node-a's heartbeat expires too (1 of 7: no mass expiry): kept for now, looked at again.
+    let mut stale = g.clone();
+    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
+    let (result, _) = h.reconcile(&stale, Scenario::new()).await;
+    let recheck = requeue_secs(&result.unwrap()).expect("looked at again soon");
+    assert!(recheck <= 10, "{recheck}");
+    assert!(!h.ctx.is_live(NODE));
+    // The limit holds back expiry only: an unregistered plugin is withdrawn at once.
+    let mut unregistered = g.clone();
+    unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+        }));
+    let (result, _) = h.reconcile(&unregistered, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+}

@@ -88,6 +88,7 @@ impl Harness {
             heartbeat_namespace: NAMESPACE.into(),
             census_ttl: Duration::ZERO,
             concurrency: 0,
+            expiry_withdrawal_interval: Duration::from_secs(10),
         };
         let stores = Stores {
             gpunodes: gpunodes_store,
