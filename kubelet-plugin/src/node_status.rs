@@ -549,6 +549,92 @@ mod tests {
         );
     }
 
+    /// Answers the next request on `handle` with `code` and `body`; returns (method, path,
+    /// content type, body) of the request.
+    async fn answer(
+        handle: &mut tower_test::mock::Handle<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >,
+        code: u16,
+        body: serde_json::Value,
+    ) -> (String, String, String, serde_json::Value) {
+        let (request, send) = handle.next_request().await.expect("a request");
+        let (parts, req_body) = request.into_parts();
+        let bytes = req_body.collect_bytes().await.unwrap();
+        let content_type = parts
+            .headers
+            .get("content-type")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        send.send_response(
+            http::Response::builder()
+                .status(code)
+                .header("content-type", "application/json")
+                .body(kube::client::Body::from(serde_json::to_vec(&body).unwrap()))
+                .unwrap(),
+        );
+        (
+            parts.method.to_string(),
+            parts.uri.path().to_string(),
+            content_type,
+            serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
+    #[tokio::test]
+    async fn the_lease_is_applied_once_then_renewed_by_merge_patch_and_recreated_when_gone() {
+        let (service, mut handle) =
+            tower_test::mock::pair::<http::Request<kube::client::Body>, http::Response<kube::client::Body>>();
+        let mock = Client::new(service, "default");
+        let mut writer =
+            NodeStatusWriter::new(mock.clone(), "node-a", "gpu.migdra.dev", Duration::from_secs(15))
+                .with_heartbeat_lease(mock, "migdra-system", Duration::from_secs(300));
+        let path = "/apis/coordination.k8s.io/v1/namespaces/migdra-system/leases/node-a.gpu.migdra.dev";
+        let lease = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                           "metadata": {"name": "node-a.gpu.migdra.dev", "namespace": "migdra-system"}});
+        let not_found = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                               "reason": "NotFound", "code": 404, "message": "not found"});
+
+        let server = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            // First beat: the whole object, server-side applied.
+            seen.push(answer(&mut handle, 200, lease.clone()).await);
+            // Second beat: only renewTime, merge-patched.
+            seen.push(answer(&mut handle, 200, lease.clone()).await);
+            // Third beat: the Lease was deleted meanwhile: merge patch 404, then apply again.
+            seen.push(answer(&mut handle, 404, not_found).await);
+            seen.push(answer(&mut handle, 200, lease).await);
+            seen
+        });
+        for _ in 0..3 {
+            writer.renew_lease().await.unwrap();
+        }
+        let seen = server.await.unwrap();
+        for (method, p, _, _) in &seen {
+            assert_eq!((method.as_str(), p.as_str()), ("PATCH", path));
+        }
+        let kinds: Vec<&str> = seen.iter().map(|(_, _, ct, _)| ct.as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "application/apply-patch+yaml",
+                "application/merge-patch+json",
+                "application/merge-patch+json",
+                "application/apply-patch+yaml"
+            ]
+        );
+        assert_eq!(seen[0].3["spec"]["holderIdentity"], "node-a");
+        assert_eq!(
+            seen[0].3["metadata"]["labels"][HEARTBEAT_LEASE_LABEL],
+            "gpu.migdra.dev"
+        );
+        let renewal = seen[1].3.as_object().unwrap();
+        assert_eq!(renewal.len(), 1, "a renewal carries only the spec: {renewal:?}");
+        let spec = seen[1].3["spec"].as_object().unwrap();
+        assert_eq!(spec.keys().collect::<Vec<_>>(), ["renewTime"]);
+    }
+
     #[tokio::test]
     async fn the_lease_names_the_node_and_the_driver() {
         let mut writer = NodeStatusWriter::new(client(), "node-a", "gpu.migdra.dev", Duration::from_secs(15))
