@@ -191,7 +191,7 @@ fn controller_args(kubeconfig: &Path, port: u16) -> Vec<String> {
         "--leader-elect=false".into(),
         format!("--namespace={NAMESPACE}"),
         format!("--http-address=127.0.0.1:{port}"),
-        "--log-level=warn".into(),
+        "--log-level=warn,migdra_controller=info".into(),
     ]
 }
 
