@@ -136,6 +136,8 @@ def test_plugin_node_name_from_downward_api(case):
     _, pod = plugin_pod(rendered)
     env = env_of(container(pod))
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    # The heartbeat Lease goes to the pod's (the release) namespace, where the controller watches.
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
 def test_plugin_env_follows_values(case):
@@ -147,6 +149,7 @@ def test_plugin_env_follows_values(case):
     assert env["LOG_FORMAT"] == values["logging"]["format"]
     assert env["LOG_LEVEL"] == values["logging"]["level"]
     assert env["HEARTBEAT_INTERVAL_SECONDS"] == str(values["heartbeat"]["intervalSeconds"])
+    assert env["GPUNODE_HEARTBEAT_INTERVAL_SECONDS"] == str(values["heartbeat"]["gpunodeIntervalSeconds"])
     assert env["HEALTH_RESEND_INTERVAL_SECONDS"] == str(p["healthResendIntervalSeconds"])
     assert env["LOCK_TIMEOUT_SECONDS"] == str(p["lockTimeoutSeconds"])
     assert env["STALE_CLAIM_GC_INTERVAL_SECONDS"] == str(p["staleClaimGcIntervalSeconds"])
