@@ -1,0 +1,213 @@
+//! The fleet of simulated nodes: creates Node, node Lease and GpuNode for each, then keeps
+//! every node live the way its kubelet and plugin would (node Lease every 10 s, plugin
+//! heartbeat every interval, phases spread over the interval) until stopped. Records the
+//! heartbeat writes' latency and failures: a late beat is a finding, not noise.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::{
+    api::{coordination::v1::Lease, core::v1::Node},
+    apimachinery::pkg::apis::meta::v1::MicroTime,
+    jiff::Timestamp,
+};
+use kube::{
+    Api, Client,
+    api::{Patch, PatchParams, PostParams},
+};
+use serde_json::json;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    heartbeat::{Heartbeat, SimPlugin},
+    objects::{NODE_LEASE_NAMESPACE, node_gpus, node_lease, node_name, node_object},
+};
+use crate::stats::Samples;
+
+/// How often a kubelet renews its node Lease.
+const NODE_LEASE_RENEW: Duration = Duration::from_secs(10);
+/// GPUs per simulated node.
+pub const GPUS_PER_NODE: u32 = 8;
+
+/// Heartbeat writes since the last [`Fleet::take_beat_stats`].
+#[derive(Debug, Default)]
+pub struct BeatStats {
+    /// Latency of each successful heartbeat write.
+    pub latency: Samples,
+    /// Failed heartbeat writes.
+    pub failures: u64,
+}
+
+/// Simulated nodes kept live.
+pub struct Fleet {
+    client: Client,
+    heartbeat: Heartbeat,
+    plugins: Vec<SimPlugin>,
+    cancel: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+    stats: Arc<Mutex<BeatStats>>,
+}
+
+impl Fleet {
+    /// An empty fleet whose plugins report with `heartbeat`.
+    pub fn new(client: Client, heartbeat: Heartbeat) -> Self {
+        Self {
+            client,
+            heartbeat,
+            plugins: Vec::new(),
+            cancel: CancellationToken::new(),
+            tasks: Vec::new(),
+            stats: Arc::default(),
+        }
+    }
+
+    /// Number of simulated nodes.
+    pub fn len(&self) -> usize {
+        self.plugins.len()
+    }
+
+    /// True without nodes.
+    pub fn is_empty(&self) -> bool {
+        self.plugins.is_empty()
+    }
+
+    /// Names of the simulated nodes, in creation order.
+    pub fn node_names(&self) -> Vec<String> {
+        self.plugins.iter().map(|p| p.node.clone()).collect()
+    }
+
+    /// Adds nodes until there are `count`, `concurrency` creations at a time, and keeps each
+    /// live from its creation on.
+    pub async fn grow_to(&mut self, count: usize, concurrency: usize) -> anyhow::Result<()> {
+        let start = self.plugins.len();
+        if count <= start {
+            return Ok(());
+        }
+        let client = self.client.clone();
+        let heartbeat = self.heartbeat.clone();
+        let created: Vec<SimPlugin> = stream::iter(start..count)
+            .map(|i| {
+                let (client, heartbeat) = (client.clone(), heartbeat.clone());
+                async move { create_node(&client, &heartbeat, i).await }
+            })
+            .buffer_unordered(concurrency.max(1))
+            .try_collect()
+            .await?;
+        for plugin in created {
+            let index = self.plugins.len();
+            self.tasks.push(tokio::spawn(keep_live(
+                self.client.clone(),
+                self.heartbeat.clone(),
+                plugin.clone(),
+                phase(index),
+                self.cancel.clone(),
+                self.stats.clone(),
+            )));
+            self.plugins.push(plugin);
+        }
+        Ok(())
+    }
+
+    /// The heartbeat statistics since the last call.
+    pub fn take_beat_stats(&self) -> BeatStats {
+        self.stats
+            .lock()
+            .map(|mut s| std::mem::take(&mut *s))
+            .unwrap_or_default()
+    }
+
+    /// Stops keeping the nodes live (their objects stay).
+    pub async fn stop(self) {
+        self.cancel.cancel();
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// Where in the interval node `index` beats, as a fraction: spread over the interval as
+/// independent kubelets are (a multiplicative hash, so nodes added later do not bunch).
+fn phase(index: usize) -> f64 {
+    ((index as u64).wrapping_mul(2_654_435_761) % 10_000) as f64 / 10_000.0
+}
+
+async fn create_node(client: &Client, heartbeat: &Heartbeat, i: usize) -> anyhow::Result<SimPlugin> {
+    let name = node_name(i);
+    let nodes: Api<Node> = Api::all(client.clone());
+    let now = Timestamp::now();
+    let node = node_object(&name, now)?;
+    let uid = match nodes.create(&PostParams::default(), &node).await {
+        Ok(n) => n.metadata.uid,
+        Err(kube::Error::Api(e)) if e.code == 409 => nodes.get(&name).await?.metadata.uid,
+        Err(e) => return Err(e).with_context(|| format!("creating Node {name}")),
+    }
+    .with_context(|| format!("Node {name} has no uid"))?;
+    // Status on create is kept for Nodes, but apply it too in case a policy dropped it.
+    let status = json!({"status": serde_json::to_value(&node)?["status"].clone()});
+    nodes
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
+        .await
+        .with_context(|| format!("writing the status of Node {name}"))?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), NODE_LEASE_NAMESPACE);
+    let lease: Lease = serde_json::from_value(node_lease(&name, &uid, now))?;
+    match leases.create(&PostParams::default(), &lease).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => return Err(e).with_context(|| format!("creating the node Lease of {name}")),
+    }
+    let plugin = SimPlugin {
+        gpus: Arc::new(node_gpus(&name, GPUS_PER_NODE)?),
+        node: name.clone(),
+        node_uid: uid,
+        started: now,
+    };
+    heartbeat
+        .announce(&plugin)
+        .await
+        .with_context(|| format!("writing the GpuNode of {name}"))?;
+    Ok(plugin)
+}
+
+async fn keep_live(
+    client: Client,
+    heartbeat: Heartbeat,
+    plugin: SimPlugin,
+    phase: f64,
+    cancel: CancellationToken,
+    stats: Arc<Mutex<BeatStats>>,
+) {
+    let leases: Api<Lease> = Api::namespaced(client, NODE_LEASE_NAMESPACE);
+    let interval = Duration::from_secs(u64::from(heartbeat.interval_seconds.max(1)));
+    let start = tokio::time::Instant::now();
+    let mut beats = tokio::time::interval_at(start + interval.mul_f64(phase), interval);
+    let mut renewals = tokio::time::interval_at(start + NODE_LEASE_RENEW.mul_f64(phase), NODE_LEASE_RENEW);
+    for timer in [&mut beats, &mut renewals] {
+        timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    }
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = beats.tick() => {
+                let began = Instant::now();
+                let result = heartbeat.beat(&plugin).await;
+                if let Ok(mut s) = stats.lock() {
+                    match result {
+                        Ok(()) => s.latency.push(began.elapsed()),
+                        Err(_) => s.failures += 1,
+                    }
+                }
+            }
+            _ = renewals.tick() => {
+                let renew = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
+                if let Err(e) = leases.patch(&plugin.node, &PatchParams::default(), &Patch::Merge(renew)).await {
+                    tracing::debug!(node = %plugin.node, error = %e, "renewing the node Lease failed");
+                }
+            }
+        }
+    }
+}
