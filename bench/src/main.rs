@@ -12,7 +12,7 @@ use migdra_bench::{
     sim::{fleet::Fleet, heartbeat::Heartbeat},
     table::{Context, Row, render},
 };
-use migdra_e2e::cluster::{Cluster, ClusterConfig, DRIVER, repo_root};
+use migdra_e2e::cluster::{CHART_NAMESPACE, Cluster, ClusterConfig, DRIVER, repo_root};
 use migdra_fake_nvml::config::GpuConfig;
 
 fn command_line() -> String {
@@ -171,6 +171,7 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
         cluster.client.clone(),
         args.heartbeat_form,
         DRIVER,
+        CHART_NAMESPACE,
         args.heartbeat_interval_seconds,
     );
     let mut fleet = Fleet::new(cluster.client.clone(), heartbeat);

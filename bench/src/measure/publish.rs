@@ -354,7 +354,11 @@ pub async fn run(cluster: &mut Cluster, fleet: &Fleet, steady: Duration) -> anyh
         anchor: String::new(),
         ratio: None,
         goal: "CPU ≤ 5% of a core; RSS ≤ 128 MiB (at 2,000)",
-        met: Some(cpu_share <= 0.05 && rss_steady <= 128 * 1024),
+        // The goal is for 2,000 nodes: fewer nodes can only show it missed.
+        met: {
+            let within = cpu_share <= 0.05 && rss_steady <= 128 * 1024;
+            (nodes.len() >= 1500 || !within).then_some(within)
+        },
         note: format!(
             "watch events = sent by the API server to all watchers of {} ({}; leases {:.1}/s, mostly node Leases); \
              slice writes in the window: {steady_writes}; {}; load {load_steady_start} → {load_steady_end}",
@@ -379,8 +383,12 @@ pub async fn run(cluster: &mut Cluster, fleet: &Fleet, steady: Duration) -> anyh
         ),
         anchor: String::new(),
         ratio: None,
-        goal: "≤ 64 MiB at 500",
-        met: (n + 1 <= 600).then_some(rss_steady <= 64 * 1024),
+        goal: "≤ 64 MiB at 500 (≤ 128 MiB at 2,000, B3)",
+        met: match nodes.len() {
+            400..=600 => Some(rss_steady <= 64 * 1024),
+            1500.. => Some(rss_steady <= 128 * 1024),
+            _ => None,
+        },
         note: "steady state, after a restart over complete pools".into(),
     });
     Ok(PublishResults { rows })

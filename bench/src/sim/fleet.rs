@@ -189,12 +189,14 @@ async fn keep_live(
     for timer in [&mut beats, &mut renewals] {
         timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
+    let mut beat_number = 0u64;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = beats.tick() => {
+                beat_number += 1;
                 let began = Instant::now();
-                let result = heartbeat.beat(&plugin).await;
+                let result = heartbeat.beat(&plugin, beat_number).await;
                 if let Ok(mut s) = stats.lock() {
                     match result {
                         Ok(()) => s.latency.push(began.elapsed()),

@@ -5,12 +5,17 @@
 
 use std::sync::Arc;
 
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::{
+    api::coordination::v1::Lease,
+    apimachinery::pkg::apis::meta::v1::MicroTime,
+    jiff::Timestamp,
+};
 use kube::{
     Api, Client,
     api::{Patch, PatchParams},
 };
 use migdra_api::inventory::{GpuInventory, GpuNode};
+use serde_json::json;
 
 use super::objects::{gpunode_object, plugin_status, status_patch};
 
@@ -24,6 +29,21 @@ pub enum HeartbeatForm {
     /// Every beat applies the GpuNode's `status.plugin` and `status.gpus` (the whole
     /// inventory), as `kubelet-plugin/src/node_status.rs` does on `main`.
     GpuNodeStatus,
+    /// Every beat renews a per-node Lease `<node>.<driver>` in the driver's namespace (merge
+    /// patch of `spec.renewTime`); the GpuNode status is written at the start and then every
+    /// [`SLOW_GPUNODE_INTERVAL_SECONDS`], announced as its heartbeat interval (branch
+    /// `controller-scale`, /work/briefs/heartbeat-design.md).
+    Lease,
+}
+
+/// With a Lease heartbeat, how often the plugin still refreshes the GpuNode status.
+pub const SLOW_GPUNODE_INTERVAL_SECONDS: u32 = 300;
+/// Label on heartbeat Leases; its value is the driver name.
+pub const HEARTBEAT_LEASE_LABEL: &str = "gpu.migdra.dev/heartbeat";
+
+/// The heartbeat Lease of a node's plugin.
+pub fn heartbeat_lease_name(node: &str, driver: &str) -> String {
+    format!("{node}.{driver}")
 }
 
 impl HeartbeatForm {
@@ -31,6 +51,7 @@ impl HeartbeatForm {
     pub fn describe(self) -> &'static str {
         match self {
             Self::GpuNodeStatus => "GpuNode status apply (plugin status + whole inventory) per beat",
+            Self::Lease => "Lease renew (merge patch of spec.renewTime) per beat, GpuNode status every 300 s",
         }
     }
 }
@@ -57,16 +78,26 @@ pub struct Heartbeat {
     pub interval_seconds: u32,
     driver: String,
     gpunodes: Api<GpuNode>,
+    leases: Api<Lease>,
 }
 
 impl Heartbeat {
-    /// A writer of `form` for `driver`.
-    pub fn new(client: Client, form: HeartbeatForm, driver: &str, interval_seconds: u32) -> Self {
+    /// A writer of `form` for `driver`; Leases live in `namespace` (the driver's).
+    pub fn new(client: Client, form: HeartbeatForm, driver: &str, namespace: &str, interval_seconds: u32) -> Self {
         Self {
             form,
             interval_seconds,
             driver: driver.to_string(),
-            gpunodes: Api::all(client),
+            gpunodes: Api::all(client.clone()),
+            leases: Api::namespaced(client, namespace),
+        }
+    }
+
+    /// The heartbeat interval the GpuNode announces.
+    fn announced_interval(&self) -> u32 {
+        match self.form {
+            HeartbeatForm::GpuNodeStatus => self.interval_seconds,
+            HeartbeatForm::Lease => SLOW_GPUNODE_INTERVAL_SECONDS,
         }
     }
 
@@ -80,19 +111,55 @@ impl Heartbeat {
         self.gpunodes
             .patch(&plugin.node, &Self::apply(), &Patch::Apply(object))
             .await?;
+        if self.form == HeartbeatForm::Lease {
+            let name = heartbeat_lease_name(&plugin.node, &self.driver);
+            let now = MicroTime(Timestamp::now());
+            let lease = json!({
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {
+                    "name": name,
+                    "labels": {HEARTBEAT_LEASE_LABEL: self.driver},
+                    "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": plugin.node, "uid": plugin.node_uid}],
+                },
+                "spec": {
+                    "holderIdentity": plugin.node,
+                    // ceil(1.5 × interval)
+                    "leaseDurationSeconds": (self.interval_seconds * 3).div_ceil(2),
+                    "acquireTime": MicroTime(plugin.started),
+                    "renewTime": now,
+                },
+            });
+            self.leases.patch(&name, &Self::apply(), &Patch::Apply(lease)).await?;
+        }
         self.write_status(plugin).await
     }
 
-    /// One heartbeat.
-    pub async fn beat(&self, plugin: &SimPlugin) -> Result<(), kube::Error> {
+    /// Heartbeat number `beat` (counting from 1) of a plugin.
+    pub async fn beat(&self, plugin: &SimPlugin, beat: u64) -> Result<(), kube::Error> {
         match self.form {
             HeartbeatForm::GpuNodeStatus => self.write_status(plugin).await,
+            HeartbeatForm::Lease => {
+                let renew = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
+                self.leases
+                    .patch(
+                        &heartbeat_lease_name(&plugin.node, &self.driver),
+                        &PatchParams::default(),
+                        &Patch::Merge(renew),
+                    )
+                    .await?;
+                let every = u64::from((SLOW_GPUNODE_INTERVAL_SECONDS / self.interval_seconds.max(1)).max(1));
+                if beat.is_multiple_of(every) {
+                    self.write_status(plugin).await?;
+                }
+                Ok(())
+            }
         }
     }
 
     async fn write_status(&self, plugin: &SimPlugin) -> Result<(), kube::Error> {
         let status = status_patch(
-            &plugin_status(plugin.started, Timestamp::now(), self.interval_seconds),
+            &plugin_status(plugin.started, Timestamp::now(), self.announced_interval()),
             &plugin.gpus,
         );
         self.gpunodes
