@@ -4,7 +4,8 @@
 //!
 //! Data flow: [`cli`] says what to run; [`sim`] keeps simulated nodes live so the real
 //! controller publishes real pools for them; [`measure`] runs B1–B7 and returns table rows;
-//! [`probe`] and [`prom`] read the processes and their metrics; [`stats`] summarises samples;
+//! [`probe`] and [`prom`] read the processes and their metrics; [`retry`] rides out a loaded
+//! API server's transient errors; [`stats`] summarises samples;
 //! [`table`] prints the one table. Nothing here asserts speed: only correctness is checked
 //! (and reported in the table).
 
@@ -12,6 +13,7 @@ pub mod cli;
 pub mod measure;
 pub mod probe;
 pub mod prom;
+pub mod retry;
 pub mod sim;
 pub mod stats;
 pub mod table;

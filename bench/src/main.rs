@@ -49,7 +49,20 @@ fn versions(cluster: &Cluster) -> String {
     )
 }
 
+/// SIGINT or SIGTERM.
+async fn interrupted() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
 fn failed_row(id: &'static str, what: &str, error: &anyhow::Error) -> Row {
+    eprintln!("{id} {what} failed: {error:#}");
     Row {
         id,
         measure: what.to_string(),
@@ -67,7 +80,8 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                // kube's client logs every retried 5xx and every skipped certificate check.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube_client=off")),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -111,7 +125,11 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut cluster = Cluster::start(config).await.context("starting the e2e cluster")?;
     let versions = versions(&cluster);
-    let result = run(&args, &mut cluster, &mut rows).await;
+    // Ctrl-C or SIGTERM ends the run early; the cluster is torn down either way.
+    let result = tokio::select! {
+        r = run(&args, &mut cluster, &mut rows) => r,
+        _ = interrupted() => Err(anyhow::anyhow!("interrupted")),
+    };
     let logs = cluster.layout.logs_dir();
     cluster.teardown();
     if let Err(e) = &result {

@@ -87,6 +87,18 @@ impl Metrics {
         Self(text.lines().filter_map(parse_line).collect())
     }
 
+    /// Distinct metric names starting with `prefix` (to say what was there when an expected
+    /// metric was not).
+    pub fn names_with_prefix(&self, prefix: &str) -> Vec<String> {
+        let names: std::collections::BTreeSet<&str> = self
+            .0
+            .iter()
+            .map(|s| s.name.as_str())
+            .filter(|n| n.starts_with(prefix))
+            .collect();
+        names.into_iter().map(str::to_string).collect()
+    }
+
     /// Sum of the samples named `name` whose labels include every `(key, value)` of `labels`.
     pub fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         self.matching(name, labels).map(|s| s.value).sum()

@@ -171,7 +171,10 @@ pub async fn run(cluster: &Cluster, pairs: usize) -> anyhow::Result<NodeResults>
             ms(mean),
             prepares.count
         ),
-        _ => "no NodePrepareResources in the kubelet's metrics".into(),
+        _ => format!(
+            "no NodePrepareResources in the kubelet's metrics (its dra_* metrics: {})",
+            kubelet_after.names_with_prefix("dra_").join(", ")
+        ),
     };
     let plugin_note = plugin_prepare
         .as_ref()

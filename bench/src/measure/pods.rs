@@ -33,7 +33,7 @@ pub async fn create_template(client: &Client, name: &str, class: &str, run: &str
         },
     }))?;
     let api: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);
-    match api.create(&PostParams::default(), &template).await {
+    match crate::retry::retry(|| async { api.create(&PostParams::default(), &template).await }).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
         Err(e) => Err(e).with_context(|| format!("creating claim template {name}")),
@@ -78,7 +78,7 @@ pub async fn wait_running(
 ) -> anyhow::Result<Duration> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     loop {
-        let pod = pods.get(name).await?;
+        let pod = crate::retry::retry(|| pods.get(name)).await?;
         if pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") {
             return Ok(created.elapsed());
         }
@@ -131,11 +131,17 @@ pub async fn delete_run(
         grace_period_seconds: Some(grace_seconds),
         ..DeleteParams::default()
     };
-    pods.delete_collection(&params, &selector).await?;
+    crate::retry::retry(|| pods.delete_collection(&params, &selector)).await?;
     let deadline = Instant::now() + timeout;
     loop {
-        let left_pods = pods.list_metadata(&selector).await?.items.len();
-        let left_claims = claims.list_metadata(&selector).await?.items.len();
+        let left_pods = crate::retry::retry(|| pods.list_metadata(&selector))
+            .await?
+            .items
+            .len();
+        let left_claims = crate::retry::retry(|| claims.list_metadata(&selector))
+            .await?
+            .items
+            .len();
         if left_pods == 0 && left_claims == 0 {
             return Ok(());
         }

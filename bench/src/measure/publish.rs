@@ -177,7 +177,8 @@ async fn floor(client: &Client, template_node: &str, nodes: &[String]) -> anyhow
                     copy.spec.driver = FLOOR_DRIVER.into();
                     copy.spec.node_name = Some(node.clone());
                     copy.spec.pool.name = format!("{node}/{FLOOR_DRIVER}");
-                    slices.create(&PostParams::default(), &copy).await?;
+                    crate::retry::retry(|| async { slices.create(&PostParams::default(), &copy).await })
+                        .await?;
                 }
                 anyhow::Ok(())
             }

@@ -101,7 +101,9 @@ async fn publish_static(client: &Client, nodes: &[String]) -> anyhow::Result<()>
                         "devices": devices,
                     },
                 }))?;
-                match slices.create(&PostParams::default(), &slice).await {
+                match crate::retry::retry(|| async { slices.create(&PostParams::default(), &slice).await })
+                    .await
+                {
                     Ok(_) => Ok(()),
                     Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
                     Err(e) => Err(anyhow::Error::from(e)),

@@ -27,7 +27,7 @@ use super::{
     heartbeat::{Heartbeat, SimPlugin},
     objects::{NODE_LEASE_NAMESPACE, node_gpus, node_lease, node_name, node_object},
 };
-use crate::stats::Samples;
+use crate::{retry::retry, stats::Samples};
 
 /// How often a kubelet renews its node Lease.
 const NODE_LEASE_RENEW: Duration = Duration::from_secs(10);
@@ -88,26 +88,34 @@ impl Fleet {
         if count <= start {
             return Ok(());
         }
-        let client = self.client.clone();
-        let heartbeat = self.heartbeat.clone();
-        let created: Vec<SimPlugin> = stream::iter(start..count)
+        let (client, heartbeat) = (self.client.clone(), self.heartbeat.clone());
+        let (cancel, stats) = (self.cancel.clone(), self.stats.clone());
+        // Each node is kept live from the moment it exists: a node created early must not
+        // go stale while later ones are still being created.
+        let created: Vec<(SimPlugin, JoinHandle<()>)> = stream::iter(start..count)
             .map(|i| {
                 let (client, heartbeat) = (client.clone(), heartbeat.clone());
-                async move { create_node(&client, &heartbeat, i).await }
+                let (cancel, stats) = (cancel.clone(), stats.clone());
+                async move {
+                    let plugin = create_node(&client, &heartbeat, i).await?;
+                    let task = tokio::spawn(keep_live(
+                        client,
+                        heartbeat,
+                        plugin.clone(),
+                        phase(i),
+                        cancel,
+                        stats,
+                    ));
+                    anyhow::Ok((plugin, task))
+                }
             })
             .buffer_unordered(concurrency.max(1))
             .try_collect()
             .await?;
-        for plugin in created {
-            let index = self.plugins.len();
-            self.tasks.push(tokio::spawn(keep_live(
-                self.client.clone(),
-                self.heartbeat.clone(),
-                plugin.clone(),
-                phase(index),
-                self.cancel.clone(),
-                self.stats.clone(),
-            )));
+        let mut created = created;
+        created.sort_by(|a, b| a.0.node.cmp(&b.0.node));
+        for (plugin, task) in created {
+            self.tasks.push(task);
             self.plugins.push(plugin);
         }
         Ok(())
@@ -141,21 +149,24 @@ async fn create_node(client: &Client, heartbeat: &Heartbeat, i: usize) -> anyhow
     let nodes: Api<Node> = Api::all(client.clone());
     let now = Timestamp::now();
     let node = node_object(&name, now)?;
-    let uid = match nodes.create(&PostParams::default(), &node).await {
+    let uid = match retry(|| async { nodes.create(&PostParams::default(), &node).await }).await {
         Ok(n) => n.metadata.uid,
-        Err(kube::Error::Api(e)) if e.code == 409 => nodes.get(&name).await?.metadata.uid,
+        Err(kube::Error::Api(e)) if e.code == 409 => retry(|| nodes.get(&name)).await?.metadata.uid,
         Err(e) => return Err(e).with_context(|| format!("creating Node {name}")),
     }
     .with_context(|| format!("Node {name} has no uid"))?;
     // Status on create is kept for Nodes, but apply it too in case a policy dropped it.
     let status = json!({"status": serde_json::to_value(&node)?["status"].clone()});
-    nodes
-        .patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
-        .await
-        .with_context(|| format!("writing the status of Node {name}"))?;
+    retry(|| async {
+        nodes
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+    })
+    .await
+    .with_context(|| format!("writing the status of Node {name}"))?;
     let leases: Api<Lease> = Api::namespaced(client.clone(), NODE_LEASE_NAMESPACE);
     let lease: Lease = serde_json::from_value(node_lease(&name, &uid, now))?;
-    match leases.create(&PostParams::default(), &lease).await {
+    match retry(|| async { leases.create(&PostParams::default(), &lease).await }).await {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 409 => {}
         Err(e) => return Err(e).with_context(|| format!("creating the node Lease of {name}")),
@@ -166,8 +177,7 @@ async fn create_node(client: &Client, heartbeat: &Heartbeat, i: usize) -> anyhow
         node_uid: uid,
         started: now,
     };
-    heartbeat
-        .announce(&plugin)
+    retry(|| heartbeat.announce(&plugin))
         .await
         .with_context(|| format!("writing the GpuNode of {name}"))?;
     Ok(plugin)

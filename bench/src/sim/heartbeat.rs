@@ -6,9 +6,7 @@
 use std::sync::Arc;
 
 use k8s_openapi::{
-    api::coordination::v1::Lease,
-    apimachinery::pkg::apis::meta::v1::MicroTime,
-    jiff::Timestamp,
+    api::coordination::v1::Lease, apimachinery::pkg::apis::meta::v1::MicroTime, jiff::Timestamp,
 };
 use kube::{
     Api, Client,
@@ -83,7 +81,13 @@ pub struct Heartbeat {
 
 impl Heartbeat {
     /// A writer of `form` for `driver`; Leases live in `namespace` (the driver's).
-    pub fn new(client: Client, form: HeartbeatForm, driver: &str, namespace: &str, interval_seconds: u32) -> Self {
+    pub fn new(
+        client: Client,
+        form: HeartbeatForm,
+        driver: &str,
+        namespace: &str,
+        interval_seconds: u32,
+    ) -> Self {
         Self {
             form,
             interval_seconds,
@@ -130,7 +134,9 @@ impl Heartbeat {
                     "renewTime": now,
                 },
             });
-            self.leases.patch(&name, &Self::apply(), &Patch::Apply(lease)).await?;
+            self.leases
+                .patch(&name, &Self::apply(), &Patch::Apply(lease))
+                .await?;
         }
         self.write_status(plugin).await
     }
