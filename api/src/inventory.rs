@@ -212,3 +212,50 @@ pub struct PublicationStatus {
 pub fn pool_name(node: &str, driver: &str) -> String {
     format!("{node}/{driver}")
 }
+
+/// Label on every plugin heartbeat Lease; its value is the driver name (the controller's
+/// watch selects on it).
+pub const HEARTBEAT_LEASE_LABEL: &str = "gpu.migdra.dev/heartbeat";
+
+/// Longest object name (a DNS subdomain).
+const MAX_OBJECT_NAME: usize = 253;
+
+/// The name of the `coordination.k8s.io/v1` Lease the plugin of `driver` on `node` renews as
+/// its heartbeat, in the plugin's namespace: `<node>.<driver>`. `None` when that is longer
+/// than an object name may be; the plugin then heartbeats in its GpuNode only.
+pub fn heartbeat_lease_name(node: &str, driver: &str) -> Option<String> {
+    let name = format!("{node}.{driver}");
+    (name.len() <= MAX_OBJECT_NAME).then_some(name)
+}
+
+/// The node a heartbeat Lease named by [`heartbeat_lease_name`] belongs to.
+pub fn heartbeat_lease_node<'a>(lease: &'a str, driver: &str) -> Option<&'a str> {
+    lease
+        .strip_suffix(driver)?
+        .strip_suffix('.')
+        .filter(|node| !node.is_empty())
+}
+
+#[cfg(test)]
+mod lease_name_tests {
+    use super::*;
+
+    #[test]
+    fn lease_names_round_trip_and_are_bounded() {
+        let name = heartbeat_lease_name("node-a", DEFAULT_DRIVER_NAME).unwrap();
+        assert_eq!(name, "node-a.gpu.migdra.dev");
+        assert_eq!(heartbeat_lease_node(&name, DEFAULT_DRIVER_NAME), Some("node-a"));
+        assert_eq!(
+            heartbeat_lease_node("node-a.other.dev", DEFAULT_DRIVER_NAME),
+            None
+        );
+        assert_eq!(heartbeat_lease_node(".gpu.migdra.dev", DEFAULT_DRIVER_NAME), None);
+        assert_eq!(
+            heartbeat_lease_node("migdra-controller", DEFAULT_DRIVER_NAME),
+            None
+        );
+        let long = "n".repeat(253 - DEFAULT_DRIVER_NAME.len() - 1);
+        assert!(heartbeat_lease_name(&long, DEFAULT_DRIVER_NAME).is_some());
+        assert!(heartbeat_lease_name(&format!("{long}x"), DEFAULT_DRIVER_NAME).is_none());
+    }
+}

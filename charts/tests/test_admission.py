@@ -1,4 +1,5 @@
-"""The ValidatingAdmissionPolicy that pins each kubelet plugin to its own node's GpuNode.
+"""The ValidatingAdmissionPolicy that pins each kubelet plugin to its own node's GpuNode and
+heartbeat Lease.
 
 The policy's CEL is evaluated with cel-python (a pure-Python CEL implementation) on
 AdmissionRequest-shaped inputs, following the VAP evaluation order: matchConstraints, then
@@ -28,7 +29,13 @@ def plugin_username(rendered) -> str:
     return f"system:serviceaccount:{NAMESPACE}:{sa}"
 
 
-def plugin_request(rendered, node: str | None, operation="UPDATE", subresource="", username=None, extra=None):
+GPUNODES = {"group": "gpu.migdra.dev", "version": "v1alpha1", "resource": "gpunodes"}
+LEASES = {"group": "coordination.k8s.io", "version": "v1", "resource": "leases"}
+
+
+def plugin_request(
+    rendered, node: str | None, operation="UPDATE", subresource="", username=None, extra=None, resource=None
+):
     user = {"username": username or plugin_username(rendered), "groups": ["system:serviceaccounts"]}
     if extra is not None:
         user["extra"] = extra
@@ -36,7 +43,7 @@ def plugin_request(rendered, node: str | None, operation="UPDATE", subresource="
         user["extra"] = {NODE_KEY: [node], "authentication.kubernetes.io/pod-name": ["plugin-x"]}
     return {
         "operation": operation,
-        "resource": {"group": "gpu.migdra.dev", "version": "v1alpha1", "resource": "gpunodes"},
+        "resource": resource or GPUNODES,
         "subResource": subresource,
         "userInfo": user,
     }
@@ -55,7 +62,8 @@ def evaluate_policy(rendered, request: dict, object_name: str) -> tuple[bool, li
     )
     if not matched:
         return True, []
-    obj = {"apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "GpuNode", "metadata": {"name": object_name}}
+    group = request["resource"]["group"]
+    obj = {"apiVersion": f"{group}/{request['resource']['version']}", "metadata": {"name": object_name}}
     activation = {"request": request, "object": obj}
     for condition in spec.get("matchConditions", []):
         if not bool(cel(condition["expression"], activation)):
@@ -74,13 +82,33 @@ def evaluate_policy(rendered, request: dict, object_name: str) -> tuple[bool, li
     return not messages, messages
 
 
-def test_policy_targets_gpunodes_and_status(default):
+def test_policy_targets_gpunodes_status_and_leases(default):
     policy = default.one("ValidatingAdmissionPolicy")
-    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
-    assert rule["apiGroups"] == ["gpu.migdra.dev"]
-    assert sorted(rule["resources"]) == ["gpunodes", "gpunodes/status"]
-    assert sorted(rule["operations"]) == ["CREATE", "UPDATE"]
+    gpunodes, leases = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert gpunodes["apiGroups"] == ["gpu.migdra.dev"]
+    assert sorted(gpunodes["resources"]) == ["gpunodes", "gpunodes/status"]
+    assert leases["apiGroups"] == ["coordination.k8s.io"]
+    assert leases["resources"] == ["leases"]
+    for rule in (gpunodes, leases):
+        assert sorted(rule["operations"]) == ["CREATE", "UPDATE"]
     assert policy["spec"]["failurePolicy"] == "Fail"
+
+
+@pytest.mark.parametrize("operation", ["CREATE", "UPDATE"])
+def test_own_heartbeat_lease_allowed_others_denied(default, operation):
+    request = plugin_request(default, "node-a", operation, resource=LEASES)
+    assert evaluate_policy(default, request, "node-a.gpu.migdra.dev") == (True, [])
+    for name in ("node-b.gpu.migdra.dev", "migdra-controller", "node-a", "node-a.other.dev"):
+        allowed, messages = evaluate_policy(default, request, name)
+        assert not allowed, name
+        assert any("node-a.gpu.migdra.dev" in m and name in m for m in messages), messages
+
+
+def test_heartbeat_lease_name_follows_the_driver_name():
+    rendered = render(sets=["driverName=gpu.example.com"])
+    request = plugin_request(rendered, "n1", resource=LEASES)
+    assert evaluate_policy(rendered, request, "n1.gpu.example.com") == (True, [])
+    assert not evaluate_policy(rendered, request, "n1.gpu.migdra.dev")[0]
 
 
 def test_policy_references_plugin_service_account(default):

@@ -231,9 +231,14 @@ def test_exact_rule_sets(default):
         ("", "nodes", "list"),
         ("", "nodes", "watch"),
     }
-    (lease_role,) = default.all("Role")
-    assert lease_role["metadata"]["namespace"] == NAMESPACE
-    assert flatten(lease_role) == {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update", "patch")}
+    roles = {r["metadata"]["name"].rsplit("-controller-", 1)[-1].rsplit("-kubelet-plugin-", 1)[-1]: r for r in default.all("Role")}
+    assert sorted(roles) == ["heartbeat", "heartbeats", "leader-election"]
+    for role in roles.values():
+        assert role["metadata"]["namespace"] == NAMESPACE
+    leases = lambda *verbs: {("coordination.k8s.io", "leases", v) for v in verbs}  # noqa: E731
+    assert flatten(roles["leader-election"]) == leases("get", "create", "update", "patch")
+    assert flatten(roles["heartbeats"]) == leases("get", "list", "watch")
+    assert flatten(roles["heartbeat"]) == leases("get", "create", "patch")
 
 
 def test_bindings_point_at_the_workload_service_accounts(case):
@@ -251,4 +256,6 @@ def test_bindings_point_at_the_workload_service_accounts(case):
 
 def test_custom_service_account_name(custom):
     assert custom.one("Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "custom-controller"
-    assert not custom.all("Role"), "leader election is off in values-custom.yaml: no Lease access"
+    roles = [r["metadata"]["name"] for r in custom.all("Role")]
+    assert not any(n.endswith("leader-election") for n in roles), "leader election is off in values-custom.yaml"
+    assert len(roles) == 2, "only the heartbeat Lease access of the controller and the plugin"

@@ -187,7 +187,11 @@ def test_single_replica_without_leader_election_renders():
     rendered = Rendered(
         run_helm(*template_args(sets=["controller.replicas=1", "controller.leaderElection.enabled=false"])).stdout
     )
-    assert not rendered.all("Role") and not rendered.all("RoleBinding"), "no Lease access without leader election"
+    roles = sorted(r["metadata"]["name"] for r in rendered.all("Role"))
+    assert roles == ["migdra-controller-heartbeats", "migdra-kubelet-plugin-heartbeat"], (
+        "without leader election only the heartbeat Lease access"
+    )
+    assert len(rendered.all("RoleBinding")) == 2
     assert not rendered.all("PodDisruptionBudget")
     env = {e["name"]: e.get("value") for e in rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["LEADER_ELECT"] == "false"

@@ -21,7 +21,7 @@ pub struct Args {
     /// Kubeconfig file (default: $KUBECONFIG, ~/.kube/config or the in-cluster configuration).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
-    /// Namespace of the leader-election Lease.
+    /// Namespace of the leader-election Lease and of the plugins' heartbeat Leases.
     #[arg(long, env = "POD_NAMESPACE", default_value = "migdra-system")]
     pub namespace: String,
     /// This replica's identity in the Lease (default: the host name).
@@ -55,6 +55,12 @@ pub struct Args {
     #[arg(long, env = "MASS_EXPIRY_THRESHOLD", default_value_t = crate::liveness::DEFAULT_MASS_EXPIRY_THRESHOLD,
           value_parser = parse_fraction)]
     pub mass_expiry_threshold: f64,
+    /// Most nodes reconciled at once. Bounds the memory of a cold start (each publishing
+    /// reconciliation holds its pool's slices and the server's answers) and the write
+    /// concurrency against the API server.
+    #[arg(long, env = "MAX_CONCURRENT_RECONCILES", default_value_t = 16,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub max_concurrent_reconciles: u16,
     /// Address of the HTTP endpoint (/metrics, /healthz, /readyz).
     #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
     pub http_address: SocketAddr,
@@ -129,6 +135,7 @@ mod tests {
         assert_eq!(a.heartbeat_timeout(), Duration::from_secs(25));
         assert_eq!(a.heartbeat_timeout(), crate::liveness::DEFAULT_HEARTBEAT_TIMEOUT);
         assert_eq!(a.mass_expiry_threshold, 0.55);
+        assert_eq!(a.max_concurrent_reconciles, 16);
         assert_eq!(a.http_address, "0.0.0.0:8080".parse().unwrap());
         assert!(!a.identity().is_empty());
 

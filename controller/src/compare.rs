@@ -1,8 +1,18 @@
 //! The pure diff between the slices a pool should have and the slices it has.
 //!
-//! Two slices are the same when their specs are *semantically* equal, ignoring
-//! `pool.generation` (which only changes because something else did):
+//! The controller caches only the *metadata* of its slices (a pool of 208 devices is ~150 kB
+//! of objects; 2,000 nodes' worth would be gigabytes). Every slice it writes carries two
+//! annotations: [`SPEC_HASH_ANNOTATION`], a hash of the canonical form of the spec it wrote,
+//! and [`GENERATION_ANNOTATION`], the pool generation. A desired slice is unchanged when the
+//! cached slice of the same name at the pool's generation carries the desired spec's hash.
+//! A slice without them (written by an older controller) counts as new, so the pool is
+//! rewritten once at a new generation. (A spec edited by hand behind the controller's back
+//! is not noticed until the pool changes; the controller is the slices' only writer.)
 //!
+//! The canonical form ([`normalize_spec`]) makes semantically equal specs hash alike, and is
+//! what the written slice is checked against the API server's answer with ([`specs_match`]):
+//!
+//! * `pool.generation` is ignored (it only changes because something else did);
 //! * absent and empty lists and maps are equal (the API server drops empty ones);
 //! * absent and `false` booleans are equal;
 //! * quantities are compared by value (the API server rewrites `40960Mi` as `40Gi` and
@@ -25,8 +35,37 @@ use k8s_openapi::{
     },
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::Time},
 };
-use kube::ResourceExt;
+use kube::{ResourceExt, core::PartialObjectMeta};
 use migdra_api::slices::quantity;
+use sha2::{Digest, Sha256};
+
+/// What the controller caches of a slice.
+pub type SliceMeta = PartialObjectMeta<ResourceSlice>;
+
+/// Annotation on every written slice: the hash of its canonical spec ([`spec_hash`]).
+pub const SPEC_HASH_ANNOTATION: &str = "gpu.migdra.dev/spec-hash";
+
+/// Annotation on every written slice: its `spec.pool.generation`.
+pub const GENERATION_ANNOTATION: &str = "gpu.migdra.dev/pool-generation";
+
+/// The hash of `spec`'s canonical form ([`normalize_spec`]): 128 bits of SHA-256 over its
+/// JSON (struct fields in declaration order, maps sorted), in hex.
+pub fn spec_hash(spec: &ResourceSliceSpec) -> String {
+    let json = serde_json::to_vec(&normalize_spec(spec)).unwrap_or_default();
+    hex::encode(&Sha256::digest(&json)[..16])
+}
+
+/// The pool generation a cached slice was written with, if the controller wrote it.
+pub fn cached_generation(slice: &SliceMeta) -> Option<i64> {
+    slice
+        .annotations()
+        .get(GENERATION_ANNOTATION)
+        .and_then(|g| g.parse().ok())
+}
+
+fn cached_hash(slice: &SliceMeta) -> Option<&str> {
+    slice.annotations().get(SPEC_HASH_ANNOTATION).map(String::as_str)
+}
 
 /// One write of the pool.
 #[derive(Clone, Debug, PartialEq)]
@@ -79,43 +118,49 @@ impl PoolDiff {
     }
 }
 
-/// Compares `desired` (in pool order, generation not yet set) with `current`, and plans the
-/// writes, bumping the pool generation exactly when the upstream ResourceSlice controller
-/// (`k8s.io/dynamic-resource-allocation/resourceslice`) would:
+/// Compares `desired` (in pool order, generation not yet set) with the cached metadata of the
+/// `current` slices, and plans the writes, bumping the pool generation exactly when the
+/// upstream ResourceSlice controller (`k8s.io/dynamic-resource-allocation/resourceslice`)
+/// would:
 ///
 /// * current slices below the highest current generation are obsolete, and so are slices
 ///   whose names the pool no longer has; obsolete slices are deleted, which alone bumps
 ///   nothing;
-/// * a desired slice without a current one at the highest generation is new;
-/// * when nothing is new and at most one slice's spec changed, the generation is kept and
-///   only the changed slice is rewritten (one update is atomic: the scheduler never sees a
-///   mix); otherwise the generation goes one above both the highest current generation and
-///   `published_generation` (the last one recorded in the GpuNode status, which outlives
-///   withdrawn slices), and every desired slice is written with it.
+/// * a desired slice without a current one at the highest generation is new (so is one the
+///   controller did not annotate);
+/// * when nothing is new and at most one slice's spec changed (its hash differs), the
+///   generation is kept and only the changed slice is rewritten (one update is atomic: the
+///   scheduler never sees a mix); otherwise the generation goes one above both the highest
+///   current generation and `published_generation` (the last one recorded in the GpuNode
+///   status, which outlives withdrawn slices), and every desired slice is written with it.
 ///
 /// A slice whose spec matches but whose controller-set metadata (node label, owner
 /// reference) is missing is rewritten too, without counting as a change: the scheduler does
-/// not read metadata. Every written device taint keeps the `timeAdded` of the same taint
-/// (key, value, effect) on the same device in the live pool, so a rewrite does not make an
-/// old taint look new.
+/// not read metadata. Every write carries the hash and generation annotations. Device taint
+/// times are not in the cache: see [`keep_taint_times`].
 pub fn diff_pool(
     desired: Vec<ResourceSlice>,
-    current: &[Arc<ResourceSlice>],
+    current: &[Arc<SliceMeta>],
     published_generation: Option<i64>,
 ) -> PoolDiff {
-    let by_name: BTreeMap<String, &ResourceSlice> =
-        current.iter().map(|s| (s.name_any(), s.as_ref())).collect();
-    let current_generation = current.iter().map(|s| s.spec.pool.generation).max().unwrap_or(0);
+    let by_name: BTreeMap<String, &SliceMeta> = current.iter().map(|s| (s.name_any(), s.as_ref())).collect();
+    let current_generation = current
+        .iter()
+        .filter_map(|s| cached_generation(s))
+        .max()
+        .unwrap_or(0);
     let desired_names: BTreeSet<String> = desired.iter().map(|s| s.name_any()).collect();
 
     let mut new = 0usize;
     let mut spec_changed = BTreeSet::new();
     let mut metadata_changed = BTreeSet::new();
+    let mut hashes = Vec::with_capacity(desired.len());
     for want in &desired {
         let name = want.name_any();
+        let hash = spec_hash(&want.spec);
         match by_name.get(&name) {
-            Some(have) if have.spec.pool.generation == current_generation => {
-                if !specs_match(&want.spec, &have.spec) {
+            Some(have) if cached_generation(have) == Some(current_generation) => {
+                if cached_hash(have) != Some(hash.as_str()) {
                     spec_changed.insert(name);
                 } else if !metadata_matches(want, have) {
                     metadata_changed.insert(name);
@@ -123,6 +168,7 @@ pub fn diff_pool(
             }
             _ => new += 1,
         }
+        hashes.push(hash);
     }
     let deletes: Vec<SliceDelete> = by_name
         .iter()
@@ -139,16 +185,18 @@ pub fn diff_pool(
     } else {
         current_generation.max(published_generation.unwrap_or(0)) + 1
     };
-    let times = taint_times(current);
     let writes = desired
         .into_iter()
-        .filter(|slice| {
+        .zip(hashes)
+        .filter(|(slice, _)| {
             let name = slice.name_any();
             !keep || spec_changed.contains(&name) || metadata_changed.contains(&name)
         })
-        .map(|mut slice| {
+        .map(|(mut slice, hash)| {
             slice.spec.pool.generation = generation;
-            keep_taint_times(&mut slice, &times);
+            let annotations = slice.metadata.annotations.get_or_insert_default();
+            annotations.insert(SPEC_HASH_ANNOTATION.to_string(), hash);
+            annotations.insert(GENERATION_ANNOTATION.to_string(), generation.to_string());
             match by_name.get(&slice.name_any()) {
                 Some(have) => {
                     slice.metadata.resource_version = have.metadata.resource_version.clone();
@@ -172,10 +220,33 @@ pub fn diff_pool(
 /// A taint's identity on a device: (device name, key, value, effect).
 type TaintKey = (String, String, Option<String>, String);
 
-/// The `timeAdded` of every taint in the live pool.
-fn taint_times(current: &[Arc<ResourceSlice>]) -> BTreeMap<TaintKey, Time> {
-    let mut times = BTreeMap::new();
-    for device in current.iter().flat_map(|s| s.spec.devices.iter().flatten()) {
+/// The names of the slices `diff` replaces with at least one device taint: the slices whose
+/// live versions [`keep_taint_times`] needs.
+pub fn tainted_replacements(diff: &PoolDiff) -> Vec<String> {
+    diff.writes
+        .iter()
+        .filter_map(|w| match w {
+            SliceWrite::Replace(s) if has_taints(s) => Some(s.name_any()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn has_taints(slice: &ResourceSlice) -> bool {
+    slice
+        .spec
+        .devices
+        .iter()
+        .flatten()
+        .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()))
+}
+
+/// Gives every written taint without a `timeAdded` the one the same taint (key, value,
+/// effect) on the same device has in `live` (the current slices, read from the API server),
+/// so a rewrite does not make an old taint look new.
+pub fn keep_taint_times(diff: &mut PoolDiff, live: &[ResourceSlice]) {
+    let mut times: BTreeMap<TaintKey, Time> = BTreeMap::new();
+    for device in live.iter().flat_map(|s| s.spec.devices.iter().flatten()) {
         for taint in device.taints.iter().flatten() {
             if let Some(time) = &taint.time_added {
                 times
@@ -184,7 +255,20 @@ fn taint_times(current: &[Arc<ResourceSlice>]) -> BTreeMap<TaintKey, Time> {
             }
         }
     }
-    times
+    if times.is_empty() {
+        return;
+    }
+    for write in &mut diff.writes {
+        let (SliceWrite::Create(slice) | SliceWrite::Replace(slice)) = write;
+        for device in slice.spec.devices.iter_mut().flatten() {
+            let name = device.name.clone();
+            for taint in device.taints.iter_mut().flatten() {
+                if taint.time_added.is_none() {
+                    taint.time_added = times.get(&taint_key(&name, taint)).cloned();
+                }
+            }
+        }
+    }
 }
 
 fn taint_key(device: &str, taint: &DeviceTaint) -> TaintKey {
@@ -196,30 +280,12 @@ fn taint_key(device: &str, taint: &DeviceTaint) -> TaintKey {
     )
 }
 
-/// Gives every taint of `slice` without a `timeAdded` the one the live pool has for it.
-fn keep_taint_times(slice: &mut ResourceSlice, times: &BTreeMap<TaintKey, Time>) {
-    for device in slice.spec.devices.iter_mut().flatten() {
-        let name = device.name.clone();
-        for taint in device.taints.iter_mut().flatten() {
-            if taint.time_added.is_none() {
-                taint.time_added = times.get(&taint_key(&name, taint)).cloned();
-            }
-        }
-    }
-}
-
-/// True when `have` carries everything `want` sets: the same spec (semantically, ignoring
-/// the generation), the wanted labels and the wanted owner references.
-pub fn slice_matches(want: &ResourceSlice, have: &ResourceSlice) -> bool {
-    specs_match(&want.spec, &have.spec) && metadata_matches(want, have)
-}
-
 /// Semantic equality of two slice specs, ignoring `pool.generation`.
 pub fn specs_match(a: &ResourceSliceSpec, b: &ResourceSliceSpec) -> bool {
     normalize_spec(a) == normalize_spec(b)
 }
 
-fn metadata_matches(want: &ResourceSlice, have: &ResourceSlice) -> bool {
+fn metadata_matches(want: &ResourceSlice, have: &SliceMeta) -> bool {
     let labels = have.labels();
     let labels_ok = want.labels().iter().all(|(k, v)| labels.get(k) == Some(v));
     let owners = have.owner_references();
@@ -443,12 +509,36 @@ mod tests {
         Arc::new(s)
     }
 
+    /// The cached metadata of `s` as the controller wrote it (hash and generation
+    /// annotations), plus what the server and others add.
+    fn cached(s: ResourceSlice, rv: &str) -> Arc<SliceMeta> {
+        let mut metadata = s.metadata.clone();
+        metadata.resource_version = Some(rv.into());
+        metadata.uid = Some(format!("uid-{}", s.name_any()));
+        metadata
+            .labels
+            .get_or_insert_default()
+            .insert("extra".into(), "added-by-someone".into());
+        let annotations = metadata.annotations.get_or_insert_default();
+        annotations.insert(SPEC_HASH_ANNOTATION.into(), spec_hash(&s.spec));
+        annotations.insert(GENERATION_ANNOTATION.into(), s.spec.pool.generation.to_string());
+        Arc::new(SliceMeta {
+            metadata,
+            ..Default::default()
+        })
+    }
+
     #[test]
     fn semantic_equality_ignores_server_normalisation() {
         let want = slice("a", 0, vec![device("40960Mi", true)]);
         let have = as_stored(slice("a", 7, vec![device("40960Mi", true)]), "5");
         assert_ne!(want.spec, have.spec);
-        assert!(slice_matches(&want, &have));
+        assert!(specs_match(&want.spec, &have.spec));
+        assert_eq!(spec_hash(&want.spec), spec_hash(&have.spec), "hashed alike");
+        assert_ne!(
+            spec_hash(&want.spec),
+            spec_hash(&slice("a", 0, vec![device("40959Mi", true)]).spec)
+        );
         assert!(!specs_match(
             &want.spec,
             &slice("a", 0, vec![device("40Gi", false)]).spec
@@ -470,21 +560,53 @@ mod tests {
     #[test]
     fn missing_owner_or_label_is_a_change() {
         let want = slice("a", 0, vec![device("1", false)]);
-        let mut have = (*as_stored(want.clone(), "1")).clone();
-        assert!(slice_matches(&want, &have));
-        have.metadata.owner_references = None;
-        assert!(!slice_matches(&want, &have));
-        let mut have = (*as_stored(want.clone(), "1")).clone();
-        have.metadata.labels = None;
-        assert!(!slice_matches(&want, &have));
+        let have = cached(want.clone(), "1");
+        assert!(metadata_matches(&want, &have));
+        let mut no_owner = (*have).clone();
+        no_owner.metadata.owner_references = None;
+        assert!(!metadata_matches(&want, &no_owner));
+        let mut no_label = (*have).clone();
+        no_label.metadata.labels = None;
+        assert!(!metadata_matches(&want, &no_label));
+    }
+
+    #[test]
+    fn slices_of_an_older_controller_are_rewritten_once_at_a_new_generation() {
+        // No annotations: the spec cannot be compared, so the pool is rewritten, atomically.
+        let desired = vec![slice("a", 0, vec![device("1", false)]), slice("b", 0, vec![])];
+        let unannotated = |s: ResourceSlice, rv: &str| {
+            let mut s = (*cached(s, rv)).clone();
+            s.metadata.annotations = None;
+            Arc::new(s)
+        };
+        let current = vec![
+            unannotated(slice("a", 3, vec![device("1", false)]), "10"),
+            unannotated(slice("b", 3, vec![]), "11"),
+        ];
+        let diff = diff_pool(desired.clone(), &current, Some(3));
+        assert_eq!(diff.generation, 4);
+        assert_eq!(diff.writes.len(), 2);
+        assert!(matches!(diff.writes[0], SliceWrite::Replace(_)));
+        // What was written is annotated, so the next pass writes nothing.
+        let written: Vec<Arc<SliceMeta>> = diff
+            .writes
+            .iter()
+            .map(|w| {
+                let s = w.slice();
+                assert_eq!(s.annotations()[GENERATION_ANNOTATION], "4");
+                assert_eq!(s.annotations()[SPEC_HASH_ANNOTATION], spec_hash(&s.spec));
+                cached(s.clone(), "20")
+            })
+            .collect();
+        assert!(diff_pool(desired, &written, Some(4)).is_empty());
     }
 
     #[test]
     fn unchanged_pool_needs_no_writes() {
         let desired = vec![slice("a", 0, vec![device("1", false)]), slice("b", 0, vec![])];
         let current = vec![
-            as_stored(slice("a", 3, vec![device("1", false)]), "10"),
-            as_stored(slice("b", 3, vec![]), "11"),
+            cached(slice("a", 3, vec![device("1", false)]), "10"),
+            cached(slice("b", 3, vec![]), "11"),
         ];
         let diff = diff_pool(desired, &current, Some(3));
         assert!(diff.is_empty());
@@ -495,8 +617,8 @@ mod tests {
     fn a_change_rewrites_every_slice_with_a_new_generation() {
         let desired = vec![slice("a", 0, vec![device("2", false)]), slice("c", 0, vec![])];
         let current = vec![
-            as_stored(slice("a", 3, vec![device("1", false)]), "10"),
-            as_stored(slice("b", 3, vec![]), "11"),
+            cached(slice("a", 3, vec![device("1", false)]), "10"),
+            cached(slice("b", 3, vec![]), "11"),
         ];
         let diff = diff_pool(desired, &current, Some(5));
         assert_eq!(diff.generation, 6, "above the published generation");
@@ -523,8 +645,8 @@ mod tests {
     fn mixed_generations_are_repaired() {
         let desired = vec![slice("a", 0, vec![]), slice("b", 0, vec![])];
         let current = vec![
-            as_stored(slice("a", 4, vec![]), "10"),
-            as_stored(slice("b", 3, vec![]), "11"),
+            cached(slice("a", 4, vec![]), "10"),
+            cached(slice("b", 3, vec![]), "11"),
         ];
         let diff = diff_pool(desired, &current, None);
         assert_eq!(diff.generation, 5);
@@ -541,8 +663,8 @@ mod tests {
     fn one_changed_slice_is_rewritten_alone_at_the_same_generation() {
         let desired = vec![slice("a", 0, vec![device("2", false)]), slice("b", 0, vec![])];
         let current = vec![
-            as_stored(slice("a", 3, vec![device("1", false)]), "10"),
-            as_stored(slice("b", 3, vec![]), "11"),
+            cached(slice("a", 3, vec![device("1", false)]), "10"),
+            cached(slice("b", 3, vec![]), "11"),
         ];
         let diff = diff_pool(desired, &current, Some(3));
         assert_eq!(diff.generation, 3, "one update is atomic: no new generation");
@@ -564,9 +686,9 @@ mod tests {
             slice("c", 0, vec![]),
         ];
         let current = vec![
-            as_stored(slice("a", 3, vec![device("1", false)]), "10"),
-            as_stored(slice("b", 3, vec![device("1", false)]), "11"),
-            as_stored(slice("c", 3, vec![]), "12"),
+            cached(slice("a", 3, vec![device("1", false)]), "10"),
+            cached(slice("b", 3, vec![device("1", false)]), "11"),
+            cached(slice("c", 3, vec![]), "12"),
         ];
         let diff = diff_pool(desired, &current, Some(3));
         assert_eq!(diff.generation, 4);
@@ -577,7 +699,7 @@ mod tests {
     #[test]
     fn a_new_slice_bumps_the_generation() {
         let desired = vec![slice("a", 0, vec![]), slice("b", 0, vec![])];
-        let current = vec![as_stored(slice("a", 3, vec![]), "10")];
+        let current = vec![cached(slice("a", 3, vec![]), "10")];
         let diff = diff_pool(desired, &current, None);
         assert_eq!(diff.generation, 4);
         assert_eq!(diff.writes.len(), 2);
@@ -589,8 +711,8 @@ mod tests {
         // (its resourceSliceCount), which is a single update.
         let desired = vec![with_count(slice("a", 0, vec![]), 1)];
         let current = vec![
-            as_stored(slice("a", 3, vec![]), "10"),
-            as_stored(slice("b", 3, vec![]), "11"),
+            cached(slice("a", 3, vec![]), "10"),
+            cached(slice("b", 3, vec![]), "11"),
         ];
         let diff = diff_pool(desired, &current, None);
         assert_eq!(diff.generation, 3);
@@ -607,9 +729,9 @@ mod tests {
     fn obsolete_slices_alone_bump_nothing() {
         let desired = vec![slice("a", 0, vec![]), slice("b", 0, vec![])];
         let current = vec![
-            as_stored(slice("a", 3, vec![]), "10"),
-            as_stored(slice("b", 3, vec![]), "11"),
-            as_stored(slice("old", 2, vec![]), "9"),
+            cached(slice("a", 3, vec![]), "10"),
+            cached(slice("b", 3, vec![]), "11"),
+            cached(slice("old", 2, vec![]), "9"),
         ];
         let diff = diff_pool(desired, &current, None);
         assert_eq!(diff.generation, 3);
@@ -621,7 +743,7 @@ mod tests {
     fn missing_metadata_is_rewritten_without_a_new_generation() {
         let desired = vec![slice("a", 0, vec![]), slice("b", 0, vec![])];
         let strip = |s: ResourceSlice, rv: &str| {
-            let mut s = (*as_stored(s, rv)).clone();
+            let mut s = (*cached(s, rv)).clone();
             s.metadata.owner_references = None;
             Arc::new(s)
         };
@@ -642,8 +764,8 @@ mod tests {
     #[test]
     fn rewritten_taints_keep_their_time_added() {
         let added = Time(Timestamp::from_second(1_700_000_000).unwrap());
-        let mut have = (*as_stored(slice("a", 3, vec![device("1", true)]), "10")).clone();
-        have.spec.devices.as_mut().unwrap()[0].taints.as_mut().unwrap()[0].time_added = Some(added.clone());
+        let mut live = (*as_stored(slice("a", 3, vec![device("1", true)]), "10")).clone();
+        live.spec.devices.as_mut().unwrap()[0].taints.as_mut().unwrap()[0].time_added = Some(added.clone());
         // The device's capacity changes and it gains a second taint.
         let mut want = slice("a", 0, vec![device("2", true)]);
         want.spec.devices.as_mut().unwrap()[0]
@@ -655,30 +777,32 @@ mod tests {
                 effect: "NoSchedule".into(),
                 ..Default::default()
             });
-        let diff = diff_pool(vec![want], &[Arc::new(have)], None);
+        let current = [cached(slice("a", 3, vec![device("1", true)]), "10")];
+        let mut diff = diff_pool(vec![want], &current, None);
+        assert_eq!(tainted_replacements(&diff), ["a"]);
+        keep_taint_times(&mut diff, &[live.clone()]);
         let written = diff.writes[0].slice();
         let taints = written.spec.devices.as_ref().unwrap()[0].taints.as_ref().unwrap();
         assert_eq!(taints[0].time_added, Some(added), "the old taint keeps its time");
         assert_eq!(taints[1].time_added, None, "the new taint gets the server's time");
 
         // A taint with another effect is another taint.
-        let mut have = (*as_stored(slice("a", 3, vec![device("1", true)]), "10")).clone();
-        have.spec.devices.as_mut().unwrap()[0].taints.as_mut().unwrap()[0].effect = "NoExecute".into();
-        let diff = diff_pool(
-            vec![slice("a", 0, vec![device("2", true)])],
-            &[Arc::new(have)],
-            None,
-        );
+        live.spec.devices.as_mut().unwrap()[0].taints.as_mut().unwrap()[0].effect = "NoExecute".into();
+        let mut diff = diff_pool(vec![slice("a", 0, vec![device("2", true)])], &current, None);
+        keep_taint_times(&mut diff, &[live]);
         let taints = diff.writes[0].slice().spec.devices.as_ref().unwrap()[0]
             .taints
             .clone()
             .unwrap();
         assert_eq!(taints[0].time_added, None);
+        // Nothing tainted, nothing to read.
+        let diff = diff_pool(vec![slice("a", 0, vec![device("2", false)])], &current, None);
+        assert!(tainted_replacements(&diff).is_empty());
     }
 
     #[test]
     fn withdrawing_deletes_everything() {
-        let current = vec![as_stored(slice("a", 4, vec![]), "10")];
+        let current = vec![cached(slice("a", 4, vec![]), "10")];
         let diff = diff_pool(Vec::new(), &current, None);
         assert!(diff.writes.is_empty());
         assert_eq!(diff.deletes.len(), 1);

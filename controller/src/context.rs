@@ -1,17 +1,18 @@
 //! What every reconciliation shares: the API handles, the caches fed by the watches, the
-//! write expectations, the event recorder and the metrics.
+//! write expectations, which nodes are live, the event recorder and the metrics.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use k8s_openapi::{
     api::{
+        coordination::v1::Lease,
         core::v1::Node,
         resource::v1::{ResourceClaim, ResourceSlice},
     },
@@ -22,13 +23,23 @@ use kube::{
     core::PartialObjectMeta,
     runtime::{
         events::{Recorder, Reporter},
-        reflector::Store,
+        reflector::{ObjectRef, Store},
+        watcher,
     },
 };
-use migdra_api::{inventory::GpuNode, policy::MigPolicy};
+use migdra_api::{
+    inventory::{GpuNode, heartbeat_lease_name},
+    policy::MigPolicy,
+};
 
 use crate::{
-    error::Error, expectations::Expectations, liveness::HeartbeatCensus, metrics::Metrics,
+    compare::SliceMeta,
+    error::Error,
+    expectations::Expectations,
+    geometries::Geometries,
+    liveness::{HeartbeatCensus, LeaseBeat},
+    metrics::Metrics,
+    naming::slice_node,
     status::FIELD_MANAGER,
 };
 
@@ -46,6 +57,16 @@ pub struct ControllerConfig {
     pub identity: String,
     /// How long a reconciliation waits for the caches to fill before failing.
     pub ready_timeout: Duration,
+    /// Namespace of the plugins' heartbeat Leases (the controller's own).
+    pub heartbeat_namespace: String,
+    /// How long one heartbeat census (a pass over every GpuNode) is reused by the
+    /// reconciliations that follow it.
+    pub census_ttl: Duration,
+    /// Most nodes reconciled at once (0: unbounded).
+    pub concurrency: u16,
+    /// Heartbeat expiry alone withdraws at most one pool per this interval (see
+    /// [`Context::allow_expiry_withdrawal`]); zero: no limit.
+    pub expiry_withdrawal_interval: Duration,
 }
 
 /// The caches the reconciler reads.
@@ -57,10 +78,12 @@ pub struct Stores {
     pub nodes: Store<PartialObjectMeta<Node>>,
     /// All MigPolicies.
     pub policies: Store<MigPolicy>,
-    /// This driver's ResourceSlices.
-    pub slices: Store<ResourceSlice>,
+    /// The metadata of this driver's ResourceSlices (see [`crate::compare`]).
+    pub slices: Store<SliceMeta>,
     /// Every ResourceClaim, cut down to this driver's allocation results.
     pub claims: Store<ResourceClaim>,
+    /// The plugins' heartbeat Leases of this driver.
+    pub leases: Store<Lease>,
 }
 
 /// Shared state of the reconcilers.
@@ -77,18 +100,74 @@ pub struct Context {
     pub nodes: Store<PartialObjectMeta<Node>>,
     /// MigPolicy cache.
     pub policies: Store<MigPolicy>,
-    /// ResourceSlice cache (this driver's only).
-    pub slices: Store<ResourceSlice>,
+    /// ResourceSlice metadata cache (this driver's only).
+    pub slices: Store<SliceMeta>,
     /// ResourceClaim cache (this driver's allocation results only).
     pub claims: Store<ResourceClaim>,
+    /// Heartbeat Lease cache.
+    pub leases: Store<Lease>,
     /// What the slice cache should show after our writes.
     pub expectations: Expectations,
+    /// The MIG geometries moved out of the cached GpuNodes.
+    pub geometries: Arc<Geometries>,
     /// Kubernetes events.
     pub recorder: Recorder,
     /// Metrics.
     pub metrics: Metrics,
     failures: Mutex<HashMap<String, u32>>,
     holding: AtomicBool,
+    census: Mutex<Option<(Instant, HeartbeatCensus, bool)>>,
+    last_expiry_withdrawal: Mutex<Option<Instant>>,
+    /// Nodes whose last reconciliation found the plugin live: a Lease renewal of theirs needs
+    /// no reconciliation (their expiry timer re-checks), one of any other node does.
+    live: Mutex<HashSet<String>>,
+    /// The names of the cached slices per node, so a reconciliation looks at its node's
+    /// slices only, not at every slice in the cache.
+    slice_index: Mutex<SliceIndex>,
+    /// Per node, what the last reconciliation that found the pool up to date saw.
+    memos: Mutex<HashMap<String, crate::reconcile::Memo>>,
+}
+
+/// Slice names by node, maintained from the slice watch like the cache itself (a relist
+/// builds a new index, swapped in when it is complete).
+#[derive(Debug, Default)]
+struct SliceIndex {
+    by_node: HashMap<String, HashSet<String>>,
+    relisting: Option<HashMap<String, HashSet<String>>>,
+}
+
+impl SliceIndex {
+    fn observe(&mut self, event: &watcher::Event<SliceMeta>) {
+        let entry = |index: &mut HashMap<String, HashSet<String>>, slice: &SliceMeta| {
+            if let (Some(node), Some(name)) = (slice_node(slice), slice.metadata.name.as_ref()) {
+                index.entry(node.to_string()).or_default().insert(name.clone());
+            }
+        };
+        match event {
+            watcher::Event::Apply(slice) => entry(&mut self.by_node, slice),
+            watcher::Event::Delete(slice) => {
+                if let (Some(node), Some(name)) = (slice_node(slice), slice.metadata.name.as_ref())
+                    && let Some(names) = self.by_node.get_mut(node)
+                {
+                    names.remove(name);
+                    if names.is_empty() {
+                        self.by_node.remove(node);
+                    }
+                }
+            }
+            watcher::Event::Init => self.relisting = Some(HashMap::new()),
+            watcher::Event::InitApply(slice) => {
+                if let Some(index) = &mut self.relisting {
+                    entry(index, slice);
+                }
+            }
+            watcher::Event::InitDone => {
+                if let Some(index) = self.relisting.take() {
+                    self.by_node = index;
+                }
+            }
+        }
+    }
 }
 
 impl Context {
@@ -107,12 +186,47 @@ impl Context {
             policies: stores.policies,
             slices: stores.slices,
             claims: stores.claims,
+            leases: stores.leases,
             expectations: Expectations::default(),
+            geometries: Arc::new(Geometries::default()),
             metrics,
             config,
             failures: Mutex::new(HashMap::new()),
             holding: AtomicBool::new(false),
+            census: Mutex::new(None),
+            last_expiry_withdrawal: Mutex::new(None),
+            live: Mutex::new(HashSet::new()),
+            slice_index: Mutex::new(SliceIndex::default()),
+            memos: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Feeds one event of the slice watch (after the cache applied it) to the slice index and
+    /// the expectations; returns how many owned slices it showed wiped by someone else.
+    pub fn observe_slice_event(&self, event: &watcher::Event<SliceMeta>) -> usize {
+        self.slice_index
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .observe(event);
+        self.expectations.observe(event)
+    }
+
+    /// The memo of `node`'s last up-to-date reconciliation.
+    pub fn memo(&self, node: &str) -> Option<crate::reconcile::Memo> {
+        self.memos
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(node)
+            .cloned()
+    }
+
+    /// Records (or, with `None`, forgets) `node`'s memo.
+    pub fn set_memo(&self, node: &str, memo: Option<crate::reconcile::Memo>) {
+        let mut memos = self.memos.lock().unwrap_or_else(|p| p.into_inner());
+        match memo {
+            Some(memo) => memos.insert(node.to_string(), memo),
+            None => memos.remove(node),
+        };
     }
 
     /// Waits until every cache has its initial list (a pool computed from a half-filled policy
@@ -125,6 +239,8 @@ impl Context {
         wait_for("ResourceSlice", timeout, self.slices.wait_until_ready()).await?;
         // A pool computed without the claims could drop a device that is in use.
         wait_for("ResourceClaim", timeout, self.claims.wait_until_ready()).await?;
+        // Without the Leases every new plugin's GpuNode heartbeat looks minutes old.
+        wait_for("Lease", timeout, self.leases.wait_until_ready()).await?;
         Ok(())
     }
 
@@ -133,26 +249,72 @@ impl Context {
         crate::claims::allocated_on(&self.claims.state(), &self.config.driver, node)
     }
 
-    /// The cached slices of this driver on `node`.
-    pub fn node_slices(&self, node: &str) -> Vec<Arc<ResourceSlice>> {
-        self.slices.state_filter(|s| {
-            s.spec.driver == self.config.driver && s.spec.node_name.as_deref() == Some(node)
-        })
+    /// The cached slices of this driver on `node` (the watch selects the driver), by name.
+    pub fn node_slices(&self, node: &str) -> Vec<Arc<SliceMeta>> {
+        let index = self.slice_index.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(names) = index.by_node.get(node) else {
+            return Vec::new();
+        };
+        let mut slices: Vec<Arc<SliceMeta>> = names
+            .iter()
+            .filter_map(|name| self.slices.get(&ObjectRef::new(name)))
+            .filter(|s| slice_node(s) == Some(node))
+            .collect();
+        slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        slices
     }
 
-    /// The heartbeats of every GpuNode of this driver at `now`; records in the metrics and
-    /// the log whether heartbeat expiry is being held back.
+    /// The last renewal of `node`'s heartbeat Lease, if it has one.
+    pub fn lease_beat(&self, node: &str) -> Option<LeaseBeat> {
+        let name = heartbeat_lease_name(node, &self.config.driver)?;
+        let lease = self
+            .leases
+            .get(&ObjectRef::new(&name).within(&self.config.heartbeat_namespace))?;
+        lease_beat(&lease)
+    }
+
+    /// Records whether `node`'s plugin was found live.
+    pub fn set_live(&self, node: &str, live: bool) {
+        let mut nodes = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if live {
+            nodes.insert(node.to_string());
+        } else {
+            nodes.remove(node);
+        }
+    }
+
+    /// True when the last reconciliation of `node` found its plugin live.
+    pub fn is_live(&self, node: &str) -> bool {
+        self.live.lock().unwrap_or_else(|p| p.into_inner()).contains(node)
+    }
+
+    /// The heartbeats of every GpuNode of this driver at `now` (reused for
+    /// [`ControllerConfig::census_ttl`]); records in the metrics and the log whether heartbeat
+    /// expiry is being held back.
     pub fn heartbeat_census(&self, now: Timestamp) -> (HeartbeatCensus, bool) {
+        let mut cached = self.census.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, census, hold)) = *cached
+            && at.elapsed() < self.config.census_ttl
+        {
+            return (census, hold);
+        }
         let gpunodes = self.gpunodes.state();
         let census = HeartbeatCensus::take(
             gpunodes
                 .iter()
                 .filter(|g| g.spec.driver == self.config.driver)
-                .map(|g| g.status.as_ref().and_then(|s| s.plugin.as_ref())),
+                .map(|g| {
+                    let plugin = g.status.as_ref().and_then(|s| s.plugin.as_ref());
+                    let name = g.metadata.name.as_deref().unwrap_or_default();
+                    let lease = plugin.and_then(|_| self.lease_beat(name));
+                    (plugin, lease)
+                }),
             now,
             self.config.heartbeat_timeout,
         );
         let hold = census.mass_expiry(self.config.mass_expiry_threshold);
+        *cached = Some((Instant::now(), census, hold));
+        drop(cached);
         self.metrics.set_heartbeat_census(census.expired, hold);
         if self.holding.swap(hold, Ordering::Relaxed) != hold {
             if hold {
@@ -172,6 +334,31 @@ impl Context {
             }
         }
         (census, hold)
+    }
+
+    /// Whether a pool may be withdrawn for heartbeat expiry alone now; true uses up the
+    /// allowance. At most one per [`ControllerConfig::expiry_withdrawal_interval`], like the
+    /// node lifecycle controller's eviction rate: heartbeats that go stale one after another
+    /// while the API server struggles (each too few for the mass-expiry rule) then cost at
+    /// most a few pools, not every one that happened to be late. A plugin that really died
+    /// still loses its pool at once when its connection drops: the kubelet wipes its slices
+    /// after 30 s, and a wipe withdraws without limit.
+    pub fn allow_expiry_withdrawal(&self) -> bool {
+        let interval = self.config.expiry_withdrawal_interval;
+        if interval.is_zero() {
+            return true;
+        }
+        let mut last = self
+            .last_expiry_withdrawal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match *last {
+            Some(at) if at.elapsed() < interval => false,
+            _ => {
+                *last = Some(Instant::now());
+                true
+            }
+        }
     }
 
     /// Counts one more consecutive failure of `node`; returns the count.
@@ -200,4 +387,15 @@ async fn wait_for<E>(
         Ok(Ok(())) => Ok(()),
         _ => Err(Error::NotReady { what }),
     }
+}
+
+/// The renewal a heartbeat Lease records, if it has one.
+pub fn lease_beat(lease: &Lease) -> Option<LeaseBeat> {
+    let spec = lease.spec.as_ref()?;
+    let renewed = spec.renew_time.as_ref()?.0;
+    let duration = spec
+        .lease_duration_seconds
+        .and_then(|s| u64::try_from(s).ok())
+        .map_or(Duration::ZERO, Duration::from_secs);
+    Some(LeaseBeat { renewed, duration })
 }

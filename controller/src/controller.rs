@@ -4,13 +4,20 @@
 //! * Node metadata: a label or UID change, or a deletion, reconciles the GpuNode of the same
 //!   name (label changes can change the MigPolicy that applies);
 //! * MigPolicies: any change reconciles every GpuNode;
-//! * this driver's ResourceSlices (field selector `spec.driver=<driver>`): a change reconciles
-//!   the GpuNode named by `spec.nodeName` — which is how a kubelet wipe is noticed at once;
+//! * the metadata of this driver's ResourceSlices (field selector `spec.driver=<driver>`,
+//!   metadata only: the diff compares the spec hash annotation, see [`crate::compare`]): a
+//!   change reconciles the GpuNode of the slice's node (label or owner reference) — which is
+//!   how a kubelet wipe is noticed at once;
 //! * ResourceClaims (cut down to this driver's allocation results): a change of what a claim
 //!   holds reconciles the nodes of the pools it names, before and after (a device in use
-//!   stays in its pool until released).
+//!   stays in its pool until released);
+//! * the plugins' heartbeat Leases in the controller's namespace (label
+//!   `gpu.migdra.dev/heartbeat=<driver>`): a renewal reconciles the node only when the
+//!   controller does not consider it live (a live node's expiry timer re-checks it), so a
+//!   steady heartbeat costs a cache update, not a reconciliation.
 //!
-//! Each watch also fills the cache the reconciler reads. A sweeper deletes this driver's
+//! Each watch also fills the cache the reconciler reads, stripped of what it never reads
+//! (managed fields; the GpuNode's foreign annotations). A sweeper deletes this driver's
 //! slices on nodes that have no GpuNode any more.
 
 use std::{
@@ -20,10 +27,7 @@ use std::{
 };
 
 use futures::{StreamExt, future};
-use k8s_openapi::api::{
-    core::v1::Node,
-    resource::v1::{ResourceClaim, ResourceSlice},
-};
+use k8s_openapi::api::{coordination::v1::Lease, core::v1::Node, resource::v1::ResourceClaim};
 use kube::{
     Api, Client, ResourceExt,
     core::PartialObjectMeta,
@@ -33,15 +37,19 @@ use kube::{
         watcher::{self, watcher},
     },
 };
-use migdra_api::{inventory::GpuNode, policy::MigPolicy};
+use migdra_api::{
+    inventory::{GpuNode, HEARTBEAT_LEASE_LABEL, heartbeat_lease_node},
+    policy::MigPolicy,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     claims::{ClaimChanges, strip_claim},
-    compare::SliceDelete,
+    compare::{SliceDelete, SliceMeta},
     context::{Context, ControllerConfig, Stores},
     error::Error,
     metrics::Metrics,
+    naming::slice_node,
     publish::Publisher,
     reconcile::{error_policy, reconcile},
 };
@@ -54,6 +62,11 @@ const DEBOUNCE: Duration = Duration::from_millis(500);
 /// The watch configuration of this driver's slices.
 pub fn slice_watch_config(driver: &str) -> watcher::Config {
     watcher::Config::default().fields(&format!("spec.driver={driver}"))
+}
+
+/// The watch configuration of this driver's heartbeat Leases.
+pub fn lease_watch_config(driver: &str) -> watcher::Config {
+    watcher::Config::default().labels(&format!("{HEARTBEAT_LEASE_LABEL}={driver}"))
 }
 
 /// Passes on the Node events that matter to the pool: a new node, a changed label set or
@@ -93,25 +106,38 @@ impl NodeChanges {
     }
 }
 
-/// Slices of this driver on nodes that have no GpuNode, with their node: nobody will
-/// reconcile them.
-pub fn orphaned_slices(
-    slices: &[Arc<ResourceSlice>],
-    gpunodes: &HashSet<String>,
-    driver: &str,
-) -> Vec<(String, SliceDelete)> {
+/// Slices (of this driver: the watch selects it) on nodes that have no GpuNode, with their
+/// node: nobody will reconcile them.
+pub fn orphaned_slices(slices: &[Arc<SliceMeta>], gpunodes: &HashSet<String>) -> Vec<(String, SliceDelete)> {
     slices
         .iter()
-        .filter(|s| s.spec.driver == driver)
         .filter_map(|s| {
-            let node = s.spec.node_name.as_ref().filter(|n| !gpunodes.contains(*n))?;
+            let node = slice_node(s).filter(|n| !gpunodes.contains(*n))?;
             let delete = SliceDelete {
                 name: s.name_any(),
                 uid: s.metadata.uid.clone(),
             };
-            Some((node.clone(), delete))
+            Some((node.to_string(), delete))
         })
         .collect()
+}
+
+/// Drops what the controller never reads from a cached slice: managed fields, and every
+/// annotation but its own two.
+pub fn strip_slice(slice: &mut SliceMeta) {
+    slice.metadata.managed_fields = None;
+    if let Some(annotations) = &mut slice.metadata.annotations {
+        annotations.retain(|k, _| {
+            k == crate::compare::SPEC_HASH_ANNOTATION || k == crate::compare::GENERATION_ANNOTATION
+        });
+    }
+}
+
+/// Drops what the controller never reads from a cached GpuNode: managed fields and
+/// annotations (a `kubectl apply` leaves the whole object in one).
+pub fn strip_gpunode(gpunode: &mut GpuNode) {
+    gpunode.metadata.managed_fields = None;
+    gpunode.metadata.annotations = None;
 }
 
 /// Runs the controller until `shutdown` fires (graceful: in-flight reconciliations finish).
@@ -124,9 +150,12 @@ pub async fn run(
     let (gpunodes, gpunode_writer) = reflector::store::<GpuNode>();
     let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
     let (policies, policy_writer) = reflector::store::<MigPolicy>();
-    let (slices, slice_writer) = reflector::store::<ResourceSlice>();
+    let (slices, slice_writer) = reflector::store::<SliceMeta>();
     let (claims, claim_writer) = reflector::store::<ResourceClaim>();
+    let (leases, lease_writer) = reflector::store::<Lease>();
     let driver = config.driver.clone();
+    let namespace = config.heartbeat_namespace.clone();
+    let concurrency = config.concurrency;
     let ctx = Arc::new(Context::new(
         client.clone(),
         config,
@@ -136,6 +165,7 @@ pub async fn run(
             policies,
             slices,
             claims,
+            leases,
         },
         metrics,
     ));
@@ -169,21 +199,19 @@ pub async fn run(
         });
 
     let observer = ctx.clone();
-    let slice_triggers = watcher(
-        Api::<ResourceSlice>::all(client.clone()),
-        slice_watch_config(&driver),
-    )
-    .default_backoff()
-    .reflect(slice_writer)
-    .inspect(move |event| {
-        if let Ok(event) = event {
-            let wiped = observer.expectations.observe(event);
-            if wiped > 0 {
-                observer.metrics.slices_wiped(wiped);
+    let slice_triggers = watcher(Api::<SliceMeta>::all(client.clone()), slice_watch_config(&driver))
+        .default_backoff()
+        .modify(strip_slice)
+        .reflect(slice_writer)
+        .inspect(move |event| {
+            if let Ok(event) = event {
+                let wiped = observer.observe_slice_event(event);
+                if wiped > 0 {
+                    observer.metrics.slices_wiped(wiped);
+                }
             }
-        }
-    })
-    .touched_objects();
+        })
+        .touched_objects();
 
     let mut claim_changes = ClaimChanges::default();
     let claim_driver = driver.clone();
@@ -206,21 +234,58 @@ pub async fn run(
         futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::<GpuNode>::new(&node)))
     });
 
+    let lease_ctx = ctx.clone();
+    let lease_driver = driver.clone();
+    let lease_triggers = watcher(
+        Api::<Lease>::namespaced(client.clone(), &namespace),
+        lease_watch_config(&driver),
+    )
+    .default_backoff()
+    .modify(|lease| {
+        lease.metadata.managed_fields = None;
+    })
+    .reflect(lease_writer)
+    .touched_objects()
+    .filter_map(move |result| {
+        future::ready(match result {
+            Ok(lease) => {
+                let name = lease.name_any();
+                heartbeat_lease_node(&name, &lease_driver)
+                    .filter(|node| !lease_ctx.is_live(node))
+                    .map(ObjectRef::<GpuNode>::new)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "heartbeat Lease watch failed");
+                None
+            }
+        })
+    });
+
     // The GpuNode cache is shared with the reconciler (the heartbeat census reads it).
+    let geometries = ctx.geometries.clone();
     let gpunode_triggers = watcher(Api::<GpuNode>::all(client.clone()), watcher::Config::default())
         .default_backoff()
+        .modify(move |gpunode| {
+            strip_gpunode(gpunode);
+            geometries.take(gpunode);
+        })
         .reflect(gpunode_writer)
         .applied_objects();
     let controller = Controller::for_stream(gpunode_triggers, gpunodes.clone())
-        .with_config(controller::Config::default().debounce(DEBOUNCE))
+        .with_config(
+            controller::Config::default()
+                .debounce(DEBOUNCE)
+                .concurrency(concurrency),
+        )
         .watches_stream(node_triggers, |node| {
             Some(ObjectRef::<GpuNode>::new(&node.name_any()))
         })
         .watches_stream(slice_triggers, |slice| {
-            slice.spec.node_name.map(|node| ObjectRef::<GpuNode>::new(&node))
+            slice_node(&slice).map(ObjectRef::<GpuNode>::new)
         })
         .reconcile_all_on(policy_triggers)
         .reconcile_on(claim_triggers)
+        .reconcile_on(lease_triggers)
         .graceful_shutdown_on(shutdown.clone().cancelled_owned());
     // The sweeper lives in this task (not a spawned one), so aborting the task on a lost
     // lease stops it too.
@@ -256,7 +321,8 @@ async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: Cancellati
             _ = tokio::time::sleep(SWEEP_INTERVAL) => {}
         }
         let names: HashSet<String> = gpunodes.state().iter().map(|g| g.name_any()).collect();
-        for (node, orphan) in orphaned_slices(&ctx.slices.state(), &names, &ctx.config.driver) {
+        ctx.geometries.retain(|name| names.contains(name));
+        for (node, orphan) in orphaned_slices(&ctx.slices.state(), &names) {
             tracing::info!(slice = %orphan.name, %node, "deleting a slice of a node without GpuNode");
             ctx.metrics.forget_node(&node);
             let publisher = Publisher {
@@ -280,10 +346,7 @@ async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: Cancellati
 mod tests {
     use std::collections::BTreeMap;
 
-    use k8s_openapi::{
-        api::resource::v1::{ResourcePool, ResourceSliceSpec},
-        apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     use super::*;
 
@@ -326,6 +389,15 @@ mod tests {
     }
 
     #[test]
+    fn lease_watch_selects_the_driver() {
+        let config = lease_watch_config("gpu.migdra.dev");
+        assert_eq!(
+            config.label_selector.as_deref(),
+            Some("gpu.migdra.dev/heartbeat=gpu.migdra.dev")
+        );
+    }
+
+    #[test]
     fn slice_watch_selects_the_driver() {
         let config = slice_watch_config("gpu.migdra.dev");
         assert_eq!(
@@ -336,37 +408,90 @@ mod tests {
 
     #[test]
     fn orphans_are_slices_of_nodes_without_gpunode() {
-        let slice = |name: &str, node: Option<&str>, driver: &str| {
-            Arc::new(ResourceSlice {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        let slice = |name: &str, label: Option<&str>, owner: Option<&str>| {
+            Arc::new(SliceMeta {
                 metadata: ObjectMeta {
                     name: Some(name.into()),
                     uid: Some(format!("uid-{name}")),
+                    labels: label
+                        .map(|n| BTreeMap::from([(crate::naming::NODE_LABEL.to_string(), n.to_string())])),
+                    owner_references: owner.map(|n| {
+                        vec![OwnerReference {
+                            api_version: "v1".into(),
+                            kind: "Node".into(),
+                            name: n.into(),
+                            uid: format!("uid-{n}"),
+                            ..Default::default()
+                        }]
+                    }),
                     ..Default::default()
                 },
-                spec: ResourceSliceSpec {
-                    driver: driver.into(),
-                    node_name: node.map(Into::into),
-                    pool: ResourcePool::default(),
-                    ..Default::default()
-                },
+                ..Default::default()
             })
         };
         let slices = [
-            slice("kept", Some("a"), "gpu.migdra.dev"),
-            slice("orphan", Some("b"), "gpu.migdra.dev"),
-            slice("other-driver", Some("b"), "other.dev"),
-            slice("no-node", None, "gpu.migdra.dev"),
+            slice("kept", Some("a"), Some("a")),
+            slice("orphan", Some("b"), Some("b")),
+            slice("orphan-long-name", None, Some("c")),
+            slice("no-node", None, None),
         ];
         let gpunodes = HashSet::from(["a".to_string()]);
         assert_eq!(
-            orphaned_slices(&slices, &gpunodes, "gpu.migdra.dev"),
-            vec![(
-                "b".to_string(),
-                SliceDelete {
-                    name: "orphan".into(),
-                    uid: Some("uid-orphan".into())
-                }
-            )]
+            orphaned_slices(&slices, &gpunodes),
+            vec![
+                (
+                    "b".to_string(),
+                    SliceDelete {
+                        name: "orphan".into(),
+                        uid: Some("uid-orphan".into())
+                    }
+                ),
+                (
+                    "c".to_string(),
+                    SliceDelete {
+                        name: "orphan-long-name".into(),
+                        uid: Some("uid-orphan-long-name".into())
+                    }
+                )
+            ]
         );
+    }
+
+    #[test]
+    fn cached_objects_keep_only_what_is_read() {
+        let mut slice = SliceMeta {
+            metadata: ObjectMeta {
+                name: Some("s".into()),
+                managed_fields: Some(vec![Default::default()]),
+                annotations: Some(BTreeMap::from([
+                    (crate::compare::SPEC_HASH_ANNOTATION.to_string(), "h".to_string()),
+                    (crate::compare::GENERATION_ANNOTATION.to_string(), "3".to_string()),
+                    ("other".to_string(), "x".repeat(1000)),
+                ])),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        strip_slice(&mut slice);
+        assert!(slice.metadata.managed_fields.is_none());
+        assert_eq!(
+            slice.annotations().keys().collect::<Vec<_>>(),
+            [
+                crate::compare::GENERATION_ANNOTATION,
+                crate::compare::SPEC_HASH_ANNOTATION
+            ]
+        );
+        let mut g = GpuNode::new(
+            "n",
+            migdra_api::inventory::GpuNodeSpec {
+                node_name: "n".into(),
+                driver: "d".into(),
+            },
+        );
+        g.metadata.managed_fields = Some(vec![Default::default()]);
+        g.metadata.annotations = Some(BTreeMap::from([("a".to_string(), "b".to_string())]));
+        strip_gpunode(&mut g);
+        assert!(g.metadata.managed_fields.is_none() && g.metadata.annotations.is_none());
     }
 }

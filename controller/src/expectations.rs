@@ -25,8 +25,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::{api::resource::v1::ResourceSlice, jiff::Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use kube::{ResourceExt, runtime::watcher};
+
+use crate::{compare::SliceMeta, naming::slice_node};
 
 /// How long an unmet expectation holds a node's pool back.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(15);
@@ -151,7 +153,7 @@ impl Expectations {
 
     /// Feeds one watch event of the slice cache. Returns how many owned slices it showed
     /// deleted by someone else (0 or 1).
-    pub fn observe(&self, event: &watcher::Event<ResourceSlice>) -> usize {
+    pub fn observe(&self, event: &watcher::Event<SliceMeta>) -> usize {
         match event {
             watcher::Event::Apply(slice) | watcher::Event::InitApply(slice) => {
                 self.seen(slice, false);
@@ -164,8 +166,8 @@ impl Expectations {
 
     /// Settles expectations with one observed slice; true when it was an owned slice deleted
     /// by someone else.
-    fn seen(&self, slice: &ResourceSlice, deleted: bool) -> bool {
-        let Some(node) = slice.spec.node_name.as_deref() else {
+    fn seen(&self, slice: &SliceMeta, deleted: bool) -> bool {
+        let Some(node) = slice_node(slice) else {
             return false;
         };
         let name = slice.name_any();
@@ -204,7 +206,7 @@ impl Expectations {
 
     /// Checks `node`'s expectations against `cached` (the node's slices in the cache):
     /// `None` when the cache can be trusted, or how long to wait for it.
-    pub fn pending(&self, node: &str, cached: &[Arc<ResourceSlice>]) -> Option<Duration> {
+    pub fn pending(&self, node: &str, cached: &[Arc<SliceMeta>]) -> Option<Duration> {
         let mut state = self.lock();
         let nodes = &mut state.pending;
         let entry = nodes.get_mut(node)?;
@@ -241,7 +243,7 @@ impl Expectations {
     /// ([`Self::pending`] is `None`): owned slices missing from `cached` are a wipe observed
     /// now (the watch relisted and showed no delete event). Returns the time and how many
     /// slices this call newly found missing.
-    pub fn wiped(&self, node: &str, cached: &[Arc<ResourceSlice>]) -> (Option<Timestamp>, usize) {
+    pub fn wiped(&self, node: &str, cached: &[Arc<SliceMeta>]) -> (Option<Timestamp>, usize) {
         let mut state = self.lock();
         let mut missing = 0;
         if let Some(owned) = state.owned.get_mut(node) {
@@ -287,26 +289,20 @@ pub fn version_at_least(observed: Option<&str>, expected: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::{
-        api::resource::v1::{ResourcePool, ResourceSliceSpec},
-        apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     use super::*;
+    use crate::naming::NODE_LABEL;
 
-    fn slice(name: &str, rv: &str) -> ResourceSlice {
-        ResourceSlice {
+    fn slice(name: &str, rv: &str) -> SliceMeta {
+        SliceMeta {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 resource_version: Some(rv.into()),
+                labels: Some([(NODE_LABEL.to_string(), "n".to_string())].into()),
                 ..Default::default()
             },
-            spec: ResourceSliceSpec {
-                driver: "d".into(),
-                node_name: Some("n".into()),
-                pool: ResourcePool::default(),
-                ..Default::default()
-            },
+            ..Default::default()
         }
     }
 

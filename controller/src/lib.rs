@@ -3,7 +3,7 @@
 //! kubelet plugin goes away.
 //!
 //! Data flow: [`cli`] → [`leader`] (only the lease holder runs) → [`controller`] (watches and
-//! caches) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, keep the
+//! caches; [`geometries`] keeps the GpuNode cache small) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, keep the
 //! devices [`claims`] hold, render, validate) → [`compare`] (semantic diff) → [`publish`] (slice writes, recorded in
 //! [`expectations`]) → [`status`].
 
@@ -16,6 +16,7 @@ pub mod crds;
 pub mod desired;
 pub mod error;
 pub mod expectations;
+pub mod geometries;
 pub mod leader;
 pub mod liveness;
 pub mod metrics;
@@ -33,6 +34,12 @@ pub use error::{Error, Result};
 
 /// How long a reconciliation waits for the caches after start.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// Heartbeat expiry alone withdraws at most one pool per this interval (the node lifecycle
+/// controller's default eviction rate, 0.1 nodes/s).
+const EXPIRY_WITHDRAWAL_INTERVAL: Duration = Duration::from_secs(10);
+/// How long one heartbeat census is reused (a pass over every GpuNode; at 2,000 nodes the
+/// reconciles of one second would otherwise each repeat it).
+const CENSUS_TTL: Duration = Duration::from_secs(1);
 
 /// Runs the binary: prints the CRDs, or runs the controller until SIGTERM/SIGINT.
 pub async fn run(args: cli::Args) -> anyhow::Result<()> {
@@ -71,6 +78,10 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         mass_expiry_threshold: args.mass_expiry_threshold,
         identity: identity.clone(),
         ready_timeout: READY_TIMEOUT,
+        heartbeat_namespace: args.namespace.clone(),
+        census_ttl: CENSUS_TTL,
+        concurrency: args.max_concurrent_reconciles,
+        expiry_withdrawal_interval: EXPIRY_WITHDRAWAL_INTERVAL,
     };
 
     // Both the leader and a standby replica are ready: a standby is healthy and waiting.

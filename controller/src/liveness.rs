@@ -23,6 +23,18 @@
 //!   then withdraws nothing ([`HeartbeatCensus::mass_expiry`], [`Liveness::Held`]), like the
 //!   node lifecycle controller's unhealthy-zone rule. An explicit "not registered" and a
 //!   kubelet wipe still withdraw.
+//!
+//! Two heartbeats. A plugin of this version renews a `coordination.k8s.io/v1` Lease
+//! `<node>.<driver>` in the controller's namespace every beat ([`LeaseBeat`]: `renewTime`,
+//! `leaseDurationSeconds` = 1.5 intervals), and rewrites its GpuNode only on change or every
+//! few minutes, announcing that slow interval in `heartbeatIntervalSeconds` (so a controller
+//! that reads only the GpuNode keeps its pool). Older plugins beat in the GpuNode only. The
+//! Lease *counts* while it is younger than the GpuNode's own window
+//! (`max(timeout, 1.5 × heartbeatIntervalSeconds)`): then the last beat is the newer of the
+//! two and it expires `max(timeout, leaseDurationSeconds)` after it; a Lease left behind by a
+//! downgraded plugin stops counting and the GpuNode alone decides, exactly as before. Why a
+//! Lease: a renewal is a few hundred bytes the controller only re-checks liveness on, where a
+//! GpuNode write carries the whole inventory, which every replica decodes and re-evaluates.
 
 use std::time::Duration;
 
@@ -43,6 +55,54 @@ pub const DEFAULT_MASS_EXPIRY_THRESHOLD: f64 = 0.55;
 /// needs more than two unready nodes): one or two dead plugins are just dead plugins, even on
 /// a small cluster.
 pub const MASS_EXPIRY_MIN_NODES: usize = 3;
+
+/// A renewal of the node's heartbeat Lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseBeat {
+    /// `spec.renewTime`.
+    pub renewed: Timestamp,
+    /// `spec.leaseDurationSeconds`: how long the plugin vouches for this renewal.
+    pub duration: Duration,
+}
+
+/// The last beat of a plugin and when it goes stale, from its GpuNode heartbeat and its
+/// Lease (see the module docs for how they combine).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Beat {
+    /// Time of the last heartbeat.
+    pub last: Timestamp,
+    /// When it goes stale.
+    pub expires: Timestamp,
+    /// The timeout that applied.
+    pub timeout: Duration,
+}
+
+/// Combines the GpuNode heartbeat of `plugin` with its Lease, at `now`.
+pub fn beat(plugin: &PluginStatus, lease: Option<&LeaseBeat>, now: Timestamp, timeout: Duration) -> Beat {
+    let gpunode_timeout = effective_timeout(timeout, plugin.heartbeat_interval_seconds);
+    let gpunode_last = plugin.heartbeat_time.0;
+    match lease {
+        Some(lease) if now < add(lease.renewed, gpunode_timeout) => {
+            let timeout = timeout.max(lease.duration);
+            let last = gpunode_last.max(lease.renewed);
+            Beat {
+                last,
+                expires: add(last, timeout),
+                timeout,
+            }
+        }
+        _ => Beat {
+            last: gpunode_last,
+            expires: add(gpunode_last, gpunode_timeout),
+            timeout: gpunode_timeout,
+        },
+    }
+}
+
+fn add(t: Timestamp, d: Duration) -> Timestamp {
+    let span = SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX);
+    t.checked_add(span).unwrap_or(Timestamp::MAX)
+}
 
 /// A plugin's liveness.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -120,12 +180,13 @@ pub fn effective_timeout(timeout: Duration, interval_seconds: u32) -> Duration {
     timeout.max(Duration::from_millis(u64::from(interval_seconds) * 1500))
 }
 
-/// Decides whether the plugin described by `plugin` is live at `now`. `wiped_at` is when the
-/// controller last saw the node's slices deleted by someone else, if that is still
-/// unanswered; `mass_expiry` says whether heartbeats are expiring en masse
-/// ([`HeartbeatCensus::mass_expiry`]).
+/// Decides whether the plugin described by `plugin` (and its heartbeat Lease, if any) is live
+/// at `now`. `wiped_at` is when the controller last saw the node's slices deleted by someone
+/// else, if that is still unanswered; `mass_expiry` says whether heartbeats are expiring en
+/// masse ([`HeartbeatCensus::mass_expiry`]).
 pub fn liveness(
     plugin: Option<&PluginStatus>,
+    lease: Option<&LeaseBeat>,
     now: Timestamp,
     timeout: Duration,
     wiped_at: Option<Timestamp>,
@@ -139,34 +200,25 @@ pub fn liveness(
             error: plugin.registration_error.clone(),
         });
     }
-    let last = plugin.heartbeat_time.0;
+    let beat = beat(plugin, lease, now, timeout);
+    let last = beat.last;
     if let Some(at) = wiped_at
         && last <= at
     {
         return Liveness::Gone(GoneReason::SlicesWiped { at, last });
     }
-    let expires = expiry(plugin, timeout);
-    if now < expires {
-        Liveness::Live { expires }
+    if now < beat.expires {
+        Liveness::Live {
+            expires: beat.expires,
+        }
     } else if mass_expiry {
         Liveness::Held { last }
     } else {
         Liveness::Gone(GoneReason::HeartbeatExpired {
             last,
-            timeout: effective_timeout(timeout, plugin.heartbeat_interval_seconds),
+            timeout: beat.timeout,
         })
     }
-}
-
-/// When `plugin`'s current heartbeat goes stale.
-fn expiry(plugin: &PluginStatus, timeout: Duration) -> Timestamp {
-    let timeout = effective_timeout(timeout, plugin.heartbeat_interval_seconds);
-    let span = SignedDuration::try_from(timeout).unwrap_or(SignedDuration::MAX);
-    plugin
-        .heartbeat_time
-        .0
-        .checked_add(span)
-        .unwrap_or(Timestamp::MAX)
 }
 
 /// How many registered plugins there are, and how many of their heartbeats have expired, at
@@ -181,16 +233,19 @@ pub struct HeartbeatCensus {
 }
 
 impl HeartbeatCensus {
-    /// Counts `plugins` (one entry per GpuNode of this driver) at `now`.
+    /// Counts `plugins` (one entry per GpuNode of this driver, with its Lease) at `now`.
     pub fn take<'a>(
-        plugins: impl IntoIterator<Item = Option<&'a PluginStatus>>,
+        plugins: impl IntoIterator<Item = (Option<&'a PluginStatus>, Option<LeaseBeat>)>,
         now: Timestamp,
         timeout: Duration,
     ) -> Self {
         let mut census = Self::default();
-        for plugin in plugins.into_iter().flatten().filter(|p| p.registered) {
+        for (plugin, lease) in plugins {
+            let Some(plugin) = plugin.filter(|p| p.registered) else {
+                continue;
+            };
             census.registered += 1;
-            if now >= expiry(plugin, timeout) {
+            if now >= beat(plugin, lease.as_ref(), now, timeout).expires {
                 census.expired += 1;
             }
         }
@@ -236,7 +291,7 @@ mod tests {
     }
 
     fn live(p: &PluginStatus, now: Timestamp, timeout: Duration) -> Liveness {
-        liveness(Some(p), now, timeout, None, false)
+        liveness(Some(p), None, now, timeout, None, false)
     }
 
     #[test]
@@ -294,7 +349,7 @@ mod tests {
     #[test]
     fn unregistered_or_silent_plugins_are_gone() {
         assert_eq!(
-            liveness(None, ts(0), Duration::from_secs(60), None, false),
+            liveness(None, None, ts(0), Duration::from_secs(60), None, false),
             Liveness::Gone(GoneReason::NoStatus)
         );
         let p = plugin(false, ts(0), 15);
@@ -317,7 +372,7 @@ mod tests {
         // The heartbeat is fresh, but older than the wipe: gone.
         let p = plugin(true, ts(0), 15);
         assert_eq!(
-            liveness(Some(&p), ts(2), timeout, Some(ts(1)), false),
+            liveness(Some(&p), None, ts(2), timeout, Some(ts(1)), false),
             Liveness::Gone(GoneReason::SlicesWiped {
                 at: ts(1),
                 last: ts(0)
@@ -325,25 +380,25 @@ mod tests {
         );
         // A heartbeat at the very instant of the wipe does not prove the plugin outlived it.
         assert!(matches!(
-            liveness(Some(&p), ts(2), timeout, Some(ts(0)), false),
+            liveness(Some(&p), None, ts(2), timeout, Some(ts(0)), false),
             Liveness::Gone(GoneReason::SlicesWiped { .. })
         ));
         // The plugin re-registered and beat after the wipe: live again.
         let p = plugin(true, ts(3), 15);
         assert_eq!(
-            liveness(Some(&p), ts(4), timeout, Some(ts(1)), false),
+            liveness(Some(&p), None, ts(4), timeout, Some(ts(1)), false),
             Liveness::Live { expires: ts(28) }
         );
         // A wipe withdraws even while heartbeats are expiring en masse.
         let p = plugin(true, ts(0), 15);
         assert!(matches!(
-            liveness(Some(&p), ts(100), timeout, Some(ts(1)), true),
+            liveness(Some(&p), None, ts(100), timeout, Some(ts(1)), true),
             Liveness::Gone(GoneReason::SlicesWiped { .. })
         ));
         // And "not registered" wins over everything.
         let p = plugin(false, ts(3), 15);
         assert!(matches!(
-            liveness(Some(&p), ts(4), timeout, Some(ts(1)), true),
+            liveness(Some(&p), None, ts(4), timeout, Some(ts(1)), true),
             Liveness::Gone(GoneReason::NotRegistered { .. })
         ));
     }
@@ -353,11 +408,11 @@ mod tests {
         let timeout = Duration::from_secs(25);
         let p = plugin(true, ts(0), 15);
         assert_eq!(
-            liveness(Some(&p), ts(60), timeout, None, true),
+            liveness(Some(&p), None, ts(60), timeout, None, true),
             Liveness::Held { last: ts(0) }
         );
         assert!(matches!(
-            liveness(Some(&p), ts(10), timeout, None, true),
+            liveness(Some(&p), None, ts(10), timeout, None, true),
             Liveness::Live { .. }
         ));
     }
@@ -371,7 +426,8 @@ mod tests {
         let census = |stale_count: usize, fresh_count: usize| {
             let plugins = std::iter::repeat_n(Some(&stale), stale_count)
                 .chain(std::iter::repeat_n(Some(&fresh), fresh_count))
-                .chain([Some(&unregistered), None]);
+                .chain([Some(&unregistered), None])
+                .map(|p| (p, None));
             HeartbeatCensus::take(plugins, ts(100), timeout)
         };
         assert_eq!(
@@ -390,6 +446,128 @@ mod tests {
         assert!(census(3, 0).mass_expiry(0.55));
         // A threshold of 1 disables the rule.
         assert!(!census(10, 0).mass_expiry(1.0));
+    }
+
+    fn lease(renewed: Timestamp) -> LeaseBeat {
+        LeaseBeat {
+            renewed,
+            duration: Duration::from_secs(23),
+        }
+    }
+
+    #[test]
+    fn a_lease_renewal_is_a_heartbeat_and_a_silent_lease_expires() {
+        let timeout = Duration::from_secs(25);
+        // A plugin of this version: the GpuNode is written every 300 s, the Lease every 15 s.
+        let p = plugin(true, ts(0), 300);
+        let l = lease(ts(100));
+        assert_eq!(
+            liveness(Some(&p), Some(&l), ts(110), timeout, None, false),
+            Liveness::Live { expires: ts(125) }
+        );
+        // The plugin died after its renewal at 100: gone 25 s later, not 450 s after the
+        // GpuNode's beat.
+        assert_eq!(
+            liveness(Some(&p), Some(&l), ts(125), timeout, None, false),
+            Liveness::Gone(GoneReason::HeartbeatExpired {
+                last: ts(100),
+                timeout
+            })
+        );
+        // A GpuNode write newer than the Lease (a registration change) counts as a beat too.
+        let p_newer = plugin(true, ts(110), 300);
+        assert_eq!(
+            liveness(Some(&p_newer), Some(&l), ts(120), timeout, None, false),
+            Liveness::Live { expires: ts(135) }
+        );
+        // A Lease that claims a longer window gets it.
+        let slow = LeaseBeat {
+            renewed: ts(100),
+            duration: Duration::from_secs(90),
+        };
+        assert!(matches!(
+            liveness(Some(&p), Some(&slow), ts(180), timeout, None, false),
+            Liveness::Live { .. }
+        ));
+    }
+
+    #[test]
+    fn an_old_plugin_without_lease_and_a_leftover_lease_keep_the_gpunode_rule() {
+        let timeout = Duration::from_secs(25);
+        // An old plugin: GpuNode beats every 15 s, no Lease.
+        let p = plugin(true, ts(100), 15);
+        assert_eq!(
+            liveness(Some(&p), None, ts(110), timeout, None, false),
+            Liveness::Live { expires: ts(125) }
+        );
+        // Downgraded: the new plugin's Lease is left behind, older than the GpuNode's 25 s
+        // window: it no longer counts, the GpuNode beats decide.
+        let leftover = lease(ts(0));
+        assert_eq!(
+            liveness(Some(&p), Some(&leftover), ts(110), timeout, None, false),
+            Liveness::Live { expires: ts(125) }
+        );
+        // An old controller's view of a new plugin (GpuNode only, interval 300): 450 s of
+        // grace, which is what the new plugin's slow GpuNode heartbeat relies on.
+        let new_plugin = plugin(true, ts(0), 300);
+        assert!(matches!(
+            liveness(Some(&new_plugin), None, ts(449), timeout, None, false),
+            Liveness::Live { .. }
+        ));
+    }
+
+    #[test]
+    fn a_wipe_needs_a_lease_renewal_after_it() {
+        let timeout = Duration::from_secs(25);
+        let p = plugin(true, ts(0), 300);
+        assert_eq!(
+            liveness(
+                Some(&p),
+                Some(&lease(ts(100))),
+                ts(106),
+                timeout,
+                Some(ts(105)),
+                false
+            ),
+            Liveness::Gone(GoneReason::SlicesWiped {
+                at: ts(105),
+                last: ts(100)
+            })
+        );
+        assert!(matches!(
+            liveness(
+                Some(&p),
+                Some(&lease(ts(106))),
+                ts(107),
+                timeout,
+                Some(ts(105)),
+                false
+            ),
+            Liveness::Live { .. }
+        ));
+    }
+
+    #[test]
+    fn census_counts_lease_heartbeats() {
+        let timeout = Duration::from_secs(25);
+        let p = plugin(true, ts(0), 300);
+        let census = HeartbeatCensus::take(
+            [
+                (Some(&p), Some(lease(ts(90)))),
+                (Some(&p), Some(lease(ts(50)))),
+                (Some(&p), None),
+            ],
+            ts(100),
+            timeout,
+        );
+        assert_eq!(
+            census,
+            HeartbeatCensus {
+                registered: 3,
+                expired: 1
+            },
+            "the GpuNode alone (300 s interval) has not expired; the Lease renewed at 50 has"
+        );
     }
 
     #[test]

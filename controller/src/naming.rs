@@ -7,10 +7,25 @@
 //! instead of piling up new ones. A name that would exceed 253 characters keeps a prefix of
 //! the node name plus a hash of the whole node name.
 
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::{ResourceExt, core::PartialObjectMeta};
 use sha2::{Digest, Sha256};
 
 /// Label on every slice: the node it describes (when the node name is a valid label value).
 pub const NODE_LABEL: &str = "gpu.migdra.dev/node";
+
+/// The node a slice the controller wrote describes, from its metadata alone (the cache holds
+/// no specs): the node label, else the Node owner reference (a node name too long for a
+/// label value).
+pub fn slice_node(slice: &PartialObjectMeta<ResourceSlice>) -> Option<&str> {
+    slice.labels().get(NODE_LABEL).map(String::as_str).or_else(|| {
+        slice
+            .owner_references()
+            .iter()
+            .find(|o| o.kind == "Node" && o.api_version == "v1")
+            .map(|o| o.name.as_str())
+    })
+}
 
 /// Longest object name Kubernetes accepts (a DNS subdomain).
 pub const MAX_NAME_LENGTH: usize = 253;

@@ -5,14 +5,23 @@
 //! * Plugin not live (see [`crate::liveness`]: unregistered, heartbeat expired, or its slices
 //!   wiped by the kubelet and no heartbeat since) → withdraw, `Published=False
 //!   PluginNotReady`; the plugin's next heartbeat brings the node back. Heartbeat expiry is
-//!   held back while most heartbeats expire at once (control-plane trouble).
+//!   held back while most heartbeats expire at once (control-plane trouble), and withdraws
+//!   at most one pool per 10 s otherwise.
 //! * Plugin live → policy, plan (keeping the devices claims hold), render, validate; an
 //!   invalid policy or pool is reported (event + condition) and nothing is written; otherwise
 //!   the pool is diffed and only a real change is written, with a new generation when the
 //!   upstream slice controller would bump it. Requeued at the heartbeat's expiry, so a
 //!   plugin that dies silently is noticed.
+//!
+//! Short circuit. Most reconciliations change nothing: a live node is re-checked at every
+//! heartbeat expiry. So a reconciliation that found the pool up to date leaves a [`Memo`]: a
+//! hash of everything the pool is computed from (inventory, node identity and labels,
+//! policies, held devices, published generation) and of the cached slices' versions. The next
+//! one with the same hash skips planning, rendering, validating and comparing, and only
+//! confirms the status. The inventory hash is reused while the GpuNode's resourceVersion is
+//! unchanged (with heartbeat Leases, the GpuNode rarely changes).
 
-use std::{sync::Arc, time::Duration};
+use std::{collections::BTreeSet, io, sync::Arc, time::Duration};
 
 use k8s_openapi::{api::resource::v1::ResourceSlice, jiff::Timestamp};
 use kube::{
@@ -23,11 +32,15 @@ use kube::{
         reflector::ObjectRef,
     },
 };
-use migdra_api::inventory::{GpuNode, PublicationStatus, pool_name};
+use migdra_api::{
+    inventory::{GpuNode, PublicationStatus, pool_name},
+    policy::MigPolicy,
+};
+use sha2::{Digest, Sha256};
 use tracing::Instrument;
 
 use crate::{
-    compare::diff_pool,
+    compare::{SliceMeta, cached_generation, diff_pool, keep_taint_times, tainted_replacements},
     context::Context,
     desired::{DesiredError, NodeRef, desired_pool},
     error::Error,
@@ -47,6 +60,112 @@ const MIN_REQUEUE: Duration = Duration::from_secs(1);
 const BACKOFF_BASE: Duration = Duration::from_secs(1);
 /// Longest error backoff.
 const BACKOFF_MAX: Duration = Duration::from_secs(120);
+
+/// What a reconciliation that found a node's pool up to date saw (see the module docs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Memo {
+    /// The GpuNode's resourceVersion when its inventory was hashed.
+    gpunode_version: Option<String>,
+    /// Hash of the inventory part of the GpuNode.
+    inventory: [u8; 16],
+    /// Hash of all inputs, the inventory hash included.
+    inputs: [u8; 16],
+    /// The publication the status shows.
+    publication: PublicationStatus,
+    /// The message of the `Published` condition.
+    message: String,
+}
+
+/// Feeds what is written into a SHA-256.
+struct HashWriter(Sha256);
+
+impl io::Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl HashWriter {
+    fn new() -> Self {
+        Self(Sha256::new())
+    }
+
+    fn add(&mut self, value: &impl serde::Serialize) {
+        // Serializing plain data into a hasher cannot fail; a failure would only weaken the
+        // memo, which the `0xff` marker then keeps from matching anything serialized.
+        if serde_json::to_writer(&mut *self, value).is_err() {
+            self.0.update([0xff]);
+        }
+        self.0.update([0]);
+    }
+
+    fn finish(self) -> [u8; 16] {
+        let digest = self.0.finalize();
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&digest[..16]);
+        out
+    }
+}
+
+/// Hash of what the pool takes from the GpuNode: its driver, inventory and driver version.
+pub fn inventory_hash(gpunode: &GpuNode) -> [u8; 16] {
+    let status = gpunode.status.as_ref();
+    let mut h = HashWriter::new();
+    h.add(&gpunode.spec.driver);
+    h.add(&status.and_then(|s| s.gpus.as_ref()));
+    h.add(
+        &status
+            .and_then(|s| s.plugin.as_ref())
+            .and_then(|p| p.driver_version.as_ref()),
+    );
+    h.finish()
+}
+
+/// Everything else a node's pool and its diff depend on.
+pub struct PoolInputs<'a> {
+    /// [`inventory_hash`] of the GpuNode.
+    pub inventory: [u8; 16],
+    /// The node, its UID and labels.
+    pub node: &'a NodeRef<'a>,
+    /// Every MigPolicy.
+    pub policies: &'a [Arc<MigPolicy>],
+    /// The devices claims hold.
+    pub allocated: &'a BTreeSet<String>,
+    /// The generation the status records.
+    pub published_generation: Option<i64>,
+    /// The node's cached slices.
+    pub cached: &'a [Arc<SliceMeta>],
+}
+
+impl PoolInputs<'_> {
+    /// Their hash.
+    pub fn hash(&self) -> [u8; 16] {
+        let mut h = HashWriter::new();
+        h.0.update(self.inventory);
+        h.add(&(self.node.name, self.node.uid, self.node.labels));
+        let mut policies: Vec<(&Option<String>, &migdra_api::policy::MigPolicySpec)> = self
+            .policies
+            .iter()
+            .map(|p| (&p.metadata.name, &p.spec))
+            .collect();
+        policies.sort_by(|a, b| a.0.cmp(b.0));
+        h.add(&policies);
+        h.add(self.allocated);
+        h.add(&self.published_generation);
+        let slices: Vec<(&Option<String>, &Option<String>)> = self
+            .cached
+            .iter()
+            .map(|s| (&s.metadata.name, &s.metadata.resource_version))
+            .collect();
+        h.add(&slices);
+        h.finish()
+    }
+}
 
 /// The result of a reconciliation that did not fail outright.
 struct Outcome {
@@ -128,6 +247,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     let published = gpunode.status.as_ref().and_then(|s| s.publication.as_ref());
     let Some(node) = ctx.nodes.get(&ObjectRef::new(&node_name)) else {
         tracing::info!("Node is gone; withdrawing its pool");
+        ctx.set_live(&node_name, false);
         let publication = withdrawn(ctx, &node_name, &cached, published);
         withdraw(ctx, &node_name, &cached).await?;
         ctx.metrics.forget_node(&node_name);
@@ -147,10 +267,32 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     }
     let now = Timestamp::now();
     let plugin = gpunode.status.as_ref().and_then(|s| s.plugin.as_ref());
+    let lease = ctx.lease_beat(&node_name);
     let (_, hold) = ctx.heartbeat_census(now);
     let interval = plugin.map_or(0, |p| p.heartbeat_interval_seconds);
-    let cap = effective_timeout(ctx.config.heartbeat_timeout, interval);
-    let requeue = match liveness(plugin, now, ctx.config.heartbeat_timeout, wiped_at, hold) {
+    let cap = effective_timeout(ctx.config.heartbeat_timeout, interval)
+        .max(lease.map_or(Duration::ZERO, |l| l.duration));
+    let state = liveness(
+        plugin,
+        lease.as_ref(),
+        now,
+        ctx.config.heartbeat_timeout,
+        wiped_at,
+        hold,
+    );
+    let state = match state {
+        // Expiry alone is rate-limited (see `Context::allow_expiry_withdrawal`); a pool
+        // already withdrawn needs no allowance.
+        Liveness::Gone(GoneReason::HeartbeatExpired { last, .. })
+            if !cached.is_empty() && !ctx.allow_expiry_withdrawal() =>
+        {
+            tracing::info!(%last, "heartbeat expired, but another pool was withdrawn for expiry moments ago: keeping this one for now");
+            Liveness::Held { last }
+        }
+        state => state,
+    };
+    ctx.set_live(&node_name, matches!(state, Liveness::Live { .. }));
+    let requeue = match state {
         Liveness::Gone(why) => {
             if !cached.is_empty() || matches!(why, GoneReason::SlicesWiped { .. }) {
                 tracing::info!(reason = %why.message(), "plugin is not live; withdrawing the pool");
@@ -160,11 +302,12 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             ctx.metrics.set_published_devices(&node_name, 0);
             let condition = Published::no(reason::PLUGIN_NOT_READY, why.message());
             write_status(gpunode, ctx, publication, &condition).await?;
-            // The plugin's next heartbeat (a GpuNode change) brings the node back.
+            // The plugin's next heartbeat (a GpuNode change or a Lease renewal) brings the
+            // node back.
             return Ok(Outcome::done(Action::await_change()));
         }
         Liveness::Held { last } => {
-            tracing::debug!(%last, "heartbeat expired, but so did most others: keeping the pool");
+            tracing::debug!(%last, "heartbeat expired, but expiry withdrawals are held back: keeping the pool");
             Action::requeue(HELD_RECHECK)
         }
         Liveness::Live { expires } => {
@@ -183,8 +326,34 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         labels: node.labels(),
     };
     let allocated = ctx.allocated_devices(&node_name);
+    let memo = ctx.memo(&node_name);
+    let gpunode_version = gpunode.metadata.resource_version.clone();
+    let inventory = match &memo {
+        Some(m) if gpunode_version.is_some() && m.gpunode_version == gpunode_version => m.inventory,
+        _ => inventory_hash(&ctx.geometries.restore(gpunode)),
+    };
+    let inputs = PoolInputs {
+        inventory,
+        node: &node_ref,
+        policies: &policies,
+        allocated: &allocated,
+        published_generation: published.map(|p| p.generation),
+        cached: &cached,
+    }
+    .hash();
+    if let Some(memo) = memo.filter(|m| m.inputs == inputs) {
+        tracing::trace!("inputs and slices unchanged; pool up to date");
+        ctx.metrics
+            .set_published_devices(&node_name, memo.publication.devices);
+        let condition = Published::yes(memo.message.clone());
+        write_status(gpunode, ctx, memo.publication, &condition).await?;
+        return Ok(Outcome::done(requeue));
+    }
+    ctx.set_memo(&node_name, None);
+    // The cached GpuNode holds no profile tables (see `crate::geometries`).
+    let full = ctx.geometries.restore(gpunode);
     let desired = match desired_pool(
-        gpunode,
+        &full,
         node_ref,
         policies.iter().map(|p| p.as_ref()),
         &ctx.config.driver,
@@ -227,8 +396,16 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     }
     let slices = desired.slices.len();
     let desired_names: Vec<String> = desired.slices.iter().map(|s| s.name_any()).collect();
-    let diff = diff_pool(desired.slices, &cached, published.map(|p| p.generation));
-    if diff.is_empty() {
+    let mut diff = diff_pool(desired.slices, &cached, published.map(|p| p.generation));
+    let tainted = tainted_replacements(&diff);
+    if !tainted.is_empty() {
+        // The cache has no specs: read the live slices whose taints a rewrite must keep the
+        // times of (rare: only devices claims hold that the policy stopped offering).
+        let live = live_slices(ctx, &tainted).await?;
+        keep_taint_times(&mut diff, &live);
+    }
+    let diff_was_empty = diff.is_empty();
+    if diff_was_empty {
         tracing::debug!(generation = diff.generation, "pool unchanged");
     } else {
         tracing::info!(
@@ -254,6 +431,19 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         "{} devices of {} GPUs in {} slices, generation {}",
         publication.devices, publication.gpus, publication.slices, publication.generation
     );
+    if diff_was_empty {
+        // The cache shows exactly the desired pool: the same inputs next time need no work.
+        ctx.set_memo(
+            &node_name,
+            Some(Memo {
+                gpunode_version,
+                inventory,
+                inputs,
+                publication: publication.clone(),
+                message: message.clone(),
+            }),
+        );
+    }
     write_status(gpunode, ctx, publication, &Published::yes(message)).await?;
     Ok(Outcome::done(requeue))
 }
@@ -267,8 +457,22 @@ fn publisher<'a>(ctx: &'a Context, node: &'a str) -> Publisher<'a> {
     }
 }
 
+/// The live versions of the named slices (those that exist).
+async fn live_slices(ctx: &Context, names: &[String]) -> Result<Vec<ResourceSlice>, Error> {
+    let mut live = Vec::with_capacity(names.len());
+    for name in names {
+        match ctx.slice_api.get_opt(name).await {
+            Ok(Some(slice)) => live.push(slice),
+            Ok(None) => {}
+            Err(e) => return Err(Error::slice_write("get", name, e)),
+        }
+    }
+    Ok(live)
+}
+
 /// Deletes every cached slice of the node.
-async fn withdraw(ctx: &Context, node: &str, cached: &[Arc<ResourceSlice>]) -> Result<(), Error> {
+async fn withdraw(ctx: &Context, node: &str, cached: &[Arc<SliceMeta>]) -> Result<(), Error> {
+    ctx.set_memo(node, None);
     let diff = diff_pool(Vec::new(), cached, None);
     if !diff.is_empty() {
         publisher(ctx, node).apply(&diff).await?;
@@ -281,12 +485,12 @@ async fn withdraw(ctx: &Context, node: &str, cached: &[Arc<ResourceSlice>]) -> R
 fn withdrawn(
     ctx: &Context,
     node: &str,
-    cached: &[Arc<ResourceSlice>],
+    cached: &[Arc<SliceMeta>],
     published: Option<&PublicationStatus>,
 ) -> PublicationStatus {
     let generation = cached
         .iter()
-        .map(|s| s.spec.pool.generation)
+        .filter_map(|s| cached_generation(s))
         .chain(published.map(|p| p.generation))
         .max()
         .unwrap_or(0);
@@ -344,6 +548,126 @@ async fn publish_event(gpunode: &GpuNode, ctx: &Context, error: &Error) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pool_inputs_hash_changes_with_every_input() {
+        use std::collections::BTreeMap;
+
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        use migdra_api::{
+            catalog,
+            inventory::{GpuNodeSpec, GpuNodeStatus},
+            policy::MigPolicySpec,
+        };
+
+        let mut g = GpuNode::new(
+            "n",
+            GpuNodeSpec {
+                node_name: "n".into(),
+                driver: "gpu.migdra.dev".into(),
+            },
+        );
+        let model = catalog::model("H100-80GB").unwrap();
+        g.status = Some(GpuNodeStatus {
+            gpus: Some(vec![model.inventory(0, true)]),
+            ..Default::default()
+        });
+        let inventory = inventory_hash(&g);
+        let mut unhealthy = g.clone();
+        unhealthy.status.as_mut().unwrap().gpus.as_mut().unwrap()[0]
+            .health
+            .healthy = false;
+        assert_ne!(inventory_hash(&unhealthy), inventory);
+
+        let labels = BTreeMap::from([("gpu".to_string(), "h100".to_string())]);
+        let node = NodeRef {
+            name: "n",
+            uid: Some("u1"),
+            labels: &labels,
+        };
+        let policies = vec![Arc::new(MigPolicy::new("p", MigPolicySpec::default()))];
+        let allocated = BTreeSet::new();
+        let slice = |rv: &str| {
+            Arc::new(SliceMeta {
+                metadata: ObjectMeta {
+                    name: Some("s".into()),
+                    resource_version: Some(rv.into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            })
+        };
+        let cached = vec![slice("1")];
+        let base = PoolInputs {
+            inventory,
+            node: &node,
+            policies: &policies,
+            allocated: &allocated,
+            published_generation: Some(1),
+            cached: &cached,
+        };
+        let hash = base.hash();
+        assert_eq!(hash, base.hash(), "deterministic");
+
+        let other_inventory = PoolInputs {
+            inventory: inventory_hash(&unhealthy),
+            ..base
+        };
+        let relabelled = BTreeMap::from([("gpu".to_string(), "a100".to_string())]);
+        let relabelled_node = NodeRef {
+            labels: &relabelled,
+            ..node
+        };
+        let recreated_node = NodeRef {
+            uid: Some("u2"),
+            ..node
+        };
+        let changed_policy = vec![Arc::new(MigPolicy::new(
+            "p",
+            MigPolicySpec {
+                profiles: vec!["1g".into()],
+                ..Default::default()
+            },
+        ))];
+        let held = BTreeSet::from(["gpu-0-mig-1g10gb-0".to_string()]);
+        let rewritten = vec![slice("2")];
+        let variants = [
+            other_inventory.hash(),
+            PoolInputs {
+                node: &relabelled_node,
+                ..base
+            }
+            .hash(),
+            PoolInputs {
+                node: &recreated_node,
+                ..base
+            }
+            .hash(),
+            PoolInputs {
+                policies: &changed_policy,
+                ..base
+            }
+            .hash(),
+            PoolInputs {
+                allocated: &held,
+                ..base
+            }
+            .hash(),
+            PoolInputs {
+                published_generation: Some(2),
+                ..base
+            }
+            .hash(),
+            PoolInputs {
+                cached: &rewritten,
+                ..base
+            }
+            .hash(),
+        ];
+        for (i, v) in variants.iter().enumerate() {
+            assert_ne!(*v, hash, "variant {i}");
+        }
+    }
 
     #[test]
     fn backoff_grows_and_is_capped() {

@@ -162,7 +162,10 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     let (health_tx, health_rx) = watch::channel(gpus.device_health(&first));
     let (registration_tx, registration_rx) = watch::channel(RegistrationState::default());
     let heartbeat = args.heartbeat_interval();
-    let writer = NodeStatusWriter::new(client, &args.node_name, &args.driver_name, heartbeat);
+    let mut writer = NodeStatusWriter::new(client.clone(), &args.node_name, &args.driver_name, heartbeat);
+    if let Some(namespace) = args.heartbeat_namespace.as_deref().filter(|n| !n.is_empty()) {
+        writer = writer.with_heartbeat_lease(client, namespace, args.gpunode_heartbeat_interval());
+    }
     let status = StatusLoop {
         gpus,
         writer: Some(writer),

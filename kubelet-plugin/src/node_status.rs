@@ -1,6 +1,18 @@
-//! The node's `GpuNode`: created with a Node owner reference (so it is garbage-collected with
-//! the node) and kept current with the inventory, the kubelet registration state and a
-//! heartbeat, from which the controller decides whether to publish this node's pool.
+//! The node's `GpuNode` and heartbeat: the GpuNode is created with a Node owner reference (so
+//! it is garbage-collected with the node) and kept current with the inventory and the kubelet
+//! registration state, from which the controller decides what to publish for this node.
+//!
+//! The heartbeat. With a namespace (the chart's pod namespace), the plugin renews a
+//! `coordination.k8s.io/v1` Lease `<node>.<driver>` there every heartbeat interval, as the
+//! kubelet renews its node Lease: a ~400-byte merge patch that the controller only checks
+//! liveness on. The GpuNode status, whose inventory is tens of kilobytes that every
+//! controller replica decodes and re-evaluates, is then written only when something in it
+//! other than the heartbeat time changed, and otherwise every
+//! `gpunode_heartbeat_interval` (5 minutes by default), announcing that interval in
+//! `heartbeatIntervalSeconds`: a controller that predates the Lease reads only the GpuNode and
+//! allows 1.5 of those intervals, so it keeps the pool (it still notices a dead plugin by the
+//! kubelet's slice wipe). Without a namespace, or when a renewal fails, the GpuNode carries
+//! the heartbeat as before. See the controller's `liveness` module for how the two combine.
 //!
 //! [`StatusLoop`] reads the GPU table ([`crate::gpus`]), never the driver: it keeps running
 //! while another plugin instance holds the node lock.
@@ -8,8 +20,8 @@
 use std::time::Duration;
 
 use k8s_openapi::{
-    api::core::v1::Node,
-    apimachinery::pkg::apis::meta::v1::{OwnerReference, Time},
+    api::{coordination::v1::Lease, core::v1::Node},
+    apimachinery::pkg::apis::meta::v1::{MicroTime, OwnerReference, Time},
     jiff::Timestamp,
 };
 use kube::{
@@ -17,7 +29,9 @@ use kube::{
     api::{Patch, PatchParams},
     runtime::events::{Event, EventType, Recorder, Reporter},
 };
-use migdra_api::inventory::{API_VERSION, GpuInventory, GpuNode, PluginStatus};
+use migdra_api::inventory::{
+    API_VERSION, GpuInventory, GpuNode, HEARTBEAT_LEASE_LABEL, PluginStatus, heartbeat_lease_name,
+};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -28,15 +42,27 @@ use migdra_kubeletplugin::{DeviceHealthReport, RegistrationState};
 /// Field manager of the plugin's writes.
 pub const FIELD_MANAGER: &str = "migdra-kubelet-plugin";
 
-/// Writes this node's GpuNode.
+/// The heartbeat Lease of this node.
+#[derive(Clone)]
+struct HeartbeatLease {
+    api: Api<Lease>,
+    name: String,
+    /// False until the whole object was applied (and again after a renewal found it gone).
+    exists: bool,
+}
+
+/// Writes this node's GpuNode and renews its heartbeat Lease.
 #[derive(Clone)]
 pub struct NodeStatusWriter {
     api: Api<GpuNode>,
     nodes: Api<Node>,
     node: String,
+    node_uid: String,
     driver: String,
     started: Timestamp,
     heartbeat_interval: Duration,
+    gpunode_interval: Duration,
+    lease: Option<HeartbeatLease>,
     recorder: Recorder,
     reference: Option<k8s_openapi::api::core::v1::ObjectReference>,
 }
@@ -48,9 +74,12 @@ impl NodeStatusWriter {
             api: Api::all(client.clone()),
             nodes: Api::all(client.clone()),
             node: node.to_string(),
+            node_uid: String::new(),
             driver: driver.to_string(),
             started: Timestamp::now(),
             heartbeat_interval,
+            gpunode_interval: heartbeat_interval,
+            lease: None,
             recorder: Recorder::new(
                 client,
                 Reporter {
@@ -62,16 +91,47 @@ impl NodeStatusWriter {
         }
     }
 
+    /// Heartbeats through the Lease `<node>.<driver>` in `namespace`, and writes the GpuNode
+    /// status only on change or every `gpunode_interval`. Without a valid Lease name (an
+    /// over-long node name) the GpuNode keeps carrying the heartbeat.
+    pub fn with_heartbeat_lease(
+        mut self,
+        client: Client,
+        namespace: &str,
+        gpunode_interval: Duration,
+    ) -> Self {
+        match heartbeat_lease_name(&self.node, &self.driver) {
+            Some(name) => {
+                self.lease = Some(HeartbeatLease {
+                    api: Api::namespaced(client, namespace),
+                    name,
+                    exists: false,
+                });
+                self.gpunode_interval = gpunode_interval.max(self.heartbeat_interval);
+            }
+            None => tracing::warn!(
+                node = %self.node,
+                "the node name is too long for a heartbeat Lease; heartbeating in the GpuNode"
+            ),
+        }
+        self
+    }
+
+    /// True when heartbeats go to a Lease.
+    pub fn has_heartbeat_lease(&self) -> bool {
+        self.lease.is_some()
+    }
+
+    /// The longest time between two GpuNode status writes.
+    pub fn gpunode_interval(&self) -> Duration {
+        self.gpunode_interval
+    }
+
     /// Creates or adopts the GpuNode (metadata and spec), owned by the Node.
     pub async fn ensure_object(&mut self) -> Result<(), kube::Error> {
         let node = self.nodes.get(&self.node).await?;
-        let owner = OwnerReference {
-            api_version: "v1".into(),
-            kind: "Node".into(),
-            name: self.node.clone(),
-            uid: node.meta().uid.clone().unwrap_or_default(),
-            ..OwnerReference::default()
-        };
+        self.node_uid = node.meta().uid.clone().unwrap_or_default();
+        let owner = self.owner();
         let object = json!({
             "apiVersion": API_VERSION,
             "kind": "GpuNode",
@@ -87,6 +147,70 @@ impl NodeStatusWriter {
             )
             .await?;
         self.reference = Some(written.object_ref(&()));
+        Ok(())
+    }
+
+    fn owner(&self) -> OwnerReference {
+        OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: self.node.clone(),
+            uid: self.node_uid.clone(),
+            ..OwnerReference::default()
+        }
+    }
+
+    /// The whole heartbeat Lease as the plugin applies it.
+    pub fn lease_object(&self, name: &str, now: Timestamp) -> serde_json::Value {
+        json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": name,
+                "labels": { HEARTBEAT_LEASE_LABEL: self.driver },
+                "ownerReferences": [self.owner()],
+            },
+            "spec": {
+                "holderIdentity": self.node,
+                "leaseDurationSeconds": lease_duration_seconds(self.heartbeat_interval),
+                "acquireTime": MicroTime(self.started),
+                "renewTime": MicroTime(now),
+            },
+        })
+    }
+
+    /// Renews the heartbeat Lease (applies it whole the first time and after it vanished).
+    /// Does nothing without a Lease. Call after [`Self::ensure_object`] (the owner UID).
+    pub async fn renew_lease(&mut self) -> Result<(), kube::Error> {
+        let now = Timestamp::now();
+        let Some(lease) = &self.lease else {
+            return Ok(());
+        };
+        if lease.exists {
+            let renew = json!({ "spec": { "renewTime": MicroTime(now) } });
+            match lease
+                .api
+                .patch(&lease.name, &PatchParams::default(), &Patch::Merge(renew))
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(kube::Error::Api(e)) if e.code == 404 => {
+                    tracing::info!(lease = %lease.name, "the heartbeat Lease is gone; re-creating it");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let object = self.lease_object(&lease.name, now);
+        let (api, name) = (lease.api.clone(), lease.name.clone());
+        api.patch(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(object),
+        )
+        .await?;
+        if let Some(lease) = &mut self.lease {
+            lease.exists = true;
+        }
         Ok(())
     }
 
@@ -106,6 +230,31 @@ impl NodeStatusWriter {
         }
     }
 
+    /// The plugin's part of the status at `now`. `heartbeatIntervalSeconds` is how often the
+    /// GpuNode itself is rewritten: the heartbeat interval without a Lease, the (longer) GpuNode
+    /// interval with one.
+    pub fn plugin_status(
+        &self,
+        registration: &RegistrationState,
+        driver_version: Option<String>,
+        now: Timestamp,
+    ) -> PluginStatus {
+        let interval = if self.lease.is_some() {
+            self.gpunode_interval
+        } else {
+            self.heartbeat_interval
+        };
+        PluginStatus {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            registered: registration.registered,
+            registration_error: registration.error.clone(),
+            start_time: Time(self.started),
+            heartbeat_time: Time(now),
+            heartbeat_interval_seconds: u32::try_from(interval.as_secs()).unwrap_or(u32::MAX),
+            driver_version,
+        }
+    }
+
     /// Writes the plugin's part of the status.
     pub async fn publish(
         &self,
@@ -113,15 +262,7 @@ impl NodeStatusWriter {
         driver_version: Option<String>,
         gpus: &[GpuInventory],
     ) -> Result<(), kube::Error> {
-        let plugin = PluginStatus {
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            registered: registration.registered,
-            registration_error: registration.error.clone(),
-            start_time: Time(self.started),
-            heartbeat_time: Time(Timestamp::now()),
-            heartbeat_interval_seconds: u32::try_from(self.heartbeat_interval.as_secs()).unwrap_or(u32::MAX),
-            driver_version,
-        };
+        let plugin = self.plugin_status(registration, driver_version, Timestamp::now());
         let status = json!({
             "apiVersion": API_VERSION,
             "kind": "GpuNode",
@@ -177,6 +318,7 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
         let mut object_ready = false;
         let mut registration_open = true;
         let mut health_seen: std::collections::BTreeMap<u32, bool> = std::collections::BTreeMap::new();
+        let mut last_written: Option<WrittenStatus> = None;
         loop {
             let inventory = refresh(&gpus).await;
             if let Some(inventory) = &inventory {
@@ -223,9 +365,30 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                 }
                 if object_ready {
                     let state = registration.borrow().clone();
-                    if let Err(e) = writer.publish(&state, driver_version.clone(), inventory).await {
-                        tracing::warn!(error = %e, "updating the GpuNode status failed; retrying");
-                        object_ready = false;
+                    // A failed renewal makes this beat a GpuNode write, so liveness never
+                    // depends on the Lease alone.
+                    let renewed = match writer.renew_lease().await {
+                        Ok(()) => writer.has_heartbeat_lease(),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "renewing the heartbeat Lease failed; heartbeating in the GpuNode");
+                            false
+                        }
+                    };
+                    let content = WrittenStatus {
+                        registration: state.clone(),
+                        driver_version: driver_version.clone(),
+                        gpus: inventory.clone(),
+                        at: tokio::time::Instant::now(),
+                    };
+                    if !renewed || gpunode_due(last_written.as_ref(), &content, writer.gpunode_interval()) {
+                        match writer.publish(&state, driver_version.clone(), inventory).await {
+                            Ok(()) => last_written = Some(content),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "updating the GpuNode status failed; retrying");
+                                object_ready = false;
+                                last_written = None;
+                            }
+                        }
                     }
                 }
             }
@@ -251,6 +414,31 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
     }
 }
 
+/// What the last GpuNode status write carried, and when.
+struct WrittenStatus {
+    registration: RegistrationState,
+    driver_version: Option<String>,
+    gpus: Vec<GpuInventory>,
+    at: tokio::time::Instant,
+}
+
+/// True when the GpuNode status must be written: never written, something other than the
+/// heartbeat time changed, or `interval` passed since the last write.
+fn gpunode_due(last: Option<&WrittenStatus>, now: &WrittenStatus, interval: Duration) -> bool {
+    let Some(last) = last else { return true };
+    last.registration != now.registration
+        || last.driver_version != now.driver_version
+        || last.gpus != now.gpus
+        || now.at.saturating_duration_since(last.at) >= interval
+}
+
+/// The Lease's `leaseDurationSeconds`: one and a half heartbeat intervals (rounded up), the
+/// window in which the controller expects the next renewal.
+pub fn lease_duration_seconds(interval: Duration) -> i32 {
+    let millis = interval.as_millis().saturating_mul(3).div_ceil(2);
+    i32::try_from(millis.div_ceil(1000)).unwrap_or(i32::MAX)
+}
+
 /// One inventory, on a blocking thread (NVML calls block); `None` when it failed (logged).
 async fn refresh<B: GpuBackend + 'static>(gpus: &Gpus<B>) -> Option<Vec<GpuInventory>> {
     let gpus = gpus.clone();
@@ -264,5 +452,206 @@ async fn refresh<B: GpuBackend + 'static>(gpus: &Gpus<B>) -> Option<Vec<GpuInven
             tracing::error!(error = %e, "inventory task failed");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client() -> Client {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        Client::try_from(config).unwrap()
+    }
+
+    fn status(gpus: usize, registered: bool, at: tokio::time::Instant) -> WrittenStatus {
+        let model = migdra_api::catalog::model("H100-80GB").unwrap();
+        WrittenStatus {
+            registration: RegistrationState {
+                registered,
+                error: None,
+            },
+            driver_version: Some("580.82.07".into()),
+            gpus: (0..gpus as u32).map(|m| model.inventory(m, true)).collect(),
+            at,
+        }
+    }
+
+    #[test]
+    fn the_gpunode_is_written_on_change_or_when_its_interval_passed() {
+        let t0 = tokio::time::Instant::now();
+        let interval = Duration::from_secs(300);
+        let first = status(2, true, t0);
+        assert!(gpunode_due(None, &first, interval), "never written");
+        let beat = status(2, true, t0 + Duration::from_secs(15));
+        assert!(!gpunode_due(Some(&first), &beat, interval), "a heartbeat alone");
+        let gpu_gone = status(1, true, t0 + Duration::from_secs(15));
+        assert!(
+            gpunode_due(Some(&first), &gpu_gone, interval),
+            "inventory changed"
+        );
+        let unregistered = status(2, false, t0 + Duration::from_secs(15));
+        assert!(
+            gpunode_due(Some(&first), &unregistered, interval),
+            "registration changed"
+        );
+        let late = status(2, true, t0 + interval);
+        assert!(gpunode_due(Some(&first), &late, interval), "the slow heartbeat");
+    }
+
+    #[test]
+    fn lease_duration_is_one_and_a_half_intervals_rounded_up() {
+        assert_eq!(lease_duration_seconds(Duration::from_secs(15)), 23);
+        assert_eq!(lease_duration_seconds(Duration::from_secs(10)), 15);
+        assert_eq!(lease_duration_seconds(Duration::from_secs(1)), 2);
+    }
+
+    #[tokio::test]
+    async fn with_a_lease_the_gpunode_announces_its_own_slow_interval() {
+        let registration = RegistrationState {
+            registered: true,
+            error: None,
+        };
+        let now = Timestamp::now();
+        let plain = NodeStatusWriter::new(client(), "node-a", "gpu.migdra.dev", Duration::from_secs(15));
+        assert!(!plain.has_heartbeat_lease());
+        assert_eq!(
+            plain
+                .plugin_status(&registration, None, now)
+                .heartbeat_interval_seconds,
+            15
+        );
+        let leased = plain
+            .clone()
+            .with_heartbeat_lease(client(), "migdra-system", Duration::from_secs(300));
+        assert!(leased.has_heartbeat_lease());
+        let plugin = leased.plugin_status(&registration, None, now);
+        assert_eq!(plugin.heartbeat_interval_seconds, 300);
+        assert_eq!(plugin.heartbeat_time, Time(now));
+        // The GpuNode interval is never shorter than the heartbeat.
+        let fast = plain
+            .clone()
+            .with_heartbeat_lease(client(), "migdra-system", Duration::from_secs(1));
+        assert_eq!(fast.gpunode_interval(), Duration::from_secs(15));
+        // No Lease for a node whose Lease name would be too long.
+        let long = NodeStatusWriter::new(
+            client(),
+            &"n".repeat(250),
+            "gpu.migdra.dev",
+            Duration::from_secs(15),
+        )
+        .with_heartbeat_lease(client(), "migdra-system", Duration::from_secs(300));
+        assert!(!long.has_heartbeat_lease());
+        assert_eq!(
+            long.plugin_status(&registration, None, now)
+                .heartbeat_interval_seconds,
+            15
+        );
+    }
+
+    /// Answers the next request on `handle` with `code` and `body`; returns (method, path,
+    /// content type, body) of the request.
+    async fn answer(
+        handle: &mut tower_test::mock::Handle<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >,
+        code: u16,
+        body: serde_json::Value,
+    ) -> (String, String, String, serde_json::Value) {
+        let (request, send) = handle.next_request().await.expect("a request");
+        let (parts, req_body) = request.into_parts();
+        let bytes = req_body.collect_bytes().await.unwrap();
+        let content_type = parts
+            .headers
+            .get("content-type")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        send.send_response(
+            http::Response::builder()
+                .status(code)
+                .header("content-type", "application/json")
+                .body(kube::client::Body::from(serde_json::to_vec(&body).unwrap()))
+                .unwrap(),
+        );
+        (
+            parts.method.to_string(),
+            parts.uri.path().to_string(),
+            content_type,
+            serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
+    #[tokio::test]
+    async fn the_lease_is_applied_once_then_renewed_by_merge_patch_and_recreated_when_gone() {
+        let (service, mut handle) =
+            tower_test::mock::pair::<http::Request<kube::client::Body>, http::Response<kube::client::Body>>();
+        let mock = Client::new(service, "default");
+        let mut writer =
+            NodeStatusWriter::new(mock.clone(), "node-a", "gpu.migdra.dev", Duration::from_secs(15))
+                .with_heartbeat_lease(mock, "migdra-system", Duration::from_secs(300));
+        let path = "/apis/coordination.k8s.io/v1/namespaces/migdra-system/leases/node-a.gpu.migdra.dev";
+        let lease = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                           "metadata": {"name": "node-a.gpu.migdra.dev", "namespace": "migdra-system"}});
+        let not_found = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                               "reason": "NotFound", "code": 404, "message": "not found"});
+
+        let server = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            // First beat: the whole object, server-side applied.
+            seen.push(answer(&mut handle, 200, lease.clone()).await);
+            // Second beat: only renewTime, merge-patched.
+            seen.push(answer(&mut handle, 200, lease.clone()).await);
+            // Third beat: the Lease was deleted meanwhile: merge patch 404, then apply again.
+            seen.push(answer(&mut handle, 404, not_found).await);
+            seen.push(answer(&mut handle, 200, lease).await);
+            seen
+        });
+        for _ in 0..3 {
+            writer.renew_lease().await.unwrap();
+        }
+        let seen = server.await.unwrap();
+        for (method, p, _, _) in &seen {
+            assert_eq!((method.as_str(), p.as_str()), ("PATCH", path));
+        }
+        let kinds: Vec<&str> = seen.iter().map(|(_, _, ct, _)| ct.as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "application/apply-patch+yaml",
+                "application/merge-patch+json",
+                "application/merge-patch+json",
+                "application/apply-patch+yaml"
+            ]
+        );
+        assert_eq!(seen[0].3["spec"]["holderIdentity"], "node-a");
+        assert_eq!(
+            seen[0].3["metadata"]["labels"][HEARTBEAT_LEASE_LABEL],
+            "gpu.migdra.dev"
+        );
+        let renewal = seen[1].3.as_object().unwrap();
+        assert_eq!(renewal.len(), 1, "a renewal carries only the spec: {renewal:?}");
+        let spec = seen[1].3["spec"].as_object().unwrap();
+        assert_eq!(spec.keys().collect::<Vec<_>>(), ["renewTime"]);
+    }
+
+    #[tokio::test]
+    async fn the_lease_names_the_node_and_the_driver() {
+        let mut writer = NodeStatusWriter::new(client(), "node-a", "gpu.migdra.dev", Duration::from_secs(15))
+            .with_heartbeat_lease(client(), "migdra-system", Duration::from_secs(300));
+        writer.node_uid = "uid-a".into();
+        let now = Timestamp::from_second(1_800_000_000).unwrap();
+        let lease: Lease = serde_json::from_value(writer.lease_object("node-a.gpu.migdra.dev", now)).unwrap();
+        assert_eq!(lease.metadata.name.as_deref(), Some("node-a.gpu.migdra.dev"));
+        assert_eq!(
+            lease.metadata.labels.unwrap()[HEARTBEAT_LEASE_LABEL],
+            "gpu.migdra.dev"
+        );
+        let owner = &lease.metadata.owner_references.unwrap()[0];
+        assert_eq!((owner.kind.as_str(), owner.uid.as_str()), ("Node", "uid-a"));
+        let spec = lease.spec.unwrap();
+        assert_eq!(spec.holder_identity.as_deref(), Some("node-a"));
+        assert_eq!(spec.lease_duration_seconds, Some(23));
+        assert_eq!(spec.renew_time, Some(MicroTime(now)));
     }
 }

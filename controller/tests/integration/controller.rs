@@ -1,7 +1,7 @@
 //! The whole controller (watches, caches, reconciler) against a fake API server: it lists
-//! and watches GpuNodes, Node metadata, MigPolicies, ResourceClaims and only its own
-//! driver's slices, and
-//! publishes the pool of a live node from what the lists returned.
+//! and watches GpuNodes, Node metadata, MigPolicies, ResourceClaims, only its own driver's
+//! slices and heartbeat Leases, and publishes the pool of a live node from what the lists
+//! returned.
 
 use std::{
     sync::{Arc, Mutex},
@@ -9,7 +9,7 @@ use std::{
 };
 
 use crate::support::{
-    DRIVER, NODE, NODE_UID, gpunode, h100s, live_plugin,
+    DRIVER, NAMESPACE, NODE, NODE_UID, ago, gpunode, h100s, lease, plugin,
     router::{Call, Reply, serve, status},
 };
 use http::{Method, StatusCode};
@@ -55,6 +55,13 @@ fn handle(call: &Call, written: &Mutex<Vec<ResourceSlice>>, gpunode: &Value) -> 
         (&Method::GET, "/apis/resource.k8s.io/v1/resourceclaims") => {
             list("ResourceClaimList", "resource.k8s.io/v1", Vec::new())
         }
+        (&Method::GET, p) if p == format!("/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases") => {
+            list(
+                "LeaseList",
+                "coordination.k8s.io/v1",
+                vec![serde_json::to_value(lease(NODE, ago(2))).unwrap()],
+            )
+        }
         (&Method::POST, "/apis/resource.k8s.io/v1/resourceslices") => {
             let mut stored = call.body.clone();
             let mut w = written.lock().unwrap();
@@ -75,7 +82,11 @@ fn handle(call: &Call, written: &Mutex<Vec<ResourceSlice>>, gpunode: &Value) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
     let gpus = h100s(2);
-    let g = serde_json::to_value(gpunode(Some(live_plugin()), gpus.clone())).unwrap();
+    // A plugin of this version: its GpuNode heartbeat is a minute old (it is rewritten every
+    // 300 s); its Lease, renewed 2 s ago, is what makes it live.
+    let mut slow = plugin(true, ago(60));
+    slow.heartbeat_interval_seconds = 300;
+    let g = serde_json::to_value(gpunode(Some(slow), gpus.clone())).unwrap();
     let written = Arc::new(Mutex::new(Vec::new()));
     let (client, calls) = {
         let written = written.clone();
@@ -87,6 +98,10 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
         mass_expiry_threshold: 0.55,
         identity: "controller-0".into(),
         ready_timeout: Duration::from_secs(5),
+        heartbeat_namespace: NAMESPACE.into(),
+        census_ttl: Duration::from_secs(1),
+        concurrency: 4,
+        expiry_withdrawal_interval: Duration::from_secs(10),
     };
     let shutdown = CancellationToken::new();
     let run = tokio::spawn(controller::run(client, config, Metrics::new(), shutdown.clone()));
@@ -133,10 +148,21 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
         "/api/v1/nodes",
         "/apis/gpu.migdra.dev/v1alpha1/migpolicies",
         "/apis/resource.k8s.io/v1/resourceclaims",
+        "/apis/coordination.k8s.io/v1/namespaces/migdra-system/leases",
     ] {
         assert!(
             calls.iter().any(|c| c.path == path && c.is_watch()),
             "{path} is watched"
+        );
+    }
+
+    let lease_reads: Vec<&Call> = calls.iter().filter(|c| c.path.ends_with("/leases")).collect();
+    for c in lease_reads {
+        assert!(
+            c.query
+                .contains("labelSelector=gpu.migdra.dev%2Fheartbeat%3Dgpu.migdra.dev"),
+            "Leases are watched by label: {}",
+            c.query
         );
     }
 

@@ -586,8 +586,10 @@ async fn a_claimed_device_the_policy_stops_offering_stays_tainted_until_released
         "one counter slice, one device slice"
     );
     let rv = |i: usize| stored[i].metadata.resource_version.clone().unwrap();
-    // Only the device slice changes: one update, the generation stays.
+    // Only the device slice changes: one update, the generation stays. It gains a taint, so
+    // its live version is read first (for the times of taints it may already have).
     let scenario = Scenario::new()
+        .then(get_slice(stored[1].clone()))
         .then(replace_slice(&name(1), Some(&rv(1)), pool_slice(1, 2)))
         .then(patch_status(move |body| {
             assert_eq!(condition(body), ("True", "Published"));
@@ -668,23 +670,210 @@ async fn a_single_slice_change_keeps_the_generation_and_the_taint_times() {
     let mut g = g;
     g.status.as_mut().unwrap().plugin.as_mut().unwrap().driver_version = Some("580.95.05".into());
     let rv = stored[1].metadata.resource_version.clone().unwrap();
-    let scenario = Scenario::new().then(replace_slice(&name(1), Some(&rv), move |s| {
-        assert_eq!(s.spec.pool.generation, 1, "one update: no new generation");
-        let taints: Vec<_> = s
-            .spec
-            .devices
-            .iter()
-            .flatten()
-            .flat_map(|d| d.taints.iter().flatten())
-            .collect();
-        assert_eq!(taints.len(), tainted);
-        assert!(
-            taints.iter().all(|t| t.time_added == Some(added.clone())),
-            "a rewrite keeps when the taints were added"
-        );
-    }));
+    // The cache has no specs: the live slice is read for its taint times.
+    let live = stored[1].clone();
+    let scenario = Scenario::new()
+        .then(get_slice(live))
+        .then(replace_slice(&name(1), Some(&rv), move |s| {
+            assert_eq!(s.spec.pool.generation, 1, "one update: no new generation");
+            let taints: Vec<_> = s
+                .spec
+                .devices
+                .iter()
+                .flatten()
+                .flat_map(|d| d.taints.iter().flatten())
+                .collect();
+            assert_eq!(taints.len(), tainted);
+            assert!(
+                taints.iter().all(|t| t.time_added == Some(added.clone())),
+                "a rewrite keeps when the taints were added"
+            );
+        }));
     // Same generation, same counts: the status already says it all.
     let (result, served) = h.reconcile(&g, scenario).await;
     assert!(result.is_ok());
     assert!(served.status_patches.is_empty());
+}
+
+/// A plugin of this version: the GpuNode heartbeat is `gpunode_age` seconds old and
+/// announces the 300 s GpuNode interval.
+fn leased_plugin(gpunode_age: i64) -> migdra_api::inventory::PluginStatus {
+    let mut p = plugin(true, ago(gpunode_age));
+    p.heartbeat_interval_seconds = 300;
+    p
+}
+
+#[tokio::test]
+async fn lease_renewals_keep_a_node_live_between_slow_gpunode_writes() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
+    h.put_lease(NODE, ago(3));
+    // Live through the Lease: nothing to write; requeued at the Lease's expiry (25 s after
+    // the renewal, not 450 s after the GpuNode's beat).
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    let requeue = requeue_secs(&result.unwrap()).unwrap();
+    assert!((18..=24).contains(&requeue), "requeue after {requeue}s");
+    assert!(h.ctx.is_live(NODE));
+}
+
+#[tokio::test]
+async fn a_lease_that_stops_being_renewed_withdraws_the_pool() {
+    // The GpuNode alone (300 s interval, 200 s old) would still be live; the Lease, last
+    // renewed 40 s ago, says the plugin is gone.
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
+    h.put_lease(NODE, ago(40));
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+            let text = body["status"]["conditions"][0]["message"].as_str().unwrap();
+            assert!(text.contains("heartbeat"), "{text}");
+        }));
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert!(
+        !h.ctx.is_live(NODE),
+        "the next Lease renewal must trigger a reconcile"
+    );
+}
+
+#[tokio::test]
+async fn an_old_plugin_without_lease_is_judged_by_its_gpunode_heartbeat() {
+    // Version skew: a plugin that predates the Lease beats in the GpuNode every 15 s.
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(requeue_secs(&result.unwrap()).is_some());
+    assert!(h.ctx.is_live(NODE));
+    // A Lease another (downgraded) plugin left behind long ago changes nothing.
+    h.put_lease(NODE, ago(3600));
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    let requeue = requeue_secs(&result.unwrap()).unwrap();
+    assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
+}
+
+#[tokio::test]
+async fn slices_of_an_older_controller_are_rewritten_once_then_left_alone() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    for s in &stored {
+        let annotations = s.metadata.annotations.as_ref().unwrap();
+        assert!(
+            annotations.contains_key("gpu.migdra.dev/spec-hash"),
+            "{annotations:?}"
+        );
+        assert_eq!(annotations["gpu.migdra.dev/pool-generation"], "1");
+    }
+    // What an older controller wrote: the same slices without the annotations.
+    let old: Vec<ResourceSlice> = stored
+        .iter()
+        .cloned()
+        .map(|mut s| {
+            s.metadata.annotations = None;
+            s
+        })
+        .collect();
+    h.store_slices(&old);
+    let count = old.len();
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| {
+            let rv = old[i].metadata.resource_version.clone().unwrap();
+            replace_slice(&name(i), Some(&rv), pool_slice(2, count))
+        }))
+        .then(patch_status(|body| {
+            assert_eq!(body["status"]["publication"]["generation"], 2)
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    h.store_slices(&served.written);
+    let g = with_status_patch(g, &served.status_patches[0]);
+    // Annotated now: a resync writes nothing.
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok());
+}
+
+#[tokio::test]
+async fn an_unchanged_pool_is_remembered_until_an_input_changes() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    assert!(
+        h.ctx.memo(NODE).is_none(),
+        "nothing remembered while writes are in flight"
+    );
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok());
+    assert!(h.ctx.memo(NODE).is_some(), "the pool was found up to date");
+    // Same inputs: still nothing to write (now without computing the pool).
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok());
+
+    // A relabelled node falls under a policy: the memo must not hide that.
+    h.add_policy(MigPolicy::new(
+        "only-7g",
+        MigPolicySpec {
+            profiles: vec!["7g".into()],
+            whole_gpus: Some(false),
+            node_selector: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector {
+                match_labels: Some([("tier".to_string(), "big".to_string())].into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    ));
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok(), "the policy selects no label of this node yet");
+    h.add_node(NODE, &[("gpu", "h100"), ("tier", "big")]);
+    let count = stored.len();
+    let scenario = Scenario::new()
+        .then(replace_slice(&name(1), None, |s| {
+            let devices = s.spec.devices.as_ref().unwrap();
+            assert_eq!(devices.len(), 1, "one 7g placement");
+        }))
+        .then(patch_status(|body| {
+            assert_eq!(body["status"]["publication"]["policy"], "only-7g");
+        }));
+    assert_eq!(count, 2);
+    let (result, _) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    assert!(
+        h.ctx.memo(NODE).is_none(),
+        "written: not up to date until the cache shows it"
+    );
+}
+
+#[tokio::test]
+async fn expiry_withdraws_at_most_one_pool_per_interval() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    other_nodes(&mut h, 6, 0);
+    // Another node's pool was just withdrawn for an expired heartbeat.
+    assert!(h.ctx.allow_expiry_withdrawal());
+    assert!(!h.ctx.allow_expiry_withdrawal(), "one per interval");
+    // node-a's heartbeat expires too (1 of 7: no mass expiry): kept for now, looked at again.
+    let mut stale = g.clone();
+    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
+    let (result, _) = h.reconcile(&stale, Scenario::new()).await;
+    let recheck = requeue_secs(&result.unwrap()).expect("looked at again soon");
+    assert!(recheck <= 10, "{recheck}");
+    assert!(!h.ctx.is_live(NODE));
+    // The limit holds back expiry only: an unregistered plugin is withdrawn at once.
+    let mut unregistered = g.clone();
+    unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+        }));
+    let (result, _) = h.reconcile(&unregistered, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
 }

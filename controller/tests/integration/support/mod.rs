@@ -10,10 +10,11 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::{
     api::{
+        coordination::v1::{Lease, LeaseSpec},
         core::v1::Node,
         resource::v1::{ResourceClaim, ResourceSlice},
     },
-    apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
+    apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time},
     jiff::{SignedDuration, Timestamp},
 };
 use kube::{
@@ -44,6 +45,7 @@ pub const DRIVER: &str = "gpu.migdra.dev";
 pub const POOL: &str = "node-a/gpu.migdra.dev";
 pub const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(25);
+pub const NAMESPACE: &str = "migdra-system";
 
 type Handle = mock::Handle<Request<Body>, Response<Body>>;
 
@@ -53,8 +55,9 @@ pub struct Harness {
     pub gpunodes: Writer<GpuNode>,
     pub nodes: Writer<PartialObjectMeta<Node>>,
     pub policies: Writer<MigPolicy>,
-    pub slices: Writer<ResourceSlice>,
+    pub slices: Writer<PartialObjectMeta<ResourceSlice>>,
     pub claims: Writer<ResourceClaim>,
+    pub leases: Writer<Lease>,
     handle: Option<Handle>,
     rv: u64,
 }
@@ -69,6 +72,8 @@ impl Harness {
         let (policies_store, mut policies) = reflector::store();
         let (slices_store, mut slices) = reflector::store();
         let (claims_store, mut claims) = reflector::store();
+        let (leases_store, mut leases) = reflector::store();
+        leases.apply_watcher_event(&watcher::Event::InitDone);
         gpunodes.apply_watcher_event(&watcher::Event::InitDone);
         nodes.apply_watcher_event(&watcher::Event::InitDone);
         policies.apply_watcher_event(&watcher::Event::InitDone);
@@ -80,6 +85,10 @@ impl Harness {
             mass_expiry_threshold: 0.55,
             identity: "controller-0".into(),
             ready_timeout: Duration::from_secs(1),
+            heartbeat_namespace: NAMESPACE.into(),
+            census_ttl: Duration::ZERO,
+            concurrency: 0,
+            expiry_withdrawal_interval: Duration::from_secs(10),
         };
         let stores = Stores {
             gpunodes: gpunodes_store,
@@ -87,6 +96,7 @@ impl Harness {
             policies: policies_store,
             slices: slices_store,
             claims: claims_store,
+            leases: leases_store,
         };
         let ctx = Arc::new(Context::new(client, config, stores, Metrics::new()));
         let mut h = Self {
@@ -96,6 +106,7 @@ impl Harness {
             policies,
             slices,
             claims,
+            leases,
             handle: Some(handle),
             rv: 100,
         };
@@ -175,15 +186,32 @@ impl Harness {
             .apply_watcher_event(&watcher::Event::Apply(gpunode.clone()));
     }
 
+    /// Puts `node`'s heartbeat Lease, renewed at `renewed`, into the Lease cache.
+    pub fn put_lease(&mut self, node: &str, renewed: Timestamp) {
+        self.leases
+            .apply_watcher_event(&watcher::Event::Apply(lease(node, renewed)));
+    }
+
     pub fn add_policy(&mut self, policy: MigPolicy) {
         self.policies.apply_watcher_event(&watcher::Event::Apply(policy));
     }
 
     /// Feeds a watch event to the slice cache and to the expectations, as the controller's
-    /// slice watch does.
+    /// slice watch does: metadata only.
     pub fn slice_event(&mut self, event: watcher::Event<ResourceSlice>) {
+        let meta = |s: ResourceSlice| PartialObjectMeta::<ResourceSlice> {
+            metadata: s.metadata,
+            ..Default::default()
+        };
+        let event = match event {
+            watcher::Event::Apply(s) => watcher::Event::Apply(meta(s)),
+            watcher::Event::InitApply(s) => watcher::Event::InitApply(meta(s)),
+            watcher::Event::Delete(s) => watcher::Event::Delete(meta(s)),
+            watcher::Event::Init => watcher::Event::Init,
+            watcher::Event::InitDone => watcher::Event::InitDone,
+        };
         self.slices.apply_watcher_event(&event);
-        let wiped = self.ctx.expectations.observe(&event);
+        let wiped = self.ctx.observe_slice_event(&event);
         self.ctx.metrics.slices_wiped(wiped);
     }
 
@@ -262,6 +290,8 @@ pub enum Answer {
     DropField(&'static str),
     /// Return `{"kind":"Status","status":"Success"}`.
     Success,
+    /// Return this object as it is.
+    Return(Value),
 }
 
 /// One expected call.
@@ -360,6 +390,7 @@ impl Scenario {
                         "message": format!("scripted {reason}"),
                     }),
                 ),
+                Answer::Return(object) => json_response(StatusCode::OK, &object),
                 Answer::Success => {
                     served
                         .deleted
@@ -505,6 +536,18 @@ pub fn replace_slice(name: &str, rv: Option<&str>, check: impl Fn(&ResourceSlice
     }
 }
 
+/// A GET of slice `name` (the live version of a slice whose taint times a rewrite keeps),
+/// answered with `live`.
+pub fn get_slice(live: ResourceSlice) -> Step {
+    let name = live.name_any();
+    Step {
+        method: Method::GET,
+        path: format!("{SLICES}/{name}"),
+        check: Box::new(|_, _| {}),
+        answer: Answer::Return(serde_json::to_value(live).unwrap()),
+    }
+}
+
 /// A DELETE of slice `name`, with its UID as precondition.
 pub fn delete_slice(name: &str) -> Step {
     let uid = format!("uid-{name}");
@@ -644,3 +687,21 @@ pub fn requeue_secs(action: &Action) -> Option<u64> {
     secs.parse::<f64>().ok().map(|s| s as u64)
 }
 pub mod router;
+
+/// The heartbeat Lease of `node` as the plugin writes it (15 s interval: 23 s duration).
+pub fn lease(node: &str, renewed: Timestamp) -> Lease {
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(format!("{node}.{DRIVER}")),
+            namespace: Some(NAMESPACE.into()),
+            labels: Some([("gpu.migdra.dev/heartbeat".to_string(), DRIVER.to_string())].into()),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(node.into()),
+            lease_duration_seconds: Some(23),
+            renew_time: Some(MicroTime(renewed)),
+            ..Default::default()
+        }),
+    }
+}
