@@ -43,6 +43,11 @@ pub struct Args {
     /// Pod creations in flight at once (B1, node creation).
     #[arg(long, env = "BENCH_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,
+    /// Slice writers in flight at once for the bare-client floor of B2, one pool per writer:
+    /// the controller's reconcile concurrency (`--max-concurrent-reconciles`, 16 by default;
+    /// 0 = every pool at once, as controllers before that flag).
+    #[arg(long, env = "BENCH_FLOOR_CONCURRENCY", default_value_t = 16)]
+    pub floor_concurrency: usize,
     /// Pods of each kind (with and without a claim) B5 starts one at a time.
     #[arg(long, env = "BENCH_B5_PODS", default_value_t = 20)]
     pub b5_pods: usize,
@@ -60,6 +65,19 @@ pub struct Args {
     /// The simulated plugins' heartbeat interval (the plugin's default).
     #[arg(long, env = "BENCH_HEARTBEAT_INTERVAL_SECONDS", default_value_t = 15)]
     pub heartbeat_interval_seconds: u32,
+    /// Also measure a second build of migdra's controller in the same run: after the
+    /// controller measures (B2, B3, B6) with the binaries the cluster started with
+    /// (`MIGDRA_BIN_DIR`), switch to the `migdra-controller` in this directory and the
+    /// heartbeat to `--after-heartbeat-form`, and measure them again (rows marked
+    /// before/after).
+    #[arg(long, env = "BENCH_AFTER_BIN_DIR")]
+    pub after_bin_dir: Option<PathBuf>,
+    /// The simulated plugins' heartbeat form for the `--after-bin-dir` controller.
+    #[arg(long, env = "BENCH_AFTER_HEARTBEAT_FORM", value_enum, default_value = "lease")]
+    pub after_heartbeat_form: HeartbeatForm,
+    /// The bare-client floor's concurrency for the `--after-bin-dir` controller.
+    #[arg(long, env = "BENCH_AFTER_FLOOR_CONCURRENCY", default_value_t = 16)]
+    pub after_floor_concurrency: usize,
     /// Measures to run (default: all).
     #[arg(long, env = "BENCH_ONLY", value_enum, value_delimiter = ',')]
     pub only: Vec<Measure>,

@@ -152,6 +152,21 @@ async fn main() -> anyhow::Result<()> {
                 args.heartbeat_form.describe(),
                 args.heartbeat_interval_seconds
             ),
+            match &args.after_bin_dir {
+                Some(dir) => format!(
+                    "before/after in one run: **before** = the binaries the cluster started with ({}), heartbeat as above, floor concurrency {}; \
+                     **after** = the controller in {}, heartbeat: {}, floor concurrency {}; same cluster, same simulated nodes",
+                    std::env::var("MIGDRA_BIN_DIR").unwrap_or_else(|_| "next to migdra-bench".into()),
+                    concurrency_text(args.floor_concurrency),
+                    dir.display(),
+                    args.after_heartbeat_form.describe(),
+                    concurrency_text(args.after_floor_concurrency)
+                ),
+                None => format!(
+                    "B2 floor concurrency: {}",
+                    concurrency_text(args.floor_concurrency)
+                ),
+            },
             format!("label: {}", if args.label.is_empty() { "—" } else { &args.label }),
             format!("cluster logs: {}", logs.display()),
         ],
@@ -169,6 +184,14 @@ async fn main() -> anyhow::Result<()> {
     )?;
     eprintln!("written to {}", file.display());
     result
+}
+
+fn concurrency_text(c: usize) -> String {
+    if c == 0 {
+        "every pool at once".into()
+    } else {
+        format!("{c} pools at a time")
+    }
 }
 
 fn jiff_now() -> String {
@@ -192,7 +215,7 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
         CHART_NAMESPACE,
         args.heartbeat_interval_seconds,
     );
-    let mut fleet = Fleet::new(cluster.client.clone(), heartbeat);
+    let mut fleet = Fleet::new(cluster.client.clone(), heartbeat.clone());
     if args.runs(Measure::B1) {
         eprintln!(
             "B1: {} simulated nodes, {} pods per run",
@@ -207,18 +230,75 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
         }
     }
     if args.runs(Measure::B2) || args.runs(Measure::B3) || args.runs(Measure::B6) {
-        let mut counts = args.nodes.clone();
-        counts.sort_unstable();
-        for n in counts {
-            eprintln!("B2/B3/B6: {n} simulated nodes");
-            fleet.grow_to(n, args.concurrency).await?;
-            match measure::publish::run(cluster, &fleet, Duration::from_secs(args.steady_seconds)).await {
-                Ok(r) => rows.extend(r.rows),
-                Err(e) => rows.push(failed_row("B2", &format!("controller at {n} nodes"), &e)),
-            }
+        let before = if args.after_bin_dir.is_some() {
+            "before"
+        } else {
+            ""
+        };
+        controller_measures(args, cluster, &mut fleet, rows, before, args.floor_concurrency).await?;
+        if let Some(dir) = &args.after_bin_dir {
+            eprintln!(
+                "switching to the controller in {} and the {:?} heartbeat",
+                dir.display(),
+                args.after_heartbeat_form
+            );
+            cluster.layout.migdra_bin = dir.clone();
+            heartbeat.set_form(args.after_heartbeat_form);
+            // One heartbeat interval for every plugin to switch (Leases created).
+            tokio::time::sleep(Duration::from_secs(
+                u64::from(args.heartbeat_interval_seconds) + 5,
+            ))
+            .await;
+            controller_measures(
+                args,
+                cluster,
+                &mut fleet,
+                rows,
+                "after",
+                args.after_floor_concurrency,
+            )
+            .await?;
         }
     }
     fleet.stop().await;
+    Ok(())
+}
+
+/// B2, B3 and B6 (controller) at every node count; `label` marks the rows (before/after).
+async fn controller_measures(
+    args: &Args,
+    cluster: &mut Cluster,
+    fleet: &mut Fleet,
+    rows: &mut Vec<Row>,
+    label: &str,
+    floor_concurrency: usize,
+) -> anyhow::Result<()> {
+    let mut counts = args.nodes.clone();
+    counts.sort_unstable();
+    for n in counts {
+        eprintln!("B2/B3/B6 {label}: {n} simulated nodes");
+        fleet.grow_to(n, args.concurrency).await?;
+        let measured = measure::publish::run(
+            cluster,
+            fleet,
+            Duration::from_secs(args.steady_seconds),
+            floor_concurrency,
+        )
+        .await;
+        match measured {
+            Ok(r) => rows.extend(r.rows.into_iter().map(|mut row| {
+                if !label.is_empty() {
+                    row.measure = format!("**{label}**: {}", row.measure);
+                }
+                row
+            })),
+            Err(e) => rows.push(failed_row(
+                "B2",
+                &format!("controller at {n} nodes ({label})"),
+                &e,
+            )),
+        }
+    }
     Ok(())
 }
 

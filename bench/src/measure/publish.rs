@@ -1,7 +1,7 @@
 //! The controller at one node count: B2 cold publish (controller stopped, every migdra slice
 //! deleted, controller started: time until every pool's slices exist, and the API writes it
 //! made) against a bare client creating the same slices with the same concurrency (one
-//! sequential writer per pool, all pools at once, as the controller's reconciles); the no-op
+//! sequential writer per pool, as many pools at once as the controller reconciles); the no-op
 //! resync (controller restarted over complete pools: its writes); B3 steady state with live
 //! heartbeats (CPU, watch events the API server sent, RSS) and B6 the controller's RSS.
 
@@ -149,7 +149,12 @@ impl Drop for SliceCounter {
 
 /// The bare client: creates a copy of one simulated node's pool for every node, renamed to
 /// [`FLOOR_DRIVER`], one sequential writer per pool, all pools at once. Returns the time.
-async fn floor(client: &Client, template_node: &str, nodes: &[String]) -> anyhow::Result<(Duration, usize)> {
+async fn floor(
+    client: &Client,
+    template_node: &str,
+    nodes: &[String],
+    concurrency: usize,
+) -> anyhow::Result<(Duration, usize)> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let pool = pool_name(template_node, DRIVER);
     let template: Vec<ResourceSlice> = slices
@@ -183,7 +188,11 @@ async fn floor(client: &Client, template_node: &str, nodes: &[String]) -> anyhow
                 anyhow::Ok(())
             }
         })
-        .buffer_unordered(nodes.len().max(1))
+        .buffer_unordered(if concurrency == 0 {
+            nodes.len().max(1)
+        } else {
+            concurrency
+        })
         .try_collect::<Vec<()>>()
         .await?;
     Ok((began.elapsed(), per_node * nodes.len()))
@@ -202,7 +211,12 @@ fn watch_events(m: &Metrics) -> Vec<(String, f64)> {
 
 /// B2, no-op resync, B3 and the controller's RSS with `fleet` (already grown) plus the real
 /// node, measuring steady state over `steady`.
-pub async fn run(cluster: &mut Cluster, fleet: &Fleet, steady: Duration) -> anyhow::Result<PublishResults> {
+pub async fn run(
+    cluster: &mut Cluster,
+    fleet: &Fleet,
+    steady: Duration,
+    floor_concurrency: usize,
+) -> anyhow::Result<PublishResults> {
     let client = cluster.client.clone();
     let nodes: Vec<String> = fleet
         .node_names()
@@ -236,7 +250,7 @@ pub async fn run(cluster: &mut Cluster, fleet: &Fleet, steady: Duration) -> anyh
 
     // The bare client's floor, same slices, same concurrency.
     let load_floor = load_average();
-    let (floor_time, floor_slices) = floor(&client, &nodes[0], &nodes).await?;
+    let (floor_time, floor_slices) = floor(&client, &nodes[0], &nodes, floor_concurrency).await?;
     delete_driver_slices(&client, FLOOR_DRIVER).await?;
 
     // No-op resync: restart over complete pools.
@@ -313,7 +327,11 @@ pub async fn run(cluster: &mut Cluster, fleet: &Fleet, steady: Duration) -> anyh
             Some(c) => format!("{:.1} s", c.as_secs_f64()),
             None => format!("incomplete: {count}/{expected} slices after {timeout:?}"),
         },
-        anchor: format!("bare client, same {floor_slices} slices: {:.1} s", floor_time.as_secs_f64()),
+        anchor: format!(
+            "bare client, same {floor_slices} slices, {} pools at a time: {:.1} s",
+            if floor_concurrency == 0 { "all".to_string() } else { floor_concurrency.to_string() },
+            floor_time.as_secs_f64()
+        ),
         ratio,
         goal: "≤ 1.2× the floor",
         met: ratio.map(|r| r <= 1.2),

@@ -3,7 +3,10 @@
 //! only module that knows the heartbeat's form, so the bench can simulate the plugin of
 //! either controller design with the same fleet ([`HeartbeatForm`]).
 
-use std::sync::Arc;
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, Ordering},
+};
 
 use k8s_openapi::{
     api::coordination::v1::Lease, apimachinery::pkg::apis::meta::v1::MicroTime, jiff::Timestamp,
@@ -12,7 +15,7 @@ use kube::{
     Api, Client,
     api::{Patch, PatchParams},
 };
-use migdra_api::inventory::{GpuInventory, GpuNode};
+use migdra_api::inventory::{GpuInventory, GpuNode, HEARTBEAT_LEASE_LABEL, heartbeat_lease_name};
 use serde_json::json;
 
 use super::objects::{gpunode_object, plugin_status, status_patch};
@@ -36,13 +39,6 @@ pub enum HeartbeatForm {
 
 /// With a Lease heartbeat, how often the plugin still refreshes the GpuNode status.
 pub const SLOW_GPUNODE_INTERVAL_SECONDS: u32 = 300;
-/// Label on heartbeat Leases; its value is the driver name.
-pub const HEARTBEAT_LEASE_LABEL: &str = "gpu.migdra.dev/heartbeat";
-
-/// The heartbeat Lease of a node's plugin.
-pub fn heartbeat_lease_name(node: &str, driver: &str) -> String {
-    format!("{node}.{driver}")
-}
 
 impl HeartbeatForm {
     /// How the table names it.
@@ -67,11 +63,12 @@ pub struct SimPlugin {
     pub started: Timestamp,
 }
 
-/// Writes plugin reports of one form.
+/// Writes plugin reports of one form, switchable while the fleet runs (to measure an old and a
+/// new controller in one run); clones share the form.
 #[derive(Clone)]
 pub struct Heartbeat {
-    /// The form.
-    pub form: HeartbeatForm,
+    /// True while the form is [`HeartbeatForm::Lease`].
+    lease_form: Arc<AtomicBool>,
     /// Heartbeat interval, seconds (the plugin's default is 15).
     pub interval_seconds: u32,
     driver: String,
@@ -89,7 +86,7 @@ impl Heartbeat {
         interval_seconds: u32,
     ) -> Self {
         Self {
-            form,
+            lease_form: Arc::new(AtomicBool::new(form == HeartbeatForm::Lease)),
             interval_seconds,
             driver: driver.to_string(),
             gpunodes: Api::all(client.clone()),
@@ -97,9 +94,25 @@ impl Heartbeat {
         }
     }
 
+    /// The current form.
+    pub fn form(&self) -> HeartbeatForm {
+        if self.lease_form.load(Ordering::Relaxed) {
+            HeartbeatForm::Lease
+        } else {
+            HeartbeatForm::GpuNodeStatus
+        }
+    }
+
+    /// Switches every clone to `form`; each plugin's next beat adapts (a missing Lease is
+    /// created, with a status write announcing the new interval, as the plugin does).
+    pub fn set_form(&self, form: HeartbeatForm) {
+        self.lease_form
+            .store(form == HeartbeatForm::Lease, Ordering::Relaxed);
+    }
+
     /// The heartbeat interval the GpuNode announces.
     fn announced_interval(&self) -> u32 {
-        match self.form {
+        match self.form() {
             HeartbeatForm::GpuNodeStatus => self.interval_seconds,
             HeartbeatForm::Lease => SLOW_GPUNODE_INTERVAL_SECONDS,
         }
@@ -115,8 +128,15 @@ impl Heartbeat {
         self.gpunodes
             .patch(&plugin.node, &Self::apply(), &Patch::Apply(object))
             .await?;
-        if self.form == HeartbeatForm::Lease {
-            let name = heartbeat_lease_name(&plugin.node, &self.driver);
+        if self.form() == HeartbeatForm::Lease {
+            self.apply_lease(plugin).await?;
+        }
+        self.write_status(plugin).await
+    }
+
+    /// Applies the whole heartbeat Lease of `plugin`.
+    async fn apply_lease(&self, plugin: &SimPlugin) -> Result<(), kube::Error> {
+        if let Some(name) = heartbeat_lease_name(&plugin.node, &self.driver) {
             let now = MicroTime(Timestamp::now());
             let lease = json!({
                 "apiVersion": "coordination.k8s.io/v1",
@@ -143,17 +163,28 @@ impl Heartbeat {
 
     /// Heartbeat number `beat` (counting from 1) of a plugin.
     pub async fn beat(&self, plugin: &SimPlugin, beat: u64) -> Result<(), kube::Error> {
-        match self.form {
+        match self.form() {
             HeartbeatForm::GpuNodeStatus => self.write_status(plugin).await,
             HeartbeatForm::Lease => {
+                // Names too long for a Lease heartbeat in the GpuNode, as the plugin does.
+                let Some(name) = heartbeat_lease_name(&plugin.node, &self.driver) else {
+                    return self.write_status(plugin).await;
+                };
                 let renew = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
-                self.leases
-                    .patch(
-                        &heartbeat_lease_name(&plugin.node, &self.driver),
-                        &PatchParams::default(),
-                        &Patch::Merge(renew),
-                    )
-                    .await?;
+                match self
+                    .leases
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(renew))
+                    .await
+                {
+                    Ok(_) => {}
+                    // No Lease yet (first beat after a switch): create it and announce the
+                    // slow GpuNode interval.
+                    Err(kube::Error::Api(e)) if e.code == 404 => {
+                        self.apply_lease(plugin).await?;
+                        return self.write_status(plugin).await;
+                    }
+                    Err(e) => return Err(e),
+                }
                 let every = u64::from((SLOW_GPUNODE_INTERVAL_SECONDS / self.interval_seconds.max(1)).max(1));
                 if beat.is_multiple_of(every) {
                     self.write_status(plugin).await?;
