@@ -1,6 +1,7 @@
 //! The fleet of simulated nodes: creates Node, node Lease and GpuNode for each, then keeps
 //! every node live the way its kubelet and plugin would (node Lease every 10 s, plugin
-//! heartbeat every interval, phases spread over the interval) until stopped. Records the
+//! heartbeat every interval, phases spread over the interval, `Ready` posted again when the
+//! node lifecycle controller marked a node Unknown) until stopped. Records the
 //! heartbeat writes' latency and failures: a late beat is a finding, not noise.
 
 use std::{
@@ -25,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     heartbeat::{Heartbeat, SimPlugin},
-    objects::{NODE_LEASE_NAMESPACE, node_gpus, node_lease, node_name, node_object},
+    objects::{NODE_LEASE_NAMESPACE, SIMULATED_LABEL, node_gpus, node_lease, node_name, node_object},
 };
 use crate::{retry::retry, stats::Samples};
 
@@ -87,6 +88,12 @@ impl Fleet {
         let start = self.plugins.len();
         if count <= start {
             return Ok(());
+        }
+        if self.tasks.is_empty() {
+            self.tasks.push(tokio::spawn(restore_ready(
+                self.client.clone(),
+                self.cancel.clone(),
+            )));
         }
         let (client, heartbeat) = (self.client.clone(), self.heartbeat.clone());
         let (cancel, stats) = (self.cancel.clone(), self.stats.clone());
@@ -181,6 +188,50 @@ async fn create_node(client: &Client, heartbeat: &Heartbeat, i: usize) -> anyhow
         .await
         .with_context(|| format!("writing the GpuNode of {name}"))?;
     Ok(plugin)
+}
+
+/// What a kubelet does when the node lifecycle controller marked its node Unknown (a Lease
+/// renewal arrived late on a loaded API server): it posts `Ready=True` again on its next
+/// status sync. One watch over the simulated Nodes does that for all of them.
+async fn restore_ready(client: Client, cancel: CancellationToken) {
+    let nodes: Api<Node> = Api::all(client);
+    let config = kube::runtime::watcher::Config::default().labels(&format!("{SIMULATED_LABEL}=true"));
+    let mut events = std::pin::pin!(kube::runtime::WatchStreamExt::applied_objects(
+        kube::runtime::watcher(nodes.clone(), config)
+    ));
+    loop {
+        let node = tokio::select! {
+            _ = cancel.cancelled() => return,
+            event = events.next() => match event {
+                Some(Ok(node)) => node,
+                Some(Err(_)) => continue,
+                None => return,
+            },
+        };
+        let ready = node
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+            .is_some_and(|c| c.status == "True");
+        let Some(name) = node.metadata.name.clone() else {
+            continue;
+        };
+        if ready {
+            continue;
+        }
+        let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now());
+        let patch = json!({"status": {"conditions": [{
+            "type": "Ready", "status": "True", "reason": "KubeletReady",
+            "message": "simulated by migdra-bench", "lastHeartbeatTime": now, "lastTransitionTime": now,
+        }]}});
+        if let Err(e) = nodes
+            .patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch))
+            .await
+        {
+            tracing::debug!(node = %name, error = %e, "restoring Ready failed");
+        }
+    }
 }
 
 async fn keep_live(
