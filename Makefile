@@ -6,6 +6,7 @@
 #               the kubelet plugin's randomized fault campaign in benchmark mode (a table of
 #               faults injected and invariant violations; not part of `make test`, whose
 #               plugin tests run a bounded campaign)
+#   make bench  performance at cluster scale: one table, B1–B7 (not part of `make test`)
 #
 # `make test` compiles each crate once: `build` compiles every target of the workspace, and
 # `unit` and `e2e` only run what it built. That needs them to resolve the same features: cargo
@@ -16,7 +17,7 @@
 # migdra-e2e` resolves the same features as the whole workspace, because every feature the e2e
 # crate turns on is also turned on by another member.
 
-.PHONY: test demo build unit go-test chart-test e2e lint lint-rust lint-go lint-shell crds check-crds fault-campaign
+.PHONY: test demo bench build unit go-test chart-test e2e lint lint-rust lint-go lint-shell crds check-crds fault-campaign
 
 build:
 	cargo build --workspace --all-targets
@@ -38,6 +39,15 @@ test: unit go-test chart-test e2e
 demo:
 	cargo build --workspace --bins
 	cargo run -p migdra-e2e --bin migdra-demo
+
+# The benchmark runs release builds of migdra (controller, plugin, fake NVML, the bench) and of
+# the packing simulation; flags come from BENCH_* variables, e.g. `make bench BENCH_NODES=2000`
+# (see `migdra-bench --help`). Takes about 20 minutes with the defaults on 2 cores.
+BENCH_BIN = $${CARGO_TARGET_DIR:-target}/release
+bench:
+	cargo build --release -p migdra-controller -p migdra-kubelet-plugin -p migdra-fake-nvml -p migdra-bench
+	cargo build --release -p migdra-api --example packing
+	$(BENCH_BIN)/migdra-bench
 
 lint: lint-rust lint-go lint-shell
 

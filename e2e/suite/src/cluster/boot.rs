@@ -138,6 +138,8 @@ impl Cluster {
             created_host_dirs,
             controller_kubeconfig: None,
             plugin_kubeconfig: None,
+            controller_heartbeat_timeout_seconds: config.controller_heartbeat_timeout_seconds,
+            kubelet_anonymous_reads: config.kubelet_anonymous_reads,
             torn_down: false,
         };
         if let Err(e) = cluster.boot(&config).await {
@@ -432,7 +434,7 @@ impl Cluster {
         wait_for_path(&l.run_dir.join("cri.sock"), Duration::from_secs(20))
     }
 
-    fn write_kubelet_config(&mut self) -> anyhow::Result<PathBuf> {
+    fn write_kubelet_config(&mut self, anonymous_reads: bool) -> anyhow::Result<PathBuf> {
         let l = self.layout.clone();
         let port = self.port("kubelet")?;
         let healthz = self.port("kubelet-healthz")?;
@@ -452,7 +454,7 @@ readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
 healthzPort: {healthz}
 authentication:
-  anonymous: {{enabled: false}}
+  anonymous: {{enabled: {anonymous_reads}}}
   webhook: {{enabled: false}}
 authorization: {{mode: AlwaysAllow}}
 containerRuntimeEndpoint: unix://{cri}
@@ -476,7 +478,7 @@ fileCheckFrequency: 5s
     /// Starts the kubelet (again, after [`Cluster::stop_kubelet`]); it deletes the node's
     /// ResourceSlices when it starts.
     pub fn start_kubelet(&mut self) -> anyhow::Result<()> {
-        let config = self.write_kubelet_config()?;
+        let config = self.write_kubelet_config(self.kubelet_anonymous_reads)?;
         let l = self.layout.clone();
         self.start_component(
             "kubelet",

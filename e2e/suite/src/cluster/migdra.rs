@@ -90,7 +90,10 @@ impl Cluster {
                 &format!("--namespace={CHART_NAMESPACE}"),
                 "--identity=e2e-controller",
                 &format!("--http-address=127.0.0.1:{http}"),
-                "--heartbeat-timeout-seconds=20",
+                &format!(
+                    "--heartbeat-timeout-seconds={}",
+                    self.controller_heartbeat_timeout_seconds
+                ),
                 "--log-level=info,migdra_controller=debug",
             ],
         )

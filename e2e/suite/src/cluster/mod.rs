@@ -55,6 +55,11 @@ pub struct ClusterConfig {
     pub gpus: Vec<GpuConfig>,
     /// Base directory for run directories.
     pub runs_dir: PathBuf,
+    /// The controller's `--heartbeat-timeout-seconds` (the e2e tests use a short one).
+    pub controller_heartbeat_timeout_seconds: u64,
+    /// Let anonymous clients read the kubelet's HTTPS endpoints (for `/metrics`; the
+    /// benchmark reads the kubelet's DRA metrics). Off for the tests.
+    pub kubelet_anonymous_reads: bool,
 }
 
 impl Default for ClusterConfig {
@@ -70,6 +75,8 @@ impl Default for ClusterConfig {
                 GpuConfig::new("A100-SXM4-40GB", true).with_minor(2),
             ],
             runs_dir: repo_root().join("target").join("e2e-runs"),
+            controller_heartbeat_timeout_seconds: 20,
+            kubelet_anonymous_reads: false,
         }
     }
 }
@@ -155,6 +162,8 @@ pub struct Cluster {
     created_host_dirs: Vec<&'static str>,
     controller_kubeconfig: Option<PathBuf>,
     plugin_kubeconfig: Option<PathBuf>,
+    controller_heartbeat_timeout_seconds: u64,
+    kubelet_anonymous_reads: bool,
     torn_down: bool,
 }
 
@@ -249,6 +258,16 @@ impl Cluster {
     /// Edits the simulated GPUs' state.
     pub fn update_gpus<T>(&self, f: impl FnOnce(&mut FakeState) -> T) -> anyhow::Result<T> {
         Ok(update_state(&self.layout.gpu_state_path(), f)?)
+    }
+
+    /// The pid of a running component (for /proc readings: CPU time, memory).
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        self.components.get(name).map(Child::id)
+    }
+
+    /// A port the launcher allocated (`"kubelet"`, `"controller-http"`, `"plugin-http"`, …).
+    pub fn allocated_port(&self, name: &str) -> Option<u16> {
+        self.ports.get(name).copied()
     }
 
     /// Resident memory of a running component in KiB (from /proc), for footprint reports.

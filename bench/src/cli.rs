@@ -1,0 +1,118 @@
+//! Command line of `migdra-bench`; every flag can also come from an environment variable
+//! (`make bench BENCH_NODES=100,500,2000`).
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::sim::heartbeat::HeartbeatForm;
+
+/// The measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Measure {
+    /// Scheduling throughput.
+    B1,
+    /// Cold publish and no-op resync.
+    B2,
+    /// Controller steady state (runs with B2).
+    B3,
+    /// Prepare latency.
+    B4,
+    /// Pod start.
+    B5,
+    /// Memory.
+    B6,
+    /// Packing.
+    B7,
+}
+
+/// migdra benchmark: brings up the e2e cluster, simulates GPU nodes and prints one table of
+/// B1–B7, each figure next to its anchor measured in the same run.
+#[derive(Debug, Parser)]
+#[command(name = "migdra-bench", version)]
+pub struct Args {
+    /// Node counts for the controller measures (B2, B3, B6), ascending; the fleet grows.
+    #[arg(long, env = "BENCH_NODES", value_delimiter = ',', default_value = "100,500")]
+    pub nodes: Vec<usize>,
+    /// Simulated nodes the scheduling measure (B1) uses.
+    #[arg(long, env = "BENCH_B1_NODES", default_value_t = 100)]
+    pub b1_nodes: usize,
+    /// Pods per B1 run (each with one 1g.10gb claim).
+    #[arg(long, env = "BENCH_B1_PODS", default_value_t = 500)]
+    pub b1_pods: usize,
+    /// Pod creations in flight at once (B1, node creation).
+    #[arg(long, env = "BENCH_CONCURRENCY", default_value_t = 16)]
+    pub concurrency: usize,
+    /// Slice writers in flight at once for the bare-client floor of B2, one pool per writer:
+    /// the controller's reconcile concurrency (`--max-concurrent-reconciles`, 16 by default;
+    /// 0 = every pool at once, as controllers before that flag).
+    #[arg(long, env = "BENCH_FLOOR_CONCURRENCY", default_value_t = 16)]
+    pub floor_concurrency: usize,
+    /// Pods of each kind (with and without a claim) B5 starts one at a time.
+    #[arg(long, env = "BENCH_B5_PODS", default_value_t = 20)]
+    pub b5_pods: usize,
+    /// Length of the steady-state window (B3), seconds.
+    #[arg(long, env = "BENCH_STEADY_SECONDS", default_value_t = 60)]
+    pub steady_seconds: u64,
+    /// How the simulated plugins heartbeat.
+    #[arg(
+        long,
+        env = "BENCH_HEARTBEAT_FORM",
+        value_enum,
+        default_value = "gpu-node-status"
+    )]
+    pub heartbeat_form: HeartbeatForm,
+    /// The simulated plugins' heartbeat interval (the plugin's default).
+    #[arg(long, env = "BENCH_HEARTBEAT_INTERVAL_SECONDS", default_value_t = 15)]
+    pub heartbeat_interval_seconds: u32,
+    /// Also measure a second build of migdra's controller in the same run: after the
+    /// controller measures (B2, B3, B6) with the binaries the cluster started with
+    /// (`MIGDRA_BIN_DIR`), switch to the `migdra-controller` in this directory and the
+    /// heartbeat to `--after-heartbeat-form`, and measure them again (rows marked
+    /// before/after).
+    #[arg(long, env = "BENCH_AFTER_BIN_DIR")]
+    pub after_bin_dir: Option<PathBuf>,
+    /// The simulated plugins' heartbeat form for the `--after-bin-dir` controller.
+    #[arg(long, env = "BENCH_AFTER_HEARTBEAT_FORM", value_enum, default_value = "lease")]
+    pub after_heartbeat_form: HeartbeatForm,
+    /// The bare-client floor's concurrency for the `--after-bin-dir` controller.
+    #[arg(long, env = "BENCH_AFTER_FLOOR_CONCURRENCY", default_value_t = 16)]
+    pub after_floor_concurrency: usize,
+    /// Measures to run (default: all).
+    #[arg(long, env = "BENCH_ONLY", value_enum, value_delimiter = ',')]
+    pub only: Vec<Measure>,
+    /// A label for this run in the result file (e.g. `before`, `after`).
+    #[arg(long, env = "BENCH_LABEL", default_value = "")]
+    pub label: String,
+    /// Directory for the result file (default: <target>/bench).
+    #[arg(long, env = "BENCH_OUT")]
+    pub out: Option<PathBuf>,
+    /// The packing simulation binary (default: examples/packing next to this binary).
+    #[arg(long, env = "BENCH_PACKING_BIN")]
+    pub packing_bin: Option<PathBuf>,
+}
+
+impl Args {
+    /// Whether `m` runs.
+    pub fn runs(&self, m: Measure) -> bool {
+        self.only.is_empty() || self.only.contains(&m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn cli_defaults_and_lists() {
+        Args::command().debug_assert();
+        let a = Args::try_parse_from(["migdra-bench"]).expect("defaults");
+        assert_eq!(a.nodes, [100, 500]);
+        assert!(a.runs(Measure::B1) && a.runs(Measure::B7));
+        let a = Args::try_parse_from(["migdra-bench", "--nodes", "2000", "--only", "b2,b3"]).expect("flags");
+        assert_eq!(a.nodes, [2000]);
+        assert!(a.runs(Measure::B3) && !a.runs(Measure::B1));
+    }
+}

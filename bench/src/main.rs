@@ -1,0 +1,331 @@
+//! `migdra-bench`: boots the e2e cluster (8 simulated H100s on the real node), runs the
+//! measures in order (real node first, while the cluster is quiet; then simulated nodes at
+//! growing counts) and prints the table, also written to `<out>/bench-<time>.md`.
+
+use std::{path::PathBuf, process::Command, time::Duration};
+
+use anyhow::Context as _;
+use clap::Parser;
+use migdra_bench::{
+    cli::{Args, Measure},
+    measure, probe,
+    sim::{fleet::Fleet, heartbeat::Heartbeat},
+    table::{Context, Row, render},
+};
+use migdra_e2e::cluster::{CHART_NAMESPACE, Cluster, ClusterConfig, DRIVER, repo_root};
+use migdra_fake_nvml::config::GpuConfig;
+
+fn command_line() -> String {
+    let mut words = vec!["migdra-bench".to_string()];
+    words.extend(std::env::args().skip(1));
+    let env: Vec<String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("BENCH_"))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    if env.is_empty() {
+        format!("make bench ({})", words.join(" "))
+    } else {
+        format!("make bench {} ({})", env.join(" "), words.join(" "))
+    }
+}
+
+fn versions(cluster: &Cluster) -> String {
+    let git = Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(repo_root())
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let kube = Command::new(cluster.layout.upstream_bin.join("kube-apiserver"))
+        .arg("--version")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    format!(
+        "migdra {} ({git}), controller and plugin release builds; {kube} (apiserver, scheduler, controller-manager, kubelet)",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// SIGINT or SIGTERM.
+async fn interrupted() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+fn failed_row(id: &'static str, what: &str, error: &anyhow::Error) -> Row {
+    eprintln!("{id} {what} failed: {error:#}");
+    Row {
+        id,
+        measure: what.to_string(),
+        value: "FAILED".into(),
+        anchor: String::new(),
+        ratio: None,
+        goal: "",
+        met: None,
+        note: format!("{error:#}"),
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                // kube's client logs every retried 5xx and every skipped certificate check.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube_client=off")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let exe_dir = std::env::current_exe()?
+        .parent()
+        .map(PathBuf::from)
+        .context("no directory of the running binary")?;
+    let out_dir = args.out.clone().unwrap_or_else(|| {
+        exe_dir
+            .parent()
+            .map_or_else(|| exe_dir.clone(), PathBuf::from)
+            .join("bench")
+    });
+    let mut rows = Vec::new();
+    let mut appendix = String::new();
+    let load_start = probe::load_average();
+
+    // B7 first: a pure simulation, before the cluster loads the machine.
+    if args.runs(Measure::B7) {
+        let binary = args
+            .packing_bin
+            .clone()
+            .unwrap_or_else(|| exe_dir.join("examples").join("packing"));
+        eprintln!("B7: packing simulation ({})", binary.display());
+        match measure::packing::run(&binary) {
+            Ok((row, output)) => {
+                rows.push(row);
+                appendix = output;
+            }
+            Err(e) => rows.push(failed_row("B7", "packing simulation", &e)),
+        }
+    }
+
+    eprintln!("booting the e2e cluster (8 simulated H100s on the real node)");
+    let config = ClusterConfig {
+        gpus: (0..8).map(|_| GpuConfig::new("H100-80GB", true)).collect(),
+        controller_heartbeat_timeout_seconds: 25,
+        kubelet_anonymous_reads: true,
+        ..ClusterConfig::default()
+    };
+    let mut cluster = Cluster::start(config).await.context("starting the e2e cluster")?;
+    let versions = versions(&cluster);
+    // Ctrl-C or SIGTERM ends the run early; the cluster is torn down either way.
+    let result = tokio::select! {
+        r = run(&args, &mut cluster, &mut rows) => r,
+        _ = interrupted() => Err(anyhow::anyhow!("interrupted")),
+    };
+    let logs = cluster.layout.logs_dir();
+    cluster.teardown();
+    if let Err(e) = &result {
+        rows.push(failed_row("—", "bench run", e));
+    }
+    rows.sort_by_key(|r| r.id);
+
+    let context = Context {
+        date: format!("{} UTC", jiff_now()),
+        command: command_line(),
+        machine: format!(
+            "{} (shared with other builds: load average {load_start} at start, {} at end)",
+            probe::machine(),
+            probe::load_average()
+        ),
+        versions,
+        notes: vec![
+            format!(
+                "simulated nodes: Node (capacity, conditions, node Lease every 10 s) + GpuNode of 8 × H100-80GB; plugin heartbeat: {} every {} s",
+                args.heartbeat_form.describe(),
+                args.heartbeat_interval_seconds
+            ),
+            match &args.after_bin_dir {
+                Some(dir) => format!(
+                    "before/after in one run: **before** = the binaries the cluster started with ({}), heartbeat as above, floor concurrency {}; \
+                     **after** = the controller in {}, heartbeat: {}, floor concurrency {}; same cluster, same simulated nodes",
+                    std::env::var("MIGDRA_BIN_DIR").unwrap_or_else(|_| "next to migdra-bench".into()),
+                    concurrency_text(args.floor_concurrency),
+                    dir.display(),
+                    args.after_heartbeat_form.describe(),
+                    concurrency_text(args.after_floor_concurrency)
+                ),
+                None => format!(
+                    "B2 floor concurrency: {}",
+                    concurrency_text(args.floor_concurrency)
+                ),
+            },
+            format!("label: {}", if args.label.is_empty() { "—" } else { &args.label }),
+            format!("cluster logs: {}", logs.display()),
+        ],
+    };
+    let table = render(&context, &rows);
+    println!("{table}");
+    std::fs::create_dir_all(&out_dir)?;
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let file = out_dir.join(format!("bench-{stamp}.md"));
+    std::fs::write(
+        &file,
+        format!("{table}\n\n## B7 simulation output\n\n```\n{appendix}```\n"),
+    )?;
+    eprintln!("written to {}", file.display());
+    result
+}
+
+fn concurrency_text(c: usize) -> String {
+    if c == 0 {
+        "every pool at once".into()
+    } else {
+        format!("{c} pools at a time")
+    }
+}
+
+fn jiff_now() -> String {
+    k8s_openapi::jiff::Timestamp::now()
+        .strftime("%Y-%m-%d %H:%M")
+        .to_string()
+}
+
+async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    if args.runs(Measure::B4) || args.runs(Measure::B5) || args.runs(Measure::B6) {
+        eprintln!("B4/B5/B6: the real node");
+        match measure::node::run(cluster, args.b5_pods).await {
+            Ok(r) => rows.extend(r.rows),
+            Err(e) => rows.push(failed_row("B5", "real-node measures (B4, B5, B6 plugin)", &e)),
+        }
+    }
+    let heartbeat = Heartbeat::new(
+        cluster.client.clone(),
+        args.heartbeat_form,
+        DRIVER,
+        CHART_NAMESPACE,
+        args.heartbeat_interval_seconds,
+    );
+    let mut fleet = Fleet::new(cluster.client.clone(), heartbeat.clone());
+    if args.runs(Measure::B1) {
+        eprintln!(
+            "B1: {} simulated nodes, {} pods per run",
+            args.b1_nodes, args.b1_pods
+        );
+        fleet.grow_to(args.b1_nodes, args.concurrency).await?;
+        wait_pools(cluster, &fleet).await?;
+        let nodes: Vec<String> = fleet.node_names().into_iter().take(args.b1_nodes).collect();
+        match measure::scheduling::run(&cluster.client, &nodes, args.b1_pods, args.concurrency).await {
+            Ok(row) => rows.push(row),
+            Err(e) => rows.push(failed_row("B1", "scheduling throughput", &e)),
+        }
+    }
+    if args.runs(Measure::B2) || args.runs(Measure::B3) || args.runs(Measure::B6) {
+        let before = if args.after_bin_dir.is_some() {
+            "before"
+        } else {
+            ""
+        };
+        controller_measures(args, cluster, &mut fleet, rows, before, args.floor_concurrency).await?;
+        if let Some(dir) = &args.after_bin_dir {
+            eprintln!(
+                "switching to the controller in {} and the {:?} heartbeat",
+                dir.display(),
+                args.after_heartbeat_form
+            );
+            cluster.layout.migdra_bin = dir.clone();
+            heartbeat.set_form(args.after_heartbeat_form);
+            // One heartbeat interval for every plugin to switch (Leases created).
+            tokio::time::sleep(Duration::from_secs(
+                u64::from(args.heartbeat_interval_seconds) + 5,
+            ))
+            .await;
+            controller_measures(
+                args,
+                cluster,
+                &mut fleet,
+                rows,
+                "after",
+                args.after_floor_concurrency,
+            )
+            .await?;
+        }
+    }
+    fleet.stop().await;
+    Ok(())
+}
+
+/// B2, B3 and B6 (controller) at every node count; `label` marks the rows (before/after).
+async fn controller_measures(
+    args: &Args,
+    cluster: &mut Cluster,
+    fleet: &mut Fleet,
+    rows: &mut Vec<Row>,
+    label: &str,
+    floor_concurrency: usize,
+) -> anyhow::Result<()> {
+    let mut counts = args.nodes.clone();
+    counts.sort_unstable();
+    for n in counts {
+        eprintln!("B2/B3/B6 {label}: {n} simulated nodes");
+        fleet.grow_to(n, args.concurrency).await?;
+        let measured = measure::publish::run(
+            cluster,
+            fleet,
+            Duration::from_secs(args.steady_seconds),
+            floor_concurrency,
+        )
+        .await;
+        match measured {
+            Ok(r) => rows.extend(r.rows.into_iter().map(|mut row| {
+                if !label.is_empty() {
+                    row.measure = format!("**{label}**: {}", row.measure);
+                }
+                row
+            })),
+            Err(e) => rows.push(failed_row(
+                "B2",
+                &format!("controller at {n} nodes ({label})"),
+                &e,
+            )),
+        }
+    }
+    Ok(())
+}
+
+/// Waits until the controller published a pool for every simulated node.
+async fn wait_pools(cluster: &Cluster, fleet: &Fleet) -> anyhow::Result<()> {
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    let slices: kube::Api<ResourceSlice> = kube::Api::all(cluster.client.clone());
+    let wanted: std::collections::BTreeSet<String> = fleet.node_names().into_iter().collect();
+    migdra_e2e::cluster::wait_until(Duration::from_secs(120 + fleet.len() as u64), || async {
+        let list = slices
+            .list_metadata(&kube::api::ListParams::default().fields(&format!("spec.driver={DRIVER}")))
+            .await
+            .ok()?;
+        // Slice names start with the node name (the controller's naming).
+        let published = wanted
+            .iter()
+            .filter(|n| {
+                list.items.iter().any(|s| {
+                    s.metadata
+                        .name
+                        .as_deref()
+                        .is_some_and(|name| name.starts_with(&format!("{n}-")))
+                })
+            })
+            .count();
+        (published == wanted.len()).then_some(())
+    })
+    .await
+    .context("the controller did not publish every simulated node's pool")
+}

@@ -1,0 +1,414 @@
+//! The controller at one node count: B2 cold publish (controller stopped, every migdra slice
+//! deleted, controller started: time until every pool's slices exist, and the API writes it
+//! made) against a bare client creating the same slices with the same concurrency (one
+//! sequential writer per pool, as many pools at once as the controller reconciles); the no-op
+//! resync (controller restarted over complete pools: its writes); B3 steady state with live
+//! heartbeats (CPU, watch events the API server sent, RSS) and B6 the controller's RSS.
+
+use std::{
+    collections::BTreeSet,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::{
+    Api, Client,
+    api::PartialObjectMeta,
+    api::{DeleteParams, ListParams, PostParams},
+    runtime::{WatchStreamExt, watcher},
+};
+use migdra_api::inventory::{GpuNode, pool_name};
+use migdra_e2e::cluster::{Cluster, DRIVER, NODE, wait_until};
+
+use crate::{
+    probe::{cpu_time, load_average, rss_kib, scrape_client, scrape_http},
+    prom::Metrics,
+    sim::fleet::Fleet,
+    stats::mib,
+    table::Row,
+};
+
+/// The controller's component name.
+const CONTROLLER: &str = "migdra-controller";
+/// Driver name of the bare client's copies.
+const FLOOR_DRIVER: &str = "floor.bench.migdra.dev";
+/// Resources whose watch events B3 counts (what the controller watches, plus Leases for a
+/// Lease heartbeat).
+const WATCHED: [&str; 6] = [
+    "gpunodes",
+    "resourceslices",
+    "nodes",
+    "resourceclaims",
+    "migpolicies",
+    "leases",
+];
+
+/// One node count's figures.
+pub struct PublishResults {
+    /// B2, B3 and B6 (controller) rows.
+    pub rows: Vec<Row>,
+}
+
+fn slice_writes(m: &Metrics) -> (f64, f64, f64) {
+    let w = |op| m.sum("migdra_controller_slice_writes_total", &[("operation", op)]);
+    (w("create"), w("update"), w("delete"))
+}
+
+async fn controller_metrics(cluster: &Cluster) -> anyhow::Result<Metrics> {
+    let port = cluster
+        .allocated_port("controller-http")
+        .context("no controller port")?;
+    scrape_http(port).await
+}
+
+/// Waits until the controller serves metrics again after a (re)start.
+async fn wait_controller_up(cluster: &Cluster) -> anyhow::Result<()> {
+    wait_until(Duration::from_secs(60), || async {
+        controller_metrics(cluster).await.ok().map(drop)
+    })
+    .await
+    .context("the controller's /metrics did not come up")
+}
+
+/// Slices of the migdra driver per node, from the real node's published pool.
+async fn slices_per_node(client: &Client) -> anyhow::Result<u32> {
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+    let node = gpunodes.get(NODE).await?;
+    node.status
+        .and_then(|s| s.publication)
+        .map(|p| p.slices)
+        .filter(|s| *s > 0)
+        .context("the real node has no publication")
+}
+
+async fn delete_driver_slices(client: &Client, driver: &str) -> anyhow::Result<()> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let selector = ListParams::default().fields(&format!("spec.driver={driver}"));
+    slices
+        .delete_collection(&DeleteParams::default(), &selector)
+        .await?;
+    wait_until(Duration::from_secs(120), || async {
+        let left = slices.list_metadata(&selector).await.ok()?.items.len();
+        (left == 0).then_some(())
+    })
+    .await
+    .with_context(|| format!("slices of {driver} still exist"))
+}
+
+/// Counts distinct slice names of `driver` seen by a metadata watch, and when it reached
+/// `expected`.
+struct SliceCounter {
+    seen: Arc<Mutex<(BTreeSet<String>, Option<Instant>)>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SliceCounter {
+    fn start(client: &Client, driver: &str, expected: usize) -> Self {
+        let seen: Arc<Mutex<(BTreeSet<String>, Option<Instant>)>> = Arc::default();
+        let api: Api<PartialObjectMeta<ResourceSlice>> = Api::all(client.clone());
+        let config = watcher::Config::default().fields(&format!("spec.driver={driver}"));
+        let task = {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut events = std::pin::pin!(watcher(api, config).applied_objects());
+                while let Some(event) = events.next().await {
+                    let Ok(meta) = event else { continue };
+                    if let (Some(name), Ok(mut seen)) = (meta.metadata.name, seen.lock()) {
+                        seen.0.insert(name);
+                        if seen.0.len() >= expected && seen.1.is_none() {
+                            seen.1 = Some(Instant::now());
+                        }
+                    }
+                }
+            })
+        };
+        Self { seen, task }
+    }
+
+    /// Waits until the expected count was reached or `timeout`; the time it was reached.
+    async fn wait(&self, timeout: Duration) -> (usize, Option<Instant>) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (count, done) = self.seen.lock().map(|s| (s.0.len(), s.1)).unwrap_or_default();
+            if done.is_some() || Instant::now() > deadline {
+                return (count, done);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for SliceCounter {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The bare client: creates a copy of one simulated node's pool for every node, renamed to
+/// [`FLOOR_DRIVER`], one sequential writer per pool, all pools at once. Returns the time.
+async fn floor(
+    client: &Client,
+    template_node: &str,
+    nodes: &[String],
+    concurrency: usize,
+) -> anyhow::Result<(Duration, usize)> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let pool = pool_name(template_node, DRIVER);
+    let template: Vec<ResourceSlice> = slices
+        .list(&ListParams::default().fields(&format!("spec.driver={DRIVER},spec.nodeName={template_node}")))
+        .await?
+        .items
+        .into_iter()
+        .filter(|s| s.spec.pool.name == pool)
+        .collect();
+    anyhow::ensure!(!template.is_empty(), "no pool published for {template_node}");
+    let per_node = template.len();
+    let template = Arc::new(template);
+    let began = Instant::now();
+    stream::iter(nodes.iter().cloned())
+        .map(|node| {
+            let (slices, template) = (slices.clone(), template.clone());
+            async move {
+                for (i, original) in template.iter().enumerate() {
+                    let mut copy = ResourceSlice {
+                        metadata: Default::default(),
+                        spec: original.spec.clone(),
+                    };
+                    copy.metadata.name = Some(format!("floor-{node}-{i}"));
+                    copy.metadata.labels = original.metadata.labels.clone();
+                    copy.spec.driver = FLOOR_DRIVER.into();
+                    copy.spec.node_name = Some(node.clone());
+                    copy.spec.pool.name = format!("{node}/{FLOOR_DRIVER}");
+                    crate::retry::retry(|| async { slices.create(&PostParams::default(), &copy).await })
+                        .await?;
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(if concurrency == 0 {
+            nodes.len().max(1)
+        } else {
+            concurrency
+        })
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok((began.elapsed(), per_node * nodes.len()))
+}
+
+fn watch_events(m: &Metrics) -> Vec<(String, f64)> {
+    WATCHED
+        .iter()
+        .map(|r| {
+            let v = m.sum("apiserver_watch_events_total", &[("resource", r)])
+                + m.sum("apiserver_watch_events_total", &[("kind", r)]);
+            ((*r).to_string(), v)
+        })
+        .collect()
+}
+
+/// B2, no-op resync, B3 and the controller's RSS with `fleet` (already grown) plus the real
+/// node, measuring steady state over `steady`.
+pub async fn run(
+    cluster: &mut Cluster,
+    fleet: &Fleet,
+    steady: Duration,
+    floor_concurrency: usize,
+) -> anyhow::Result<PublishResults> {
+    let client = cluster.client.clone();
+    let nodes: Vec<String> = fleet
+        .node_names()
+        .into_iter()
+        .chain(std::iter::once(NODE.to_string()))
+        .collect();
+    let n = fleet.len();
+    let per_node = slices_per_node(&client).await? as usize;
+    let expected = per_node * nodes.len();
+
+    // B2: cold start.
+    cluster.stop(CONTROLLER, Duration::from_secs(10));
+    delete_driver_slices(&client, DRIVER).await?;
+    let _ = fleet.take_beat_stats();
+    let counter = SliceCounter::start(&client, DRIVER, expected);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let load_cold = load_average();
+    let started = Instant::now();
+    cluster.start_migdra_controller()?;
+    let timeout = Duration::from_secs(60 + 2 * nodes.len() as u64);
+    let (count, done) = counter.wait(timeout).await;
+    drop(counter);
+    let cold = done.map(|d| d.saturating_duration_since(started));
+    // Let in-flight status writes land before reading the counters.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let cold_metrics = controller_metrics(cluster).await?;
+    let (creates, updates, deletes) = slice_writes(&cold_metrics);
+    let cold_beats = fleet.take_beat_stats();
+    let pid = cluster.pid(CONTROLLER).context("controller not running")?;
+    let rss_after_cold = rss_kib(pid).unwrap_or_default();
+
+    // The bare client's floor, same slices, same concurrency.
+    let load_floor = load_average();
+    let (floor_time, floor_slices) = floor(&client, &nodes[0], &nodes, floor_concurrency).await?;
+    delete_driver_slices(&client, FLOOR_DRIVER).await?;
+
+    // No-op resync: restart over complete pools.
+    cluster.stop(CONTROLLER, Duration::from_secs(10));
+    let restarted = Instant::now();
+    cluster.start_migdra_controller()?;
+    wait_controller_up(cluster).await?;
+    let reconciled = wait_until(Duration::from_secs(120 + nodes.len() as u64 / 5), || async {
+        let m = controller_metrics(cluster).await.ok()?;
+        let total = m.sum("migdra_controller_reconciles_total", &[]);
+        (total >= nodes.len() as f64).then_some(restarted.elapsed())
+    })
+    .await
+    .ok();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let resync_metrics = controller_metrics(cluster).await?;
+    let (r_creates, r_updates, r_deletes) = slice_writes(&resync_metrics);
+    let resync_writes = r_creates + r_updates + r_deletes;
+
+    // B3: steady state over `steady`, heartbeats live.
+    let pid = cluster.pid(CONTROLLER).context("controller not running")?;
+    let _ = fleet.take_beat_stats();
+    let api_before = scrape_client(&client, "/metrics").await?;
+    let cpu_before = cpu_time(pid).context("controller CPU time")?;
+    let window_start = Instant::now();
+    let load_steady_start = load_average();
+    tokio::time::sleep(steady).await;
+    let cpu_after = cpu_time(pid).context("controller CPU time")?;
+    let window = window_start.elapsed();
+    let api_after = scrape_client(&client, "/metrics").await?;
+    let load_steady_end = load_average();
+    let steady_metrics = controller_metrics(cluster).await?;
+    let (s_creates, s_updates, s_deletes) = slice_writes(&steady_metrics);
+    let steady_writes = (s_creates + s_updates + s_deletes) - resync_writes;
+    let beats = fleet.take_beat_stats();
+    let rss_steady = rss_kib(pid).unwrap_or_default();
+    let cpu_share = (cpu_after - cpu_before).as_secs_f64() / window.as_secs_f64();
+    let before = watch_events(&api_before);
+    let after = watch_events(&api_after);
+    let per_resource: Vec<(String, f64)> = after
+        .iter()
+        .zip(&before)
+        .map(|((r, a), (_, b))| (r.clone(), (a - b) / window.as_secs_f64()))
+        .collect();
+    let events_per_second: f64 = per_resource
+        .iter()
+        .filter(|(r, _)| r != "leases")
+        .map(|(_, v)| v)
+        .sum();
+    let lease_events = per_resource
+        .iter()
+        .find(|(r, _)| r == "leases")
+        .map_or(0.0, |(_, v)| *v);
+
+    let beat_note = |b: &crate::sim::fleet::BeatStats| {
+        b.latency
+            .summary()
+            .map(|s| {
+                format!(
+                    "heartbeat writes {} (p99 {}), {} failed",
+                    s.count,
+                    crate::stats::ms(s.p99),
+                    b.failures
+                )
+            })
+            .unwrap_or_else(|| format!("no heartbeat writes, {} failed", b.failures))
+    };
+    let mut rows = Vec::new();
+    let ratio = cold.map(|c| c.as_secs_f64() / floor_time.as_secs_f64());
+    rows.push(Row {
+        id: "B2",
+        measure: format!("cold publish, {n} simulated + 1 real 8×H100 nodes ({expected} slices)"),
+        value: match cold {
+            Some(c) => format!("{:.1} s", c.as_secs_f64()),
+            None => format!("incomplete: {count}/{expected} slices after {timeout:?}"),
+        },
+        anchor: format!(
+            "bare client, same {floor_slices} slices, {} pools at a time: {:.1} s",
+            if floor_concurrency == 0 { "all".to_string() } else { floor_concurrency.to_string() },
+            floor_time.as_secs_f64()
+        ),
+        ratio,
+        goal: "≤ 1.2× the floor",
+        met: ratio.map(|r| r <= 1.2),
+        note: format!(
+            "API writes (controller metrics): {creates} creates, {updates} updates, {deletes} deletes (minimum {expected}); \
+             {}; load {load_cold} (floor: {load_floor})",
+            beat_note(&cold_beats)
+        ),
+    });
+    rows.push(Row {
+        id: "B2",
+        measure: format!(
+            "no-op resync: controller restarted over {} complete pools",
+            nodes.len()
+        ),
+        value: format!("{resync_writes} slice writes"),
+        anchor: String::new(),
+        ratio: None,
+        goal: "0 writes",
+        met: Some(resync_writes == 0.0),
+        note: format!(
+            "{r_creates} creates, {r_updates} updates, {r_deletes} deletes; all nodes reconciled after {}",
+            reconciled.map_or_else(
+                || "(not observed)".into(),
+                |d| format!("{:.1} s", d.as_secs_f64())
+            )
+        ),
+    });
+    rows.push(Row {
+        id: "B3",
+        measure: format!("controller steady state, {} nodes, live heartbeats, {:.0} s window", nodes.len(), window.as_secs_f64()),
+        value: format!(
+            "CPU {:.2} s/min ({:.1}% of a core), {:.1} watch events/s, RSS {}",
+            cpu_share * 60.0,
+            cpu_share * 100.0,
+            events_per_second,
+            mib(rss_steady)
+        ),
+        anchor: String::new(),
+        ratio: None,
+        goal: "CPU ≤ 5% of a core; RSS ≤ 128 MiB (at 2,000)",
+        // The goal is for 2,000 nodes: fewer nodes can only show it missed.
+        met: {
+            let within = cpu_share <= 0.05 && rss_steady <= 128 * 1024;
+            (nodes.len() >= 1500 || !within).then_some(within)
+        },
+        note: format!(
+            "watch events = sent by the API server to all watchers of {} ({}; leases {:.1}/s, mostly node Leases); \
+             slice writes in the window: {steady_writes}; {}; load {load_steady_start} → {load_steady_end}",
+            WATCHED[..5].join(", "),
+            per_resource
+                .iter()
+                .filter(|(r, _)| r != "leases")
+                .map(|(r, v)| format!("{r} {v:.1}/s"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            lease_events,
+            beat_note(&beats)
+        ),
+    });
+    rows.push(Row {
+        id: "B6",
+        measure: format!("controller RSS at {} nodes", nodes.len()),
+        value: format!(
+            "{} (after cold publish: {})",
+            mib(rss_steady),
+            mib(rss_after_cold)
+        ),
+        anchor: String::new(),
+        ratio: None,
+        goal: "≤ 64 MiB at 500 (≤ 128 MiB at 2,000, B3)",
+        met: match nodes.len() {
+            400..=600 => Some(rss_steady <= 64 * 1024),
+            1500.. => Some(rss_steady <= 128 * 1024),
+            _ => None,
+        },
+        note: "steady state, after a restart over complete pools".into(),
+    });
+    Ok(PublishResults { rows })
+}

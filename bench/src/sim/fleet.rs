@@ -1,0 +1,276 @@
+//! The fleet of simulated nodes: creates Node, node Lease and GpuNode for each, then keeps
+//! every node live the way its kubelet and plugin would (node Lease every 10 s, plugin
+//! heartbeat every interval, phases spread over the interval, `Ready` posted again when the
+//! node lifecycle controller marked a node Unknown) until stopped. Records the
+//! heartbeat writes' latency and failures: a late beat is a finding, not noise.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::{
+    api::{coordination::v1::Lease, core::v1::Node},
+    apimachinery::pkg::apis::meta::v1::MicroTime,
+    jiff::Timestamp,
+};
+use kube::{
+    Api, Client,
+    api::{Patch, PatchParams, PostParams},
+};
+use serde_json::json;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    heartbeat::{Heartbeat, SimPlugin},
+    objects::{NODE_LEASE_NAMESPACE, SIMULATED_LABEL, node_gpus, node_lease, node_name, node_object},
+};
+use crate::{retry::retry, stats::Samples};
+
+/// How often a kubelet renews its node Lease.
+const NODE_LEASE_RENEW: Duration = Duration::from_secs(10);
+/// GPUs per simulated node.
+pub const GPUS_PER_NODE: u32 = 8;
+
+/// Heartbeat writes since the last [`Fleet::take_beat_stats`].
+#[derive(Debug, Default)]
+pub struct BeatStats {
+    /// Latency of each successful heartbeat write.
+    pub latency: Samples,
+    /// Failed heartbeat writes.
+    pub failures: u64,
+}
+
+/// Simulated nodes kept live.
+pub struct Fleet {
+    client: Client,
+    heartbeat: Heartbeat,
+    plugins: Vec<SimPlugin>,
+    cancel: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+    stats: Arc<Mutex<BeatStats>>,
+}
+
+impl Fleet {
+    /// An empty fleet whose plugins report with `heartbeat`.
+    pub fn new(client: Client, heartbeat: Heartbeat) -> Self {
+        Self {
+            client,
+            heartbeat,
+            plugins: Vec::new(),
+            cancel: CancellationToken::new(),
+            tasks: Vec::new(),
+            stats: Arc::default(),
+        }
+    }
+
+    /// Number of simulated nodes.
+    pub fn len(&self) -> usize {
+        self.plugins.len()
+    }
+
+    /// True without nodes.
+    pub fn is_empty(&self) -> bool {
+        self.plugins.is_empty()
+    }
+
+    /// Names of the simulated nodes, in creation order.
+    pub fn node_names(&self) -> Vec<String> {
+        self.plugins.iter().map(|p| p.node.clone()).collect()
+    }
+
+    /// Adds nodes until there are `count`, `concurrency` creations at a time, and keeps each
+    /// live from its creation on.
+    pub async fn grow_to(&mut self, count: usize, concurrency: usize) -> anyhow::Result<()> {
+        let start = self.plugins.len();
+        if count <= start {
+            return Ok(());
+        }
+        if self.tasks.is_empty() {
+            self.tasks.push(tokio::spawn(restore_ready(
+                self.client.clone(),
+                self.cancel.clone(),
+            )));
+        }
+        let (client, heartbeat) = (self.client.clone(), self.heartbeat.clone());
+        let (cancel, stats) = (self.cancel.clone(), self.stats.clone());
+        // Each node is kept live from the moment it exists: a node created early must not
+        // go stale while later ones are still being created.
+        let created: Vec<(SimPlugin, JoinHandle<()>)> = stream::iter(start..count)
+            .map(|i| {
+                let (client, heartbeat) = (client.clone(), heartbeat.clone());
+                let (cancel, stats) = (cancel.clone(), stats.clone());
+                async move {
+                    let plugin = create_node(&client, &heartbeat, i).await?;
+                    let task = tokio::spawn(keep_live(
+                        client,
+                        heartbeat,
+                        plugin.clone(),
+                        phase(i),
+                        cancel,
+                        stats,
+                    ));
+                    anyhow::Ok((plugin, task))
+                }
+            })
+            .buffer_unordered(concurrency.max(1))
+            .try_collect()
+            .await?;
+        let mut created = created;
+        created.sort_by(|a, b| a.0.node.cmp(&b.0.node));
+        for (plugin, task) in created {
+            self.tasks.push(task);
+            self.plugins.push(plugin);
+        }
+        Ok(())
+    }
+
+    /// The heartbeat statistics since the last call.
+    pub fn take_beat_stats(&self) -> BeatStats {
+        self.stats
+            .lock()
+            .map(|mut s| std::mem::take(&mut *s))
+            .unwrap_or_default()
+    }
+
+    /// Stops keeping the nodes live (their objects stay).
+    pub async fn stop(self) {
+        self.cancel.cancel();
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// Where in the interval node `index` beats, as a fraction: spread over the interval as
+/// independent kubelets are (a multiplicative hash, so nodes added later do not bunch).
+fn phase(index: usize) -> f64 {
+    ((index as u64).wrapping_mul(2_654_435_761) % 10_000) as f64 / 10_000.0
+}
+
+async fn create_node(client: &Client, heartbeat: &Heartbeat, i: usize) -> anyhow::Result<SimPlugin> {
+    let name = node_name(i);
+    let nodes: Api<Node> = Api::all(client.clone());
+    let now = Timestamp::now();
+    let node = node_object(&name, now)?;
+    let uid = match retry(|| async { nodes.create(&PostParams::default(), &node).await }).await {
+        Ok(n) => n.metadata.uid,
+        Err(kube::Error::Api(e)) if e.code == 409 => retry(|| nodes.get(&name)).await?.metadata.uid,
+        Err(e) => return Err(e).with_context(|| format!("creating Node {name}")),
+    }
+    .with_context(|| format!("Node {name} has no uid"))?;
+    // Status on create is kept for Nodes, but apply it too in case a policy dropped it.
+    let status = json!({"status": serde_json::to_value(&node)?["status"].clone()});
+    retry(|| async {
+        nodes
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+    })
+    .await
+    .with_context(|| format!("writing the status of Node {name}"))?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), NODE_LEASE_NAMESPACE);
+    let lease: Lease = serde_json::from_value(node_lease(&name, &uid, now))?;
+    match retry(|| async { leases.create(&PostParams::default(), &lease).await }).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => return Err(e).with_context(|| format!("creating the node Lease of {name}")),
+    }
+    let plugin = SimPlugin {
+        gpus: Arc::new(node_gpus(&name, GPUS_PER_NODE)?),
+        node: name.clone(),
+        node_uid: uid,
+        started: now,
+    };
+    retry(|| heartbeat.announce(&plugin))
+        .await
+        .with_context(|| format!("writing the GpuNode of {name}"))?;
+    Ok(plugin)
+}
+
+/// What a kubelet does when the node lifecycle controller marked its node Unknown (a Lease
+/// renewal arrived late on a loaded API server): it posts `Ready=True` again on its next
+/// status sync. One watch over the simulated Nodes does that for all of them.
+async fn restore_ready(client: Client, cancel: CancellationToken) {
+    let nodes: Api<Node> = Api::all(client);
+    let config = kube::runtime::watcher::Config::default().labels(&format!("{SIMULATED_LABEL}=true"));
+    let mut events = std::pin::pin!(kube::runtime::WatchStreamExt::applied_objects(
+        kube::runtime::watcher(nodes.clone(), config)
+    ));
+    loop {
+        let node = tokio::select! {
+            _ = cancel.cancelled() => return,
+            event = events.next() => match event {
+                Some(Ok(node)) => node,
+                Some(Err(_)) => continue,
+                None => return,
+            },
+        };
+        let ready = node
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+            .is_some_and(|c| c.status == "True");
+        let Some(name) = node.metadata.name.clone() else {
+            continue;
+        };
+        if ready {
+            continue;
+        }
+        let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now());
+        let patch = json!({"status": {"conditions": [{
+            "type": "Ready", "status": "True", "reason": "KubeletReady",
+            "message": "simulated by migdra-bench", "lastHeartbeatTime": now, "lastTransitionTime": now,
+        }]}});
+        if let Err(e) = nodes
+            .patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch))
+            .await
+        {
+            tracing::debug!(node = %name, error = %e, "restoring Ready failed");
+        }
+    }
+}
+
+async fn keep_live(
+    client: Client,
+    heartbeat: Heartbeat,
+    plugin: SimPlugin,
+    phase: f64,
+    cancel: CancellationToken,
+    stats: Arc<Mutex<BeatStats>>,
+) {
+    let leases: Api<Lease> = Api::namespaced(client, NODE_LEASE_NAMESPACE);
+    let interval = Duration::from_secs(u64::from(heartbeat.interval_seconds.max(1)));
+    let start = tokio::time::Instant::now();
+    let mut beats = tokio::time::interval_at(start + interval.mul_f64(phase), interval);
+    let mut renewals = tokio::time::interval_at(start + NODE_LEASE_RENEW.mul_f64(phase), NODE_LEASE_RENEW);
+    for timer in [&mut beats, &mut renewals] {
+        timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    }
+    let mut beat_number = 0u64;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = beats.tick() => {
+                beat_number += 1;
+                let began = Instant::now();
+                let result = heartbeat.beat(&plugin, beat_number).await;
+                if let Ok(mut s) = stats.lock() {
+                    match result {
+                        Ok(()) => s.latency.push(began.elapsed()),
+                        Err(_) => s.failures += 1,
+                    }
+                }
+            }
+            _ = renewals.tick() => {
+                let renew = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
+                if let Err(e) = leases.patch(&plugin.node, &PatchParams::default(), &Patch::Merge(renew)).await {
+                    tracing::debug!(node = %plugin.node, error = %e, "renewing the node Lease failed");
+                }
+            }
+        }
+    }
+}
