@@ -28,12 +28,12 @@ pub const PLUGIN_FIELD_MANAGER: &str = "migdra-kubelet-plugin";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum HeartbeatForm {
     /// Every beat applies the GpuNode's `status.plugin` and `status.gpus` (the whole
-    /// inventory), as `kubelet-plugin/src/node_status.rs` does on `main`.
+    /// inventory), as plugins before the Lease heartbeat do.
     GpuNodeStatus,
     /// Every beat renews a per-node Lease `<node>.<driver>` in the driver's namespace (merge
     /// patch of `spec.renewTime`); the GpuNode status is written at the start and then every
-    /// [`SLOW_GPUNODE_INTERVAL_SECONDS`], announced as its heartbeat interval (branch
-    /// `controller-scale`, /work/briefs/heartbeat-design.md).
+    /// [`SLOW_GPUNODE_INTERVAL_SECONDS`], announced as its heartbeat interval, as
+    /// `kubelet-plugin/src/node_status.rs` does.
     Lease,
 }
 
