@@ -6,7 +6,7 @@ use std::{path::Path, time::Duration};
 use anyhow::{Context, bail};
 use k8s_openapi::api::{
     core::v1::{Event, Pod},
-    resource::v1::{ResourceClaim, ResourceClaimTemplate},
+    resource::v1::{DeviceRequestAllocationResult, ResourceClaim, ResourceClaimTemplate},
 };
 use kube::{
     Api, Client,
@@ -227,21 +227,23 @@ pub async fn pod_claim_named(client: &Client, pod: &str, claim: &str) -> anyhow:
         .await?)
 }
 
-/// The allocated (request, device) pairs of a claim.
-pub fn allocated(claim: &ResourceClaim) -> Vec<(String, String)> {
+/// The allocation results of a claim (none while it is unallocated).
+pub fn allocation_results(claim: &ResourceClaim) -> Vec<DeviceRequestAllocationResult> {
     claim
         .status
         .as_ref()
         .and_then(|s| s.allocation.as_ref())
         .and_then(|a| a.devices.as_ref())
-        .map(|d| {
-            d.results
-                .iter()
-                .flatten()
-                .map(|r| (r.request.clone(), r.device.clone()))
-                .collect()
-        })
+        .and_then(|d| d.results.clone())
         .unwrap_or_default()
+}
+
+/// The allocated (request, device) pairs of a claim.
+pub fn allocated(claim: &ResourceClaim) -> Vec<(String, String)> {
+    allocation_results(claim)
+        .into_iter()
+        .map(|r| (r.request, r.device))
+        .collect()
 }
 
 /// Deletes pods and waits until they are gone.

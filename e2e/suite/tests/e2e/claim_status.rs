@@ -230,13 +230,7 @@ async fn watch_a_gpu_in_use(cluster: &Cluster) -> anyhow::Result<()> {
     wait_phase(&c, "watch", "Running", SHORT).await?;
     let claim = workload::pod_claim(&c, "watch").await?;
     let device = format!("gpu-{minor}");
-    let results = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.clone())
-        .unwrap_or_default();
+    let results = workload::allocation_results(&claim);
     ensure!(
         results.len() == 1 && results[0].device == device && results[0].admin_access == Some(true),
         "{results:?}"

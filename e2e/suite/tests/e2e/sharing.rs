@@ -41,13 +41,7 @@ async fn shared_devices(cluster: &Cluster) -> anyhow::Result<Vec<String>> {
 
 /// The claim's one allocation result: device and share ID.
 fn share_of(claim: &ResourceClaim) -> anyhow::Result<(String, String)> {
-    let results = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.clone())
-        .unwrap_or_default();
+    let results = workload::allocation_results(claim);
     let [result] = results.as_slice() else {
         bail!("one result expected: {results:?}")
     };
