@@ -265,3 +265,46 @@ async fn prepared_claims_and_unprepare_need_no_api_calls() {
             .is_err()
     );
 }
+
+/// The node authorizer's answer for a claim it has not linked to this node, as the API
+/// server sends it.
+fn no_relationship(name: &str) -> Response<Body> {
+    let status = json!({
+        "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+        "message": format!(
+            "resourceclaims.resource.k8s.io \"{name}\" is forbidden: User \"system:node:{NODE}\" cannot get resource \"resourceclaims\" in API group \"resource.k8s.io\" in the namespace \"default\": no relationship found between node '{NODE}' and this object"
+        ),
+        "details": {"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"}
+    });
+    Response::builder()
+        .status(StatusCode::FORBIDDEN)
+        .body(Body::from(serde_json::to_vec(&status).unwrap()))
+        .unwrap()
+}
+
+/// Right after the scheduler binds a pod, the kubelet may call prepare before the API
+/// server's node authorizer has linked the pod's claim to the node: the first GETs are
+/// refused. The prepare waits that out instead of failing (and warning the user).
+#[tokio::test(flavor = "multi_thread")]
+async fn claim_not_yet_linked_to_the_node_is_read_once_the_authorizer_catches_up() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let (driver, mut handle) = start_with_mock_api(&node);
+    let fresh = serde_json::to_value(claim("uid-1", "fresh", &[("gpu", "gpu-0-mig-1g10gb-0")])).unwrap();
+    let server = tokio::spawn(async move {
+        // Two refusals, then the claim.
+        for _ in 0..2 {
+            let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+                .await
+                .expect("the plugin gave up after a refusal")
+                .unwrap();
+            assert_eq!(request.method(), Method::GET);
+            send.send_response(no_relationship("fresh"));
+        }
+        serve_claims_and_status(handle, vec![("fresh", Some(fresh))], 1).await
+    });
+    let out = driver.prepare(vec![claim_ref("uid-1", "fresh")]).await;
+    server.await.unwrap();
+    let devices = out["uid-1"].as_ref().expect("prepared after the refusals");
+    assert_eq!(devices.len(), 1);
+    assert_eq!(node.total_instances(), 1);
+}
