@@ -3,7 +3,7 @@
 //! the server-side apply of this driver's `status.devices` entries ([`crate::claim_status`]
 //! builds them).
 
-use std::{future::Future, time::Duration};
+use std::future::Future;
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::{
@@ -72,51 +72,6 @@ impl ClaimSource for KubeClaims {
             )
             .await
             .map(|_| ())
-    }
-}
-
-/// How long a claim GET refused by the node authorizer is retried (see
-/// [`get_tolerating_authorizer_lag`]).
-pub const NODE_AUTHORIZER_GRACE: Duration = Duration::from_secs(5);
-
-/// Whether `error` is the node authorizer's 403 for an object it has not linked to this node
-/// (yet). The API server builds that graph from its own watch of pods and claims, so right
-/// after the scheduler binds a pod the kubelet can call prepare before the API server has seen
-/// the binding. The same answer for a claim that really belongs to another node stays after
-/// the grace.
-pub fn is_node_authorizer_lag(error: &kube::Error) -> bool {
-    matches!(error, kube::Error::Api(status)
-        if status.code == 403 && status.message.contains("no relationship found between node"))
-}
-
-/// GETs a claim like [`ClaimSource::get`], but retries, with backoff for up to `grace`, while
-/// the node authorizer refuses it with [`is_node_authorizer_lag`]: a brand-new pod's claim
-/// should not fail its first prepare (and show the user a Forbidden event) because of the API
-/// server's own propagation delay. Any other answer returns at once.
-pub async fn get_tolerating_authorizer_lag<C: ClaimSource>(
-    source: &C,
-    namespace: &str,
-    name: &str,
-    grace: Duration,
-) -> Result<Option<ResourceClaim>, kube::Error> {
-    let deadline = tokio::time::Instant::now() + grace;
-    let mut delay = Duration::from_millis(50);
-    loop {
-        match source.get(namespace, name).await {
-            Err(error) if is_node_authorizer_lag(&error) => {
-                let now = tokio::time::Instant::now();
-                if now >= deadline {
-                    return Err(error);
-                }
-                tracing::debug!(
-                    claim = %format_args!("{namespace}/{name}"),
-                    "claim GET refused by the node authorizer; it has not linked the claim to this node yet, retrying"
-                );
-                tokio::time::sleep(delay.min(deadline - now)).await;
-                delay = (delay * 2).min(Duration::from_secs(1));
-            }
-            answer => return answer,
-        }
     }
 }
 
@@ -312,69 +267,4 @@ pub fn allocated_devices(
 /// matches containers' claim references against.
 pub fn base_request(request: &str) -> &str {
     request.split('/').next().unwrap_or(request)
-}
-
-#[cfg(test)]
-mod authorizer_lag_tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use super::*;
-
-    /// Answers every GET with `code` and `message`, counting them.
-    struct Refusing {
-        code: u16,
-        message: &'static str,
-        gets: AtomicUsize,
-    }
-
-    impl ClaimSource for Refusing {
-        async fn get(&self, _: &str, _: &str) -> Result<Option<ResourceClaim>, kube::Error> {
-            self.gets.fetch_add(1, Ordering::SeqCst);
-            let status: kube::core::Status = serde_json::from_value(serde_json::json!({
-                "status": "Failure", "code": self.code, "reason": "Forbidden", "message": self.message,
-            }))
-            .expect("a Status");
-            Err(kube::Error::Api(Box::new(status)))
-        }
-
-        async fn apply_status(
-            &self,
-            _: &str,
-            _: &str,
-            _: &str,
-            _: &serde_json::Value,
-        ) -> Result<(), kube::Error> {
-            Ok(())
-        }
-    }
-
-    #[tokio::test]
-    async fn a_claim_of_another_node_is_refused_after_the_grace() {
-        let source = Refusing {
-            code: 403,
-            message: "resourceclaims.resource.k8s.io \"c\" is forbidden: no relationship found between node 'a' and this object",
-            gets: AtomicUsize::new(0),
-        };
-        let started = tokio::time::Instant::now();
-        let answer =
-            get_tolerating_authorizer_lag(&source, "default", "c", Duration::from_millis(300)).await;
-        let error = answer.expect_err("still refused");
-        assert!(is_node_authorizer_lag(&error), "{error}");
-        assert!(started.elapsed() >= Duration::from_millis(300));
-        // Backoff from 50 ms: a handful of GETs, not a busy loop.
-        let gets = source.gets.load(Ordering::SeqCst);
-        assert!((3..=6).contains(&gets), "{gets} GETs");
-    }
-
-    #[tokio::test]
-    async fn other_refusals_are_not_retried() {
-        let source = Refusing {
-            code: 403,
-            message: "resourceclaims.resource.k8s.io \"c\" is forbidden: User \"x\" cannot get resource \"resourceclaims\"",
-            gets: AtomicUsize::new(0),
-        };
-        let answer = get_tolerating_authorizer_lag(&source, "default", "c", Duration::from_secs(5)).await;
-        assert!(!is_node_authorizer_lag(&answer.expect_err("refused")));
-        assert_eq!(source.gets.load(Ordering::SeqCst), 1);
-    }
 }

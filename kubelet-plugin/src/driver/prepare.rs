@@ -128,14 +128,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     ) -> Result<(Vec<AllocatedDevice>, StatusContext), ClaimFailure> {
         let key = format!("{}/{}", claim.namespace, claim.name);
         let driver = &self.inner.config.driver_name;
-        match claims::get_tolerating_authorizer_lag(
-            &self.inner.claims,
-            &claim.namespace,
-            &claim.name,
-            claims::NODE_AUTHORIZER_GRACE,
-        )
-        .await
-        {
+        match self.inner.claims.get(&claim.namespace, &claim.name).await {
             Ok(Some(object)) => {
                 self.inner.metrics.claim_read(&claim.uid, &object);
                 let devices = claims::allocated_devices(&object, &claim.uid, driver, self.pool())?;
