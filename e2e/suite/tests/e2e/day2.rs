@@ -552,6 +552,11 @@ async fn narrowed_policy_keeps_used_placements_counted(cluster: &mut Cluster) ->
                 .into_iter()
                 .filter(|e| e.reason.as_deref() == Some("FailedPrepareDynamicResources"))
                 .filter_map(|e| e.message)
+                // Not a prepare: the kubelet's own GET of the claim, refused because the API
+                // server's node authorizer had not yet seen the pod bound (its graph and the
+                // kubelet's pod watch are separate watches; the kubelet retries). Seen once in
+                // CI, with the kubelet's "Failed to get status for pod" refused the same way.
+                .filter(|m| !m.contains("no relationship found between node"))
                 .collect();
             ensure!(failures.is_empty(), "{pod}: {failures:?}");
         }
