@@ -356,8 +356,7 @@ mod authorizer_lag_tests {
             gets: AtomicUsize::new(0),
         };
         let started = tokio::time::Instant::now();
-        let answer =
-            get_tolerating_authorizer_lag(&source, "default", "c", Duration::from_millis(300)).await;
+        let answer = get_tolerating_authorizer_lag(&source, "default", "c", Duration::from_millis(300)).await;
         let error = answer.expect_err("still refused");
         assert!(is_node_authorizer_lag(&error), "{error}");
         assert!(started.elapsed() >= Duration::from_millis(300));

@@ -2,14 +2,17 @@
 //! specs), the kernel boot ID, and the node lock file.
 //!
 //! The node lock ([`NodeLock`]) is a file lock in the state directory, so two plugin
-//! instances on one node (a rolling update) never operate at the same time. Holding its guard
+//! instances on one node (a rolling update) never operate at the same time; threads of one
+//! process queue for it in memory and are woken at once when it is released. Holding its guard
 //! is what lets the driver lock GPUs (see [`crate::gpus::GpuLocks`]).
 
 use std::{
+    collections::HashMap,
     fs::{self, File},
     io::Write,
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
+    sync::{Arc, Condvar, Mutex, OnceLock, PoisonError},
     time::{Duration, Instant},
 };
 
@@ -65,33 +68,97 @@ pub enum NodeLockError {
 }
 
 /// The node-wide lock: held while prepare, unprepare or recovery run. Dropping it releases
-/// the file lock (also when a thread unwinds).
+/// the file lock, then lets the next waiter of this process in (also when a thread unwinds).
 #[derive(Debug)]
 pub struct NodeLock {
+    // Field order is drop order: the file lock is released before the gate opens, so the
+    // waiter the gate wakes finds the file free.
     _file: File,
+    _gate: GateTicket,
+}
+
+/// The in-process queue in front of a node lock file: waiters of this process sleep on a
+/// condition variable and are woken the moment the holder lets go, instead of polling the
+/// file lock. Only one thread of the process tries the file at a time, so polling remains
+/// only for another process (a second plugin instance during a rolling update).
+#[derive(Debug, Default)]
+struct Gate {
+    held: Mutex<bool>,
+    released: Condvar,
+}
+
+/// This process's turn at one node lock; dropping it wakes the next waiter.
+#[derive(Debug)]
+struct GateTicket {
+    gate: Arc<Gate>,
+}
+
+impl Drop for GateTicket {
+    fn drop(&mut self) {
+        *self.gate.held.lock().unwrap_or_else(PoisonError::into_inner) = false;
+        self.gate.released.notify_one();
+    }
+}
+
+impl Gate {
+    /// The gate of the lock file at `path` (one per path in this process).
+    fn of(path: &Path) -> Arc<Self> {
+        static GATES: OnceLock<Mutex<HashMap<PathBuf, Arc<Gate>>>> = OnceLock::new();
+        let mut gates = GATES
+            .get_or_init(Mutex::default)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        gates.entry(path.to_path_buf()).or_default().clone()
+    }
+
+    /// Waits until no other thread of this process holds the lock, or `deadline` passes.
+    fn enter(self: Arc<Self>, deadline: Instant) -> Option<GateTicket> {
+        let held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let wait = deadline.saturating_duration_since(Instant::now());
+        // The flag is only a boolean, so a holder that panicked leaves it consistent.
+        let (mut held, _) = self
+            .released
+            .wait_timeout_while(held, wait, |held| *held)
+            .unwrap_or_else(PoisonError::into_inner);
+        if *held {
+            return None;
+        }
+        *held = true;
+        drop(held);
+        Some(GateTicket { gate: self })
+    }
 }
 
 impl NodeLock {
-    /// Takes `<state_dir>/plugin.lock`, waiting up to `timeout`. Polls, because std's file
-    /// locks have no timed wait.
+    /// Takes `<state_dir>/plugin.lock`, waiting up to `timeout`. Threads of this process queue
+    /// in front of the file and are woken when the holder releases it; against another
+    /// process the file lock is polled, because std's file locks have no timed wait.
     pub fn acquire(state_dir: &Path, timeout: Duration) -> Result<Self, NodeLockError> {
         let path = state_dir.join(NODE_LOCK_FILE);
         let io = |source| StateFileError {
             path: path.clone(),
             source,
         };
+        let deadline = Instant::now() + timeout;
+        let gate = Gate::of(&path)
+            .enter(deadline)
+            .ok_or_else(|| NodeLockError::Held { path: path.clone() })?;
         let file = File::options()
             .create(true)
             .truncate(false)
             .write(true)
             .open(&path)
             .map_err(io)?;
-        let deadline = Instant::now() + timeout;
         loop {
             match file.try_lock() {
-                Ok(()) => return Ok(Self { _file: file }),
+                Ok(()) => {
+                    return Ok(Self {
+                        _file: file,
+                        _gate: gate,
+                    });
+                }
                 Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(50));
+                    std::thread::sleep(OTHER_PROCESS_POLL);
                 }
                 Err(std::fs::TryLockError::WouldBlock) => return Err(NodeLockError::Held { path }),
                 Err(std::fs::TryLockError::Error(e)) => return Err(io(e).into()),
@@ -99,6 +166,9 @@ impl NodeLock {
         }
     }
 }
+
+/// How often a node lock another process holds is tried again.
+const OTHER_PROCESS_POLL: Duration = Duration::from_millis(50);
 
 #[cfg(test)]
 mod tests {
@@ -133,6 +203,59 @@ mod tests {
         let err = NodeLock::acquire(dir.path(), Duration::from_millis(100)).unwrap_err();
         assert!(matches!(err, NodeLockError::Held { .. }), "{err}");
         drop(held);
+        NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn a_waiter_of_this_process_gets_the_lock_when_the_holder_lets_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let order = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            let held = NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+            let waiter = s.spawn(|| {
+                let lock = NodeLock::acquire(dir.path(), Duration::from_secs(30)).unwrap();
+                order.lock().unwrap().push("waiter");
+                drop(lock);
+            });
+            // Let the waiter queue up; whatever the timing, it gets the lock only after this.
+            std::thread::sleep(Duration::from_millis(20));
+            order.lock().unwrap().push("holder");
+            drop(held);
+            waiter.join().unwrap();
+        });
+        assert_eq!(*order.lock().unwrap(), ["holder", "waiter"]);
+        NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn a_holder_that_panics_releases_the_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let crashed = std::thread::scope(|s| {
+            s.spawn(|| {
+                let _lock = NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+                panic!("a step failed while holding the node lock");
+            })
+            .join()
+        });
+        assert!(crashed.is_err());
+        NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn a_lock_another_process_holds_times_out_after_the_gate() {
+        // Another open file description stands for another process: its flock conflicts,
+        // and it never passed this process's gate.
+        let dir = tempfile::tempdir().unwrap();
+        let other = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.path().join(NODE_LOCK_FILE))
+            .unwrap();
+        other.lock().unwrap();
+        let err = NodeLock::acquire(dir.path(), Duration::from_millis(120)).unwrap_err();
+        assert!(matches!(err, NodeLockError::Held { .. }), "{err}");
+        other.unlock().unwrap();
         NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
     }
 }
