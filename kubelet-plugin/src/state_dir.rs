@@ -12,23 +12,57 @@ use std::{
     io::Write,
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
-    sync::{Arc, Condvar, Mutex, OnceLock, PoisonError},
+    sync::{
+        Arc, Condvar, Mutex, OnceLock, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 /// Name of the node lock file in the state directory.
 pub const NODE_LOCK_FILE: &str = "plugin.lock";
 
+/// How long a file written by [`write_atomically`] must stay whole.
+///
+/// Readers on this boot (this process, a restarted one, a second plugin instance during a
+/// rolling update, the container runtime) see the file through the page cache: a process
+/// crash loses nothing that was written, so no fsync is needed for them. An fsync only
+/// matters across an OS crash or power loss, and those reboot the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// The file describes this boot only and is discarded after a reboot (the checkpoint
+    /// names its boot ID, and one a power loss tore is moved aside at start, which is right
+    /// because MIG instances never survive a reboot): no fsync at all.
+    ThisBoot,
+    /// The file is read after a reboot too (CDI specs, read by the container runtime): its
+    /// data is synced before the rename, so whichever version a power loss leaves is whole.
+    /// The directory is not synced: after a power loss the rename may be lost, leaving the
+    /// previous whole version, which is exactly what a power loss just before the rename
+    /// leaves anyway.
+    AcrossReboots,
+}
+
+/// fsyncs made by [`write_atomically`] in this process (what the prepare benchmark counts).
+static FSYNCS: AtomicU64 = AtomicU64::new(0);
+
+/// How many fsyncs [`write_atomically`] has made in this process.
+pub fn fsync_count() -> u64 {
+    FSYNCS.load(Ordering::Relaxed)
+}
+
 /// Writes `bytes` to `path` so that readers see either the old or the new file, never a mix:
-/// a temp file in the same directory, fsync, rename over the target, fsync the directory.
-pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+/// a temp file in the same directory, renamed over the target (with an fsync of the data
+/// first when `durability` asks for it).
+pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     let mut tmp = tempfile::Builder::new().prefix(".tmp-").tempfile_in(dir)?;
     tmp.as_file().set_permissions(fs::Permissions::from_mode(mode))?;
     tmp.write_all(bytes)?;
-    tmp.as_file().sync_all()?;
+    if durability == Durability::AcrossReboots {
+        tmp.as_file().sync_data()?;
+        FSYNCS.fetch_add(1, Ordering::Relaxed);
+    }
     tmp.persist(path).map_err(|e| e.error)?;
-    File::open(dir).and_then(|d| d.sync_all())?;
     Ok(())
 }
 
@@ -178,8 +212,10 @@ mod tests {
     fn atomic_write_replaces_the_file_with_the_given_mode() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f.json");
-        write_atomically(&path, b"one", 0o600).unwrap();
-        write_atomically(&path, b"two", 0o644).unwrap();
+        write_atomically(&path, b"one", 0o600, Durability::ThisBoot).unwrap();
+        let synced = fsync_count();
+        write_atomically(&path, b"two", 0o644, Durability::AcrossReboots).unwrap();
+        assert!(fsync_count() > synced);
         assert_eq!(fs::read(&path).unwrap(), b"two");
         assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o644);
         let leftovers = fs::read_dir(dir.path()).unwrap().count();
