@@ -75,16 +75,6 @@ impl NvmlClock {
     pub fn calls(&self) -> Vec<NvmlCall> {
         self.calls.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
-
-    /// Total wall time of the calls recorded so far.
-    pub fn total(&self) -> Duration {
-        self.calls
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .map(|c| c.duration)
-            .sum()
-    }
 }
 
 /// Runs one NVML backend call, adding its wall time to this thread's clock (if any). A timed
