@@ -29,7 +29,7 @@ use crate::{
     driver_files::{
         self, DiscoveryInputs, DriverFiles, DriverFilesCache, DriverFilesError, HostDir, LibraryArch,
     },
-    state_dir::write_atomically,
+    state_dir::{Durability, write_atomically},
 };
 
 /// CDI spec version we write: explicit device-node fields need nothing newer, dots in the
@@ -348,7 +348,7 @@ impl CdiWriter {
         };
         let mut bytes = serde_json::to_vec_pretty(&spec)?;
         bytes.push(b'\n');
-        write_atomically(path, &bytes, 0o644).map_err(|source| CdiError::Write {
+        write_atomically(path, &bytes, 0o644, Durability::AcrossReboots).map_err(|source| CdiError::Write {
             path: path.to_path_buf(),
             source,
         })
@@ -498,7 +498,7 @@ impl CdiWriter {
         let path = self.spec_path(claim_uid);
         let mut bytes = serde_json::to_vec_pretty(&spec)?;
         bytes.push(b'\n');
-        match write_atomically(&path, &bytes, 0o644) {
+        match write_atomically(&path, &bytes, 0o644, Durability::AcrossReboots) {
             Ok(()) => Ok(path),
             Err(source) => Err(CdiError::Write { path, source }),
         }

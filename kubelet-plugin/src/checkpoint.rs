@@ -8,8 +8,8 @@
 //! The file is `{"checksum": "sha256:<hex>", "data": {...}}`, where the checksum covers the
 //! exact bytes of `data` as written. Readers never re-serialise before checking, so adding a
 //! field in a later version cannot break an older binary's checksum (the failure mode of
-//! NVIDIA's driver, #1080). Writes are atomic ([`write_atomically`]) and the file is root-only
-//! (0600 in a 0700 directory). The driver uses it only through [`crate::journal::Journal`].
+//! NVIDIA's driver, #1080). Writes are atomic ([`write_atomically`]) and not fsynced: the file
+//! belongs to one boot ([`Durability::ThisBoot`]). It is root-only (0600 in a 0700 directory). The driver uses it only through [`crate::journal::Journal`].
 
 use std::{
     collections::BTreeMap,
@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use crate::state_dir::write_atomically;
+use crate::state_dir::{Durability, write_atomically};
 
 /// Format version of `data`.
 pub const CHECKPOINT_VERSION: u32 = 1;
@@ -330,9 +330,11 @@ impl Checkpoint {
 
     fn persist(&mut self) -> Result<(), CheckpointError> {
         let bytes = encode(&self.data)?;
-        write_atomically(&self.path, &bytes, 0o600).map_err(|source| CheckpointError::Io {
-            path: self.path.clone(),
-            source,
+        write_atomically(&self.path, &bytes, 0o600, Durability::ThisBoot).map_err(|source| {
+            CheckpointError::Io {
+                path: self.path.clone(),
+                source,
+            }
         })?;
         self.on_disk = Some(bytes);
         Ok(())

@@ -1,6 +1,7 @@
 //! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`; in production
 //! every series carries the node's name as `node`, see [`Metrics::for_node`]): claim outcomes
-//! and failure causes, call durations, startup repairs, repairs left pending and their
+//! and failure causes, call durations (with their time inside NVML and outside it, and each
+//! NVML call's time by backend function), startup repairs, repairs left pending and their
 //! retries, stale claims released, claim status writes (and those waiting for a retry); from
 //! the inventory, per GPU (`gpu` = NVML index as DCGM's exporter labels it, `gpu_minor`,
 //! `gpu_uuid`) its MIG mode, health, used and free memory slices and instances by profile;
@@ -29,7 +30,10 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::checkpoint::{ClaimRecord, DeviceKind};
+use crate::{
+    checkpoint::{ClaimRecord, DeviceKind},
+    nvml::timing::NvmlClock,
+};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClaimLabels {
@@ -46,6 +50,12 @@ struct FailureLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OperationLabels {
     operation: &'static str,
+}
+
+/// A [`crate::nvml::GpuBackend`] method (a fixed set of names).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FunctionLabels {
+    function: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -182,6 +192,9 @@ pub struct Metrics {
     claims: Family<ClaimLabels, Counter>,
     claim_failures: Family<FailureLabels, Counter>,
     call_duration: Family<OperationLabels, Histogram>,
+    call_nvml_duration: Family<OperationLabels, Histogram>,
+    call_outside_nvml_duration: Family<OperationLabels, Histogram>,
+    nvml_call_duration: Family<FunctionLabels, Histogram>,
     recoveries: Family<ActionLabels, Counter>,
     repair_attempts: Family<OutcomeLabels, Counter>,
     pending_repairs: Gauge,
@@ -248,6 +261,35 @@ impl Metrics {
             "call_duration_seconds",
             "Duration of kubelet prepare/unprepare calls",
             call_duration.clone(),
+        );
+        // Fine enough at the low end to read a p99 of a few milliseconds (B4 of `make bench`).
+        let fine = || {
+            Histogram::new([
+                0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
+            ])
+        };
+        let call_nvml_duration = Family::<OperationLabels, Histogram>::new_with_constructor(fine);
+        registry.register(
+            "call_nvml_duration_seconds",
+            "Wall time inside NVML per kubelet prepare/unprepare call (the sum of the NVML calls made for it)",
+            call_nvml_duration.clone(),
+        );
+        let call_outside_nvml_duration = Family::<OperationLabels, Histogram>::new_with_constructor(fine);
+        registry.register(
+            "call_outside_nvml_duration_seconds",
+            "Duration of kubelet prepare/unprepare calls minus their time inside NVML",
+            call_outside_nvml_duration.clone(),
+        );
+        let nvml_call_duration = Family::<FunctionLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new([
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+            ])
+        });
+        registry.register(
+            "nvml_call_duration_seconds",
+            "Wall time of one NVML backend call made for a kubelet call, by backend function",
+            nvml_call_duration.clone(),
         );
         let recoveries = Family::<ActionLabels, Counter>::default();
         registry.register(
@@ -342,6 +384,9 @@ impl Metrics {
             claims,
             claim_failures,
             call_duration,
+            call_nvml_duration,
+            call_outside_nvml_duration,
+            nvml_call_duration,
             recoveries,
             repair_attempts,
             pending_repairs,
@@ -375,6 +420,28 @@ impl Metrics {
         self.call_duration
             .get_or_create(&OperationLabels { operation })
             .observe(duration.as_secs_f64());
+    }
+
+    /// Observes one kubelet call: its duration, its time inside NVML (the calls `nvml`
+    /// recorded for it; zero when it made none), the difference, and each NVML call.
+    pub fn call_with_nvml(&self, operation: &'static str, duration: Duration, nvml: &NvmlClock) {
+        self.call(operation, duration);
+        let calls = nvml.calls();
+        let inside: Duration = calls.iter().map(|c| c.duration).sum();
+        let labels = OperationLabels { operation };
+        self.call_nvml_duration
+            .get_or_create(&labels)
+            .observe(inside.as_secs_f64());
+        self.call_outside_nvml_duration
+            .get_or_create(&labels)
+            .observe(duration.saturating_sub(inside).as_secs_f64());
+        for call in calls {
+            self.nvml_call_duration
+                .get_or_create(&FunctionLabels {
+                    function: call.function,
+                })
+                .observe(call.duration.as_secs_f64());
+        }
     }
 
     /// Counts one startup repair.

@@ -23,7 +23,10 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::{checkpoint::CheckpointError, state_dir::write_atomically};
+use crate::{
+    checkpoint::CheckpointError,
+    state_dir::{Durability, write_atomically},
+};
 
 /// Name of the file in the state directory.
 pub const ORPHANS_FILE: &str = "lost-gpu-orphans.json";
@@ -183,9 +186,11 @@ impl LostGpuOrphans {
         };
         let mut bytes = serde_json::to_vec(&file)?;
         bytes.push(b'\n');
-        write_atomically(&self.path, &bytes, 0o600).map_err(|source| CheckpointError::Io {
-            path: self.path.clone(),
-            source,
+        write_atomically(&self.path, &bytes, 0o600, Durability::AcrossReboots).map_err(|source| {
+            CheckpointError::Io {
+                path: self.path.clone(),
+                source,
+            }
         })?;
         list.orphans = file.orphans;
         list.on_disk = Some(bytes);

@@ -2,30 +2,67 @@
 //! specs), the kernel boot ID, and the node lock file.
 //!
 //! The node lock ([`NodeLock`]) is a file lock in the state directory, so two plugin
-//! instances on one node (a rolling update) never operate at the same time. Holding its guard
+//! instances on one node (a rolling update) never operate at the same time; threads of one
+//! process queue for it in memory and are woken at once when it is released. Holding its guard
 //! is what lets the driver lock GPUs (see [`crate::gpus::GpuLocks`]).
 
 use std::{
+    collections::HashMap,
     fs::{self, File},
     io::Write,
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
+    sync::{
+        Arc, Condvar, Mutex, OnceLock, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 /// Name of the node lock file in the state directory.
 pub const NODE_LOCK_FILE: &str = "plugin.lock";
 
+/// How long a file written by [`write_atomically`] must stay whole.
+///
+/// Readers on this boot (this process, a restarted one, a second plugin instance during a
+/// rolling update, the container runtime) see the file through the page cache: a process
+/// crash loses nothing that was written, so no fsync is needed for them. An fsync only
+/// matters across an OS crash or power loss, and those reboot the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// The file describes this boot only and is discarded after a reboot (the checkpoint
+    /// names its boot ID, and one a power loss tore is moved aside at start, which is right
+    /// because MIG instances never survive a reboot): no fsync at all.
+    ThisBoot,
+    /// The file is read after a reboot too (CDI specs, read by the container runtime): its
+    /// data is synced before the rename, so whichever version a power loss leaves is whole.
+    /// The directory is not synced: after a power loss the rename may be lost, leaving the
+    /// previous whole version, which is exactly what a power loss just before the rename
+    /// leaves anyway.
+    AcrossReboots,
+}
+
+/// fsyncs made by [`write_atomically`] in this process (what the prepare benchmark counts).
+static FSYNCS: AtomicU64 = AtomicU64::new(0);
+
+/// How many fsyncs [`write_atomically`] has made in this process.
+pub fn fsync_count() -> u64 {
+    FSYNCS.load(Ordering::Relaxed)
+}
+
 /// Writes `bytes` to `path` so that readers see either the old or the new file, never a mix:
-/// a temp file in the same directory, fsync, rename over the target, fsync the directory.
-pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+/// a temp file in the same directory, renamed over the target (with an fsync of the data
+/// first when `durability` asks for it).
+pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     let mut tmp = tempfile::Builder::new().prefix(".tmp-").tempfile_in(dir)?;
     tmp.as_file().set_permissions(fs::Permissions::from_mode(mode))?;
     tmp.write_all(bytes)?;
-    tmp.as_file().sync_all()?;
+    if durability == Durability::AcrossReboots {
+        tmp.as_file().sync_data()?;
+        FSYNCS.fetch_add(1, Ordering::Relaxed);
+    }
     tmp.persist(path).map_err(|e| e.error)?;
-    File::open(dir).and_then(|d| d.sync_all())?;
     Ok(())
 }
 
@@ -65,33 +102,97 @@ pub enum NodeLockError {
 }
 
 /// The node-wide lock: held while prepare, unprepare or recovery run. Dropping it releases
-/// the file lock (also when a thread unwinds).
+/// the file lock, then lets the next waiter of this process in (also when a thread unwinds).
 #[derive(Debug)]
 pub struct NodeLock {
+    // Field order is drop order: the file lock is released before the gate opens, so the
+    // waiter the gate wakes finds the file free.
     _file: File,
+    _gate: GateTicket,
+}
+
+/// The in-process queue in front of a node lock file: waiters of this process sleep on a
+/// condition variable and are woken the moment the holder lets go, instead of polling the
+/// file lock. Only one thread of the process tries the file at a time, so polling remains
+/// only for another process (a second plugin instance during a rolling update).
+#[derive(Debug, Default)]
+struct Gate {
+    held: Mutex<bool>,
+    released: Condvar,
+}
+
+/// This process's turn at one node lock; dropping it wakes the next waiter.
+#[derive(Debug)]
+struct GateTicket {
+    gate: Arc<Gate>,
+}
+
+impl Drop for GateTicket {
+    fn drop(&mut self) {
+        *self.gate.held.lock().unwrap_or_else(PoisonError::into_inner) = false;
+        self.gate.released.notify_one();
+    }
+}
+
+impl Gate {
+    /// The gate of the lock file at `path` (one per path in this process).
+    fn of(path: &Path) -> Arc<Self> {
+        static GATES: OnceLock<Mutex<HashMap<PathBuf, Arc<Gate>>>> = OnceLock::new();
+        let mut gates = GATES
+            .get_or_init(Mutex::default)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        gates.entry(path.to_path_buf()).or_default().clone()
+    }
+
+    /// Waits until no other thread of this process holds the lock, or `deadline` passes.
+    fn enter(self: Arc<Self>, deadline: Instant) -> Option<GateTicket> {
+        let held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let wait = deadline.saturating_duration_since(Instant::now());
+        // The flag is only a boolean, so a holder that panicked leaves it consistent.
+        let (mut held, _) = self
+            .released
+            .wait_timeout_while(held, wait, |held| *held)
+            .unwrap_or_else(PoisonError::into_inner);
+        if *held {
+            return None;
+        }
+        *held = true;
+        drop(held);
+        Some(GateTicket { gate: self })
+    }
 }
 
 impl NodeLock {
-    /// Takes `<state_dir>/plugin.lock`, waiting up to `timeout`. Polls, because std's file
-    /// locks have no timed wait.
+    /// Takes `<state_dir>/plugin.lock`, waiting up to `timeout`. Threads of this process queue
+    /// in front of the file and are woken when the holder releases it; against another
+    /// process the file lock is polled, because std's file locks have no timed wait.
     pub fn acquire(state_dir: &Path, timeout: Duration) -> Result<Self, NodeLockError> {
         let path = state_dir.join(NODE_LOCK_FILE);
         let io = |source| StateFileError {
             path: path.clone(),
             source,
         };
+        let deadline = Instant::now() + timeout;
+        let gate = Gate::of(&path)
+            .enter(deadline)
+            .ok_or_else(|| NodeLockError::Held { path: path.clone() })?;
         let file = File::options()
             .create(true)
             .truncate(false)
             .write(true)
             .open(&path)
             .map_err(io)?;
-        let deadline = Instant::now() + timeout;
         loop {
             match file.try_lock() {
-                Ok(()) => return Ok(Self { _file: file }),
+                Ok(()) => {
+                    return Ok(Self {
+                        _file: file,
+                        _gate: gate,
+                    });
+                }
                 Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(50));
+                    std::thread::sleep(OTHER_PROCESS_POLL);
                 }
                 Err(std::fs::TryLockError::WouldBlock) => return Err(NodeLockError::Held { path }),
                 Err(std::fs::TryLockError::Error(e)) => return Err(io(e).into()),
@@ -99,6 +200,9 @@ impl NodeLock {
         }
     }
 }
+
+/// How often a node lock another process holds is tried again.
+const OTHER_PROCESS_POLL: Duration = Duration::from_millis(50);
 
 #[cfg(test)]
 mod tests {
@@ -108,8 +212,10 @@ mod tests {
     fn atomic_write_replaces_the_file_with_the_given_mode() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f.json");
-        write_atomically(&path, b"one", 0o600).unwrap();
-        write_atomically(&path, b"two", 0o644).unwrap();
+        write_atomically(&path, b"one", 0o600, Durability::ThisBoot).unwrap();
+        let synced = fsync_count();
+        write_atomically(&path, b"two", 0o644, Durability::AcrossReboots).unwrap();
+        assert!(fsync_count() > synced);
         assert_eq!(fs::read(&path).unwrap(), b"two");
         assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o644);
         let leftovers = fs::read_dir(dir.path()).unwrap().count();
@@ -133,6 +239,59 @@ mod tests {
         let err = NodeLock::acquire(dir.path(), Duration::from_millis(100)).unwrap_err();
         assert!(matches!(err, NodeLockError::Held { .. }), "{err}");
         drop(held);
+        NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn a_waiter_of_this_process_gets_the_lock_when_the_holder_lets_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let order = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            let held = NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+            let waiter = s.spawn(|| {
+                let lock = NodeLock::acquire(dir.path(), Duration::from_secs(30)).unwrap();
+                order.lock().unwrap().push("waiter");
+                drop(lock);
+            });
+            // Let the waiter queue up; whatever the timing, it gets the lock only after this.
+            std::thread::sleep(Duration::from_millis(20));
+            order.lock().unwrap().push("holder");
+            drop(held);
+            waiter.join().unwrap();
+        });
+        assert_eq!(*order.lock().unwrap(), ["holder", "waiter"]);
+        NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn a_holder_that_panics_releases_the_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let crashed = std::thread::scope(|s| {
+            s.spawn(|| {
+                let _lock = NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+                panic!("a step failed while holding the node lock");
+            })
+            .join()
+        });
+        assert!(crashed.is_err());
+        NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn a_lock_another_process_holds_times_out_after_the_gate() {
+        // Another open file description stands for another process: its flock conflicts,
+        // and it never passed this process's gate.
+        let dir = tempfile::tempdir().unwrap();
+        let other = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.path().join(NODE_LOCK_FILE))
+            .unwrap();
+        other.lock().unwrap();
+        let err = NodeLock::acquire(dir.path(), Duration::from_millis(120)).unwrap_err();
+        assert!(matches!(err, NodeLockError::Held { .. }), "{err}");
+        other.unlock().unwrap();
         NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
     }
 }

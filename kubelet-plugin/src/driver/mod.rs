@@ -72,7 +72,7 @@ use crate::{
     gpus::{GpuLocks, Gpus},
     journal::Journal,
     metrics::Metrics,
-    nvml::{BackendError, GpuBackend},
+    nvml::{BackendError, GpuBackend, timing::NvmlClock},
     orphans::LostGpuOrphans,
     plan::{PlanError, Rejection},
     state_dir::{NodeLock, NodeLockError},
@@ -373,12 +373,14 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     }
 
     /// Runs `work` for each claim under the node lock, on blocking threads, the claims in
-    /// parallel (each takes the locks of its own GPUs). Returns one outcome per claim, each
+    /// parallel (each takes the locks of its own GPUs), with `nvml` installed on each thread
+    /// so the NVML time of the call adds up there. Returns one outcome per claim, each
     /// logged and counted. A claim whose thread panicked gets no outcome; the gRPC layer
     /// reports it as failed.
     async fn run_claims<I, T>(
         &self,
         operation: &'static str,
+        nvml: &NvmlClock,
         items: Vec<(ClaimRef, I)>,
         work: impl Fn(&Self, &NodeLock, &ClaimRef, I) -> Result<T, ClaimFailure> + Send + Sync + 'static,
     ) -> HashMap<String, Result<T, ClaimFailure>>
@@ -387,14 +389,18 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         T: Send + 'static,
     {
         let driver = self.clone();
+        let nvml = nvml.clone();
         let task = tokio::task::spawn_blocking(move || {
+            let _clock = nvml.install();
             let node = driver.node_lock();
             std::thread::scope(|scope| {
                 let handles: Vec<_> = items
                     .into_iter()
                     .map(|(claim, item)| {
-                        let (node, driver, work) = (&node, &driver, &work);
+                        let (node, driver, work, nvml) = (&node, &driver, &work, &nvml);
                         scope.spawn(move || {
+                            // This claim's NVML time counts for this kubelet call.
+                            let _clock = nvml.install();
                             let outcome = match node {
                                 Err(e) => Err(ClaimFailure::from(e.clone())),
                                 Ok(node) => work(driver, node, &claim, item),

@@ -15,7 +15,7 @@ use crate::{
     claim_status::{self, DesiredStatus, StatusContext, StatusDevice, StatusRetryRound, WriteOutcome},
     claims::{self, AllocatedDevice, ClaimError, ClaimSource},
     gpus::GpuLocks,
-    nvml::{GpuBackend, MigModeChange, NvmlErrorKind},
+    nvml::{GpuBackend, MigModeChange, NvmlErrorKind, timing::NvmlClock},
     plan::{self, Rejection},
     state_dir::NodeLock,
 };
@@ -26,6 +26,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// [`migdra_kubeletplugin::DraDriver::prepare`] is this, with the failures as messages.)
     pub async fn prepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, PrepareResult> {
         let started = Instant::now();
+        let nvml = NvmlClock::new();
         let mut outcomes = HashMap::with_capacity(claims.len());
         let mut pending = Vec::new();
         // The fast path below answers without the node lock, so first catch up with what
@@ -62,7 +63,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         .await;
 
         let prepared = self
-            .run_claims("prepare", fetched, |driver, node, claim, fetched| {
+            .run_claims("prepare", &nvml, fetched, |driver, node, claim, fetched| {
                 let (devices, context) = fetched?;
                 if plan::admin_access(&devices)? {
                     let (devices, status) = driver.prepare_admin_access(node, claim, &devices)?;
@@ -116,7 +117,9 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             };
             outcomes.insert(uid, outcome);
         }
-        self.inner.metrics.call("prepare", started.elapsed());
+        self.inner
+            .metrics
+            .call_with_nvml("prepare", started.elapsed(), &nvml);
         outcomes
     }
 

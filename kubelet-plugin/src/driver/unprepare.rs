@@ -9,7 +9,7 @@ use crate::{
     claim_status::{DesiredStatus, WriteOutcome},
     claims::ClaimSource,
     gpus::GpuLocks,
-    nvml::{GpuBackend, NvmlErrorKind},
+    nvml::{GpuBackend, NvmlErrorKind, timing::NvmlClock},
     orphans::OrphanedInstance,
     state_dir::NodeLock,
 };
@@ -20,10 +20,11 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// [`migdra_kubeletplugin::DraDriver::unprepare`] is this, with the failures as messages.)
     pub async fn unprepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareResult> {
         let started = Instant::now();
+        let nvml = NvmlClock::new();
         let refs: HashMap<String, ClaimRef> = claims.iter().map(|c| (c.uid.clone(), c.clone())).collect();
         let items = claims.into_iter().map(|c| (c, ())).collect();
         let unprepared = self
-            .run_claims("unprepare", items, |driver, node, claim, ()| {
+            .run_claims("unprepare", &nvml, items, |driver, node, claim, ()| {
                 driver.unprepare_claim(node, &claim.uid)
             })
             .await;
@@ -44,7 +45,9 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             }
             outcomes.insert(uid, outcome.map(|_| ()));
         }
-        self.inner.metrics.call("unprepare", started.elapsed());
+        self.inner
+            .metrics
+            .call_with_nvml("unprepare", started.elapsed(), &nvml);
         outcomes
     }
 

@@ -3,9 +3,11 @@
 //! The production implementation ([`NvmlBackend`]) is nvml-wrapper plus raw calls through its
 //! `-sys` function table where the safe API lacks GPU/compute-instance calls. Tests run that
 //! same implementation against the fake NVML library (`e2e/fake-nvml`); there is no second,
-//! Rust-level mock of NVML.
+//! Rust-level mock of NVML. Every backend call's wall time is measured ([`timing`]) and
+//! attributed to the kubelet call it was made for.
 
 mod nvml_backend;
+pub mod timing;
 
 use migdra_api::geometry::{Architecture, MigProfile};
 pub use nvml_backend::NvmlBackend;

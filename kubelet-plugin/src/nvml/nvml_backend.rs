@@ -43,7 +43,7 @@ use nvml_wrapper_sys::bindings::{
 
 use super::{
     BackendError, ComputeInstanceRecord, CreatedComputeInstance, GpuBackend, GpuDescription,
-    GpuInstanceRecord, MigDescription, MigModeChange, NvmlErrorKind,
+    GpuInstanceRecord, MigDescription, MigModeChange, NvmlErrorKind, timing,
 };
 
 /// NVML_ERROR_INSUFFICIENT_RESOURCES, which nvml-wrapper 0.13 has no variant for.
@@ -686,154 +686,164 @@ impl NvmlBackend {
 
 impl GpuBackend for NvmlBackend {
     fn driver_version(&self) -> Result<String, BackendError> {
-        self.nvml
-            .sys_driver_version()
-            .map_err(|e| error("read driver version", &e))
+        timing::timed("driver_version", || {
+            self.nvml
+                .sys_driver_version()
+                .map_err(|e| error("read driver version", &e))
+        })
     }
 
     fn discover(&self) -> Result<Vec<GpuDescription>, BackendError> {
-        let count = self.nvml.device_count().map_err(|e| error("count GPUs", &e))?;
-        // One failing GPU (lost, fallen off the bus) must not hide the others; the driver
-        // reports a GPU it knew but no longer discovers as unhealthy.
-        let mut gpus = Vec::new();
-        let mut last_error = None;
-        for index in 0..count {
-            match self.describe(index) {
-                Ok(gpu) => gpus.push(gpu),
-                Err(e) => {
-                    tracing::warn!(gpu = index, error = %e, "GPU could not be described; skipped");
-                    last_error = Some(e);
+        timing::timed("discover", || {
+            let count = self.nvml.device_count().map_err(|e| error("count GPUs", &e))?;
+            // One failing GPU (lost, fallen off the bus) must not hide the others; the driver
+            // reports a GPU it knew but no longer discovers as unhealthy.
+            let mut gpus = Vec::new();
+            let mut last_error = None;
+            for index in 0..count {
+                match self.describe(index) {
+                    Ok(gpu) => gpus.push(gpu),
+                    Err(e) => {
+                        tracing::warn!(gpu = index, error = %e, "GPU could not be described; skipped");
+                        last_error = Some(e);
+                    }
                 }
             }
-        }
-        match last_error {
-            Some(e) if gpus.is_empty() => Err(e),
-            _ => Ok(gpus),
-        }
+            match last_error {
+                Some(e) if gpus.is_empty() => Err(e),
+                _ => Ok(gpus),
+            }
+        })
     }
 
     fn list_gpu_instances(&self, gpu: u32) -> Result<Vec<GpuInstanceRecord>, BackendError> {
-        let device = self.device(gpu)?;
-        let op = || format!("list GPU instances of GPU {gpu}");
-        match device.mig_mode() {
-            Ok(mode) if mode.current != 0 => {}
-            Ok(_) | Err(NvmlError::NotSupported) => return Ok(Vec::new()),
-            Err(e) => return Err(error(op(), &e)),
-        }
-        let mut records = Vec::new();
-        for index in 0..GI_PROFILE_COUNT {
-            let info = match device.profile_info(index) {
-                Ok(info) => info,
-                Err(e) if is_absent_profile(&e) => continue,
+        timing::timed("list_gpu_instances", || {
+            let device = self.device(gpu)?;
+            let op = || format!("list GPU instances of GPU {gpu}");
+            match device.mig_mode() {
+                Ok(mode) if mode.current != 0 => {}
+                Ok(_) | Err(NvmlError::NotSupported) => return Ok(Vec::new()),
                 Err(e) => return Err(error(op(), &e)),
-            };
-            let handles = match self.gpu_instances_of_profile(&device, info.id, info.instance_count) {
-                Ok(handles) => handles,
-                // This profile is not supported here (§12), which says nothing about the others.
-                Err(NvmlError::NotSupported) => {
-                    tracing::debug!(
-                        gpu,
-                        profile_id = info.id,
-                        "listing GPU instances of a profile is not supported; skipped"
-                    );
-                    continue;
-                }
-                Err(e) => return Err(error(op(), &e)),
-            };
-            for gi in handles {
-                let gi_info = self.gpu_instance_info(gi).map_err(|e| error(op(), &e))?;
-                records.push(GpuInstanceRecord {
-                    id: gi_info.id,
-                    profile_id: gi_info.profileId,
-                    start: gi_info.placement.start,
-                    size: gi_info.placement.size,
-                    compute_instances: self.compute_instances(&device, gi, gi_info.id, &op())?,
-                });
             }
-        }
-        records.sort_by_key(|r| r.id);
-        Ok(records)
+            let mut records = Vec::new();
+            for index in 0..GI_PROFILE_COUNT {
+                let info = match device.profile_info(index) {
+                    Ok(info) => info,
+                    Err(e) if is_absent_profile(&e) => continue,
+                    Err(e) => return Err(error(op(), &e)),
+                };
+                let handles = match self.gpu_instances_of_profile(&device, info.id, info.instance_count) {
+                    Ok(handles) => handles,
+                    // This profile is not supported here (§12), which says nothing about the others.
+                    Err(NvmlError::NotSupported) => {
+                        tracing::debug!(
+                            gpu,
+                            profile_id = info.id,
+                            "listing GPU instances of a profile is not supported; skipped"
+                        );
+                        continue;
+                    }
+                    Err(e) => return Err(error(op(), &e)),
+                };
+                for gi in handles {
+                    let gi_info = self.gpu_instance_info(gi).map_err(|e| error(op(), &e))?;
+                    records.push(GpuInstanceRecord {
+                        id: gi_info.id,
+                        profile_id: gi_info.profileId,
+                        start: gi_info.placement.start,
+                        size: gi_info.placement.size,
+                        compute_instances: self.compute_instances(&device, gi, gi_info.id, &op())?,
+                    });
+                }
+            }
+            records.sort_by_key(|r| r.id);
+            Ok(records)
+        })
     }
 
     fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigModeChange, BackendError> {
-        let device = self.device(gpu)?;
-        let op = format!(
-            "{} MIG mode on GPU {gpu}",
-            if enabled { "enable" } else { "disable" }
-        );
-        let uuid = device.uuid().map_err(|e| error(&op, &e))?;
-        let described = self
-            .described_minors
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&gpu)
-            .copied();
-        let minor = match described {
-            Some(minor) => minor,
-            None => device.minor_number().map_err(|e| error(&op, &e))?,
-        };
-        // NVML reports a switch it could not make through the activation status, not the
-        // return code (§12), so the outcome is read back from the mode, as mig-parted does.
-        let activation = device.set_mig_mode(enabled).map_err(|e| error(&op, &e))?;
-        // The switch may reset or rebind the GPU: handles, index and minor may change.
-        self.forget_handles();
-        let device = self
-            .nvml
-            .device_by_uuid(uuid.as_str())
-            .map_err(|e| error(format!("{op}: re-open the GPU by UUID {uuid}"), &e))?;
-        let new_index = device.index().map_err(|e| error(&op, &e))?;
-        let new_minor = device.minor_number().map_err(|e| error(&op, &e))?;
-        if (new_index, new_minor) != (gpu, minor) {
-            return Err(BackendError {
-                operation: op,
-                kind: NvmlErrorKind::Other,
-                message: format!(
-                    "the GPU was renumbered by the mode change (index {gpu} -> {new_index}, minor {minor} -> {new_minor}); it must be rediscovered"
-                ),
-            });
-        }
-        let mode = device.mig_mode().map_err(|e| error(&op, &e))?;
-        let wanted = u32::from(enabled);
-        if mode.current == wanted {
-            Ok(MigModeChange::Applied)
-        } else if mode.pending == wanted {
-            tracing::info!(gpu, activation, "MIG mode change is pending a GPU reset");
-            Ok(MigModeChange::PendingReset)
-        } else {
-            let err = NvmlError::from(activation);
-            Err(error(&op, &err))
-        }
+        timing::timed("set_mig_mode", || {
+            let device = self.device(gpu)?;
+            let op = format!(
+                "{} MIG mode on GPU {gpu}",
+                if enabled { "enable" } else { "disable" }
+            );
+            let uuid = device.uuid().map_err(|e| error(&op, &e))?;
+            let described = self
+                .described_minors
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(&gpu)
+                .copied();
+            let minor = match described {
+                Some(minor) => minor,
+                None => device.minor_number().map_err(|e| error(&op, &e))?,
+            };
+            // NVML reports a switch it could not make through the activation status, not the
+            // return code (§12), so the outcome is read back from the mode, as mig-parted does.
+            let activation = device.set_mig_mode(enabled).map_err(|e| error(&op, &e))?;
+            // The switch may reset or rebind the GPU: handles, index and minor may change.
+            self.forget_handles();
+            let device = self
+                .nvml
+                .device_by_uuid(uuid.as_str())
+                .map_err(|e| error(format!("{op}: re-open the GPU by UUID {uuid}"), &e))?;
+            let new_index = device.index().map_err(|e| error(&op, &e))?;
+            let new_minor = device.minor_number().map_err(|e| error(&op, &e))?;
+            if (new_index, new_minor) != (gpu, minor) {
+                return Err(BackendError {
+                    operation: op,
+                    kind: NvmlErrorKind::Other,
+                    message: format!(
+                        "the GPU was renumbered by the mode change (index {gpu} -> {new_index}, minor {minor} -> {new_minor}); it must be rediscovered"
+                    ),
+                });
+            }
+            let mode = device.mig_mode().map_err(|e| error(&op, &e))?;
+            let wanted = u32::from(enabled);
+            if mode.current == wanted {
+                Ok(MigModeChange::Applied)
+            } else if mode.pending == wanted {
+                tracing::info!(gpu, activation, "MIG mode change is pending a GPU reset");
+                Ok(MigModeChange::PendingReset)
+            } else {
+                let err = NvmlError::from(activation);
+                Err(error(&op, &err))
+            }
+        })
     }
 
     fn create_gpu_instance(&self, gpu: u32, profile_id: u32, start: u32) -> Result<u32, BackendError> {
-        let device = self.device(gpu)?;
-        let op = format!("create GPU instance of profile {profile_id} at {start} on GPU {gpu}");
-        // Every placement of a profile has the same size; NVML validates the start.
-        let placements = self
-            .possible_placements(&device, profile_id)
-            .map_err(|e| error(&op, &e))?;
-        let size = placements.first().map(|p| p.size).ok_or_else(|| BackendError {
-            operation: op.clone(),
-            kind: NvmlErrorKind::InvalidArgument,
-            message: "the profile has no placements".to_string(),
-        })?;
-        let f = nvml_sym(self.nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement.as_ref())
-            .map_err(|e| error(&op, &e))?;
-        let placement = nvmlGpuInstancePlacement_t { start, size };
-        let mut gi: nvmlGpuInstance_t = ptr::null_mut();
-        // SAFETY: valid device handle, a placement that lives across the call, valid out pointer.
-        unsafe { nvml_try(f(device.handle(), profile_id, &placement, &mut gi)) }
-            .map_err(|e| error(&op, &e))?;
-        match self.gpu_instance_info(gi) {
-            Ok(info) => Ok(info.id),
-            Err(e) => {
-                // Without its ID nobody could ever destroy it: roll back.
-                if let Err(undo) = self.destroy_raw_gpu_instance(gi) {
-                    tracing::warn!(gpu, profile_id, start, error = %undo, "rolling back an unidentifiable GPU instance failed");
+        timing::timed("create_gpu_instance", || {
+            let device = self.device(gpu)?;
+            let op = format!("create GPU instance of profile {profile_id} at {start} on GPU {gpu}");
+            // Every placement of a profile has the same size; NVML validates the start.
+            let placements = self
+                .possible_placements(&device, profile_id)
+                .map_err(|e| error(&op, &e))?;
+            let size = placements.first().map(|p| p.size).ok_or_else(|| BackendError {
+                operation: op.clone(),
+                kind: NvmlErrorKind::InvalidArgument,
+                message: "the profile has no placements".to_string(),
+            })?;
+            let f = nvml_sym(self.nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement.as_ref())
+                .map_err(|e| error(&op, &e))?;
+            let placement = nvmlGpuInstancePlacement_t { start, size };
+            let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+            // SAFETY: valid device handle, a placement that lives across the call, valid out pointer.
+            unsafe { nvml_try(f(device.handle(), profile_id, &placement, &mut gi)) }
+                .map_err(|e| error(&op, &e))?;
+            match self.gpu_instance_info(gi) {
+                Ok(info) => Ok(info.id),
+                Err(e) => {
+                    // Without its ID nobody could ever destroy it: roll back.
+                    if let Err(undo) = self.destroy_raw_gpu_instance(gi) {
+                        tracing::warn!(gpu, profile_id, start, error = %undo, "rolling back an unidentifiable GPU instance failed");
+                    }
+                    Err(error(&op, &e))
                 }
-                Err(error(&op, &e))
             }
-        }
+        })
     }
 
     fn create_full_compute_instance(
@@ -841,66 +851,68 @@ impl GpuBackend for NvmlBackend {
         gpu: u32,
         gpu_instance: u32,
     ) -> Result<CreatedComputeInstance, BackendError> {
-        let device = self.device(gpu)?;
-        let op = format!("create the compute instance of GPU instance {gpu_instance} on GPU {gpu}");
-        let gi = self
-            .gpu_instance_by_id(&device, gpu_instance)
-            .map_err(|e| error(&op, &e))?;
-        let gi_info = self.gpu_instance_info(gi).map_err(|e| error(&op, &e))?;
-        let slices = self
-            .gpu_instance_slices(&device, gi_info.profileId)
-            .map_err(|e| error(&op, &e))?
-            .ok_or_else(|| BackendError {
-                operation: op.clone(),
-                kind: NvmlErrorKind::NotSupported,
-                message: format!(
-                    "GPU-instance profile {} is not among the GPU's profiles",
-                    gi_info.profileId
-                ),
-            })?;
-        // Every CI profile spanning the whole GPU instance, the plain one first: a 1-slice GI
-        // may need `1_SLICE_REV1` (GH200), a 7-slice one `7_SLICE_NVL` (index 8), and go-nvlib
-        // maps both 4 and 8 to "7c" (§3). The profile infos say which exist and their sizes.
-        let plain = full_compute_instance_profile(slices);
-        let mut candidates: Vec<u32> = Vec::new();
-        let mut last_error = NvmlError::NotSupported;
-        for index in plain
-            .into_iter()
-            .chain((0..CI_PROFILE_COUNT).filter(|i| Some(*i) != plain))
-        {
-            match self.compute_profile_info(gi, index) {
-                Ok(p) if p.sliceCount == slices => candidates.push(p.id),
-                Ok(_) => {}
-                Err(e @ (NvmlError::NotSupported | NvmlError::InvalidArg)) => last_error = e,
-                Err(e) => return Err(error(&op, &e)),
-            }
-        }
-        let mut created = None;
-        for profile_id in candidates {
-            match self.create_compute_instance(gi, profile_id) {
-                Ok(ci) => {
-                    created = Some(ci);
-                    break;
+        timing::timed("create_full_compute_instance", || {
+            let device = self.device(gpu)?;
+            let op = format!("create the compute instance of GPU instance {gpu_instance} on GPU {gpu}");
+            let gi = self
+                .gpu_instance_by_id(&device, gpu_instance)
+                .map_err(|e| error(&op, &e))?;
+            let gi_info = self.gpu_instance_info(gi).map_err(|e| error(&op, &e))?;
+            let slices = self
+                .gpu_instance_slices(&device, gi_info.profileId)
+                .map_err(|e| error(&op, &e))?
+                .ok_or_else(|| BackendError {
+                    operation: op.clone(),
+                    kind: NvmlErrorKind::NotSupported,
+                    message: format!(
+                        "GPU-instance profile {} is not among the GPU's profiles",
+                        gi_info.profileId
+                    ),
+                })?;
+            // Every CI profile spanning the whole GPU instance, the plain one first: a 1-slice GI
+            // may need `1_SLICE_REV1` (GH200), a 7-slice one `7_SLICE_NVL` (index 8), and go-nvlib
+            // maps both 4 and 8 to "7c" (§3). The profile infos say which exist and their sizes.
+            let plain = full_compute_instance_profile(slices);
+            let mut candidates: Vec<u32> = Vec::new();
+            let mut last_error = NvmlError::NotSupported;
+            for index in plain
+                .into_iter()
+                .chain((0..CI_PROFILE_COUNT).filter(|i| Some(*i) != plain))
+            {
+                match self.compute_profile_info(gi, index) {
+                    Ok(p) if p.sliceCount == slices => candidates.push(p.id),
+                    Ok(_) => {}
+                    Err(e @ (NvmlError::NotSupported | NvmlError::InvalidArg)) => last_error = e,
+                    Err(e) => return Err(error(&op, &e)),
                 }
-                Err(e @ (NvmlError::NotSupported | NvmlError::InvalidArg)) => last_error = e,
-                Err(e) => return Err(error(&op, &e)),
             }
-        }
-        let ci = created.ok_or_else(|| error(&op, &last_error))?;
-        let identified = self
-            .compute_instance_info(ci)
-            .map_err(|e| error(&op, &e))
-            .and_then(|info| {
-                Ok(CreatedComputeInstance {
-                    id: info.id,
-                    mig_uuid: self.mig_uuid(&device, info.device, gi_info.id, info.id, &op)?,
-                })
-            });
-        identified.inspect_err(|_| {
+            let mut created = None;
+            for profile_id in candidates {
+                match self.create_compute_instance(gi, profile_id) {
+                    Ok(ci) => {
+                        created = Some(ci);
+                        break;
+                    }
+                    Err(e @ (NvmlError::NotSupported | NvmlError::InvalidArg)) => last_error = e,
+                    Err(e) => return Err(error(&op, &e)),
+                }
+            }
+            let ci = created.ok_or_else(|| error(&op, &last_error))?;
+            let identified = self
+                .compute_instance_info(ci)
+                .map_err(|e| error(&op, &e))
+                .and_then(|info| {
+                    Ok(CreatedComputeInstance {
+                        id: info.id,
+                        mig_uuid: self.mig_uuid(&device, info.device, gi_info.id, info.id, &op)?,
+                    })
+                });
+            identified.inspect_err(|_| {
             // A MIG device nobody can name is useless; do not leave it behind.
             if let Err(undo) = self.destroy_raw_compute_instance(ci) {
                 tracing::warn!(gpu, gpu_instance, error = %undo, "rolling back an unidentifiable compute instance failed");
             }
+        })
         })
     }
 
@@ -910,41 +922,49 @@ impl GpuBackend for NvmlBackend {
         gpu_instance: u32,
         compute_instance: u32,
     ) -> Result<(), BackendError> {
-        let device = self.device(gpu)?;
-        let op = format!(
-            "destroy compute instance {compute_instance} of GPU instance {gpu_instance} on GPU {gpu}"
-        );
-        let gi = self.existing_gpu_instance(&device, gpu, gpu_instance, &op)?;
-        let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceGetComputeInstanceById.as_ref())
-            .map_err(|e| error(&op, &e))?;
-        let mut ci: nvmlComputeInstance_t = ptr::null_mut();
-        // SAFETY: live GPU-instance handle; valid out pointer.
-        unsafe { nvml_try(f(gi, compute_instance, &mut ci)) }.map_err(|e| error(&op, &e))?;
-        self.destroy_raw_compute_instance(ci).map_err(|e| error(&op, &e))
+        timing::timed("destroy_compute_instance", || {
+            let device = self.device(gpu)?;
+            let op = format!(
+                "destroy compute instance {compute_instance} of GPU instance {gpu_instance} on GPU {gpu}"
+            );
+            let gi = self.existing_gpu_instance(&device, gpu, gpu_instance, &op)?;
+            let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceGetComputeInstanceById.as_ref())
+                .map_err(|e| error(&op, &e))?;
+            let mut ci: nvmlComputeInstance_t = ptr::null_mut();
+            // SAFETY: live GPU-instance handle; valid out pointer.
+            unsafe { nvml_try(f(gi, compute_instance, &mut ci)) }.map_err(|e| error(&op, &e))?;
+            self.destroy_raw_compute_instance(ci).map_err(|e| error(&op, &e))
+        })
     }
 
     fn destroy_gpu_instance(&self, gpu: u32, gpu_instance: u32) -> Result<(), BackendError> {
-        let device = self.device(gpu)?;
-        let op = format!("destroy GPU instance {gpu_instance} on GPU {gpu}");
-        let gi = self.existing_gpu_instance(&device, gpu, gpu_instance, &op)?;
-        self.destroy_raw_gpu_instance(gi).map_err(|e| error(&op, &e))
+        timing::timed("destroy_gpu_instance", || {
+            let device = self.device(gpu)?;
+            let op = format!("destroy GPU instance {gpu_instance} on GPU {gpu}");
+            let gi = self.existing_gpu_instance(&device, gpu, gpu_instance, &op)?;
+            self.destroy_raw_gpu_instance(gi).map_err(|e| error(&op, &e))
+        })
     }
 
     fn mig_enabled(&self, gpu: u32) -> Result<Option<bool>, BackendError> {
-        let device = self.device(gpu)?;
-        match device.mig_mode() {
-            Ok(mode) => Ok(Some(mode.current != 0)),
-            Err(NvmlError::NotSupported) => Ok(None),
-            Err(e) => Err(error(format!("read MIG mode of GPU {gpu}"), &e)),
-        }
+        timing::timed("mig_enabled", || {
+            let device = self.device(gpu)?;
+            match device.mig_mode() {
+                Ok(mode) => Ok(Some(mode.current != 0)),
+                Err(NvmlError::NotSupported) => Ok(None),
+                Err(e) => Err(error(format!("read MIG mode of GPU {gpu}"), &e)),
+            }
+        })
     }
 
     fn probe_health(&self, gpu: u32) -> Result<(), BackendError> {
-        let device = self.device(gpu)?;
-        device
-            .uuid()
-            .map(|_| ())
-            .map_err(|e| error(format!("probe GPU {gpu}"), &e))
+        timing::timed("probe_health", || {
+            let device = self.device(gpu)?;
+            device
+                .uuid()
+                .map(|_| ())
+                .map_err(|e| error(format!("probe GPU {gpu}"), &e))
+        })
     }
 }
 

@@ -402,3 +402,78 @@ async fn claim_events_are_written_to_the_claims_namespace_and_repeats_aggregate(
     stop.cancel();
     task.await.unwrap();
 }
+
+/// The value of the one sample named `series` (name with its labels), from an OpenMetrics text.
+fn sample(text: &str, series: &str) -> f64 {
+    let values: Vec<f64> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .collect();
+    assert_eq!(values.len(), 1, "one sample {series}:\n{text}");
+    values[0]
+}
+
+/// Observations of every `nvml_call_duration_seconds` series together.
+fn nvml_calls_observed(text: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with("migdra_kubelet_plugin_nvml_call_duration_seconds_count{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prepare_reports_its_time_inside_and_outside_nvml_and_one_from_the_checkpoint_none_inside() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let metrics = Metrics::new();
+    let (driver, _) = node.try_start_with(None, metrics.clone()).unwrap();
+    node.claims.put(claim("uid-1", "train", &[("gpu", H100_3G_AT_4)]));
+    let nvml = "migdra_kubelet_plugin_call_nvml_duration_seconds";
+    let outside = "migdra_kubelet_plugin_call_outside_nvml_duration_seconds";
+    let handler = "migdra_kubelet_plugin_call_duration_seconds";
+    let function = "migdra_kubelet_plugin_nvml_call_duration_seconds";
+    let prepare = "{operation=\"prepare\"}";
+
+    prepare_one(&driver, "uid-1", "train").await.unwrap();
+    assert_eq!(node.total_instances(), 1);
+    let text = metrics.encode();
+    assert_eq!(sample(&text, &format!("{nvml}_count{prepare}")), 1.0);
+    assert_eq!(sample(&text, &format!("{outside}_count{prepare}")), 1.0);
+    let inside = sample(&text, &format!("{nvml}_sum{prepare}"));
+    assert!(inside > 0.0, "creating an instance takes NVML calls:\n{text}");
+    assert!(sample(&text, &format!("{outside}_sum{prepare}")) > 0.0, "{text}");
+    // Both parts of the call add up to the call (the NVML calls ran inside it).
+    let total = sample(&text, &format!("{handler}_sum{prepare}"));
+    let parts = inside + sample(&text, &format!("{outside}_sum{prepare}"));
+    assert!((total - parts).abs() < 1e-6, "{total} vs {parts}");
+    for created in ["create_gpu_instance", "create_full_compute_instance"] {
+        let count = sample(&text, &format!("{function}_count{{function=\"{created}\"}}"));
+        assert_eq!(count, 1.0, "{created}:\n{text}");
+    }
+    let per_function: f64 = text
+        .lines()
+        .filter(|l| l.starts_with(&format!("{function}_sum{{")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!((per_function - inside).abs() < 1e-6, "{per_function} vs {inside}");
+    let calls_after_create = nvml_calls_observed(&text);
+
+    // Asked again: answered from the checkpoint, without a single NVML call.
+    prepare_one(&driver, "uid-1", "train").await.unwrap();
+    let text = metrics.encode();
+    assert_eq!(sample(&text, &format!("{nvml}_count{prepare}")), 2.0);
+    assert_eq!(sample(&text, &format!("{nvml}_sum{prepare}")), inside);
+    assert_eq!(sample(&text, &format!("{outside}_count{prepare}")), 2.0);
+    assert_eq!(nvml_calls_observed(&text), calls_after_create);
+
+    // Unprepare destroys through NVML, counted under its own operation.
+    unprepare_one(&driver, "uid-1", "train").await.unwrap();
+    let text = metrics.encode();
+    let unprepare = "{operation=\"unprepare\"}";
+    assert_eq!(sample(&text, &format!("{nvml}_count{unprepare}")), 1.0);
+    assert!(sample(&text, &format!("{nvml}_sum{unprepare}")) > 0.0, "{text}");
+    assert_eq!(sample(&text, &format!("{nvml}_sum{prepare}")), inside);
+    for destroyed in ["destroy_compute_instance", "destroy_gpu_instance"] {
+        let count = sample(&text, &format!("{function}_count{{function=\"{destroyed}\"}}"));
+        assert_eq!(count, 1.0, "{destroyed}:\n{text}");
+    }
+}
