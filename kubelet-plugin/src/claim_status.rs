@@ -469,15 +469,41 @@ pub struct StatusRetryRound {
 struct Pending {
     claim: ClaimRef,
     desired: DesiredStatus,
+    /// Which request this is: a write settles its claim's entry only while no newer request
+    /// replaced it, so a slow write never erases what came after it.
+    seq: u64,
+    /// Queued for the background writer, with what the prepare's GET said about the claim;
+    /// `None`: waiting for the periodic retry (which reads the claim again first).
+    queued: Option<StatusContext>,
 }
 
-/// Writes this driver's `status.devices` entries and keeps the writes that failed for a
-/// retry. One write at a time, so a retry never lands after a newer write for the same claim.
+/// The desired status of every claim not written yet: at most one entry per claim UID,
+/// the latest request replacing what was there.
+#[derive(Default)]
+struct Queue {
+    entries: BTreeMap<String, Pending>,
+    next_seq: u64,
+    /// A background writer is running (or was asked to start) and will see new entries.
+    writer_running: bool,
+}
+
+impl Queue {
+    fn waiting_for_retry(&self) -> usize {
+        self.entries.values().filter(|p| p.queued.is_none()).count()
+    }
+}
+
+/// Writes this driver's `status.devices` entries, in the background, from the desired status
+/// of each claim (ready with its devices, or cleared), and keeps the writes that failed for a
+/// retry. The kubelet's calls only queue ([`ClaimStatusWriter::queue_write`]); one writer at a
+/// time ([`ClaimStatusWriter::write_queued`], or a retry pass) does the I/O, so for one claim
+/// the writes land in the order they were asked for, and a newer request replaces an older one
+/// not written yet (latest wins).
 pub struct ClaimStatusWriter {
     driver: String,
     field_manager: String,
     timeout: Duration,
-    pending: Mutex<BTreeMap<String, Pending>>,
+    queue: Mutex<Queue>,
     writes: tokio::sync::Mutex<()>,
     metrics: Metrics,
 }
@@ -489,7 +515,7 @@ impl ClaimStatusWriter {
             driver: driver.into(),
             field_manager: format!("{driver}/kubelet-plugin"),
             timeout: DEFAULT_WRITE_TIMEOUT,
-            pending: Mutex::new(BTreeMap::new()),
+            queue: Mutex::new(Queue::default()),
             writes: tokio::sync::Mutex::new(()),
             metrics,
         }
@@ -500,76 +526,134 @@ impl ClaimStatusWriter {
         &self.field_manager
     }
 
-    /// UIDs of the claims whose status waits for a retry.
+    /// UIDs of the claims whose status write failed (or was deferred) and waits for a retry.
     pub fn pending_claims(&self) -> Vec<String> {
-        self.pending_map().keys().cloned().collect()
+        let queue = self.queue();
+        queue
+            .entries
+            .iter()
+            .filter(|(_, p)| p.queued.is_none())
+            .map(|(uid, _)| uid.clone())
+            .collect()
     }
 
-    fn pending_map(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Pending>> {
-        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    /// UIDs of the claims whose status write is queued for the background writer (or being
+    /// written now).
+    pub fn queued_claims(&self) -> Vec<String> {
+        let queue = self.queue();
+        queue
+            .entries
+            .iter()
+            .filter(|(_, p)| p.queued.is_some())
+            .map(|(uid, _)| uid.clone())
+            .collect()
     }
 
-    fn set_pending(&self, claim: &ClaimRef, desired: Option<DesiredStatus>) {
-        let mut pending = self.pending_map();
-        match desired {
-            Some(desired) => {
-                pending.insert(
-                    claim.uid.clone(),
-                    Pending {
-                        claim: claim.clone(),
-                        desired,
-                    },
-                );
-            }
-            None => {
-                pending.remove(&claim.uid);
-            }
-        }
-        self.metrics.claim_status_pending(pending.len());
+    fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn insert(queue: &mut Queue, claim: ClaimRef, desired: DesiredStatus, queued: Option<StatusContext>) {
+        queue.next_seq += 1;
+        let seq = queue.next_seq;
+        queue.entries.insert(
+            claim.uid.clone(),
+            Pending {
+                claim,
+                desired,
+                seq,
+                queued,
+            },
+        );
+    }
+
+    /// Asks for `claim`'s status to become `desired`, replacing whatever was asked before and
+    /// not written yet. `context` is what the caller last read of the claim (for a ready
+    /// status: the prepare's GET). Returns whether the caller must start a background writer
+    /// ([`ClaimStatusWriter::write_queued`]): true when none is running.
+    #[must_use = "when true, a background writer must be started"]
+    pub fn queue_write(&self, claim: &ClaimRef, desired: DesiredStatus, context: StatusContext) -> bool {
+        let mut queue = self.queue();
+        Self::insert(&mut queue, claim.clone(), desired, Some(context));
+        self.metrics.claim_status_pending(queue.waiting_for_retry());
+        !std::mem::replace(&mut queue.writer_running, true)
     }
 
     /// Queues a ready status for the next retry pass unless something is already queued for
-    /// the claim (used at start, for claims a previous run prepared).
+    /// the claim (used at start, for claims a previous run prepared: it may have answered the
+    /// kubelet and stopped before the write).
     pub fn enqueue_ready(&self, claim: ClaimRef, devices: Vec<StatusDevice>) {
-        let mut pending = self.pending_map();
-        pending.entry(claim.uid.clone()).or_insert(Pending {
-            claim,
-            desired: DesiredStatus::Ready {
+        let mut queue = self.queue();
+        if !queue.entries.contains_key(&claim.uid) {
+            let desired = DesiredStatus::Ready {
                 devices,
                 recorded: true,
-            },
-        });
-        self.metrics.claim_status_pending(pending.len());
+            };
+            Self::insert(&mut queue, claim, desired, None);
+        }
+        self.metrics.claim_status_pending(queue.waiting_for_retry());
     }
 
-    /// Queues a write for the next retry pass without trying now (the caller saw the API server
-    /// fail a moment ago, and the kubelet's call should not wait for it again).
-    pub fn defer(&self, claim: &ClaimRef, desired: DesiredStatus) {
-        self.metrics.claim_status_write(desired.operation(), "deferred");
-        self.set_pending(claim, Some(desired));
+    /// The background writer: writes queued statuses, one at a time, until none is left
+    /// (then returns; [`ClaimStatusWriter::queue_write`] asks for a new one). Never fails: a
+    /// failed write is logged, counted and kept for the retry pass, and so is everything else
+    /// queued at that moment (the API server just failed; the next try is the retry pass).
+    pub async fn write_queued<C: ClaimSource>(&self, claims: &C) {
+        loop {
+            let _one_at_a_time = self.writes.lock().await;
+            let next = {
+                let mut queue = self.queue();
+                let next = queue.entries.values().find(|p| p.queued.is_some()).cloned();
+                if next.is_none() {
+                    // Under the queue's lock: a request after this starts a new writer.
+                    queue.writer_running = false;
+                }
+                next
+            };
+            let Some(pending) = next else { return };
+            let context = pending
+                .queued
+                .clone()
+                .unwrap_or_else(|| StatusContext::empty(now()));
+            let outcome = self
+                .write(claims, &pending.claim, pending.desired.clone(), &context)
+                .await;
+            self.settle(&pending, outcome);
+            if outcome == WriteOutcome::Failed {
+                self.defer_queued();
+            }
+        }
     }
 
-    /// Writes a prepared claim's entries, with what the prepare's GET of the claim said
-    /// (`context`). Never fails: a failure is logged, counted and queued for a retry.
-    pub async fn publish_ready<C: ClaimSource>(
-        &self,
-        claims: &C,
-        claim: &ClaimRef,
-        devices: Vec<StatusDevice>,
-        recorded: bool,
-        context: &StatusContext,
-    ) -> WriteOutcome {
-        let _one_at_a_time = self.writes.lock().await;
-        let desired = DesiredStatus::Ready { devices, recorded };
-        self.write(claims, claim, desired, context).await
+    /// Moves every queued write to the retry pass, without trying it.
+    fn defer_queued(&self) {
+        let mut queue = self.queue();
+        for pending in queue.entries.values_mut() {
+            if pending.queued.take().is_some() {
+                self.metrics
+                    .claim_status_write(pending.desired.operation(), "deferred");
+            }
+        }
+        self.metrics.claim_status_pending(queue.waiting_for_retry());
     }
 
-    /// Removes an unprepared claim's entries. Never fails: a failure is logged, counted and
-    /// queued for a retry (which gives up once the claim is gone or replaced).
-    pub async fn publish_cleared<C: ClaimSource>(&self, claims: &C, claim: &ClaimRef) -> WriteOutcome {
-        let _one_at_a_time = self.writes.lock().await;
-        let context = StatusContext::empty(now());
-        self.write(claims, claim, DesiredStatus::Cleared, &context).await
+    /// Records what the write of `done` did, unless a newer request replaced it meanwhile
+    /// (that one is still to be written): a failure waits for the retry pass, anything else
+    /// is finished.
+    fn settle(&self, done: &Pending, outcome: WriteOutcome) {
+        let mut queue = self.queue();
+        let current = queue.entries.get_mut(&done.claim.uid);
+        match current {
+            Some(current) if current.seq == done.seq => {
+                if outcome == WriteOutcome::Failed {
+                    current.queued = None;
+                } else {
+                    queue.entries.remove(&done.claim.uid);
+                }
+            }
+            _ => {}
+        }
+        self.metrics.claim_status_pending(queue.waiting_for_retry());
     }
 
     async fn write<C: ClaimSource>(
@@ -623,14 +707,14 @@ impl ClaimStatusWriter {
                 WriteOutcome::Failed
             }
         };
-        self.set_pending(claim, (outcome == WriteOutcome::Failed).then_some(desired));
         self.metrics.claim_status_write(operation, outcome.label());
         outcome
     }
 
-    /// Retries every pending write. Each claim is read first: a claim that is gone, replaced,
-    /// no longer allocated these devices, or (`is_recorded` false) no longer prepared here is
-    /// dropped; a clear whose claim has none of our entries left is done.
+    /// Retries every write that waits for a retry. Each claim is read first: a claim that is
+    /// gone, replaced, no longer allocated these devices, or (`is_recorded` false) no longer
+    /// prepared here is dropped; a clear whose claim has none of our entries left is done.
+    /// Writes queued for the background writer are its own, not retried here.
     pub async fn retry_pending<C: ClaimSource>(
         &self,
         claims: &C,
@@ -640,10 +724,12 @@ impl ClaimStatusWriter {
         let uids = self.pending_claims();
         for uid in uids {
             let _one_at_a_time = self.writes.lock().await;
-            // A prepare or unprepare may have written (or replaced) it meanwhile.
-            let Some(Pending { claim, desired }) = self.pending_map().get(&uid).cloned() else {
-                continue;
+            // A prepare or unprepare may have asked for another status meanwhile.
+            let pending = match self.queue().entries.get(&uid) {
+                Some(pending) if pending.queued.is_none() => pending.clone(),
+                _ => continue,
             };
+            let Pending { claim, desired, .. } = &pending;
             let operation = desired.operation();
             let object = match claims.get(&claim.namespace, &claim.name).await {
                 Ok(object) => object,
@@ -656,7 +742,7 @@ impl ClaimStatusWriter {
                 }
             };
             let current = object.filter(|c| c.metadata.uid.as_deref() == Some(uid.as_str()));
-            let verdict = match (&desired, &current) {
+            let verdict = match (desired, &current) {
                 (_, None) => Verdict::Drop("the claim is gone or was replaced"),
                 (DesiredStatus::Ready { recorded: true, .. }, _) if !is_recorded(&uid) => {
                     Verdict::Drop("the claim is no longer prepared here")
@@ -670,19 +756,18 @@ impl ClaimStatusWriter {
             let outcome = match verdict {
                 Verdict::Drop(why) => {
                     tracing::info!(claim = %claim.name, %uid, operation, "{why}; its status is not written");
-                    self.set_pending(&claim, None);
                     self.metrics
                         .claim_status_write(operation, WriteOutcome::Dropped.label());
                     WriteOutcome::Dropped
                 }
                 Verdict::Done => {
-                    self.set_pending(&claim, None);
                     self.metrics
                         .claim_status_write(operation, WriteOutcome::Written.label());
                     WriteOutcome::Written
                 }
-                Verdict::Write(context) => self.write(claims, &claim, desired, &context).await,
+                Verdict::Write(context) => self.write(claims, claim, desired.clone(), &context).await,
             };
+            self.settle(&pending, outcome);
             match outcome {
                 WriteOutcome::Written => round.written.push(uid),
                 WriteOutcome::Dropped => round.dropped.push(uid),

@@ -1,5 +1,6 @@
 //! Prepare: read and validate each claim, then plan, record, create, hand out, and write the
-//! claim's status. Also the periodic retry of status writes that failed.
+//! claim's status to the background writer. Also the periodic retry of status writes that
+//! failed.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -12,7 +13,7 @@ use super::{ClaimFailure, Driver, PrepareResult, Step};
 use crate::{
     cdi::ClaimDevice,
     checkpoint::{ClaimRecord, ClaimState, DeviceKind, DeviceRecord},
-    claim_status::{self, DesiredStatus, StatusContext, StatusDevice, StatusRetryRound, WriteOutcome},
+    claim_status::{self, DesiredStatus, StatusContext, StatusDevice, StatusRetryRound},
     claims::{self, AllocatedDevice, ClaimError, ClaimSource},
     gpus::GpuLocks,
     nvml::{GpuBackend, MigModeChange, NvmlErrorKind, timing::NvmlClock},
@@ -85,36 +86,17 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 })
             })
             .await;
-        // The checkpoint says prepared and every lock is released: now the claims' status.
-        // Once a write failed, the others of this call go straight to the retry queue, so an
-        // unreachable API server delays the kubelet's call by one write timeout at most.
-        let mut api_failing = false;
+        // The checkpoint says prepared and every lock is released: the claims' status is
+        // handed to the background writer; the kubelet's answer does not wait for it.
         for (uid, outcome) in prepared {
-            let outcome = match outcome {
-                Ok(done) => {
-                    let status = &self.inner.status;
-                    if api_failing {
-                        let desired = DesiredStatus::Ready {
-                            devices: done.status,
-                            recorded: done.recorded,
-                        };
-                        status.defer(&done.claim, desired);
-                    } else {
-                        let written = status
-                            .publish_ready(
-                                &self.inner.claims,
-                                &done.claim,
-                                done.status,
-                                done.recorded,
-                                &done.context,
-                            )
-                            .await;
-                        api_failing = written == WriteOutcome::Failed;
-                    }
-                    Ok(done.devices)
-                }
-                Err(e) => Err(e),
-            };
+            let outcome = outcome.map(|done| {
+                let desired = DesiredStatus::Ready {
+                    devices: done.status,
+                    recorded: done.recorded,
+                };
+                self.queue_claim_status(&done.claim, desired, done.context);
+                done.devices
+            });
             outcomes.insert(uid, outcome);
         }
         self.inner
@@ -214,9 +196,28 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         Ok((prepared, status))
     }
 
+    /// Asks for `claim`'s status to become `desired` and makes sure a background writer
+    /// ([`crate::claim_status::ClaimStatusWriter::write_queued`]) runs to write it. It is
+    /// not awaited by anyone: at shutdown it is dropped with the runtime, and what it did not
+    /// write is written at the next start (every prepared claim's status is queued then).
+    pub(super) fn queue_claim_status(&self, claim: &ClaimRef, desired: DesiredStatus, context: StatusContext) {
+        if self.inner.status.queue_write(claim, desired, context) {
+            let driver = self.clone();
+            tokio::spawn(async move {
+                driver.inner.status.write_queued(&driver.inner.claims).await;
+            });
+        }
+    }
+
     /// UIDs of the claims whose status write failed and waits for the periodic retry.
     pub fn claim_status_pending(&self) -> Vec<String> {
         self.inner.status.pending_claims()
+    }
+
+    /// UIDs of the claims whose status write is queued for the background writer (or being
+    /// written now): empty once every prepare's and unprepare's write was tried.
+    pub fn claim_status_queued(&self) -> Vec<String> {
+        self.inner.status.queued_claims()
     }
 
     /// Retries the claim status writes that failed

@@ -6,7 +6,7 @@ use std::{collections::HashMap, time::Instant};
 use super::{ClaimFailure, Driver, Step, UnprepareResult};
 use crate::{
     checkpoint::{ClaimRecord, ClaimState, DeviceKind},
-    claim_status::{DesiredStatus, WriteOutcome},
+    claim_status::{self, DesiredStatus, StatusContext},
     claims::ClaimSource,
     gpus::GpuLocks,
     nvml::{GpuBackend, NvmlErrorKind, timing::NvmlClock},
@@ -29,19 +29,12 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
             })
             .await;
         // Outside the locks: a claim this node had prepared loses its status entries (what
-        // they describe is gone). Claims never prepared here are not written.
-        // After one failed write the others of the call wait for the retry pass.
+        // they describe is gone), written in the background after any ready write still
+        // queued or in flight for it. Claims never prepared here are not written.
         let mut outcomes = HashMap::with_capacity(unprepared.len());
-        let mut api_failing = false;
         for (uid, outcome) in unprepared {
             if let (Ok(true), Some(claim)) = (&outcome, refs.get(&uid)) {
-                let status = &self.inner.status;
-                if api_failing {
-                    status.defer(claim, DesiredStatus::Cleared);
-                } else {
-                    api_failing =
-                        status.publish_cleared(&self.inner.claims, claim).await == WriteOutcome::Failed;
-                }
+                self.queue_claim_status(claim, DesiredStatus::Cleared, StatusContext::empty(claim_status::now()));
             }
             outcomes.insert(uid, outcome.map(|_| ()));
         }
