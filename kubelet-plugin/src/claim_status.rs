@@ -1,8 +1,8 @@
 //! What a prepared claim says about its devices: this driver's entries in the ResourceClaim's
 //! `status.devices` (DRAResourceClaimDeviceStatus).
 //!
-//! Once the checkpoint says a claim is prepared, the driver publishes, outside the node and GPU
-//! locks, one entry per device of ours: a `Ready` condition and, as `data`, what the device is
+//! Once the checkpoint says a claim is prepared, the driver asks, outside the node and GPU
+//! locks, for one entry per device of ours: a `Ready` condition and, as `data`, what the device is
 //! on the hardware ([`DeviceDetails`]: the MIG UUID, parent GPU, GPU and compute instance IDs,
 //! profile and placement; or the whole GPU's UUID). At unprepare the entries are removed rather
 //! than left: the instance they name is destroyed, and a claim that stays allocated (a
@@ -11,10 +11,15 @@
 //! Every write is a server-side apply of the `status` subresource with this driver's own
 //! field manager, naming only this driver's entries: the scheduler's allocation, the
 //! reservations and other drivers' entries are never part of what is applied, so they are
-//! never touched. A failed write never fails the kubelet's call (the pod can run without its
-//! status): it is logged, counted and kept, and the periodic pass
+//! never touched. The kubelet's call never waits for a write (the pod can run without its
+//! status): prepare and unprepare only record the claim's desired status (ready with its
+//! devices, or cleared; one per claim UID, the latest replacing one not written yet) and a
+//! background writer ([`ClaimStatusWriter::write_queued`]) writes it. One write at a time, so
+//! a claim prepared then quickly unprepared ends cleared, never with a late ready write after
+//! the clear. A failed write is logged, counted and kept, and the periodic pass
 //! ([`ClaimStatusWriter::retry_pending`]) re-reads the claim and writes again while it is
-//! still the claim that was prepared.
+//! still the claim that was prepared. A plugin that stops before a write leaves it to the
+//! next start, which queues the ready status of every prepared claim in the checkpoint.
 //!
 //! [`StatusContext::from_claim`], [`status_entries`] and [`apply_object`] are pure; the
 //! writer does the I/O through a [`ClaimSource`].
@@ -51,7 +56,7 @@ pub const MAX_DATA_BYTES: usize = 10 * 1024;
 /// The API's limit on a condition message.
 pub const MAX_CONDITION_MESSAGE_BYTES: usize = 32 * 1024;
 /// How long one status write may take before it counts as failed (and is retried later), so
-/// a slow API server never holds up the kubelet's call for long.
+/// a slow API server does not hold up the writes queued behind it for long.
 pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Where a MIG device sits on its GPU, in memory slices.

@@ -324,7 +324,7 @@ impl Metrics {
         let claim_status_pending = Gauge::default();
         registry.register(
             "claim_status_pending",
-            "ResourceClaim status writes that failed and wait for the periodic retry",
+            "ResourceClaim status writes that failed (or were deferred after a failure) and wait for the periodic retry; writes queued for the background writer are not counted",
             claim_status_pending.clone(),
         );
         let prepared_claims = Gauge::default();
@@ -471,8 +471,8 @@ impl Metrics {
 
     /// Counts one claim status write (`operation`: `ready` or `clear`; `outcome`: `written`,
     /// `failed` (retried later), `dropped` (not retried: the claim is gone, replaced, or the
-    /// API server refused the content) or `deferred` (not tried, after another write of the
-    /// same kubelet call failed; retried later)).
+    /// API server refused the content) or `deferred` (queued, not tried, after another write
+    /// failed; retried later)).
     pub fn claim_status_write(&self, operation: &'static str, outcome: &'static str) {
         self.claim_status_writes
             .get_or_create(&StatusWriteLabels { operation, outcome })

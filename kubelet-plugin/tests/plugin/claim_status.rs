@@ -1,7 +1,7 @@
 //! The claim says what it got: after a prepare the plugin writes this driver's
 //! `status.devices` entries (MIG UUID, parent GPU, instance IDs, profile, placement; or the
-//! whole GPU's UUID), removes them at unprepare, never fails a prepare over them and retries
-//! failed writes. And `adminAccess` on a whole GPU: device nodes, nothing created or reserved.
+//! whole GPU's UUID), removes them at unprepare, never fails or holds up a prepare over them
+//! (they are written in the background, in order per claim) and retries failed writes. And `adminAccess` on a whole GPU: device nodes, nothing created or reserved.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
 use migdra_kubelet_plugin::{driver::ClaimFailure, metrics::Metrics, plan::Rejection};
@@ -50,6 +50,7 @@ async fn prepare_writes_what_the_claim_got_and_unprepare_removes_only_that() {
     let (driver, _) = node.start(None);
     prepare_one(&driver, "uid-mig", "mig").await.unwrap();
     prepare_one(&driver, "uid-whole", "whole").await.unwrap();
+    status_written(&driver).await;
 
     let state = node.host.read_state().unwrap();
     let gi = &state.gpus[0].gpu_instances[0];
@@ -110,14 +111,17 @@ async fn prepare_writes_what_the_claim_got_and_unprepare_removes_only_that() {
 
     // Answered again from the checkpoint: no second write.
     prepare_one(&driver, "uid-mig", "mig").await.unwrap();
+    status_written(&driver).await;
     assert_eq!(node.claims.status_writes().len(), 2);
 
     unprepare_one(&driver, "uid-mig", "mig").await.unwrap();
+    status_written(&driver).await;
     let status = node.claims.device_status("mig");
     assert!(ours(&status).is_empty(), "{status}");
     assert_eq!(status, json!([foreign_entry()]));
     // A claim never prepared here is not written at unprepare.
     unprepare_one(&driver, "uid-unknown", "unknown").await.unwrap();
+    status_written(&driver).await;
     assert_eq!(node.claims.status_writes().len(), 3);
     assert!(driver.claim_status_pending().is_empty());
 }
@@ -133,6 +137,7 @@ async fn a_failed_status_write_never_fails_the_prepare_and_is_retried() {
     let prepared = prepare_one(&driver, "uid-a", "a").await.unwrap();
     assert_eq!(prepared[0].device_name, "gpu-0-mig-1g10gb-0");
     assert_eq!(node.total_instances(), 1);
+    status_written(&driver).await;
     assert_eq!(driver.claim_status_pending(), ["uid-a"]);
     let text = metrics.encode();
     assert!(
@@ -156,6 +161,7 @@ async fn a_failed_status_write_never_fails_the_prepare_and_is_retried() {
     node.claims.set_status_failing(true);
     unprepare_one(&driver, "uid-a", "a").await.unwrap();
     assert_eq!(node.total_instances(), 0);
+    status_written(&driver).await;
     assert_eq!(driver.claim_status_pending(), ["uid-a"]);
     node.claims.set_status_failing(false);
     assert_eq!(driver.retry_claim_status().await.written, ["uid-a"]);
@@ -180,12 +186,14 @@ async fn a_retry_gives_up_on_claims_that_are_gone_replaced_or_unprepared() {
     ] {
         prepare_one(&driver, uid, name).await.unwrap();
     }
+    status_written(&driver).await;
     assert_eq!(driver.claim_status_pending().len(), 3);
     node.claims.remove("default", "gone");
     node.claims
         .put(claim("uid-new", "replaced", &[("gpu", "gpu-0-mig-1g10gb-1")]));
     // Unprepared while its ready status was pending: the removal replaces the ready write.
     unprepare_one(&driver, "uid-done", "done").await.unwrap();
+    status_written(&driver).await;
     node.claims.set_status_failing(false);
     let mut round = driver.retry_claim_status().await;
     round.dropped.sort();
@@ -213,6 +221,7 @@ async fn a_restarted_plugin_writes_the_status_of_claims_prepared_before() {
         let (driver, _) = node.start(None);
         node.claims.set_status_failing(true);
         prepare_one(&driver, "uid-a", "a").await.unwrap();
+        status_written(&driver).await;
     }
     node.claims.set_status_failing(false);
     let (driver, _) = node.start(None);
@@ -272,6 +281,7 @@ async fn admin_access_to_a_whole_gpu_in_use_creates_changes_and_reserves_nothing
             "/dev/nvidia-caps/nvidia-cap2"
         ]
     );
+    status_written(&driver).await;
     let entries = ours(&node.claims.device_status("watch"));
     assert_eq!(entries[0]["data"]["adminAccess"], true);
     assert_eq!(entries[0]["data"]["uuid"], state.gpus[0].uuid.as_str());
@@ -287,6 +297,7 @@ async fn admin_access_to_a_whole_gpu_in_use_creates_changes_and_reserves_nothing
     unprepare_one(&driver, "uid-watch", "watch").await.unwrap();
     assert!(!node.cdi().has_claim_spec("uid-watch"));
     assert_eq!(node.instances(0).len(), 2, "the others' instances stay");
+    status_written(&driver).await;
     assert!(ours(&node.claims.device_status("watch")).is_empty());
     let text = metrics.encode();
     assert!(!text.contains("AdminAccess"), "no failure counted: {text}");
@@ -329,11 +340,12 @@ async fn admin_access_to_a_mig_device_is_refused_with_a_clear_reason() {
     }
     assert_eq!(node.total_instances(), 0);
     assert!(node.cdi_specs().is_empty());
+    assert!(driver.claim_status_queued().is_empty());
     assert!(node.claims.status_writes().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn after_one_failed_write_the_rest_of_the_call_waits_for_the_retry() {
+async fn after_a_failed_write_the_queued_ones_wait_for_the_retry() {
     let node = Node::new(&[("H100-80GB", true)]);
     node.claims
         .put(claim("uid-a", "a", &[("gpu", "gpu-0-mig-1g10gb-0")]));
@@ -342,16 +354,30 @@ async fn after_one_failed_write_the_rest_of_the_call_waits_for_the_retry() {
     let metrics = Metrics::new();
     let (driver, _) = node.try_start_with(None, metrics.clone()).unwrap();
     node.claims.set_status_failing(true);
+    // Held while the first write is in flight, so the second claim is queued behind it.
+    let gate = node.claims.block_status().await;
     let out = driver
         .prepare(vec![claim_ref("uid-a", "a"), claim_ref("uid-b", "b")])
         .await;
     assert!(out["uid-a"].is_ok() && out["uid-b"].is_ok());
-    // One write tried; the other claim queued without a try.
+    wait_until("the first write started", || {
+        node.claims.status_writes_started() == 1
+    })
+    .await;
+    drop(gate);
+    status_written(&driver).await;
+    // One write tried; the other claim moved to the retry without a try.
     assert_eq!(node.claims.status_writes().len(), 1);
     assert_eq!(driver.claim_status_pending(), ["uid-a", "uid-b"]);
-    assert!(metrics.encode().contains(
-        r#"migdra_kubelet_plugin_claim_status_writes_total{operation="ready",outcome="deferred"} 1"#
-    ));
+    let text = metrics.encode();
+    assert!(
+        text.contains(
+            r#"migdra_kubelet_plugin_claim_status_writes_total{operation="ready",outcome="deferred"} 1"#
+        ) && text.contains(
+            r#"migdra_kubelet_plugin_claim_status_writes_total{operation="ready",outcome="failed"} 1"#
+        ) && text.contains("migdra_kubelet_plugin_claim_status_pending 2"),
+        "{text}"
+    );
     node.claims.set_status_failing(false);
     let mut written = driver.retry_claim_status().await.written;
     written.sort();
@@ -359,6 +385,7 @@ async fn after_one_failed_write_the_rest_of_the_call_waits_for_the_retry() {
     for name in ["a", "b"] {
         assert_eq!(ours(&node.claims.device_status(name)).len(), 1, "{name}");
     }
+    assert!(metrics.encode().contains("migdra_kubelet_plugin_claim_status_pending 0"));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -368,6 +395,7 @@ async fn the_status_of_a_claim_replaced_under_the_same_name_is_never_touched() {
         .put(claim("uid-old", "c", &[("gpu", "gpu-0-mig-1g10gb-0")]));
     let (driver, _) = node.start(None);
     prepare_one(&driver, "uid-old", "c").await.unwrap();
+    status_written(&driver).await;
     // The claim is deleted and created again under its name; the new one is prepared
     // elsewhere and has an entry of this driver already.
     let mut replacement = claim("uid-new", "c", &[("gpu", "gpu-0-mig-1g10gb-1")]);
@@ -379,6 +407,7 @@ async fn the_status_of_a_claim_replaced_under_the_same_name_is_never_touched() {
     // refused, and not retried.
     unprepare_one(&driver, "uid-old", "c").await.unwrap();
     assert_eq!(node.total_instances(), 0);
+    status_written(&driver).await;
     let last = node.claims.status_writes().pop().unwrap();
     assert_eq!(last.object["metadata"]["uid"], "uid-old");
     assert!(!last.accepted);
@@ -395,13 +424,160 @@ async fn a_claim_another_instance_unprepared_is_not_written_back_as_ready() {
     let (old, _) = node.start(None);
     node.claims.set_status_failing(true);
     prepare_one(&old, "uid-a", "a").await.unwrap();
+    status_written(&old).await;
     assert_eq!(old.claim_status_pending(), ["uid-a"]);
     node.claims.set_status_failing(false);
     let (new, _) = node.start(None);
     unprepare_one(&new, "uid-a", "a").await.unwrap();
     assert_eq!(node.total_instances(), 0);
+    status_written(&new).await;
     // The old instance's pending ready write finds the claim no longer prepared.
     let round = old.retry_claim_status().await;
     assert_eq!(round.dropped, ["uid-a"]);
     assert!(ours(&node.claims.device_status("a")).is_empty());
+}
+
+/// Whether `entries` (a `status.devices` write) say ready, or clear.
+fn is_ready_write(write: &StatusWrite) -> bool {
+    !write.object["status"]["devices"].as_array().unwrap().is_empty()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prepare_answers_while_the_status_api_is_stuck_and_the_status_lands_after() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims
+        .put(claim("uid-a", "a", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    let (driver, _) = node.start(None);
+    let gate = node.claims.block_status().await;
+    let prepared = prepare_one(&driver, "uid-a", "a").await.unwrap();
+    assert_eq!(prepared[0].device_name, "gpu-0-mig-1g10gb-0");
+    // Answered; the write waits (queued or held in flight), nothing written yet.
+    assert_eq!(driver.claim_status_queued(), ["uid-a"]);
+    assert!(ours(&node.claims.device_status("a")).is_empty());
+    assert!(node.claims.status_writes().is_empty());
+    drop(gate);
+    status_written(&driver).await;
+    let entries = ours(&node.claims.device_status("a"));
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0]["conditions"][0]["status"], "True");
+    assert_eq!(entries[0]["data"]["profile"], "1g.10gb");
+    assert!(driver.claim_status_pending().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_unprepared_while_its_ready_write_is_stuck_ends_cleared_and_ready_again_after() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims
+        .put(claim("uid-a", "a", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    let (driver, _) = node.start(None);
+    let gate = node.claims.block_status().await;
+    prepare_one(&driver, "uid-a", "a").await.unwrap();
+    // The ready write is in flight (held) when the unprepare asks for the clear.
+    wait_until("the ready write started", || {
+        node.claims.status_writes_started() == 1
+    })
+    .await;
+    unprepare_one(&driver, "uid-a", "a").await.unwrap();
+    assert_eq!(node.total_instances(), 0);
+    assert_eq!(driver.claim_status_queued(), ["uid-a"]);
+    drop(gate);
+    status_written(&driver).await;
+    // Only if a write outlived the write timeout on a loaded machine: the retry finishes it.
+    if !driver.claim_status_pending().is_empty() {
+        driver.retry_claim_status().await;
+    }
+    let status = node.claims.device_status("a");
+    assert!(ours(&status).is_empty(), "{status}");
+    // The order of the accepted writes: the ready one (if it landed), then the clear; never
+    // a ready write after the clear.
+    let accepted: Vec<bool> = node
+        .claims
+        .status_writes()
+        .iter()
+        .filter(|w| w.accepted)
+        .map(is_ready_write)
+        .collect();
+    assert_eq!(accepted.last(), Some(&false), "{accepted:?}");
+    assert!(accepted.iter().filter(|ready| **ready).count() <= 1, "{accepted:?}");
+    assert!(driver.claim_status_pending().is_empty());
+
+    // Prepared again: ready again.
+    prepare_one(&driver, "uid-a", "a").await.unwrap();
+    status_written(&driver).await;
+    let entries = ours(&node.claims.device_status("a"));
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0]["conditions"][0]["status"], "True");
+    assert!(is_ready_write(node.claims.status_writes().last().unwrap()));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_queued_behind_a_stuck_write_are_coalesced_latest_wins() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims
+        .put(claim("uid-a", "a", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    node.claims
+        .put(claim("uid-b", "b", &[("gpu", "gpu-0-mig-1g10gb-1")]));
+    let (driver, _) = node.start(None);
+    let gate = node.claims.block_status().await;
+    prepare_one(&driver, "uid-a", "a").await.unwrap();
+    wait_until("the first write started", || {
+        node.claims.status_writes_started() == 1
+    })
+    .await;
+    // Behind it: b prepared, unprepared and prepared again; one entry for b, the latest.
+    for _ in 0..2 {
+        prepare_one(&driver, "uid-b", "b").await.unwrap();
+        unprepare_one(&driver, "uid-b", "b").await.unwrap();
+    }
+    prepare_one(&driver, "uid-b", "b").await.unwrap();
+    assert_eq!(driver.claim_status_queued(), ["uid-a", "uid-b"]);
+    drop(gate);
+    status_written(&driver).await;
+    let writes = node.claims.status_writes();
+    let to_b: Vec<bool> = writes
+        .iter()
+        .filter(|w| w.name == "b")
+        .map(is_ready_write)
+        .collect();
+    assert_eq!(to_b, [true], "one write for b, the latest request");
+    assert_eq!(ours(&node.claims.device_status("b")).len(), 1);
+    assert_eq!(ours(&node.claims.device_status("a")).len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plugin_stopped_before_its_status_write_leaves_it_to_the_next_start() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims
+        .put(claim("uid-a", "a", &[("gpu", "gpu-0-mig-1g10gb-3")]));
+    {
+        // The kubelet got its answer; the status never got written before the plugin stopped.
+        let (driver, _) = node.start(None);
+        node.claims.set_status_failing(true);
+        prepare_one(&driver, "uid-a", "a").await.unwrap();
+        status_written(&driver).await;
+        assert_eq!(driver.claim_status_pending(), ["uid-a"]);
+    }
+    node.claims.set_status_failing(false);
+    assert!(ours(&node.claims.device_status("a")).is_empty());
+    let (driver, _) = node.start(None);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    // What the plugin runs: its first pass queues every prepared claim's status.
+    let retries = tokio::spawn(
+        driver
+            .clone()
+            .run_claim_status_retries(std::time::Duration::from_secs(30), shutdown.clone()),
+    );
+    wait_until("the restarted plugin wrote the status", || {
+        ours(&node.claims.device_status("a")).len() == 1
+    })
+    .await;
+    let entries = ours(&node.claims.device_status("a"));
+    assert_eq!(entries[0]["data"]["uuid"], node.instances(0)[0].2[0].as_str());
+    assert!(driver.claim_status_pending().is_empty());
+    // Shutting down does not wait for the next pass.
+    shutdown.cancel();
+    tokio::time::timeout(std::time::Duration::from_secs(20), retries)
+        .await
+        .expect("the status task stops at shutdown")
+        .unwrap();
 }

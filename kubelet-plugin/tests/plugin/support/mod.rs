@@ -7,7 +7,7 @@ use std::{
     path::PathBuf,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -48,12 +48,17 @@ pub const DRIVER_DEVICE_ID: &str = "gpu.migdra.dev/driver=files";
 /// manager that owns all of its driver's entries: the stored claim's entries of that driver
 /// are replaced by the applied ones, other drivers' entries stay, and a UID that does not
 /// match is refused (422, as the API server refuses it), a missing claim is 404.
+/// [`StaticClaims::block_status`] holds every status write until its guard is dropped (a slow
+/// or stuck API server).
 #[derive(Clone, Default)]
 pub struct StaticClaims {
     claims: Arc<Mutex<HashMap<(String, String), ResourceClaim>>>,
     unreachable: Arc<AtomicBool>,
     status_failing: Arc<AtomicBool>,
     writes: Arc<Mutex<Vec<StatusWrite>>>,
+    /// Status writes wait for a read lock; [`StaticClaims::block_status`] holds the write lock.
+    status_gate: Arc<tokio::sync::RwLock<()>>,
+    writes_started: Arc<AtomicUsize>,
 }
 
 /// One status write as the plugin sent it.
@@ -91,6 +96,17 @@ impl StaticClaims {
     /// Makes every status write fail (503) while `failing`.
     pub fn set_status_failing(&self, failing: bool) {
         self.status_failing.store(failing, Ordering::SeqCst);
+    }
+
+    /// Holds every status write (from its start) until the returned guard is dropped.
+    pub async fn block_status(&self) -> tokio::sync::OwnedRwLockWriteGuard<()> {
+        self.status_gate.clone().write_owned().await
+    }
+
+    /// How many status writes were sent so far, finished or not (held by
+    /// [`StaticClaims::block_status`]).
+    pub fn status_writes_started(&self) -> usize {
+        self.writes_started.load(Ordering::SeqCst)
     }
 
     pub fn remove(&self, namespace: &str, name: &str) {
@@ -182,6 +198,8 @@ impl ClaimSource for StaticClaims {
         field_manager: &str,
         object: &serde_json::Value,
     ) -> Result<(), kube::Error> {
+        self.writes_started.fetch_add(1, Ordering::SeqCst);
+        let _open = self.status_gate.read().await;
         let result = if self.unreachable.load(Ordering::SeqCst) {
             Err(kube::Error::ReadEvents(std::io::Error::other(
                 "connection refused (simulated)",
@@ -444,6 +462,24 @@ pub async fn prepare_typed(driver: &TestDriver, uid: &str, name: &str) -> Prepar
 pub async fn unprepare_typed(driver: &TestDriver, uid: &str, name: &str) -> UnprepareResult {
     let mut out = driver.unprepare_claims(vec![claim_ref(uid, name)]).await;
     out.remove(uid).expect("one outcome per claim")
+}
+
+/// Polls `condition` until it holds; panics, naming `what`, after 20 s (a bound for a stuck
+/// test, not a timing expectation).
+pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !condition() {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Waits until the background writer tried every queued claim status write.
+pub async fn status_written(driver: &TestDriver) {
+    wait_until("the queued claim status writes were tried", || {
+        driver.claim_status_queued().is_empty()
+    })
+    .await;
 }
 
 /// `claim` reserved for `pods` (its `status.reservedFor`, as the scheduler writes it).
