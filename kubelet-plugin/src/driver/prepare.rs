@@ -200,7 +200,12 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// ([`crate::claim_status::ClaimStatusWriter::write_queued`]) runs to write it. It is
     /// not awaited by anyone: at shutdown it is dropped with the runtime, and what it did not
     /// write is written at the next start (every prepared claim's status is queued then).
-    pub(super) fn queue_claim_status(&self, claim: &ClaimRef, desired: DesiredStatus, context: StatusContext) {
+    pub(super) fn queue_claim_status(
+        &self,
+        claim: &ClaimRef,
+        desired: DesiredStatus,
+        context: StatusContext,
+    ) {
         if self.inner.status.queue_write(claim, desired, context) {
             let driver = self.clone();
             tokio::spawn(async move {

@@ -34,7 +34,11 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         let mut outcomes = HashMap::with_capacity(unprepared.len());
         for (uid, outcome) in unprepared {
             if let (Ok(true), Some(claim)) = (&outcome, refs.get(&uid)) {
-                self.queue_claim_status(claim, DesiredStatus::Cleared, StatusContext::empty(claim_status::now()));
+                self.queue_claim_status(
+                    claim,
+                    DesiredStatus::Cleared,
+                    StatusContext::empty(claim_status::now()),
+                );
             }
             outcomes.insert(uid, outcome.map(|_| ()));
         }

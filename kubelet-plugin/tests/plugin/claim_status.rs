@@ -385,7 +385,11 @@ async fn after_a_failed_write_the_queued_ones_wait_for_the_retry() {
     for name in ["a", "b"] {
         assert_eq!(ours(&node.claims.device_status(name)).len(), 1, "{name}");
     }
-    assert!(metrics.encode().contains("migdra_kubelet_plugin_claim_status_pending 0"));
+    assert!(
+        metrics
+            .encode()
+            .contains("migdra_kubelet_plugin_claim_status_pending 0")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -498,7 +502,10 @@ async fn a_claim_unprepared_while_its_ready_write_is_stuck_ends_cleared_and_read
         .map(is_ready_write)
         .collect();
     assert_eq!(accepted.last(), Some(&false), "{accepted:?}");
-    assert!(accepted.iter().filter(|ready| **ready).count() <= 1, "{accepted:?}");
+    assert!(
+        accepted.iter().filter(|ready| **ready).count() <= 1,
+        "{accepted:?}"
+    );
     assert!(driver.claim_status_pending().is_empty());
 
     // Prepared again: ready again.

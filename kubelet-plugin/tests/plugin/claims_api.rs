@@ -238,7 +238,8 @@ async fn prepared_claims_and_unprepare_need_no_api_calls() {
     let node = Node::new(&[("H100-80GB", true)]);
     let (driver, handle) = start_with_mock_api(&node);
     let good = serde_json::to_value(claim("uid-1", "c1", &[("gpu", "gpu-0-mig-3g40gb-4")])).unwrap();
-    // One GET, and the status write after the prepare.
+    // One GET, and the status write after the prepare (in the background: the server task
+    // waits for it).
     let server = tokio::spawn(serve_claims_and_status(handle, vec![("c1", Some(good))], 1));
     let first = driver.prepare(vec![claim_ref("uid-1", "c1")]).await;
     let (handle, _) = server.await.unwrap();
@@ -254,6 +255,10 @@ async fn prepared_claims_and_unprepare_need_no_api_calls() {
         .unprepare(vec![claim_ref("uid-1", "c1"), claim_ref("uid-unknown", "gone")])
         .await;
     let (mut handle, patches) = server.await.unwrap();
+    wait_until("the clear was answered", || {
+        driver.claim_status_queued().is_empty()
+    })
+    .await;
     assert!(out["uid-1"].is_ok() && out["uid-unknown"].is_ok());
     assert_eq!(node.total_instances(), 0);
     assert_eq!(patches.len(), 1);
@@ -263,5 +268,36 @@ async fn prepared_claims_and_unprepare_need_no_api_calls() {
         tokio::time::timeout(Duration::from_millis(200), handle.next_request())
             .await
             .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prepare_answers_before_the_api_server_answers_the_status_write() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let (driver, handle) = start_with_mock_api(&node);
+    let good = serde_json::to_value(claim("uid-1", "c1", &[("gpu", "gpu-0-mig-1g10gb-0")])).unwrap();
+    // Only the GET is answered before the prepare returns.
+    let server = tokio::spawn(serve_claims_and_status(handle, vec![("c1", Some(good))], 0));
+    let out = driver.prepare(vec![claim_ref("uid-1", "c1")]).await;
+    let (handle, _) = server.await.unwrap();
+    assert_eq!(
+        out["uid-1"].as_ref().unwrap()[0].device_name,
+        "gpu-0-mig-1g10gb-0"
+    );
+    // The status write is still waiting for its answer.
+    assert_eq!(driver.claim_status_queued(), ["uid-1"]);
+    let (_, patches) = serve_claims_and_status(handle, vec![], 1).await;
+    assert_eq!(patches[0].body["metadata"]["uid"], "uid-1");
+    assert_eq!(
+        patches[0].body["status"]["devices"][0]["device"],
+        "gpu-0-mig-1g10gb-0"
+    );
+    wait_until("the status write was answered", || {
+        driver.claim_status_queued().is_empty()
+    })
+    .await;
+    assert!(
+        driver.claim_status_pending().is_empty(),
+        "written, not kept for a retry"
     );
 }

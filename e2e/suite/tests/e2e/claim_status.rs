@@ -32,8 +32,8 @@ tests![
 /// The label that allows adminAccess claims in a namespace.
 const ADMIN_ACCESS_LABEL: &str = "resource.kubernetes.io/admin-access";
 
-/// The plugin's entry for `device` in the claim's status, once written (it is written right
-/// after prepare, so possibly just after the pod started).
+/// The plugin's entry for `device` in the claim's status, once written (it is written in the
+/// background after prepare, so possibly just after the pod started).
 async fn status_entry(client: &Client, claim: &str, device: &str) -> anyhow::Result<Value> {
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), workload::NAMESPACE);
     wait_until(SHORT, || async {

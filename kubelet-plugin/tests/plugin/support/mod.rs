@@ -469,7 +469,10 @@ pub async fn unprepare_typed(driver: &TestDriver, uid: &str, name: &str) -> Unpr
 pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while !condition() {
-        assert!(std::time::Instant::now() < deadline, "timed out waiting until {what}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
