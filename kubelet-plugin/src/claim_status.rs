@@ -603,7 +603,10 @@ impl ClaimStatusWriter {
     /// (then returns; [`ClaimStatusWriter::queue_write`] asks for a new one). Never fails: a
     /// failed write is logged, counted and kept for the retry pass, and so is everything else
     /// queued at that moment (the API server just failed; the next try is the retry pass).
-    pub async fn write_queued<C: ClaimSource>(&self, claims: &C) {
+    /// A ready status of a recorded claim is dropped, not written, once `still_prepared` says
+    /// the claim is no longer prepared here (another plugin instance, during a rolling update,
+    /// unprepared it after this one answered the prepare, and cleared or will clear it).
+    pub async fn write_queued<C: ClaimSource>(&self, claims: &C, still_prepared: impl Fn(&str) -> bool) {
         loop {
             let _one_at_a_time = self.writes.lock().await;
             let next = {
@@ -620,9 +623,17 @@ impl ClaimStatusWriter {
                 .queued
                 .clone()
                 .unwrap_or_else(|| StatusContext::empty(now()));
-            let outcome = self
-                .write(claims, &pending.claim, pending.desired.clone(), &context)
-                .await;
+            let unprepared = matches!(pending.desired, DesiredStatus::Ready { recorded: true, .. })
+                && !still_prepared(&pending.claim.uid);
+            let outcome = if unprepared {
+                tracing::info!(claim = %pending.claim.name, uid = %pending.claim.uid, "the claim is no longer prepared here; its ready status is not written");
+                self.metrics
+                    .claim_status_write(pending.desired.operation(), WriteOutcome::Dropped.label());
+                WriteOutcome::Dropped
+            } else {
+                self.write(claims, &pending.claim, pending.desired.clone(), &context)
+                    .await
+            };
             self.settle(&pending, outcome);
             if outcome == WriteOutcome::Failed {
                 self.defer_queued();

@@ -209,7 +209,20 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         if self.inner.status.queue_write(claim, desired, context) {
             let driver = self.clone();
             tokio::spawn(async move {
-                driver.inner.status.write_queued(&driver.inner.claims).await;
+                let journal = &driver.inner.journal;
+                // Another plugin instance (a rolling update) may have unprepared the claim
+                // since: re-read the checkpoint; unreadable, this instance's copy decides.
+                let still_prepared = |uid: &str| {
+                    if let Err(e) = journal.reload_if_changed() {
+                        tracing::debug!(error = %e, "cannot re-read the checkpoint before a claim status write");
+                    }
+                    journal.completed(uid).is_some()
+                };
+                driver
+                    .inner
+                    .status
+                    .write_queued(&driver.inner.claims, still_prepared)
+                    .await;
             });
         }
     }

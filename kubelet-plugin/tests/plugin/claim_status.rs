@@ -588,3 +588,35 @@ async fn a_plugin_stopped_before_its_status_write_leaves_it_to_the_next_start() 
         .expect("the status task stops at shutdown")
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_queued_ready_write_of_a_claim_another_instance_unprepared_is_dropped() {
+    // Two plugin instances on one node (a rolling update), sharing the checkpoint.
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims
+        .put(claim("uid-x", "x", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    node.claims
+        .put(claim("uid-a", "a", &[("gpu", "gpu-0-mig-1g10gb-1")]));
+    let (old, _) = node.start(None);
+    let gate = node.claims.block_status().await;
+    prepare_one(&old, "uid-x", "x").await.unwrap();
+    wait_until("x's write started", || node.claims.status_writes_started() == 1).await;
+    // a's ready write waits behind x's when the new instance unprepares a.
+    prepare_one(&old, "uid-a", "a").await.unwrap();
+    let (new, _) = node.start(None);
+    unprepare_one(&new, "uid-a", "a").await.unwrap();
+    drop(gate);
+    status_written(&old).await;
+    status_written(&new).await;
+    let to_a: Vec<bool> = node
+        .claims
+        .status_writes()
+        .iter()
+        .filter(|w| w.name == "a")
+        .map(is_ready_write)
+        .collect();
+    assert_eq!(to_a, [false], "only the new instance's clear");
+    assert!(ours(&node.claims.device_status("a")).is_empty());
+    assert_eq!(ours(&node.claims.device_status("x")).len(), 1);
+    assert!(old.claim_status_pending().is_empty());
+}
