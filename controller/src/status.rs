@@ -144,7 +144,10 @@ pub async fn update(api: &Api<GpuNode>, gpunode: &GpuNode, desired: &DesiredStat
         .patch_status(&name, &params, &Patch::Apply(apply_body(desired)))
         .await
     {
-        Ok(_) => Ok(true),
+        Ok(_) => {
+            tracing::debug!(node = %name, "wrote GpuNode status");
+            Ok(true)
+        }
         Err(e) if is_not_found(&e) => Ok(false),
         Err(source) => Err(Error::StatusPatch { node: name, source }),
     }
