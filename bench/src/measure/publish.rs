@@ -6,7 +6,7 @@
 //! heartbeats (CPU, watch events the API server sent, RSS) and B6 the controller's RSS.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -67,6 +67,31 @@ pub struct ColdTimeline {
     pub status_writes: usize,
     /// Reconciliations that found the slice cache behind the controller's own writes.
     pub cache_waits: usize,
+    /// Median over the pools published: from "publishing pool" to the pool's last slice
+    /// write, seconds.
+    pub pool_slices_p50: Option<f64>,
+    /// Median over the pools published: from the last slice write to the status write.
+    pub pool_status_p50: Option<f64>,
+}
+
+/// One pool's milestones in the log.
+#[derive(Default)]
+struct PoolTimes {
+    publishing: Option<f64>,
+    last_write: Option<f64>,
+    status: Option<f64>,
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
+}
+
+/// The node a reconciliation's log line is about (`reconcile{node=<name>}`).
+fn line_node(rest: &str) -> Option<&str> {
+    let from = rest.find("reconcile{node=")? + "reconcile{node=".len();
+    let len = rest[from..].find('}')?;
+    Some(&rest[from..from + len])
 }
 
 /// Drops ANSI colour sequences (the controller's text logs carry them).
@@ -94,6 +119,7 @@ impl ColdTimeline {
     pub fn parse(log: &str, started: k8s_openapi::jiff::Timestamp) -> Self {
         let mut t = Self::default();
         let mut status_at = Vec::new();
+        let mut pools: BTreeMap<String, PoolTimes> = BTreeMap::new();
         for raw in log.lines() {
             let line = strip_ansi(raw);
             let Some((stamp, rest)) = line.trim_start().split_once(char::is_whitespace) else {
@@ -106,6 +132,16 @@ impl ColdTimeline {
             let first = |slot: &mut Option<f64>| {
                 slot.get_or_insert(secs);
             };
+            if let Some(node) = line_node(rest) {
+                let pool = pools.entry(node.to_string()).or_default();
+                if rest.contains("publishing pool") {
+                    pool.publishing.get_or_insert(secs);
+                } else if rest.contains("wrote ResourceSlice") && pool.status.is_none() {
+                    pool.last_write = Some(secs);
+                } else if rest.contains("wrote GpuNode status") && pool.last_write.is_some() {
+                    pool.status.get_or_insert(secs);
+                }
+            }
             if rest.contains(": starting") && t.logging_up.is_none() {
                 first(&mut t.logging_up);
             } else if rest.contains("acquired the lease") {
@@ -125,6 +161,18 @@ impl ColdTimeline {
         if let (Some(a), Some(b)) = (t.first_write, t.last_write) {
             t.status_writes = status_at.iter().filter(|s| **s >= a && **s <= b).count();
         }
+        t.pool_slices_p50 = median(
+            pools
+                .values()
+                .filter_map(|p| Some(p.last_write? - p.publishing?))
+                .collect(),
+        );
+        t.pool_status_p50 = median(
+            pools
+                .values()
+                .filter_map(|p| Some(p.status? - p.last_write?))
+                .collect(),
+        );
         t
     }
 
@@ -137,7 +185,8 @@ impl ColdTimeline {
         };
         format!(
             "controller log, from process start: logging up {}, lease acquired {}, caches synced {}, first slice write {}, last slice write {} \
-             (write phase {write_phase}: {} slice writes, {} status writes in it, {} reconciles waited for the cache)",
+             (write phase {write_phase}: {} slice writes, {} status writes in it, {} reconciles waited for the cache; \
+             per pool, p50: its slice writes {}, then its status write {})",
             at(self.logging_up),
             at(self.lease_acquired),
             at(self.caches_synced),
@@ -145,7 +194,9 @@ impl ColdTimeline {
             at(self.last_write),
             self.slice_writes,
             self.status_writes,
-            self.cache_waits
+            self.cache_waits,
+            at(self.pool_slices_p50),
+            at(self.pool_status_p50),
         )
     }
 }
@@ -578,9 +629,11 @@ mod tests {
 2026-12-01T10:00:00.250000Z  \u{1b}[32m INFO\u{1b}[0m \u{1b}[2mmigdra_controller\u{1b}[0m: starting \u{1b}[3mversion\u{1b}[0m=0.1.0
 2026-12-01T10:00:00.500000Z  INFO migdra_controller::leader: acquired the lease; starting the controller
 2026-12-01T10:00:01.000000Z  INFO migdra_controller::controller: caches synced after=400ms
+2026-12-01T10:00:01.500000Z  INFO reconcile{node=a}: migdra_controller::reconcile: publishing pool generation=1 writes=1
 2026-12-01T10:00:01.600000Z DEBUG reconcile{node=a}: migdra_controller::publish: wrote ResourceSlice slice=a-0
 2026-12-01T10:00:01.700000Z DEBUG reconcile{node=a}: migdra_controller::reconcile: waiting for the slice cache to catch up with our writes
 2026-12-01T10:00:01.800000Z DEBUG reconcile{node=a}: migdra_controller::status: wrote GpuNode status node=a
+2026-12-01T10:00:02.900000Z  INFO reconcile{node=b}: migdra_controller::reconcile: publishing pool generation=1 writes=1
 2026-12-01T10:00:03.100000Z DEBUG reconcile{node=b}: migdra_controller::publish: wrote ResourceSlice slice=b-0
 2026-12-01T10:00:04.000000Z DEBUG reconcile{node=b}: migdra_controller::status: wrote GpuNode status node=b
 not a log line
@@ -598,5 +651,9 @@ not a log line
         assert_eq!(t.status_writes, 1);
         assert_eq!(t.cache_waits, 1);
         assert!(t.describe().contains("write phase 1.50 s"), "{}", t.describe());
+        // Pools: a 0.1 s of slices then 0.2 s to its status, b 0.2 s then 0.9 s; the median
+        // of two is the upper one.
+        assert!(close(t.pool_slices_p50, 0.2), "{t:?}");
+        assert!(close(t.pool_status_p50, 0.9), "{t:?}");
     }
 }
