@@ -37,9 +37,20 @@ pub struct Args {
     /// Simulated nodes the scheduling measure (B1) uses.
     #[arg(long, env = "BENCH_B1_NODES", default_value_t = 100)]
     pub b1_nodes: usize,
-    /// Pods per B1 run (each with one 1g.10gb claim).
-    #[arg(long, env = "BENCH_B1_PODS", default_value_t = 500)]
+    /// Pods per B1 run (each with one 1g.10gb claim); the 1,000 take about 9
+    /// minutes for both phases on a 2-core machine.
+    #[arg(long, env = "BENCH_B1_PODS", default_value_t = 1000)]
     pub b1_pods: usize,
+    /// B1's phases in order: `anchor` (static MIG) and `migdra`; a phase may repeat
+    /// (`anchor,migdra,anchor` shows order effects). The ratio uses each one's last run.
+    #[arg(
+        long,
+        env = "BENCH_B1_ORDER",
+        value_enum,
+        value_delimiter = ',',
+        default_value = "anchor,migdra"
+    )]
+    pub b1_order: Vec<crate::measure::scheduling::Phase>,
     /// Pod creations in flight at once (B1, node creation).
     #[arg(long, env = "BENCH_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,
@@ -54,13 +65,9 @@ pub struct Args {
     /// Length of the steady-state window (B3), seconds.
     #[arg(long, env = "BENCH_STEADY_SECONDS", default_value_t = 60)]
     pub steady_seconds: u64,
-    /// How the simulated plugins heartbeat.
-    #[arg(
-        long,
-        env = "BENCH_HEARTBEAT_FORM",
-        value_enum,
-        default_value = "gpu-node-status"
-    )]
+    /// How the simulated plugins heartbeat (the plugin's own default, as the chart deploys
+    /// it, is the Lease; `gpu-node-status` simulates plugins before the Lease heartbeat).
+    #[arg(long, env = "BENCH_HEARTBEAT_FORM", value_enum, default_value = "lease")]
     pub heartbeat_form: HeartbeatForm,
     /// The simulated plugins' heartbeat interval (the plugin's default).
     #[arg(long, env = "BENCH_HEARTBEAT_INTERVAL_SECONDS", default_value_t = 15)]
@@ -110,6 +117,11 @@ mod tests {
         Args::command().debug_assert();
         let a = Args::try_parse_from(["migdra-bench"]).expect("defaults");
         assert_eq!(a.nodes, [100, 500]);
+        assert_eq!(a.b1_pods, 1000);
+        use crate::measure::scheduling::Phase;
+        assert_eq!(a.b1_order, [Phase::Anchor, Phase::Migdra]);
+        let a = Args::try_parse_from(["migdra-bench", "--b1-order", "migdra,anchor,migdra"]).expect("order");
+        assert_eq!(a.b1_order, [Phase::Migdra, Phase::Anchor, Phase::Migdra]);
         assert!(a.runs(Measure::B1) && a.runs(Measure::B7));
         let a = Args::try_parse_from(["migdra-bench", "--nodes", "2000", "--only", "b2,b3"]).expect("flags");
         assert_eq!(a.nodes, [2000]);

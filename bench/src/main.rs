@@ -224,7 +224,20 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
         fleet.grow_to(args.b1_nodes, args.concurrency).await?;
         wait_pools(cluster, &fleet).await?;
         let nodes: Vec<String> = fleet.node_names().into_iter().take(args.b1_nodes).collect();
-        match measure::scheduling::run(&cluster.client, &nodes, args.b1_pods, args.concurrency).await {
+        let scheduler = scheduler_metrics_client(cluster)
+            .await
+            .map_err(|e| eprintln!("the scheduler's /metrics will not be read: {e:#}"))
+            .ok();
+        match measure::scheduling::run(
+            cluster,
+            scheduler.as_ref(),
+            &nodes,
+            args.b1_pods,
+            args.concurrency,
+            &args.b1_order,
+        )
+        .await
+        {
             Ok(row) => rows.push(row),
             Err(e) => rows.push(failed_row("B1", "scheduling throughput", &e)),
         }
@@ -262,6 +275,12 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
     }
     fleet.stop().await;
     Ok(())
+}
+
+/// A client that may read the scheduler's `/metrics`.
+async fn scheduler_metrics_client(cluster: &Cluster) -> anyhow::Result<kube::Client> {
+    let port = cluster.allocated_port("scheduler").context("no scheduler port")?;
+    probe::component_client(&cluster.layout.kubeconfig, port).await
 }
 
 /// B2, B3 and B6 (controller) at every node count; `label` marks the rows (before/after).

@@ -106,3 +106,17 @@ pub fn kubelet_client(port: u16) -> anyhow::Result<Client> {
     config.accept_invalid_certs = true;
     Ok(Client::try_from(config)?)
 }
+
+/// A client for a control-plane component's HTTPS port (the scheduler's `/metrics`) with the
+/// admin credentials of `kubeconfig` (self-signed serving certificate).
+pub async fn component_client(kubeconfig: &std::path::Path, port: u16) -> anyhow::Result<Client> {
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kube::config::Kubeconfig::read_from(kubeconfig)?,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await?;
+    config.cluster_url = format!("https://127.0.0.1:{port}").parse()?;
+    config.root_cert = None;
+    config.accept_invalid_certs = true;
+    Ok(Client::try_from(config)?)
+}

@@ -40,7 +40,7 @@ use crate::{
     liveness::{HeartbeatCensus, LeaseBeat},
     metrics::Metrics,
     naming::slice_node,
-    status::FIELD_MANAGER,
+    status::{FIELD_MANAGER, StatusLedger},
 };
 
 /// Settings of the reconciler.
@@ -108,6 +108,8 @@ pub struct Context {
     pub leases: Store<Lease>,
     /// What the slice cache should show after our writes.
     pub expectations: Expectations,
+    /// The last status written to each GpuNode (see [`StatusLedger`]).
+    pub status_ledger: StatusLedger,
     /// The MIG geometries moved out of the cached GpuNodes.
     pub geometries: Arc<Geometries>,
     /// Kubernetes events.
@@ -188,6 +190,7 @@ impl Context {
             claims: stores.claims,
             leases: stores.leases,
             expectations: Expectations::default(),
+            status_ledger: StatusLedger::default(),
             geometries: Arc::new(Geometries::default()),
             metrics,
             config,

@@ -292,6 +292,21 @@ pub async fn run(
     let sweeper = sweep(ctx.clone(), gpunodes, shutdown.clone());
 
     tracing::info!(driver = %driver, "controller running");
+    // When every cache has its initial list (the first reconciliations wait for it): a
+    // cold start's milestone in the log.
+    let synced = {
+        let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
+        let began = std::time::Instant::now();
+        async move {
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                ready = ctx.wait_ready() => match ready {
+                    Ok(()) => tracing::info!(after = ?began.elapsed(), "caches synced"),
+                    Err(e) => tracing::warn!(error = %e, "caches did not sync"),
+                },
+            }
+        }
+    };
     let controller = controller.run(reconcile, error_policy, ctx).for_each(|result| {
         match result {
             Ok((object, _)) => tracing::trace!(node = %object.name, "reconciled"),
@@ -302,7 +317,7 @@ pub async fn run(
         }
         future::ready(())
     });
-    futures::join!(controller, sweeper);
+    futures::join!(controller, sweeper, synced);
     tracing::info!("controller stopped");
     Ok(())
 }

@@ -32,18 +32,20 @@ pub struct Publisher<'a> {
 impl Publisher<'_> {
     /// Applies `diff`: for a new generation writes first (so it is complete before anything
     /// of the old one disappears) and deletes last; for a kept generation the other way round
-    /// (see [`PoolDiff::deletes_first`]). Stops at the first error.
-    pub async fn apply(&self, diff: &PoolDiff) -> Result<(), Error> {
+    /// (see [`PoolDiff::deletes_first`]). Stops at the first error. Returns the slices it
+    /// wrote with the resourceVersions the server gave them.
+    pub async fn apply(&self, diff: &PoolDiff) -> Result<Vec<(String, Option<String>)>, Error> {
         if diff.deletes_first {
             self.deletes(diff).await?;
         }
+        let mut written = Vec::with_capacity(diff.writes.len());
         for write in &diff.writes {
-            self.write(write).await?;
+            written.push(self.write(write).await?);
         }
         if !diff.deletes_first {
             self.deletes(diff).await?;
         }
-        Ok(())
+        Ok(written)
     }
 
     async fn deletes(&self, diff: &PoolDiff) -> Result<(), Error> {
@@ -53,7 +55,7 @@ impl Publisher<'_> {
         Ok(())
     }
 
-    async fn write(&self, write: &SliceWrite) -> Result<(), Error> {
+    async fn write(&self, write: &SliceWrite) -> Result<(String, Option<String>), Error> {
         let params = PostParams {
             field_manager: Some(FIELD_MANAGER.to_string()),
             ..PostParams::default()
@@ -72,14 +74,14 @@ impl Publisher<'_> {
             generation = slice.spec.pool.generation,
             "wrote ResourceSlice"
         );
-        self.expectations
-            .written(self.node, &name, stored.resource_version());
+        let version = stored.resource_version();
+        self.expectations.written(self.node, &name, version.clone());
         if stored.spec.pool.generation != slice.spec.pool.generation
             || !specs_match(&slice.spec, &stored.spec)
         {
             return Err(Error::FieldsDropped { name });
         }
-        Ok(())
+        Ok((name, version))
     }
 
     async fn delete(&self, delete: &SliceDelete) -> Result<(), Error> {

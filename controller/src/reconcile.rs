@@ -19,7 +19,10 @@
 //! policies, held devices, published generation) and of the cached slices' versions. The next
 //! one with the same hash skips planning, rendering, validating and comparing, and only
 //! confirms the status. The inventory hash is reused while the GpuNode's resourceVersion is
-//! unchanged (with heartbeat Leases, the GpuNode rarely changes).
+//! unchanged (with heartbeat Leases, the GpuNode rarely changes). A reconciliation that
+//! wrote the pool leaves the memo the caches will match once they show its writes (slice
+//! versions from the server's answers, the status it wrote), so the reconciliations its own
+//! events trigger skip the work too.
 
 use std::{collections::BTreeSet, io, sync::Arc, time::Duration};
 
@@ -74,6 +77,18 @@ pub struct Memo {
     publication: PublicationStatus,
     /// The message of the `Published` condition.
     message: String,
+}
+
+impl Memo {
+    /// The hash of the inputs it was taken with.
+    pub fn inputs(&self) -> [u8; 16] {
+        self.inputs
+    }
+
+    /// The GpuNode resourceVersion its inventory hash belongs to.
+    pub fn gpunode_version(&self) -> Option<&str> {
+        self.gpunode_version.as_deref()
+    }
 }
 
 /// Feeds what is written into a SHA-256.
@@ -244,7 +259,12 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         withdraw(ctx, &node_name, &cached).await?;
         return Ok(Outcome::done(Action::await_change()));
     }
-    let published = gpunode.status.as_ref().and_then(|s| s.publication.as_ref());
+    // While the cache still shows the GpuNode as it was before the controller's last status
+    // write, that write is what the server has.
+    let written = ctx.status_ledger.publication(gpunode);
+    let published = written
+        .as_ref()
+        .or_else(|| gpunode.status.as_ref().and_then(|s| s.publication.as_ref()));
     let Some(node) = ctx.nodes.get(&ObjectRef::new(&node_name)) else {
         tracing::info!("Node is gone; withdrawing its pool");
         ctx.set_live(&node_name, false);
@@ -380,7 +400,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
                 ..PublicationStatus::default()
             });
             let condition = Published::no(error.reason(), error.to_string());
-            if write_status(gpunode, ctx, publication, &condition).await? {
+            if write_status(gpunode, ctx, publication, &condition).await?.wrote() {
                 publish_event(gpunode, ctx, &error).await;
             }
             return Ok(Outcome {
@@ -408,6 +428,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         keep_taint_times(&mut diff, &live);
     }
     let diff_was_empty = diff.is_empty();
+    let mut written = Vec::new();
     if diff_was_empty {
         tracing::debug!(generation = diff.generation, "pool unchanged");
     } else {
@@ -418,9 +439,9 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             devices = desired.devices,
             "publishing pool"
         );
-        publisher(ctx, &node_name).apply(&diff).await?;
+        written = publisher(ctx, &node_name).apply(&diff).await?;
     }
-    ctx.expectations.own(&node_name, desired_names);
+    ctx.expectations.own(&node_name, desired_names.clone());
     ctx.metrics.set_published_devices(&node_name, desired.devices);
     ctx.metrics.set_published_pool(&node_name, slices, desired.gpus);
     let publication = PublicationStatus {
@@ -448,8 +469,74 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             }),
         );
     }
-    write_status(gpunode, ctx, publication, &Published::yes(message)).await?;
+    let generation = publication.generation;
+    let update = write_status(
+        gpunode,
+        ctx,
+        publication.clone(),
+        &Published::yes(message.clone()),
+    )
+    .await?;
+    if !diff_was_empty && let Some(after) = cache_after_publish(&desired_names, &written, &cached) {
+        // The pool was just written: the reconciliations its own slice and status events
+        // trigger will see exactly these inputs once the caches caught up, so they need no
+        // planning either (if anything else changed, the hash differs and they do the work).
+        let inputs = PoolInputs {
+            inventory,
+            node: &node_ref,
+            policies: &policies,
+            allocated: &allocated,
+            published_generation: Some(generation),
+            cached: &after,
+        }
+        .hash();
+        ctx.set_memo(
+            &node_name,
+            Some(Memo {
+                gpunode_version: update.version().map(str::to_string),
+                inventory,
+                inputs,
+                publication,
+                message,
+            }),
+        );
+    }
     Ok(Outcome::done(requeue))
+}
+
+/// What the slice cache will show for a node once it caught up with a publication: every
+/// desired slice, with the resourceVersion of the write when it was written and as cached
+/// otherwise (only names and versions: what [`PoolInputs`] hashes), in the cache's order
+/// (by name). `None` when a desired slice is neither written nor cached (nothing to predict).
+pub fn cache_after_publish(
+    desired: &[String],
+    written: &[(String, Option<String>)],
+    cached: &[Arc<SliceMeta>],
+) -> Option<Vec<Arc<SliceMeta>>> {
+    let mut after = desired
+        .iter()
+        .map(|name| {
+            let version = match written.iter().find(|(w, _)| w == name) {
+                Some((_, version)) => version.clone(),
+                None => cached
+                    .iter()
+                    .find(|s| s.metadata.name.as_ref() == Some(name))?
+                    .metadata
+                    .resource_version
+                    .clone(),
+            };
+            Some(Arc::new(SliceMeta {
+                metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                    name: Some(name.clone()),
+                    resource_version: version,
+                    ..Default::default()
+                },
+                ..Default::default()
+            }))
+        })
+        .collect::<Option<Vec<_>>>()?;
+    after.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    Some(after)
 }
 
 fn publisher<'a>(ctx: &'a Context, node: &'a str) -> Publisher<'a> {
@@ -510,9 +597,9 @@ async fn write_status(
     ctx: &Context,
     publication: PublicationStatus,
     published: &Published,
-) -> Result<bool, Error> {
+) -> Result<status::StatusUpdate, Error> {
     let desired = status::desired_status(gpunode, publication, published, Timestamp::now());
-    status::update(&ctx.gpunode_api, gpunode, &desired).await
+    status::update(&ctx.gpunode_api, &ctx.status_ledger, gpunode, &desired).await
 }
 
 /// Reports a failed reconciliation: a Warning event, and the condition (publication kept).
@@ -671,6 +758,46 @@ mod tests {
         for (i, v) in variants.iter().enumerate() {
             assert_ne!(*v, hash, "variant {i}");
         }
+    }
+
+    #[test]
+    fn the_cache_after_a_publish_has_the_written_versions_and_keeps_the_rest() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        let slice = |name: &str, rv: &str| {
+            Arc::new(SliceMeta {
+                metadata: ObjectMeta {
+                    name: Some(name.into()),
+                    resource_version: Some(rv.into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            })
+        };
+        let names = |v: &[Arc<SliceMeta>]| -> Vec<(Option<String>, Option<String>)> {
+            v.iter()
+                .map(|s| (s.metadata.name.clone(), s.metadata.resource_version.clone()))
+                .collect()
+        };
+        // b rewritten, a unchanged, c deleted (not desired), d created.
+        let cached = vec![slice("a", "1"), slice("b", "2"), slice("c", "3")];
+        let desired = vec!["d".to_string(), "b".to_string(), "a".to_string()];
+        let written = vec![
+            ("b".to_string(), Some("10".to_string())),
+            ("d".to_string(), Some("11".to_string())),
+        ];
+        let after = cache_after_publish(&desired, &written, &cached).expect("predictable");
+        let some = |s: &str| Some(s.to_string());
+        assert_eq!(
+            names(&after),
+            vec![
+                (some("a"), some("1")),
+                (some("b"), some("10")),
+                (some("d"), some("11"))
+            ]
+        );
+        // A desired slice neither written nor cached: nothing to predict.
+        let missing = vec!["a".to_string(), "e".to_string()];
+        assert!(cache_after_publish(&missing, &written, &cached).is_none());
     }
 
     #[test]

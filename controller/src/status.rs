@@ -1,6 +1,7 @@
 //! The controller's part of a GpuNode's status: `status.publication` and the `Published`
 //! condition, written with server-side apply under the controller's own field manager so the
-//! plugin's `status.plugin` and `status.gpus` are never touched. Patched only on change.
+//! plugin's `status.plugin` and `status.gpus` are never touched. Patched only on change (and
+//! not again while the cache has not caught up with the controller's own last write).
 
 use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
@@ -107,17 +108,120 @@ pub fn current_condition(status: Option<&GpuNodeStatus>) -> Option<&Condition> {
         .find(|c| c.type_ == CONDITION_PUBLISHED)
 }
 
+/// True when two conditions report the same (the transition time aside).
+fn same_condition(a: &Condition, b: &Condition) -> bool {
+    a.status == b.status
+        && a.reason == b.reason
+        && a.message == b.message
+        && a.observed_generation == b.observed_generation
+}
+
 /// True when the GpuNode already shows `desired`.
 pub fn is_current(gpunode: &GpuNode, desired: &DesiredStatus) -> bool {
     let status = gpunode.status.as_ref();
     let publication_ok = status.and_then(|s| s.publication.as_ref()) == Some(&desired.publication);
-    let condition_ok = current_condition(status).is_some_and(|c| {
-        c.status == desired.condition.status
-            && c.reason == desired.condition.reason
-            && c.message == desired.condition.message
-            && c.observed_generation == desired.condition.observed_generation
-    });
+    let condition_ok = current_condition(status).is_some_and(|c| same_condition(c, &desired.condition));
     publication_ok && condition_ok
+}
+
+/// One status write of the controller: over which version of which GpuNode, what it wrote,
+/// and the version it produced.
+#[derive(Clone, Debug)]
+struct Written {
+    uid: Option<String>,
+    over: Option<String>,
+    after: Option<String>,
+    status: DesiredStatus,
+}
+
+/// The last status the controller wrote to each GpuNode. A reconciliation that follows its
+/// own write closely (the slice events of the pool it just wrote trigger one) often still sees
+/// the GpuNode as it was before that write, and would write the same status again: a full
+/// server-side apply of a large object for nothing. The ledger lets it skip exactly that case:
+/// the cached GpuNode is the very version the last write went over, and the status wanted is
+/// the one written. Any other version (the cache caught up, or someone else wrote) is compared
+/// as usual.
+#[derive(Debug, Default)]
+pub struct StatusLedger(std::sync::Mutex<std::collections::HashMap<String, Written>>);
+
+impl StatusLedger {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Written>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The version `gpunode` will have once the cache shows `desired` that the controller
+    /// already wrote over this very version of it, if it did.
+    pub fn already_written(&self, gpunode: &GpuNode, desired: &DesiredStatus) -> Option<Option<String>> {
+        let name = gpunode.metadata.name.as_deref()?;
+        let ledger = self.lock();
+        let written = ledger.get(name)?;
+        let same_object = written.uid == gpunode.metadata.uid
+            && written.over.is_some()
+            && written.over == gpunode.metadata.resource_version;
+        let same_status = written.status.publication == desired.publication
+            && same_condition(&written.status.condition, &desired.condition);
+        (same_object && same_status).then(|| written.after.clone())
+    }
+
+    /// The publication the controller last wrote over this very version of `gpunode`: what
+    /// the server shows while the cache still has the version before the write.
+    pub fn publication(&self, gpunode: &GpuNode) -> Option<PublicationStatus> {
+        let name = gpunode.metadata.name.as_deref()?;
+        let ledger = self.lock();
+        let written = ledger.get(name)?;
+        (written.uid == gpunode.metadata.uid
+            && written.over.is_some()
+            && written.over == gpunode.metadata.resource_version)
+            .then(|| written.status.publication.clone())
+    }
+
+    /// Records that `desired` was written over `gpunode` (as cached), producing `after`.
+    pub fn record(&self, gpunode: &GpuNode, desired: &DesiredStatus, after: Option<String>) {
+        let Some(name) = gpunode.metadata.name.clone() else {
+            return;
+        };
+        self.lock().insert(
+            name,
+            Written {
+                uid: gpunode.metadata.uid.clone(),
+                over: gpunode.metadata.resource_version.clone(),
+                after,
+                status: desired.clone(),
+            },
+        );
+    }
+
+    /// Forgets `node` (its GpuNode is gone).
+    pub fn forget(&self, node: &str) {
+        self.lock().remove(node);
+    }
+}
+
+/// What a status update did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StatusUpdate {
+    /// Written; the GpuNode's new resourceVersion.
+    Written(Option<String>),
+    /// Nothing to write: the GpuNode shows it, or will once the cache shows the controller's
+    /// last write (whose resulting resourceVersion this is).
+    Unchanged(Option<String>),
+    /// The GpuNode is gone.
+    Gone,
+}
+
+impl StatusUpdate {
+    /// True when a write went out.
+    pub fn wrote(&self) -> bool {
+        matches!(self, Self::Written(_))
+    }
+
+    /// The resourceVersion the GpuNode has (or will have in the cache) with this status.
+    pub fn version(&self) -> Option<&str> {
+        match self {
+            Self::Written(v) | Self::Unchanged(v) => v.as_deref(),
+            Self::Gone => None,
+        }
+    }
 }
 
 /// The server-side apply body of a status write.
@@ -132,11 +236,21 @@ pub fn apply_body(desired: &DesiredStatus) -> serde_json::Value {
     })
 }
 
-/// Writes `desired` unless the GpuNode already shows it. Returns true when it wrote.
-/// A GpuNode deleted meanwhile is not an error.
-pub async fn update(api: &Api<GpuNode>, gpunode: &GpuNode, desired: &DesiredStatus) -> Result<bool, Error> {
+/// Writes `desired` unless the GpuNode already shows it, or the controller's last write over
+/// this version of it did (see [`StatusLedger`]). A GpuNode deleted meanwhile is not an
+/// error.
+pub async fn update(
+    api: &Api<GpuNode>,
+    ledger: &StatusLedger,
+    gpunode: &GpuNode,
+    desired: &DesiredStatus,
+) -> Result<StatusUpdate, Error> {
     if is_current(gpunode, desired) {
-        return Ok(false);
+        return Ok(StatusUpdate::Unchanged(gpunode.metadata.resource_version.clone()));
+    }
+    if let Some(after) = ledger.already_written(gpunode, desired) {
+        tracing::trace!("the status wanted is the one written last; the cache has not shown it yet");
+        return Ok(StatusUpdate::Unchanged(after));
     }
     let name = gpunode.metadata.name.clone().unwrap_or_default();
     let params = PatchParams::apply(FIELD_MANAGER).force();
@@ -144,8 +258,16 @@ pub async fn update(api: &Api<GpuNode>, gpunode: &GpuNode, desired: &DesiredStat
         .patch_status(&name, &params, &Patch::Apply(apply_body(desired)))
         .await
     {
-        Ok(_) => Ok(true),
-        Err(e) if is_not_found(&e) => Ok(false),
+        Ok(stored) => {
+            tracing::debug!(node = %name, "wrote GpuNode status");
+            let after = stored.metadata.resource_version;
+            ledger.record(gpunode, desired, after.clone());
+            Ok(StatusUpdate::Written(after))
+        }
+        Err(e) if is_not_found(&e) => {
+            ledger.forget(&name);
+            Ok(StatusUpdate::Gone)
+        }
         Err(source) => Err(Error::StatusPatch { node: name, source }),
     }
 }
@@ -211,6 +333,55 @@ mod tests {
         assert!(!is_current(&g, &down));
         assert_eq!(down.condition.last_transition_time, Time(t1));
         assert_eq!(down.condition.status, "False");
+    }
+
+    #[test]
+    fn ledger_skips_only_a_repeat_over_the_version_it_wrote_over() {
+        let ledger = StatusLedger::default();
+        let t0 = Timestamp::from_second(1_700_000_000).unwrap();
+        let mut before = gpunode(None, None);
+        before.metadata.uid = Some("u1".into());
+        before.metadata.resource_version = Some("10".into());
+        let wanted = desired_status(&before, publication(2), &Published::yes("ok"), t0);
+        assert!(!is_current(&before, &wanted));
+        assert_eq!(
+            ledger.already_written(&before, &wanted),
+            None,
+            "nothing written yet"
+        );
+        ledger.record(&before, &wanted, Some("11".into()));
+        // The cache still shows version 10: the same status again is skipped, even with a
+        // later transition time computed from the stale condition.
+        let later = desired_status(
+            &before,
+            publication(2),
+            &Published::yes("ok"),
+            t0 + k8s_openapi::jiff::SignedDuration::from_secs(5),
+        );
+        assert_eq!(ledger.already_written(&before, &later), Some(Some("11".into())));
+        // A different status is written.
+        let other = desired_status(&before, publication(3), &Published::yes("ok"), t0);
+        assert_eq!(ledger.already_written(&before, &other), None);
+        let down = desired_status(
+            &before,
+            publication(2),
+            &Published::no("PluginNotReady", "gone"),
+            t0,
+        );
+        assert_eq!(ledger.already_written(&before, &down), None);
+        // Another version of the object (someone else wrote, or it was re-created) is compared
+        // as usual.
+        let mut newer = before.clone();
+        newer.metadata.resource_version = Some("12".into());
+        assert_eq!(ledger.already_written(&newer, &wanted), None);
+        let mut recreated = before.clone();
+        recreated.metadata.uid = Some("u2".into());
+        assert_eq!(ledger.already_written(&recreated, &wanted), None);
+        assert_eq!(ledger.publication(&before), Some(publication(2)));
+        assert_eq!(ledger.publication(&newer), None);
+        ledger.forget("n");
+        assert_eq!(ledger.already_written(&before, &wanted), None);
+        assert_eq!(ledger.publication(&before), None);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! heartbeats (CPU, watch events the API server sent, RSS) and B6 the controller's RSS.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -32,7 +32,7 @@ use crate::{
 };
 
 /// The controller's component name.
-const CONTROLLER: &str = "migdra-controller";
+pub(crate) const CONTROLLER: &str = "migdra-controller";
 /// Driver name of the bare client's copies.
 const FLOOR_DRIVER: &str = "floor.bench.migdra.dev";
 /// Resources whose watch events B3 counts (what the controller watches, plus Leases for a
@@ -45,6 +45,179 @@ const WATCHED: [&str; 6] = [
     "migpolicies",
     "leases",
 ];
+
+/// Where a cold start's time went, read from the controller's own log (its timestamps,
+/// relative to the moment the bench started the process): process start → logging up →
+/// leader Lease acquired → every cache synced → first slice write → last slice write.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ColdTimeline {
+    /// First log line ("starting").
+    pub logging_up: Option<f64>,
+    /// "acquired the lease".
+    pub lease_acquired: Option<f64>,
+    /// "caches synced".
+    pub caches_synced: Option<f64>,
+    /// First "wrote ResourceSlice".
+    pub first_write: Option<f64>,
+    /// Last "wrote ResourceSlice".
+    pub last_write: Option<f64>,
+    /// "wrote ResourceSlice" lines.
+    pub slice_writes: usize,
+    /// "wrote GpuNode status" lines during the publish (first write to last write).
+    pub status_writes: usize,
+    /// Reconciliations that found the slice cache behind the controller's own writes.
+    pub cache_waits: usize,
+    /// Median over the pools published: from "publishing pool" to the pool's last slice
+    /// write, seconds.
+    pub pool_slices_p50: Option<f64>,
+    /// Median over the pools published: from the last slice write to the status write.
+    pub pool_status_p50: Option<f64>,
+}
+
+/// One pool's milestones in the log.
+#[derive(Default)]
+struct PoolTimes {
+    publishing: Option<f64>,
+    last_write: Option<f64>,
+    status: Option<f64>,
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
+}
+
+/// The node a reconciliation's log line is about (`reconcile{node=<name>}`).
+fn line_node(rest: &str) -> Option<&str> {
+    let from = rest.find("reconcile{node=")? + "reconcile{node=".len();
+    let len = rest[from..].find('}')?;
+    Some(&rest[from..from + len])
+}
+
+/// Drops ANSI colour sequences (the controller's text logs carry them).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ params final-byte (a letter).
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+impl ColdTimeline {
+    /// Reads `log` (the controller's text log from its start on); times are seconds since
+    /// `started` (wall clock).
+    pub fn parse(log: &str, started: k8s_openapi::jiff::Timestamp) -> Self {
+        let mut t = Self::default();
+        let mut status_at = Vec::new();
+        let mut pools: BTreeMap<String, PoolTimes> = BTreeMap::new();
+        for raw in log.lines() {
+            let line = strip_ansi(raw);
+            let Some((stamp, rest)) = line.trim_start().split_once(char::is_whitespace) else {
+                continue;
+            };
+            let Ok(at) = stamp.parse::<k8s_openapi::jiff::Timestamp>() else {
+                continue;
+            };
+            let secs = at.duration_since(started).as_secs_f64();
+            let first = |slot: &mut Option<f64>| {
+                slot.get_or_insert(secs);
+            };
+            if let Some(node) = line_node(rest) {
+                let pool = pools.entry(node.to_string()).or_default();
+                if rest.contains("publishing pool") {
+                    pool.publishing.get_or_insert(secs);
+                } else if rest.contains("wrote ResourceSlice") && pool.status.is_none() {
+                    pool.last_write = Some(secs);
+                } else if rest.contains("wrote GpuNode status") && pool.last_write.is_some() {
+                    pool.status.get_or_insert(secs);
+                }
+            }
+            if rest.contains(": starting") && t.logging_up.is_none() {
+                first(&mut t.logging_up);
+            } else if rest.contains("acquired the lease") {
+                first(&mut t.lease_acquired);
+            } else if rest.contains("caches synced") {
+                first(&mut t.caches_synced);
+            } else if rest.contains("wrote ResourceSlice") {
+                first(&mut t.first_write);
+                t.last_write = Some(secs);
+                t.slice_writes += 1;
+            } else if rest.contains("wrote GpuNode status") {
+                status_at.push(secs);
+            } else if rest.contains("waiting for the slice cache to catch up") {
+                t.cache_waits += 1;
+            }
+        }
+        if let (Some(a), Some(b)) = (t.first_write, t.last_write) {
+            t.status_writes = status_at.iter().filter(|s| **s >= a && **s <= b).count();
+        }
+        t.pool_slices_p50 = median(
+            pools
+                .values()
+                .filter_map(|p| Some(p.last_write? - p.publishing?))
+                .collect(),
+        );
+        t.pool_status_p50 = median(
+            pools
+                .values()
+                .filter_map(|p| Some(p.status? - p.last_write?))
+                .collect(),
+        );
+        t
+    }
+
+    /// One line for the table's notes.
+    pub fn describe(&self) -> String {
+        let at = |v: Option<f64>| v.map_or_else(|| "?".to_string(), |v| format!("{v:.2} s"));
+        let write_phase = match (self.first_write, self.last_write) {
+            (Some(a), Some(b)) => format!("{:.2} s", b - a),
+            _ => "?".into(),
+        };
+        format!(
+            "controller log, from process start: logging up {}, lease acquired {}, caches synced {}, first slice write {}, last slice write {} \
+             (write phase {write_phase}: {} slice writes, {} status writes in it, {} reconciles waited for the cache; \
+             per pool, p50: its slice writes {}, then its status write {})",
+            at(self.logging_up),
+            at(self.lease_acquired),
+            at(self.caches_synced),
+            at(self.first_write),
+            at(self.last_write),
+            self.slice_writes,
+            self.status_writes,
+            self.cache_waits,
+            at(self.pool_slices_p50),
+            at(self.pool_status_p50),
+        )
+    }
+}
+
+fn apiserver_cpu(cluster: &Cluster) -> Option<Duration> {
+    cluster.pid("kube-apiserver").and_then(cpu_time)
+}
+
+fn secs(d: Option<Duration>) -> String {
+    d.map_or_else(|| "?".into(), |d| format!("{:.2} s", d.as_secs_f64()))
+}
+
+/// The part of the controller's log written after byte `from`.
+fn log_since(cluster: &Cluster, from: u64) -> String {
+    let text = std::fs::read(cluster.layout.log(CONTROLLER)).unwrap_or_default();
+    String::from_utf8_lossy(text.get(from as usize..).unwrap_or_default()).into_owned()
+}
+
+fn log_len(cluster: &Cluster) -> u64 {
+    std::fs::metadata(cluster.layout.log(CONTROLLER)).map_or(0, |m| m.len())
+}
 
 /// One node count's figures.
 pub struct PublishResults {
@@ -84,7 +257,7 @@ async fn slices_per_node(client: &Client) -> anyhow::Result<u32> {
         .context("the real node has no publication")
 }
 
-async fn delete_driver_slices(client: &Client, driver: &str) -> anyhow::Result<()> {
+pub(crate) async fn delete_driver_slices(client: &Client, driver: &str) -> anyhow::Result<()> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let selector = ListParams::default().fields(&format!("spec.driver={driver}"));
     slices
@@ -234,6 +407,9 @@ pub async fn run(
     let counter = SliceCounter::start(&client, DRIVER, expected);
     tokio::time::sleep(Duration::from_secs(1)).await;
     let load_cold = load_average();
+    let log_from = log_len(cluster);
+    let apiserver_before_cold = apiserver_cpu(cluster);
+    let started_wall = k8s_openapi::jiff::Timestamp::now();
     let started = Instant::now();
     cluster.start_migdra_controller()?;
     let timeout = Duration::from_secs(60 + 2 * nodes.len() as u64);
@@ -244,13 +420,36 @@ pub async fn run(
     tokio::time::sleep(Duration::from_secs(3)).await;
     let cold_metrics = controller_metrics(cluster).await?;
     let (creates, updates, deletes) = slice_writes(&cold_metrics);
+    let cold_reconciles = cold_metrics.sum("migdra_controller_reconciles_total", &[]);
+    // CPU from the start to the end of the publish (plus the 3 s above), of the controller
+    // and of the API server.
+    let controller_cold_cpu = cluster.pid(CONTROLLER).and_then(cpu_time);
+    let apiserver_cold_cpu = apiserver_cpu(cluster)
+        .zip(apiserver_before_cold)
+        .map(|(a, b)| a.saturating_sub(b));
+    let timeline = ColdTimeline::parse(&log_since(cluster, log_from), started_wall);
     let cold_beats = fleet.take_beat_stats();
     let pid = cluster.pid(CONTROLLER).context("controller not running")?;
     let rss_after_cold = rss_kib(pid).unwrap_or_default();
 
     // The bare client's floor, same slices, same concurrency.
     let load_floor = load_average();
+    let apiserver_before_floor = apiserver_cpu(cluster);
     let (floor_time, floor_slices) = floor(&client, &nodes[0], &nodes, floor_concurrency).await?;
+    let apiserver_floor_cpu = apiserver_cpu(cluster)
+        .zip(apiserver_before_floor)
+        .map(|(a, b)| a.saturating_sub(b));
+    delete_driver_slices(&client, FLOOR_DRIVER).await?;
+    // The same floor from a client made for it (new connections, as the controller's start).
+    let cold_client = Client::try_from(
+        kube::Config::from_custom_kubeconfig(
+            kube::config::Kubeconfig::read_from(&cluster.layout.kubeconfig)?,
+            &kube::config::KubeConfigOptions::default(),
+        )
+        .await?,
+    )?;
+    let (floor_cold_time, _) = floor(&cold_client, &nodes[0], &nodes, floor_concurrency).await?;
+    drop(cold_client);
     delete_driver_slices(&client, FLOOR_DRIVER).await?;
 
     // No-op resync: restart over complete pools.
@@ -337,7 +536,12 @@ pub async fn run(
         met: ratio.map(|r| r <= 1.2),
         note: format!(
             "API writes (controller metrics): {creates} creates, {updates} updates, {deletes} deletes (minimum {expected}); \
-             {}; load {load_cold} (floor: {load_floor})",
+             {cold_reconciles} reconciles; {}; CPU in the cold publish: controller {}, API server {} (in the floor: API server {}); floor again from a new client (new connections): {:.1} s; {}; load {load_cold} (floor: {load_floor})",
+            timeline.describe(),
+            secs(controller_cold_cpu),
+            secs(apiserver_cold_cpu),
+            secs(apiserver_floor_cpu),
+            floor_cold_time.as_secs_f64(),
             beat_note(&cold_beats)
         ),
     });
@@ -411,4 +615,45 @@ pub async fn run(
         note: "steady state, after a restart over complete pools".into(),
     });
     Ok(PublishResults { rows })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cold_timeline_reads_the_controllers_milestones() {
+        let started: k8s_openapi::jiff::Timestamp = "2026-12-01T10:00:00Z".parse().expect("time");
+        let log = "\
+2026-12-01T09:59:00.000000Z  INFO migdra_controller: stopped
+2026-12-01T10:00:00.250000Z  \u{1b}[32m INFO\u{1b}[0m \u{1b}[2mmigdra_controller\u{1b}[0m: starting \u{1b}[3mversion\u{1b}[0m=0.1.0
+2026-12-01T10:00:00.500000Z  INFO migdra_controller::leader: acquired the lease; starting the controller
+2026-12-01T10:00:01.000000Z  INFO migdra_controller::controller: caches synced after=400ms
+2026-12-01T10:00:01.500000Z  INFO reconcile{node=a}: migdra_controller::reconcile: publishing pool generation=1 writes=1
+2026-12-01T10:00:01.600000Z DEBUG reconcile{node=a}: migdra_controller::publish: wrote ResourceSlice slice=a-0
+2026-12-01T10:00:01.700000Z DEBUG reconcile{node=a}: migdra_controller::reconcile: waiting for the slice cache to catch up with our writes
+2026-12-01T10:00:01.800000Z DEBUG reconcile{node=a}: migdra_controller::status: wrote GpuNode status node=a
+2026-12-01T10:00:02.900000Z  INFO reconcile{node=b}: migdra_controller::reconcile: publishing pool generation=1 writes=1
+2026-12-01T10:00:03.100000Z DEBUG reconcile{node=b}: migdra_controller::publish: wrote ResourceSlice slice=b-0
+2026-12-01T10:00:04.000000Z DEBUG reconcile{node=b}: migdra_controller::status: wrote GpuNode status node=b
+not a log line
+";
+        let t = ColdTimeline::parse(log, started);
+        let close = |v: Option<f64>, want: f64| v.is_some_and(|v| (v - want).abs() < 1e-6);
+        // The line before the start ("stopped", a minute earlier) is not "starting".
+        assert!(close(t.logging_up, 0.25), "{t:?}");
+        assert!(close(t.lease_acquired, 0.5), "{t:?}");
+        assert!(close(t.caches_synced, 1.0), "{t:?}");
+        assert!(close(t.first_write, 1.6), "{t:?}");
+        assert!(close(t.last_write, 3.1), "{t:?}");
+        assert_eq!(t.slice_writes, 2);
+        // Only the status write between the first and the last slice write.
+        assert_eq!(t.status_writes, 1);
+        assert_eq!(t.cache_waits, 1);
+        assert!(t.describe().contains("write phase 1.50 s"), "{}", t.describe());
+        // Pools: a 0.1 s of slices then 0.2 s to its status, b 0.2 s then 0.9 s; the median
+        // of two is the upper one.
+        assert!(close(t.pool_slices_p50, 0.2), "{t:?}");
+        assert!(close(t.pool_status_p50, 0.9), "{t:?}");
+    }
 }

@@ -28,8 +28,12 @@ use super::{
     node::MIG_1G_CLASS,
     pods::{NAMESPACE, RUN_LABEL, allocated_devices, create_template, delete_run, pod, run_claims},
 };
+use migdra_e2e::cluster::{Cluster, DRIVER, wait_until};
+
+use super::publish::{CONTROLLER, delete_driver_slices};
 use crate::{
-    probe::load_average,
+    probe::{load_average, scrape_client},
+    prom::Metrics,
     sim::objects::SIMULATED_LABEL,
     stats::{Samples, latency},
     table::Row,
@@ -224,22 +228,294 @@ async fn schedule(
     })
 }
 
-/// Runs B1 over `nodes` (simulated, already published by migdra) with `count` pods per run.
-pub async fn run(client: &Client, nodes: &[String], count: usize, concurrency: usize) -> anyhow::Result<Row> {
-    publish_static(client, nodes)
-        .await
-        .context("publishing the static anchor")?;
-    create_template(client, "bench-b1-static", STATIC_CLASS, "b1-static").await?;
-    create_template(client, "bench-b1-migdra", MIG_1G_CLASS, "b1-migdra").await?;
-    let load_before = load_average();
-    // Anchor first, then migdra; both on the same nodes, one after the other.
-    let anchor = schedule(client, "b1-static", "bench-b1-static", count, concurrency).await?;
-    delete_run(client, "b1-static", 0, Duration::from_secs(300)).await?;
-    remove_static(client).await?;
-    let load_mid = load_average();
-    let migdra = schedule(client, "b1-migdra", "bench-b1-migdra", count, concurrency).await?;
-    let load_after = load_average();
-    delete_run(client, "b1-migdra", 0, Duration::from_secs(300)).await?;
+/// What the scheduler's own metrics say about one phase (differences of two scrapes).
+#[derive(Debug, Default)]
+struct SchedulerFigures {
+    /// `scheduler_schedule_attempts_total` by result.
+    attempts: BTreeMap<String, f64>,
+    /// Mean `scheduler_scheduling_attempt_duration_seconds` by result.
+    attempt_mean: BTreeMap<String, f64>,
+    /// Mean `scheduler_pod_scheduling_attempts` of the pods scheduled.
+    attempts_per_pod: Option<f64>,
+    /// DynamicResources' mean time and (sampled) count per extension point.
+    dra: BTreeMap<String, (f64, f64)>,
+    /// Mean time of each extension point over all plugins.
+    extension_points: BTreeMap<String, f64>,
+    /// `scheduler_queue_incoming_pods_total` by queue and event.
+    incoming: BTreeMap<String, f64>,
+}
+
+fn label_values(m: &Metrics, name: &str, label: &str) -> BTreeSet<String> {
+    m.matching(name, &[])
+        .filter_map(|s| s.labels.get(label).cloned())
+        .collect()
+}
+
+impl SchedulerFigures {
+    fn between(before: &Metrics, after: &Metrics) -> Self {
+        let mut f = Self::default();
+        for result in label_values(after, "scheduler_schedule_attempts_total", "result") {
+            let l = [("result", result.as_str())];
+            let d = after.sum("scheduler_schedule_attempts_total", &l)
+                - before.sum("scheduler_schedule_attempts_total", &l);
+            f.attempts.insert(result.clone(), d);
+            let h = "scheduler_scheduling_attempt_duration_seconds";
+            if let Some(mean) = after
+                .histogram(h, &l, |_| true)
+                .since(&before.histogram(h, &l, |_| true))
+                .mean()
+            {
+                f.attempt_mean.insert(result, mean);
+            }
+        }
+        let h = "scheduler_pod_scheduling_attempts";
+        f.attempts_per_pod = after
+            .histogram(h, &[], |_| true)
+            .since(&before.histogram(h, &[], |_| true))
+            .mean();
+        let h = "scheduler_plugin_execution_duration_seconds";
+        for point in label_values(after, &format!("{h}_count"), "extension_point") {
+            let l = [
+                ("plugin", "DynamicResources"),
+                ("extension_point", point.as_str()),
+            ];
+            let d = after
+                .histogram(h, &l, |_| true)
+                .since(&before.histogram(h, &l, |_| true));
+            if let Some(mean) = d.mean() {
+                f.dra.insert(point, (mean, d.count));
+            }
+        }
+        let h = "scheduler_framework_extension_point_duration_seconds";
+        for point in label_values(after, &format!("{h}_count"), "extension_point") {
+            let l = [("extension_point", point.as_str())];
+            let d = after
+                .histogram(h, &l, |_| true)
+                .since(&before.histogram(h, &l, |_| true));
+            if let Some(mean) = d.mean() {
+                f.extension_points.insert(point, mean);
+            }
+        }
+        let name = "scheduler_queue_incoming_pods_total";
+        for s in after.matching(name, &[]) {
+            let (queue, event) = (
+                s.labels.get("queue").cloned().unwrap_or_default(),
+                s.labels.get("event").cloned().unwrap_or_default(),
+            );
+            let l = [("queue", queue.as_str()), ("event", event.as_str())];
+            let d = s.value - before.sum(name, &l);
+            if d > 0.0 {
+                *f.incoming.entry(format!("{queue}/{event}")).or_default() += d;
+            }
+        }
+        f
+    }
+
+    fn describe(&self) -> String {
+        let ms = |s: f64| format!("{:.1} ms", s * 1000.0);
+        let attempts = self
+            .attempts
+            .iter()
+            .map(|(r, n)| {
+                let mean = self.attempt_mean.get(r).map(|m| format!(" (mean {})", ms(*m)));
+                format!("{r} {n:.0}{}", mean.unwrap_or_default())
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let dra = self
+            .dra
+            .iter()
+            .filter(|(_, (_, n))| *n > 0.0)
+            .map(|(p, (mean, n))| format!("{p} {} (n={n:.0})", ms(*mean)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let points = ["PreFilter", "Filter", "Score", "Reserve", "PreBind", "Bind"]
+            .iter()
+            .filter_map(|p| self.extension_points.get(*p).map(|m| format!("{p} {}", ms(*m))))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let incoming = self
+            .incoming
+            .iter()
+            .map(|(k, n)| format!("{k} {n:.0}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!(
+            "scheduler: attempts {attempts}; attempts per scheduled pod {}; DynamicResources (sampled) {dra}; \
+             extension points (mean) {points}; queue arrivals {incoming}",
+            self.attempts_per_pod
+                .map_or_else(|| "?".into(), |a| format!("{a:.2}")),
+        )
+    }
+}
+
+async fn scrape_scheduler(scheduler: Option<&Client>) -> Option<Metrics> {
+    let client = scheduler?;
+    match scrape_client(client, "/metrics").await {
+        Ok(m) => Some(m),
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "scraping the scheduler's /metrics failed");
+            None
+        }
+    }
+}
+
+/// Which workload a B1 phase schedules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Phase {
+    /// The static-MIG anchor as a static-MIG cluster has it: each node publishes its 56
+    /// counter-less devices and nothing else (migdra's controller is stopped and its pools
+    /// withdrawn for the phase, then restored).
+    Anchor,
+    /// The static devices published next to migdra's pools on the same nodes (how the
+    /// anchor was measured before): the scheduler also walks migdra's devices for every
+    /// anchor claim.
+    AnchorBeside,
+    /// migdra's pools.
+    Migdra,
+}
+
+impl Phase {
+    fn is_anchor(self) -> bool {
+        matches!(self, Self::Anchor | Self::AnchorBeside)
+    }
+}
+
+/// Scheduling failures the scheduler reported for `run`'s pods: `FailedScheduling` events
+/// (each counted with its repetitions) and the pods that got one.
+async fn failed_scheduling(client: &Client, run: &str) -> anyhow::Result<(u64, usize)> {
+    use k8s_openapi::api::events::v1::Event;
+    let events: Api<Event> = Api::namespaced(client.clone(), NAMESPACE);
+    let list = events
+        .list(&ListParams::default().fields("reason=FailedScheduling"))
+        .await?;
+    let mut pods = BTreeSet::new();
+    let mut count = 0u64;
+    for e in list.items {
+        let Some(name) = e.regarding.as_ref().and_then(|r| r.name.clone()) else {
+            continue;
+        };
+        if !name.starts_with(&format!("{run}-")) {
+            continue;
+        }
+        let repeats = e.series.as_ref().map_or(1, |s| s.count.max(1) as u64)
+            + e.deprecated_count.map_or(0, |c| (c.max(1) - 1) as u64);
+        count += repeats;
+        pods.insert(name);
+    }
+    Ok((count, pods.len()))
+}
+
+/// Stops migdra's controller and withdraws its pools (a static-MIG cluster has none).
+async fn withdraw_migdra(cluster: &mut Cluster) -> anyhow::Result<usize> {
+    let slices: Api<ResourceSlice> = Api::all(cluster.client.clone());
+    let selector = ListParams::default().fields(&format!("spec.driver={DRIVER}"));
+    let published = slices.list_metadata(&selector).await?.items.len();
+    cluster.stop(CONTROLLER, Duration::from_secs(10));
+    delete_driver_slices(&cluster.client, DRIVER).await?;
+    Ok(published)
+}
+
+/// Starts migdra's controller again and waits until it republished `slices` slices.
+async fn restore_migdra(cluster: &mut Cluster, slices: usize) -> anyhow::Result<()> {
+    cluster.start_migdra_controller()?;
+    let api: Api<ResourceSlice> = Api::all(cluster.client.clone());
+    let selector = ListParams::default().fields(&format!("spec.driver={DRIVER}"));
+    wait_until(Duration::from_secs(300), || async {
+        let n = api.list_metadata(&selector).await.ok()?.items.len();
+        (n >= slices).then_some(())
+    })
+    .await
+    .context("migdra's pools did not come back after the anchor")?;
+    // Pools complete: give the scheduler's informers a moment, as for the anchor.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    Ok(())
+}
+
+/// One phase's outcome.
+struct PhaseResult {
+    phase: Phase,
+    result: RunResult,
+    scheduler: Option<SchedulerFigures>,
+    /// `FailedScheduling` events and the pods they name.
+    failures: Option<(u64, usize)>,
+    load: String,
+}
+
+/// Runs B1 over `nodes` (simulated, already published by migdra) with `count` pods per
+/// phase, the phases in `order` (a phase may repeat: order effects show), reading the
+/// scheduler's metrics through `scheduler` around each phase.
+pub async fn run(
+    cluster: &mut Cluster,
+    scheduler: Option<&Client>,
+    nodes: &[String],
+    count: usize,
+    concurrency: usize,
+    order: &[Phase],
+) -> anyhow::Result<Row> {
+    let client = &cluster.client.clone();
+    let mut phases = Vec::new();
+    for (i, phase) in order.iter().enumerate() {
+        let withdrawn = match phase {
+            Phase::Anchor => Some(withdraw_migdra(cluster).await?),
+            _ => None,
+        };
+        let (run, template) = match phase {
+            Phase::Anchor | Phase::AnchorBeside => {
+                publish_static(client, nodes)
+                    .await
+                    .context("publishing the static anchor")?;
+                // Let the scheduler's informers take the new slices in before the first pod.
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                (
+                    format!(
+                        "b1-{}-{i}",
+                        if *phase == Phase::Anchor {
+                            "static"
+                        } else {
+                            "beside"
+                        }
+                    ),
+                    STATIC_CLASS,
+                )
+            }
+            Phase::Migdra => (format!("b1-migdra-{i}"), MIG_1G_CLASS),
+        };
+        // A template per phase: its claims carry the phase's run label.
+        let (run, class) = (run, template);
+        let template = format!("bench-{run}");
+        create_template(client, &template, class, &run).await?;
+        let before = scrape_scheduler(scheduler).await;
+        let load = load_average();
+        let result = schedule(client, &run, &template, count, concurrency).await?;
+        let after = scrape_scheduler(scheduler).await;
+        let load = format!("{load} → {}", load_average());
+        let failures = failed_scheduling(client, &run).await.ok();
+        delete_run(client, &run, 0, Duration::from_secs(300)).await?;
+        if phase.is_anchor() {
+            remove_static(client).await?;
+        }
+        if let Some(slices) = withdrawn {
+            restore_migdra(cluster, slices).await?;
+        }
+        let scheduler = before.zip(after).map(|(b, a)| SchedulerFigures::between(&b, &a));
+        phases.push(PhaseResult {
+            phase: *phase,
+            result,
+            scheduler,
+            failures,
+            load,
+        });
+    }
+    let last = |p: Phase| phases.iter().rev().find(|r| r.phase == p).map(|r| &r.result);
+    // The ratio is against the static world alone when it was measured.
+    let alone = last(Phase::Anchor).is_some();
+    let (Some(migdra), Some(anchor)) = (
+        last(Phase::Migdra),
+        last(Phase::Anchor).or_else(|| last(Phase::AnchorBeside)),
+    ) else {
+        anyhow::bail!("B1 needs at least one anchor and one migdra phase");
+    };
     let describe = |r: &RunResult| -> String {
         let lat = r.bind_latency.summary().map(|s| latency(&s)).unwrap_or_default();
         format!(
@@ -266,17 +542,43 @@ pub async fn run(client: &Client, nodes: &[String], count: usize, concurrency: u
         ),
         value: format!("{:.1} pods/s", migdra.pods_per_second),
         anchor: format!(
-            "static MIG, 56 counter-less devices per node: {:.1} pods/s",
+            "static MIG, 56 counter-less devices per node{}: {:.1} pods/s",
+            if alone {
+                " (alone)"
+            } else {
+                ", beside migdra's pools"
+            },
             anchor.pods_per_second
         ),
         ratio,
         goal: "≥ 80% of the anchor",
         met: ratio.map(|r| r >= 0.8),
         note: format!(
-            "migdra: {}; anchor: {}; correct: {}; load {load_before} / {load_mid} / {load_after}",
-            describe(&migdra),
-            describe(&anchor),
-            if migdra.correct && anchor.correct {
+            "{}; correct: {}",
+            phases
+                .iter()
+                .enumerate()
+                .map(|(i, p)| format!(
+                    "phase {} {}: {:.1} pods/s, {}; FailedScheduling events: {}; {}; load {}",
+                    i + 1,
+                    match p.phase {
+                        Phase::Anchor => "anchor (static devices alone)",
+                        Phase::AnchorBeside => "anchor beside migdra's pools",
+                        Phase::Migdra => "migdra",
+                    },
+                    p.result.pods_per_second,
+                    describe(&p.result),
+                    p.failures
+                        .map_or_else(|| "?".to_string(), |(n, pods)| format!("{n} (on {pods} pods)")),
+                    p.scheduler.as_ref().map_or_else(
+                        || "scheduler metrics unavailable".into(),
+                        SchedulerFigures::describe
+                    ),
+                    p.load
+                ))
+                .collect::<Vec<_>>()
+                .join("; "),
+            if phases.iter().all(|p| p.result.correct) {
                 "yes"
             } else {
                 "NO"

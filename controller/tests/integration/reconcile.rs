@@ -772,12 +772,15 @@ async fn slices_of_an_older_controller_are_rewritten_once_then_left_alone() {
         );
         assert_eq!(annotations["gpu.migdra.dev/pool-generation"], "1");
     }
-    // What an older controller wrote: the same slices without the annotations.
+    // What an older controller wrote: the same slices without the annotations (other
+    // objects, so other resourceVersions).
     let old: Vec<ResourceSlice> = stored
         .iter()
         .cloned()
-        .map(|mut s| {
+        .enumerate()
+        .map(|(i, mut s)| {
             s.metadata.annotations = None;
+            s.metadata.resource_version = Some(format!("{}", 9000 + i));
             s
         })
         .collect();
@@ -805,13 +808,14 @@ async fn an_unchanged_pool_is_remembered_until_an_input_changes() {
     let mut h = Harness::new();
     let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
     h.store_slices(&stored);
-    assert!(
-        h.ctx.memo(NODE).is_none(),
-        "nothing remembered while writes are in flight"
-    );
+    // The publish left the memo the caches match once they show its writes; a full
+    // computation over those caches finds the same inputs.
+    let predicted = h.ctx.memo(NODE).expect("a publish leaves a memo");
+    h.ctx.set_memo(NODE, None);
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     assert!(result.is_ok());
-    assert!(h.ctx.memo(NODE).is_some(), "the pool was found up to date");
+    let computed = h.ctx.memo(NODE).expect("the pool was found up to date");
+    assert_eq!(computed.inputs(), predicted.inputs());
     // Same inputs: still nothing to write (now without computing the pool).
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     assert!(result.is_ok());
@@ -844,10 +848,46 @@ async fn an_unchanged_pool_is_remembered_until_an_input_changes() {
     assert_eq!(count, 2);
     let (result, _) = h.reconcile(&g, scenario).await;
     assert!(result.is_ok());
+    // Written: the memo now describes the caches after the write, not the ones before, so
+    // the next reconciliation over the old cache waits for it instead of trusting it.
+    let after_write = h.ctx.memo(NODE).expect("a publish leaves a memo");
+    assert_ne!(after_write.inputs(), computed.inputs());
+    let (result, served) = h.reconcile(&g, Scenario::new()).await;
+    assert!(requeue_secs(&result.unwrap()).is_some());
+    assert!(served.written.is_empty() && served.status_patches.is_empty());
+}
+
+#[tokio::test]
+async fn reconciliations_after_a_publish_reuse_its_memo_and_do_not_rewrite_its_status() {
+    let mut h = Harness::new();
+    let gpus = h100s(2);
+    let (stored, with_status) = publish_fresh(&mut h, gpus.clone()).await;
+    let predicted = h.ctx.memo(NODE).expect("a publish leaves a memo");
     assert!(
-        h.ctx.memo(NODE).is_none(),
-        "written: not up to date until the cache shows it"
+        predicted.gpunode_version().is_some_and(|v| v != "1"),
+        "the memo names the GpuNode version the status write produced: {predicted:?}"
     );
+    h.store_slices(&stored);
+    // The slice cache caught up, the GpuNode cache not yet (version 1, no status): the same
+    // status is not applied again, and the memo is used (left as it was).
+    let before_write = gpunode(Some(live_plugin()), gpus.clone());
+    let (result, served) = h.reconcile(&before_write, Scenario::new()).await;
+    assert!(requeue_secs(&result.unwrap()).is_some());
+    assert!(served.status_patches.is_empty(), "no second status write");
+    assert_eq!(h.ctx.memo(NODE), Some(predicted.clone()));
+    // The GpuNode cache caught up: nothing to write either.
+    let (result, served) = h.reconcile(&with_status, Scenario::new()).await;
+    assert!(result.is_ok() && served.status_patches.is_empty());
+    // Another version of the GpuNode without the controller's status (someone else wrote
+    // it meanwhile): the status is written.
+    let mut other_version = gpunode(Some(live_plugin()), gpus);
+    other_version.metadata.resource_version = Some("2".into());
+    let scenario = Scenario::new().then(patch_status(|body| {
+        assert_eq!(condition(body), ("True", "Published"));
+    }));
+    let (result, served) = h.reconcile(&other_version, scenario).await;
+    assert!(result.is_ok());
+    assert_eq!(served.status_patches.len(), 1);
 }
 
 #[tokio::test]
