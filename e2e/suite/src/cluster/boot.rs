@@ -194,6 +194,8 @@ impl Cluster {
                 "--bind-address=127.0.0.1",
                 &format!("--secure-port={scheduler_port}"),
                 &format!("--feature-gates={FEATURE_GATES}"),
+                // The bench reads the scheduler's own metrics (attempt and DRA plugin times).
+                "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
             ],
         )?;
         self.install_chart().await?;
