@@ -51,6 +51,11 @@ pub struct Args {
         default_value = "anchor,migdra"
     )]
     pub b1_order: Vec<crate::measure::scheduling::Phase>,
+    /// The scheduler's client-side API rate (`--kube-api-qps`; burst twice that). Unset:
+    /// upstream's default, 50 QPS, which caps binding at about 10 pods/s (a bind with a claim
+    /// takes several API calls), whatever the devices.
+    #[arg(long, env = "BENCH_SCHEDULER_QPS")]
+    pub scheduler_api_qps: Option<u32>,
     /// Pod creations in flight at once (B1, node creation).
     #[arg(long, env = "BENCH_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,

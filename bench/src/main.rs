@@ -121,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
         gpus: (0..8).map(|_| GpuConfig::new("H100-80GB", true)).collect(),
         controller_heartbeat_timeout_seconds: 25,
         kubelet_anonymous_reads: true,
+        scheduler_api_qps: args.scheduler_api_qps,
         ..ClusterConfig::default()
     };
     let mut cluster = Cluster::start(config).await.context("starting the e2e cluster")?;
@@ -148,10 +149,17 @@ async fn main() -> anyhow::Result<()> {
         versions,
         notes: vec![
             format!(
-                "simulated nodes: Node (capacity, conditions, node Lease every 10 s) + GpuNode of 8 × H100-80GB; plugin heartbeat: {} every {} s",
+                "simulated nodes: Node (capacity, conditions, node Lease every 10 s) + GpuNode of 8 × H100-80GB; plugin heartbeat every {} s: {}",
+                args.heartbeat_interval_seconds,
                 args.heartbeat_form.describe(),
-                args.heartbeat_interval_seconds
             ),
+            match args.scheduler_api_qps {
+                Some(qps) => format!(
+                    "kube-scheduler client rate: --kube-api-qps={qps} --kube-api-burst={}",
+                    qps.saturating_mul(2)
+                ),
+                None => "kube-scheduler client rate: upstream default (50 QPS, burst 100)".into(),
+            },
             match &args.after_bin_dir {
                 Some(dir) => format!(
                     "before/after in one run: **before** = the binaries the cluster started with ({}), heartbeat as above, floor concurrency {}; \

@@ -101,7 +101,8 @@ impl Metrics {
 
     /// Sum of the samples named `name` whose labels include every `(key, value)` of `labels`.
     pub fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        self.matching(name, labels).map(|s| s.value).sum()
+        // Starting from 0.0: `Sum` for floats starts at -0.0, which an empty match would print.
+        self.matching(name, labels).fold(0.0, |total, s| total + s.value)
     }
 
     /// Samples named `name` whose labels include `labels`.

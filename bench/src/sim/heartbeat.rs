@@ -45,7 +45,9 @@ impl HeartbeatForm {
     pub fn describe(self) -> &'static str {
         match self {
             Self::GpuNodeStatus => "GpuNode status apply (plugin status + whole inventory) per beat",
-            Self::Lease => "Lease renew (merge patch of spec.renewTime) per beat, GpuNode status every 300 s",
+            Self::Lease => {
+                "Lease renew (merge patch of spec.renewTime) per beat (GpuNode status every 300 s)"
+            }
         }
     }
 }

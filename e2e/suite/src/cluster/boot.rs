@@ -185,18 +185,24 @@ impl Cluster {
                 "--use-service-account-credentials=false",
             ],
         )?;
+        let mut scheduler_args = vec![
+            format!("--kubeconfig={}", l.kubeconfig.display()),
+            "--leader-elect=false".into(),
+            "--bind-address=127.0.0.1".into(),
+            format!("--secure-port={scheduler_port}"),
+            format!("--feature-gates={FEATURE_GATES}"),
+            // The bench reads the scheduler's own metrics (attempt and DRA plugin times).
+            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics".into(),
+        ];
+        if let Some(qps) = config.scheduler_api_qps {
+            scheduler_args.push(format!("--kube-api-qps={qps}"));
+            scheduler_args.push(format!("--kube-api-burst={}", qps.saturating_mul(2)));
+        }
+        let scheduler_args: Vec<&str> = scheduler_args.iter().map(String::as_str).collect();
         self.start_component(
             "kube-scheduler",
             &l.upstream_bin.join("kube-scheduler"),
-            &[
-                &format!("--kubeconfig={}", l.kubeconfig.display()),
-                "--leader-elect=false",
-                "--bind-address=127.0.0.1",
-                &format!("--secure-port={scheduler_port}"),
-                &format!("--feature-gates={FEATURE_GATES}"),
-                // The bench reads the scheduler's own metrics (attempt and DRA plugin times).
-                "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
-            ],
+            &scheduler_args,
         )?;
         self.install_chart().await?;
         self.write_gpu_host(config)?;

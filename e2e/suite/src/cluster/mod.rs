@@ -60,6 +60,9 @@ pub struct ClusterConfig {
     /// Let anonymous clients read the kubelet's HTTPS endpoints (for `/metrics`; the
     /// benchmark reads the kubelet's DRA metrics). Off for the tests.
     pub kubelet_anonymous_reads: bool,
+    /// The scheduler's client-side API rate (`--kube-api-qps`, burst twice that); `None`
+    /// keeps upstream's default (50 QPS, burst 100), which caps how fast it can bind pods.
+    pub scheduler_api_qps: Option<u32>,
 }
 
 impl Default for ClusterConfig {
@@ -77,6 +80,7 @@ impl Default for ClusterConfig {
             runs_dir: repo_root().join("target").join("e2e-runs"),
             controller_heartbeat_timeout_seconds: 20,
             kubelet_anonymous_reads: false,
+            scheduler_api_qps: None,
         }
     }
 }
