@@ -51,11 +51,17 @@ pub struct Args {
         default_value = "anchor,migdra"
     )]
     pub b1_order: Vec<crate::measure::scheduling::Phase>,
-    /// The scheduler's client-side API rate (`--kube-api-qps`; burst twice that). Unset:
-    /// upstream's default, 50 QPS, which caps binding at about 10 pods/s (a bind with a claim
-    /// takes several API calls), whatever the devices.
-    #[arg(long, env = "BENCH_SCHEDULER_QPS")]
-    pub scheduler_api_qps: Option<u32>,
+    /// Above this many simulated nodes B2's bare-client floor is not run: its copies of every
+    /// slice sit next to the controller's, and at 2,000 nodes one copy already takes the API
+    /// server to about 11 GiB of a 24 GiB machine.
+    #[arg(long, env = "BENCH_FLOOR_MAX_NODES", default_value_t = 1000)]
+    pub floor_max_nodes: usize,
+    /// The client-side API rate of kube-scheduler and kube-controller-manager
+    /// (`--kube-api-qps`; burst twice that). Unset: upstream's defaults, 50 and 20 QPS. At
+    /// 20 QPS the controller manager's ResourceClaim controller (a claim created per pod from
+    /// its template, then the pod's status) caps B1 at about 10 pods/s, whatever the devices.
+    #[arg(long, env = "BENCH_CONTROL_PLANE_QPS")]
+    pub control_plane_api_qps: Option<u32>,
     /// Pod creations in flight at once (B1, node creation).
     #[arg(long, env = "BENCH_CONCURRENCY", default_value_t = 16)]
     pub concurrency: usize,

@@ -121,7 +121,7 @@ async fn main() -> anyhow::Result<()> {
         gpus: (0..8).map(|_| GpuConfig::new("H100-80GB", true)).collect(),
         controller_heartbeat_timeout_seconds: 25,
         kubelet_anonymous_reads: true,
-        scheduler_api_qps: args.scheduler_api_qps,
+        control_plane_api_qps: args.control_plane_api_qps,
         ..ClusterConfig::default()
     };
     let mut cluster = Cluster::start(config).await.context("starting the e2e cluster")?;
@@ -153,12 +153,12 @@ async fn main() -> anyhow::Result<()> {
                 args.heartbeat_interval_seconds,
                 args.heartbeat_form.describe(),
             ),
-            match args.scheduler_api_qps {
+            match args.control_plane_api_qps {
                 Some(qps) => format!(
-                    "kube-scheduler client rate: --kube-api-qps={qps} --kube-api-burst={}",
+                    "kube-scheduler and kube-controller-manager client rate: --kube-api-qps={qps} --kube-api-burst={}",
                     qps.saturating_mul(2)
                 ),
-                None => "kube-scheduler client rate: upstream default (50 QPS, burst 100)".into(),
+                None => "kube-scheduler and kube-controller-manager client rate: upstream defaults (50 and 20 QPS)".into(),
             },
             match &args.after_bin_dir {
                 Some(dir) => format!(
@@ -310,6 +310,7 @@ async fn controller_measures(
             fleet,
             Duration::from_secs(args.steady_seconds),
             floor_concurrency,
+            args.floor_max_nodes,
         )
         .await;
         match measured {

@@ -183,7 +183,14 @@ impl Cluster {
                     l.run_dir.join("certs/apiserver.crt").display()
                 ),
                 "--use-service-account-credentials=false",
-            ],
+            ]
+            .into_iter()
+            .map(String::from)
+            .chain(client_rate(config.control_plane_api_qps))
+            .collect::<Vec<_>>()
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
         )?;
         let mut scheduler_args = vec![
             format!("--kubeconfig={}", l.kubeconfig.display()),
@@ -194,10 +201,7 @@ impl Cluster {
             // The bench reads the scheduler's own metrics (attempt and DRA plugin times).
             "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics".into(),
         ];
-        if let Some(qps) = config.scheduler_api_qps {
-            scheduler_args.push(format!("--kube-api-qps={qps}"));
-            scheduler_args.push(format!("--kube-api-burst={}", qps.saturating_mul(2)));
-        }
+        scheduler_args.extend(client_rate(config.control_plane_api_qps));
         let scheduler_args: Vec<&str> = scheduler_args.iter().map(String::as_str).collect();
         self.start_component(
             "kube-scheduler",
@@ -542,4 +546,16 @@ fileCheckFrequency: 5s
         .await
         .context("the default ServiceAccount was not created")
     }
+}
+
+/// A component's client-side API rate flags: `qps`, burst twice that; none for upstream's
+/// defaults.
+fn client_rate(qps: Option<u32>) -> Vec<String> {
+    qps.map(|qps| {
+        vec![
+            format!("--kube-api-qps={qps}"),
+            format!("--kube-api-burst={}", qps.saturating_mul(2)),
+        ]
+    })
+    .unwrap_or_default()
 }

@@ -60,9 +60,11 @@ pub struct ClusterConfig {
     /// Let anonymous clients read the kubelet's HTTPS endpoints (for `/metrics`; the
     /// benchmark reads the kubelet's DRA metrics). Off for the tests.
     pub kubelet_anonymous_reads: bool,
-    /// The scheduler's client-side API rate (`--kube-api-qps`, burst twice that); `None`
-    /// keeps upstream's default (50 QPS, burst 100), which caps how fast it can bind pods.
-    pub scheduler_api_qps: Option<u32>,
+    /// The client-side API rate of the scheduler and the controller manager (`--kube-api-qps`,
+    /// burst twice that); `None` keeps upstream's defaults (scheduler 50 QPS, controller
+    /// manager 20 QPS: its ResourceClaim controller creates each pod's claim and records it in
+    /// the pod's status, so 20 QPS caps pods with a claim template at about 10/s).
+    pub control_plane_api_qps: Option<u32>,
 }
 
 impl Default for ClusterConfig {
@@ -80,7 +82,7 @@ impl Default for ClusterConfig {
             runs_dir: repo_root().join("target").join("e2e-runs"),
             controller_heartbeat_timeout_seconds: 20,
             kubelet_anonymous_reads: false,
-            scheduler_api_qps: None,
+            control_plane_api_qps: None,
         }
     }
 }
