@@ -316,6 +316,20 @@ impl NodeStatusWriter {
     }
 }
 
+/// Runs one API call of the heartbeat loop for at most `limit` (the heartbeat interval): the
+/// client's own read timeout is minutes, and one call hanging on an overloaded API server
+/// would otherwise hold every later beat, so the controller would see a live plugin as dead.
+/// `None` (logged) when it did not answer in time.
+async fn bounded<T>(limit: Duration, what: &str, call: impl Future<Output = T>) -> Option<T> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(answer) => Some(answer),
+        Err(_) => {
+            tracing::warn!(timeout = ?limit, "{what}: no answer in time; the next beat tries again");
+            None
+        }
+    }
+}
+
 /// The status loop: refreshes the inventory and device health every `interval`, and
 /// immediately when the kubelet's registration state changes; publishes them in the GpuNode
 /// (when there is a writer) with events for GPU health changes and startup repairs.
@@ -400,34 +414,42 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
             }
             if let (Some(writer), Some(inventory)) = (&mut writer, &inventory) {
                 if !object_ready {
-                    match writer.ensure_object().await {
-                        Ok(()) => object_ready = true,
-                        Err(e) => tracing::warn!(error = %e, "creating the GpuNode failed; retrying"),
+                    match bounded(interval, "creating the GpuNode", writer.ensure_object()).await {
+                        Some(Ok(())) => object_ready = true,
+                        Some(Err(e)) => tracing::warn!(error = %e, "creating the GpuNode failed; retrying"),
+                        None => {}
                     }
                 }
                 if object_ready && let Some(note) = recovery_note.take() {
-                    writer
-                        .event(EventType::Warning, "RecoveredInterruptedOperations", note)
-                        .await;
+                    let event = writer.event(EventType::Warning, "RecoveredInterruptedOperations", note);
+                    bounded(interval, "recording an event", event).await;
                 }
                 if object_ready && let Some(events) = &mut recovery_events {
                     while let Ok(event) = events.try_recv() {
-                        writer.event(event.type_, event.reason, event.note).await;
+                        let event = writer.event(event.type_, event.reason, event.note);
+                        bounded(interval, "recording an event", event).await;
                     }
                 }
                 for (type_, reason, note) in health_changes {
-                    writer.event(type_, reason, note).await;
+                    bounded(interval, "recording an event", writer.event(type_, reason, note)).await;
                 }
                 if object_ready {
                     let state = registration.borrow().clone();
                     // A failed renewal makes this beat a GpuNode write, so liveness never
                     // depends on the Lease alone.
-                    let renewed = match writer.renew_lease().await {
-                        Ok(()) => writer.has_heartbeat_lease(),
-                        Err(e) => {
+                    let renewed = match bounded(
+                        interval,
+                        "renewing the heartbeat Lease",
+                        writer.renew_lease(),
+                    )
+                    .await
+                    {
+                        Some(Ok(())) => writer.has_heartbeat_lease(),
+                        Some(Err(e)) => {
                             tracing::warn!(error = %e, "renewing the heartbeat Lease failed; heartbeating in the GpuNode");
                             false
                         }
+                        None => false,
                     };
                     let content = WrittenStatus {
                         registration: state.clone(),
@@ -436,10 +458,15 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                         at: tokio::time::Instant::now(),
                     };
                     if !renewed || gpunode_due(last_written.as_ref(), &content, writer.gpunode_interval()) {
-                        match writer.publish(&state, driver_version.clone(), inventory).await {
-                            Ok(()) => last_written = Some(content),
-                            Err(e) => {
+                        let publish = writer.publish(&state, driver_version.clone(), inventory);
+                        match bounded(interval, "updating the GpuNode status", publish).await {
+                            Some(Ok(())) => last_written = Some(content),
+                            Some(Err(e)) => {
                                 tracing::warn!(error = %e, "updating the GpuNode status failed; retrying");
+                                object_ready = false;
+                                last_written = None;
+                            }
+                            None => {
                                 object_ready = false;
                                 last_written = None;
                             }
