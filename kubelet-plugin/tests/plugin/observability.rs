@@ -19,7 +19,7 @@ use migdra_kubelet_plugin::{
     driver::{Step, StepHook},
     events::{ClaimEvent, ClaimEvents, publish_claim_events},
     metrics::Metrics,
-    node_status::StatusLoop,
+    node_status::{NodeStatusWriter, StatusLoop},
 };
 use migdra_kubeletplugin::RegistrationState;
 use tokio::sync::watch;
@@ -476,4 +476,87 @@ async fn a_prepare_reports_its_time_inside_and_outside_nvml_and_one_from_the_che
         let count = sample(&text, &format!("{function}_count{{function=\"{destroyed}\"}}"));
         assert_eq!(count, 1.0, "{destroyed}:\n{text}");
     }
+}
+
+/// An overloaded API server may hold a request for minutes. One heartbeat call hanging must
+/// not hold the later beats, or the controller would take a live plugin for dead: the loop
+/// gives up on the call after one interval, heartbeats through the GpuNode status instead,
+/// and renews the Lease again at the next beat.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_lease_renewal_does_not_hold_the_next_beats() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let (driver, _) = node.start(None);
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "default");
+    let interval = Duration::from_millis(300);
+    let writer = NodeStatusWriter::new(client.clone(), NODE, DRIVER, interval).with_heartbeat_lease(
+        client,
+        "migdra-system",
+        Duration::from_secs(300),
+    );
+    let (_registration_tx, registration) = watch::channel(RegistrationState::default());
+    let (health, _health_rx) = watch::channel(Vec::new());
+    let (claim_events, _events) = ClaimEvents::channel();
+    let stop = CancellationToken::new();
+    let status = StatusLoop {
+        gpus: driver.gpus().clone(),
+        writer: Some(writer),
+        recovery_note: None,
+        recovery_events: None,
+        registration,
+        health,
+        interval,
+        claim_events,
+    };
+    let task = tokio::spawn(status.run(stop.clone()));
+
+    let node_object = serde_json::json!({"apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": NODE, "uid": "node-uid"}});
+    let gpunode = serde_json::json!({"apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "GpuNode",
+        "metadata": {"name": NODE, "uid": "gpunode-uid"}, "spec": {"nodeName": NODE, "driver": DRIVER}});
+    let mut hung = None;
+    let mut seen = Vec::new();
+    // Up to the second Lease request: the first one is never answered.
+    while seen
+        .iter()
+        .filter(|(_, p): &&(Method, String)| p.contains("/leases/"))
+        .count()
+        < 2
+    {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+            .await
+            .unwrap_or_else(|_| panic!("the heartbeat stopped after {seen:?}"))
+            .expect("mock closed");
+        let (method, path) = (request.method().clone(), request.uri().path().to_string());
+        seen.push((method, path.clone()));
+        if path.contains("/leases/") && hung.is_none() {
+            hung = Some(send);
+            continue;
+        }
+        let body = if path.starts_with("/api/v1/nodes/") {
+            node_object.clone()
+        } else if path.contains("/gpunodes/") {
+            gpunode.clone()
+        } else {
+            let bytes = request.into_body().collect_bytes().await.unwrap();
+            serde_json::from_slice(&bytes).unwrap_or_default()
+        };
+        send.send_response(
+            Response::builder()
+                .body(Body::from(serde_json::to_vec(&body).unwrap()))
+                .unwrap(),
+        );
+    }
+    stop.cancel();
+    // The final "unregistered" write at shutdown fails at once against a closed mock.
+    drop((hung, handle));
+    let first_lease = seen.iter().position(|(_, p)| p.contains("/leases/")).unwrap();
+    // While the Lease request hung, the beat went into the GpuNode status.
+    assert!(
+        seen[first_lease..]
+            .iter()
+            .any(|(m, p)| *m == Method::PATCH && p.ends_with(&format!("/gpunodes/{NODE}/status"))),
+        "{seen:?}"
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
 }
