@@ -373,6 +373,11 @@ pub enum Phase {
     AnchorBeside,
     /// migdra's pools.
     Migdra,
+    /// migdra's pools under a MigPolicy that offers only `1g.10gb` (no whole GPUs): 56
+    /// counter-backed devices per node instead of 208, as a cluster that uses one profile
+    /// would configure it. The policy is applied for the phase and deleted after.
+    #[value(name = "migdra-1g10gb-only")]
+    MigdraOneProfile,
 }
 
 impl Phase {
@@ -404,6 +409,65 @@ async fn failed_scheduling(client: &Client, run: &str) -> anyhow::Result<(u64, u
         pods.insert(name);
     }
     Ok((count, pods.len()))
+}
+
+/// The policy of [`Phase::MigdraOneProfile`].
+const ONE_PROFILE_POLICY: &str = "bench-b1-only-1g10gb";
+
+/// Devices of migdra's pools: (all, those of profile `1g.10gb`).
+async fn migdra_devices(client: &Client) -> anyhow::Result<(usize, usize)> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let selector = ListParams::default().fields(&format!("spec.driver={DRIVER}"));
+    let list = slices.list(&selector).await?;
+    let names: Vec<&str> = list
+        .items
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| d.name.as_str())
+        .collect();
+    let one_profile = names.iter().filter(|n| n.contains("-mig-1g10gb-")).count();
+    Ok((names.len(), one_profile))
+}
+
+/// Applies (`on`) or deletes the one-profile MigPolicy and waits until every pool shows it:
+/// only `1g.10gb` devices, or back to `full` devices.
+async fn one_profile_policy(client: &Client, on: bool, full: usize) -> anyhow::Result<()> {
+    use kube::api::{Patch, PatchParams};
+    use migdra_api::policy::MigPolicy;
+    let policies: Api<MigPolicy> = Api::all(client.clone());
+    if on {
+        let policy = json!({
+            "apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "MigPolicy",
+            "metadata": {"name": ONE_PROFILE_POLICY},
+            "spec": {"priority": 1000, "profiles": ["1g.10gb"], "wholeGpus": false},
+        });
+        policies
+            .patch(
+                ONE_PROFILE_POLICY,
+                &PatchParams::apply("migdra-bench").force(),
+                &Patch::Apply(policy),
+            )
+            .await?;
+    } else {
+        policies
+            .delete(ONE_PROFILE_POLICY, &DeleteParams::default())
+            .await?;
+    }
+    wait_until(Duration::from_secs(600), || async {
+        let (all, one) = migdra_devices(client).await.ok()?;
+        let done = if on { all > 0 && all == one } else { all >= full };
+        done.then_some(())
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "the pools did not {} the one-profile policy",
+            if on { "take" } else { "drop" }
+        )
+    })?;
+    // As for the anchor: let the scheduler's informers take the new slices in.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    Ok(())
 }
 
 /// Stops migdra's controller and withdraws its pools (a static-MIG cluster has none).
@@ -460,6 +524,13 @@ pub async fn run(
             Phase::Anchor => Some(withdraw_migdra(cluster).await?),
             _ => None,
         };
+        let full_devices = if *phase == Phase::MigdraOneProfile {
+            let (full, _) = migdra_devices(client).await?;
+            one_profile_policy(client, true, full).await?;
+            Some(full)
+        } else {
+            None
+        };
         let (run, template) = match phase {
             Phase::Anchor | Phase::AnchorBeside => {
                 publish_static(client, nodes)
@@ -480,6 +551,7 @@ pub async fn run(
                 )
             }
             Phase::Migdra => (format!("b1-migdra-{i}"), MIG_1G_CLASS),
+            Phase::MigdraOneProfile => (format!("b1-one-profile-{i}"), MIG_1G_CLASS),
         };
         // A template per phase: its claims carry the phase's run label.
         let (run, class) = (run, template);
@@ -497,6 +569,9 @@ pub async fn run(
         }
         if let Some(slices) = withdrawn {
             restore_migdra(cluster, slices).await?;
+        }
+        if let Some(full) = full_devices {
+            one_profile_policy(client, false, full).await?;
         }
         let scheduler = before.zip(after).map(|(b, a)| SchedulerFigures::between(&b, &a));
         phases.push(PhaseResult {
@@ -565,6 +640,8 @@ pub async fn run(
                         Phase::Anchor => "anchor (static devices alone)",
                         Phase::AnchorBeside => "anchor beside migdra's pools",
                         Phase::Migdra => "migdra",
+                        Phase::MigdraOneProfile =>
+                            "migdra, MigPolicy offering only 1g.10gb (56 devices per node)",
                     },
                     p.result.pods_per_second,
                     describe(&p.result),
