@@ -127,6 +127,23 @@ impl Samples {
     }
 }
 
+/// One kubelet call, `prepare` or `unprepare`, for claim `uid`: its error, if it failed.
+async fn call(driver: &Driver<NvmlBackend, Claims>, operation: &str, uid: &str) -> Option<String> {
+    if operation == "prepare" {
+        driver
+            .prepare(vec![reference(uid)])
+            .await
+            .remove(uid)
+            .and_then(Result::err)
+    } else {
+        driver
+            .unprepare(vec![reference(uid)])
+            .await
+            .remove(uid)
+            .and_then(Result::err)
+    }
+}
+
 fn reference(uid: &str) -> ClaimRef {
     ClaimRef {
         namespace: "default".into(),
@@ -173,19 +190,7 @@ async fn main() -> anyhow::Result<()> {
         for (operation, samples) in [("prepare", &mut prepare), ("unprepare", &mut unprepare)] {
             let (nvml_before, fsyncs_before) = (nvml_seconds(&metrics, operation), fsync_count());
             let started = Instant::now();
-            let failed = if operation == "prepare" {
-                driver
-                    .prepare(vec![reference(&uid)])
-                    .await
-                    .remove(&uid)
-                    .and_then(Result::err)
-            } else {
-                driver
-                    .unprepare(vec![reference(&uid)])
-                    .await
-                    .remove(&uid)
-                    .and_then(Result::err)
-            };
+            let failed = call(&driver, operation, &uid).await;
             let handler = started.elapsed();
             if let Some(e) = failed {
                 anyhow::bail!("{operation} {uid}: {e}");
@@ -213,19 +218,7 @@ async fn main() -> anyhow::Result<()> {
                 let uid = uid.clone();
                 async move {
                     let started = Instant::now();
-                    let failed = if operation == "prepare" {
-                        driver
-                            .prepare(vec![reference(&uid)])
-                            .await
-                            .remove(&uid)
-                            .and_then(Result::err)
-                    } else {
-                        driver
-                            .unprepare(vec![reference(&uid)])
-                            .await
-                            .remove(&uid)
-                            .and_then(Result::err)
-                    };
+                    let failed = call(&driver, operation, &uid).await;
                     (uid, started.elapsed(), failed)
                 }
             });

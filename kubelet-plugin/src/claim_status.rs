@@ -533,23 +533,22 @@ impl ClaimStatusWriter {
 
     /// UIDs of the claims whose status write failed (or was deferred) and waits for a retry.
     pub fn pending_claims(&self) -> Vec<String> {
-        let queue = self.queue();
-        queue
-            .entries
-            .iter()
-            .filter(|(_, p)| p.queued.is_none())
-            .map(|(uid, _)| uid.clone())
-            .collect()
+        self.claims_where(false)
     }
 
     /// UIDs of the claims whose status write is queued for the background writer (or being
     /// written now).
     pub fn queued_claims(&self) -> Vec<String> {
+        self.claims_where(true)
+    }
+
+    /// UIDs of the entries that are (`queued`) or are not owned by the background writer.
+    fn claims_where(&self, queued: bool) -> Vec<String> {
         let queue = self.queue();
         queue
             .entries
             .iter()
-            .filter(|(_, p)| p.queued.is_some())
+            .filter(|(_, p)| p.queued.is_some() == queued)
             .map(|(uid, _)| uid.clone())
             .collect()
     }
