@@ -94,25 +94,6 @@ fn line_node(rest: &str) -> Option<&str> {
     Some(&rest[from..from + len])
 }
 
-/// Drops ANSI colour sequences (the controller's text logs carry them).
-fn strip_ansi(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // CSI: ESC [ params final-byte (a letter).
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 impl ColdTimeline {
     /// Reads `log` (the controller's text log from its start on); times are seconds since
     /// `started` (wall clock).
@@ -121,7 +102,7 @@ impl ColdTimeline {
         let mut status_at = Vec::new();
         let mut pools: BTreeMap<String, PoolTimes> = BTreeMap::new();
         for raw in log.lines() {
-            let line = strip_ansi(raw);
+            let line = migdra_e2e::cluster::strip_ansi(raw);
             let Some((stamp, rest)) = line.trim_start().split_once(char::is_whitespace) else {
                 continue;
             };

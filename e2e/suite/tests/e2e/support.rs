@@ -269,21 +269,7 @@ impl Test {
 /// (`claim=default/x` reads as written). Empty when there is no log yet.
 pub(crate) fn plain_log(cluster: &Cluster, component: &str) -> String {
     let log = std::fs::read_to_string(cluster.layout.log(component)).unwrap_or_default();
-    let mut plain = String::with_capacity(log.len());
-    let mut chars = log.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // CSI sequence: ESC '[' parameters, ended by a letter.
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            plain.push(c);
-        }
-    }
-    plain
+    migdra_e2e::cluster::strip_ansi(&log)
 }
 
 /// What the plugin logs once the kubelet accepted its registration.
