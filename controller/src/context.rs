@@ -28,7 +28,7 @@ use kube::{
     },
 };
 use migdra_api::{
-    inventory::{GpuNode, heartbeat_lease_name},
+    inventory::{GpuNode, PluginStatus, heartbeat_lease_name},
     policy::MigPolicy,
 };
 
@@ -42,6 +42,10 @@ use crate::{
     naming::slice_node,
     status::{FIELD_MANAGER, StatusLedger},
 };
+
+/// How long the reads that confirm a heartbeat expiry may take before the expiry counts as
+/// unconfirmed (the pool is kept and the node retried with backoff).
+pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Settings of the reconciler.
 #[derive(Clone, Debug)]
@@ -94,6 +98,8 @@ pub struct Context {
     pub slice_api: Api<ResourceSlice>,
     /// Cluster-wide GpuNode API.
     pub gpunode_api: Api<GpuNode>,
+    /// The heartbeat Leases' namespace.
+    pub lease_api: Api<Lease>,
     /// GpuNode cache.
     pub gpunodes: Store<GpuNode>,
     /// Node metadata cache.
@@ -182,6 +188,7 @@ impl Context {
         Self {
             slice_api: Api::all(client.clone()),
             gpunode_api: Api::all(client.clone()),
+            lease_api: Api::namespaced(client.clone(), &config.heartbeat_namespace),
             recorder: Recorder::new(client, reporter),
             gpunodes: stores.gpunodes,
             nodes: stores.nodes,
@@ -347,6 +354,16 @@ impl Context {
     /// still loses its pool at once when its connection drops: the kubelet wipes its slices
     /// after 30 s, and a wipe withdraws without limit.
     pub fn allow_expiry_withdrawal(&self) -> bool {
+        self.expiry_allowance(true)
+    }
+
+    /// Whether [`Self::allow_expiry_withdrawal`] would allow one now, without using it up
+    /// (so a node that would be held anyway costs no confirming read).
+    pub fn expiry_withdrawal_due(&self) -> bool {
+        self.expiry_allowance(false)
+    }
+
+    fn expiry_allowance(&self, take: bool) -> bool {
         let interval = self.config.expiry_withdrawal_interval;
         if interval.is_zero() {
             return true;
@@ -358,9 +375,51 @@ impl Context {
         match *last {
             Some(at) if at.elapsed() < interval => false,
             _ => {
-                *last = Some(Instant::now());
+                if take {
+                    *last = Some(Instant::now());
+                }
                 true
             }
+        }
+    }
+
+    /// `node`'s heartbeat as the API server has it now (a quorum read, not the cache): the
+    /// plugin status of its GpuNode and its heartbeat Lease. An expiry seen in the cache is
+    /// confirmed with this before a pool is withdrawn, because a watch that lags behind an
+    /// overloaded API server shows every heartbeat older than it is. A missing GpuNode or
+    /// Lease is `None`; no answer within [`CONFIRM_TIMEOUT`] is an error.
+    pub async fn fresh_heartbeat(
+        &self,
+        node: &str,
+    ) -> Result<(Option<PluginStatus>, Option<LeaseBeat>), Error> {
+        let unconfirmed = |object: &'static str, reason: String| Error::HeartbeatUnconfirmed {
+            node: node.to_string(),
+            object,
+            reason,
+        };
+        let read = async {
+            let gpunode = self
+                .gpunode_api
+                .get_opt(node)
+                .await
+                .map_err(|e| unconfirmed("GpuNode", e.to_string()))?;
+            let lease = match heartbeat_lease_name(node, &self.config.driver) {
+                Some(name) => self
+                    .lease_api
+                    .get_opt(&name)
+                    .await
+                    .map_err(|e| unconfirmed("Lease", e.to_string()))?,
+                None => None,
+            };
+            let plugin = gpunode.and_then(|g| g.status.and_then(|s| s.plugin));
+            Ok((plugin, lease.as_ref().and_then(lease_beat)))
+        };
+        match tokio::time::timeout(CONFIRM_TIMEOUT, read).await {
+            Ok(answer) => answer,
+            Err(_) => Err(unconfirmed(
+                "GpuNode and Lease",
+                format!("no answer within {}s", CONFIRM_TIMEOUT.as_secs()),
+            )),
         }
     }
 

@@ -65,6 +65,20 @@ pub enum Error {
         /// Every problem found, joined.
         problems: String,
     },
+    /// A heartbeat expiry seen in the cache could not be confirmed with a fresh read of the
+    /// node's GpuNode and Lease: the pool is kept, and the node retried with backoff.
+    #[error(
+        "the heartbeat of node {node} looks expired in the cache, but reading its {object} \
+         to confirm failed, so its pool is kept: {reason}"
+    )]
+    HeartbeatUnconfirmed {
+        /// Node name.
+        node: String,
+        /// What could not be read.
+        object: &'static str,
+        /// The API error or the timeout.
+        reason: String,
+    },
     /// The caches the reconciler reads were not filled in time.
     #[error("the {what} cache is not ready")]
     NotReady {
@@ -89,6 +103,7 @@ impl Error {
             Self::FieldsDropped { .. } => "fields_dropped",
             Self::Policy { .. } => "policy",
             Self::InvalidPool { .. } => "invalid_pool",
+            Self::HeartbeatUnconfirmed { .. } => "heartbeat_unconfirmed",
             Self::NotReady { .. } => "not_ready",
             Self::Controller(_) => "controller",
             Self::LeaderElection(_) => "leader_election",
@@ -104,6 +119,7 @@ impl Error {
             Self::FieldsDropped { .. } => "FieldsDropped",
             Self::Policy { .. } => "PolicyInvalid",
             Self::InvalidPool { .. } => "PoolInvalid",
+            Self::HeartbeatUnconfirmed { .. } => "HeartbeatUnconfirmed",
             Self::NotReady { .. } => "CachesNotReady",
             Self::Controller(_) => "ControllerFailed",
             Self::LeaderElection(_) => "LeaderElectionFailed",
@@ -127,9 +143,13 @@ impl Error {
         }
     }
 
-    /// True for transient races that need no event.
+    /// True for transient races that need no event (an unconfirmed heartbeat expiry is a
+    /// struggling API server, which another event write would load further).
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Conflict { .. } | Self::NotReady { .. })
+        matches!(
+            self,
+            Self::Conflict { .. } | Self::NotReady { .. } | Self::HeartbeatUnconfirmed { .. }
+        )
     }
 }
 

@@ -22,7 +22,11 @@
 //!   likelier cause is a slow or partitioned control plane, not dead plugins: expiry alone
 //!   then withdraws nothing ([`HeartbeatCensus::mass_expiry`], [`Liveness::Held`]), like the
 //!   node lifecycle controller's unhealthy-zone rule. An explicit "not registered" and a
-//!   kubelet wipe still withdraw.
+//!   kubelet wipe still withdraw;
+//! * the cache is only as fresh as the watch: a single expiry is confirmed with a quorum
+//!   read of the GpuNode and the Lease before the pool goes (see
+//!   `reconcile::confirm_expiry`), so a watch that lags behind a saturated API server, by
+//!   more than the margin between the heartbeat and the timeout, withdraws nothing.
 //!
 //! Two heartbeats. A plugin of this version renews a `coordination.k8s.io/v1` Lease
 //! `<node>.<driver>` in the controller's namespace every beat ([`LeaseBeat`]: `renewTime`,

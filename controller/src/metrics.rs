@@ -31,6 +31,34 @@ struct OperationLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+/// How a fresh read answered a heartbeat expiry seen in the cache, as counted in
+/// `heartbeat_expiry_checks_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpiryCheck {
+    /// The API server has the same stale heartbeat (or a plugin that is gone otherwise).
+    Confirmed,
+    /// The API server has a newer heartbeat: the cache lagged.
+    Refuted,
+    /// The reads failed or timed out; the pool was kept.
+    Failed,
+}
+
+impl ExpiryCheck {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Confirmed => "confirmed",
+            Self::Refuted => "refuted",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct NodeLabels {
     node: String,
 }
@@ -75,6 +103,7 @@ pub struct Metrics {
     slice_wipes: Counter,
     expired_heartbeats: Gauge,
     withdrawals_held: Gauge,
+    expiry_checks: Family<OutcomeLabels, Counter>,
     registry: Arc<Registry>,
 }
 
@@ -170,7 +199,15 @@ impl Metrics {
              (suspected control-plane trouble), else 0",
             withdrawals_held.clone(),
         );
+        let expiry_checks = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "heartbeat_expiry_checks",
+            "Heartbeat expiries seen in the cache and checked with a fresh read of the GpuNode \
+             and Lease before withdrawing a pool, by outcome (refuted: the cache lagged)",
+            expiry_checks.clone(),
+        );
         Self {
+            expiry_checks,
             slice_wipes,
             expired_heartbeats,
             withdrawals_held,
@@ -296,6 +333,15 @@ impl Metrics {
         self.expired_heartbeats
             .set(i64::try_from(expired).unwrap_or(i64::MAX));
         self.withdrawals_held.set(i64::from(held));
+    }
+
+    /// Counts one fresh-read check of a heartbeat expiry.
+    pub fn heartbeat_expiry_checked(&self, outcome: ExpiryCheck) {
+        self.expiry_checks
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str(),
+            })
+            .inc();
     }
 
     /// Sets the is-leader gauge.

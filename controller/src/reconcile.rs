@@ -5,8 +5,9 @@
 //! * Plugin not live (see [`crate::liveness`]: unregistered, heartbeat expired, or its slices
 //!   wiped by the kubelet and no heartbeat since) → withdraw, `Published=False
 //!   PluginNotReady`; the plugin's next heartbeat brings the node back. Heartbeat expiry is
-//!   held back while most heartbeats expire at once (control-plane trouble), and withdraws
-//!   at most one pool per 10 s otherwise.
+//!   held back while most heartbeats expire at once (control-plane trouble), withdraws only
+//!   once a fresh read of the GpuNode and Lease confirms it (a lagging watch shows healthy
+//!   heartbeats stale), and at most one pool per 10 s.
 //! * Plugin live → policy, plan (keeping the devices claims hold), render, validate; an
 //!   invalid policy or pool is reported (event + condition) and nothing is written; otherwise
 //!   the pool is diffed and only a real change is written, with a new generation when the
@@ -47,7 +48,8 @@ use crate::{
     context::Context,
     desired::{DesiredError, NodeRef, desired_pool},
     error::Error,
-    liveness::{GoneReason, Liveness, effective_timeout, liveness, until},
+    liveness::{GoneReason, Liveness, beat, effective_timeout, liveness, until},
+    metrics::ExpiryCheck,
     publish::Publisher,
     status::{self, Published, reason, truncate},
 };
@@ -301,13 +303,10 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         hold,
     );
     let state = match state {
-        // Expiry alone is rate-limited (see `Context::allow_expiry_withdrawal`); a pool
-        // already withdrawn needs no allowance.
-        Liveness::Gone(GoneReason::HeartbeatExpired { last, .. })
-            if !cached.is_empty() && !ctx.allow_expiry_withdrawal() =>
-        {
-            tracing::info!(%last, "heartbeat expired, but another pool was withdrawn for expiry moments ago: keeping this one for now");
-            Liveness::Held { last }
+        // Expiry alone is checked against the API server and rate-limited; a pool already
+        // withdrawn needs neither.
+        Liveness::Gone(GoneReason::HeartbeatExpired { last, .. }) if !cached.is_empty() => {
+            confirm_expiry(ctx, &node_name, last, wiped_at, hold).await?
         }
         state => state,
     };
@@ -562,6 +561,73 @@ async fn live_slices(ctx: &Context, names: &[String]) -> Result<Vec<ResourceSlic
 }
 
 /// Deletes every cached slice of the node.
+/// What a heartbeat expiry seen in the cache (last beat `cached_last`) really is. The cache
+/// is only as fresh as the watch, and a watch behind an overloaded API server makes every
+/// heartbeat look older than it is; so before a pool is withdrawn for expiry alone, a quorum
+/// read of the node's GpuNode and Lease decides ([`Context::fresh_heartbeat`]). When the
+/// rate limit would hold the pool anyway, no read is made. A failed read keeps the pool
+/// (an error: retried with backoff); the kubelet still wipes the slices of a plugin that
+/// really died.
+async fn confirm_expiry(
+    ctx: &Context,
+    node: &str,
+    cached_last: Timestamp,
+    wiped_at: Option<Timestamp>,
+    hold: bool,
+) -> Result<Liveness, Error> {
+    if !ctx.expiry_withdrawal_due() {
+        tracing::info!(last = %cached_last, "heartbeat expired, but another pool was withdrawn for expiry moments ago: keeping this one for now");
+        return Ok(Liveness::Held { last: cached_last });
+    }
+    let (plugin, lease) = match ctx.fresh_heartbeat(node).await {
+        Ok(fresh) => fresh,
+        Err(e) => {
+            ctx.metrics.heartbeat_expiry_checked(ExpiryCheck::Failed);
+            tracing::warn!(error = %e, "keeping the pool: its heartbeat expiry could not be confirmed");
+            return Err(e);
+        }
+    };
+    let now = Timestamp::now();
+    let fresh = liveness(
+        plugin.as_ref(),
+        lease.as_ref(),
+        now,
+        ctx.config.heartbeat_timeout,
+        wiped_at,
+        hold,
+    );
+    match fresh {
+        Liveness::Gone(GoneReason::HeartbeatExpired { last, .. }) => {
+            ctx.metrics.heartbeat_expiry_checked(ExpiryCheck::Confirmed);
+            if ctx.allow_expiry_withdrawal() {
+                Ok(fresh)
+            } else {
+                tracing::info!(%last, "heartbeat expired, but another pool was withdrawn for expiry moments ago: keeping this one for now");
+                Ok(Liveness::Held { last })
+            }
+        }
+        Liveness::Live { expires } => {
+            ctx.metrics.heartbeat_expiry_checked(ExpiryCheck::Refuted);
+            let fresh_last = plugin.as_ref().map_or(Timestamp::UNIX_EPOCH, |p| {
+                beat(p, lease.as_ref(), now, ctx.config.heartbeat_timeout).last
+            });
+            tracing::warn!(
+                cached_last = %cached_last,
+                fresh_last = %fresh_last,
+                lag_seconds = fresh_last.duration_since(cached_last).as_secs_f64(),
+                "the cache showed an expired heartbeat, the API server a live one: the \
+                 controller's watch lags; keeping the pool"
+            );
+            Ok(Liveness::Live { expires })
+        }
+        // Gone for another reason (unregistered, no status) is the server's word too.
+        other => {
+            ctx.metrics.heartbeat_expiry_checked(ExpiryCheck::Confirmed);
+            Ok(other)
+        }
+    }
+}
+
 async fn withdraw(ctx: &Context, node: &str, cached: &[Arc<SliceMeta>]) -> Result<(), Error> {
     ctx.set_memo(node, None);
     let diff = diff_pool(Vec::new(), cached, None);

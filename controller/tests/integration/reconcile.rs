@@ -321,6 +321,8 @@ async fn a_few_expired_heartbeats_among_many_live_ones_withdraw() {
     let mut stale = g.clone();
     stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
     let scenario = Scenario::new()
+        .then(get_gpunode(&stale))
+        .then(get_lease(None))
         .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
         .then(patch_status(|body| {
             assert_eq!(condition(body), ("False", "PluginNotReady"));
@@ -338,13 +340,25 @@ async fn a_few_expired_heartbeats_among_many_live_ones_withdraw() {
     );
 }
 
-async fn withdrawn_when(plugin: Option<migdra_api::inventory::PluginStatus>, message: &'static str) {
+/// `confirmed`: the plugin's heartbeat expired, which the reconcile confirms with a fresh
+/// read of the GpuNode and the (missing) Lease before withdrawing.
+async fn withdrawn_when(
+    plugin: Option<migdra_api::inventory::PluginStatus>,
+    message: &'static str,
+    confirmed: bool,
+) {
     let mut h = Harness::new();
     let (stored, g) = publish_fresh(&mut h, h100s(2)).await;
     h.store_slices(&stored);
     let mut g = g;
     g.status.as_mut().unwrap().plugin = plugin;
+    let reads = if confirmed {
+        vec![get_gpunode(&g), get_lease(None)]
+    } else {
+        Vec::new()
+    };
     let scenario = Scenario::new()
+        .then_all(reads)
         .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
         .then(patch_status(move |body| {
             assert_eq!(condition(body), ("False", "PluginNotReady"));
@@ -370,17 +384,17 @@ async fn withdrawn_when(plugin: Option<migdra_api::inventory::PluginStatus>, mes
 
 #[tokio::test]
 async fn an_unregistered_plugin_withdraws_the_pool() {
-    withdrawn_when(Some(plugin(false, ago(0))), "not registered").await;
+    withdrawn_when(Some(plugin(false, ago(0))), "not registered", false).await;
 }
 
 #[tokio::test]
 async fn a_stale_heartbeat_withdraws_the_pool() {
-    withdrawn_when(Some(plugin(true, ago(120))), "heartbeat").await;
+    withdrawn_when(Some(plugin(true, ago(120))), "heartbeat", true).await;
 }
 
 #[tokio::test]
 async fn a_missing_plugin_status_withdraws_the_pool() {
-    withdrawn_when(None, "has not reported").await;
+    withdrawn_when(None, "has not reported", false).await;
 }
 
 #[tokio::test]
@@ -730,6 +744,8 @@ async fn a_lease_that_stops_being_renewed_withdraws_the_pool() {
     g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
     h.put_lease(NODE, ago(40));
     let scenario = Scenario::new()
+        .then(get_gpunode(&g))
+        .then(get_lease(Some(ago(40))))
         .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
         .then(patch_status(|body| {
             assert_eq!(condition(body), ("False", "PluginNotReady"));
@@ -916,4 +932,93 @@ async fn expiry_withdraws_at_most_one_pool_per_interval() {
         }));
     let (result, _) = h.reconcile(&unregistered, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
+}
+
+#[tokio::test]
+async fn an_expiry_the_api_server_refutes_keeps_the_pool() {
+    // The cache shows the Lease last renewed 40 s ago (the watch lags behind a saturated API
+    // server); the server has a renewal from a second ago.
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
+    h.put_lease(NODE, ago(40));
+    let scenario = Scenario::new()
+        .then(get_gpunode(&g))
+        .then(get_lease(Some(ago(1))));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(served.deleted.is_empty() && served.status_patches.is_empty());
+    // Live until the fresh renewal expires (25 s after it), looked at again then.
+    let requeue = requeue_secs(&result.unwrap()).unwrap();
+    assert!((20..=26).contains(&requeue), "requeue after {requeue}s");
+    assert!(h.ctx.is_live(NODE));
+    let metrics = h.ctx.metrics.encode();
+    assert!(
+        metrics.contains(r#"migdra_controller_heartbeat_expiry_checks_total{outcome="refuted"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        h.ctx.allow_expiry_withdrawal(),
+        "a refuted expiry uses up no withdrawal allowance"
+    );
+}
+
+#[tokio::test]
+async fn an_old_plugins_expiry_the_api_server_refutes_keeps_the_pool() {
+    // A plugin without a Lease beats in its GpuNode; the cached copy is two minutes old, the
+    // server's from two seconds ago.
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let mut stale = g.clone();
+    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
+    let mut fresh = g.clone();
+    fresh.status.as_mut().unwrap().plugin = Some(plugin(true, ago(2)));
+    let scenario = Scenario::new().then(get_gpunode(&fresh)).then(get_lease(None));
+    let (result, served) = h.reconcile(&stale, scenario).await;
+    assert!(served.deleted.is_empty());
+    assert!(requeue_secs(&result.unwrap()).is_some());
+    assert!(h.ctx.is_live(NODE));
+}
+
+#[tokio::test]
+async fn an_expiry_that_cannot_be_confirmed_keeps_the_pool() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let mut stale = g.clone();
+    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
+    let failing = answering(
+        get_gpunode(&stale),
+        Answer::Fail(StatusCode::INTERNAL_SERVER_ERROR, "InternalError"),
+    );
+    // No delete, no status write, no event: an overloaded API server is not loaded further.
+    let (result, served) = h.reconcile(&stale, Scenario::new().then(failing)).await;
+    let error = result.unwrap_err();
+    assert!(matches!(error, Error::HeartbeatUnconfirmed { .. }), "{error}");
+    assert!(error.to_string().contains("its pool is kept"), "{error}");
+    assert!(served.deleted.is_empty() && served.status_patches.is_empty() && served.events.is_empty());
+    let metrics = h.ctx.metrics.encode();
+    assert!(
+        metrics.contains(r#"migdra_controller_heartbeat_expiry_checks_total{outcome="failed"} 1"#),
+        "{metrics}"
+    );
+    // Retried with backoff; once the server answers, the expiry is confirmed and withdraws.
+    let scenario = Scenario::new()
+        .then(get_gpunode(&stale))
+        .then(get_lease(None))
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+        }));
+    let (result, served) = h.reconcile(&stale, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(served.deleted.len(), stored.len());
+    assert!(
+        h.ctx
+            .metrics
+            .encode()
+            .contains(r#"migdra_controller_heartbeat_expiry_checks_total{outcome="confirmed"} 1"#)
+    );
 }

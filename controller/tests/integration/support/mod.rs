@@ -15,7 +15,7 @@ use k8s_openapi::{
         resource::v1::{ResourceClaim, ResourceSlice},
     },
     apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time},
-    jiff::{SignedDuration, Timestamp},
+    jiff::Timestamp,
 };
 use kube::{
     Client, ResourceExt,
@@ -645,8 +645,11 @@ pub fn plugin(registered: bool, heartbeat: Timestamp) -> PluginStatus {
 }
 
 /// A heartbeat `seconds` ago.
+/// Whole seconds, as a GpuNode's `metav1.Time` carries them: the cached GpuNode and the one
+/// a GET returns then say the same.
 pub fn ago(seconds: i64) -> Timestamp {
-    Timestamp::now() - SignedDuration::from_secs(seconds)
+    let now = Timestamp::now().as_second();
+    Timestamp::from_second(now - seconds).unwrap()
 }
 
 /// The GpuNode of `node-a` as the plugin writes it.
@@ -703,5 +706,34 @@ pub fn lease(node: &str, renewed: Timestamp) -> Lease {
             renew_time: Some(MicroTime(renewed)),
             ..Default::default()
         }),
+    }
+}
+
+/// The quorum GET of `g` that confirms a heartbeat expiry, answered with `g` as the server
+/// has it.
+pub fn get_gpunode(g: &GpuNode) -> Step {
+    Step {
+        method: Method::GET,
+        path: format!("/apis/gpu.migdra.dev/v1alpha1/gpunodes/{}", g.name_any()),
+        check: Box::new(|req, _| {
+            assert_eq!(req.uri().query(), None, "a quorum read: no resourceVersion");
+        }),
+        answer: Answer::Return(serde_json::to_value(g).unwrap()),
+    }
+}
+
+/// The quorum GET of `NODE`'s heartbeat Lease, answered with one renewed at `renewed`, or
+/// 404 for `None`.
+pub fn get_lease(renewed: Option<Timestamp>) -> Step {
+    Step {
+        method: Method::GET,
+        path: format!("/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/{NODE}.{DRIVER}"),
+        check: Box::new(|req, _| {
+            assert_eq!(req.uri().query(), None, "a quorum read: no resourceVersion");
+        }),
+        answer: match renewed {
+            Some(at) => Answer::Return(serde_json::to_value(lease(NODE, at)).unwrap()),
+            None => Answer::Fail(StatusCode::NOT_FOUND, "NotFound"),
+        },
     }
 }
