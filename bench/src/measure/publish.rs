@@ -231,15 +231,32 @@ async fn wait_controller_up(cluster: &Cluster) -> anyhow::Result<()> {
     .context("the controller's /metrics did not come up")
 }
 
-/// Slices of the migdra driver per node, from the real node's published pool.
-async fn slices_per_node(client: &Client) -> anyhow::Result<u32> {
+/// Slices of the migdra driver per node, from the real node's published pool, waiting up to
+/// a minute for it: a pool withdrawn a moment ago (a heartbeat the controller found expired)
+/// comes back with the plugin's next beat. Also how long it was missing, for the notes.
+async fn slices_per_node(client: &Client) -> anyhow::Result<(u32, Option<Duration>)> {
     let gpunodes: Api<GpuNode> = Api::all(client.clone());
-    let node = gpunodes.get(NODE).await?;
-    node.status
-        .and_then(|s| s.publication)
-        .map(|p| p.slices)
-        .filter(|s| *s > 0)
-        .context("the real node has no publication")
+    let started = Instant::now();
+    let mut condition = String::new();
+    loop {
+        let node = gpunodes.get(NODE).await?;
+        let status = node.status.unwrap_or_default();
+        if let Some(slices) = status.publication.map(|p| p.slices).filter(|s| *s > 0) {
+            let waited = started.elapsed();
+            return Ok((slices, (waited >= Duration::from_secs(1)).then_some(waited)));
+        }
+        condition = status
+            .conditions
+            .iter()
+            .flatten()
+            .find(|c| c.type_ == "Published")
+            .map_or(condition, |c| format!("{}: {}", c.reason, c.message));
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(60),
+            "the real node has had no publication for 60 s (Published condition: {condition})"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 pub(crate) async fn delete_driver_slices(client: &Client, driver: &str) -> anyhow::Result<()> {
@@ -383,7 +400,8 @@ pub async fn run(
         .chain(std::iter::once(NODE.to_string()))
         .collect();
     let n = fleet.len();
-    let per_node = slices_per_node(&client).await? as usize;
+    let (per_node, real_pool_missing) = slices_per_node(&client).await?;
+    let per_node = per_node as usize;
     let expected = per_node * nodes.len();
 
     // B2: cold start.
@@ -477,6 +495,15 @@ pub async fn run(
     let steady_metrics = controller_metrics(cluster).await?;
     let (s_creates, s_updates, s_deletes) = slice_writes(&steady_metrics);
     let steady_writes = (s_creates + s_updates + s_deletes) - resync_writes;
+    let expiry_checks = ["confirmed", "refuted", "failed"]
+        .map(|outcome| {
+            let count = steady_metrics.sum(
+                "migdra_controller_heartbeat_expiry_checks_total",
+                &[("outcome", outcome)],
+            );
+            format!("{outcome} {count}")
+        })
+        .join(", ");
     let beats = fleet.take_beat_stats();
     let rss_steady = rss_kib(pid).unwrap_or_default();
     let cpu_share = (cpu_after - cpu_before).as_secs_f64() / window.as_secs_f64();
@@ -555,8 +582,12 @@ pub async fn run(
         goal: "≤ 1.2× the floor",
         met: ratio.map(|r| r <= 1.2),
         note: format!(
-            "API writes (controller metrics): {creates} creates, {updates} updates, {deletes} deletes (minimum {expected}); \
+            "{}API writes (controller metrics): {creates} creates, {updates} updates, {deletes} deletes (minimum {expected}); \
              {cold_reconciles} reconciles; {}; CPU in the cold publish: controller {}, API server {} {floor_note}; {}; load {load_cold} (floor: {load_floor})",
+            real_pool_missing.map_or_else(String::new, |d| format!(
+                "the real node's pool was withdrawn when B2 began and came back after {:.1} s; ",
+                d.as_secs_f64()
+            )),
             timeline.describe(),
             secs(controller_cold_cpu),
             secs(apiserver_cold_cpu),
@@ -602,7 +633,7 @@ pub async fn run(
         },
         note: format!(
             "watch events = sent by the API server to all watchers of {} ({}; leases {:.1}/s, mostly node Leases); \
-             slice writes in the window: {steady_writes}; {}; load {load_steady_start} → {load_steady_end}",
+             slice writes in the window: {steady_writes}; heartbeat expiries checked against the API server since the restart: {expiry_checks}; {}; load {load_steady_start} → {load_steady_end}",
             WATCHED[..5].join(", "),
             per_resource
                 .iter()
