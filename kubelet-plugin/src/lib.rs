@@ -246,8 +246,9 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     ready.set(false);
     // A stopping plugin normally reports itself unregistered, so the controller withdraws the
     // node's pool at once. In a rolling update another instance is still registered and keeps
-    // serving: then this one just stops reporting (the other's heartbeat continues), or the
-    // pool would vanish for a heartbeat interval.
+    // serving: then this one just stops reporting (aborting the status task also stops its
+    // Lease renewals; the other's heartbeat continues), or the pool would vanish for a
+    // heartbeat interval.
     let peers = peer_config.live_peer_registrations().await;
     if peers.is_empty() {
         status_stop.cancel();

@@ -11,8 +11,13 @@
 //! `gpunode_heartbeat_interval` (5 minutes by default), announcing that interval in
 //! `heartbeatIntervalSeconds`: a controller that predates the Lease reads only the GpuNode and
 //! allows 1.5 of those intervals, so it keeps the pool (it still notices a dead plugin by the
-//! kubelet's slice wipe). Without a namespace, or when a renewal fails, the GpuNode carries
-//! the heartbeat as before. See the controller's `liveness` module for how the two combine.
+//! kubelet's slice wipe). Without a namespace, or when renewals fail or fall behind, the
+//! GpuNode carries the heartbeat as before. See the controller's `liveness` module for how
+//! the two combine.
+//!
+//! The Lease is renewed by a task of its own on its own timer (as the kubelet renews its node
+//! Lease apart from the node status), started once the GpuNode exists: the status loop's
+//! inventory refresh (NVML, unbounded), events and GpuNode writes never delay a renewal.
 //!
 //! [`StatusLoop`] reads the GPU table ([`crate::gpus`]), never the driver: it keeps running
 //! while another plugin instance holds the node lock.
@@ -332,7 +337,9 @@ async fn bounded<T>(limit: Duration, what: &str, call: impl Future<Output = T>) 
 
 /// The status loop: refreshes the inventory and device health every `interval`, and
 /// immediately when the kubelet's registration state changes; publishes them in the GpuNode
-/// (when there is a writer) with events for GPU health changes and startup repairs.
+/// (when there is a writer) with events for GPU health changes and startup repairs. With a
+/// heartbeat Lease, it starts the Lease's own renewal task once the GpuNode exists and writes
+/// the GpuNode at its next beat whenever that task's renewals fail or fall behind.
 pub struct StatusLoop<B> {
     /// The GPU table the inventory comes from.
     pub gpus: Gpus<B>,
@@ -356,8 +363,9 @@ pub struct StatusLoop<B> {
 }
 
 impl<B: GpuBackend + 'static> StatusLoop<B> {
-    /// Runs until `shutdown`; then reports the plugin as unregistered so the controller
-    /// withdraws the pool without waiting for the heartbeat to go stale.
+    /// Runs until `shutdown`; then stops the Lease renewals and reports the plugin as
+    /// unregistered so the controller withdraws the pool without waiting for the heartbeat to
+    /// go stale. Dropping the future (an aborted task) stops the Lease renewals too.
     pub async fn run(self, shutdown: CancellationToken) {
         let Self {
             gpus,
@@ -375,8 +383,11 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
         let mut health_seen: std::collections::BTreeMap<u32, bool> = std::collections::BTreeMap::new();
         let mut repairs_seen = std::collections::BTreeMap::new();
         let mut last_written: Option<WrittenStatus> = None;
+        let mut lease: Option<LeaseTask> = None;
         loop {
+            let beat_started = tokio::time::Instant::now();
             let inventory = refresh(&gpus).await;
+            let refresh_took = beat_started.elapsed();
             if let Some(inventory) = &inventory {
                 let reports = gpus.device_health(inventory);
                 health.send_if_modified(|current| {
@@ -420,6 +431,14 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                         None => {}
                     }
                 }
+                if object_ready
+                    && writer.has_heartbeat_lease()
+                    && lease.as_ref().is_none_or(|l| l.node_uid != writer.node_uid)
+                {
+                    // The Lease's owner is the Node: started once its UID is known, and
+                    // restarted (re-applying the Lease) if the Node turned out replaced.
+                    lease = Some(LeaseTask::start(writer.clone(), interval, &shutdown));
+                }
                 if object_ready && let Some(note) = recovery_note.take() {
                     let event = writer.event(EventType::Warning, "RecoveredInterruptedOperations", note);
                     bounded(interval, "recording an event", event).await;
@@ -435,29 +454,17 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                 }
                 if object_ready {
                     let state = registration.borrow().clone();
-                    // A failed renewal makes this beat a GpuNode write, so liveness never
-                    // depends on the Lease alone.
-                    let renewed = match bounded(
-                        interval,
-                        "renewing the heartbeat Lease",
-                        writer.renew_lease(),
-                    )
-                    .await
-                    {
-                        Some(Ok(())) => writer.has_heartbeat_lease(),
-                        Some(Err(e)) => {
-                            tracing::warn!(error = %e, "renewing the heartbeat Lease failed; heartbeating in the GpuNode");
-                            false
-                        }
-                        None => false,
-                    };
                     let content = WrittenStatus {
                         registration: state.clone(),
                         driver_version: driver_version.clone(),
                         gpus: inventory.clone(),
                         at: tokio::time::Instant::now(),
                     };
-                    if !renewed || gpunode_due(last_written.as_ref(), &content, writer.gpunode_interval()) {
+                    // A failing or late Lease makes this beat a GpuNode write, so liveness
+                    // never depends on the Lease alone.
+                    let lease_live = lease.as_ref().is_some_and(|l| l.live(content.at, interval));
+                    if !lease_live || gpunode_due(last_written.as_ref(), &content, writer.gpunode_interval())
+                    {
                         let publish = writer.publish(&state, driver_version.clone(), inventory);
                         match bounded(interval, "updating the GpuNode status", publish).await {
                             Some(Ok(())) => last_written = Some(content),
@@ -474,6 +481,15 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                     }
                 }
             }
+            let beat_took = beat_started.elapsed();
+            if beat_took > interval {
+                tracing::warn!(
+                    ?interval,
+                    refresh = ?refresh_took,
+                    api_calls = ?beat_took.saturating_sub(refresh_took),
+                    "a status beat took longer than the heartbeat interval; the next one is late"
+                );
+            }
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(interval) => {}
@@ -484,6 +500,10 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                 }
             }
         }
+        // No renewal after the plugin reported itself gone.
+        if let Some(lease) = lease {
+            lease.stop().await;
+        }
         if let (Some(writer), Some(inventory)) = (&writer, refresh(&gpus).await) {
             let gone = RegistrationState {
                 registered: false,
@@ -493,6 +513,103 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                 tracing::warn!(error = %e, "reporting shutdown in the GpuNode failed");
             }
         }
+    }
+}
+
+/// How the heartbeat Lease's renewals are going, as its task reports them to the status loop.
+#[derive(Clone, Copy, Debug, Default)]
+struct LeaseRenewals {
+    /// When a renewal last succeeded.
+    last_renewed: Option<tokio::time::Instant>,
+    /// The latest renewal failed or did not answer in time.
+    failing: bool,
+}
+
+impl LeaseRenewals {
+    /// True when the Lease carries the heartbeat at `now`: the latest renewal succeeded, no
+    /// longer ago than the Lease's own duration (one and a half intervals, see
+    /// [`lease_duration_seconds`]). Later than that, a renewal is stuck.
+    fn live(&self, now: tokio::time::Instant, interval: Duration) -> bool {
+        !self.failing
+            && self
+                .last_renewed
+                .is_some_and(|at| now.saturating_duration_since(at) <= interval + interval / 2)
+    }
+}
+
+/// The task renewing the heartbeat Lease every interval, apart from the status loop.
+/// Dropping it stops the task (the status loop aborted in a hand-over, or restarting it).
+struct LeaseTask {
+    renewals: watch::Receiver<LeaseRenewals>,
+    /// The Node UID the Lease's owner reference carries.
+    node_uid: String,
+    cancel_on_drop: tokio_util::sync::DropGuard,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LeaseTask {
+    /// Starts renewing through `writer` (after its [`NodeStatusWriter::ensure_object`]) every
+    /// `interval`, until `shutdown` or until this is dropped or stopped.
+    fn start(writer: NodeStatusWriter, interval: Duration, shutdown: &CancellationToken) -> Self {
+        let stop = shutdown.child_token();
+        let (report, renewals) = watch::channel(LeaseRenewals::default());
+        let node_uid = writer.node_uid.clone();
+        let task = tokio::spawn(renew_lease_every(writer, interval, report, stop.clone()));
+        Self {
+            renewals,
+            node_uid,
+            cancel_on_drop: stop.drop_guard(),
+            task,
+        }
+    }
+
+    fn live(&self, now: tokio::time::Instant, interval: Duration) -> bool {
+        self.renewals.borrow().live(now, interval)
+    }
+
+    /// Stops the task and waits until it ended (an unanswered renewal is dropped).
+    async fn stop(self) {
+        drop(self.cancel_on_drop);
+        if let Err(e) = self.task.await {
+            tracing::warn!(error = %e, "heartbeat Lease task failed");
+        }
+    }
+}
+
+/// Renews the heartbeat Lease every `interval` (each renewal bounded by it) until `stop`,
+/// reporting each outcome to `report`.
+async fn renew_lease_every(
+    mut writer: NodeStatusWriter,
+    interval: Duration,
+    report: watch::Sender<LeaseRenewals>,
+    stop: CancellationToken,
+) {
+    let mut timer = tokio::time::interval(interval);
+    // After a renewal that hit its bound, the next one goes at once, then on the beat again.
+    timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = timer.tick() => {}
+        }
+        let outcome = tokio::select! {
+            _ = stop.cancelled() => break,
+            outcome = bounded(interval, "renewing the heartbeat Lease", writer.renew_lease()) => outcome,
+        };
+        let renewed = match outcome {
+            Some(Ok(())) => true,
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "renewing the heartbeat Lease failed; the next beat heartbeats in the GpuNode");
+                false
+            }
+            None => false,
+        };
+        report.send_modify(|r| {
+            if renewed {
+                r.last_renewed = Some(tokio::time::Instant::now());
+            }
+            r.failing = !renewed;
+        });
     }
 }
 
@@ -834,6 +951,65 @@ mod tests {
         assert_eq!(renewal.len(), 1, "a renewal carries only the spec: {renewal:?}");
         let spec = seen[1].3["spec"].as_object().unwrap();
         assert_eq!(spec.keys().collect::<Vec<_>>(), ["renewTime"]);
+    }
+
+    #[test]
+    fn the_lease_is_live_while_its_latest_renewal_succeeded_within_its_duration() {
+        let interval = Duration::from_secs(10);
+        let t0 = tokio::time::Instant::now();
+        assert!(!LeaseRenewals::default().live(t0, interval), "never renewed");
+        let renewed = LeaseRenewals {
+            last_renewed: Some(t0),
+            failing: false,
+        };
+        assert!(
+            renewed.live(t0 + Duration::from_secs(15), interval),
+            "within 1.5 intervals"
+        );
+        assert!(
+            !renewed.live(t0 + Duration::from_secs(16), interval),
+            "a renewal is stuck"
+        );
+        let failed = LeaseRenewals {
+            failing: true,
+            ..renewed
+        };
+        assert!(
+            !failed.live(t0 + Duration::from_secs(1), interval),
+            "the latest renewal failed"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_lease_task_reports_each_renewal_and_stops_when_asked() {
+        let (service, mut handle) =
+            tower_test::mock::pair::<http::Request<kube::client::Body>, http::Response<kube::client::Body>>();
+        let mock = Client::new(service, "default");
+        let interval = Duration::from_millis(50);
+        let writer = NodeStatusWriter::new(mock.clone(), "node-a", "gpu.migdra.dev", interval)
+            .with_heartbeat_lease(mock, "migdra-system", Duration::from_secs(300));
+        let lease = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                           "metadata": {"name": "node-a.gpu.migdra.dev", "namespace": "migdra-system"}});
+        let forbidden = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                               "reason": "Forbidden", "code": 403, "message": "forbidden"});
+        let shutdown = CancellationToken::new();
+        let task = LeaseTask::start(writer, interval, &shutdown);
+        let mut renewals = task.renewals.clone();
+
+        answer(&mut handle, 200, lease).await;
+        let renewed = *renewals.wait_for(|r| r.last_renewed.is_some()).await.unwrap();
+        assert!(!renewed.failing);
+        answer(&mut handle, 403, forbidden).await;
+        let failed = *renewals.wait_for(|r| r.failing).await.unwrap();
+        assert_eq!(
+            failed.last_renewed, renewed.last_renewed,
+            "kept from the last success"
+        );
+        // A renewal in flight, unanswered: stopping ends the task anyway.
+        let (_request, _unanswered) = handle.next_request().await.expect("a renewal");
+        tokio::time::timeout(Duration::from_secs(10), task.stop())
+            .await
+            .expect("the Lease task stopped");
     }
 
     #[tokio::test]

@@ -18,8 +18,10 @@ use migdra_fake_nvml::{
 use migdra_kubelet_plugin::{
     driver::{Step, StepHook},
     events::{ClaimEvent, ClaimEvents, publish_claim_events},
+    gpus::Gpus,
     metrics::Metrics,
     node_status::{NodeStatusWriter, StatusLoop},
+    nvml::GpuBackend,
 };
 use migdra_kubeletplugin::RegistrationState;
 use tokio::sync::watch;
@@ -219,7 +221,13 @@ async fn a_gpu_turning_unhealthy_is_a_warning_event_on_the_claims_using_it() {
 
     let (claim_events, mut events) = ClaimEvents::channel();
     let stop = CancellationToken::new();
-    let task = status_loop(&driver, claim_events, &stop);
+    let task = status_loop(
+        driver.gpus(),
+        None,
+        Duration::from_millis(50),
+        claim_events,
+        &stop,
+    );
     // Healthy GPUs: nothing for any claim.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(queued_events(&mut events), Vec::new());
@@ -241,23 +249,25 @@ async fn a_gpu_turning_unhealthy_is_a_warning_event_on_the_claims_using_it() {
     );
 }
 
-/// A status loop over `driver`'s GPUs without a GpuNode writer, sending claim events to
-/// `claim_events`, refreshing every 50 ms until `stop`.
-fn status_loop(
-    driver: &TestDriver,
+/// A status loop over `gpus` with `writer` (none: no GpuNode, only device health and claim
+/// events), sending claim events to `claim_events`, refreshing every `interval` until `stop`.
+fn status_loop<B: GpuBackend + 'static>(
+    gpus: &Gpus<B>,
+    writer: Option<NodeStatusWriter>,
+    interval: Duration,
     claim_events: ClaimEvents,
     stop: &CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let (_registration_tx, registration) = watch::channel(RegistrationState::default());
     let (health, _health_rx) = watch::channel(Vec::new());
     let status = StatusLoop {
-        gpus: driver.gpus().clone(),
-        writer: None,
+        gpus: gpus.clone(),
+        writer,
         recovery_note: None,
         recovery_events: None,
         registration,
         health,
-        interval: Duration::from_millis(50),
+        interval,
         claim_events,
     };
     tokio::spawn(status.run(stop.clone()))
@@ -307,7 +317,13 @@ async fn a_repair_left_pending_and_its_completion_are_events_on_the_claim() {
 
     let (claim_events, mut events) = ClaimEvents::channel();
     let stop = CancellationToken::new();
-    let task = status_loop(&driver, claim_events, &stop);
+    let task = status_loop(
+        driver.gpus(),
+        None,
+        Duration::from_millis(50),
+        claim_events,
+        &stop,
+    );
     let pending = next_event(&mut events, "RecoveryPending").await;
     assert_eq!((pending.uid.as_str(), pending.name.as_str()), ("uid-1", "stuck"));
     assert_eq!(pending.type_, EventType::Warning);
@@ -478,50 +494,69 @@ async fn a_prepare_reports_its_time_inside_and_outside_nvml_and_one_from_the_che
     }
 }
 
+/// A GpuNode writer heartbeating every `interval` through the Lease in `migdra-system`, over
+/// `client` (the mocked API server); the GpuNode itself is due only every 300 s.
+fn leased_writer(client: kube::Client, interval: Duration) -> NodeStatusWriter {
+    NodeStatusWriter::new(client.clone(), NODE, DRIVER, interval).with_heartbeat_lease(
+        client,
+        "migdra-system",
+        Duration::from_secs(300),
+    )
+}
+
+/// What the mocked API server answers to a status loop's request for `path`: the Node, the
+/// GpuNode or the Lease.
+fn api_answer(path: &str) -> serde_json::Value {
+    if path.starts_with("/api/v1/nodes/") {
+        serde_json::json!({"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": NODE, "uid": "node-uid"}})
+    } else if path.contains("/gpunodes/") {
+        serde_json::json!({"apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "GpuNode",
+            "metadata": {"name": NODE, "uid": "gpunode-uid"}, "spec": {"nodeName": NODE, "driver": DRIVER}})
+    } else if path.contains("/leases/") {
+        serde_json::json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": format!("{NODE}.{DRIVER}"), "namespace": "migdra-system"}})
+    } else {
+        panic!("the status loop asked for {path}")
+    }
+}
+
+fn json_response(body: &serde_json::Value) -> Response<Body> {
+    Response::builder()
+        .body(Body::from(serde_json::to_vec(body).unwrap()))
+        .unwrap()
+}
+
+fn is_lease(path: &str) -> bool {
+    path.contains("/leases/")
+}
+
+fn is_gpunode_status(method: &Method, path: &str) -> bool {
+    *method == Method::PATCH && path.ends_with(&format!("/gpunodes/{NODE}/status"))
+}
+
 /// An overloaded API server may hold a request for minutes. One heartbeat call hanging must
-/// not hold the later beats, or the controller would take a live plugin for dead: the loop
-/// gives up on the call after one interval, heartbeats through the GpuNode status instead,
-/// and renews the Lease again at the next beat.
+/// not hold the later beats, or the controller would take a live plugin for dead: the Lease
+/// task gives up on the call after one interval and renews again, and while no renewal
+/// succeeds the status loop heartbeats through the GpuNode status.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hung_lease_renewal_does_not_hold_the_next_beats() {
     let node = Node::new(&[("H100-80GB", true)]);
     let (driver, _) = node.start(None);
     let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let client = kube::Client::new(service, "default");
     let interval = Duration::from_millis(300);
-    let writer = NodeStatusWriter::new(client.clone(), NODE, DRIVER, interval).with_heartbeat_lease(
-        client,
-        "migdra-system",
-        Duration::from_secs(300),
-    );
-    let (_registration_tx, registration) = watch::channel(RegistrationState::default());
-    let (health, _health_rx) = watch::channel(Vec::new());
+    let writer = leased_writer(kube::Client::new(service, "default"), interval);
     let (claim_events, _events) = ClaimEvents::channel();
     let stop = CancellationToken::new();
-    let status = StatusLoop {
-        gpus: driver.gpus().clone(),
-        writer: Some(writer),
-        recovery_note: None,
-        recovery_events: None,
-        registration,
-        health,
-        interval,
-        claim_events,
-    };
-    let task = tokio::spawn(status.run(stop.clone()));
+    let task = status_loop(driver.gpus(), Some(writer), interval, claim_events, &stop);
 
-    let node_object = serde_json::json!({"apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": NODE, "uid": "node-uid"}});
-    let gpunode = serde_json::json!({"apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "GpuNode",
-        "metadata": {"name": NODE, "uid": "gpunode-uid"}, "spec": {"nodeName": NODE, "driver": DRIVER}});
-    let mut hung = None;
-    let mut seen = Vec::new();
-    // Up to the second Lease request: the first one is never answered.
-    while seen
-        .iter()
-        .filter(|(_, p): &&(Method, String)| p.contains("/leases/"))
-        .count()
-        < 2
+    let mut hung = Vec::new();
+    let mut seen: Vec<(Method, String)> = Vec::new();
+    // Up to the second Lease request (no Lease request is ever answered) and the second
+    // GpuNode status write: the first is due anyway, the second only because the Lease is not
+    // renewed.
+    while seen.iter().filter(|(_, p)| is_lease(p)).count() < 2
+        || seen.iter().filter(|(m, p)| is_gpunode_status(m, p)).count() < 2
     {
         let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
             .await
@@ -529,34 +564,103 @@ async fn a_hung_lease_renewal_does_not_hold_the_next_beats() {
             .expect("mock closed");
         let (method, path) = (request.method().clone(), request.uri().path().to_string());
         seen.push((method, path.clone()));
-        if path.contains("/leases/") && hung.is_none() {
-            hung = Some(send);
+        if is_lease(&path) {
+            hung.push(send);
             continue;
         }
-        let body = if path.starts_with("/api/v1/nodes/") {
-            node_object.clone()
-        } else if path.contains("/gpunodes/") {
-            gpunode.clone()
-        } else {
-            let bytes = request.into_body().collect_bytes().await.unwrap();
-            serde_json::from_slice(&bytes).unwrap_or_default()
-        };
-        send.send_response(
-            Response::builder()
-                .body(Body::from(serde_json::to_vec(&body).unwrap()))
-                .unwrap(),
-        );
+        send.send_response(json_response(&api_answer(&path)));
     }
     stop.cancel();
     // The final "unregistered" write at shutdown fails at once against a closed mock.
     drop((hung, handle));
-    let first_lease = seen.iter().position(|(_, p)| p.contains("/leases/")).unwrap();
-    // While the Lease request hung, the beat went into the GpuNode status.
+    let first_lease = seen.iter().position(|(_, p)| is_lease(p)).unwrap();
+    let first_status = seen.iter().position(|(m, p)| is_gpunode_status(m, p)).unwrap();
+    // The Lease task starts once the GpuNode exists (the Node's UID is the Lease's owner).
     assert!(
-        seen[first_lease..]
+        seen[..first_lease]
             .iter()
-            .any(|(m, p)| *m == Method::PATCH && p.ends_with(&format!("/gpunodes/{NODE}/status"))),
+            .any(|(m, p)| *m == Method::PATCH && p.ends_with(&format!("/gpunodes/{NODE}"))),
+        "{seen:?}"
+    );
+    // While the Lease requests hung, a beat went into the GpuNode status besides the first.
+    assert!(
+        seen[first_status + 1..]
+            .iter()
+            .any(|(m, p)| is_gpunode_status(m, p)),
         "{seen:?}"
     );
     let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+}
+
+/// The Lease has a task of its own: an inventory refresh hanging in NVML holds the status
+/// loop, never the renewals, so the controller keeps seeing a live plugin. Stopped, the
+/// plugin still reports itself unregistered in the GpuNode, after the last renewal.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_inventory_refresh_does_not_hold_the_lease_renewals() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let backend = Arc::new(GatedBackend::new(node.nvml()));
+    let (driver, _) = node.start_over(backend.clone(), None, Metrics::new()).unwrap();
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let interval = Duration::from_millis(200);
+    let writer = leased_writer(kube::Client::new(service, "default"), interval);
+    let (claim_events, _events) = ClaimEvents::channel();
+    let stop = CancellationToken::new();
+    let task = status_loop(driver.gpus(), Some(writer), interval, claim_events, &stop);
+
+    // Every request as (method, path, body), recorded before it is answered.
+    let seen = Arc::new(std::sync::Mutex::new(
+        Vec::<(Method, String, serde_json::Value)>::new(),
+    ));
+    let server = {
+        let seen = seen.clone();
+        tokio::spawn(async move {
+            while let Some((request, send)) = handle.next_request().await {
+                let (method, path) = (request.method().clone(), request.uri().path().to_string());
+                let bytes = request.into_body().collect_bytes().await.unwrap();
+                let body = serde_json::from_slice(&bytes).unwrap_or_default();
+                seen.lock().unwrap().push((method, path.clone(), body));
+                send.send_response(json_response(&api_answer(&path)));
+            }
+        })
+    };
+    let leases = |seen: &[(Method, String, serde_json::Value)]| {
+        seen.iter()
+            .filter(|(m, p, _)| *m == Method::PATCH && is_lease(p))
+            .count()
+    };
+    wait_until("the GpuNode status was written and the Lease renewed", || {
+        let seen = seen.lock().unwrap();
+        leases(&seen) >= 1 && seen.iter().any(|(m, p, _)| is_gpunode_status(m, p))
+    })
+    .await;
+
+    let gate = backend.close();
+    wait_until("an inventory refresh hangs in NVML", || backend.waiting() > 0).await;
+    let (requests_then, leases_then) = {
+        let seen = seen.lock().unwrap();
+        (seen.len(), leases(&seen))
+    };
+    wait_until("two more Lease renewals while the refresh hangs", || {
+        leases(&seen.lock().unwrap()) >= leases_then + 2
+    })
+    .await;
+    assert_eq!(backend.waiting(), 1, "the refresh still hangs");
+    {
+        // Only the Lease task talked to the API server meanwhile: the status loop was held.
+        let seen = seen.lock().unwrap();
+        let meanwhile: Vec<_> = seen[requests_then..].iter().map(|(m, p, _)| (m, p)).collect();
+        assert!(meanwhile.iter().all(|(_, p)| is_lease(p)), "{meanwhile:?}");
+    }
+
+    drop(gate);
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("the status loop stopped")
+        .unwrap();
+    server.abort();
+    let seen = seen.lock().unwrap();
+    let (method, path, last) = seen.last().unwrap();
+    assert!(is_gpunode_status(method, path), "{seen:?}");
+    assert_eq!(last["status"]["plugin"]["registered"], false, "{last}");
 }

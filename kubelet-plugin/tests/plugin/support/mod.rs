@@ -25,7 +25,10 @@ use migdra_kubelet_plugin::{
     driver_files::HostDir,
     events::{ClaimEvent, ClaimEvents},
     metrics::Metrics,
-    nvml::NvmlBackend,
+    nvml::{
+        BackendError, CreatedComputeInstance, GpuBackend, GpuDescription, GpuInstanceRecord, MigModeChange,
+        NvmlBackend,
+    },
 };
 use migdra_kubeletplugin::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome};
 
@@ -378,7 +381,21 @@ impl Node {
         hook: Option<StepHook>,
         metrics: Metrics,
     ) -> Result<(TestDriver, RecoveryReport), migdra_kubelet_plugin::driver::DriverError> {
-        let backend = NvmlBackend::new(Some(&self.host.lib_path())).expect("load the fake NVML");
+        self.start_over(Arc::new(self.nvml()), hook, metrics)
+    }
+
+    /// A new NVML session on the fake library.
+    pub fn nvml(&self) -> NvmlBackend {
+        NvmlBackend::new(Some(&self.host.lib_path())).expect("load the fake NVML")
+    }
+
+    /// Starts a driver over `backend` (one wrapping [`Node::nvml`]).
+    pub fn start_over<B: GpuBackend + 'static>(
+        &self,
+        backend: Arc<B>,
+        hook: Option<StepHook>,
+        metrics: Metrics,
+    ) -> Result<(Driver<B, StaticClaims>, RecoveryReport), migdra_kubelet_plugin::driver::DriverError> {
         let config = DriverConfig {
             driver_name: DRIVER.into(),
             node_name: NODE.into(),
@@ -386,14 +403,7 @@ impl Node {
             boot_id: self.boot_id.clone(),
             lock_timeout: Duration::from_secs(2),
         };
-        Driver::start(
-            config,
-            Arc::new(backend),
-            self.claims.clone(),
-            self.cdi(),
-            hook,
-            metrics,
-        )
+        Driver::start(config, backend, self.claims.clone(), self.cdi(), hook, metrics)
     }
 
     /// GPU instances on GPU `index`: (profile ID, start, compute-instance UUIDs).
@@ -506,4 +516,113 @@ pub fn record_claim_events(driver: &TestDriver) -> tokio::sync::mpsc::Receiver<C
 /// The claim events queued so far.
 pub fn queued_events(receiver: &mut tokio::sync::mpsc::Receiver<ClaimEvent>) -> Vec<ClaimEvent> {
     std::iter::from_fn(|| receiver.try_recv().ok()).collect()
+}
+
+/// A GPU backend whose `discover` (the first NVML work of every inventory) waits while its
+/// gate is closed ([`GatedBackend::close`]): an NVML call that hangs. Everything else goes
+/// straight to the wrapped backend.
+///
+/// The gate opens when the guard `close` returns is dropped, so a failing test does not
+/// leave a blocking thread waiting (the runtime would wait for it forever).
+pub struct GatedBackend<B> {
+    inner: B,
+    closed: Mutex<bool>,
+    opened: std::sync::Condvar,
+    waiting: AtomicUsize,
+}
+
+impl<B> GatedBackend<B> {
+    pub fn new(inner: B) -> Self {
+        Self {
+            inner,
+            closed: Mutex::new(false),
+            opened: std::sync::Condvar::new(),
+            waiting: AtomicUsize::new(0),
+        }
+    }
+
+    /// Makes `discover` calls wait until the guard is dropped.
+    pub fn close(&self) -> GateClosed<'_, B> {
+        *self.closed.lock().unwrap() = true;
+        GateClosed(self)
+    }
+
+    /// How many `discover` calls wait at the closed gate now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    fn pass(&self) {
+        let mut closed = self.closed.lock().unwrap();
+        if *closed {
+            self.waiting.fetch_add(1, Ordering::SeqCst);
+            while *closed {
+                closed = self.opened.wait(closed).unwrap();
+            }
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Keeps a [`GatedBackend`]'s gate closed; dropping it lets the waiting and later calls through.
+pub struct GateClosed<'a, B>(&'a GatedBackend<B>);
+
+impl<B> Drop for GateClosed<'_, B> {
+    fn drop(&mut self) {
+        *self.0.closed.lock().unwrap_or_else(|p| p.into_inner()) = false;
+        self.0.opened.notify_all();
+    }
+}
+
+impl<B: GpuBackend> GpuBackend for GatedBackend<B> {
+    fn driver_version(&self) -> Result<String, BackendError> {
+        self.inner.driver_version()
+    }
+
+    fn discover(&self) -> Result<Vec<GpuDescription>, BackendError> {
+        self.pass();
+        self.inner.discover()
+    }
+
+    fn list_gpu_instances(&self, gpu: u32) -> Result<Vec<GpuInstanceRecord>, BackendError> {
+        self.inner.list_gpu_instances(gpu)
+    }
+
+    fn mig_enabled(&self, gpu: u32) -> Result<Option<bool>, BackendError> {
+        self.inner.mig_enabled(gpu)
+    }
+
+    fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigModeChange, BackendError> {
+        self.inner.set_mig_mode(gpu, enabled)
+    }
+
+    fn create_gpu_instance(&self, gpu: u32, profile_id: u32, start: u32) -> Result<u32, BackendError> {
+        self.inner.create_gpu_instance(gpu, profile_id, start)
+    }
+
+    fn create_full_compute_instance(
+        &self,
+        gpu: u32,
+        gpu_instance: u32,
+    ) -> Result<CreatedComputeInstance, BackendError> {
+        self.inner.create_full_compute_instance(gpu, gpu_instance)
+    }
+
+    fn destroy_compute_instance(
+        &self,
+        gpu: u32,
+        gpu_instance: u32,
+        compute_instance: u32,
+    ) -> Result<(), BackendError> {
+        self.inner
+            .destroy_compute_instance(gpu, gpu_instance, compute_instance)
+    }
+
+    fn destroy_gpu_instance(&self, gpu: u32, gpu_instance: u32) -> Result<(), BackendError> {
+        self.inner.destroy_gpu_instance(gpu, gpu_instance)
+    }
+
+    fn probe_health(&self, gpu: u32) -> Result<(), BackendError> {
+        self.inner.probe_health(gpu)
+    }
 }
