@@ -1,11 +1,12 @@
 //! What every reconciliation shares: the API handles, the caches fed by the watches, the
-//! write expectations, which nodes are live, the event recorder and the metrics.
+//! write expectations, which nodes are live, how many are writing slices and whose status
+//! waits for that, the event recorder and the metrics.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{HashMap, HashSet, hash_map::Entry},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -71,6 +72,9 @@ pub struct ControllerConfig {
     /// Heartbeat expiry alone withdraws at most one pool per this interval (see
     /// [`Context::allow_expiry_withdrawal`]); zero: no limit.
     pub expiry_withdrawal_interval: Duration,
+    /// Longest a node's `Published=True` status write waits for other reconciliations' slice
+    /// writes (see [`Context::defer_status`]); zero: never waits.
+    pub status_defer_max: Duration,
 }
 
 /// The caches the reconciler reads.
@@ -134,6 +138,21 @@ pub struct Context {
     slice_index: Mutex<SliceIndex>,
     /// Per node, what the last reconciliation that found the pool up to date saw.
     memos: Mutex<HashMap<String, crate::reconcile::Memo>>,
+    /// Reconciliations writing slices right now (see [`Context::writing_slices`]).
+    slice_writers: AtomicUsize,
+    /// Per node, when its pending status write was first deferred.
+    status_deferred: Mutex<HashMap<String, Instant>>,
+}
+
+/// Counts one reconciliation as writing slices while it lives (see
+/// [`Context::writing_slices`]); dropping it, on success, error or panic, ends that.
+#[must_use = "the reconciliation counts as writing slices only while the guard lives"]
+pub struct SliceWriting<'a>(&'a AtomicUsize);
+
+impl Drop for SliceWriting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Slice names by node, maintained from the slice watch like the cache itself (a relist
@@ -208,6 +227,8 @@ impl Context {
             live: Mutex::new(HashSet::new()),
             slice_index: Mutex::new(SliceIndex::default()),
             memos: Mutex::new(HashMap::new()),
+            slice_writers: AtomicUsize::new(0),
+            status_deferred: Mutex::new(HashMap::new()),
         }
     }
 
@@ -237,6 +258,53 @@ impl Context {
             Some(memo) => memos.insert(node.to_string(), memo),
             None => memos.remove(node),
         };
+    }
+
+    /// Counts the caller as writing slices until the guard drops.
+    pub fn writing_slices(&self) -> SliceWriting<'_> {
+        self.slice_writers.fetch_add(1, Ordering::Relaxed);
+        SliceWriting(&self.slice_writers)
+    }
+
+    /// How many reconciliations are writing slices right now.
+    pub fn slice_writers(&self) -> usize {
+        self.slice_writers.load(Ordering::Relaxed)
+    }
+
+    /// Whether `node`'s status write, which would change the GpuNode, waits: while other
+    /// reconciliations write slices, for at most [`ControllerConfig::status_defer_max`] since
+    /// its first deferral, which is recorded here and kept until [`Self::status_settled`].
+    pub fn defer_status(&self, node: &str) -> bool {
+        let max = self.config.status_defer_max;
+        if max.is_zero() || self.slice_writers() == 0 {
+            return false;
+        }
+        let mut deferred = self.status_deferred.lock().unwrap_or_else(|p| p.into_inner());
+        match deferred.entry(node.to_string()) {
+            Entry::Occupied(first) => first.get().elapsed() < max,
+            Entry::Vacant(first) => {
+                first.insert(Instant::now());
+                true
+            }
+        }
+    }
+
+    /// Forgets `node`'s deferred status write: written, no longer needed, or its GpuNode is
+    /// gone.
+    pub fn status_settled(&self, node: &str) {
+        self.status_deferred
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(node);
+    }
+
+    /// Forgets the deferred status writes of the nodes `keep` rejects (their GpuNodes are
+    /// gone, so no reconciliation settles them).
+    pub fn retain_status_deferrals(&self, keep: impl Fn(&str) -> bool) {
+        self.status_deferred
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|node, _| keep(node));
     }
 
     /// Waits until every cache has its initial list (a pool computed from a half-filled policy

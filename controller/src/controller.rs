@@ -323,7 +323,7 @@ pub async fn run(
 }
 
 /// Deletes slices of nodes without a GpuNode, every [`SWEEP_INTERVAL`], and forgets their
-/// metrics.
+/// metrics and deferred status writes.
 async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: CancellationToken) {
     let ready = async { gpunodes.wait_until_ready().await.is_ok() && ctx.wait_ready().await.is_ok() };
     tokio::select! {
@@ -337,6 +337,7 @@ async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: Cancellati
         }
         let names: HashSet<String> = gpunodes.state().iter().map(|g| g.name_any()).collect();
         ctx.geometries.retain(|name| names.contains(name));
+        ctx.retain_status_deferrals(|name| names.contains(name));
         for (node, orphan) in orphaned_slices(&ctx.slices.state(), &names) {
             tracing::info!(slice = %orphan.name, %node, "deleting a slice of a node without GpuNode");
             ctx.metrics.forget_node(&node);

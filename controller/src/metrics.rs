@@ -1,6 +1,7 @@
 //! Prometheus metrics of the controller (prefix `migdra_controller_`): reconciliations and
 //! their duration, ResourceSlice writes by kind, and per node what is published (devices,
-//! slices, GPUs) and whether its plugin is live; the count of published pools. The `node`
+//! slices, GPUs) and whether its plugin is live; the count of published pools; status writes
+//! deferred while other pools were being written. The `node`
 //! label is bounded by the cluster's GPU nodes, and a node's series go with its GpuNode.
 
 use std::{
@@ -104,6 +105,7 @@ pub struct Metrics {
     expired_heartbeats: Gauge,
     withdrawals_held: Gauge,
     expiry_checks: Family<OutcomeLabels, Counter>,
+    status_writes_deferred: Counter,
     registry: Arc<Registry>,
 }
 
@@ -206,8 +208,16 @@ impl Metrics {
              and Lease before withdrawing a pool, by outcome (refuted: the cache lagged)",
             expiry_checks.clone(),
         );
+        let status_writes_deferred = Counter::default();
+        registry.register(
+            "status_writes_deferred",
+            "GpuNode status writes put off while other reconciliations were writing slices \
+             (one per deferral: a node put off twice counts twice)",
+            status_writes_deferred.clone(),
+        );
         Self {
             expiry_checks,
+            status_writes_deferred,
             slice_wipes,
             expired_heartbeats,
             withdrawals_held,
@@ -344,6 +354,11 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts one deferred status write.
+    pub fn status_write_deferred(&self) {
+        self.status_writes_deferred.inc();
+    }
+
     /// Sets the is-leader gauge.
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
@@ -398,6 +413,7 @@ mod tests {
         m.set_leader(true);
         m.slices_wiped(3);
         m.set_heartbeat_census(4, true);
+        m.status_write_deferred();
         drop(m.reconcile_timer());
         let text = m.encode();
         for needle in [
@@ -417,6 +433,7 @@ mod tests {
             "migdra_controller_slice_wipes_total 3",
             "migdra_controller_expired_heartbeats 4",
             "migdra_controller_heartbeat_withdrawals_held 1",
+            "migdra_controller_status_writes_deferred_total 1",
             "migdra_controller_reconcile_duration_seconds_count 1",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");

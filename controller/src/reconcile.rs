@@ -13,6 +13,13 @@
 //!   the pool is diffed and only a real change is written, with a new generation when the
 //!   upstream slice controller would bump it. Requeued at the heartbeat's expiry, so a
 //!   plugin that dies silently is noticed.
+//! * Slices first, statuses after. While other reconciliations are writing slices (a publish
+//!   burst, with the API server the bottleneck), a `Published=True` status that would change
+//!   the GpuNode is not written: the scheduler needs the slices, the status (a large object's
+//!   server-side apply) is for people and tools. The node is looked at again within 2 s and
+//!   the status goes out once no slices are being written, or after
+//!   [`STATUS_DEFER_MAX`] of waiting. A status that explains a withdrawal, a failure or a
+//!   refused policy or pool is written at once.
 //!
 //! Short circuit. Most reconciliations change nothing: a live node is re-checked at every
 //! heartbeat expiry. So a reconciliation that found the pool up to date leaves a [`Memo`]: a
@@ -65,6 +72,13 @@ const MIN_REQUEUE: Duration = Duration::from_secs(1);
 const BACKOFF_BASE: Duration = Duration::from_secs(1);
 /// Longest error backoff.
 const BACKOFF_MAX: Duration = Duration::from_secs(120);
+/// Default [`crate::context::ControllerConfig::status_defer_max`]: the longest a node's
+/// `Published=True` status waits for other reconciliations' slice writes. A bound, so the
+/// condition is at most this stale even while slices are written without pause (a long
+/// cold start, continuous churn).
+pub const STATUS_DEFER_MAX: Duration = Duration::from_secs(30);
+/// How soon a node whose status write was deferred is looked at again.
+const STATUS_DEFER_RECHECK: Duration = Duration::from_secs(2);
 
 /// What a reconciliation that found a node's pool up to date saw (see the module docs).
 #[derive(Clone, Debug, PartialEq)]
@@ -199,6 +213,26 @@ impl Outcome {
             reported: None,
         }
     }
+
+    /// A reconciliation that kept or published the pool, requeued after `requeue`, or sooner
+    /// when its status write was deferred (so it goes out soon after the slice writes).
+    fn published(requeue: Duration, status: &status::StatusUpdate) -> Self {
+        let requeue = match status {
+            status::StatusUpdate::Deferred(_) => requeue.min(STATUS_DEFER_RECHECK),
+            _ => requeue,
+        };
+        Self::done(Action::requeue(requeue))
+    }
+}
+
+/// Whether a status write may wait for other reconciliations' slice writes (see the module
+/// docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Urgency {
+    /// `Published=True`: may wait.
+    Deferrable,
+    /// Explains why devices vanished or were refused: written at once.
+    Now,
 }
 
 /// Reconciles one GpuNode (the kube-runtime reconciler).
@@ -279,6 +313,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             ctx,
             publication,
             &Published::no(reason::NODE_NOT_FOUND, message),
+            Urgency::Now,
         )
         .await?;
         return Ok(Outcome::done(Action::await_change()));
@@ -321,7 +356,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             withdraw(ctx, &node_name, &cached).await?;
             ctx.metrics.set_published_devices(&node_name, 0);
             let condition = Published::no(reason::PLUGIN_NOT_READY, why.message());
-            write_status(gpunode, ctx, publication, &condition).await?;
+            write_status(gpunode, ctx, publication, &condition, Urgency::Now).await?;
             // The plugin's next heartbeat (a GpuNode change or a Lease renewal) brings the
             // node back.
             return Ok(Outcome::done(Action::await_change()));
@@ -329,7 +364,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         Liveness::Held { last } => {
             ctx.metrics.set_plugin_live(&node_name, false);
             tracing::debug!(%last, "heartbeat expired, but expiry withdrawals are held back: keeping the pool");
-            Action::requeue(HELD_RECHECK)
+            HELD_RECHECK
         }
         Liveness::Live { expires } => {
             ctx.metrics.set_plugin_live(&node_name, true);
@@ -337,7 +372,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
                 tracing::info!(%at, "the plugin heartbeated after its slices were wiped; republishing");
                 ctx.expectations.wipe_answered(&node_name, at);
             }
-            Action::requeue(until(expires, now, MIN_REQUEUE, cap) + EXPIRY_MARGIN)
+            until(expires, now, MIN_REQUEUE, cap) + EXPIRY_MARGIN
         }
     };
 
@@ -368,8 +403,8 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         ctx.metrics
             .set_published_devices(&node_name, memo.publication.devices);
         let condition = Published::yes(memo.message.clone());
-        write_status(gpunode, ctx, memo.publication, &condition).await?;
-        return Ok(Outcome::done(requeue));
+        let update = write_status(gpunode, ctx, memo.publication, &condition, Urgency::Deferrable).await?;
+        return Ok(Outcome::published(requeue, &update));
     }
     ctx.set_memo(&node_name, None);
     // The cached GpuNode holds no profile tables (see `crate::geometries`).
@@ -399,11 +434,14 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
                 ..PublicationStatus::default()
             });
             let condition = Published::no(error.reason(), error.to_string());
-            if write_status(gpunode, ctx, publication, &condition).await?.wrote() {
+            if write_status(gpunode, ctx, publication, &condition, Urgency::Now)
+                .await?
+                .wrote()
+            {
                 publish_event(gpunode, ctx, &error).await;
             }
             return Ok(Outcome {
-                action: requeue,
+                action: Action::requeue(requeue),
                 reported: Some(error),
             });
         }
@@ -438,6 +476,8 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             devices = desired.devices,
             "publishing pool"
         );
+        // Counted while it writes: the status writes of other nodes wait for it.
+        let _writing = ctx.writing_slices();
         written = publisher(ctx, &node_name).apply(&diff).await?;
     }
     ctx.expectations.own(&node_name, desired_names.clone());
@@ -474,18 +514,25 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         ctx,
         publication.clone(),
         &Published::yes(message.clone()),
+        Urgency::Deferrable,
     )
     .await?;
     if !diff_was_empty && let Some(after) = cache_after_publish(&desired_names, &written, &cached) {
         // The pool was just written: the reconciliations its own slice and status events
         // trigger will see exactly these inputs once the caches caught up, so they need no
         // planning either (if anything else changed, the hash differs and they do the work).
+        // A deferred status leaves the GpuNode as cached: they see the generation it shows
+        // now, and the memo takes them straight to the status write.
+        let published_generation = match update {
+            status::StatusUpdate::Deferred(_) => published.map(|p| p.generation),
+            _ => Some(generation),
+        };
         let inputs = PoolInputs {
             inventory,
             node: &node_ref,
             policies: &policies,
             allocated: &allocated,
-            published_generation: Some(generation),
+            published_generation,
             cached: &after,
         }
         .hash();
@@ -500,7 +547,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             }),
         );
     }
-    Ok(Outcome::done(requeue))
+    Ok(Outcome::published(requeue, &update))
 }
 
 /// What the slice cache will show for a node once it caught up with a publication: every
@@ -658,14 +705,29 @@ fn withdrawn(
     }
 }
 
+/// Writes the status unless the GpuNode shows it already, or, when `urgency` allows, while
+/// other reconciliations are writing slices (see [`Context::defer_status`]).
 async fn write_status(
     gpunode: &GpuNode,
     ctx: &Context,
     publication: PublicationStatus,
     published: &Published,
+    urgency: Urgency,
 ) -> Result<status::StatusUpdate, Error> {
+    let node = gpunode.name_any();
     let desired = status::desired_status(gpunode, publication, published, Timestamp::now());
-    status::update(&ctx.gpunode_api, &ctx.status_ledger, gpunode, &desired).await
+    let defer = || urgency == Urgency::Deferrable && ctx.defer_status(&node);
+    let update = status::update(&ctx.gpunode_api, &ctx.status_ledger, gpunode, &desired, defer).await?;
+    if matches!(update, status::StatusUpdate::Deferred(_)) {
+        ctx.metrics.status_write_deferred();
+        tracing::debug!(
+            slice_writers = ctx.slice_writers(),
+            "other reconciliations are writing slices: the status write waits"
+        );
+    } else {
+        ctx.status_settled(&node);
+    }
+    Ok(update)
 }
 
 /// Reports a failed reconciliation: a Warning event, and the condition (publication kept).
@@ -684,7 +746,7 @@ async fn report_failure(gpunode: &GpuNode, ctx: &Context, error: &Error) {
             ..PublicationStatus::default()
         });
     let condition = Published::no(error.reason(), error.to_string());
-    if let Err(e) = write_status(gpunode, ctx, publication, &condition).await {
+    if let Err(e) = write_status(gpunode, ctx, publication, &condition, Urgency::Now).await {
         tracing::warn!(error = %e, "recording the failure in the status failed");
     }
 }

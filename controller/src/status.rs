@@ -1,7 +1,8 @@
 //! The controller's part of a GpuNode's status: `status.publication` and the `Published`
 //! condition, written with server-side apply under the controller's own field manager so the
 //! plugin's `status.plugin` and `status.gpus` are never touched. Patched only on change (and
-//! not again while the cache has not caught up with the controller's own last write).
+//! not again while the cache has not caught up with the controller's own last write); the
+//! caller may defer a change (see [`update`]).
 
 use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
@@ -205,6 +206,9 @@ pub enum StatusUpdate {
     /// Nothing to write: the GpuNode shows it, or will once the cache shows the controller's
     /// last write (whose resulting resourceVersion this is).
     Unchanged(Option<String>),
+    /// Not written now: the caller deferred the change. The GpuNode keeps the version it has
+    /// (this one).
+    Deferred(Option<String>),
     /// The GpuNode is gone.
     Gone,
 }
@@ -218,7 +222,7 @@ impl StatusUpdate {
     /// The resourceVersion the GpuNode has (or will have in the cache) with this status.
     pub fn version(&self) -> Option<&str> {
         match self {
-            Self::Written(v) | Self::Unchanged(v) => v.as_deref(),
+            Self::Written(v) | Self::Unchanged(v) | Self::Deferred(v) => v.as_deref(),
             Self::Gone => None,
         }
     }
@@ -237,13 +241,15 @@ pub fn apply_body(desired: &DesiredStatus) -> serde_json::Value {
 }
 
 /// Writes `desired` unless the GpuNode already shows it, or the controller's last write over
-/// this version of it did (see [`StatusLedger`]). A GpuNode deleted meanwhile is not an
-/// error.
+/// this version of it did (see [`StatusLedger`]), or `defer` (asked only when a write would
+/// go out, so deferring costs no API call) says it waits. A GpuNode deleted meanwhile is not
+/// an error.
 pub async fn update(
     api: &Api<GpuNode>,
     ledger: &StatusLedger,
     gpunode: &GpuNode,
     desired: &DesiredStatus,
+    defer: impl FnOnce() -> bool,
 ) -> Result<StatusUpdate, Error> {
     if is_current(gpunode, desired) {
         return Ok(StatusUpdate::Unchanged(gpunode.metadata.resource_version.clone()));
@@ -251,6 +257,9 @@ pub async fn update(
     if let Some(after) = ledger.already_written(gpunode, desired) {
         tracing::trace!("the status wanted is the one written last; the cache has not shown it yet");
         return Ok(StatusUpdate::Unchanged(after));
+    }
+    if defer() {
+        return Ok(StatusUpdate::Deferred(gpunode.metadata.resource_version.clone()));
     }
     let name = gpunode.metadata.name.clone().unwrap_or_default();
     let params = PatchParams::apply(FIELD_MANAGER).force();

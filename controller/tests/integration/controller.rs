@@ -102,6 +102,7 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
         census_ttl: Duration::from_secs(1),
         concurrency: 4,
         expiry_withdrawal_interval: Duration::from_secs(10),
+        status_defer_max: migdra_controller::reconcile::STATUS_DEFER_MAX,
     };
     let shutdown = CancellationToken::new();
     let run = tokio::spawn(controller::run(client, config, Metrics::new(), shutdown.clone()));

@@ -1,8 +1,9 @@
 //! The reconciler against a scripted API server: the exact calls it makes for a new pool, a
 //! no-op resync, an inventory change, a kubelet wipe, a dead plugin, a deleted node, a write
-//! conflict, an invalid policy and an API server that drops fields.
+//! conflict, an invalid policy, an API server that drops fields, and status writes deferred
+//! while other reconciliations write slices.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use crate::support::*;
 use http::StatusCode;
@@ -436,6 +437,11 @@ async fn a_conflict_fails_the_reconcile_and_the_retry_succeeds() {
     let err = result.unwrap_err();
     assert!(matches!(err, Error::Conflict { .. }), "{err}");
     assert_eq!(err.metric_label(), "conflict");
+    assert_eq!(
+        h.ctx.slice_writers(),
+        0,
+        "a failed publish no longer counts as writing"
+    );
     let g = Arc::new(g);
     let first = error_policy(g.clone(), &err, h.ctx.clone());
     assert_eq!(requeue_secs(&first), Some(1));
@@ -1020,5 +1026,170 @@ async fn an_expiry_that_cannot_be_confirmed_keeps_the_pool() {
             .metrics
             .encode()
             .contains(r#"migdra_controller_heartbeat_expiry_checks_total{outcome="confirmed"} 1"#)
+    );
+}
+
+fn deferred_total(h: &Harness) -> String {
+    let metrics = h.ctx.metrics.encode();
+    metrics
+        .lines()
+        .find(|l| l.starts_with("migdra_controller_status_writes_deferred_total "))
+        .unwrap_or_else(|| panic!("no deferral counter in\n{metrics}"))
+        .to_string()
+}
+
+/// Publishes `g`'s pool on a fresh node while others write slices: the slices are written
+/// (returned as stored), the status is not.
+async fn publish_deferred(h: &mut Harness, g: &GpuNode) -> Vec<ResourceSlice> {
+    let gpus = g.status.as_ref().unwrap().gpus.clone().unwrap();
+    let (count, _) = expected_pool(&gpus);
+    let scenario = Scenario::new().then_all((0..count).map(|i| create_slice(&name(i), pool_slice(1, count))));
+    let (result, served) = h.reconcile(g, scenario).await;
+    let recheck = requeue_secs(&result.unwrap()).expect("looked at again soon");
+    assert!(recheck <= 2, "recheck after {recheck}s");
+    assert_eq!(served.written.len(), count);
+    assert!(served.status_patches.is_empty(), "the status waits");
+    served.written
+}
+
+#[tokio::test]
+async fn a_published_status_waits_while_other_reconciliations_write_slices() {
+    let mut h = Harness::new();
+    let ctx = h.ctx.clone();
+    let others = ctx.writing_slices();
+    let gpus = h100s(2);
+    let (_, devices) = expected_pool(&gpus);
+    let g = gpunode(Some(live_plugin()), gpus);
+    let stored = publish_deferred(&mut h, &g).await;
+    assert_eq!(
+        deferred_total(&h),
+        "migdra_controller_status_writes_deferred_total 1"
+    );
+    assert_eq!(
+        h.ctx.slice_writers(),
+        1,
+        "its own writes are done; the others' are not"
+    );
+    // No status write: the GpuNode keeps the version the cache has.
+    let predicted = h.ctx.memo(NODE).expect("a publish leaves a memo");
+    assert_eq!(predicted.gpunode_version(), Some("1"));
+
+    // The slice cache caught up, the others still write: the memo leads straight to the
+    // status write, which waits again.
+    h.store_slices(&stored);
+    let (result, served) = h.reconcile(&g, Scenario::new()).await;
+    let recheck = requeue_secs(&result.unwrap()).unwrap();
+    assert!(recheck <= 2, "recheck after {recheck}s");
+    assert!(served.status_patches.is_empty());
+    assert_eq!(h.ctx.memo(NODE), Some(predicted), "the memo was used");
+    assert_eq!(
+        deferred_total(&h),
+        "migdra_controller_status_writes_deferred_total 2"
+    );
+
+    // No one writes slices any more: the status goes out, once.
+    drop(others);
+    let scenario = Scenario::new().then(patch_status(move |body| {
+        assert_eq!(condition(body), ("True", "Published"));
+        assert_eq!(body["status"]["publication"]["generation"], 1);
+        assert_eq!(body["status"]["publication"]["devices"], devices);
+    }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    let requeue = requeue_secs(&result.unwrap()).unwrap();
+    assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
+    assert_eq!(served.status_patches.len(), 1);
+    // The cache still shows the GpuNode without it: written already, not again.
+    let (result, served) = h.reconcile(&g, Scenario::new()).await;
+    assert!(result.is_ok() && served.status_patches.is_empty());
+    assert_eq!(
+        deferred_total(&h),
+        "migdra_controller_status_writes_deferred_total 2"
+    );
+}
+
+#[tokio::test]
+async fn a_deferred_status_is_written_after_the_bound_while_slices_are_still_written() {
+    let bound = Duration::from_millis(300);
+    let mut h = Harness::with_config(|c| c.status_defer_max = bound);
+    let ctx = h.ctx.clone();
+    let _others = ctx.writing_slices();
+    let g = gpunode(Some(live_plugin()), h100s(1));
+    let stored = publish_deferred(&mut h, &g).await;
+    h.store_slices(&stored);
+    // Waiting since the first deferral for longer than the bound: written, others or not.
+    tokio::time::sleep(bound + Duration::from_millis(100)).await;
+    let scenario = Scenario::new().then(patch_status(|body| {
+        assert_eq!(condition(body), ("True", "Published"));
+    }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    let requeue = requeue_secs(&result.unwrap()).unwrap();
+    assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
+    assert_eq!(served.status_patches.len(), 1);
+    assert_eq!(
+        deferred_total(&h),
+        "migdra_controller_status_writes_deferred_total 1"
+    );
+    assert_eq!(h.ctx.slice_writers(), 1);
+}
+
+#[tokio::test]
+async fn a_zero_bound_never_defers() {
+    let mut h = Harness::with_config(|c| c.status_defer_max = Duration::ZERO);
+    let ctx = h.ctx.clone();
+    let _others = ctx.writing_slices();
+    publish_fresh(&mut h, h100s(1)).await;
+    assert_eq!(
+        deferred_total(&h),
+        "migdra_controller_status_writes_deferred_total 0"
+    );
+}
+
+#[tokio::test]
+async fn a_withdrawal_writes_its_status_at_once_while_slices_are_written() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let ctx = h.ctx.clone();
+    let _others = ctx.writing_slices();
+    let mut unregistered = g.clone();
+    unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
+    let scenario = Scenario::new()
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+        }));
+    let (result, served) = h.reconcile(&unregistered, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(served.status_patches.len(), 1);
+    assert_eq!(
+        deferred_total(&h),
+        "migdra_controller_status_writes_deferred_total 0"
+    );
+}
+
+#[tokio::test]
+async fn a_refused_policy_writes_its_status_at_once_while_slices_are_written() {
+    let mut h = Harness::new();
+    h.add_policy(MigPolicy::new(
+        "broken",
+        MigPolicySpec {
+            profiles: vec!["9x".into()],
+            ..Default::default()
+        },
+    ));
+    let ctx = h.ctx.clone();
+    let _others = ctx.writing_slices();
+    let g = gpunode(Some(live_plugin()), h100s(1));
+    let scenario = Scenario::new()
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PolicyInvalid"));
+        }))
+        .then(event("PolicyInvalid"));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(requeue_secs(&result.unwrap()).is_some());
+    assert!(served.written.is_empty());
+    assert_eq!(
+        deferred_total(&h),
+        "migdra_controller_status_writes_deferred_total 0"
     );
 }

@@ -65,6 +65,11 @@ pub struct Harness {
 impl Harness {
     /// Empty, ready caches plus the Node `node-a`.
     pub fn new() -> Self {
+        Self::with_config(|_| {})
+    }
+
+    /// [`Self::new`], with the controller settings changed by `configure`.
+    pub fn with_config(configure: impl FnOnce(&mut ControllerConfig)) -> Self {
         let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
         let client = Client::new(service, "default");
         let (gpunodes_store, mut gpunodes) = reflector::store();
@@ -79,7 +84,7 @@ impl Harness {
         policies.apply_watcher_event(&watcher::Event::InitDone);
         slices.apply_watcher_event(&watcher::Event::InitDone);
         claims.apply_watcher_event(&watcher::Event::InitDone);
-        let config = ControllerConfig {
+        let mut config = ControllerConfig {
             driver: DRIVER.into(),
             heartbeat_timeout: HEARTBEAT_TIMEOUT,
             mass_expiry_threshold: 0.55,
@@ -89,7 +94,9 @@ impl Harness {
             census_ttl: Duration::ZERO,
             concurrency: 0,
             expiry_withdrawal_interval: Duration::from_secs(10),
+            status_defer_max: migdra_controller::reconcile::STATUS_DEFER_MAX,
         };
+        configure(&mut config);
         let stores = Stores {
             gpunodes: gpunodes_store,
             nodes: nodes_store,
