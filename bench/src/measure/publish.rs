@@ -259,12 +259,31 @@ async fn slices_per_node(client: &Client) -> anyhow::Result<(u32, Option<Duratio
     }
 }
 
+/// Deletes every slice of `driver`. One deletecollection of 10,000 slices (2,000 nodes) runs
+/// past the API server's 60 s request timeout, which closes the connection with the deletion
+/// half done; so it is repeated until nothing is left (each attempt deletes more).
 pub(crate) async fn delete_driver_slices(client: &Client, driver: &str) -> anyhow::Result<()> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let selector = ListParams::default().fields(&format!("spec.driver={driver}"));
-    slices
-        .delete_collection(&DeleteParams::default(), &selector)
-        .await?;
+    for attempt in 1..=20 {
+        match slices
+            .delete_collection(&DeleteParams::default(), &selector)
+            .await
+        {
+            Ok(_) => break,
+            Err(e) => {
+                let left = slices.list_metadata(&selector).await.map(|l| l.items.len());
+                eprintln!(
+                    "deleting the slices of {driver} did not finish (attempt {attempt}: {e}); {} left, again",
+                    left.as_ref()
+                        .map_or_else(|e| format!("unknown ({e})"), |n| n.to_string())
+                );
+                if matches!(left, Ok(0)) {
+                    break;
+                }
+            }
+        }
+    }
     wait_until(Duration::from_secs(120), || async {
         let left = slices.list_metadata(&selector).await.ok()?.items.len();
         (left == 0).then_some(())
