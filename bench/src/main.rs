@@ -175,6 +175,14 @@ async fn main() -> anyhow::Result<()> {
                     concurrency_text(args.floor_concurrency)
                 ),
             },
+            if args.nodes.iter().any(|n| *n > args.upstream_controllers_max_nodes) {
+                format!(
+                    "kube-scheduler and kube-controller-manager stopped before the fleet grew past {} nodes (BENCH_UPSTREAM_CONTROLLERS_MAX_NODES): B2/B3/B6 do not involve them, and at 2,000 nodes they ran the machine out of memory",
+                    args.upstream_controllers_max_nodes
+                )
+            } else {
+                "kube-scheduler and kube-controller-manager running throughout".into()
+            },
             format!("label: {}", if args.label.is_empty() { "—" } else { &args.label }),
             format!("cluster logs: {}", logs.display()),
         ],
@@ -304,6 +312,15 @@ async fn controller_measures(
     counts.sort_unstable();
     for n in counts {
         eprintln!("B2/B3/B6 {label}: {n} simulated nodes");
+        if n > args.upstream_controllers_max_nodes {
+            eprintln!(
+                "stopping kube-scheduler and kube-controller-manager for the rest of the run \
+                 (above {} nodes, BENCH_UPSTREAM_CONTROLLERS_MAX_NODES)",
+                args.upstream_controllers_max_nodes
+            );
+            cluster.stop("kube-scheduler", Duration::from_secs(10));
+            cluster.stop("kube-controller-manager", Duration::from_secs(10));
+        }
         fleet.grow_to(n, args.concurrency).await?;
         let measured = measure::publish::run(
             cluster,
