@@ -75,6 +75,10 @@ pub struct ControllerConfig {
     /// Longest a node's `Published=True` status write waits for other reconciliations' slice
     /// writes (see [`Context::defer_status`]); zero: never waits.
     pub status_defer_max: Duration,
+    /// How long after the last slice write ended statuses still wait (within
+    /// `status_defer_max`), so the slices' watch events reach the scheduler before a burst of
+    /// large GpuNode status events; zero: only while slices are being written.
+    pub status_defer_quiet: Duration,
 }
 
 /// The caches the reconciler reads.
@@ -142,16 +146,19 @@ pub struct Context {
     slice_writers: AtomicUsize,
     /// Per node, when its pending status write was first deferred.
     status_deferred: Mutex<HashMap<String, Instant>>,
+    /// When the last slice write of any reconciliation ended.
+    last_slice_write: Mutex<Option<Instant>>,
 }
 
 /// Counts one reconciliation as writing slices while it lives (see
 /// [`Context::writing_slices`]); dropping it, on success, error or panic, ends that.
 #[must_use = "the reconciliation counts as writing slices only while the guard lives"]
-pub struct SliceWriting<'a>(&'a AtomicUsize);
+pub struct SliceWriting<'a>(&'a Context);
 
 impl Drop for SliceWriting<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        *self.0.last_slice_write.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        self.0.slice_writers.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -229,6 +236,7 @@ impl Context {
             memos: Mutex::new(HashMap::new()),
             slice_writers: AtomicUsize::new(0),
             status_deferred: Mutex::new(HashMap::new()),
+            last_slice_write: Mutex::new(None),
         }
     }
 
@@ -263,7 +271,7 @@ impl Context {
     /// Counts the caller as writing slices until the guard drops.
     pub fn writing_slices(&self) -> SliceWriting<'_> {
         self.slice_writers.fetch_add(1, Ordering::Relaxed);
-        SliceWriting(&self.slice_writers)
+        SliceWriting(self)
     }
 
     /// How many reconciliations are writing slices right now.
@@ -276,7 +284,7 @@ impl Context {
     /// its first deferral, which is recorded here and kept until [`Self::status_settled`].
     pub fn defer_status(&self, node: &str) -> bool {
         let max = self.config.status_defer_max;
-        if max.is_zero() || self.slice_writers() == 0 {
+        if max.is_zero() || (self.slice_writers() == 0 && !self.slices_written_lately()) {
             return false;
         }
         let mut deferred = self.status_deferred.lock().unwrap_or_else(|p| p.into_inner());
@@ -287,6 +295,17 @@ impl Context {
                 true
             }
         }
+    }
+
+    /// Whether a slice write ended less than [`ControllerConfig::status_defer_quiet`] ago.
+    fn slices_written_lately(&self) -> bool {
+        let quiet = self.config.status_defer_quiet;
+        !quiet.is_zero()
+            && self
+                .last_slice_write
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some_and(|at| at.elapsed() < quiet)
     }
 
     /// Forgets `node`'s deferred status write: written, no longer needed, or its GpuNode is

@@ -83,6 +83,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         concurrency: args.max_concurrent_reconciles,
         expiry_withdrawal_interval: EXPIRY_WITHDRAWAL_INTERVAL,
         status_defer_max: reconcile::STATUS_DEFER_MAX,
+        status_defer_quiet: reconcile::STATUS_DEFER_QUIET,
     };
 
     // Both the leader and a standby replica are ready: a standby is healthy and waiting.

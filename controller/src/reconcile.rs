@@ -77,6 +77,11 @@ const BACKOFF_MAX: Duration = Duration::from_secs(120);
 /// condition is at most this stale even while slices are written without pause (a long
 /// cold start, continuous churn).
 pub const STATUS_DEFER_MAX: Duration = Duration::from_secs(30);
+/// Default [`crate::context::ControllerConfig::status_defer_quiet`]: statuses wait this
+/// long after the last slice write, so a burst of large GpuNode status events does not delay
+/// the slices' watch events (measured at 500 nodes: the last slices reached a watcher 6.7 s
+/// after their write while the deferred statuses went out).
+pub const STATUS_DEFER_QUIET: Duration = Duration::from_secs(2);
 /// How soon a node whose status write was deferred is looked at again.
 const STATUS_DEFER_RECHECK: Duration = Duration::from_secs(2);
 

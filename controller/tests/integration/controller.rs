@@ -103,6 +103,8 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
         concurrency: 4,
         expiry_withdrawal_interval: Duration::from_secs(10),
         status_defer_max: migdra_controller::reconcile::STATUS_DEFER_MAX,
+        // Statuses wait only while slices are written, unless a test asks for more.
+        status_defer_quiet: Duration::ZERO,
     };
     let shutdown = CancellationToken::new();
     let run = tokio::spawn(controller::run(client, config, Metrics::new(), shutdown.clone()));

@@ -1193,3 +1193,27 @@ async fn a_refused_policy_writes_its_status_at_once_while_slices_are_written() {
         "migdra_controller_status_writes_deferred_total 0"
     );
 }
+
+#[tokio::test]
+async fn a_status_waits_a_quiet_period_after_the_last_slice_write() {
+    // Nobody is writing slices any more, but another pool's writes ended a moment ago: with
+    // a quiet period, this pool's status still waits; once it has passed, it goes out.
+    let quiet = Duration::from_millis(300);
+    let mut h = Harness::with_config(|c| c.status_defer_quiet = quiet);
+    drop(h.ctx.writing_slices());
+    assert_eq!(h.ctx.slice_writers(), 0);
+    let g = gpunode(Some(live_plugin()), h100s(1));
+    let stored = publish_deferred(&mut h, &g).await;
+    h.store_slices(&stored);
+    assert_eq!(
+        deferred_total(&h),
+        "migdra_controller_status_writes_deferred_total 1"
+    );
+    tokio::time::sleep(quiet + Duration::from_millis(100)).await;
+    let scenario = Scenario::new().then(patch_status(|body| {
+        assert_eq!(condition(body), ("True", "Published"));
+    }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok());
+    assert_eq!(served.status_patches.len(), 1);
+}

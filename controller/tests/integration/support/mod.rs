@@ -95,6 +95,8 @@ impl Harness {
             concurrency: 0,
             expiry_withdrawal_interval: Duration::from_secs(10),
             status_defer_max: migdra_controller::reconcile::STATUS_DEFER_MAX,
+            // Statuses wait only while slices are written, unless a test asks for more.
+            status_defer_quiet: Duration::ZERO,
         };
         configure(&mut config);
         let stores = Stores {
