@@ -405,6 +405,31 @@ fn watch_events(m: &Metrics) -> Vec<(String, f64)> {
 
 /// B2, no-op resync, B3 and the controller's RSS with `fleet` (already grown) plus the real
 /// node, measuring steady state over `steady`.
+/// Waits until `expected` GpuNodes of this driver carry a `Published=True` condition, for at
+/// most `timeout`; an error when they do not.
+async fn wait_statuses_published(client: &Client, expected: usize, timeout: Duration) -> anyhow::Result<()> {
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+    wait_until(timeout, || async {
+        // Every GpuNode whole (conditions are not metadata): not more often than every 2 s.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let list = gpunodes.list(&ListParams::default()).await.ok()?;
+        let published = list
+            .items
+            .iter()
+            .filter(|g| g.spec.driver == DRIVER)
+            .filter(|g| {
+                g.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Published" && c.status == "True"))
+            })
+            .count();
+        (published >= expected).then_some(())
+    })
+    .await
+    .with_context(|| format!("not every one of {expected} GpuNodes says Published within {timeout:?}"))
+}
+
 pub async fn run(
     cluster: &mut Cluster,
     fleet: &Fleet,
@@ -439,8 +464,12 @@ pub async fn run(
     let (count, done) = counter.wait(timeout).await;
     drop(counter);
     let cold = done.map(|d| d.saturating_duration_since(started));
-    // Let in-flight status writes land before reading the counters.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The controller writes the GpuNode statuses after the slices (deferred up to 30 s):
+    // wait until every one says the pool is published, so those writes neither go uncounted
+    // nor overlap the floor's run (where they would slow the floor and flatter the ratio).
+    let statuses_settled = wait_statuses_published(&client, nodes.len(), Duration::from_secs(90))
+        .await
+        .map(|_| started.elapsed());
     let cold_metrics = controller_metrics(cluster).await?;
     let (creates, updates, deletes) = slice_writes(&cold_metrics);
     let cold_reconciles = cold_metrics.sum("migdra_controller_reconciles_total", &[]);
@@ -601,8 +630,12 @@ pub async fn run(
         goal: "≤ 1.2× the floor",
         met: ratio.map(|r| r <= 1.2),
         note: format!(
-            "{}API writes (controller metrics): {creates} creates, {updates} updates, {deletes} deletes (minimum {expected}); \
+            "{}{}API writes (controller metrics): {creates} creates, {updates} updates, {deletes} deletes (minimum {expected}); \
              {cold_reconciles} reconciles; {}; CPU in the cold publish: controller {}, API server {} {floor_note}; {}; load {load_cold} (floor: {load_floor})",
+            statuses_settled.as_ref().map_or_else(
+                |e| format!("statuses: {e}; "),
+                |d| format!("every GpuNode said Published after {:.1} s (the floor ran after that); ", d.as_secs_f64())
+            ),
             real_pool_missing.map_or_else(String::new, |d| format!(
                 "the real node's pool was withdrawn when B2 began and came back after {:.1} s; ",
                 d.as_secs_f64()
