@@ -17,8 +17,8 @@
 //!   burst, with the API server the bottleneck), a `Published=True` status that would change
 //!   the GpuNode is not written: the scheduler needs the slices, the status (a large object's
 //!   server-side apply) is for people and tools. The node is looked at again within 2 s and
-//!   the status goes out once no slices are being written, or after
-//!   [`STATUS_DEFER_MAX`] of waiting. A status that explains a withdrawal, a failure or a
+//!   the status goes out once no slices have been written for [`STATUS_DEFER_QUIET`], or
+//!   after [`STATUS_DEFER_MAX`] of waiting. A status that explains a withdrawal, a failure or a
 //!   refused policy or pool is written at once.
 //!
 //! Short circuit. Most reconciliations change nothing: a live node is re-checked at every
@@ -612,7 +612,6 @@ async fn live_slices(ctx: &Context, names: &[String]) -> Result<Vec<ResourceSlic
     Ok(live)
 }
 
-/// Deletes every cached slice of the node.
 /// What a heartbeat expiry seen in the cache (last beat `cached_last`) really is. The cache
 /// is only as fresh as the watch, and a watch behind an overloaded API server makes every
 /// heartbeat look older than it is; so before a pool is withdrawn for expiry alone, a quorum
@@ -628,8 +627,7 @@ async fn confirm_expiry(
     hold: bool,
 ) -> Result<Liveness, Error> {
     if !ctx.expiry_withdrawal_due() {
-        tracing::info!(last = %cached_last, "heartbeat expired, but another pool was withdrawn for expiry moments ago: keeping this one for now");
-        return Ok(Liveness::Held { last: cached_last });
+        return Ok(held_by_rate_limit(cached_last));
     }
     let (plugin, lease) = match ctx.fresh_heartbeat(node).await {
         Ok(fresh) => fresh,
@@ -654,8 +652,7 @@ async fn confirm_expiry(
             if ctx.allow_expiry_withdrawal() {
                 Ok(fresh)
             } else {
-                tracing::info!(%last, "heartbeat expired, but another pool was withdrawn for expiry moments ago: keeping this one for now");
-                Ok(Liveness::Held { last })
+                Ok(held_by_rate_limit(last))
             }
         }
         Liveness::Live { expires } => {
@@ -680,6 +677,13 @@ async fn confirm_expiry(
     }
 }
 
+/// An expiry the withdrawal rate limit holds back (see `Context::allow_expiry_withdrawal`).
+fn held_by_rate_limit(last: Timestamp) -> Liveness {
+    tracing::info!(%last, "heartbeat expired, but another pool was withdrawn for expiry moments ago: keeping this one for now");
+    Liveness::Held { last }
+}
+
+/// Deletes every cached slice of the node.
 async fn withdraw(ctx: &Context, node: &str, cached: &[Arc<SliceMeta>]) -> Result<(), Error> {
     ctx.set_memo(node, None);
     let diff = diff_pool(Vec::new(), cached, None);

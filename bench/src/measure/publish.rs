@@ -14,13 +14,14 @@ use std::{
 use anyhow::Context as _;
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{
     Api, Client,
     api::PartialObjectMeta,
     api::{DeleteParams, ListParams, PostParams},
     runtime::{WatchStreamExt, watcher},
 };
-use migdra_api::inventory::{GpuNode, pool_name};
+use migdra_api::inventory::{GpuNode, GpuNodeStatus, pool_name};
 use migdra_e2e::cluster::{Cluster, DRIVER, NODE, wait_until};
 
 use crate::{
@@ -241,16 +242,12 @@ async fn slices_per_node(client: &Client) -> anyhow::Result<(u32, Option<Duratio
     loop {
         let node = gpunodes.get(NODE).await?;
         let status = node.status.unwrap_or_default();
-        if let Some(slices) = status.publication.map(|p| p.slices).filter(|s| *s > 0) {
+        if let Some(slices) = status.publication.as_ref().map(|p| p.slices).filter(|s| *s > 0) {
             let waited = started.elapsed();
             return Ok((slices, (waited >= Duration::from_secs(1)).then_some(waited)));
         }
-        condition = status
-            .conditions
-            .iter()
-            .flatten()
-            .find(|c| c.type_ == "Published")
-            .map_or(condition, |c| format!("{}: {}", c.reason, c.message));
+        condition =
+            published_condition(&status).map_or(condition, |c| format!("{}: {}", c.reason, c.message));
         anyhow::ensure!(
             started.elapsed() < Duration::from_secs(60),
             "the real node has had no publication for 60 s (Published condition: {condition})"
@@ -403,8 +400,15 @@ fn watch_events(m: &Metrics) -> Vec<(String, f64)> {
         .collect()
 }
 
-/// B2, no-op resync, B3 and the controller's RSS with `fleet` (already grown) plus the real
-/// node, measuring steady state over `steady`.
+/// The controller's `Published` condition in a GpuNode's status.
+fn published_condition(status: &GpuNodeStatus) -> Option<&Condition> {
+    status
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "Published")
+}
+
 /// Waits until `expected` GpuNodes of this driver carry a `Published=True` condition, for at
 /// most `timeout`; an error when they do not.
 async fn wait_statuses_published(client: &Client, expected: usize, timeout: Duration) -> anyhow::Result<()> {
@@ -420,8 +424,8 @@ async fn wait_statuses_published(client: &Client, expected: usize, timeout: Dura
             .filter(|g| {
                 g.status
                     .as_ref()
-                    .and_then(|s| s.conditions.as_ref())
-                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Published" && c.status == "True"))
+                    .and_then(published_condition)
+                    .is_some_and(|c| c.status == "True")
             })
             .count();
         (published >= expected).then_some(())
@@ -430,6 +434,8 @@ async fn wait_statuses_published(client: &Client, expected: usize, timeout: Dura
     .with_context(|| format!("not every one of {expected} GpuNodes says Published within {timeout:?}"))
 }
 
+/// B2, no-op resync, B3 and the controller's RSS with `fleet` (already grown) plus the real
+/// node, measuring steady state over `steady`.
 pub async fn run(
     cluster: &mut Cluster,
     fleet: &Fleet,
