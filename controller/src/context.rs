@@ -38,7 +38,7 @@ use crate::{
     error::Error,
     expectations::Expectations,
     geometries::Geometries,
-    liveness::{HeartbeatCensus, LeaseBeat},
+    liveness::{HeartbeatCensus, LeaseBeat, beat},
     metrics::Metrics,
     naming::slice_node,
     status::{FIELD_MANAGER, StatusLedger},
@@ -134,9 +134,10 @@ pub struct Context {
     holding: AtomicBool,
     census: Mutex<Option<(Instant, HeartbeatCensus, bool)>>,
     last_expiry_withdrawal: Mutex<Option<Instant>>,
-    /// Nodes whose last reconciliation found the plugin live: a Lease renewal of theirs needs
-    /// no reconciliation (their expiry timer re-checks), one of any other node does.
-    live: Mutex<HashSet<String>>,
+    /// Nodes whose last reconciliation found the plugin live, with the heartbeat expiry it
+    /// saw: a Lease renewal of theirs needs no reconciliation (the expiry watch re-checks
+    /// them, see [`Context::take_expired`]), one of any other node does.
+    live: Mutex<HashMap<String, Timestamp>>,
     /// The names of the cached slices per node, so a reconciliation looks at its node's
     /// slices only, not at every slice in the cache.
     slice_index: Mutex<SliceIndex>,
@@ -231,7 +232,7 @@ impl Context {
             holding: AtomicBool::new(false),
             census: Mutex::new(None),
             last_expiry_withdrawal: Mutex::new(None),
-            live: Mutex::new(HashSet::new()),
+            live: Mutex::new(HashMap::new()),
             slice_index: Mutex::new(SliceIndex::default()),
             memos: Mutex::new(HashMap::new()),
             slice_writers: AtomicUsize::new(0),
@@ -370,19 +371,66 @@ impl Context {
         lease_beat(&lease)
     }
 
-    /// Records whether `node`'s plugin was found live.
-    pub fn set_live(&self, node: &str, live: bool) {
-        let mut nodes = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        if live {
-            nodes.insert(node.to_string());
-        } else {
-            nodes.remove(node);
-        }
+    /// Records that `node`'s plugin was found live until `expires`.
+    pub fn set_live(&self, node: &str, expires: Timestamp) {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(node.to_string(), expires);
+    }
+
+    /// Records that `node`'s plugin was not found live.
+    pub fn set_not_live(&self, node: &str) {
+        self.live.lock().unwrap_or_else(|p| p.into_inner()).remove(node);
     }
 
     /// True when the last reconciliation of `node` found its plugin live.
     pub fn is_live(&self, node: &str) -> bool {
-        self.live.lock().unwrap_or_else(|p| p.into_inner()).contains(node)
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(node)
+    }
+
+    /// The heartbeat expiry `node` is next looked at, while it counts as live.
+    pub fn live_until(&self, node: &str) -> Option<Timestamp> {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(node)
+            .copied()
+    }
+
+    /// The live nodes whose heartbeat expired by `now` in the caches, for a reconciliation
+    /// (which decides, with the census, the rate limit and a fresh read, what the expiry
+    /// means). They stop counting as live, so a late renewal of theirs triggers a
+    /// reconciliation too. A live node whose heartbeat was renewed since is moved to its new
+    /// expiry without one: a steady heartbeat costs a comparison, not a reconciliation.
+    pub fn take_expired(&self, now: Timestamp) -> Vec<String> {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let mut expired = Vec::new();
+        for (node, expires) in live.iter_mut() {
+            if now < *expires {
+                continue;
+            }
+            let renewed = self
+                .gpunodes
+                .get(&ObjectRef::new(node))
+                .and_then(|g| {
+                    let plugin = g.status.as_ref()?.plugin.as_ref()?;
+                    let lease = self.lease_beat(node);
+                    Some(beat(plugin, lease.as_ref(), now, self.config.heartbeat_timeout).expires)
+                })
+                .filter(|renewed| now < *renewed);
+            match renewed {
+                Some(renewed) => *expires = renewed,
+                None => expired.push(node.clone()),
+            }
+        }
+        for node in &expired {
+            live.remove(node);
+        }
+        expired
     }
 
     /// The heartbeats of every GpuNode of this driver at `now` (reused for

@@ -11,8 +11,10 @@
 //! * Plugin live → policy, plan (keeping the devices claims hold), render, validate; an
 //!   invalid policy or pool is reported (event + condition) and nothing is written; otherwise
 //!   the pool is diffed and only a real change is written, with a new generation when the
-//!   upstream slice controller would bump it. Requeued at the heartbeat's expiry, so a
-//!   plugin that dies silently is noticed.
+//!   upstream slice controller would bump it. The expiry watch (see
+//!   [`Context::take_expired`]) hands the node back at its heartbeat's expiry unless it was
+//!   renewed, so a plugin that dies silently is noticed; otherwise a resync every
+//!   [`LIVE_RESYNC`].
 //! * Slices first, statuses after. While other reconciliations are writing slices (a publish
 //!   burst, with the API server the bottleneck), a `Published=True` status that would change
 //!   the GpuNode is not written: the scheduler needs the slices, the status (a large object's
@@ -21,8 +23,8 @@
 //!   after [`STATUS_DEFER_MAX`] of waiting. A status that explains a withdrawal, a failure or a
 //!   refused policy or pool is written at once.
 //!
-//! Short circuit. Most reconciliations change nothing: a live node is re-checked at every
-//! heartbeat expiry. So a reconciliation that found the pool up to date leaves a [`Memo`]: a
+//! Short circuit. Most reconciliations change nothing (a resync, a GpuNode heartbeat
+//! write). So a reconciliation that found the pool up to date leaves a [`Memo`]: a
 //! hash of everything the pool is computed from (inventory, node identity and labels,
 //! policies, held devices, published generation) and of the cached slices' versions. The next
 //! one with the same hash skips planning, rendering, validating and comparing, and only
@@ -55,14 +57,16 @@ use crate::{
     context::Context,
     desired::{DesiredError, NodeRef, desired_pool},
     error::Error,
-    liveness::{GoneReason, Liveness, beat, effective_timeout, liveness, until},
+    liveness::{GoneReason, Liveness, beat, liveness},
     metrics::ExpiryCheck,
     publish::Publisher,
     status::{self, Published, reason, truncate},
 };
 
-/// Margin added to the heartbeat expiry before the requeue, so the check lands after it.
-const EXPIRY_MARGIN: Duration = Duration::from_secs(1);
+/// How often a live node is reconciled when nothing changes: a safety net, as every input
+/// is watched and the expiry watch (see [`crate::context::Context::take_expired`]) looks at
+/// its heartbeat's expiry.
+pub const LIVE_RESYNC: Duration = Duration::from_secs(300);
 /// How often a node whose heartbeat expiry is held back (see [`crate::liveness`]) is looked
 /// at again.
 const HELD_RECHECK: Duration = Duration::from_secs(10);
@@ -308,7 +312,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         .or_else(|| gpunode.status.as_ref().and_then(|s| s.publication.as_ref()));
     let Some(node) = ctx.nodes.get(&ObjectRef::new(&node_name)) else {
         tracing::info!("Node is gone; withdrawing its pool");
-        ctx.set_live(&node_name, false);
+        ctx.set_not_live(&node_name);
         let publication = withdrawn(ctx, &node_name, &cached, published);
         withdraw(ctx, &node_name, &cached).await?;
         ctx.metrics.forget_node(&node_name);
@@ -331,9 +335,6 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     let plugin = gpunode.status.as_ref().and_then(|s| s.plugin.as_ref());
     let lease = ctx.lease_beat(&node_name);
     let (_, hold) = ctx.heartbeat_census(now);
-    let interval = plugin.map_or(0, |p| p.heartbeat_interval_seconds);
-    let cap = effective_timeout(ctx.config.heartbeat_timeout, interval)
-        .max(lease.map_or(Duration::ZERO, |l| l.duration));
     let state = liveness(
         plugin,
         lease.as_ref(),
@@ -350,7 +351,10 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         }
         state => state,
     };
-    ctx.set_live(&node_name, matches!(state, Liveness::Live { .. }));
+    match state {
+        Liveness::Live { expires } => ctx.set_live(&node_name, expires),
+        _ => ctx.set_not_live(&node_name),
+    }
     let requeue = match state {
         Liveness::Gone(why) => {
             ctx.metrics.set_plugin_live(&node_name, false);
@@ -371,13 +375,14 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             tracing::debug!(%last, "heartbeat expired, but expiry withdrawals are held back: keeping the pool");
             HELD_RECHECK
         }
-        Liveness::Live { expires } => {
+        Liveness::Live { .. } => {
             ctx.metrics.set_plugin_live(&node_name, true);
             if let Some(at) = wiped_at {
                 tracing::info!(%at, "the plugin heartbeated after its slices were wiped; republishing");
                 ctx.expectations.wipe_answered(&node_name, at);
             }
-            until(expires, now, MIN_REQUEUE, cap) + EXPIRY_MARGIN
+            // The expiry watch looks at the node at its heartbeat's expiry.
+            LIVE_RESYNC
         }
     };
 

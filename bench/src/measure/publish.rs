@@ -538,6 +538,13 @@ pub async fn run(
     let pid = cluster.pid(CONTROLLER).context("controller not running")?;
     let _ = fleet.take_beat_stats();
     let api_before = scrape_client(&client, "/metrics").await?;
+    let reconciles_before = controller_metrics(cluster)
+        .await?
+        .sum("migdra_controller_reconciles_total", &[]);
+    eprintln!(
+        "B3: steady state for {} s (controller pid {pid})",
+        steady.as_secs()
+    );
     let cpu_before = cpu_time(pid).context("controller CPU time")?;
     let window_start = Instant::now();
     let load_steady_start = load_average();
@@ -549,6 +556,9 @@ pub async fn run(
     let steady_metrics = controller_metrics(cluster).await?;
     let (s_creates, s_updates, s_deletes) = slice_writes(&steady_metrics);
     let steady_writes = (s_creates + s_updates + s_deletes) - resync_writes;
+    let reconciles_per_second = (steady_metrics.sum("migdra_controller_reconciles_total", &[])
+        - reconciles_before)
+        / window.as_secs_f64();
     let expiry_checks = ["confirmed", "refuted", "failed"]
         .map(|outcome| {
             let count = steady_metrics.sum(
@@ -691,7 +701,7 @@ pub async fn run(
         },
         note: format!(
             "watch events = sent by the API server to all watchers of {} ({}; leases {:.1}/s, mostly node Leases); \
-             slice writes in the window: {steady_writes}; heartbeat expiries checked against the API server since the restart: {expiry_checks}; {}; load {load_steady_start} → {load_steady_end}",
+             slice writes in the window: {steady_writes}; reconciliations {reconciles_per_second:.1}/s; heartbeat expiries checked against the API server since the restart: {expiry_checks}; {}; load {load_steady_start} → {load_steady_end}",
             WATCHED[..5].join(", "),
             per_resource
                 .iter()

@@ -14,7 +14,10 @@ use migdra_api::{
     policy::{EffectivePolicy, MigPolicy, MigPolicySpec},
     slices::plan_pool,
 };
-use migdra_controller::{Error, reconcile::error_policy};
+use migdra_controller::{
+    Error,
+    reconcile::{LIVE_RESYNC, error_policy},
+};
 
 fn name(i: usize) -> String {
     format!("{NODE}-{DRIVER}-{i:03}")
@@ -24,6 +27,19 @@ fn name(i: usize) -> String {
 fn expected_pool(gpus: &[GpuInventory]) -> (usize, usize) {
     let plan = plan_pool(gpus, &EffectivePolicy::default());
     (plan.slice_count(), plan.devices.len())
+}
+
+/// Seconds from now to the heartbeat expiry the expiry watch next looks at `NODE` (the one
+/// its reconciliation saw), after checking that the reconciliation found the node live and
+/// requeued it only for the resync.
+fn expiry_watched_in(h: &Harness, action: &Action) -> i64 {
+    assert_eq!(
+        requeue_secs(action),
+        Some(LIVE_RESYNC.as_secs()),
+        "a live node is requeued only for the resync"
+    );
+    let until = h.ctx.live_until(NODE).expect("a live node is watched for expiry");
+    until.duration_since(Timestamp::now()).as_secs()
 }
 
 /// A check that a written slice belongs to the pool at `generation` with `count` slices.
@@ -61,8 +77,8 @@ async fn publish_fresh(h: &mut Harness, gpus: Vec<GpuInventory>) -> (Vec<Resourc
         }));
     let (result, served) = h.reconcile(&g, scenario).await;
     let action = result.unwrap();
-    let requeue = requeue_secs(&action).expect("a live node is requeued at its heartbeat expiry");
-    assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
+    let expiry = expiry_watched_in(h, &action);
+    assert!((20..=25).contains(&expiry), "heartbeat expires in {expiry}s");
     assert_eq!(served.written.len(), count);
     let g = with_status_patch(g, &served.status_patches[0]);
     (served.written, g)
@@ -731,12 +747,64 @@ async fn lease_renewals_keep_a_node_live_between_slow_gpunode_writes() {
     let mut g = g;
     g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
     h.put_lease(NODE, ago(3));
-    // Live through the Lease: nothing to write; requeued at the Lease's expiry (25 s after
+    // Live through the Lease: nothing to write; watched for the Lease's expiry (25 s after
     // the renewal, not 450 s after the GpuNode's beat).
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
-    let requeue = requeue_secs(&result.unwrap()).unwrap();
-    assert!((18..=24).contains(&requeue), "requeue after {requeue}s");
+    let expiry = expiry_watched_in(&h, &result.unwrap());
+    assert!((20..=22).contains(&expiry), "heartbeat expires in {expiry}s");
     assert!(h.ctx.is_live(NODE));
+}
+
+#[tokio::test]
+async fn the_expiry_watch_hands_over_only_heartbeats_not_renewed_since() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let mut g = g;
+    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
+    h.put_lease(NODE, ago(3));
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    expiry_watched_in(&h, &result.unwrap());
+    let first = h.ctx.live_until(NODE).unwrap();
+    assert!(h.ctx.take_expired(Timestamp::now()).is_empty(), "not expired yet");
+
+    // Renewed before the expiry: moved to the renewal's expiry without a reconciliation.
+    let renewed = ago(0);
+    h.put_lease(NODE, renewed);
+    assert!(h.ctx.take_expired(first).is_empty());
+    let second = h.ctx.live_until(NODE).unwrap();
+    assert_eq!(second, renewed + Duration::from_secs(25));
+    assert!(
+        h.ctx.is_live(NODE),
+        "a renewal of a live node still triggers nothing"
+    );
+
+    // Not renewed again: handed to a reconciliation at that expiry, once; it stops counting
+    // as live, so a late renewal triggers a reconciliation.
+    assert_eq!(h.ctx.take_expired(second), vec![NODE.to_string()]);
+    assert!(!h.ctx.is_live(NODE));
+    assert!(h.ctx.take_expired(second + Duration::from_secs(60)).is_empty());
+}
+
+#[tokio::test]
+async fn the_expiry_watch_follows_an_old_plugins_gpunode_heartbeat() {
+    // A plugin without a Lease beats in its GpuNode; the watch reads the cached GpuNode.
+    let mut h = Harness::new();
+    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
+    h.store_slices(&stored);
+    let first = h.ctx.live_until(NODE).unwrap();
+    let mut beaten = g.clone();
+    let at = ago(0);
+    beaten.status.as_mut().unwrap().plugin = Some(plugin(true, at));
+    h.put_gpunode(&beaten);
+    assert!(h.ctx.take_expired(first).is_empty());
+    assert_eq!(h.ctx.live_until(NODE), Some(at + Duration::from_secs(25)));
+    // Its GpuNode is gone from the cache: nothing says it is live.
+    h.remove_gpunode(&beaten);
+    assert_eq!(
+        h.ctx.take_expired(at + Duration::from_secs(25)),
+        vec![NODE.to_string()]
+    );
 }
 
 #[tokio::test]
@@ -778,8 +846,8 @@ async fn an_old_plugin_without_lease_is_judged_by_its_gpunode_heartbeat() {
     // A Lease another (downgraded) plugin left behind long ago changes nothing.
     h.put_lease(NODE, ago(3600));
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
-    let requeue = requeue_secs(&result.unwrap()).unwrap();
-    assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
+    let expiry = expiry_watched_in(&h, &result.unwrap());
+    assert!((20..=25).contains(&expiry), "heartbeat expires in {expiry}s");
 }
 
 #[tokio::test]
@@ -956,8 +1024,8 @@ async fn an_expiry_the_api_server_refutes_keeps_the_pool() {
     let (result, served) = h.reconcile(&g, scenario).await;
     assert!(served.deleted.is_empty() && served.status_patches.is_empty());
     // Live until the fresh renewal expires (25 s after it), looked at again then.
-    let requeue = requeue_secs(&result.unwrap()).unwrap();
-    assert!((20..=26).contains(&requeue), "requeue after {requeue}s");
+    let expiry = expiry_watched_in(&h, &result.unwrap());
+    assert!((22..=24).contains(&expiry), "heartbeat expires in {expiry}s");
     assert!(h.ctx.is_live(NODE));
     let metrics = h.ctx.metrics.encode();
     assert!(
@@ -1095,8 +1163,8 @@ async fn a_published_status_waits_while_other_reconciliations_write_slices() {
         assert_eq!(body["status"]["publication"]["devices"], devices);
     }));
     let (result, served) = h.reconcile(&g, scenario).await;
-    let requeue = requeue_secs(&result.unwrap()).unwrap();
-    assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
+    let expiry = expiry_watched_in(&h, &result.unwrap());
+    assert!((20..=25).contains(&expiry), "heartbeat expires in {expiry}s");
     assert_eq!(served.status_patches.len(), 1);
     // The cache still shows the GpuNode without it: written already, not again.
     let (result, served) = h.reconcile(&g, Scenario::new()).await;
@@ -1122,8 +1190,8 @@ async fn a_deferred_status_is_written_after_the_bound_while_slices_are_still_wri
         assert_eq!(condition(body), ("True", "Published"));
     }));
     let (result, served) = h.reconcile(&g, scenario).await;
-    let requeue = requeue_secs(&result.unwrap()).unwrap();
-    assert!((20..=27).contains(&requeue), "requeue after {requeue}s");
+    let expiry = expiry_watched_in(&h, &result.unwrap());
+    assert!((20..=25).contains(&expiry), "heartbeat expires in {expiry}s");
     assert_eq!(served.status_patches.len(), 1);
     assert_eq!(
         deferred_total(&h),

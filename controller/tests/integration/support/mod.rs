@@ -195,6 +195,12 @@ impl Harness {
             .apply_watcher_event(&watcher::Event::Apply(gpunode.clone()));
     }
 
+    /// Removes a GpuNode from the GpuNode cache (a watch delete event).
+    pub fn remove_gpunode(&mut self, gpunode: &GpuNode) {
+        self.gpunodes
+            .apply_watcher_event(&watcher::Event::Delete(gpunode.clone()));
+    }
+
     /// Puts `node`'s heartbeat Lease, renewed at `renewed`, into the Lease cache.
     pub fn put_lease(&mut self, node: &str, renewed: Timestamp) {
         self.leases
