@@ -794,7 +794,8 @@ async fn the_expiry_watch_follows_an_old_plugins_gpunode_heartbeat() {
     h.store_slices(&stored);
     let first = h.ctx.live_until(NODE).unwrap();
     let mut beaten = g.clone();
-    let at = ago(0);
+    // A beat 5 s after the one the reconciliation saw (whole seconds, as the plugin writes).
+    let at = first - Duration::from_secs(20);
     beaten.status.as_mut().unwrap().plugin = Some(plugin(true, at));
     h.put_gpunode(&beaten);
     assert!(h.ctx.take_expired(first).is_empty());
