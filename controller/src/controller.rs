@@ -271,15 +271,11 @@ pub async fn run(
         })
     });
 
-    let expiry_ctx = ctx.clone();
     let mut scans = tokio::time::interval(EXPIRY_SCAN);
     scans.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let expiry_triggers = futures::stream::unfold(scans, move |mut scans| {
-        let ctx = expiry_ctx.clone();
-        async move {
-            scans.tick().await;
-            Some((ctx.take_expired(Timestamp::now()), scans))
-        }
+    let expiry_triggers = futures::stream::unfold((scans, ctx.clone()), |(mut scans, ctx)| async move {
+        scans.tick().await;
+        Some((ctx.take_expired(Timestamp::now()), (scans, ctx)))
     })
     .flat_map(|nodes| futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::<GpuNode>::new(&node))));
 

@@ -263,15 +263,6 @@ impl HeartbeatCensus {
     }
 }
 
-/// How long from `now` until `expires`, at least `min`. A heartbeat from a clock ahead of
-/// ours cannot push the wait beyond `cap`.
-pub fn until(expires: Timestamp, now: Timestamp, min: Duration, cap: Duration) -> Duration {
-    let wait = expires.duration_since(now);
-    Duration::try_from(wait)
-        .unwrap_or(Duration::ZERO)
-        .clamp(min, cap.max(min))
-}
-
 #[cfg(test)]
 mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -572,14 +563,5 @@ mod tests {
             },
             "the GpuNode alone (300 s interval) has not expired; the Lease renewed at 50 has"
         );
-    }
-
-    #[test]
-    fn requeue_delay_is_bounded() {
-        let min = Duration::from_secs(1);
-        let cap = Duration::from_secs(60);
-        assert_eq!(until(ts(30), ts(0), min, cap), Duration::from_secs(30));
-        assert_eq!(until(ts(0), ts(30), min, cap), min, "already expired");
-        assert_eq!(until(ts(3600), ts(0), min, cap), cap, "clock skew");
     }
 }

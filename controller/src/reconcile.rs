@@ -351,12 +351,9 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         }
         state => state,
     };
-    match state {
-        Liveness::Live { expires } => ctx.set_live(&node_name, expires),
-        _ => ctx.set_not_live(&node_name),
-    }
     let requeue = match state {
         Liveness::Gone(why) => {
+            ctx.set_not_live(&node_name);
             ctx.metrics.set_plugin_live(&node_name, false);
             if !cached.is_empty() || matches!(why, GoneReason::SlicesWiped { .. }) {
                 tracing::info!(reason = %why.message(), "plugin is not live; withdrawing the pool");
@@ -371,11 +368,13 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             return Ok(Outcome::done(Action::await_change()));
         }
         Liveness::Held { last } => {
+            ctx.set_not_live(&node_name);
             ctx.metrics.set_plugin_live(&node_name, false);
             tracing::debug!(%last, "heartbeat expired, but expiry withdrawals are held back: keeping the pool");
             HELD_RECHECK
         }
-        Liveness::Live { .. } => {
+        Liveness::Live { expires } => {
+            ctx.set_live(&node_name, expires);
             ctx.metrics.set_plugin_live(&node_name, true);
             if let Some(at) = wiped_at {
                 tracing::info!(%at, "the plugin heartbeated after its slices were wiped; republishing");
