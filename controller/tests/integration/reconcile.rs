@@ -739,14 +739,20 @@ fn leased_plugin(gpunode_age: i64) -> migdra_api::inventory::PluginStatus {
     p
 }
 
+/// Publishes a one-GPU pool, caches its slices, and makes the plugin one of this version: a
+/// GpuNode heartbeat 200 s old (300 s interval) and a Lease renewed `lease_age` seconds ago.
+async fn publish_leased(h: &mut Harness, lease_age: i64) -> (Vec<ResourceSlice>, GpuNode) {
+    let (stored, mut g) = publish_fresh(h, h100s(1)).await;
+    h.store_slices(&stored);
+    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
+    h.put_lease(NODE, ago(lease_age));
+    (stored, g)
+}
+
 #[tokio::test]
 async fn lease_renewals_keep_a_node_live_between_slow_gpunode_writes() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
-    let mut g = g;
-    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
-    h.put_lease(NODE, ago(3));
+    let (_, g) = publish_leased(&mut h, 3).await;
     // Live through the Lease: nothing to write; watched for the Lease's expiry (25 s after
     // the renewal, not 450 s after the GpuNode's beat).
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
@@ -758,11 +764,7 @@ async fn lease_renewals_keep_a_node_live_between_slow_gpunode_writes() {
 #[tokio::test]
 async fn the_expiry_watch_hands_over_only_heartbeats_not_renewed_since() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
-    let mut g = g;
-    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
-    h.put_lease(NODE, ago(3));
+    let (_, g) = publish_leased(&mut h, 3).await;
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     expiry_watched_in(&h, &result.unwrap());
     let first = h.ctx.live_until(NODE).unwrap();
@@ -813,11 +815,7 @@ async fn a_lease_that_stops_being_renewed_withdraws_the_pool() {
     // The GpuNode alone (300 s interval, 200 s old) would still be live; the Lease, last
     // renewed 40 s ago, says the plugin is gone.
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
-    let mut g = g;
-    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
-    h.put_lease(NODE, ago(40));
+    let (stored, g) = publish_leased(&mut h, 40).await;
     let scenario = Scenario::new()
         .then(get_gpunode(&g))
         .then(get_lease(Some(ago(40))))
@@ -1014,11 +1012,7 @@ async fn an_expiry_the_api_server_refutes_keeps_the_pool() {
     // The cache shows the Lease last renewed 40 s ago (the watch lags behind a saturated API
     // server); the server has a renewal from a second ago.
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
-    let mut g = g;
-    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
-    h.put_lease(NODE, ago(40));
+    let (_, g) = publish_leased(&mut h, 40).await;
     let scenario = Scenario::new()
         .then(get_gpunode(&g))
         .then(get_lease(Some(ago(1))));
