@@ -321,10 +321,12 @@ async fn controller_measures(
             cluster.stop("kube-scheduler", Duration::from_secs(10));
             cluster.stop("kube-controller-manager", Duration::from_secs(10));
         }
+        let before_growth = fleet.len();
         fleet.grow_to(n, args.concurrency).await?;
         let measured = measure::publish::run(
             cluster,
             fleet,
+            fleet.len() > before_growth,
             Duration::from_secs(args.steady_seconds),
             floor_concurrency,
             args.floor_max_nodes,

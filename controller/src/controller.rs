@@ -219,6 +219,8 @@ pub async fn run(
                 if wiped > 0 {
                     observer.metrics.slices_wiped(wiped);
                 }
+                let (lag, ttl) = observer.expectations.watch_lag_and_ttl();
+                observer.metrics.set_slice_watch_lag(lag, ttl);
             }
         })
         .touched_objects();

@@ -11,6 +11,13 @@
 //! also covers a slice created and deleted again before the reconcile ran), and they expire
 //! after a TTL so a lost event cannot block a node forever.
 //!
+//! The TTL follows the watch: it is three times the longest delay seen in the last one to two
+//! minutes between a write and the watch event that met its expectation, never below the
+//! configured floor (15 s) nor above 120 s. A fixed 15 s TTL expired while a saturated API
+//! server delivered events 20 s and more after the write (2,000 nodes growing on the
+//! development machine): the controller then trusted a cache that did not show its own
+//! writes yet and wrote those slices again, and 2,123 reconciliations failed with a 409.
+//!
 //! Ownership: per node, the slices the controller published and has not deleted itself. A
 //! deletion is the controller's own when it recorded the slice as expected absent *before*
 //! sending the delete. An owned slice that goes away otherwise — a watch delete event, or
@@ -36,8 +43,15 @@ use kube::{ResourceExt, runtime::watcher};
 
 use crate::{compare::SliceMeta, naming::slice_node};
 
-/// How long an unmet expectation holds a node's pool back.
+/// How long an unmet expectation holds a node's pool back at least (the TTL's floor).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(15);
+/// The longest an unmet expectation holds a node's pool back, however slow the watch.
+pub const MAX_TTL: Duration = Duration::from_secs(120);
+/// The TTL in multiples of the recent watch lag: room for the lag to grow while the writes
+/// of one reconciliation wait for their events.
+const LAG_FACTOR: u32 = 3;
+/// How long an observed watch lag stays "recent": between one and two of these.
+const LAG_WINDOW: Duration = Duration::from_secs(60);
 
 /// What a write leaves behind.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,13 +67,71 @@ pub enum Expected {
 
 #[derive(Debug)]
 struct NodeExpectations {
-    deadline: Instant,
-    slices: BTreeMap<String, Expected>,
+    /// When the last of them was recorded: they expire a TTL after it.
+    since: Instant,
+    slices: BTreeMap<String, Pending>,
 }
 
-#[derive(Debug, Default)]
+/// One slice's expectation, and when it was recorded (to measure the watch lag).
+#[derive(Debug)]
+struct Pending {
+    expected: Expected,
+    at: Instant,
+}
+
+/// The longest watch lag observed recently: the maximum over the current window and the
+/// previous one, so one observation counts for one to two [`LAG_WINDOW`]s.
+#[derive(Debug)]
+struct RecentMax {
+    window_start: Instant,
+    current: Duration,
+    previous: Duration,
+}
+
+impl RecentMax {
+    fn new(now: Instant) -> Self {
+        Self {
+            window_start: now,
+            current: Duration::ZERO,
+            previous: Duration::ZERO,
+        }
+    }
+
+    fn record(&mut self, now: Instant, lag: Duration) {
+        self.rotate(now);
+        self.current = self.current.max(lag);
+    }
+
+    fn get(&mut self, now: Instant) -> Duration {
+        self.rotate(now);
+        self.current.max(self.previous)
+    }
+
+    fn rotate(&mut self, now: Instant) {
+        let age = now.saturating_duration_since(self.window_start);
+        if age >= 2 * LAG_WINDOW {
+            self.previous = Duration::ZERO;
+            self.current = Duration::ZERO;
+            self.window_start = now;
+        } else if age >= LAG_WINDOW {
+            self.previous = self.current;
+            self.current = Duration::ZERO;
+            self.window_start += LAG_WINDOW;
+        }
+    }
+}
+
+/// The TTL for a recent watch lag: [`LAG_FACTOR`] times it, within `floor` and
+/// [`MAX_TTL`] (or `floor`, when that is longer).
+fn ttl_for(lag: Duration, floor: Duration) -> Duration {
+    (lag * LAG_FACTOR).clamp(floor, floor.max(MAX_TTL))
+}
+
+#[derive(Debug)]
 struct State {
     pending: HashMap<String, NodeExpectations>,
+    /// Write-to-event delays of the slice watch.
+    lag: RecentMax,
     /// Slices per node the controller published and has not deleted itself.
     owned: HashMap<String, BTreeSet<String>>,
     /// Per node, the owned slices the controller wrote whose write the cache has not shown yet.
@@ -68,9 +140,22 @@ struct State {
     wiped: HashMap<String, Timestamp>,
 }
 
+impl State {
+    fn new(now: Instant) -> Self {
+        Self {
+            pending: HashMap::new(),
+            lag: RecentMax::new(now),
+            owned: HashMap::new(),
+            unseen: HashMap::new(),
+            wiped: HashMap::new(),
+        }
+    }
+}
+
 /// Expectations and ownership of every node. Cheap to share.
 #[derive(Debug)]
 pub struct Expectations {
+    /// The TTL's floor.
     ttl: Duration,
     state: Mutex<State>,
 }
@@ -82,12 +167,19 @@ impl Default for Expectations {
 }
 
 impl Expectations {
-    /// Expectations that expire after `ttl`.
+    /// Expectations that expire after `ttl`, or later while the watch lags (see the module
+    /// documentation).
     pub fn new(ttl: Duration) -> Self {
         Self {
             ttl,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State::new(Instant::now())),
         }
+    }
+
+    /// The longest recent delay between a write and its watch event, and the TTL it gives.
+    pub fn watch_lag_and_ttl(&self) -> (Duration, Duration) {
+        let lag = self.lock().lag.get(Instant::now());
+        (lag, ttl_for(lag, self.ttl))
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -97,16 +189,19 @@ impl Expectations {
 
     /// Records that the cache should show `slice` as `expected` for `node`.
     pub fn expect(&self, node: &str, slice: &str, expected: Expected) {
+        let now = Instant::now();
         let mut state = self.lock();
         let entry = state
             .pending
             .entry(node.to_string())
             .or_insert_with(|| NodeExpectations {
-                deadline: Instant::now() + self.ttl,
+                since: now,
                 slices: BTreeMap::new(),
             });
-        entry.deadline = Instant::now() + self.ttl;
-        entry.slices.insert(slice.to_string(), expected);
+        entry.since = now;
+        entry
+            .slices
+            .insert(slice.to_string(), Pending { expected, at: now });
     }
 
     /// Records a slice the controller has just written: it is owned, and the cache should
@@ -201,29 +296,36 @@ impl Expectations {
             .pending
             .get(node)
             .and_then(|e| e.slices.get(&name))
-            .is_some_and(|e| *e == Expected::Absent);
+            .is_some_and(|p| p.expected == Expected::Absent);
         let wiped = deleted && !ours && state.owned.get_mut(node).is_some_and(|owned| owned.remove(&name));
         if wiped {
             state.wiped.insert(node.to_string(), Timestamp::now());
         }
-        let nodes = &mut state.pending;
-        let Some(entry) = nodes.get_mut(node) else {
+        let state = &mut *state;
+        let Some(entry) = state.pending.get_mut(node) else {
             return wiped;
         };
-        let met = match entry.slices.get(&name) {
-            None => false,
-            // A deletion settles any expectation: whatever was expected, the slice is gone
-            // now, and the next diff must see that.
-            Some(_) if deleted => true,
-            Some(Expected::Present { resource_version }) => {
-                version_at_least(slice.resource_version().as_deref(), resource_version)
-            }
-            Some(Expected::Absent) => false,
+        let Some(pending) = entry.slices.get(&name) else {
+            return wiped;
         };
+        // Whether this event is the one the write expected (its delay is the watch lag),
+        // and whether it settles the expectation. A deletion settles any expectation:
+        // whatever was expected, the slice is gone now, and the next diff must see that.
+        let (answers, met) = match &pending.expected {
+            Expected::Absent => (deleted, deleted),
+            Expected::Present { resource_version } => {
+                let reached = version_at_least(slice.resource_version().as_deref(), resource_version);
+                (reached && !deleted, reached || deleted)
+            }
+        };
+        let now = Instant::now();
+        if answers {
+            state.lag.record(now, now.saturating_duration_since(pending.at));
+        }
         if met {
             entry.slices.remove(&name);
             if entry.slices.is_empty() {
-                nodes.remove(node);
+                state.pending.remove(node);
             }
         }
         wiped
@@ -232,16 +334,18 @@ impl Expectations {
     /// Checks `node`'s expectations against `cached` (the node's slices in the cache):
     /// `None` when the cache can be trusted, or how long to wait for it.
     pub fn pending(&self, node: &str, cached: &[Arc<SliceMeta>]) -> Option<Duration> {
-        let mut state = self.lock();
-        let nodes = &mut state.pending;
-        let entry = nodes.get_mut(node)?;
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        let entry = state.pending.get_mut(node)?;
         let now = Instant::now();
-        if now >= entry.deadline {
-            tracing::debug!(node, unmet = ?entry.slices, "expectations expired; trusting the cache");
-            nodes.remove(node);
+        let ttl = ttl_for(state.lag.get(now), self.ttl);
+        let deadline = entry.since + ttl;
+        if now >= deadline {
+            tracing::debug!(node, unmet = ?entry.slices, ?ttl, "expectations expired; trusting the cache");
+            state.pending.remove(node);
             return None;
         }
-        entry.slices.retain(|name, expected| {
+        entry.slices.retain(|name, Pending { expected, .. }| {
             let have = cached
                 .iter()
                 .find(|s| s.metadata.name.as_deref() == Some(name.as_str()));
@@ -256,10 +360,10 @@ impl Expectations {
             !met
         });
         if entry.slices.is_empty() {
-            nodes.remove(node);
+            state.pending.remove(node);
             None
         } else {
-            Some(entry.deadline.saturating_duration_since(now))
+            Some(deadline.saturating_duration_since(now))
         }
     }
 
@@ -461,6 +565,67 @@ mod tests {
         let e = Expectations::new(Duration::ZERO);
         e.expect("n", "a", present("10"));
         assert_eq!(e.pending("n", &[]), None);
+    }
+
+    #[test]
+    fn the_ttl_follows_the_watch_lag_within_its_floor_and_cap() {
+        let floor = Duration::from_secs(15);
+        assert_eq!(ttl_for(Duration::ZERO, floor), floor);
+        assert_eq!(
+            ttl_for(Duration::from_secs(4), floor),
+            floor,
+            "3 × 4 s is below the floor"
+        );
+        assert_eq!(ttl_for(Duration::from_secs(24), floor), Duration::from_secs(72));
+        assert_eq!(ttl_for(Duration::from_secs(90), floor), MAX_TTL);
+        assert_eq!(
+            ttl_for(Duration::from_secs(90), Duration::from_secs(300)),
+            Duration::from_secs(300),
+            "a floor above the cap wins"
+        );
+    }
+
+    #[test]
+    fn a_lag_counts_as_recent_for_one_to_two_windows() {
+        let t0 = Instant::now();
+        let mut lag = RecentMax::new(t0);
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
+        lag.record(at(10), Duration::from_secs(20));
+        lag.record(at(20), Duration::from_secs(5));
+        assert_eq!(lag.get(at(59)), Duration::from_secs(20));
+        // The next window still remembers it as the previous one's maximum.
+        lag.record(at(70), Duration::from_secs(3));
+        assert_eq!(lag.get(at(119)), Duration::from_secs(20));
+        // A window later, only the 3 s of the window before is left.
+        assert_eq!(lag.get(at(121)), Duration::from_secs(3));
+        // Nothing for two whole windows: forgotten.
+        assert_eq!(lag.get(at(400)), Duration::ZERO);
+        lag.record(at(401), Duration::from_secs(1));
+        assert_eq!(lag.get(at(402)), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_lagging_watch_lengthens_the_ttl() {
+        // Floor 0: without an observed lag an expectation expires at once.
+        let e = Expectations::new(Duration::ZERO);
+        e.expect("n", "a", present("10"));
+        assert_eq!(e.pending("n", &[]), None);
+        // The event of a write arrives 50 ms after it: the TTL becomes at least 150 ms.
+        e.expect("n", "a", present("11"));
+        std::thread::sleep(Duration::from_millis(50));
+        e.observe(&watcher::Event::Apply(slice("a", "11")));
+        let (lag, ttl) = e.watch_lag_and_ttl();
+        assert!(lag >= Duration::from_millis(50), "{lag:?}");
+        assert_eq!(ttl, lag * 3);
+        // A stale event (an older version) measures nothing.
+        e.expect("n", "b", present("20"));
+        std::thread::sleep(Duration::from_millis(lag.as_millis() as u64 + 100));
+        e.observe(&watcher::Event::Apply(slice("b", "19")));
+        assert_eq!(e.watch_lag_and_ttl().0, lag);
+        // So the next write's expectation waits for the cache instead of expiring at once.
+        e.expect("n", "c", present("30"));
+        let wait = e.pending("n", &[]).expect("waits for the lagging cache");
+        assert!(wait <= ttl, "{wait:?} > {ttl:?}");
     }
 
     #[test]

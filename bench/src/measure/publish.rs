@@ -216,6 +216,29 @@ fn slice_writes(m: &Metrics) -> (f64, f64, f64) {
     (w("create"), w("update"), w("delete"))
 }
 
+/// Reconciliations that failed with a conflict (HTTP 409 on a slice write).
+fn conflicts(m: &Metrics) -> f64 {
+    m.sum(
+        "migdra_controller_reconcile_errors_total",
+        &[("reason", "conflict")],
+    )
+}
+
+/// The controller's recent slice watch lag and the expectation TTL it gave, for a note (empty
+/// for a controller without these metrics).
+fn watch_lag_note(m: &Metrics) -> String {
+    let gauge = |name| m.matching(name, &[]).next().map(|s| s.value);
+    match (
+        gauge("migdra_controller_slice_watch_lag_seconds"),
+        gauge("migdra_controller_expectation_ttl_seconds"),
+    ) {
+        (Some(lag), Some(ttl)) => {
+            format!("; longest slice watch lag in the last 1–2 min {lag:.1} s (expectation TTL {ttl:.1} s)")
+        }
+        _ => String::new(),
+    }
+}
+
 async fn controller_metrics(cluster: &Cluster) -> anyhow::Result<Metrics> {
     let port = cluster
         .allocated_port("controller-http")
@@ -434,11 +457,12 @@ async fn wait_statuses_published(client: &Client, expected: usize, timeout: Dura
     .with_context(|| format!("not every one of {expected} GpuNodes says Published within {timeout:?}"))
 }
 
-/// B2, no-op resync, B3 and the controller's RSS with `fleet` (already grown) plus the real
-/// node, measuring steady state over `steady`.
+/// B2, no-op resync, B3 and the controller's RSS with `fleet` (already grown, under the
+/// running controller when `grew`) plus the real node, measuring steady state over `steady`.
 pub async fn run(
     cluster: &mut Cluster,
     fleet: &Fleet,
+    grew: bool,
     steady: Duration,
     floor_concurrency: usize,
     floor_max_nodes: usize,
@@ -453,6 +477,20 @@ pub async fn run(
     let (per_node, real_pool_missing) = slices_per_node(&client).await?;
     let per_node = per_node as usize;
     let expected = per_node * nodes.len();
+
+    // The fleet grew under the running controller: what that cost it in conflicts (writes
+    // based on a cache that had not caught up with its own).
+    let growth_conflicts = if grew {
+        match controller_metrics(cluster).await {
+            Ok(m) => format!(
+                "{} before it, since the controller started, the fleet growing meanwhile",
+                conflicts(&m)
+            ),
+            Err(e) => format!("unknown before it, while the fleet grew: {e}"),
+        }
+    } else {
+        "the fleet did not grow before it".to_string()
+    };
 
     // B2: cold start.
     cluster.stop(CONTROLLER, Duration::from_secs(10));
@@ -479,6 +517,8 @@ pub async fn run(
     let cold_metrics = controller_metrics(cluster).await?;
     let (creates, updates, deletes) = slice_writes(&cold_metrics);
     let cold_reconciles = cold_metrics.sum("migdra_controller_reconciles_total", &[]);
+    let cold_conflicts = conflicts(&cold_metrics);
+    let watch_lag = watch_lag_note(&cold_metrics);
     // CPU from the start to the end of the publish (plus the 3 s above), of the controller
     // and of the API server.
     let controller_cold_cpu = cluster.pid(CONTROLLER).and_then(cpu_time);
@@ -647,7 +687,8 @@ pub async fn run(
         met: ratio.map(|r| r <= 1.2),
         note: format!(
             "{}{}API writes (controller metrics): {creates} creates, {updates} updates, {deletes} deletes (minimum {expected}); \
-             {cold_reconciles} reconciles; {}; CPU in the cold publish: controller {}, API server {} {floor_note}; {}; load {load_cold} (floor: {load_floor})",
+             {cold_reconciles} reconciles, {cold_conflicts} failed with a conflict ({growth_conflicts}){watch_lag}; {}; \
+             CPU in the cold publish: controller {}, API server {} {floor_note}; {}; load {load_cold} (floor: {load_floor})",
             statuses_settled.as_ref().map_or_else(
                 |e| format!("statuses: {e}; "),
                 |d| format!("every GpuNode said Published after {:.1} s (the floor ran after that); ", d.as_secs_f64())
