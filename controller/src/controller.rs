@@ -54,7 +54,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     claims::{ClaimChanges, strip_claim},
     compare::{SliceDelete, SliceMeta},
-    context::{Context, ControllerConfig, Stores},
+    context::{Context, ControllerConfig, Stores, lease_beat},
     error::Error,
     metrics::Metrics,
     naming::slice_node,
@@ -247,6 +247,7 @@ pub async fn run(
     });
 
     let lease_ctx = ctx.clone();
+    let delay_ctx = ctx.clone();
     let lease_driver = driver.clone();
     let lease_triggers = watcher(
         Api::<Lease>::namespaced(client.clone(), &namespace),
@@ -257,6 +258,15 @@ pub async fn run(
         lease.metadata.managed_fields = None;
     })
     .reflect(lease_writer)
+    .inspect(move |event| {
+        // Renewals as they happen, not the initial list (or a relist), whose renewals are
+        // up to an interval old by nature.
+        if let Ok(watcher::Event::Apply(lease)) = event
+            && let Some(beat) = lease_beat(lease)
+        {
+            delay_ctx.record_heartbeat_delay(beat.renewed);
+        }
+    })
     .touched_objects()
     .filter_map(move |result| {
         future::ready(match result {

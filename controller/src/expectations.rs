@@ -41,7 +41,7 @@ use std::{
 use k8s_openapi::jiff::Timestamp;
 use kube::{ResourceExt, runtime::watcher};
 
-use crate::{compare::SliceMeta, naming::slice_node};
+use crate::{compare::SliceMeta, naming::slice_node, recent::RecentMax};
 
 /// How long an unmet expectation holds a node's pool back at least (the TTL's floor).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(15);
@@ -50,8 +50,6 @@ pub const MAX_TTL: Duration = Duration::from_secs(120);
 /// The TTL in multiples of the recent watch lag: room for the lag to grow while the writes
 /// of one reconciliation wait for their events.
 const LAG_FACTOR: u32 = 3;
-/// How long an observed watch lag stays "recent": between one and two of these.
-const LAG_WINDOW: Duration = Duration::from_secs(60);
 
 /// What a write leaves behind.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,48 +75,6 @@ struct NodeExpectations {
 struct Pending {
     expected: Expected,
     at: Instant,
-}
-
-/// The longest watch lag observed recently: the maximum over the current window and the
-/// previous one, so one observation counts for one to two [`LAG_WINDOW`]s.
-#[derive(Debug)]
-struct RecentMax {
-    window_start: Instant,
-    current: Duration,
-    previous: Duration,
-}
-
-impl RecentMax {
-    fn new(now: Instant) -> Self {
-        Self {
-            window_start: now,
-            current: Duration::ZERO,
-            previous: Duration::ZERO,
-        }
-    }
-
-    fn record(&mut self, now: Instant, lag: Duration) {
-        self.rotate(now);
-        self.current = self.current.max(lag);
-    }
-
-    fn get(&mut self, now: Instant) -> Duration {
-        self.rotate(now);
-        self.current.max(self.previous)
-    }
-
-    fn rotate(&mut self, now: Instant) {
-        let age = now.saturating_duration_since(self.window_start);
-        if age >= 2 * LAG_WINDOW {
-            self.previous = Duration::ZERO;
-            self.current = Duration::ZERO;
-            self.window_start = now;
-        } else if age >= LAG_WINDOW {
-            self.previous = self.current;
-            self.current = Duration::ZERO;
-            self.window_start += LAG_WINDOW;
-        }
-    }
 }
 
 /// The TTL for a recent watch lag: [`LAG_FACTOR`] times it, within `floor` and
@@ -583,25 +539,6 @@ mod tests {
             Duration::from_secs(300),
             "a floor above the cap wins"
         );
-    }
-
-    #[test]
-    fn a_lag_counts_as_recent_for_one_to_two_windows() {
-        let t0 = Instant::now();
-        let mut lag = RecentMax::new(t0);
-        let at = |secs: u64| t0 + Duration::from_secs(secs);
-        lag.record(at(10), Duration::from_secs(20));
-        lag.record(at(20), Duration::from_secs(5));
-        assert_eq!(lag.get(at(59)), Duration::from_secs(20));
-        // The next window still remembers it as the previous one's maximum.
-        lag.record(at(70), Duration::from_secs(3));
-        assert_eq!(lag.get(at(119)), Duration::from_secs(20));
-        // A window later, only the 3 s of the window before is left.
-        assert_eq!(lag.get(at(121)), Duration::from_secs(3));
-        // Nothing for two whole windows: forgotten.
-        assert_eq!(lag.get(at(400)), Duration::ZERO);
-        lag.record(at(401), Duration::from_secs(1));
-        assert_eq!(lag.get(at(402)), Duration::from_secs(1));
     }
 
     #[test]

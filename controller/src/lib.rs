@@ -22,6 +22,7 @@ pub mod liveness;
 pub mod metrics;
 pub mod naming;
 pub mod publish;
+pub mod recent;
 pub mod reconcile;
 pub mod status;
 

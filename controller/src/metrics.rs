@@ -109,6 +109,8 @@ pub struct Metrics {
     expiry_checks: Family<OutcomeLabels, Counter>,
     status_writes_deferred: Counter,
     slice_watch_lag: Gauge<f64, AtomicU64>,
+    heartbeat_allowance: Gauge<f64, AtomicU64>,
+    expiries_excused: Counter,
     expectation_ttl: Gauge<f64, AtomicU64>,
     registry: Arc<Registry>,
 }
@@ -233,7 +235,24 @@ impl Metrics {
              before trusting the cache anyway (follows the watch lag)",
             expectation_ttl.clone(),
         );
+        let heartbeat_allowance = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "heartbeat_allowance_seconds",
+            "How much later than its timeout a heartbeat may be before its expiry withdraws a \
+             pool: the 99th percentile of how late Lease renewals arrived in the last one to two \
+             minutes (0 on a healthy control plane)",
+            heartbeat_allowance.clone(),
+        );
+        let expiries_excused = Counter::default();
+        registry.register(
+            "heartbeat_expiries_excused",
+            "Heartbeat expiries that withdrew no pool because the beat was no later than renewals \
+             arrive right now (heartbeat_allowance_seconds)",
+            expiries_excused.clone(),
+        );
         Self {
+            heartbeat_allowance,
+            expiries_excused,
             slice_watch_lag,
             expectation_ttl,
             expiry_checks,
@@ -369,6 +388,16 @@ impl Metrics {
         self.expectation_ttl.set(ttl.as_secs_f64());
     }
 
+    /// Records the heartbeat allowance a slow control plane gives.
+    pub fn set_heartbeat_allowance(&self, allowance: Duration) {
+        self.heartbeat_allowance.set(allowance.as_secs_f64());
+    }
+
+    /// Counts a heartbeat expiry excused by the allowance.
+    pub fn heartbeat_expiry_excused(&self) {
+        self.expiries_excused.inc();
+    }
+
     /// Records the heartbeat census: expired heartbeats, and whether withdrawals are held.
     pub fn set_heartbeat_census(&self, expired: usize, held: bool) {
         self.expired_heartbeats
@@ -446,6 +475,8 @@ mod tests {
         m.set_heartbeat_census(4, true);
         m.status_write_deferred();
         m.set_slice_watch_lag(Duration::from_millis(7500), Duration::from_millis(22500));
+        m.set_heartbeat_allowance(Duration::from_secs(8));
+        m.heartbeat_expiry_excused();
         drop(m.reconcile_timer());
         let text = m.encode();
         for needle in [
@@ -468,6 +499,8 @@ mod tests {
             "migdra_controller_status_writes_deferred_total 1",
             "migdra_controller_slice_watch_lag_seconds 7.5",
             "migdra_controller_expectation_ttl_seconds 22.5",
+            "migdra_controller_heartbeat_allowance_seconds 8.0",
+            "migdra_controller_heartbeat_expiries_excused_total 1",
             "migdra_controller_reconcile_duration_seconds_count 1",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");

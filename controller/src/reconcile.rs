@@ -346,8 +346,8 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
     let state = match state {
         // Expiry alone is checked against the API server and rate-limited; a pool already
         // withdrawn needs neither.
-        Liveness::Gone(GoneReason::HeartbeatExpired { last, .. }) if !cached.is_empty() => {
-            confirm_expiry(ctx, &node_name, last, wiped_at, hold).await?
+        Liveness::Gone(GoneReason::HeartbeatExpired { last, timeout }) if !cached.is_empty() => {
+            confirm_expiry(ctx, &node_name, (last, timeout), wiped_at, hold).await?
         }
         state => state,
     };
@@ -616,20 +616,35 @@ async fn live_slices(ctx: &Context, names: &[String]) -> Result<Vec<ResourceSlic
     Ok(live)
 }
 
-/// What a heartbeat expiry seen in the cache (last beat `cached_last`) really is. The cache
+/// What a heartbeat expiry seen in the cache (last beat `cached_last`, after which `timeout`
+/// applied) really is. The cache
 /// is only as fresh as the watch, and a watch behind an overloaded API server makes every
 /// heartbeat look older than it is; so before a pool is withdrawn for expiry alone, a quorum
 /// read of the node's GpuNode and Lease decides ([`Context::fresh_heartbeat`]). When the
-/// rate limit would hold the pool anyway, no read is made. A failed read keeps the pool
+/// rate limit would hold the pool anyway, or the beat is no later than renewals arrive right
+/// now ([`Context::heartbeat_allowance`]), no read is made. A failed read keeps the pool
 /// (an error: retried with backoff); the kubelet still wipes the slices of a plugin that
 /// really died.
 async fn confirm_expiry(
     ctx: &Context,
     node: &str,
-    cached_last: Timestamp,
+    (cached_last, timeout): (Timestamp, Duration),
     wiped_at: Option<Timestamp>,
     hold: bool,
 ) -> Result<Liveness, Error> {
+    let allowance = ctx.heartbeat_allowance();
+    let excused_until = cached_last + timeout + allowance;
+    if Timestamp::now() < excused_until {
+        ctx.metrics.heartbeat_expiry_excused();
+        tracing::info!(
+            last = %cached_last,
+            allowance_seconds = allowance.as_secs_f64(),
+            until = %excused_until,
+            "heartbeat expired, but renewals reach the controller this late right now (the \
+             control plane is slow): keeping the pool"
+        );
+        return Ok(Liveness::Held { last: cached_last });
+    }
     if !ctx.expiry_withdrawal_due() {
         return Ok(held_by_rate_limit(cached_last));
     }

@@ -1034,6 +1034,59 @@ async fn an_expiry_the_api_server_refutes_keeps_the_pool() {
 }
 
 #[tokio::test]
+async fn an_expiry_no_later_than_renewals_arrive_right_now_keeps_the_pool() {
+    // Behind a saturated API server, renewals arrive 9 s after the plugins sent them (the
+    // 99th percentile's bucket: 10 s). A Lease last renewed 30 s ago is 5 s past its 25 s
+    // timeout: that is the control plane, not a dead plugin.
+    let mut h = Harness::new();
+    let (stored, g) = publish_leased(&mut h, 30).await;
+    for _ in 0..40 {
+        h.ctx.record_heartbeat_delay(ago(9));
+    }
+    assert_eq!(h.ctx.heartbeat_allowance(), Duration::from_secs(10));
+    // Kept without a read (the server is loaded enough) and looked at again soon.
+    let (result, served) = h.reconcile(&g, Scenario::new()).await;
+    let recheck = requeue_secs(&result.unwrap()).expect("looked at again");
+    assert!(recheck <= 10, "{recheck}");
+    assert!(served.deleted.is_empty() && served.status_patches.is_empty());
+    let metrics = h.ctx.metrics.encode();
+    assert!(
+        metrics.contains("migdra_controller_heartbeat_expiries_excused_total 1"),
+        "{metrics}"
+    );
+    // 40 s old is later than that: confirmed by the server and withdrawn.
+    h.put_lease(NODE, ago(40));
+    let scenario = Scenario::new()
+        .then(get_gpunode(&g))
+        .then(get_lease(Some(ago(40))))
+        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("False", "PluginNotReady"));
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(served.deleted.len(), stored.len());
+}
+
+#[tokio::test]
+async fn a_few_late_renewals_give_no_allowance() {
+    // Fewer renewals than the allowance needs (one node's skewed clock, say): none.
+    let h = Harness::new();
+    for _ in 0..5 {
+        h.ctx.record_heartbeat_delay(ago(60));
+    }
+    assert_eq!(h.ctx.heartbeat_allowance(), Duration::ZERO);
+    // Enough of them, far later than any cap: the cap.
+    for _ in 0..40 {
+        h.ctx.record_heartbeat_delay(ago(600));
+    }
+    assert_eq!(
+        h.ctx.heartbeat_allowance(),
+        migdra_controller::context::MAX_HEARTBEAT_ALLOWANCE
+    );
+}
+
+#[tokio::test]
 async fn an_old_plugins_expiry_the_api_server_refutes_keeps_the_pool() {
     // A plugin without a Lease beats in its GpuNode; the cached copy is two minutes old, the
     // server's from two seconds ago.
