@@ -224,17 +224,20 @@ fn conflicts(m: &Metrics) -> f64 {
     )
 }
 
-/// The controller's recent slice watch lag and the expectation TTL it gave, for a note (empty
-/// for a controller without these metrics).
+/// The controller's recent slice watch lag, the expectation TTL it gave and the heartbeat
+/// allowance, for a note (empty for a controller without these metrics).
 fn watch_lag_note(m: &Metrics) -> String {
     let gauge = |name| m.matching(name, &[]).next().map(|s| s.value);
     match (
         gauge("migdra_controller_slice_watch_lag_seconds"),
         gauge("migdra_controller_expectation_ttl_seconds"),
     ) {
-        (Some(lag), Some(ttl)) => {
-            format!("; longest slice watch lag in the last 1–2 min {lag:.1} s (expectation TTL {ttl:.1} s)")
-        }
+        (Some(lag), Some(ttl)) => format!(
+            "; longest slice watch lag in the last 1–2 min {lag:.1} s (expectation TTL {ttl:.1} s); \
+             heartbeat allowance {:.1} s, {} heartbeat expiries excused by it",
+            gauge("migdra_controller_heartbeat_allowance_seconds").unwrap_or_default(),
+            m.sum("migdra_controller_heartbeat_expiries_excused_total", &[])
+        ),
         _ => String::new(),
     }
 }
@@ -742,7 +745,7 @@ pub async fn run(
         },
         note: format!(
             "watch events = sent by the API server to all watchers of {} ({}; leases {:.1}/s, mostly node Leases); \
-             slice writes in the window: {steady_writes}; reconciliations {reconciles_per_second:.1}/s; heartbeat expiries checked against the API server since the restart: {expiry_checks}; {}; load {load_steady_start} → {load_steady_end}",
+             slice writes in the window: {steady_writes}; reconciliations {reconciles_per_second:.1}/s; heartbeat expiries checked against the API server since the restart: {expiry_checks}{}; {}; load {load_steady_start} → {load_steady_end}",
             WATCHED[..5].join(", "),
             per_resource
                 .iter()
@@ -751,6 +754,7 @@ pub async fn run(
                 .collect::<Vec<_>>()
                 .join(", "),
             lease_events,
+            watch_lag_note(&steady_metrics),
             beat_note(&beats)
         ),
     });
