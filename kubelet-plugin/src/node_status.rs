@@ -321,10 +321,19 @@ impl NodeStatusWriter {
     }
 }
 
-/// Runs one API call of the heartbeat loop for at most `limit` (the heartbeat interval): the
-/// client's own read timeout is minutes, and one call hanging on an overloaded API server
-/// would otherwise hold every later beat, so the controller would see a live plugin as dead.
-/// `None` (logged) when it did not answer in time.
+/// How long one heartbeat write (the GpuNode, its status, the Lease) may take: two intervals.
+/// The client's own read timeout is minutes, and one call hanging on an overloaded API server
+/// would otherwise hold every later beat; but a bound of one interval cancels every write once
+/// the server answers writes more slowly than that, and then no beat lands at all (the bench's
+/// real node, beating every 3 s while a saturated API server took 3 s and more per write, had
+/// its pool withdrawn and no beat of it reached the controller for ten minutes). A write
+/// answered late is a heartbeat; a cancelled one is not.
+fn write_bound(interval: Duration) -> Duration {
+    interval.saturating_mul(2)
+}
+
+/// Runs one API call of the heartbeat loop for at most `limit` (see [`write_bound`]; events
+/// get one interval: they are no heartbeat). `None` (logged) when it did not answer in time.
 async fn bounded<T>(limit: Duration, what: &str, call: impl Future<Output = T>) -> Option<T> {
     match tokio::time::timeout(limit, call).await {
         Ok(answer) => Some(answer),
@@ -425,7 +434,13 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
             }
             if let (Some(writer), Some(inventory)) = (&mut writer, &inventory) {
                 if !object_ready {
-                    match bounded(interval, "creating the GpuNode", writer.ensure_object()).await {
+                    match bounded(
+                        write_bound(interval),
+                        "creating the GpuNode",
+                        writer.ensure_object(),
+                    )
+                    .await
+                    {
                         Some(Ok(())) => object_ready = true,
                         Some(Err(e)) => tracing::warn!(error = %e, "creating the GpuNode failed; retrying"),
                         None => {}
@@ -466,17 +481,17 @@ impl<B: GpuBackend + 'static> StatusLoop<B> {
                     if !lease_live || gpunode_due(last_written.as_ref(), &content, writer.gpunode_interval())
                     {
                         let publish = writer.publish(&state, driver_version.clone(), inventory);
-                        match bounded(interval, "updating the GpuNode status", publish).await {
+                        match bounded(write_bound(interval), "updating the GpuNode status", publish).await {
                             Some(Ok(())) => last_written = Some(content),
                             Some(Err(e)) => {
                                 tracing::warn!(error = %e, "updating the GpuNode status failed; retrying");
                                 object_ready = false;
                                 last_written = None;
                             }
-                            None => {
-                                object_ready = false;
-                                last_written = None;
-                            }
+                            // No answer says nothing about the object: the next beat writes
+                            // the status again, without first re-creating the GpuNode (one
+                            // more slow write on a server that is already slow).
+                            None => last_written = None,
                         }
                     }
                 }
@@ -576,7 +591,7 @@ impl LeaseTask {
     }
 }
 
-/// Renews the heartbeat Lease every `interval` (each renewal bounded by it) until `stop`,
+/// Renews the heartbeat Lease every `interval` (each renewal bounded by [`write_bound`]) until `stop`,
 /// reporting each outcome to `report`.
 async fn renew_lease_every(
     mut writer: NodeStatusWriter,
@@ -594,7 +609,7 @@ async fn renew_lease_every(
         }
         let outcome = tokio::select! {
             _ = stop.cancelled() => break,
-            outcome = bounded(interval, "renewing the heartbeat Lease", writer.renew_lease()) => outcome,
+            outcome = bounded(write_bound(interval), "renewing the heartbeat Lease", writer.renew_lease()) => outcome,
         };
         let renewed = match outcome {
             Some(Ok(())) => true,

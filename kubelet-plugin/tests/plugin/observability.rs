@@ -592,6 +592,58 @@ async fn a_hung_lease_renewal_does_not_hold_the_next_beats() {
     let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
 }
 
+/// An API server that answers writes more slowly than the heartbeat interval: each status
+/// write is written again at the next beat, never preceded by re-creating the GpuNode (which
+/// the loop did after every unanswered write, doubling the writes a slow server had to take).
+/// Whether a write answered after 1.5 intervals is still waited for (the bound is two
+/// intervals) cannot be seen through the mock; the writes here exercise that path.
+#[tokio::test(flavor = "multi_thread")]
+async fn status_writes_slower_than_the_interval_do_not_re_create_the_gpunode() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let (driver, _) = node.start(None);
+    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let interval = Duration::from_millis(300);
+    let writer = NodeStatusWriter::new(kube::Client::new(service, "default"), NODE, DRIVER, interval);
+    let (claim_events, _events) = ClaimEvents::channel();
+    let stop = CancellationToken::new();
+    let task = status_loop(driver.gpus(), Some(writer), interval, claim_events, &stop);
+
+    let mut unanswered = Vec::new();
+    let mut seen: Vec<(Method, String)> = Vec::new();
+    // Five status writes: the first two answered after 1.5 intervals, the next two never.
+    while seen.iter().filter(|(m, p)| is_gpunode_status(m, p)).count() < 5 {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+            .await
+            .unwrap_or_else(|_| panic!("the heartbeat stopped after {seen:?}"))
+            .expect("mock closed");
+        let (method, path) = (request.method().clone(), request.uri().path().to_string());
+        seen.push((method.clone(), path.clone()));
+        if !is_gpunode_status(&method, &path) {
+            send.send_response(json_response(&api_answer(&path)));
+            continue;
+        }
+        match seen.iter().filter(|(m, p)| is_gpunode_status(m, p)).count() {
+            1 | 2 => {
+                tokio::spawn(async move {
+                    tokio::time::sleep(interval.mul_f32(1.5)).await;
+                    send.send_response(json_response(&api_answer(&path)));
+                });
+            }
+            3 | 4 => unanswered.push(send),
+            _ => send.send_response(json_response(&api_answer(&path))),
+        }
+    }
+    stop.cancel();
+    drop((unanswered, handle));
+    let first_status = seen.iter().position(|(m, p)| is_gpunode_status(m, p)).unwrap();
+    let recreated: Vec<_> = seen[first_status..]
+        .iter()
+        .filter(|(m, p)| *m == Method::PATCH && p.ends_with(&format!("/gpunodes/{NODE}")))
+        .collect();
+    assert!(recreated.is_empty(), "the GpuNode was written again: {seen:?}");
+    let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+}
+
 /// The Lease has a task of its own: an inventory refresh hanging in NVML holds the status
 /// loop, never the renewals, so the controller keeps seeing a live plugin. Stopped, the
 /// plugin still reports itself unregistered in the GpuNode, after the last renewal.
