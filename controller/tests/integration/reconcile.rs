@@ -318,11 +318,7 @@ async fn most_heartbeats_expiring_at_once_withdraw_nothing() {
     // An explicit "not registered" still withdraws.
     let mut unregistered = g.clone();
     unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
-    let scenario = Scenario::new()
-        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
-        .then(patch_status(|body| {
-            assert_eq!(condition(body), ("False", "PluginNotReady"));
-        }));
+    let scenario = Scenario::new().then_all(withdrawal(stored.len(), "PluginNotReady"));
     let (result, _) = h.reconcile(&unregistered, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
 }
@@ -340,10 +336,7 @@ async fn a_few_expired_heartbeats_among_many_live_ones_withdraw() {
     let scenario = Scenario::new()
         .then(get_gpunode(&stale))
         .then(get_lease(None))
-        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
-        .then(patch_status(|body| {
-            assert_eq!(condition(body), ("False", "PluginNotReady"));
-        }));
+        .then_all(withdrawal(stored.len(), "PluginNotReady"));
     let (result, _) = h.reconcile(&stale, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
     let metrics = h.ctx.metrics.encode();
@@ -420,11 +413,7 @@ async fn a_deleted_node_withdraws_the_pool() {
     let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
     h.store_slices(&stored);
     h.delete_node(NODE);
-    let scenario = Scenario::new()
-        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
-        .then(patch_status(|body| {
-            assert_eq!(condition(body), ("False", "NodeNotFound"));
-        }));
+    let scenario = Scenario::new().then_all(withdrawal(stored.len(), "NodeNotFound"));
     let (result, served) = h.reconcile(&g, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
     assert_eq!(served.deleted.len(), stored.len());
@@ -739,6 +728,16 @@ fn leased_plugin(gpunode_age: i64) -> migdra_api::inventory::PluginStatus {
     p
 }
 
+/// The calls of a withdrawal of `slices` slices: each deleted, then a status saying
+/// `Published=False` for `reason`.
+fn withdrawal(slices: usize, reason: &'static str) -> Vec<Step> {
+    let mut steps: Vec<Step> = (0..slices).map(|i| delete_slice(&name(i))).collect();
+    steps.push(patch_status(move |body| {
+        assert_eq!(condition(body), ("False", reason));
+    }));
+    steps
+}
+
 /// Publishes a one-GPU pool, caches its slices, and makes the plugin one of this version: a
 /// GpuNode heartbeat 200 s old (300 s interval) and a Lease renewed `lease_age` seconds ago.
 async fn publish_leased(h: &mut Harness, lease_age: i64) -> (Vec<ResourceSlice>, GpuNode) {
@@ -998,11 +997,7 @@ async fn expiry_withdraws_at_most_one_pool_per_interval() {
     // The limit holds back expiry only: an unregistered plugin is withdrawn at once.
     let mut unregistered = g.clone();
     unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
-    let scenario = Scenario::new()
-        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
-        .then(patch_status(|body| {
-            assert_eq!(condition(body), ("False", "PluginNotReady"));
-        }));
+    let scenario = Scenario::new().then_all(withdrawal(stored.len(), "PluginNotReady"));
     let (result, _) = h.reconcile(&unregistered, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
 }
@@ -1059,10 +1054,7 @@ async fn an_expiry_no_later_than_renewals_arrive_right_now_keeps_the_pool() {
     let scenario = Scenario::new()
         .then(get_gpunode(&g))
         .then(get_lease(Some(ago(40))))
-        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
-        .then(patch_status(|body| {
-            assert_eq!(condition(body), ("False", "PluginNotReady"));
-        }));
+        .then_all(withdrawal(stored.len(), "PluginNotReady"));
     let (result, served) = h.reconcile(&g, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
     assert_eq!(served.deleted.len(), stored.len());
@@ -1130,10 +1122,7 @@ async fn an_expiry_that_cannot_be_confirmed_keeps_the_pool() {
     let scenario = Scenario::new()
         .then(get_gpunode(&stale))
         .then(get_lease(None))
-        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
-        .then(patch_status(|body| {
-            assert_eq!(condition(body), ("False", "PluginNotReady"));
-        }));
+        .then_all(withdrawal(stored.len(), "PluginNotReady"));
     let (result, served) = h.reconcile(&stale, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
     assert_eq!(served.deleted.len(), stored.len());
@@ -1269,11 +1258,7 @@ async fn a_withdrawal_writes_its_status_at_once_while_slices_are_written() {
     let _others = ctx.writing_slices();
     let mut unregistered = g.clone();
     unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
-    let scenario = Scenario::new()
-        .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
-        .then(patch_status(|body| {
-            assert_eq!(condition(body), ("False", "PluginNotReady"));
-        }));
+    let scenario = Scenario::new().then_all(withdrawal(stored.len(), "PluginNotReady"));
     let (result, served) = h.reconcile(&unregistered, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
     assert_eq!(served.status_patches.len(), 1);
