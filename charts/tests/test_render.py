@@ -82,6 +82,7 @@ def test_namespaced_objects_use_the_release_namespace(case):
         "DeviceClass",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
+        "FlowSchema",
         "CustomResourceDefinition",
     }
     for doc in rendered.docs:
