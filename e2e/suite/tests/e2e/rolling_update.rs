@@ -142,6 +142,9 @@ async fn plugin_rolling_update_keeps_claims_flowing(cluster: &mut Cluster) -> an
     let rolled = roll(cluster, &churned, &churn).await;
     stop.store(true, Ordering::SeqCst);
     let outcome = churn.await.context("the claim churn panicked")?;
+    if rolled.is_err() {
+        restore_plugins(cluster).await?;
+    }
     rolled?;
     outcome.context("a claim failed during the rolling update")?;
     ensure!(churned.count() >= 7, "too few claims went through the update");
@@ -220,6 +223,19 @@ async fn roll(
         "the controller withdrew the pool during the rolling update"
     );
     Ok(())
+}
+
+/// After a failed roll: the suite's tests after this one expect the one plugin instance they
+/// started with. A surge instance left running would keep heartbeating for the node (a killed
+/// plugin's pool would never be withdrawn), and a stopped original would serve nothing.
+async fn restore_plugins(cluster: &mut Cluster) -> anyhow::Result<()> {
+    cluster.stop(SURGE_PLUGIN, Duration::from_secs(20));
+    if cluster.pid(PLUGIN).is_none() {
+        let before = registrations(cluster, PLUGIN);
+        cluster.start_plugin()?;
+        wait_registered(cluster, PLUGIN, before).await?;
+    }
+    cluster.wait_published(SHORT).await
 }
 
 /// How often the controller's log says it withdrew the node's pool.
