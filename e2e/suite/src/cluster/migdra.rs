@@ -11,7 +11,9 @@ use migdra_api::inventory::{GpuNode, pool_name};
 use migdra_fake_nvml::testing::HOST_LIBRARY;
 use serde_json::json;
 
-use super::{CHART_NAMESPACE, Cluster, DRIVER, HOOK_PATH, NODE, kubeconfig_yaml, wait_until, write};
+use super::{
+    CHART_NAMESPACE, Cluster, DRIVER, HOOK_PATH, NODE, PLUGIN_ACCOUNT, kubeconfig_yaml, wait_until, write,
+};
 
 /// The kubelet plugin's component name (logs, pid file, [`Cluster::stop`]).
 pub const PLUGIN: &str = "migdra-kubelet-plugin";
@@ -21,6 +23,60 @@ pub const SURGE_PLUGIN: &str = "migdra-kubelet-plugin-surge";
 /// sees a pass while the plugin runs (a pass never touches a claim that still exists, so the
 /// other tests are unaffected, and prove that).
 pub const STALE_CLAIM_GC_INTERVAL_SECONDS: u64 = 5;
+
+/// Requests a token of one of the chart's ServiceAccounts (`account`), bound to the Node
+/// `(name, uid)` when given.
+async fn request_token(
+    admin: &Client,
+    account: &str,
+    node: Option<(String, String)>,
+) -> anyhow::Result<String> {
+    let mut request = json!({
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {"audiences": [], "expirationSeconds": 86400},
+    });
+    if let Some((name, uid)) = node {
+        request["spec"]["boundObjectRef"] =
+            json!({"apiVersion": "v1", "kind": "Node", "name": name, "uid": uid});
+    }
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(admin.clone(), CHART_NAMESPACE);
+    let response: serde_json::Value = accounts
+        .create_subresource("token", account, &PostParams::default(), &request)
+        .await
+        .with_context(|| format!("requesting a token for {account}"))?;
+    Ok(response["status"]["token"]
+        .as_str()
+        .context("no token in the TokenRequest response")?
+        .to_string())
+}
+
+/// Clients authenticated as the chart's kubelet-plugin ServiceAccount with a token bound to a
+/// given Node: what a real plugin on that node sends with (its own connection, the admission
+/// policy's node check, API Priority and Fairness as a ServiceAccount, not as the admin).
+#[derive(Clone)]
+pub struct PluginIdentities {
+    admin: Client,
+    apiserver_port: u16,
+}
+
+impl PluginIdentities {
+    /// A client of its own for the plugin of Node `node` (whose UID is `uid`).
+    pub async fn client_for(&self, node: &str, uid: &str) -> anyhow::Result<Client> {
+        let token = request_token(
+            &self.admin,
+            PLUGIN_ACCOUNT,
+            Some((node.to_string(), uid.to_string())),
+        )
+        .await?;
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&kubeconfig_yaml(self.apiserver_port, &token))?;
+        let config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
+                .await?;
+        Ok(Client::try_from(config)?)
+    }
+}
 
 /// Finds migdra's binaries: `$MIGDRA_BIN_DIR`, or the cargo target directory of the running
 /// executable (tests run from target/<profile>/deps, binaries from target/<profile>).
@@ -49,28 +105,27 @@ impl Cluster {
         account: &str,
         bind_to_node: bool,
     ) -> anyhow::Result<PathBuf> {
-        let mut request = json!({
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {"audiences": [], "expirationSeconds": 86400},
-        });
-        if bind_to_node {
+        let bound = if bind_to_node {
             let node = Api::<Node>::all(self.client.clone()).get(NODE).await?;
-            request["spec"]["boundObjectRef"] =
-                json!({"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": node.metadata.uid});
-        }
-        let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
-            Api::namespaced(self.client.clone(), CHART_NAMESPACE);
-        let response: serde_json::Value = accounts
-            .create_subresource("token", account, &PostParams::default(), &request)
-            .await
-            .with_context(|| format!("requesting a token for {account}"))?;
-        let token = response["status"]["token"]
-            .as_str()
-            .context("no token in the TokenRequest response")?;
+            Some((
+                NODE.to_string(),
+                node.metadata.uid.context("the node has no uid")?,
+            ))
+        } else {
+            None
+        };
+        let token = request_token(&self.client, account, bound).await?;
         let path = self.layout.run_dir.join(format!("{account}.kubeconfig"));
-        write(&path, &kubeconfig_yaml(self.layout.apiserver_port, token))?;
+        write(&path, &kubeconfig_yaml(self.layout.apiserver_port, &token))?;
         Ok(path)
+    }
+
+    /// Mints clients as the kubelet plugin of any node (for simulated nodes).
+    pub fn plugin_identities(&self) -> PluginIdentities {
+        PluginIdentities {
+            admin: self.client.clone(),
+            apiserver_port: self.layout.apiserver_port,
+        }
     }
 
     /// Starts (or restarts) migdra's controller, as the chart's controller ServiceAccount.
@@ -209,6 +264,15 @@ impl Cluster {
     /// A client authenticated as the kubelet plugin (its node-bound ServiceAccount token).
     pub async fn plugin_client(&self) -> anyhow::Result<Client> {
         let path = self.plugin_kubeconfig.clone().context("no plugin token yet")?;
+        Ok(migdra_runtime::kube_client(Some(&path)).await?)
+    }
+
+    /// A client authenticated as the controller (its ServiceAccount token).
+    pub async fn controller_client(&self) -> anyhow::Result<Client> {
+        let path = self
+            .controller_kubeconfig
+            .clone()
+            .context("no controller token yet")?;
         Ok(migdra_runtime::kube_client(Some(&path)).await?)
     }
 }

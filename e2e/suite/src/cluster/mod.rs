@@ -13,7 +13,7 @@ mod boot;
 mod migdra;
 mod teardown;
 
-pub use migdra::{PLUGIN, STALE_CLAIM_GC_INTERVAL_SECONDS, SURGE_PLUGIN};
+pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS, SURGE_PLUGIN};
 
 use std::{
     collections::BTreeMap,

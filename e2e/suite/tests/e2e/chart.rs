@@ -1,7 +1,8 @@
 //! The Helm chart under a real API server: every rendered object and example passes a
 //! server-side dry run, and the RBAC matrix holds for the chart's ServiceAccounts (including
 //! real writes with the plugin's node-bound token: its own node's GpuNode and claim status
-//! only).
+//! only), and API Priority and Fairness puts migdra's requests where the chart's FlowSchemas
+//! say.
 
 use anyhow::{Context, bail, ensure};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -10,12 +11,15 @@ use kube::{
     api::{Patch, PatchParams, PostParams},
 };
 use migdra_api::inventory::{GpuNode, pool_name};
-use migdra_e2e::cluster::{CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, DRIVER, NODE, PLUGIN_ACCOUNT};
+use migdra_e2e::cluster::{
+    CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, DRIVER, NODE, PLUGIN_ACCOUNT, wait_until,
+};
 use serde_json::json;
 
 tests![
     chart_objects_pass_server_side_dry_run,
-    rbac_matrix_holds_against_the_api_server
+    rbac_matrix_holds_against_the_api_server,
+    migdra_requests_land_in_the_charts_priority_levels
 ];
 
 fn kubectl(cluster: &Cluster, args: &[&str]) -> anyhow::Result<std::process::Output> {
@@ -323,4 +327,136 @@ async fn rbac_matrix_holds_against_the_api_server(cluster: &mut Cluster) -> anyh
     );
     eprintln!("e2e: RBAC matrix: {checked} rows hold");
     Ok(())
+}
+
+/// The chart's FlowSchemas under a real API server: none dangling, each request of the two
+/// ServiceAccounts classified into the schema and priority level the chart means (the API
+/// server names both in every response's `X-Kubernetes-PF-*-UID` headers), and the running
+/// plugin's own heartbeat writes dispatched at `node-high`.
+async fn migdra_requests_land_in_the_charts_priority_levels(cluster: &mut Cluster) -> anyhow::Result<()> {
+    use k8s_openapi::api::flowcontrol::v1::{FlowSchema, PriorityLevelConfiguration};
+    let schemas: Api<FlowSchema> = Api::all(cluster.client.clone());
+    let levels: Api<PriorityLevelConfiguration> = Api::all(cluster.client.clone());
+    let mut expected = std::collections::HashMap::new();
+    for (schema, level) in [
+        ("migdra-kubelet-plugin-heartbeat", "node-high"),
+        ("migdra-kubelet-plugin", "workload-high"),
+        ("migdra-controller-leader-election", "leader-election"),
+        ("migdra-controller", "workload-high"),
+    ] {
+        // The API server's config controller writes the status shortly after creation.
+        let object = wait_until(std::time::Duration::from_secs(30), || async {
+            let object = schemas.get(schema).await.ok()?;
+            let dangling = object
+                .status
+                .as_ref()?
+                .conditions
+                .as_ref()?
+                .iter()
+                .find(|c| c.type_.as_deref() == Some("Dangling"))?
+                .status
+                .clone()?;
+            (dangling == "False").then_some(object)
+        })
+        .await
+        .with_context(|| format!("FlowSchema {schema} missing, dangling or without status"))?;
+        ensure!(
+            object
+                .spec
+                .as_ref()
+                .map(|s| s.priority_level_configuration.name.as_str())
+                == Some(level),
+            "FlowSchema {schema} does not name {level}"
+        );
+        let level_uid = levels.get(level).await?.metadata.uid.context("no uid")?;
+        expected.insert(schema, (object.metadata.uid.context("no uid")?, level_uid));
+    }
+
+    // The plugin has been writing its GpuNode (and heartbeat Lease) since the suite started.
+    let metrics = cluster
+        .client
+        .request_text(http::Request::get("/metrics").body(Vec::new())?)
+        .await?;
+    ensure!(
+        dispatched(&metrics, "migdra-kubelet-plugin-heartbeat", "node-high") > 0.0,
+        "no request was dispatched through migdra-kubelet-plugin-heartbeat at node-high"
+    );
+
+    let lease = migdra_api::inventory::heartbeat_lease_name(NODE, DRIVER).context("lease name")?;
+    let plugin = cluster.plugin_client().await?;
+    let controller = cluster.controller_client().await?;
+    let ns = CHART_NAMESPACE;
+    for (client, who, path, schema) in [
+        (
+            &plugin,
+            "plugin",
+            format!("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{lease}"),
+            "migdra-kubelet-plugin-heartbeat",
+        ),
+        (
+            &plugin,
+            "plugin",
+            format!("/apis/gpu.migdra.dev/v1alpha1/gpunodes/{NODE}"),
+            "migdra-kubelet-plugin-heartbeat",
+        ),
+        (
+            &plugin,
+            "plugin",
+            format!("/api/v1/nodes/{NODE}"),
+            "migdra-kubelet-plugin",
+        ),
+        (
+            &plugin,
+            "plugin",
+            "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/none".into(),
+            "migdra-kubelet-plugin",
+        ),
+        (
+            &controller,
+            "controller",
+            format!("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/migdra-controller"),
+            "migdra-controller-leader-election",
+        ),
+        (
+            &controller,
+            "controller",
+            "/apis/resource.k8s.io/v1/resourceslices?limit=1".into(),
+            "migdra-controller",
+        ),
+    ] {
+        let response = client
+            .send(http::Request::get(&path).body(Vec::new())?.map(Into::into))
+            .await?;
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string()
+        };
+        let (schema_uid, level_uid) = &expected[schema];
+        ensure!(
+            header("X-Kubernetes-PF-FlowSchema-UID") == *schema_uid
+                && header("X-Kubernetes-PF-PriorityLevel-UID") == *level_uid,
+            "the {who}'s GET {path} ({}) was not classified by {schema}: flow schema {:?}, priority level {:?}",
+            response.status(),
+            header("X-Kubernetes-PF-FlowSchema-UID"),
+            header("X-Kubernetes-PF-PriorityLevel-UID"),
+        );
+    }
+    Ok(())
+}
+
+/// `apiserver_flowcontrol_dispatched_requests_total` of one flow schema and priority level.
+fn dispatched(metrics: &str, schema: &str, level: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("apiserver_flowcontrol_dispatched_requests_total{"))
+        .filter(|l| {
+            l.contains(&format!("flow_schema=\"{schema}\""))
+                && l.contains(&format!("priority_level=\"{level}\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
