@@ -86,6 +86,14 @@ pub struct Args {
     /// it, is the Lease; `gpu-node-status` simulates plugins before the Lease heartbeat).
     #[arg(long, env = "BENCH_HEARTBEAT_FORM", value_enum, default_value = "lease")]
     pub heartbeat_form: HeartbeatForm,
+    /// Who the simulated plugins write their GpuNodes and heartbeat Leases as.
+    #[arg(
+        long,
+        env = "BENCH_PLUGIN_IDENTITY",
+        value_enum,
+        default_value = "service-account"
+    )]
+    pub plugin_identity: PluginIdentity,
     /// The simulated plugins' heartbeat interval (the plugin's default).
     #[arg(long, env = "BENCH_HEARTBEAT_INTERVAL_SECONDS", default_value_t = 15)]
     pub heartbeat_interval_seconds: u32,
@@ -116,6 +124,32 @@ pub struct Args {
     pub packing_bin: Option<PathBuf>,
 }
 
+/// The identity of the simulated plugins' writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PluginIdentity {
+    /// As a real plugin: the chart's kubelet-plugin ServiceAccount with a token bound to the
+    /// node, one client (connection) per node. The admission policy checks every write, and
+    /// API Priority and Fairness classifies it by the chart's FlowSchemas.
+    ServiceAccount,
+    /// The bench's admin client, shared: exempt from API Priority and Fairness and from the
+    /// admission policy (how the bench measured before 2026-12-02, late).
+    Admin,
+}
+
+impl PluginIdentity {
+    /// How the table names it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::ServiceAccount => {
+                "the plugin's ServiceAccount, a node-bound token and a connection per node"
+            }
+            Self::Admin => {
+                "the cluster admin over shared connections (exempt from API Priority and Fairness)"
+            }
+        }
+    }
+}
+
 impl Args {
     /// Whether `m` runs.
     pub fn runs(&self, m: Measure) -> bool {
@@ -143,5 +177,8 @@ mod tests {
         let a = Args::try_parse_from(["migdra-bench", "--nodes", "2000", "--only", "b2,b3"]).expect("flags");
         assert_eq!(a.nodes, [2000]);
         assert!(a.runs(Measure::B3) && !a.runs(Measure::B1));
+        assert_eq!(a.plugin_identity, PluginIdentity::ServiceAccount);
+        let a = Args::try_parse_from(["migdra-bench", "--plugin-identity", "admin"]).expect("identity");
+        assert_eq!(a.plugin_identity, PluginIdentity::Admin);
     }
 }

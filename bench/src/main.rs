@@ -7,7 +7,7 @@ use std::{path::PathBuf, process::Command, time::Duration};
 use anyhow::Context as _;
 use clap::Parser;
 use migdra_bench::{
-    cli::{Args, Measure},
+    cli::{Args, Measure, PluginIdentity},
     measure, probe,
     sim::{fleet::Fleet, heartbeat::Heartbeat},
     table::{Context, Row, render},
@@ -149,9 +149,10 @@ async fn main() -> anyhow::Result<()> {
         versions,
         notes: vec![
             format!(
-                "simulated nodes: Node (capacity, conditions, node Lease every 10 s) + GpuNode of 8 × H100-80GB; plugin heartbeat every {} s: {}",
+                "simulated nodes: Node (capacity, conditions, node Lease every 10 s) + GpuNode of 8 × H100-80GB; plugin heartbeat every {} s: {}; plugin writes as {}",
                 args.heartbeat_interval_seconds,
                 args.heartbeat_form.describe(),
+                args.plugin_identity.describe(),
             ),
             match args.control_plane_api_qps {
                 Some(qps) => format!(
@@ -225,13 +226,14 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
         }
     }
     let heartbeat = Heartbeat::new(
-        cluster.client.clone(),
         args.heartbeat_form,
         DRIVER,
         CHART_NAMESPACE,
         args.heartbeat_interval_seconds,
     );
-    let mut fleet = Fleet::new(cluster.client.clone(), heartbeat.clone());
+    let identities =
+        (args.plugin_identity == PluginIdentity::ServiceAccount).then(|| cluster.plugin_identities());
+    let mut fleet = Fleet::new(cluster.client.clone(), identities, heartbeat.clone());
     if args.runs(Measure::B1) {
         eprintln!(
             "B1: {} simulated nodes, {} pods per run",

@@ -415,6 +415,41 @@ async fn floor(
     Ok((began.elapsed(), per_node * nodes.len()))
 }
 
+/// The chart's FlowSchemas, in the order the notes give them.
+const FLOW_SCHEMAS: [&str; 3] = [
+    "migdra-kubelet-plugin-heartbeat",
+    "migdra-kubelet-plugin",
+    "migdra-controller",
+];
+
+/// What API Priority and Fairness did with migdra's requests between two scrapes of the API
+/// server: per chart FlowSchema, requests dispatched, the 99th percentile of their time in
+/// the queue (`apiserver_flowcontrol_request_wait_duration_seconds`), and rejections. The
+/// simulated plugins go through the first two only with `BENCH_PLUGIN_IDENTITY=service-account`.
+fn flow_control_note(before: &Metrics, after: &Metrics) -> String {
+    let parts: Vec<String> = FLOW_SCHEMAS
+        .iter()
+        .map(|schema| {
+            let labels = [("flow_schema", *schema)];
+            let dispatched = after.sum("apiserver_flowcontrol_dispatched_requests_total", &labels)
+                - before.sum("apiserver_flowcontrol_dispatched_requests_total", &labels);
+            let rejected = after.sum("apiserver_flowcontrol_rejected_requests_total", &labels)
+                - before.sum("apiserver_flowcontrol_rejected_requests_total", &labels);
+            let wait = |m: &Metrics| m.histogram("apiserver_flowcontrol_request_wait_duration_seconds", &labels, |_| true);
+            let level = after
+                .matching("apiserver_flowcontrol_dispatched_requests_total", &labels)
+                .find_map(|s| s.labels.get("priority_level").cloned())
+                .unwrap_or_else(|| "?".into());
+            let waited = wait(after)
+                .since(&wait(before))
+                .quantile(0.99)
+                .map_or_else(|| "—".into(), |p99| format!("{:.0} ms", p99 * 1e3));
+            format!("{schema} ({level}) {dispatched:.0} dispatched, queue wait p99 {waited}, {rejected:.0} rejected")
+        })
+        .collect();
+    format!("API Priority and Fairness: {}", parts.join("; "))
+}
+
 fn watch_events(m: &Metrics) -> Vec<(String, f64)> {
     WATCHED
         .iter()
@@ -504,6 +539,7 @@ pub async fn run(
     let load_cold = load_average();
     let log_from = log_len(cluster);
     let apiserver_before_cold = apiserver_cpu(cluster);
+    let api_before_cold = scrape_client(&client, "/metrics").await.ok();
     let started_wall = k8s_openapi::jiff::Timestamp::now();
     let started = Instant::now();
     cluster.start_migdra_controller()?;
@@ -517,6 +553,10 @@ pub async fn run(
     let statuses_settled = wait_statuses_published(&client, nodes.len(), Duration::from_secs(90))
         .await
         .map(|_| started.elapsed());
+    let cold_flow_control = match (&api_before_cold, scrape_client(&client, "/metrics").await) {
+        (Some(before), Ok(after)) => flow_control_note(before, &after),
+        _ => "API Priority and Fairness: not read".into(),
+    };
     let cold_metrics = controller_metrics(cluster).await?;
     let (creates, updates, deletes) = slice_writes(&cold_metrics);
     let cold_reconciles = cold_metrics.sum("migdra_controller_reconciles_total", &[]);
@@ -691,7 +731,7 @@ pub async fn run(
         note: format!(
             "{}{}API writes (controller metrics): {creates} creates, {updates} updates, {deletes} deletes (minimum {expected}); \
              {cold_reconciles} reconciles, {cold_conflicts} failed with a conflict ({growth_conflicts}){watch_lag}; {}; \
-             CPU in the cold publish: controller {}, API server {} {floor_note}; {}; load {load_cold} (floor: {load_floor})",
+             CPU in the cold publish: controller {}, API server {} {floor_note}; {}; {cold_flow_control}; load {load_cold} (floor: {load_floor})",
             statuses_settled.as_ref().map_or_else(
                 |e| format!("statuses: {e}; "),
                 |d| format!("every GpuNode said Published after {:.1} s (the floor ran after that); ", d.as_secs_f64())
@@ -745,7 +785,7 @@ pub async fn run(
         },
         note: format!(
             "watch events = sent by the API server to all watchers of {} ({}; leases {:.1}/s, mostly node Leases); \
-             slice writes in the window: {steady_writes}; reconciliations {reconciles_per_second:.1}/s; heartbeat expiries checked against the API server since the restart: {expiry_checks}{}; {}; load {load_steady_start} → {load_steady_end}",
+             slice writes in the window: {steady_writes}; reconciliations {reconciles_per_second:.1}/s; heartbeat expiries checked against the API server since the restart: {expiry_checks}{}; {}; {}; load {load_steady_start} → {load_steady_end}",
             WATCHED[..5].join(", "),
             per_resource
                 .iter()
@@ -755,7 +795,8 @@ pub async fn run(
                 .join(", "),
             lease_events,
             watch_lag_note(&steady_metrics),
-            beat_note(&beats)
+            beat_note(&beats),
+            flow_control_note(&api_before, &api_after)
         ),
     });
     rows.push(Row {
@@ -782,6 +823,39 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flow_control_note_gives_each_schemas_window() {
+        let scrape = |dispatched: u32, fast: u32, slow: u32| {
+            let series = r#"flow_schema="migdra-kubelet-plugin-heartbeat",priority_level="node-high""#;
+            Metrics::parse(&format!(
+                "apiserver_flowcontrol_dispatched_requests_total{{{series}}} {dispatched}\n\
+                 apiserver_flowcontrol_request_wait_duration_seconds_bucket{{{series},execute=\"true\",le=\"0.005\"}} {fast}\n\
+                 apiserver_flowcontrol_request_wait_duration_seconds_bucket{{{series},execute=\"true\",le=\"1\"}} {}\n\
+                 apiserver_flowcontrol_request_wait_duration_seconds_bucket{{{series},execute=\"true\",le=\"+Inf\"}} {}\n\
+                 apiserver_flowcontrol_request_wait_duration_seconds_sum{{{series},execute=\"true\"}} 0\n\
+                 apiserver_flowcontrol_request_wait_duration_seconds_count{{{series},execute=\"true\"}} {}\n",
+                fast + slow,
+                fast + slow,
+                fast + slow
+            ))
+        };
+        // 1,000 requests before the window, all fast; in it 100 more, 10 of which waited up to
+        // 1 s: the window's p99 is among those 10 (over all 1,100 it would be a fast one).
+        let note = flow_control_note(&scrape(1000, 1000, 0), &scrape(1100, 1090, 10));
+        assert!(
+            note.contains("migdra-kubelet-plugin-heartbeat (node-high) 100 dispatched, queue wait p99 "),
+            "{note}"
+        );
+        assert!(
+            !note.contains("p99 5 ms"),
+            "the window's slow requests count: {note}"
+        );
+        assert!(
+            note.contains("migdra-controller (?) 0 dispatched, queue wait p99 —"),
+            "{note}"
+        );
+    }
 
     #[test]
     fn cold_timeline_reads_the_controllers_milestones() {

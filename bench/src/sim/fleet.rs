@@ -29,6 +29,7 @@ use super::{
     objects::{NODE_LEASE_NAMESPACE, SIMULATED_LABEL, node_gpus, node_lease, node_name, node_object},
 };
 use crate::{retry::retry, stats::Samples};
+use migdra_e2e::cluster::PluginIdentities;
 
 /// How often a kubelet renews its node Lease.
 const NODE_LEASE_RENEW: Duration = Duration::from_secs(10);
@@ -47,6 +48,8 @@ pub struct BeatStats {
 /// Simulated nodes kept live.
 pub struct Fleet {
     client: Client,
+    /// Mints each simulated plugin's own client; `None`: they share the admin client.
+    identities: Option<PluginIdentities>,
     heartbeat: Heartbeat,
     plugins: Vec<SimPlugin>,
     cancel: CancellationToken,
@@ -55,10 +58,12 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    /// An empty fleet whose plugins report with `heartbeat`.
-    pub fn new(client: Client, heartbeat: Heartbeat) -> Self {
+    /// An empty fleet whose plugins report with `heartbeat`, each through a client of its own
+    /// from `identities`, or all through `client` (the admin's, for Nodes and node Leases).
+    pub fn new(client: Client, identities: Option<PluginIdentities>, heartbeat: Heartbeat) -> Self {
         Self {
             client,
+            identities,
             heartbeat,
             plugins: Vec::new(),
             cancel: CancellationToken::new(),
@@ -96,15 +101,16 @@ impl Fleet {
             )));
         }
         let (client, heartbeat) = (self.client.clone(), self.heartbeat.clone());
+        let identities = self.identities.clone();
         let (cancel, stats) = (self.cancel.clone(), self.stats.clone());
         // Each node is kept live from the moment it exists: a node created early must not
         // go stale while later ones are still being created.
         let created: Vec<(SimPlugin, JoinHandle<()>)> = stream::iter(start..count)
             .map(|i| {
                 let (client, heartbeat) = (client.clone(), heartbeat.clone());
-                let (cancel, stats) = (cancel.clone(), stats.clone());
+                let (cancel, stats, identities) = (cancel.clone(), stats.clone(), identities.clone());
                 async move {
-                    let plugin = create_node(&client, &heartbeat, i).await?;
+                    let plugin = create_node(&client, identities.as_ref(), &heartbeat, i).await?;
                     let task = tokio::spawn(keep_live(
                         client,
                         heartbeat,
@@ -151,7 +157,12 @@ fn phase(index: usize) -> f64 {
     ((index as u64).wrapping_mul(2_654_435_761) % 10_000) as f64 / 10_000.0
 }
 
-async fn create_node(client: &Client, heartbeat: &Heartbeat, i: usize) -> anyhow::Result<SimPlugin> {
+async fn create_node(
+    client: &Client,
+    identities: Option<&PluginIdentities>,
+    heartbeat: &Heartbeat,
+    i: usize,
+) -> anyhow::Result<SimPlugin> {
     let name = node_name(i);
     let nodes: Api<Node> = Api::all(client.clone());
     let now = Timestamp::now();
@@ -178,16 +189,38 @@ async fn create_node(client: &Client, heartbeat: &Heartbeat, i: usize) -> anyhow
         Err(kube::Error::Api(e)) if e.code == 409 => {}
         Err(e) => return Err(e).with_context(|| format!("creating the node Lease of {name}")),
     }
+    let plugin_client = match identities {
+        Some(identities) => plugin_client(identities, &name, &uid).await?,
+        None => client.clone(),
+    };
     let plugin = SimPlugin {
         gpus: Arc::new(node_gpus(&name, GPUS_PER_NODE)?),
         node: name.clone(),
         node_uid: uid,
         started: now,
+        client: plugin_client,
     };
     retry(|| heartbeat.announce(&plugin))
         .await
         .with_context(|| format!("writing the GpuNode of {name}"))?;
     Ok(plugin)
+}
+
+/// The plugin's own client for node `name`; the TokenRequest is retried a few times, as a
+/// loaded API server may refuse one.
+async fn plugin_client(identities: &PluginIdentities, name: &str, uid: &str) -> anyhow::Result<Client> {
+    let mut attempt = 1;
+    loop {
+        match identities.client_for(name, uid).await {
+            Ok(client) => return Ok(client),
+            Err(e) if attempt < 4 => {
+                tracing::debug!(node = %name, error = %format!("{e:#}"), "minting the plugin token failed; retrying");
+                tokio::time::sleep(Duration::from_secs(attempt)).await;
+                attempt += 1;
+            }
+            Err(e) => return Err(e.context(format!("minting the plugin token of {name}"))),
+        }
+    }
 }
 
 /// What a kubelet does when the node lifecycle controller marked its node Unknown (a Lease

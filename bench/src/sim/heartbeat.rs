@@ -53,7 +53,7 @@ impl HeartbeatForm {
 }
 
 /// One simulated plugin's identity and inventory.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct SimPlugin {
     /// Node name.
     pub node: String,
@@ -63,6 +63,15 @@ pub struct SimPlugin {
     pub gpus: Arc<Vec<GpuInventory>>,
     /// When the simulated plugin started.
     pub started: Timestamp,
+    /// The client its writes go through: its own, as the plugin's ServiceAccount bound to the
+    /// node, or the bench's shared admin client ([`crate::cli::Args::plugin_identity`]).
+    pub client: Client,
+}
+
+impl SimPlugin {
+    fn gpunodes(&self) -> Api<GpuNode> {
+        Api::all(self.client.clone())
+    }
 }
 
 /// Writes plugin reports of one form, switchable while the fleet runs (to measure an old and a
@@ -74,25 +83,18 @@ pub struct Heartbeat {
     /// Heartbeat interval, seconds (the plugin's default is 15).
     pub interval_seconds: u32,
     driver: String,
-    gpunodes: Api<GpuNode>,
-    leases: Api<Lease>,
+    /// The heartbeat Leases' namespace.
+    namespace: String,
 }
 
 impl Heartbeat {
     /// A writer of `form` for `driver`; Leases live in `namespace` (the driver's).
-    pub fn new(
-        client: Client,
-        form: HeartbeatForm,
-        driver: &str,
-        namespace: &str,
-        interval_seconds: u32,
-    ) -> Self {
+    pub fn new(form: HeartbeatForm, driver: &str, namespace: &str, interval_seconds: u32) -> Self {
         Self {
             lease_form: Arc::new(AtomicBool::new(form == HeartbeatForm::Lease)),
             interval_seconds,
             driver: driver.to_string(),
-            gpunodes: Api::all(client.clone()),
-            leases: Api::namespaced(client, namespace),
+            namespace: namespace.to_string(),
         }
     }
 
@@ -120,6 +122,10 @@ impl Heartbeat {
         }
     }
 
+    fn leases(&self, plugin: &SimPlugin) -> Api<Lease> {
+        Api::namespaced(plugin.client.clone(), &self.namespace)
+    }
+
     fn apply() -> PatchParams {
         PatchParams::apply(PLUGIN_FIELD_MANAGER).force()
     }
@@ -127,7 +133,8 @@ impl Heartbeat {
     /// The plugin's first report: the GpuNode object and a full status.
     pub async fn announce(&self, plugin: &SimPlugin) -> Result<(), kube::Error> {
         let object = gpunode_object(&plugin.node, &plugin.node_uid, &self.driver);
-        self.gpunodes
+        plugin
+            .gpunodes()
             .patch(&plugin.node, &Self::apply(), &Patch::Apply(object))
             .await?;
         if self.form() == HeartbeatForm::Lease {
@@ -156,7 +163,7 @@ impl Heartbeat {
                     "renewTime": now,
                 },
             });
-            self.leases
+            self.leases(plugin)
                 .patch(&name, &Self::apply(), &Patch::Apply(lease))
                 .await?;
         }
@@ -174,7 +181,7 @@ impl Heartbeat {
                 };
                 let renew = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
                 match self
-                    .leases
+                    .leases(plugin)
                     .patch(&name, &PatchParams::default(), &Patch::Merge(renew))
                     .await
                 {
@@ -201,7 +208,8 @@ impl Heartbeat {
             &plugin_status(plugin.started, Timestamp::now(), self.announced_interval()),
             &plugin.gpus,
         );
-        self.gpunodes
+        plugin
+            .gpunodes()
             .patch_status(&plugin.node, &Self::apply(), &Patch::Apply(status))
             .await?;
         Ok(())
