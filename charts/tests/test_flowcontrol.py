@@ -19,37 +19,28 @@ import pytest
 from conftest import NAMESPACE, RELEASE, CHART, KUBE_VERSION, Rendered, run_helm
 from test_rbac import ROWS, Row, sa_name
 
+def upstream_schema(name: str, precedence: int, level: str, group: str) -> dict:
+    """An upstream FlowSchema that matches every request of a ServiceAccount group."""
+    return {
+        "metadata": {"name": name},
+        "spec": {
+            "matchingPrecedence": precedence,
+            "priorityLevelConfiguration": {"name": level},
+            "rules": [
+                {
+                    "subjects": [{"kind": "Group", "group": {"name": group}}],
+                    "resourceRules": [
+                        {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "clusterScope": True, "namespaces": ["*"]}
+                    ],
+                }
+            ],
+        },
+    }
+
+
 UPSTREAM = [
-    {
-        "metadata": {"name": "kube-system-service-accounts"},
-        "spec": {
-            "matchingPrecedence": 900,
-            "priorityLevelConfiguration": {"name": "workload-high"},
-            "rules": [
-                {
-                    "subjects": [{"kind": "Group", "group": {"name": "system:serviceaccounts:kube-system"}}],
-                    "resourceRules": [
-                        {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "clusterScope": True, "namespaces": ["*"]}
-                    ],
-                }
-            ],
-        },
-    },
-    {
-        "metadata": {"name": "service-accounts"},
-        "spec": {
-            "matchingPrecedence": 9000,
-            "priorityLevelConfiguration": {"name": "workload-low"},
-            "rules": [
-                {
-                    "subjects": [{"kind": "Group", "group": {"name": "system:serviceaccounts"}}],
-                    "resourceRules": [
-                        {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "clusterScope": True, "namespaces": ["*"]}
-                    ],
-                }
-            ],
-        },
-    },
+    upstream_schema("kube-system-service-accounts", 900, "workload-high", "system:serviceaccounts:kube-system"),
+    upstream_schema("service-accounts", 9000, "workload-low", "system:serviceaccounts"),
 ]
 
 
