@@ -328,6 +328,149 @@ pub fn heartbeat_lease_node<'a>(lease: &'a str, driver: &str) -> Option<&'a str>
         .filter(|node| !node.is_empty())
 }
 
+/// When a plugin tries a failed heartbeat Lease renewal again, before its next beat.
+///
+/// Why at all: the controller keeps a pool while the last renewal is younger than the
+/// heartbeat timeout (25 s by default, against a 15 s beat), so a single failed renewal that
+/// waited for the next beat would let the heartbeat expire. Why a fresh request each time
+/// (the caller stamps `renewTime` anew): a client-side retry of the same request would land
+/// an old `renewTime`, vouching for less of the timeout than a new one. Only answers that can
+/// change on their own are retried ([`Self::retryable`]); delays double from
+/// [`Self::FIRST_DELAY`] to [`Self::MAX_DELAY`], each cut by up to half at random so that many
+/// plugins refused at the same moment (API Priority and Fairness answering 429 to all of
+/// them) do not come back at the same moment; and no retry is due at or after the next beat,
+/// which renews anyway.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RenewalRetry {
+    failures: u32,
+}
+
+impl RenewalRetry {
+    /// Delay after the first failure (before jitter).
+    pub const FIRST_DELAY: std::time::Duration = std::time::Duration::from_millis(500);
+    /// Longest delay (before jitter).
+    pub const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(4);
+
+    /// Whether a renewal answered with HTTP `status` is worth trying again within the beat:
+    /// no answer (`None`: connection refused, reset or timed out), 429 (the API server's
+    /// flow control) and 5xx. A 4xx other than 429 (a policy's refusal, a bad request)
+    /// would be answered the same way again.
+    pub fn retryable(status: Option<u16>) -> bool {
+        match status {
+            None => true,
+            Some(code) => code == 429 || (500..600).contains(&code),
+        }
+    }
+
+    /// Records a failed renewal; the delay before the next attempt, or `None` when that
+    /// would not come before the next beat (`until_next_beat` away). `entropy` is any random
+    /// value: it picks the jitter.
+    pub fn failed(
+        &mut self,
+        until_next_beat: std::time::Duration,
+        entropy: u64,
+    ) -> Option<std::time::Duration> {
+        self.failures = self.failures.saturating_add(1);
+        let doublings = (self.failures - 1).min(16);
+        let full = Self::FIRST_DELAY
+            .saturating_mul(1 << doublings)
+            .min(Self::MAX_DELAY);
+        // Keep between half and all of it: (entropy / 2^64) of the other half is cut.
+        let cut = full.mul_f64((entropy as f64 / u64::MAX as f64) / 2.0);
+        let delay = full.saturating_sub(cut);
+        (delay < until_next_beat).then_some(delay)
+    }
+
+    /// [`Self::failed`] with a random `entropy` (std's per-instance random hash keys).
+    pub fn failed_now(&mut self, until_next_beat: std::time::Duration) -> Option<std::time::Duration> {
+        use std::hash::BuildHasher;
+        let entropy = std::collections::hash_map::RandomState::new().hash_one(self.failures);
+        self.failed(until_next_beat, entropy)
+    }
+
+    /// Records a successful renewal: the next failure starts from [`Self::FIRST_DELAY`].
+    pub fn succeeded(&mut self) {
+        self.failures = 0;
+    }
+
+    /// Failed renewals since the last success.
+    pub fn failures(&self) -> u32 {
+        self.failures
+    }
+}
+
+#[cfg(test)]
+mod renewal_retry_tests {
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+
+    use super::RenewalRetry;
+
+    #[test]
+    fn only_answers_that_can_change_are_retried() {
+        for status in [None, Some(429), Some(500), Some(503), Some(504)] {
+            assert!(RenewalRetry::retryable(status), "{status:?}");
+        }
+        for status in [Some(400), Some(403), Some(404), Some(409), Some(422), Some(200)] {
+            assert!(!RenewalRetry::retryable(status), "{status:?}");
+        }
+    }
+
+    #[test]
+    fn delays_double_up_to_the_cap_and_restart_after_a_success() {
+        let mut retry = RenewalRetry::default();
+        let beat = Duration::from_secs(60);
+        let full: Vec<Duration> = (0..6).map(|_| retry.failed(beat, 0).unwrap()).collect();
+        assert_eq!(
+            full,
+            [500, 1000, 2000, 4000, 4000, 4000].map(Duration::from_millis)
+        );
+        assert_eq!(retry.failures(), 6);
+        retry.succeeded();
+        assert_eq!(retry.failures(), 0);
+        assert_eq!(retry.failed(beat, u64::MAX), Some(Duration::from_millis(250)));
+    }
+
+    #[test]
+    fn no_retry_is_due_at_or_after_the_next_beat() {
+        let mut retry = RenewalRetry::default();
+        assert_eq!(retry.failed(Duration::from_millis(500), 0), None);
+        assert_eq!(
+            retry.failed(Duration::from_millis(1001), 0),
+            Some(Duration::from_secs(1))
+        );
+        assert_eq!(retry.failures(), 2);
+    }
+
+    proptest! {
+        #[test]
+        fn every_delay_is_within_half_and_all_of_the_doubling_and_before_the_beat(
+            failures in 1u32..40,
+            entropy in any::<u64>(),
+            beat_ms in 1u64..30_000,
+        ) {
+            let mut retry = RenewalRetry::default();
+            let beat = Duration::from_millis(beat_ms);
+            let mut delay = None;
+            for _ in 0..failures {
+                delay = retry.failed(beat, entropy);
+            }
+            let doubled = RenewalRetry::FIRST_DELAY
+                .saturating_mul(1 << (failures - 1).min(16))
+                .min(RenewalRetry::MAX_DELAY);
+            match delay {
+                Some(d) => {
+                    prop_assert!(d < beat);
+                    prop_assert!(d <= doubled && d >= doubled / 2, "{d:?} vs {doubled:?}");
+                }
+                // Refused only when even the longest delay it could have picked is not early.
+                None => prop_assert!(doubled >= beat, "{doubled:?} vs beat {beat:?}"),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod lease_name_tests {
     use super::*;

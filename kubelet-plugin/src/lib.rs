@@ -96,7 +96,9 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         })
     };
 
-    let client = migdra_runtime::kube_client(args.kubeconfig.as_deref()).await?;
+    let kube_config = migdra_runtime::kube_config(args.kubeconfig.as_deref()).await?;
+    let client =
+        kube::Client::try_from(kube_config.clone()).map_err(migdra_runtime::KubeClientError::from)?;
 
     let boot_id = state_dir::read_boot_id(&args.boot_id_path)?;
     let backend = {
@@ -192,7 +194,9 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     let heartbeat = args.heartbeat_interval();
     let mut writer = NodeStatusWriter::new(client.clone(), &args.node_name, &args.driver_name, heartbeat);
     if let Some(namespace) = args.heartbeat_namespace.as_deref().filter(|n| !n.is_empty()) {
-        writer = writer.with_heartbeat_lease(client, namespace, args.gpunode_heartbeat_interval());
+        let heartbeat_client =
+            node_status::heartbeat_client(kube_config).map_err(migdra_runtime::KubeClientError::from)?;
+        writer = writer.with_heartbeat_lease(heartbeat_client, namespace, args.gpunode_heartbeat_interval());
     }
     let status = StatusLoop {
         gpus,

@@ -39,7 +39,7 @@ use kube::{
     runtime::events::{Event, EventType, Recorder, Reporter},
 };
 use migdra_api::inventory::{
-    API_VERSION, GpuInventory, GpuNode, HEARTBEAT_LEASE_LABEL, NodeSummary, PluginStatus,
+    API_VERSION, GpuInventory, GpuNode, HEARTBEAT_LEASE_LABEL, NodeSummary, PluginStatus, RenewalRetry,
     heartbeat_lease_name,
 };
 use serde_json::json;
@@ -591,8 +591,11 @@ impl LeaseTask {
     }
 }
 
-/// Renews the heartbeat Lease every `interval` (each renewal bounded by [`write_bound`]) until `stop`,
-/// reporting each outcome to `report`.
+/// Renews the heartbeat Lease every `interval` (each renewal bounded by [`write_bound`]) until
+/// `stop`, reporting each outcome to `report`. A renewal refused by an answer that can change
+/// on its own (429 from API Priority and Fairness, 5xx, no connection) is tried again, with a
+/// fresh `renewTime`, after a [`RenewalRetry`] delay, while that comes before the next beat:
+/// one refused renewal would otherwise let the heartbeat expire (see [`RenewalRetry`]).
 async fn renew_lease_every(
     mut writer: NodeStatusWriter,
     interval: Duration,
@@ -602,21 +605,49 @@ async fn renew_lease_every(
     let mut timer = tokio::time::interval(interval);
     // After a renewal that hit its bound, the next one goes at once, then on the beat again.
     timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut retry = RenewalRetry::default();
+    let mut next_beat = tokio::time::Instant::now();
+    let mut retry_at: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             _ = stop.cancelled() => break,
-            _ = timer.tick() => {}
+            beat = timer.tick() => next_beat = beat + interval,
+            _ = sleep_until_some(retry_at) => {}
         }
+        retry_at = None;
         let outcome = tokio::select! {
             _ = stop.cancelled() => break,
             outcome = bounded(write_bound(interval), "renewing the heartbeat Lease", writer.renew_lease()) => outcome,
         };
         let renewed = match outcome {
-            Some(Ok(())) => true,
+            Some(Ok(())) => {
+                if retry.failures() > 0 {
+                    tracing::info!(
+                        failed = retry.failures(),
+                        "renewed the heartbeat Lease after failed attempts"
+                    );
+                }
+                retry.succeeded();
+                true
+            }
             Some(Err(e)) => {
-                tracing::warn!(error = %e, "renewing the heartbeat Lease failed; the next beat heartbeats in the GpuNode");
+                let status = match &e {
+                    kube::Error::Api(status) => Some(status.code),
+                    _ => None,
+                };
+                let until_next_beat = next_beat.saturating_duration_since(tokio::time::Instant::now());
+                let delay = RenewalRetry::retryable(status)
+                    .then(|| retry.failed_now(until_next_beat))
+                    .flatten();
+                retry_at = delay.map(|d| tokio::time::Instant::now() + d);
+                if retry.failures() <= 1 {
+                    tracing::warn!(error = %e, retry_in = ?delay, "renewing the heartbeat Lease failed; until it succeeds, beats go to the GpuNode");
+                } else {
+                    tracing::debug!(error = %e, failed = retry.failures(), retry_in = ?delay, "renewing the heartbeat Lease failed again");
+                }
                 false
             }
+            // Unanswered within its bound: the next beat is due already.
             None => false,
         };
         report.send_modify(|r| {
@@ -625,6 +656,24 @@ async fn renew_lease_every(
             }
             r.failing = !renewed;
         });
+    }
+}
+
+/// The client the heartbeat Lease is renewed through: `config` without kube's own retry of
+/// 429/503/504, which would resend the same request, `renewTime` and all, after the API
+/// server's Retry-After; [`renew_lease_every`] retries with a fresh one instead. A client of
+/// its own also keeps renewals off the connection the GpuNode and event writes queue on, as
+/// the kubelet keeps its node Lease on a heartbeat client.
+pub fn heartbeat_client(mut config: kube::Config) -> Result<Client, kube::Error> {
+    config.default_retry = false;
+    Client::try_from(config)
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -1023,6 +1072,68 @@ mod tests {
         // A renewal in flight, unanswered: stopping ends the task anyway.
         let (_request, _unanswered) = handle.next_request().await.expect("a renewal");
         tokio::time::timeout(Duration::from_secs(10), task.stop())
+            .await
+            .expect("the Lease task stopped");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_renewal_is_tried_again_before_the_next_beat_unless_it_would_be_refused_again() {
+        let (service, mut handle) =
+            tower_test::mock::pair::<http::Request<kube::client::Body>, http::Response<kube::client::Body>>();
+        let mock = Client::new(service, "default");
+        let interval = Duration::from_secs(15);
+        let mut writer = NodeStatusWriter::new(mock.clone(), "node-a", "gpu.migdra.dev", interval)
+            .with_heartbeat_lease(mock, "migdra-system", Duration::from_secs(300));
+        if let Some(lease) = &mut writer.lease {
+            lease.exists = true;
+        }
+        let lease = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                           "metadata": {"name": "node-a.gpu.migdra.dev", "namespace": "migdra-system"}});
+        let status = |code: u16, reason: &str| {
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                   "reason": reason, "code": code, "message": reason})
+        };
+        let shutdown = CancellationToken::new();
+        let task = LeaseTask::start(writer, interval, &shutdown);
+        let mut renewals = task.renewals.clone();
+        let renew_time = |body: &serde_json::Value| body["spec"]["renewTime"].as_str().map(str::to_string);
+
+        // Beat 1: refused by flow control twice, then renewed, all before beat 2.
+        let beat = tokio::time::Instant::now();
+        let (method, _, _, first) = answer(&mut handle, 429, status(429, "TooManyRequests")).await;
+        assert_eq!(method, "PATCH");
+        assert!(renew_time(&first).is_some(), "a renewal: {first}");
+        let (_, _, _, second) = answer(&mut handle, 503, status(503, "ServiceUnavailable")).await;
+        let first_retry = beat.elapsed();
+        assert!(
+            first_retry >= RenewalRetry::FIRST_DELAY / 2 && first_retry <= RenewalRetry::FIRST_DELAY,
+            "the first retry after {first_retry:?}"
+        );
+        assert!(renew_time(&second) >= renew_time(&first), "stamped again");
+        assert!(renewals.borrow().failing);
+        answer(&mut handle, 200, lease.clone()).await;
+        let retried = beat.elapsed();
+        assert!(retried < interval, "renewed {retried:?} into the beat");
+        assert!(
+            retried >= first_retry + RenewalRetry::FIRST_DELAY,
+            "the delay doubled: {retried:?}"
+        );
+        let renewed = *renewals.wait_for(|r| !r.failing).await.unwrap();
+        assert!(renewed.last_renewed.is_some());
+
+        // Beat 2: refused by the admission policy; that is not tried again until beat 3.
+        answer(&mut handle, 403, status(403, "Forbidden")).await;
+        let refused = beat.elapsed();
+        assert!(refused >= interval, "beat 2 on time: {refused:?}");
+        renewals.wait_for(|r| r.failing).await.unwrap();
+        answer(&mut handle, 200, lease).await;
+        assert!(
+            beat.elapsed() >= 2 * interval,
+            "the 403 was not retried before beat 3 ({:?})",
+            beat.elapsed()
+        );
+        renewals.wait_for(|r| !r.failing).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(60), task.stop())
             .await
             .expect("the Lease task stopped");
     }

@@ -82,7 +82,13 @@ pub enum KubeClientError {
 /// A Kubernetes client from an explicit kubeconfig file, or else the usual inference
 /// (in-cluster service account, then `$KUBECONFIG` / `~/.kube/config`).
 pub async fn kube_client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client, KubeClientError> {
-    let config = match kubeconfig {
+    Ok(kube::Client::try_from(kube_config(kubeconfig).await?)?)
+}
+
+/// The configuration [`kube_client`] makes its client from, for a second client with other
+/// settings (the plugin's heartbeat client, which retries its own way).
+pub async fn kube_config(kubeconfig: Option<&std::path::Path>) -> Result<kube::Config, KubeClientError> {
+    Ok(match kubeconfig {
         Some(path) => {
             let error = |source| KubeClientError::Kubeconfig {
                 path: path.to_path_buf(),
@@ -94,8 +100,7 @@ pub async fn kube_client(kubeconfig: Option<&std::path::Path>) -> Result<kube::C
                 .map_err(error)?
         }
         None => kube::Config::infer().await?,
-    };
-    Ok(kube::Client::try_from(config)?)
+    })
 }
 
 /// A readiness flag the HTTP endpoint reports on `/readyz`.

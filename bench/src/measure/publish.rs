@@ -73,6 +73,32 @@ pub struct ColdTimeline {
     pub pool_slices_p50: Option<f64>,
     /// Median over the pools published: from the last slice write to the status write.
     pub pool_status_p50: Option<f64>,
+    /// Pools withdrawn ("withdrawing the pool" / "withdrawing its pool"), by cause, with
+    /// the nodes.
+    pub withdrawals: BTreeMap<&'static str, Vec<String>>,
+}
+
+/// The cause of a withdrawal, from its log line (the controller's `GoneReason::message`
+/// texts, and the Node's deletion).
+fn withdrawal_cause(rest: &str) -> Option<&'static str> {
+    if !rest.contains("withdrawing the pool") && !rest.contains("withdrawing its pool") {
+        return None;
+    }
+    Some(
+        if rest.contains("last heartbeat") && rest.contains("is older than") {
+            "heartbeat expired"
+        } else if rest.contains("not registered") {
+            "not registered"
+        } else if rest.contains("deleted by someone else") {
+            "slices wiped"
+        } else if rest.contains("has not reported") {
+            "no status"
+        } else if rest.contains("Node is gone") {
+            "node gone"
+        } else {
+            "other"
+        },
+    )
 }
 
 /// One pool's milestones in the log.
@@ -115,6 +141,9 @@ impl ColdTimeline {
                 slot.get_or_insert(secs);
             };
             if let Some(node) = line_node(rest) {
+                if let Some(cause) = withdrawal_cause(rest) {
+                    t.withdrawals.entry(cause).or_default().push(node.to_string());
+                }
                 let pool = pools.entry(node.to_string()).or_default();
                 if rest.contains("publishing pool") {
                     pool.publishing.get_or_insert(secs);
@@ -179,7 +208,24 @@ impl ColdTimeline {
             self.cache_waits,
             at(self.pool_slices_p50),
             at(self.pool_status_p50),
-        )
+        ) + &self.describe_withdrawals()
+    }
+
+    /// "; pools withdrawn: <cause> <n> (<nodes>), …" or "; no pool withdrawn".
+    fn describe_withdrawals(&self) -> String {
+        if self.withdrawals.is_empty() {
+            return "; no pool withdrawn".into();
+        }
+        let causes: Vec<String> = self
+            .withdrawals
+            .iter()
+            .map(|(cause, nodes)| {
+                let shown: Vec<&str> = nodes.iter().take(5).map(String::as_str).collect();
+                let more = if nodes.len() > 5 { ", …" } else { "" };
+                format!("{cause} {} ({}{more})", nodes.len(), shown.join(", "))
+            })
+            .collect();
+        format!("; pools withdrawn: {}", causes.join(", "))
     }
 }
 
@@ -600,7 +646,19 @@ pub async fn run(
         None
     };
 
-    // No-op resync: restart over complete pools.
+    // No-op resync: restart over complete pools. The old controller may have withdrawn a
+    // pool since the cold publish (a heartbeat expiry) and not yet re-created it; the new
+    // one would count that repair as a resync write, so wait until every pool is back and
+    // say how long that took (the withdrawals themselves are in the cold publish's deletes).
+    let before_resync = SliceCounter::start(&client, DRIVER, expected);
+    let (present_before_resync, complete_before_resync) = before_resync.wait(Duration::from_secs(120)).await;
+    drop(before_resync);
+    let pools_before_resync = match complete_before_resync {
+        Some(_) => "every pool complete before the restart".to_string(),
+        None => format!(
+            "only {present_before_resync} of {expected} slices present before the restart (waited 120 s)"
+        ),
+    };
     cluster.stop(CONTROLLER, Duration::from_secs(10));
     let restarted = Instant::now();
     cluster.start_migdra_controller()?;
@@ -676,13 +734,14 @@ pub async fn run(
             .summary()
             .map(|s| {
                 format!(
-                    "heartbeat writes {} (p99 {}), {} failed",
+                    "heartbeat writes {} (p99 {}, from the beat to the renewal), {} failed, {} refused and retried",
                     s.count,
                     crate::stats::ms(s.p99),
-                    b.failures
+                    b.failures,
+                    b.retried
                 )
             })
-            .unwrap_or_else(|| format!("no heartbeat writes, {} failed", b.failures))
+            .unwrap_or_else(|| format!("no heartbeat writes, {} failed, {} refused and retried", b.failures, b.retried))
     };
     let mut rows = Vec::new();
     let ratio = cold
@@ -758,7 +817,7 @@ pub async fn run(
         goal: "0 writes",
         met: Some(resync_writes == 0.0),
         note: format!(
-            "{r_creates} creates, {r_updates} updates, {r_deletes} deletes; all nodes reconciled after {}",
+            "{r_creates} creates, {r_updates} updates, {r_deletes} deletes; {pools_before_resync}; all nodes reconciled after {}",
             reconciled.map_or_else(
                 || "(not observed)".into(),
                 |d| format!("{:.1} s", d.as_secs_f64())
@@ -878,6 +937,9 @@ mod tests {
 2026-12-01T10:00:02.900000Z  INFO reconcile{node=b}: migdra_controller::reconcile: publishing pool generation=1 writes=1
 2026-12-01T10:00:03.100000Z DEBUG reconcile{node=b}: migdra_controller::publish: wrote ResourceSlice slice=b-0
 2026-12-01T10:00:04.000000Z DEBUG reconcile{node=b}: migdra_controller::status: wrote GpuNode status node=b
+2026-12-01T10:00:05.000000Z  INFO reconcile{node=c}: migdra_controller::reconcile: plugin is not live; withdrawing the pool reason=the kubelet plugin's last heartbeat (2026-12-01T09:59:30Z) is older than 25s
+2026-12-01T10:00:06.000000Z  INFO reconcile{node=d}: migdra_controller::reconcile: plugin is not live; withdrawing the pool reason=the kubelet plugin is not registered with the kubelet
+2026-12-01T10:00:07.000000Z  INFO reconcile{node=e}: migdra_controller::reconcile: heartbeat expired, but another pool was withdrawn for expiry moments ago: keeping this one for now
 not a log line
 ";
         let t = ColdTimeline::parse(log, started);
@@ -897,5 +959,20 @@ not a log line
         // of two is the upper one.
         assert!(close(t.pool_slices_p50, 0.2), "{t:?}");
         assert!(close(t.pool_status_p50, 0.9), "{t:?}");
+        // Withdrawals by cause; a pool kept back by the rate limit is none.
+        assert_eq!(t.withdrawals.len(), 2, "{t:?}");
+        assert_eq!(t.withdrawals["heartbeat expired"], ["c"]);
+        assert_eq!(t.withdrawals["not registered"], ["d"]);
+        assert!(
+            t.describe()
+                .ends_with("; pools withdrawn: heartbeat expired 1 (c), not registered 1 (d)"),
+            "{}",
+            t.describe()
+        );
+        assert!(
+            ColdTimeline::default()
+                .describe()
+                .ends_with("; no pool withdrawn")
+        );
     }
 }

@@ -25,10 +25,11 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    heartbeat::{Heartbeat, SimPlugin},
+    heartbeat::{Heartbeat, HeartbeatForm, SimPlugin},
     objects::{NODE_LEASE_NAMESPACE, SIMULATED_LABEL, node_gpus, node_lease, node_name, node_object},
 };
 use crate::{retry::retry, stats::Samples};
+use migdra_api::inventory::RenewalRetry;
 use migdra_e2e::cluster::PluginIdentities;
 
 /// How often a kubelet renews its node Lease.
@@ -41,8 +42,10 @@ pub const GPUS_PER_NODE: u32 = 8;
 pub struct BeatStats {
     /// Latency of each successful heartbeat write.
     pub latency: Samples,
-    /// Failed heartbeat writes.
+    /// Heartbeats that failed (after the retries due before the next beat).
     pub failures: u64,
+    /// Refused heartbeat writes tried again before the next beat.
+    pub retried: u64,
 }
 
 /// Simulated nodes kept live.
@@ -189,9 +192,9 @@ async fn create_node(
         Err(kube::Error::Api(e)) if e.code == 409 => {}
         Err(e) => return Err(e).with_context(|| format!("creating the node Lease of {name}")),
     }
-    let plugin_client = match identities {
-        Some(identities) => plugin_client(identities, &name, &uid).await?,
-        None => client.clone(),
+    let (plugin_client, heartbeat_client) = match identities {
+        Some(identities) => plugin_clients(identities, &name, &uid).await?,
+        None => (client.clone(), client.clone()),
     };
     let plugin = SimPlugin {
         gpus: Arc::new(node_gpus(&name, GPUS_PER_NODE)?),
@@ -199,6 +202,7 @@ async fn create_node(
         node_uid: uid,
         started: now,
         client: plugin_client,
+        heartbeat_client,
     };
     retry(|| heartbeat.announce(&plugin))
         .await
@@ -206,13 +210,23 @@ async fn create_node(
     Ok(plugin)
 }
 
-/// The plugin's own client for node `name`; the TokenRequest is retried a few times, as a
-/// loaded API server may refuse one.
-async fn plugin_client(identities: &PluginIdentities, name: &str, uid: &str) -> anyhow::Result<Client> {
+/// The plugin's own clients for node `name`, as the plugin makes them: one for everything
+/// and one for the heartbeat Lease without kube's own retries (the plugin's
+/// `node_status::heartbeat_client`: a renewal is retried with a fresh `renewTime` instead).
+/// The TokenRequest is retried a few times, as a loaded API server may refuse one.
+async fn plugin_clients(
+    identities: &PluginIdentities,
+    name: &str,
+    uid: &str,
+) -> anyhow::Result<(Client, Client)> {
     let mut attempt = 1;
     loop {
-        match identities.client_for(name, uid).await {
-            Ok(client) => return Ok(client),
+        match identities.config_for(name, uid).await {
+            Ok(config) => {
+                let mut heartbeat = config.clone();
+                heartbeat.default_retry = false;
+                return Ok((Client::try_from(config)?, Client::try_from(heartbeat)?));
+            }
             Err(e) if attempt < 4 => {
                 tracing::debug!(node = %name, error = %format!("{e:#}"), "minting the plugin token failed; retrying");
                 tokio::time::sleep(Duration::from_secs(attempt)).await;
@@ -284,26 +298,68 @@ async fn keep_live(
         timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
     let mut beat_number = 0u64;
+    // A refused renewal is tried again before the next beat, as the plugin's Lease task does.
+    let mut retry = RenewalRetry::default();
+    let mut retry_at: Option<tokio::time::Instant> = None;
+    let mut began = Instant::now();
+    let mut next_beat = tokio::time::Instant::now();
     loop {
-        tokio::select! {
+        let attempt = tokio::select! {
             _ = cancel.cancelled() => return,
-            _ = beats.tick() => {
+            beat = beats.tick() => {
                 beat_number += 1;
-                let began = Instant::now();
-                let result = heartbeat.beat(&plugin, beat_number).await;
-                if let Ok(mut s) = stats.lock() {
-                    match result {
-                        Ok(()) => s.latency.push(began.elapsed()),
-                        Err(_) => s.failures += 1,
-                    }
-                }
+                began = Instant::now();
+                next_beat = beat + interval;
+                retry_at = None;
+                true
+            }
+            _ = sleep_until_some(retry_at) => {
+                retry_at = None;
+                true
             }
             _ = renewals.tick() => {
                 let renew = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
                 if let Err(e) = leases.patch(&plugin.node, &PatchParams::default(), &Patch::Merge(renew)).await {
                     tracing::debug!(node = %plugin.node, error = %e, "renewing the node Lease failed");
                 }
+                false
+            }
+        };
+        if !attempt {
+            continue;
+        }
+        let result = heartbeat.beat(&plugin, beat_number).await;
+        let delay = match &result {
+            Ok(()) => {
+                retry.succeeded();
+                None
+            }
+            Err(e) => {
+                let status = match e {
+                    kube::Error::Api(status) => Some(status.code),
+                    _ => None,
+                };
+                let until_next_beat = next_beat.saturating_duration_since(tokio::time::Instant::now());
+                (heartbeat.form() == HeartbeatForm::Lease && RenewalRetry::retryable(status))
+                    .then(|| retry.failed_now(until_next_beat))
+                    .flatten()
+            }
+        };
+        retry_at = delay.map(|d| tokio::time::Instant::now() + d);
+        if let Ok(mut s) = stats.lock() {
+            match (result, delay) {
+                (Ok(()), _) => s.latency.push(began.elapsed()),
+                (Err(_), Some(_)) => s.retried += 1,
+                (Err(_), None) => s.failures += 1,
             }
         }
+    }
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }

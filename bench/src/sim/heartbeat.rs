@@ -66,6 +66,9 @@ pub struct SimPlugin {
     /// The client its writes go through: its own, as the plugin's ServiceAccount bound to the
     /// node, or the bench's shared admin client ([`crate::cli::Args::plugin_identity`]).
     pub client: Client,
+    /// The client its heartbeat Lease renewals go through: without kube's own retries, as
+    /// the plugin's (the same as `client` when they share the admin's).
+    pub heartbeat_client: Client,
 }
 
 impl SimPlugin {
@@ -123,7 +126,7 @@ impl Heartbeat {
     }
 
     fn leases(&self, plugin: &SimPlugin) -> Api<Lease> {
-        Api::namespaced(plugin.client.clone(), &self.namespace)
+        Api::namespaced(plugin.heartbeat_client.clone(), &self.namespace)
     }
 
     fn apply() -> PatchParams {

@@ -64,6 +64,12 @@ pub struct PluginIdentities {
 impl PluginIdentities {
     /// A client of its own for the plugin of Node `node` (whose UID is `uid`).
     pub async fn client_for(&self, node: &str, uid: &str) -> anyhow::Result<Client> {
+        Ok(Client::try_from(self.config_for(node, uid).await?)?)
+    }
+
+    /// The configuration [`Self::client_for`] makes its client from (one token), for more
+    /// than one client of that plugin.
+    pub async fn config_for(&self, node: &str, uid: &str) -> anyhow::Result<kube::Config> {
         let token = request_token(
             &self.admin,
             PLUGIN_ACCOUNT,
@@ -71,10 +77,10 @@ impl PluginIdentities {
         )
         .await?;
         let kubeconfig = kube::config::Kubeconfig::from_yaml(&kubeconfig_yaml(self.apiserver_port, &token))?;
-        let config =
+        Ok(
             kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
-                .await?;
-        Ok(Client::try_from(config)?)
+                .await?,
+        )
     }
 }
 
