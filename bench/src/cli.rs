@@ -119,6 +119,12 @@ pub struct Args {
     /// Directory for the result file (default: <target>/bench).
     #[arg(long, env = "BENCH_OUT")]
     pub out: Option<PathBuf>,
+    /// Seconds of CPU profile taken from kube-scheduler in each B1 phase, from the phase's
+    /// first pod (`/debug/pprof/profile`); 0: none. Each goes next to the result file
+    /// (`scheduler-<phase>-<time>.pprof`, with `go tool pprof -top` of it when `go` is on
+    /// PATH), and the heaviest functions into B1's notes. Keep it shorter than a phase.
+    #[arg(long, env = "BENCH_SCHEDULER_PROFILE_SECONDS", default_value_t = 0)]
+    pub scheduler_profile_seconds: u64,
     /// The packing simulation binary (default: examples/packing next to this binary).
     #[arg(long, env = "BENCH_PACKING_BIN")]
     pub packing_bin: Option<PathBuf>,
@@ -154,6 +160,20 @@ impl Args {
     /// Whether `m` runs.
     pub fn runs(&self, m: Measure) -> bool {
         self.only.is_empty() || self.only.contains(&m)
+    }
+
+    /// Where the result file (and the scheduler profiles) go: `--out`, or `bench/` in the
+    /// target directory this binary runs from.
+    pub fn out_dir(&self) -> anyhow::Result<PathBuf> {
+        if let Some(out) = &self.out {
+            return Ok(out.clone());
+        }
+        let exe = std::env::current_exe()?;
+        let exe_dir = exe.parent().map(PathBuf::from).unwrap_or_default();
+        Ok(exe_dir
+            .parent()
+            .map_or_else(|| exe_dir.clone(), PathBuf::from)
+            .join("bench"))
     }
 }
 

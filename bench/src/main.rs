@@ -90,12 +90,7 @@ async fn main() -> anyhow::Result<()> {
         .parent()
         .map(PathBuf::from)
         .context("no directory of the running binary")?;
-    let out_dir = args.out.clone().unwrap_or_else(|| {
-        exe_dir
-            .parent()
-            .map_or_else(|| exe_dir.clone(), PathBuf::from)
-            .join("bench")
-    });
+    let out_dir = args.out_dir()?;
     let mut rows = Vec::new();
     let mut appendix = String::new();
     let load_start = probe::load_average();
@@ -246,6 +241,9 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
             .await
             .map_err(|e| eprintln!("the scheduler's /metrics will not be read: {e:#}"))
             .ok();
+        let profiles = (args.scheduler_profile_seconds > 0)
+            .then(|| args.out_dir().map(|dir| (args.scheduler_profile_seconds, dir)))
+            .transpose()?;
         match measure::scheduling::run(
             cluster,
             scheduler.as_ref(),
@@ -253,6 +251,7 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
             args.b1_pods,
             args.concurrency,
             &args.b1_order,
+            profiles,
         )
         .await
         {

@@ -7,5 +7,6 @@
 pub mod node;
 pub mod packing;
 pub mod pods;
+pub mod profile;
 pub mod publish;
 pub mod scheduling;

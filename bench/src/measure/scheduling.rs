@@ -30,7 +30,10 @@ use super::{
 };
 use migdra_e2e::cluster::{Cluster, DRIVER, wait_until};
 
-use super::publish::{CONTROLLER, delete_driver_slices};
+use super::{
+    profile::ProfileRequest,
+    publish::{CONTROLLER, delete_driver_slices},
+};
 use crate::{
     probe::{load_average, scrape_client},
     prom::Metrics,
@@ -504,6 +507,8 @@ struct PhaseResult {
     /// `FailedScheduling` events and the pods they name.
     failures: Option<(u64, usize)>,
     load: String,
+    /// The scheduler CPU profile's summary, when one was taken.
+    profile: Option<String>,
 }
 
 /// Runs B1 over `nodes` (simulated, already published by migdra) with `count` pods per
@@ -516,6 +521,7 @@ pub async fn run(
     count: usize,
     concurrency: usize,
     order: &[Phase],
+    profiles: Option<(u64, std::path::PathBuf)>,
 ) -> anyhow::Result<Row> {
     let client = &cluster.client.clone();
     let mut phases = Vec::new();
@@ -559,8 +565,28 @@ pub async fn run(
         create_template(client, &template, class, &run).await?;
         let before = scrape_scheduler(scheduler).await;
         let load = load_average();
+        let profile = scheduler
+            .zip(profiles.as_ref())
+            .map(|(scheduler, (seconds, dir))| {
+                let request = ProfileRequest {
+                    seconds: *seconds,
+                    path: dir.join(format!(
+                        "scheduler-{run}-{}.pprof",
+                        k8s_openapi::jiff::Timestamp::now().as_second()
+                    )),
+                };
+                tokio::spawn(super::profile::take(scheduler.clone(), request))
+            });
         let result = schedule(client, &run, &template, count, concurrency).await?;
         let after = scrape_scheduler(scheduler).await;
+        let profile = match profile {
+            Some(task) => Some(match task.await {
+                Ok(Ok(summary)) => summary,
+                Ok(Err(e)) => format!("scheduler CPU profile failed: {e:#}"),
+                Err(e) => format!("scheduler CPU profile failed: {e}"),
+            }),
+            None => None,
+        };
         let load = format!("{load} → {}", load_average());
         let failures = failed_scheduling(client, &run).await.ok();
         delete_run(client, &run, 0, Duration::from_secs(300)).await?;
@@ -580,6 +606,7 @@ pub async fn run(
             scheduler,
             failures,
             load,
+            profile,
         });
     }
     let last = |p: Phase| phases.iter().rev().find(|r| r.phase == p).map(|r| &r.result);
@@ -634,7 +661,7 @@ pub async fn run(
                 .iter()
                 .enumerate()
                 .map(|(i, p)| format!(
-                    "phase {} {}: {:.1} pods/s, {}; FailedScheduling events: {}; {}; load {}",
+                    "phase {} {}: {:.1} pods/s, {}; FailedScheduling events: {}; {}; load {}{}",
                     i + 1,
                     match p.phase {
                         Phase::Anchor => "anchor (static devices alone)",
@@ -651,7 +678,8 @@ pub async fn run(
                         || "scheduler metrics unavailable".into(),
                         SchedulerFigures::describe
                     ),
-                    p.load
+                    p.load,
+                    p.profile.as_ref().map_or_else(String::new, |p| format!("; {p}"))
                 ))
                 .collect::<Vec<_>>()
                 .join("; "),
