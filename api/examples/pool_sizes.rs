@@ -1,19 +1,32 @@
-//! Prints, for every GPU model, the devices and slices of a node with 8 such GPUs under the
-//! default policy, MIG mode on (and, for Ampere, MIG off), with each pool validated.
+//! Prints, for every GPU model, the devices, counters and slices of a node with 8 such GPUs
+//! under the default policy, MIG mode on (and, for Ampere, MIG off), with each pool validated.
+//! Counters are shown before and after the never-binding ones are left out
+//! (`migdra_api::slices::prune`): per counter set, and summed over every device's consumption
+//! (what the scheduler checks for each device it considers).
 //!
 //! Run: `cargo run -p migdra-api --example pool_sizes`
 
 use migdra_api::{
     catalog,
     policy::EffectivePolicy,
-    slices::{PoolIdentity, plan_pool, render_pool, validate::validate_pool},
+    slices::{
+        PoolIdentity, PoolPlan, plan_pool, prune::prune_counters, render_pool, validate::validate_pool,
+    },
 };
+
+fn counters_per_set(plan: &PoolPlan) -> usize {
+    plan.counter_sets.first().map_or(0, |(_, c)| c.len())
+}
+
+fn consumed(plan: &PoolPlan) -> usize {
+    plan.devices.iter().map(|d| d.consumes.len()).sum()
+}
 
 fn main() {
     const GPUS: u32 = 8;
     println!(
-        "{:<16} {:>6} {:>9} {:>8} {:>9} {:>8} {:>7}",
-        "model", "mode", "devices", "per GPU", "counters", "slices", "valid"
+        "{:<16} {:>6} {:>8} {:>8} {:>13} {:>15} {:>7} {:>6}",
+        "model", "mode", "devices", "per GPU", "counters/set", "consumed/node", "slices", "valid"
     );
     for model in catalog::models() {
         let modes: &[bool] = if model.architecture.mig_mode_switchable() {
@@ -23,7 +36,9 @@ fn main() {
         };
         for &mig in modes {
             let gpus: Vec<_> = (0..GPUS).map(|m| model.inventory(m, mig)).collect();
-            let plan = plan_pool(&gpus, &EffectivePolicy::default());
+            let full = plan_pool(&gpus, &EffectivePolicy::default());
+            let mut plan = full.clone();
+            prune_counters(&mut plan);
             let id = PoolIdentity {
                 driver: "gpu.migdra.dev",
                 node: "node",
@@ -33,14 +48,14 @@ fn main() {
             };
             let slices = render_pool(&id, &gpus, &plan);
             let valid = validate_pool(&slices).is_ok();
-            let counters = slices.iter().filter(|s| s.shared_counters.is_some()).count();
             println!(
-                "{:<16} {:>6} {:>9} {:>8} {:>9} {:>8} {:>7}",
+                "{:<16} {:>6} {:>8} {:>8} {:>13} {:>15} {:>7} {:>6}",
                 model.key,
                 if mig { "MIG" } else { "whole" },
                 plan.devices.len(),
                 plan.devices.len() / GPUS as usize,
-                counters,
+                format!("{} -> {}", counters_per_set(&full), counters_per_set(&plan)),
+                format!("{} -> {}", consumed(&full), consumed(&plan)),
                 slices.len(),
                 valid
             );

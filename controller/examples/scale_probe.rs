@@ -43,7 +43,7 @@ use migdra_api::{
     catalog,
     inventory::{GpuNode, MigInventory, heartbeat_lease_name},
     policy::{EffectivePolicy, MigPolicy},
-    slices::plan_pool,
+    slices::published_plan,
 };
 use serde_json::json;
 
@@ -470,7 +470,9 @@ async fn main() -> anyhow::Result<()> {
     );
     let model = catalog::model("H100-80GB").context("H100")?;
     let gpus: Vec<_> = (0..8).map(|m| model.inventory(m, true)).collect();
-    let per_node = plan_pool(&gpus, &EffectivePolicy::default()).slice_count() as u64;
+    let per_node = published_plan(&gpus, &EffectivePolicy::default(), &Default::default())
+        .0
+        .slice_count() as u64;
     let expected = per_node * args.nodes as u64;
 
     // Cold publish.

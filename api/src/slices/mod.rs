@@ -10,6 +10,8 @@
 //!   covers plus its engines and memory; one whole-GPU device per GPU consuming everything.
 //! * Counter sets live in counter-only slices (at most 8 sets each); devices fill device-only
 //!   slices (at most 64 each) in the published order, which is the scheduler's first-fit order.
+//! * Before rendering, the counters that can never refuse anything are dropped ([`prune`]):
+//!   the scheduler accepts exactly the same device sets, and checks fewer counters for them.
 //!
 //! A MIG device of a profile the policy shares ([`crate::policy::SharingSpec`]) is published
 //! with `allowMultipleAllocations: true` and a [`SHARES_CAPACITY`] capacity: the scheduler
@@ -28,6 +30,7 @@
 pub mod allocator;
 pub mod order;
 pub mod packing;
+pub mod prune;
 pub mod quantity;
 pub mod retained;
 pub mod validate;
@@ -292,6 +295,21 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
     }
     plan.devices = order::order(per_gpu, policy.device_order);
     plan
+}
+
+/// The plan a node publishes: [`plan_pool`], then every device in `allocated` (device names
+/// of this pool that claims hold) that the plan no longer offers kept, tainted
+/// ([`retained::retain_allocated`]), then the counters that can never refuse anything left out
+/// ([`prune::prune_counters`]; last, so that it sees every device the pool will hold).
+pub fn published_plan(
+    gpus: &[GpuInventory],
+    policy: &EffectivePolicy,
+    allocated: &std::collections::BTreeSet<String>,
+) -> (PoolPlan, retained::Retention) {
+    let mut plan = plan_pool(gpus, policy);
+    let retention = retained::retain_allocated(&mut plan, gpus, allocated);
+    prune::prune_counters(&mut plan);
+    (plan, retention)
 }
 
 /// Identity of the pool being rendered.

@@ -14,7 +14,7 @@ use crate::support::{
 };
 use http::{Method, StatusCode};
 use k8s_openapi::api::resource::v1::ResourceSlice;
-use migdra_api::{policy::EffectivePolicy, slices::plan_pool};
+use migdra_api::{policy::EffectivePolicy, slices::published_plan};
 use migdra_controller::{context::ControllerConfig, controller, metrics::Metrics};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -128,7 +128,9 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
         calls.lock().unwrap()
     );
 
-    let expected = plan_pool(&gpus, &EffectivePolicy::default()).slice_count();
+    let expected = published_plan(&gpus, &EffectivePolicy::default(), &Default::default())
+        .0
+        .slice_count();
     let written = written.lock().unwrap().clone();
     assert_eq!(written.len(), expected);
     assert!(written.iter().all(|s| s.spec.pool.generation == 1));

@@ -12,7 +12,7 @@ use kube::runtime::controller::Action;
 use migdra_api::{
     inventory::{GpuInventory, GpuNode},
     policy::{EffectivePolicy, MigPolicy, MigPolicySpec},
-    slices::plan_pool,
+    slices::published_plan,
 };
 use migdra_controller::{
     Error,
@@ -25,7 +25,7 @@ fn name(i: usize) -> String {
 
 /// Slice count and device count of the default-policy pool of `gpus`.
 fn expected_pool(gpus: &[GpuInventory]) -> (usize, usize) {
-    let plan = plan_pool(gpus, &EffectivePolicy::default());
+    let (plan, _) = published_plan(gpus, &EffectivePolicy::default(), &Default::default());
     (plan.slice_count(), plan.devices.len())
 }
 
@@ -523,10 +523,13 @@ async fn an_invalid_policy_is_reported_and_nothing_is_written() {
             ..Default::default()
         },
     ));
+    // A 7g on each GPU alone: nothing on a GPU can overlap it, so the pool needs no counters
+    // and is one slice.
     let scenario = Scenario::new()
-        .then(create_slice(&name(0), pool_slice(1, 2)))
-        .then(create_slice(&name(1), |s| {
+        .then(create_slice(&name(0), |s| {
+            pool_slice(1, 1)(s);
             assert_eq!(s.spec.devices.as_ref().unwrap().len(), 2, "one 7g device per GPU");
+            assert!(s.spec.shared_counters.is_none());
         }))
         .then(patch_status(|body| {
             assert_eq!(condition(body), ("True", "Published"));
@@ -586,25 +589,22 @@ async fn a_claimed_device_the_policy_stops_offering_stays_tainted_until_released
     const HELD: &str = "gpu-0-mig-3g40gb-4";
     assert!(device_names(&stored).contains(&HELD.to_string()));
     h.claim("training", &[HELD]);
-    h.add_policy(MigPolicy::new(
-        "only-1g",
-        MigPolicySpec {
-            profiles: vec!["1g".into()],
-            whole_gpus: Some(false),
-            ..Default::default()
-        },
-    ));
-    let policy = MigPolicy::new(
-        "only-1g",
-        MigPolicySpec {
-            profiles: vec!["1g".into()],
-            whole_gpus: Some(false),
-            ..Default::default()
-        },
-    )
-    .effective()
-    .unwrap();
-    let plan = plan_pool(&h100s(1), &policy);
+    // 1g profiles with the media-engine one: the same counters are needed as for the default
+    // pool (the memory slices and the single optical-flow engine), so only the device slice
+    // changes.
+    let only_1g = || {
+        MigPolicy::new(
+            "only-1g",
+            MigPolicySpec {
+                profiles: vec!["1g".into(), "1g+me".into()],
+                whole_gpus: Some(false),
+                ..Default::default()
+            },
+        )
+    };
+    h.add_policy(only_1g());
+    let policy = only_1g().effective().unwrap();
+    let (plan, _) = published_plan(&h100s(1), &policy, &Default::default());
     assert_eq!(
         plan.slice_count(),
         stored.len(),
@@ -912,7 +912,9 @@ async fn an_unchanged_pool_is_remembered_until_an_input_changes() {
     h.add_policy(MigPolicy::new(
         "only-7g",
         MigPolicySpec {
-            profiles: vec!["7g".into()],
+            // With the media-engine 1g, whose placements the 7g overlaps: the pool keeps its
+            // counters, so only the device slice is rewritten.
+            profiles: vec!["7g".into(), "1g+me".into()],
             whole_gpus: Some(false),
             node_selector: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector {
                 match_labels: Some([("tier".to_string(), "big".to_string())].into()),
@@ -928,7 +930,7 @@ async fn an_unchanged_pool_is_remembered_until_an_input_changes() {
     let scenario = Scenario::new()
         .then(replace_slice(&name(1), None, |s| {
             let devices = s.spec.devices.as_ref().unwrap();
-            assert_eq!(devices.len(), 1, "one 7g placement");
+            assert_eq!(devices.len(), 8, "one 7g placement and seven 1g+me");
         }))
         .then(patch_status(|body| {
             assert_eq!(body["status"]["publication"]["policy"], "only-7g");

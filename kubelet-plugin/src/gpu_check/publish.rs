@@ -11,7 +11,7 @@ use migdra_api::{
     geometry::MigGeometry,
     inventory::{GpuHealth, GpuInventory, MigInventory},
     policy::EffectivePolicy,
-    slices::{PlannedKind, plan_pool},
+    slices::{PlannedKind, plan_pool, published_plan},
 };
 use serde::Serialize;
 
@@ -62,8 +62,11 @@ pub struct PublishedReport {
     pub devices: Vec<PublishedDevice>,
     /// The GPU's counter set name.
     pub counter_set: Option<String>,
-    /// Its counters.
+    /// Its counters, as published: those that can refuse an allocation.
     pub counters: BTreeMap<String, u64>,
+    /// Counters of the set left out because no device set could ever exceed them
+    /// ([`migdra_api::slices::prune`]).
+    pub counters_left_out: BTreeMap<String, u64>,
     /// Findings (bad names).
     #[serde(skip)]
     pub findings: Vec<Finding>,
@@ -103,7 +106,14 @@ pub fn inventory(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> GpuIn
 /// The devices and counters migdra would publish for `gpu` under the default policy, with
 /// a check that every name is a DNS label that parses back to the same device.
 pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> PublishedReport {
-    let plan = plan_pool(&[inventory(gpu, instances)], &EffectivePolicy::default());
+    let gpus = [inventory(gpu, instances)];
+    let policy = EffectivePolicy::default();
+    let budget = plan_pool(&gpus, &policy)
+        .counter_sets
+        .first()
+        .map(|(_, c)| c.clone())
+        .unwrap_or_default();
+    let (plan, _) = published_plan(&gpus, &policy, &Default::default());
     let mut findings = Vec::new();
     let label = format!("GPU {} ({})", gpu.index, gpu.product_name);
     let mut devices = Vec::new();
@@ -130,11 +140,16 @@ pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> Publi
         .into_iter()
         .next()
         .map_or((None, BTreeMap::new()), |(name, c)| (Some(name), c));
+    let counters_left_out = budget
+        .into_iter()
+        .filter(|(name, _)| !counters.contains_key(name))
+        .collect();
     PublishedReport {
         device_count: devices.len(),
         devices,
         counter_set,
         counters,
+        counters_left_out,
         findings,
     }
 }
@@ -360,7 +375,10 @@ mod tests {
         assert!(p.devices.iter().any(|d| d.name == "gpu-3"));
         assert!(p.devices.iter().any(|d| d.name == "gpu-3-mig-3g40gb-4"));
         assert_eq!(p.counter_set.as_deref(), Some("gpu-3"));
-        assert_eq!(p.counters.get("memory-slice-7"), Some(&1));
+        assert_eq!(p.counters.get("memory-slice-6"), Some(&1));
+        // Every placement that covers slice 7 also covers slice 6: that counter never decides.
+        assert_eq!(p.counters.get("memory-slice-7"), None);
+        assert_eq!(p.counters_left_out.get("memory-slice-7"), Some(&1));
         let mut rows = vec![ProfileRow {
             name: "3g.40gb".into(),
             id: 9,
@@ -400,6 +418,9 @@ mod tests {
         assert!(!p.devices.iter().any(|d| d.name == "gpu-3"));
         assert!(!p.devices.iter().any(|d| d.name == "gpu-3-mig-3g40gb-4"));
         assert!(p.devices.iter().any(|d| d.name == "gpu-3-mig-3g40gb-0"));
-        assert_eq!(p.counters.get("memory-slice-4"), Some(&0));
+        // Slice 4 is the foreign instance's: no device consumes it, so it is not published,
+        // and nothing published overlaps it.
+        assert_eq!(p.counters_left_out.get("memory-slice-4"), Some(&0));
+        assert_eq!(p.counters.get("memory-slice-4"), None);
     }
 }

@@ -350,9 +350,10 @@ fn render_gpu(out: &mut String, gpu: &GpuReport) {
             .count();
         let _ = writeln!(
             out,
-            "  published: {} devices; counter set {}: {counters}, {slices} memory-slice counters",
+            "  published: {} devices; counter set {}: {counters}, {slices} memory-slice counters; {} never-binding counters left out",
             published.device_count,
-            published.counter_set.as_deref().unwrap_or("none")
+            published.counter_set.as_deref().unwrap_or("none"),
+            published.counters_left_out.len()
         );
     }
     if let Some(caps) = &gpu.capabilities {

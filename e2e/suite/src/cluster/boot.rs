@@ -198,8 +198,9 @@ impl Cluster {
             "--bind-address=127.0.0.1".into(),
             format!("--secure-port={scheduler_port}"),
             format!("--feature-gates={FEATURE_GATES}"),
-            // The bench reads the scheduler's own metrics (attempt and DRA plugin times).
-            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics".into(),
+            // The bench reads the scheduler's own metrics (attempt and DRA plugin times) and
+            // CPU profiles (BENCH_SCHEDULER_PROFILE_SECONDS); it listens on loopback only.
+            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics,/debug/pprof/*".into(),
         ];
         scheduler_args.extend(client_rate(config.control_plane_api_qps));
         let scheduler_args: Vec<&str> = scheduler_args.iter().map(String::as_str).collect();
