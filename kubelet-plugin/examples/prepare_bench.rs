@@ -10,6 +10,10 @@
 //! (seven 1g.10gb claims, as when the kubelet starts several pods together), where waiting
 //! for the node lock shows.
 //!
+//! The plugin's files go to a temporary directory (`TMPDIR`); `PREPARE_BENCH_STATE_DIR` and
+//! `PREPARE_BENCH_CDI_DIR` put the checkpoint and the CDI specs elsewhere (e.g. a tmpfs, as
+//! `/var/run/cdi` is on most nodes), to tell the file system's share apart.
+//!
 //! Run: `cargo run --release -p migdra-kubelet-plugin --example prepare_bench`
 
 use std::{
@@ -159,16 +163,31 @@ async fn main() -> anyhow::Result<()> {
     const AT_ONCE: usize = 7;
     let host = FakeGpuHost::with_gpus(&[("H100-80GB", true)])?;
     let dir = tempfile::tempdir()?;
+    let under = |variable: &str, default: &str| -> anyhow::Result<std::path::PathBuf> {
+        match std::env::var_os(variable) {
+            Some(base) => Ok(tempfile::tempdir_in(base)?.keep()),
+            None => Ok(dir.path().join(default)),
+        }
+    };
+    let (state_dir, cdi_dir) = (
+        under("PREPARE_BENCH_STATE_DIR", "state")?,
+        under("PREPARE_BENCH_CDI_DIR", "cdi")?,
+    );
+    println!(
+        "checkpoint in {}, CDI specs in {}",
+        state_dir.display(),
+        cdi_dir.display()
+    );
     let claims = Claims::default();
     let config = DriverConfig {
         driver_name: "gpu.migdra.dev".into(),
         node_name: "bench".into(),
-        state_dir: dir.path().join("state"),
+        state_dir,
         boot_id: "bench".into(),
         lock_timeout: Duration::from_secs(5),
     };
     let backend = Arc::new(NvmlBackend::new(Some(&host.lib_path()))?);
-    let cdi = CdiWriter::new(dir.path().join("cdi"), "gpu.migdra.dev", host.proc_root());
+    let cdi = CdiWriter::new(cdi_dir, "gpu.migdra.dev", host.proc_root());
     let metrics = Metrics::new();
     let (driver, _) = Driver::start(config, backend, claims.clone(), cdi, None, metrics.clone())?;
     let profiles = ["1g10gb", "2g20gb", "3g40gb"];

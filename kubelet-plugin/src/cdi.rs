@@ -240,6 +240,8 @@ pub struct CdiWriter {
     vendor: String,
     proc_root: PathBuf,
     driver: Option<std::sync::Arc<DriverSpecState>>,
+    /// The boot claim specs are written for (see [`CdiWriter::for_boot`]).
+    boot_id: Option<String>,
 }
 
 impl CdiWriter {
@@ -255,7 +257,85 @@ impl CdiWriter {
             vendor: vendor.into(),
             proc_root: proc_root.into(),
             driver: None,
+            boot_id: None,
         }
+    }
+
+    /// Writes claim specs for boot `boot_id`: each names it in an annotation
+    /// (`<vendor>/boot-id`) and is written without an fsync, because
+    /// [`Self::remove_specs_of_other_boots`] removes, at the next start after a reboot, every
+    /// spec an earlier boot left, whole or torn by the power loss (a spec of this boot is
+    /// always whole: it is renamed into place). A writer without a boot syncs each spec, as
+    /// the runtime may read it after a reboot.
+    pub fn for_boot(mut self, boot_id: &str) -> Self {
+        self.boot_id = Some(boot_id.to_string());
+        self
+    }
+
+    /// With a boot, a spec a power loss tore is removed at the next start (see
+    /// [`Self::for_boot`]), so it needs no fsync.
+    fn claim_spec_durability(&self) -> Durability {
+        match self.boot_id {
+            Some(_) => Durability::ThisBoot,
+            None => Durability::AcrossReboots,
+        }
+    }
+
+    fn boot_annotation(&self) -> String {
+        format!("{}/boot-id", self.vendor)
+    }
+
+    /// Removes every claim spec of this vendor in the spec directory that names another boot
+    /// than this writer's, or cannot be read as a spec (a power loss tore it: specs are
+    /// renamed into place whole, and are not synced). Specs without a boot annotation (written
+    /// before it existed) are left. Returns the removed specs' claim UIDs. Nothing without a
+    /// boot ([`Self::for_boot`]).
+    pub fn remove_specs_of_other_boots(&self) -> Result<Vec<String>, CdiError> {
+        let Some(boot_id) = &self.boot_id else {
+            return Ok(Vec::new());
+        };
+        let entries = match fs::read_dir(&self.spec_dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(source) => {
+                return Err(CdiError::Read {
+                    path: self.spec_dir.clone(),
+                    source,
+                });
+            }
+        };
+        let prefix = format!("{}-{CDI_CLASS}_", self.vendor);
+        let mut removed = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(uid) = name.strip_prefix(&prefix).and_then(|n| n.strip_suffix(".json")) else {
+                continue;
+            };
+            let path = entry.path();
+            let written_for = fs::read(&path)
+                .ok()
+                .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
+                .map(|spec| {
+                    spec.pointer("/annotations")
+                        .and_then(|a| a.get(self.boot_annotation()))
+                        .and_then(|b| b.as_str())
+                        .map(str::to_string)
+                });
+            let stale = match &written_for {
+                None => true,                  // torn
+                Some(None) => false,           // an older writer's: cannot tell
+                Some(Some(b)) => b != boot_id, // another boot's
+            };
+            if stale {
+                match fs::remove_file(&path) {
+                    Ok(()) => removed.push(uid.to_string()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(source) => return Err(CdiError::Write { path, source }),
+                }
+            }
+        }
+        removed.sort();
+        Ok(removed)
     }
 
     /// Hands every claim device the driver's files through the node-wide driver spec. A
@@ -492,13 +572,19 @@ impl CdiWriter {
         let spec = Spec {
             cdi_version: CDI_VERSION,
             kind: self.kind(),
-            annotations: BTreeMap::from([(format!("{}/claim-uid", self.vendor), claim_uid.to_string())]),
+            annotations: BTreeMap::from_iter(
+                std::iter::once((format!("{}/claim-uid", self.vendor), claim_uid.to_string())).chain(
+                    self.boot_id
+                        .as_ref()
+                        .map(|boot| (self.boot_annotation(), boot.clone())),
+                ),
+            ),
             devices: spec_devices,
         };
         let path = self.spec_path(claim_uid);
         let mut bytes = serde_json::to_vec_pretty(&spec)?;
         bytes.push(b'\n');
-        match write_atomically(&path, &bytes, 0o644, Durability::AcrossReboots) {
+        match write_atomically(&path, &bytes, 0o644, self.claim_spec_durability()) {
             Ok(()) => Ok(path),
             Err(source) => Err(CdiError::Write { path, source }),
         }
@@ -547,6 +633,63 @@ mod tests {
             "DeviceFileMinor: 157\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
         )
         .unwrap();
+    }
+
+    #[test]
+    fn specs_an_earlier_boot_left_are_removed_and_this_boots_are_not_synced() {
+        let dir = tempfile::tempdir().unwrap();
+        proc_root(dir.path());
+        let cdi = dir.path().join("cdi");
+        let device = || ClaimDevice {
+            device_name: "gpu-1-mig-3g40gb-4".into(),
+            gpu_minor: 1,
+            mig: Some((2, 0)),
+            mig_monitor: false,
+            env: BTreeMap::new(),
+        };
+        let before_reboot = CdiWriter::new(&cdi, "gpu.migdra.dev", dir.path()).for_boot("boot-1");
+        before_reboot.write_claim_spec("uid-1", &[device()]).unwrap();
+        let after_reboot = CdiWriter::new(&cdi, "gpu.migdra.dev", dir.path()).for_boot("boot-2");
+        let path = after_reboot.write_claim_spec("uid-2", &[device()]).unwrap();
+        assert_eq!(after_reboot.claim_spec_durability(), Durability::ThisBoot);
+        let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(spec["annotations"]["gpu.migdra.dev/boot-id"], "boot-2");
+        // Torn by a power loss; written by an older plugin (no boot); another driver's spec of
+        // the earlier boot; this driver's node-wide driver spec.
+        fs::write(
+            cdi.join("gpu.migdra.dev-claim_uid-3.json"),
+            "{\"cdiVersion\": \"0.6",
+        )
+        .unwrap();
+        let unannotated = r#"{"cdiVersion":"0.6.0","kind":"gpu.migdra.dev/claim","devices":[]}"#;
+        fs::write(cdi.join("gpu.migdra.dev-claim_uid-4.json"), unannotated).unwrap();
+        let other = r#"{"annotations":{"other.example.com/boot-id":"boot-1"}}"#;
+        fs::write(cdi.join("other.example.com-claim_uid-5.json"), other).unwrap();
+        fs::write(cdi.join("gpu.migdra.dev-driver.json"), "{}").unwrap();
+
+        assert_eq!(
+            after_reboot.remove_specs_of_other_boots().unwrap(),
+            ["uid-1", "uid-3"]
+        );
+        let mut left: Vec<String> = fs::read_dir(&cdi)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "gpu.migdra.dev-claim_uid-2.json",
+                "gpu.migdra.dev-claim_uid-4.json",
+                "gpu.migdra.dev-driver.json",
+                "other.example.com-claim_uid-5.json"
+            ]
+        );
+        // A writer without a boot syncs its specs and removes nothing.
+        let unbooted = CdiWriter::new(&cdi, "gpu.migdra.dev", dir.path());
+        unbooted.write_claim_spec("uid-6", &[device()]).unwrap();
+        assert_eq!(unbooted.claim_spec_durability(), Durability::AcrossReboots);
+        assert!(unbooted.remove_specs_of_other_boots().unwrap().is_empty());
     }
 
     #[test]

@@ -8,8 +8,9 @@
 //! The file is `{"checksum": "sha256:<hex>", "data": {...}}`, where the checksum covers the
 //! exact bytes of `data` as written. Readers never re-serialise before checking, so adding a
 //! field in a later version cannot break an older binary's checksum (the failure mode of
-//! NVIDIA's driver, #1080). Writes are atomic ([`write_atomically`]) and not fsynced: the file
-//! belongs to one boot ([`Durability::ThisBoot`]). It is root-only (0600 in a 0700 directory). The driver uses it only through [`crate::journal::Journal`].
+//! NVIDIA's driver, #1080). Writes replace the file atomically without creating one
+//! ([`replace_by_exchange`], three per prepare) and are not fsynced: the file belongs to one
+//! boot ([`crate::state_dir::Durability::ThisBoot`]); it is read with [`read_consistent`]. It is root-only (0600 in a 0700 directory). The driver uses it only through [`crate::journal::Journal`].
 
 use std::{
     collections::BTreeMap,
@@ -22,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use crate::state_dir::{Durability, write_atomically};
+use crate::state_dir::{read_consistent, replace_by_exchange};
 
 /// Format version of `data`.
 pub const CHECKPOINT_VERSION: u32 = 1;
@@ -228,9 +229,9 @@ impl Checkpoint {
             boot_id: boot_id.to_string(),
             claims: BTreeMap::new(),
         };
-        let bytes = match fs::read(&path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        let bytes = match read_consistent(&path) {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => {
                 return Ok((
                     Self {
                         path,
@@ -330,11 +331,9 @@ impl Checkpoint {
 
     fn persist(&mut self) -> Result<(), CheckpointError> {
         let bytes = encode(&self.data)?;
-        write_atomically(&self.path, &bytes, 0o600, Durability::ThisBoot).map_err(|source| {
-            CheckpointError::Io {
-                path: self.path.clone(),
-                source,
-            }
+        replace_by_exchange(&self.path, &bytes, 0o600).map_err(|source| CheckpointError::Io {
+            path: self.path.clone(),
+            source,
         })?;
         self.on_disk = Some(bytes);
         Ok(())
@@ -348,9 +347,8 @@ impl Checkpoint {
     /// A file that cannot be used is an error and the content in memory is kept: unlike at
     /// start it is not moved aside, because the other instance may be writing it right now.
     pub fn reload_if_changed(&mut self) -> Result<bool, CheckpointError> {
-        let bytes = match fs::read(&self.path) {
-            Ok(bytes) => Some(bytes),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        let bytes = match read_consistent(&self.path) {
+            Ok(bytes) => bytes,
             Err(source) => {
                 return Err(CheckpointError::Io {
                     path: self.path.clone(),

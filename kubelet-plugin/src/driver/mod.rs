@@ -275,6 +275,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         metrics: Metrics,
     ) -> Result<(Self, RecoveryReport), DriverError> {
         let (journal, outcome) = Journal::open(&config.state_dir, &config.boot_id)?;
+        let cdi = cdi.for_boot(&config.boot_id);
         if let LoadOutcome::PreviousBoot { old_boot_id } = &outcome {
             tracing::info!(%old_boot_id, "checkpoint is from a previous boot; MIG instances do not survive a reboot, starting empty");
         }
@@ -303,6 +304,16 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         }
         let mut report = driver.recover()?;
         report.checkpoint = Some(outcome);
+        // Before serving: no spec of a claim from an earlier boot stays for the runtime to find.
+        match driver.inner.cdi.remove_specs_of_other_boots() {
+            Ok(removed) => {
+                if !removed.is_empty() {
+                    tracing::info!(claims = ?removed, "removed CDI specs an earlier boot left");
+                }
+                report.cdi_removed = removed;
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot look for CDI specs an earlier boot left"),
+        }
         Ok((driver, report))
     }
 

@@ -34,6 +34,8 @@ pub struct RecoveryReport {
     pub unprepared: Vec<String>,
     /// Completed claims whose CDI spec was missing and rewritten.
     pub cdi_rewritten: Vec<String>,
+    /// Claims whose CDI spec an earlier boot left (their instances died with it), removed.
+    pub cdi_removed: Vec<String>,
     /// Records that could not be repaired at start: kept in the journal as they were and
     /// retried in the background.
     pub pending: Vec<PendingRepair>,

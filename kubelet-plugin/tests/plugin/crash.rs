@@ -241,6 +241,48 @@ async fn a_reboot_discards_the_checkpoint_and_prepares_afresh() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn after_a_reboot_no_claim_spec_of_the_earlier_boot_is_left_for_the_runtime() {
+    // The CDI directory is on disk (e.g. /etc/cdi), so it survives the reboot.
+    let mut node = node();
+    {
+        let (driver, _) = node.start(None);
+        prepare_one(&driver, "uid-1", "c1").await.unwrap();
+    }
+    let cdi_dir = node.cdi_dir();
+    let spec = |uid: &str| cdi_dir.join(format!("gpu.migdra.dev-claim_{uid}.json"));
+    // Another claim's spec of that boot, and one a power loss tore as it was written (specs
+    // are not synced).
+    std::fs::copy(spec("uid-1"), spec("uid-2")).unwrap();
+    std::fs::write(spec("uid-3"), "{\"cdiVer").unwrap();
+    // Reboot: only the instance someone else made is back (recreated by its owner).
+    node.host
+        .update_state(|s| {
+            for gpu in &mut s.gpus {
+                gpu.gpu_instances
+                    .retain(|gi| gi.start == 6 && gi.profile_id == 19);
+            }
+        })
+        .unwrap();
+    node.boot_id = "boot-2".into();
+    let (driver, report) = node.start(None);
+    assert_eq!(report.cdi_removed, ["uid-1", "uid-2", "uid-3"]);
+    for uid in ["uid-1", "uid-2", "uid-3"] {
+        assert!(
+            !spec(uid).exists(),
+            "{uid}'s spec names instances that died with the earlier boot"
+        );
+    }
+    // The kubelet prepares the claim again on the new boot, and its spec is this boot's.
+    prepare_one(&driver, "uid-1", "c1").await.unwrap();
+    fully_prepared(&node);
+    let (_, report) = node.start(None);
+    assert!(
+        report.cdi_removed.is_empty(),
+        "a restart on the same boot removes nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_wiped_cdi_directory_is_rebuilt_at_start() {
     let node = node();
     let spec_before = {
