@@ -194,6 +194,7 @@ pub struct Metrics {
     call_duration: Family<OperationLabels, Histogram>,
     call_nvml_duration: Family<OperationLabels, Histogram>,
     call_outside_nvml_duration: Family<OperationLabels, Histogram>,
+    claim_read_duration: Histogram,
     nvml_call_duration: Family<FunctionLabels, Histogram>,
     recoveries: Family<ActionLabels, Counter>,
     repair_attempts: Family<OutcomeLabels, Counter>,
@@ -280,6 +281,13 @@ impl Metrics {
             "call_outside_nvml_duration_seconds",
             "Duration of kubelet prepare/unprepare calls minus their time inside NVML",
             call_outside_nvml_duration.clone(),
+        );
+        let claim_read_duration = fine();
+        registry.register(
+            "claim_read_duration_seconds",
+            "Duration of the claim GET a prepare makes (the API server's part of a prepare, inside \
+             call_outside_nvml_duration_seconds)",
+            claim_read_duration.clone(),
         );
         let nvml_call_duration = Family::<FunctionLabels, Histogram>::new_with_constructor(|| {
             Histogram::new([
@@ -386,6 +394,7 @@ impl Metrics {
             call_duration,
             call_nvml_duration,
             call_outside_nvml_duration,
+            claim_read_duration,
             nvml_call_duration,
             recoveries,
             repair_attempts,
@@ -442,6 +451,11 @@ impl Metrics {
                 })
                 .observe(call.duration.as_secs_f64());
         }
+    }
+
+    /// Observes one claim GET of a prepare (answered or not).
+    pub fn claim_get(&self, duration: Duration) {
+        self.claim_read_duration.observe(duration.as_secs_f64());
     }
 
     /// Counts one startup repair.

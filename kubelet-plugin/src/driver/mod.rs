@@ -404,19 +404,27 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         let task = tokio::task::spawn_blocking(move || {
             let _clock = nvml.install();
             let node = driver.node_lock();
+            let run = |claim: ClaimRef, item: I| {
+                let outcome = match &node {
+                    Err(e) => Err(ClaimFailure::from(e.clone())),
+                    Ok(node) => work(&driver, node, &claim, item),
+                };
+                (claim, outcome)
+            };
+            // One claim (the kubelet's usual call) runs on this thread: a thread of its own
+            // would only add its start to the call.
+            if items.len() == 1 {
+                return items.into_iter().map(|(claim, item)| run(claim, item)).collect();
+            }
             std::thread::scope(|scope| {
                 let handles: Vec<_> = items
                     .into_iter()
                     .map(|(claim, item)| {
-                        let (node, driver, work, nvml) = (&node, &driver, &work, &nvml);
+                        let (run, nvml) = (&run, &nvml);
                         scope.spawn(move || {
                             // This claim's NVML time counts for this kubelet call.
                             let _clock = nvml.install();
-                            let outcome = match node {
-                                Err(e) => Err(ClaimFailure::from(e.clone())),
-                                Ok(node) => work(driver, node, &claim, item),
-                            };
-                            (claim, outcome)
+                            run(claim, item)
                         })
                     })
                     .collect();

@@ -113,7 +113,10 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     ) -> Result<(Vec<AllocatedDevice>, StatusContext), ClaimFailure> {
         let key = format!("{}/{}", claim.namespace, claim.name);
         let driver = &self.inner.config.driver_name;
-        match self.inner.claims.get(&claim.namespace, &claim.name).await {
+        let asked = Instant::now();
+        let answer = self.inner.claims.get(&claim.namespace, &claim.name).await;
+        self.inner.metrics.claim_get(asked.elapsed());
+        match answer {
             Ok(Some(object)) => {
                 self.inner.metrics.claim_read(&claim.uid, &object);
                 let devices = claims::allocated_devices(&object, &claim.uid, driver, self.pool())?;
