@@ -41,14 +41,17 @@ pub struct Args {
     /// minutes for both phases on a 2-core machine.
     #[arg(long, env = "BENCH_B1_PODS", default_value_t = 1000)]
     pub b1_pods: usize,
-    /// B1's phases in order: `anchor` (static MIG) and `migdra`; a phase may repeat
-    /// (`anchor,migdra,anchor` shows order effects). The ratio uses each one's last run.
+    /// B1's phases in order: `anchor` (static MIG, the bare devices the issue names), `migdra`,
+    /// `migdra-1g10gb-only` (migdra under a MigPolicy offering what the anchor offers),
+    /// `anchor-nvidia-attributes` (the static devices as NVIDIA's driver describes them) and
+    /// `anchor-beside`; a phase may repeat (`anchor,migdra,anchor` shows order effects). The
+    /// ratio is `migdra` against `anchor`, each one's last run; the note gives the others.
     #[arg(
         long,
         env = "BENCH_B1_ORDER",
         value_enum,
         value_delimiter = ',',
-        default_value = "anchor,migdra"
+        default_value = "anchor,anchor-nvidia-attributes,migdra,migdra-1g10gb-only"
     )]
     pub b1_order: Vec<crate::measure::scheduling::Phase>,
     /// Above this many simulated nodes B2's bare-client floor is not run: its copies of every
@@ -190,7 +193,15 @@ mod tests {
         assert_eq!(a.nodes, [100, 500]);
         assert_eq!(a.b1_pods, 1000);
         use crate::measure::scheduling::Phase;
-        assert_eq!(a.b1_order, [Phase::Anchor, Phase::Migdra]);
+        assert_eq!(
+            a.b1_order,
+            [
+                Phase::Anchor,
+                Phase::AnchorNvidiaAttributes,
+                Phase::Migdra,
+                Phase::MigdraOneProfile
+            ]
+        );
         let a = Args::try_parse_from(["migdra-bench", "--b1-order", "migdra,anchor,migdra"]).expect("order");
         assert_eq!(a.b1_order, [Phase::Migdra, Phase::Anchor, Phase::Migdra]);
         assert!(a.runs(Measure::B1) && a.runs(Measure::B7));

@@ -25,7 +25,7 @@ use migdra_api::inventory::{GpuNode, GpuNodeStatus, pool_name};
 use migdra_e2e::cluster::{Cluster, DRIVER, NODE, wait_until};
 
 use crate::{
-    probe::{cpu_time, load_average, rss_kib, scrape_client, scrape_http},
+    probe::{cpu_time, load_average, peak_rss_kib, rss_kib, scrape_client, scrape_http},
     prom::Metrics,
     sim::fleet::Fleet,
     stats::mib,
@@ -593,7 +593,8 @@ pub async fn run(
     let (count, done) = counter.wait(timeout).await;
     drop(counter);
     let cold = done.map(|d| d.saturating_duration_since(started));
-    // The controller writes the GpuNode statuses after the slices (deferred up to 30 s):
+    // The controller writes the GpuNode statuses after the slices (deferred while slices are
+    // written, up to 120 s):
     // wait until every one says the pool is published, so those writes neither go uncounted
     // nor overlap the floor's run (where they would slow the floor and flatter the ratio).
     let statuses_settled = wait_statuses_published(&client, nodes.len(), Duration::from_secs(90))
@@ -618,6 +619,8 @@ pub async fn run(
     let cold_beats = fleet.take_beat_stats();
     let pid = cluster.pid(CONTROLLER).context("controller not running")?;
     let rss_after_cold = rss_kib(pid).unwrap_or_default();
+    // The controller started with the cold publish: its high-water mark is the burst's peak.
+    let peak_in_cold = peak_rss_kib(pid).unwrap_or_default();
 
     // The bare client's floor, same slices, same concurrency: twice, with the warm client and
     // with one made for it (new connections, as the controller's start). Its copies sit next
@@ -862,9 +865,10 @@ pub async fn run(
         id: "B6",
         measure: format!("controller RSS at {} nodes", nodes.len()),
         value: format!(
-            "{} (after cold publish: {})",
+            "{} (after cold publish: {}; peak during it: {})",
             mib(rss_steady),
-            mib(rss_after_cold)
+            mib(rss_after_cold),
+            mib(peak_in_cold)
         ),
         anchor: String::new(),
         ratio: None,
