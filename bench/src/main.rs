@@ -18,8 +18,14 @@ use migdra_fake_nvml::config::GpuConfig;
 fn command_line() -> String {
     let mut words = vec!["migdra-bench".to_string()];
     words.extend(std::env::args().skip(1));
+    // Every variable that changes what is measured: the bench's own, the binaries and the
+    // upstream build used, and the allocator's tuning the measured processes inherit.
     let env: Vec<String> = std::env::vars()
-        .filter(|(k, _)| k.starts_with("BENCH_"))
+        .filter(|(k, _)| {
+            k.starts_with("BENCH_")
+                || ["MIGDRA_BIN_DIR", "MIGDRA_CACHE_DIR"].contains(&k.as_str())
+                || k.starts_with("MALLOC_")
+        })
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     if env.is_empty() {

@@ -552,6 +552,18 @@ fn truncate(s: &str, max: usize) -> String {
     s[..end].to_string()
 }
 
+/// The pool identity the slice model's tests render node-a's pool with.
+#[cfg(test)]
+pub(crate) fn test_pool_identity() -> PoolIdentity<'static> {
+    PoolIdentity {
+        driver: "gpu.migdra.dev",
+        node: "node-a",
+        pool: "node-a/gpu.migdra.dev",
+        generation: 1,
+        driver_version: None,
+    }
+}
+
 #[cfg(test)]
 mod sharing_tests;
 #[cfg(test)]

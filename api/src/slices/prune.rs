@@ -230,8 +230,11 @@ mod tests {
         inventory::{GpuInventory, InstanceOwner, MigInstance},
         policy::{EffectivePolicy, ProfileMatcher},
         slices::{
-            PoolIdentity, allocator::Allocator, plan_pool, render_pool, retained::retain_allocated,
-            validate::validate_pool,
+            allocator::Allocator,
+            plan_pool, render_pool,
+            retained::retain_allocated,
+            test_pool_identity,
+            validate::{PoolError, validate_pool},
         },
     };
 
@@ -265,6 +268,11 @@ mod tests {
             &mut out,
         );
         out
+    }
+
+    /// What the pool validator says of `plan` rendered for node-a.
+    fn validation(gpus: &[GpuInventory], plan: &PoolPlan) -> Result<(), Vec<PoolError>> {
+        validate_pool(&render_pool(&test_pool_identity(), gpus, plan))
     }
 
     fn counter_names(plan: &PoolPlan) -> BTreeSet<String> {
@@ -358,14 +366,7 @@ mod tests {
         assert!(plan.counter_sets.is_empty());
         assert_eq!(plan.devices[0].counter_set, None);
         assert!(plan.devices[0].consumes.is_empty());
-        let id = PoolIdentity {
-            driver: "gpu.migdra.dev",
-            node: "node-a",
-            pool: "node-a/gpu.migdra.dev",
-            generation: 1,
-            driver_version: None,
-        };
-        assert_eq!(validate_pool(&render_pool(&id, &gpus, &plan)), Ok(()));
+        assert_eq!(validation(&gpus, &plan), Ok(()));
     }
 
     #[test]
@@ -451,15 +452,7 @@ mod tests {
             let mut pruned = full.clone();
             prune_counters(&mut pruned);
             assert_same_sets(&full, &pruned, model.key);
-            let id = PoolIdentity {
-                driver: "gpu.migdra.dev",
-                node: "node-a",
-                pool: "node-a/gpu.migdra.dev",
-                generation: 1,
-                driver_version: None,
-            };
-            let rendered = render_pool(&id, &gpus, &pruned);
-            prop_assert_eq!(validate_pool(&rendered), Ok(()));
+            prop_assert_eq!(validation(&gpus, &pruned), Ok(()));
         }
     }
 }

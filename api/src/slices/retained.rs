@@ -171,10 +171,7 @@ mod tests {
     use crate::{
         catalog,
         policy::{EffectivePolicy, ProfileMatcher},
-        slices::{
-            PoolIdentity, UNHEALTHY_TAINT, allocator::Allocator, plan_pool, render_pool,
-            validate::validate_pool,
-        },
+        slices::{UNHEALTHY_TAINT, allocator::Allocator, plan_pool, render_pool, validate::validate_pool},
     };
 
     fn h100s(count: u32) -> Vec<GpuInventory> {
@@ -208,14 +205,7 @@ mod tests {
         gpus: &[GpuInventory],
         plan: &PoolPlan,
     ) -> Vec<k8s_openapi::api::resource::v1::ResourceSliceSpec> {
-        let id = PoolIdentity {
-            driver: "gpu.migdra.dev",
-            node: "node-a",
-            pool: "node-a/gpu.migdra.dev",
-            generation: 1,
-            driver_version: None,
-        };
-        let specs = render_pool(&id, gpus, plan);
+        let specs = render_pool(&super::super::test_pool_identity(), gpus, plan);
         validate_pool(&specs).unwrap_or_else(|e| panic!("invalid pool: {e:?}"));
         specs
     }

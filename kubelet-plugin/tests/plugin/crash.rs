@@ -209,14 +209,9 @@ async fn a_crash_between_any_two_unprepare_steps_converges() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_reboot_discards_the_checkpoint_and_prepares_afresh() {
-    let mut node = node();
-    {
-        let (driver, _) = node.start(None);
-        prepare_one(&driver, "uid-1", "c1").await.unwrap();
-    }
-    // Reboot: MIG instances do not survive it; the node gets a new boot ID.
+/// A reboot: MIG instances do not survive it (only the one someone else made is back,
+/// recreated by its owner), and the node gets a new boot ID.
+fn reboot(node: &mut Node) {
     node.host
         .update_state(|s| {
             for gpu in &mut s.gpus {
@@ -225,8 +220,18 @@ async fn a_reboot_discards_the_checkpoint_and_prepares_afresh() {
             }
         })
         .unwrap();
-    std::fs::remove_dir_all(node.cdi_dir()).unwrap();
     node.boot_id = "boot-2".into();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reboot_discards_the_checkpoint_and_prepares_afresh() {
+    let mut node = node();
+    {
+        let (driver, _) = node.start(None);
+        prepare_one(&driver, "uid-1", "c1").await.unwrap();
+    }
+    std::fs::remove_dir_all(node.cdi_dir()).unwrap();
+    reboot(&mut node);
     let (driver, report) = node.start(None);
     assert!(matches!(
         report.checkpoint,
@@ -254,16 +259,7 @@ async fn after_a_reboot_no_claim_spec_of_the_earlier_boot_is_left_for_the_runtim
     // are not synced).
     std::fs::copy(spec("uid-1"), spec("uid-2")).unwrap();
     std::fs::write(spec("uid-3"), "{\"cdiVer").unwrap();
-    // Reboot: only the instance someone else made is back (recreated by its owner).
-    node.host
-        .update_state(|s| {
-            for gpu in &mut s.gpus {
-                gpu.gpu_instances
-                    .retain(|gi| gi.start == 6 && gi.profile_id == 19);
-            }
-        })
-        .unwrap();
-    node.boot_id = "boot-2".into();
+    reboot(&mut node);
     let (driver, report) = node.start(None);
     assert_eq!(report.cdi_removed, ["uid-1", "uid-2", "uid-3"]);
     for uid in ["uid-1", "uid-2", "uid-3"] {
