@@ -9,8 +9,9 @@
 //! rewritten once at a new generation. (A spec edited by hand behind the controller's back
 //! is not noticed until the pool changes; the controller is the slices' only writer.)
 //!
-//! The canonical form ([`normalize_spec`]) makes semantically equal specs hash alike, and is
-//! what the written slice is checked against the API server's answer with ([`specs_match`]):
+//! The canonical form ([`normalize_spec`]) makes semantically equal specs hash alike
+//! ([`specs_match`]); a written slice is checked against the API server's answer by that
+//! hash:
 //!
 //! * `pool.generation` is ignored (it only changes because something else did);
 //! * absent and empty lists and maps are equal (the API server drops empty ones);

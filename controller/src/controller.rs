@@ -374,6 +374,7 @@ async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: Cancellati
             ctx.metrics.forget_node(&node);
             let publisher = Publisher {
                 api: &ctx.slice_api,
+                client: &ctx.client,
                 expectations: &ctx.expectations,
                 metrics: &ctx.metrics,
                 node: &node,
@@ -382,7 +383,7 @@ async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: Cancellati
                 deletes: vec![orphan],
                 ..Default::default()
             };
-            if let Err(e) = publisher.apply(&diff).await {
+            if let Err(e) = publisher.apply(diff).await {
                 tracing::warn!(error = %e, "deleting an orphaned slice failed");
             }
         }

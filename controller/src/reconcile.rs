@@ -477,12 +477,13 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         keep_taint_times(&mut diff, &live);
     }
     let diff_was_empty = diff.is_empty();
+    let generation = diff.generation;
     let mut written = Vec::new();
     if diff_was_empty {
-        tracing::debug!(generation = diff.generation, "pool unchanged");
+        tracing::debug!(generation, "pool unchanged");
     } else {
         tracing::info!(
-            generation = diff.generation,
+            generation,
             writes = diff.writes.len(),
             deletes = diff.deletes.len(),
             devices = desired.devices,
@@ -490,14 +491,14 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         );
         // Counted while it writes: the status writes of other nodes wait for it.
         let _writing = ctx.writing_slices();
-        written = publisher(ctx, &node_name).apply(&diff).await?;
+        written = publisher(ctx, &node_name).apply(diff).await?;
     }
     ctx.expectations.own(&node_name, desired_names.clone());
     ctx.metrics.set_published_devices(&node_name, desired.devices);
     ctx.metrics.set_published_pool(&node_name, slices, desired.gpus);
     let publication = PublicationStatus {
         pool: desired.pool,
-        generation: diff.generation,
+        generation,
         slices: u32::try_from(slices).unwrap_or(u32::MAX),
         devices: desired.devices,
         gpus: desired.gpus,
@@ -520,7 +521,6 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
             }),
         );
     }
-    let generation = publication.generation;
     let update = write_status(
         gpunode,
         ctx,
@@ -600,6 +600,7 @@ pub fn cache_after_publish(
 fn publisher<'a>(ctx: &'a Context, node: &'a str) -> Publisher<'a> {
     Publisher {
         api: &ctx.slice_api,
+        client: &ctx.client,
         expectations: &ctx.expectations,
         metrics: &ctx.metrics,
         node,
@@ -710,7 +711,7 @@ async fn withdraw(ctx: &Context, node: &str, cached: &[Arc<SliceMeta>]) -> Resul
     ctx.set_memo(node, None);
     let diff = diff_pool(Vec::new(), cached, None);
     if !diff.is_empty() {
-        publisher(ctx, node).apply(&diff).await?;
+        publisher(ctx, node).apply(diff).await?;
     }
     Ok(())
 }

@@ -540,6 +540,41 @@ async fn an_invalid_policy_is_reported_and_nothing_is_written() {
 }
 
 #[tokio::test]
+async fn quantities_the_server_rewrites_are_not_dropped_fields() {
+    let mut h = Harness::new();
+    // A100 40GB with MIG off: the whole GPU is a device with 40960Mi of memory.
+    let a100 = migdra_api::catalog::model("A100-SXM4-40GB").unwrap();
+    let gpus = vec![a100.inventory(0, false), a100.inventory(1, false)];
+    let g = gpunode(Some(live_plugin()), gpus.clone());
+    let (count, _) = expected_pool(&gpus);
+    // Every slice comes back with its quantities as the API server writes them: the same
+    // spec, so the pool is published.
+    let scenario = Scenario::new()
+        .then_all((0..count).map(|i| {
+            answering(
+                create_slice(&name(i), pool_slice(1, count)),
+                Answer::StoreCanonical,
+            )
+        }))
+        .then(patch_status(|body| {
+            assert_eq!(condition(body), ("True", "Published"));
+        }));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert!(result.is_ok(), "{result:?}");
+    let memory: Vec<String> = served
+        .written
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .filter_map(|d| d.capacity.as_ref()?.get("memory").map(|c| c.value.0.clone()))
+        .collect();
+    assert_eq!(
+        memory,
+        ["40Gi", "40Gi"],
+        "the server's answer had the canonical form"
+    );
+}
+
+#[tokio::test]
 async fn dropped_fields_are_an_error_with_event_and_condition() {
     let mut h = Harness::new();
     let g = gpunode(Some(live_plugin()), h100s(1));

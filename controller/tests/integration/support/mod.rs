@@ -303,6 +303,9 @@ pub enum Answer {
     Fail(StatusCode, &'static str),
     /// Return the stored object, with this spec field dropped (a feature gate that is off).
     DropField(&'static str),
+    /// Store the body with its quantities in the API server's canonical form (`40960Mi` as
+    /// `40Gi`, `2000` as `2k`) and return it.
+    StoreCanonical,
     /// Return `{"kind":"Status","status":"Success"}`.
     Success,
     /// Return this object as it is.
@@ -390,6 +393,15 @@ impl Scenario {
                         served.events.push(stored.clone());
                     }
                     json_response(code, &stored)
+                }
+                Answer::StoreCanonical => {
+                    rv += 1;
+                    let mut stored = store(body, rv);
+                    canonical_quantities(&mut stored, false);
+                    served
+                        .written
+                        .push(serde_json::from_value(stored.clone()).unwrap());
+                    json_response(StatusCode::CREATED, &stored)
                 }
                 Answer::DropField(field) => {
                     rv += 1;
@@ -484,6 +496,49 @@ fn drop_field(v: &mut Value, field: &str) {
         Value::Array(items) => items.iter_mut().for_each(|v| drop_field(v, field)),
         _ => {}
     }
+}
+
+/// Rewrites the quantities under `capacity` and `counters` maps (`{"value": q}`) the way the
+/// API server stores them: binary suffixes scaled up while divisible by 1024, plain integers
+/// by 1000.
+fn canonical_quantities(v: &mut Value, in_quantity_map: bool) {
+    match v {
+        Value::Object(map) => {
+            for (key, value) in map.iter_mut() {
+                if in_quantity_map && let Some(Value::String(q)) = value.get_mut("value") {
+                    *q = canonical_quantity(q);
+                }
+                canonical_quantities(value, key == "capacity" || key == "counters");
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| canonical_quantities(v, false)),
+        _ => {}
+    }
+}
+
+fn canonical_quantity(q: &str) -> String {
+    const BINARY: [&str; 5] = ["", "Ki", "Mi", "Gi", "Ti"];
+    const DECIMAL: [&str; 4] = ["", "k", "M", "G"];
+    let digits = q.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let (Ok(mut n), suffix) = (digits.parse::<u64>(), &q[digits.len()..]) else {
+        return q.to_string();
+    };
+    if let Some(mut i) = BINARY.iter().position(|s| *s == suffix).filter(|i| *i > 0) {
+        while n > 0 && n % 1024 == 0 && i + 1 < BINARY.len() {
+            n /= 1024;
+            i += 1;
+        }
+        return format!("{n}{}", BINARY[i]);
+    }
+    if suffix.is_empty() {
+        let mut i = 0;
+        while n > 0 && n % 1000 == 0 && i + 1 < DECIMAL.len() {
+            n /= 1000;
+            i += 1;
+        }
+        return format!("{n}{}", DECIMAL[i]);
+    }
+    q.to_string()
 }
 
 fn query(req: &Request<()>) -> BTreeMap<String, String> {
