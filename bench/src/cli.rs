@@ -82,6 +82,11 @@ pub struct Args {
     /// Pods of each kind (with and without a claim) B5 starts one at a time.
     #[arg(long, env = "BENCH_B5_PODS", default_value_t = 20)]
     pub b5_pods: usize,
+    /// MIG pods B4 starts one at a time after B6, on top of B5's and the 26 after them, so
+    /// that its p99 rests on more than one or two prepares: rounds of up to the node's 56
+    /// placements, each round deleted before the next.
+    #[arg(long, env = "BENCH_B4_EXTRA_PODS", default_value_t = 112)]
+    pub b4_extra_pods: usize,
     /// Length of the steady-state window (B3), seconds.
     #[arg(long, env = "BENCH_STEADY_SECONDS", default_value_t = 60)]
     pub steady_seconds: u64,

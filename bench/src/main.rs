@@ -221,7 +221,7 @@ fn jiff_now() -> String {
 async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     if args.runs(Measure::B4) || args.runs(Measure::B5) || args.runs(Measure::B6) {
         eprintln!("B4/B5/B6: the real node");
-        match measure::node::run(cluster, args.b5_pods).await {
+        match measure::node::run(cluster, args.b5_pods, args.b4_extra_pods).await {
             Ok(r) => rows.extend(r.rows),
             Err(e) => rows.push(failed_row("B5", "real-node measures (B4, B5, B6 plugin)", &e)),
         }

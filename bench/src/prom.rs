@@ -60,6 +60,26 @@ impl Histogram {
         Some(lower.0)
     }
 
+    /// The observations of both (same buckets; a bucket only one has counts for it alone).
+    pub fn plus(&self, other: &Histogram) -> Histogram {
+        Histogram {
+            buckets: self
+                .buckets
+                .iter()
+                .map(|&(b, c)| {
+                    let theirs = other
+                        .buckets
+                        .iter()
+                        .find(|(ob, _)| *ob == b)
+                        .map_or(0.0, |(_, oc)| *oc);
+                    (b, c + theirs)
+                })
+                .collect(),
+            sum: self.sum + other.sum,
+            count: self.count + other.count,
+        }
+    }
+
     /// Observations added since `before` (same buckets).
     pub fn since(&self, before: &Histogram) -> Histogram {
         Histogram {
@@ -270,5 +290,20 @@ escaped{msg="a \"quoted\" value, with comma",x="y"} 1
         let empty = h.since(&h);
         assert_eq!(empty.count, 0.0);
         assert_eq!(empty.quantile(0.5), None);
+    }
+
+    #[test]
+    fn two_windows_add_up_to_the_whole() {
+        let h = |buckets: &[(f64, f64)], sum: f64| Histogram {
+            buckets: buckets.to_vec(),
+            sum,
+            count: buckets.last().map_or(0.0, |b| b.1),
+        };
+        let first = h(&[(0.01, 2.0), (0.1, 3.0), (f64::INFINITY, 3.0)], 0.1);
+        let second = h(&[(0.01, 0.0), (0.1, 4.0), (f64::INFINITY, 5.0)], 2.3);
+        let both = first.plus(&second);
+        assert_eq!(both.buckets, [(0.01, 2.0), (0.1, 7.0), (f64::INFINITY, 8.0)]);
+        assert_eq!((both.count, both.sum), (8.0, 2.4));
+        assert_eq!(both.since(&second).buckets, first.buckets);
     }
 }

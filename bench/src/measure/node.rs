@@ -32,6 +32,7 @@ pub const ALL_1G_PLACEMENTS: usize = 56;
 
 const RUN_PLAIN: &str = "b5-plain";
 const RUN_MIG: &str = "b5-mig";
+const RUN_B4: &str = "b4-mig";
 
 /// What the real-node measures produce.
 pub struct NodeResults {
@@ -83,6 +84,15 @@ impl PluginPrepares {
             nvml: self.nvml.since(&before.nvml),
             outside: self.outside.since(&before.outside),
             claim_get: self.claim_get.since(&before.claim_get),
+        }
+    }
+
+    fn plus(&self, other: &Self) -> Self {
+        Self {
+            handler: self.handler.plus(&other.handler),
+            nvml: self.nvml.plus(&other.nvml),
+            outside: self.outside.plus(&other.outside),
+            claim_get: self.claim_get.plus(&other.claim_get),
         }
     }
 
@@ -223,8 +233,44 @@ fn b4_row(
 /// MIG pods started one at a time (B5's and then more), whose prepares are B4's headline.
 const B4_ONE_AT_A_TIME: usize = 46;
 
-/// Runs B5, B6 (plugin) and B4 with `pairs` pods of each kind for B5.
-pub async fn run(cluster: &Cluster, pairs: usize) -> anyhow::Result<NodeResults> {
+/// Creates pod `name` of `run` on the real node and waits until it runs; the time it took.
+async fn start_pod(
+    client: &kube::Client,
+    name: &str,
+    run: &str,
+    template: Option<&str>,
+    timeout: Duration,
+) -> anyhow::Result<Duration> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let created = Instant::now();
+    pods.create(
+        &PostParams::default(),
+        &pod(name, run, json!({"kubernetes.io/hostname": NODE}), template)?,
+    )
+    .await
+    .with_context(|| format!("creating pod {name}"))?;
+    wait_running(client, name, created, timeout).await
+}
+
+/// Waits until the fake GPUs hold no MIG instance; whether they got there in 120 s.
+async fn wait_no_instances(cluster: &Cluster) -> bool {
+    migdra_e2e::cluster::wait_until(Duration::from_secs(120), || async {
+        let left: usize = cluster
+            .gpus()
+            .ok()?
+            .gpus
+            .iter()
+            .map(|g| g.gpu_instances.len())
+            .sum();
+        (left == 0).then_some(left)
+    })
+    .await
+    .is_ok()
+}
+
+/// Runs B5, B6 (plugin) and B4 with `pairs` pods of each kind for B5 and `b4_extra` more
+/// MIG pods one at a time for B4.
+pub async fn run(cluster: &Cluster, pairs: usize, b4_extra: usize) -> anyhow::Result<NodeResults> {
     let client = cluster.client.clone();
     let plugin_pid = cluster.pid(PLUGIN).context("the plugin is not running")?;
     let kubelet_port = cluster.allocated_port("kubelet").context("no kubelet port")?;
@@ -251,15 +297,7 @@ pub async fn run(cluster: &Cluster, pairs: usize) -> anyhow::Result<NodeResults>
             (RUN_PLAIN, &mut plain, None),
             (RUN_MIG, &mut mig, Some("bench-mig-1g")),
         ] {
-            let name = format!("{run}-{i:03}");
-            let created = Instant::now();
-            pods.create(
-                &PostParams::default(),
-                &pod(&name, run, on_node.clone(), template)?,
-            )
-            .await
-            .with_context(|| format!("creating pod {name}"))?;
-            samples.push(wait_running(&client, &name, created, timeout).await?);
+            samples.push(start_pod(&client, &format!("{run}-{i:03}"), run, template, timeout).await?);
         }
     }
 
@@ -267,14 +305,7 @@ pub async fn run(cluster: &Cluster, pairs: usize) -> anyhow::Result<NodeResults>
     // a time, up to B4_ONE_AT_A_TIME in all.
     for i in mig.len()..B4_ONE_AT_A_TIME.max(mig.len()).min(ALL_1G_PLACEMENTS) {
         let name = format!("{RUN_MIG}-{i:03}");
-        let created = Instant::now();
-        pods.create(
-            &PostParams::default(),
-            &pod(&name, RUN_MIG, on_node.clone(), Some("bench-mig-1g"))?,
-        )
-        .await
-        .with_context(|| format!("creating pod {name}"))?;
-        wait_running(&client, &name, created, timeout).await?;
+        start_pod(&client, &name, RUN_MIG, Some("bench-mig-1g"), timeout).await?;
     }
     let started = B4_ONE_AT_A_TIME.max(mig.len()).min(ALL_1G_PLACEMENTS);
     let plugin_after_b5 = match plugin_port {
@@ -347,19 +378,43 @@ pub async fn run(cluster: &Cluster, pairs: usize) -> anyhow::Result<NodeResults>
     let deleted = Instant::now();
     delete_run(&client, RUN_MIG, 1, Duration::from_secs(300)).await?;
     delete_run(&client, RUN_PLAIN, 1, Duration::from_secs(120)).await?;
-    let instances_left = migdra_e2e::cluster::wait_until(Duration::from_secs(120), || async {
-        let left: usize = cluster
-            .gpus()
-            .ok()?
-            .gpus
-            .iter()
-            .map(|g| g.gpu_instances.len())
-            .sum();
-        (left == 0).then_some(left)
-    })
-    .await
-    .is_ok();
+    let instances_left = wait_no_instances(cluster).await;
     let unprepare_time = deleted.elapsed();
+
+    // B4, more prepares one at a time: rounds of up to every placement, each round deleted
+    // (and its instances destroyed) before the next.
+    let plugin_before_extra = match plugin_port {
+        Some(port) => scrape_http(port).await.ok(),
+        None => None,
+    };
+    let mut extra_started = 0;
+    for round in 0.. {
+        let in_round = b4_extra.saturating_sub(extra_started).min(ALL_1G_PLACEMENTS);
+        if in_round == 0 {
+            break;
+        }
+        for i in 0..in_round {
+            let name = format!("{RUN_B4}-{round}-{i:03}");
+            start_pod(&client, &name, RUN_B4, Some("bench-mig-1g"), timeout).await?;
+        }
+        delete_run(&client, RUN_B4, 1, Duration::from_secs(300)).await?;
+        anyhow::ensure!(
+            wait_no_instances(cluster).await,
+            "B4 round {round}: MIG instances left 120 s after its pods were deleted"
+        );
+        extra_started += in_round;
+    }
+    let extra_prepares = match (&plugin_before_extra, plugin_port) {
+        (Some(before), Some(port)) if extra_started > 0 => scrape_http(port)
+            .await
+            .ok()
+            .map(|after| PluginPrepares::between(Some(before), &after)),
+        _ => None,
+    };
+    let one_at_a_time = match (one_at_a_time, extra_prepares) {
+        (Some(first), Some(extra)) => Some(first.plus(&extra)),
+        (first, _) => first,
+    };
 
     let mut rows = vec![b4_row(
         &prepares,
