@@ -62,41 +62,27 @@ impl Histogram {
 
     /// The observations of both (same buckets; a bucket only one has counts for it alone).
     pub fn plus(&self, other: &Histogram) -> Histogram {
-        Histogram {
-            buckets: self
-                .buckets
-                .iter()
-                .map(|&(b, c)| {
-                    let theirs = other
-                        .buckets
-                        .iter()
-                        .find(|(ob, _)| *ob == b)
-                        .map_or(0.0, |(_, oc)| *oc);
-                    (b, c + theirs)
-                })
-                .collect(),
-            sum: self.sum + other.sum,
-            count: self.count + other.count,
-        }
+        self.combine(other, |a, b| a + b)
     }
 
     /// Observations added since `before` (same buckets).
     pub fn since(&self, before: &Histogram) -> Histogram {
-        Histogram {
-            buckets: self
+        self.combine(before, |a, b| a - b)
+    }
+
+    /// Bucket by bucket (matched by bound; missing in `other`: 0), sum and count: `op`.
+    fn combine(&self, other: &Histogram, op: impl Fn(f64, f64) -> f64) -> Histogram {
+        let theirs = |bound: f64| {
+            other
                 .buckets
                 .iter()
-                .map(|&(b, c)| {
-                    let old = before
-                        .buckets
-                        .iter()
-                        .find(|(ob, _)| *ob == b)
-                        .map_or(0.0, |(_, oc)| *oc);
-                    (b, c - old)
-                })
-                .collect(),
-            sum: self.sum - before.sum,
-            count: self.count - before.count,
+                .find(|(b, _)| *b == bound)
+                .map_or(0.0, |(_, c)| *c)
+        };
+        Histogram {
+            buckets: self.buckets.iter().map(|&(b, c)| (b, op(c, theirs(b)))).collect(),
+            sum: op(self.sum, other.sum),
+            count: op(self.count, other.count),
         }
     }
 }

@@ -79,20 +79,20 @@ impl PluginPrepares {
     }
 
     fn since(&self, before: &Self) -> Self {
-        Self {
-            handler: self.handler.since(&before.handler),
-            nvml: self.nvml.since(&before.nvml),
-            outside: self.outside.since(&before.outside),
-            claim_get: self.claim_get.since(&before.claim_get),
-        }
+        self.each(before, Histogram::since)
     }
 
     fn plus(&self, other: &Self) -> Self {
+        self.each(other, Histogram::plus)
+    }
+
+    /// `op` on each histogram of the two.
+    fn each(&self, other: &Self, op: fn(&Histogram, &Histogram) -> Histogram) -> Self {
         Self {
-            handler: self.handler.plus(&other.handler),
-            nvml: self.nvml.plus(&other.nvml),
-            outside: self.outside.plus(&other.outside),
-            claim_get: self.claim_get.plus(&other.claim_get),
+            handler: op(&self.handler, &other.handler),
+            nvml: op(&self.nvml, &other.nvml),
+            outside: op(&self.outside, &other.outside),
+            claim_get: op(&self.claim_get, &other.claim_get),
         }
     }
 
