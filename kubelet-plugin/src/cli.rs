@@ -101,6 +101,12 @@ pub struct Args {
     /// passes the pod UID. Empty: the fixed names `dra.sock` and `<driver>-reg.sock`.
     #[arg(long, env = "POD_UID", default_value = "")]
     pub plugin_instance: String,
+    /// Worker threads of the async runtime (kubelet gRPC, API calls, heartbeats; NVML and
+    /// file work run on blocking threads besides). Fixed rather than one per core, so the
+    /// plugin's memory does not grow with the node's cores.
+    #[arg(long, env = "WORKER_THREADS", default_value_t = migdra_runtime::DEFAULT_WORKER_THREADS,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub worker_threads: u16,
 }
 
 /// The subcommand that checks this node's GPUs instead of running the plugin.
@@ -208,6 +214,17 @@ mod tests {
         assert_eq!(a.boot_id_path, PathBuf::from("/proc/sys/kernel/random/boot_id"));
         assert_eq!(a.http_address, "0.0.0.0:8080".parse().unwrap());
         assert_eq!(a.grpc_health_address, "0.0.0.0:51515".parse().unwrap());
+        assert_eq!(a.worker_threads, 2);
+        assert!(
+            Args::try_parse_from([
+                "migdra-kubelet-plugin",
+                "--node-name",
+                "n1",
+                "--worker-threads",
+                "0"
+            ])
+            .is_err()
+        );
         assert_eq!(a.heartbeat_interval(), Duration::from_secs(15));
         assert_eq!(a.heartbeat_namespace, None);
         assert_eq!(a.gpunode_heartbeat_interval(), Duration::from_secs(300));
@@ -352,6 +369,7 @@ mod tests {
                 "STALE_CLAIM_GC_INTERVAL_SECONDS",
             ),
             ("plugin-instance", "POD_UID"),
+            ("worker-threads", "WORKER_THREADS"),
         ];
         let expected: Vec<(String, String)> = expected
             .iter()

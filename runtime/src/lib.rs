@@ -42,6 +42,20 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), Box<dyn std::
     Ok(())
 }
 
+/// Worker threads of the async runtime unless a flag says otherwise. Not the node's core
+/// count (tokio's default): a GPU node has 100 or more cores, and every worker thread keeps
+/// memory of its own (stack, allocator arena) for work that two threads carry.
+pub const DEFAULT_WORKER_THREADS: u16 = 2;
+
+/// The multi-threaded async runtime with `worker_threads` workers (blocking work, such as
+/// NVML and file calls, runs on tokio's separate blocking threads as before).
+pub fn async_runtime(worker_threads: u16) -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(usize::from(worker_threads.max(1)))
+        .enable_all()
+        .build()
+}
+
 /// A cancellation token that fires on SIGTERM or SIGINT.
 pub fn shutdown_on_signals() -> Result<CancellationToken, std::io::Error> {
     use tokio::signal::unix::{SignalKind, signal};
