@@ -205,7 +205,7 @@ mod tests {
         gpus: &[GpuInventory],
         plan: &PoolPlan,
     ) -> Vec<k8s_openapi::api::resource::v1::ResourceSliceSpec> {
-        let specs = render_pool(&super::super::test_pool_identity(), gpus, plan);
+        let specs = render_pool(&crate::slices::test_pool_identity(), gpus, plan);
         validate_pool(&specs).unwrap_or_else(|e| panic!("invalid pool: {e:?}"));
         specs
     }

@@ -252,6 +252,11 @@ async fn start_pod(
     wait_running(client, name, created, timeout).await
 }
 
+/// The plugin's metrics, when it serves them (`port`) and answers.
+async fn scrape_plugin(port: Option<u16>) -> Option<Metrics> {
+    scrape_http(port?).await.ok()
+}
+
 /// Waits until the fake GPUs hold no MIG instance; whether they got there in 120 s.
 async fn wait_no_instances(cluster: &Cluster) -> bool {
     migdra_e2e::cluster::wait_until(Duration::from_secs(120), || async {
@@ -280,10 +285,7 @@ pub async fn run(cluster: &Cluster, pairs: usize, b4_extra: usize) -> anyhow::Re
         .await
         .context("the kubelet's /metrics")?;
     let plugin_port = cluster.allocated_port("plugin-http");
-    let plugin_before = match plugin_port {
-        Some(port) => scrape_http(port).await.ok(),
-        None => None,
-    };
+    let plugin_before = scrape_plugin(plugin_port).await;
     create_template(&client, "bench-mig-1g", MIG_1G_CLASS, RUN_MIG).await?;
     let on_node = json!({"kubernetes.io/hostname": NODE});
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
@@ -308,10 +310,7 @@ pub async fn run(cluster: &Cluster, pairs: usize, b4_extra: usize) -> anyhow::Re
         start_pod(&client, &name, RUN_MIG, Some("bench-mig-1g"), timeout).await?;
     }
     let started = B4_ONE_AT_A_TIME.max(mig.len()).min(ALL_1G_PLACEMENTS);
-    let plugin_after_b5 = match plugin_port {
-        Some(port) => scrape_http(port).await.ok(),
-        None => None,
-    };
+    let plugin_after_b5 = scrape_plugin(plugin_port).await;
 
     // B6: the rest of the 56 placements 8 at a time, then the plugin's memory.
     stream::iter(started..ALL_1G_PLACEMENTS)
@@ -348,10 +347,7 @@ pub async fn run(cluster: &Cluster, pairs: usize, b4_extra: usize) -> anyhow::Re
     // claim by the plugin's client (the plugin's first API call of a prepare).
     let kubelet_after = scrape_client(&kubelet, "/metrics").await?;
     let prepares = prepare_histogram(&kubelet_after).since(&prepare_histogram(&kubelet_before));
-    let plugin_after = match plugin_port {
-        Some(port) => scrape_http(port).await.ok(),
-        None => None,
-    };
+    let plugin_after = scrape_plugin(plugin_port).await;
     // The first B4_ONE_AT_A_TIME prepares came one at a time, the rest eight at a time.
     let one_at_a_time = plugin_after_b5
         .as_ref()
@@ -383,10 +379,7 @@ pub async fn run(cluster: &Cluster, pairs: usize, b4_extra: usize) -> anyhow::Re
 
     // B4, more prepares one at a time: rounds of up to every placement, each round deleted
     // (and its instances destroyed) before the next.
-    let plugin_before_extra = match plugin_port {
-        Some(port) => scrape_http(port).await.ok(),
-        None => None,
-    };
+    let plugin_before_extra = scrape_plugin(plugin_port).await;
     let mut extra_started = 0;
     for round in 0.. {
         let in_round = b4_extra.saturating_sub(extra_started).min(ALL_1G_PLACEMENTS);
@@ -404,10 +397,9 @@ pub async fn run(cluster: &Cluster, pairs: usize, b4_extra: usize) -> anyhow::Re
         );
         extra_started += in_round;
     }
-    let extra_prepares = match (&plugin_before_extra, plugin_port) {
-        (Some(before), Some(port)) if extra_started > 0 => scrape_http(port)
+    let extra_prepares = match (&plugin_before_extra, extra_started > 0) {
+        (Some(before), true) => scrape_plugin(plugin_port)
             .await
-            .ok()
             .map(|after| PluginPrepares::between(Some(before), &after)),
         _ => None,
     };
