@@ -208,8 +208,12 @@ async fn watch_a_gpu_in_use(cluster: &Cluster) -> anyhow::Result<()> {
     let uuid = gpu_uuid(cluster, minor);
     // A first workload leaves the GPU in MIG mode (a whole-GPU test before may have switched
     // it off), then ends.
-    create_template(&c, "work-3g", mig(&[profile_is("3g.40gb"), on_gpu(&uuid)]), None).await?;
-    create_pod(&c, "warm-up", "work-3g", &["sleep", "3600"], false).await?;
+    create_template(&c, "work-3g", mig(&[profile_is("3g.40gb"), on_gpu(&uuid)]), None)
+        .await
+        .context("creating template work-3g")?;
+    create_pod(&c, "warm-up", "work-3g", &["sleep", "3600"], false)
+        .await
+        .context("creating pod warm-up")?;
     wait_phase(&c, "warm-up", "Running", SHORT).await?;
     workload::delete_pods(&c, &["warm-up"]).await?;
     wait_until(SHORT, || async {
@@ -225,20 +229,25 @@ async fn watch_a_gpu_in_use(cluster: &Cluster) -> anyhow::Result<()> {
     }))?;
     Api::<ResourceClaimTemplate>::namespaced(c.clone(), workload::NAMESPACE)
         .create(&PostParams::default(), &template)
-        .await?;
-    create_pod(&c, "watch", "watch-gpu", &["sleep", "3600"], false).await?;
+        .await
+        .context("creating the adminAccess template watch-gpu")?;
+    create_pod(&c, "watch", "watch-gpu", &["sleep", "3600"], false)
+        .await
+        .context("creating pod watch")?;
     wait_phase(&c, "watch", "Running", SHORT).await?;
-    let claim = workload::pod_claim(&c, "watch").await?;
+    let claim = workload::pod_claim(&c, "watch")
+        .await
+        .context("reading the claim of pod watch")?;
     let device = format!("gpu-{minor}");
     let results = workload::allocation_results(&claim);
     ensure!(
         results.len() == 1 && results[0].device == device && results[0].admin_access == Some(true),
-        "{results:?}"
+        "the monitoring claim's allocation: {results:?}"
     );
     // Nothing created or switched.
     ensure!(
         instances(cluster, minor).is_empty(),
-        "{:?}",
+        "instances on GPU {minor} with only the monitoring pod: {:?}",
         instances(cluster, minor)
     );
     let mig_on = |cluster: &Cluster| -> anyhow::Result<bool> {
@@ -253,7 +262,8 @@ async fn watch_a_gpu_in_use(cluster: &Cluster) -> anyhow::Result<()> {
     ensure!(mig_on(cluster)?, "MIG mode was switched");
     // The GPU's device nodes, the MIG monitor capability (so the agent sees every instance)
     // and no instance capability, and the GPU's UUID.
-    let record = workload::container_record(&cluster.layout.records_dir, "watch", "main")?;
+    let record = workload::container_record(&cluster.layout.records_dir, "watch", "main")
+        .context("reading the container record of watch/main")?;
     let paths: Vec<&str> = record.device_nodes.iter().map(|n| n.path.as_str()).collect();
     for expected in [
         format!("/dev/nvidia{minor}").as_str(),
@@ -271,13 +281,15 @@ async fn watch_a_gpu_in_use(cluster: &Cluster) -> anyhow::Result<()> {
     ensure!(caps == [2], "only the monitor capability (minor 2): {caps:?}");
     ensure!(
         record.device_uuid(&device) == Some(uuid.as_str()),
-        "env {:?}",
+        "the GPU's UUID in the container's env {:?}",
         record.env
     );
     let name = claim.metadata.name.clone().unwrap_or_default();
     let entry = status_entry(&c, &name, &device).await?;
-    ensure!(entry["data"]["adminAccess"] == true, "{entry}");
-    ensure!(ready_reason(&entry, claim.metadata.generation)? == "AdminAccessGranted");
+    ensure!(entry["data"]["adminAccess"] == true, "status entry {entry}");
+    let reason =
+        ready_reason(&entry, claim.metadata.generation).with_context(|| format!("status entry {entry}"))?;
+    ensure!(reason == "AdminAccessGranted", "status entry {entry}");
 
     // Workloads get partitions of the watched GPU, and the whole GPU next to it is free too.
     create_pod(&c, "work", "work-3g", &["sleep", "3600"], false).await?;

@@ -42,7 +42,7 @@ mod pool;
 mod rolling_update;
 mod sharing;
 
-use std::{sync::Arc, time::Instant};
+use std::{path::Path, sync::Arc, time::Instant};
 
 use libtest_mimic::{Arguments, Failed, Trial};
 use migdra_e2e::cluster::{Cluster, ClusterConfig};
@@ -114,13 +114,13 @@ fn main() {
                         // Leave the node and the GPUs as the next test expects them even
                         // after a failure.
                         if let Err(e) = cluster.restore().await {
-                            eprintln!("e2e: restoring the node after {name} failed: {e:?}");
+                            eprintln!("e2e: restoring the node after {name} failed: {e:#}");
                         }
                         if let Err(e) = settle(&cluster).await {
-                            eprintln!("e2e: cleanup after {name} failed: {e:?}");
+                            eprintln!("e2e: cleanup after {name} failed: {e:#}");
                         }
                     }
-                    result.map_err(|e| Failed::from(format!("{e:?}\n(component logs in {})", logs.display())))
+                    result.map_err(|e| Failed::from(failure_report(name, &e, &logs)))
                 })
             })
             .with_kind(theme)
@@ -150,4 +150,16 @@ fn main() {
         logs.display()
     );
     conclusion.exit();
+}
+
+/// What a failed test reports: the error and its causes, then where the rest is. The error's
+/// backtrace goes to a file in the logs directory, not into the report: a backtrace is dozens
+/// of lines, and a CI log that keeps only its tail would keep them and lose the message.
+fn failure_report(name: &str, error: &anyhow::Error, logs: &Path) -> String {
+    let file = logs.join(format!("failure-{name}.txt"));
+    let saved = match std::fs::write(&file, format!("{error:?}\n")) {
+        Ok(()) => format!("backtrace in {}", file.display()),
+        Err(e) => format!("backtrace not saved ({}: {e})", file.display()),
+    };
+    format!("{error:#}\n({saved}; component logs in {})", logs.display())
 }
