@@ -1,6 +1,7 @@
 //! Prometheus metrics of the kubelet plugin (prefix `migdra_kubelet_plugin_`; in production
 //! every series carries the node's name as `node`, see [`Metrics::for_node`]): claim outcomes
-//! and failure causes, call durations (with their time inside NVML and outside it, and each
+//! and failure causes, call durations (with their time inside NVML, outside it, and outside
+//! both NVML and the claim GETs: the driver's own work; and each
 //! NVML call's time by backend function), startup repairs, repairs left pending and their
 //! retries, stale claims released, claim status writes (and those waiting for a retry); from
 //! the inventory, per GPU (`gpu` = NVML index as DCGM's exporter labels it, `gpu_minor`,
@@ -194,6 +195,7 @@ pub struct Metrics {
     call_duration: Family<OperationLabels, Histogram>,
     call_nvml_duration: Family<OperationLabels, Histogram>,
     call_outside_nvml_duration: Family<OperationLabels, Histogram>,
+    call_own_duration: Family<OperationLabels, Histogram>,
     claim_read_duration: Histogram,
     nvml_call_duration: Family<FunctionLabels, Histogram>,
     recoveries: Family<ActionLabels, Counter>,
@@ -281,6 +283,14 @@ impl Metrics {
             "call_outside_nvml_duration_seconds",
             "Duration of kubelet prepare/unprepare calls minus their time inside NVML",
             call_outside_nvml_duration.clone(),
+        );
+        let call_own_duration = Family::<OperationLabels, Histogram>::new_with_constructor(fine);
+        registry.register(
+            "call_own_duration_seconds",
+            "Duration of kubelet prepare/unprepare calls minus their time inside NVML and minus the \
+             time they waited for their claim GETs: the driver's own work (checkpoint, planning, \
+             CDI specs, lock waits)",
+            call_own_duration.clone(),
         );
         let claim_read_duration = fine();
         registry.register(
@@ -394,6 +404,7 @@ impl Metrics {
             call_duration,
             call_nvml_duration,
             call_outside_nvml_duration,
+            call_own_duration,
             claim_read_duration,
             nvml_call_duration,
             recoveries,
@@ -432,8 +443,16 @@ impl Metrics {
     }
 
     /// Observes one kubelet call: its duration, its time inside NVML (the calls `nvml`
-    /// recorded for it; zero when it made none), the difference, and each NVML call.
-    pub fn call_with_nvml(&self, operation: &'static str, duration: Duration, nvml: &NvmlClock) {
+    /// recorded for it; zero when it made none), the difference, that difference minus
+    /// `api_wait` (how long the call waited for its claim GETs, which run side by side, so
+    /// their wall time, not their sum), and each NVML call.
+    pub fn call_with_nvml(
+        &self,
+        operation: &'static str,
+        duration: Duration,
+        nvml: &NvmlClock,
+        api_wait: Duration,
+    ) {
         self.call(operation, duration);
         let calls = nvml.calls();
         let inside: Duration = calls.iter().map(|c| c.duration).sum();
@@ -441,9 +460,13 @@ impl Metrics {
         self.call_nvml_duration
             .get_or_create(&labels)
             .observe(inside.as_secs_f64());
+        let outside = duration.saturating_sub(inside);
         self.call_outside_nvml_duration
             .get_or_create(&labels)
-            .observe(duration.saturating_sub(inside).as_secs_f64());
+            .observe(outside.as_secs_f64());
+        self.call_own_duration
+            .get_or_create(&labels)
+            .observe(outside.saturating_sub(api_wait).as_secs_f64());
         for call in calls {
             self.nvml_call_duration
                 .get_or_create(&FunctionLabels {

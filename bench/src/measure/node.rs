@@ -59,6 +59,9 @@ struct PluginPrepares {
     outside: Histogram,
     /// The claim GET each prepare made (part of `outside`).
     claim_get: Histogram,
+    /// Handler time minus NVML time minus the wait for the claim GETs per call: migdra's own
+    /// work (empty from a plugin older than that histogram).
+    own: Histogram,
 }
 
 impl PluginPrepares {
@@ -75,6 +78,7 @@ impl PluginPrepares {
             nvml: family("call_nvml_duration_seconds"),
             outside: family("call_outside_nvml_duration_seconds"),
             claim_get: metrics.histogram("migdra_kubelet_plugin_claim_read_duration_seconds", &[], |_| true),
+            own: family("call_own_duration_seconds"),
         }
     }
 
@@ -93,6 +97,7 @@ impl PluginPrepares {
             nvml: op(&self.nvml, &other.nvml),
             outside: op(&self.outside, &other.outside),
             claim_get: op(&self.claim_get, &other.claim_get),
+            own: op(&self.own, &other.own),
         }
     }
 
@@ -184,8 +189,13 @@ fn b4_row(
         ),
     };
     let nvml_mean = p.nvml.mean().unwrap_or(0.0);
-    let rest = match (p.outside.mean(), p.claim_get.mean()) {
-        (Some(outside), Some(get)) => format!(
+    // migdra's own work: from the plugin's own histogram, with its tail; from an older plugin
+    // only the mean of the difference is known.
+    let rest = match (histogram_latency(&p.own), p.outside.mean(), p.claim_get.mean()) {
+        (Some(own), _, _) => format!(
+            "; migdra's own work, outside NVML and the claim GET (plugin's call_own_duration_seconds): {own}"
+        ),
+        (None, Some(outside), Some(get)) => format!(
             "; outside NVML and outside the claim GET: mean {}",
             ms(outside - get)
         ),
@@ -461,7 +471,16 @@ mod tests {
 
     /// A plugin exposition: `observations` of each (handler, nvml, claim GET) triple, in
     /// seconds; the claim GET histogram only `with_gets`.
-    fn plugin_text(observations: &[(f64, f64, f64)], with_gets: bool) -> String {
+    /// What a plugin times, from the oldest to the newest.
+    #[derive(Clone, Copy, PartialEq, PartialOrd)]
+    enum Timing {
+        Nvml,
+        ClaimGets,
+        OwnWork,
+    }
+
+    /// A plugin's metrics after prepares of (handler, NVML, claim GET) seconds each.
+    fn plugin_text(observations: &[(f64, f64, f64)], timing: Timing) -> String {
         let mut text = String::new();
         let mut family = |name: &str, labels: &str, values: Vec<f64>| {
             let name = format!("migdra_kubelet_plugin_{name}");
@@ -486,8 +505,11 @@ mod tests {
         family("call_duration_seconds", prepare, pick(|o| o.0));
         family("call_nvml_duration_seconds", prepare, pick(|o| o.1));
         family("call_outside_nvml_duration_seconds", prepare, pick(|o| o.0 - o.1));
-        if with_gets {
+        if timing >= Timing::ClaimGets {
             family("claim_read_duration_seconds", "", pick(|o| o.2));
+        }
+        if timing >= Timing::OwnWork {
+            family("call_own_duration_seconds", prepare, pick(|o| o.0 - o.1 - o.2));
         }
         text
     }
@@ -518,11 +540,14 @@ mod tests {
             (0.011, 0.0095, 0.0009),
         ];
         let eight_at_a_time = [(0.06, 0.01, 0.003), (0.09, 0.012, 0.004)];
-        let before = Metrics::parse(&plugin_text(&[earlier], true));
-        let after_b5 = Metrics::parse(&plugin_text(&[&[earlier][..], &one_at_a_time].concat(), true));
+        let before = Metrics::parse(&plugin_text(&[earlier], Timing::OwnWork));
+        let after_b5 = Metrics::parse(&plugin_text(
+            &[&[earlier][..], &one_at_a_time].concat(),
+            Timing::OwnWork,
+        ));
         let after = Metrics::parse(&plugin_text(
             &[&[earlier][..], &one_at_a_time, &eight_at_a_time].concat(),
-            true,
+            Timing::OwnWork,
         ));
         let sequential = PluginPrepares::between(Some(&before), &after_b5);
         let concurrent = PluginPrepares::between(Some(&after_b5), &after);
@@ -550,15 +575,50 @@ mod tests {
             "{}",
             row.anchor
         );
-        assert!(row.value.contains("outside the claim GET: mean"), "{}", row.value);
+        // migdra's own work, with its tail: the three prepares' 0.2, 0.3 and 0.6 ms.
+        let own = &sequential.own;
+        assert_eq!(own.count, 3.0);
+        assert!((own.sum - 0.0011).abs() < 1e-9, "{}", own.sum);
+        assert!(
+            row.value.contains(&format!(
+                "migdra's own work, outside NVML and the claim GET (plugin's call_own_duration_seconds): p50 ≈{} / p99 ≈{}",
+                ms(own.quantile(0.5).unwrap()),
+                ms(own.quantile(0.99).unwrap())
+            )),
+            "{}",
+            row.value
+        );
         assert!(row.note.contains("8 at a time: outside NVML"), "{}", row.note);
         assert!(row.note.contains("starts at 100 ms"), "{}", row.note);
     }
 
     #[test]
+    fn a_plugin_without_the_own_work_histogram_gives_the_mean_of_the_difference() {
+        let prepares = [(0.009, 0.008, 0.0004), (0.0105, 0.009, 0.0006)];
+        let before = Metrics::parse(&plugin_text(&[], Timing::ClaimGets));
+        let after = Metrics::parse(&plugin_text(&prepares, Timing::ClaimGets));
+        let sequential = PluginPrepares::between(Some(&before), &after);
+        assert_eq!(sequential.own.count, 0.0);
+        let row = b4_row(&kubelet(), Some(&sequential), None, &bench_gets(), &[], "1.0");
+        // (1.0 + 1.5) / 2 ms outside NVML, minus (0.4 + 0.6) / 2 ms of GET.
+        assert!(
+            row.value.contains(&format!(
+                "outside NVML and outside the claim GET: mean {}",
+                ms(0.00075)
+            )),
+            "{}",
+            row.value
+        );
+        assert!(!row.value.contains("own work"), "{}", row.value);
+    }
+
+    #[test]
     fn a_plugin_that_does_not_time_its_claim_gets_is_compared_with_the_benchs_gets() {
-        let before = Metrics::parse(&plugin_text(&[], false));
-        let after = Metrics::parse(&plugin_text(&[(0.009, 0.008, 0.0), (0.0105, 0.009, 0.0)], false));
+        let before = Metrics::parse(&plugin_text(&[], Timing::Nvml));
+        let after = Metrics::parse(&plugin_text(
+            &[(0.009, 0.008, 0.0), (0.0105, 0.009, 0.0)],
+            Timing::Nvml,
+        ));
         let sequential = PluginPrepares::between(Some(&before), &after);
         let outside_p99 = sequential.outside.quantile(0.99).unwrap();
         let row = b4_row(&kubelet(), Some(&sequential), None, &bench_gets(), &[], "1.0");

@@ -57,11 +57,14 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
                 None => pending.push(claim),
             }
         }
+        // The GETs run side by side: the call waits for them as long as this takes.
+        let fetching = Instant::now();
         let fetched = futures::future::join_all(pending.into_iter().map(|claim| async move {
             let devices = self.fetch_allocation(&claim).await;
             (claim, devices)
         }))
         .await;
+        let api_wait = fetching.elapsed();
 
         let prepared = self
             .run_claims("prepare", &nvml, fetched, |driver, node, claim, fetched| {
@@ -101,7 +104,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         }
         self.inner
             .metrics
-            .call_with_nvml("prepare", started.elapsed(), &nvml);
+            .call_with_nvml("prepare", started.elapsed(), &nvml, api_wait);
         outcomes
     }
 

@@ -1,7 +1,10 @@
 //! Unprepare (then the removal of the claim's status entries), and the one teardown routine
 //! that also rolls back failed or interrupted prepares.
 
-use std::{collections::HashMap, time::Instant};
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
 
 use super::{ClaimFailure, Driver, Step, UnprepareResult};
 use crate::{
@@ -44,7 +47,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
         }
         self.inner
             .metrics
-            .call_with_nvml("unprepare", started.elapsed(), &nvml);
+            .call_with_nvml("unprepare", started.elapsed(), &nvml, Duration::ZERO);
         outcomes
     }
 

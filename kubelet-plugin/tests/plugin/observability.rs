@@ -494,6 +494,62 @@ async fn a_prepare_reports_its_time_inside_and_outside_nvml_and_one_from_the_che
     }
 }
 
+/// The driver's own work is the call minus its NVML time and minus its wait for the claim GET:
+/// a slow API server shows in the call and in the GET, not in the driver's own time.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_claim_get_is_not_counted_as_the_drivers_own_work() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let metrics = Metrics::new();
+    let (driver, _) = node.try_start_with(None, metrics.clone()).unwrap();
+    node.claims.put(claim("uid-1", "train", &[("gpu", H100_3G_AT_4)]));
+    let get_delay = Duration::from_millis(200);
+    node.claims.delay_gets(get_delay);
+    let series =
+        |name: &str, part: &str| format!("migdra_kubelet_plugin_{name}_{part}{{operation=\"prepare\"}}");
+
+    prepare_one(&driver, "uid-1", "train").await.unwrap();
+    let text = metrics.encode();
+    let total = sample(&text, &series("call_duration_seconds", "sum"));
+    let inside = sample(&text, &series("call_nvml_duration_seconds", "sum"));
+    let outside = sample(&text, &series("call_outside_nvml_duration_seconds", "sum"));
+    let own = sample(&text, &series("call_own_duration_seconds", "sum"));
+    let get = sample(&text, "migdra_kubelet_plugin_claim_read_duration_seconds_sum");
+    assert_eq!(sample(&text, &series("call_own_duration_seconds", "count")), 1.0);
+    assert!(get >= get_delay.as_secs_f64(), "the GET took the delay: {get}");
+    assert!(
+        outside >= get,
+        "the GET is part of the time outside NVML: {outside} vs {get}"
+    );
+    // The own work is what is left of the call after NVML and the GET; the GET's own timer
+    // and the call's wait for it differ by the scheduling around one await.
+    assert!(own >= 0.0 && own < outside, "{own} vs {outside}");
+    assert!(
+        (outside - get - own).abs() < 0.01,
+        "own {own}, outside {outside}, GET {get}"
+    );
+    assert!(
+        (total - inside - outside).abs() < 1e-6,
+        "{total} vs {inside} + {outside}"
+    );
+    assert!(
+        own < get_delay.as_secs_f64(),
+        "the 200 ms GET is not the driver's own work: {own}"
+    );
+
+    // Answered from the checkpoint: no GET, so all of the time outside NVML is its own.
+    prepare_one(&driver, "uid-1", "train").await.unwrap();
+    let text = metrics.encode();
+    assert_eq!(sample(&text, &series("call_own_duration_seconds", "count")), 2.0);
+    let own_both = sample(&text, &series("call_own_duration_seconds", "sum"));
+    let outside_both = sample(&text, &series("call_outside_nvml_duration_seconds", "sum"));
+    assert!(
+        ((outside_both - outside) - (own_both - own)).abs() < 1e-4,
+        "the second call's own time is its time outside NVML: {} vs {}",
+        own_both - own,
+        outside_both - outside
+    );
+}
+
 /// A GpuNode writer heartbeating every `interval` through the Lease in `migdra-system`, over
 /// `client` (the mocked API server); the GpuNode itself is due only every 300 s.
 fn leased_writer(client: kube::Client, interval: Duration) -> NodeStatusWriter {

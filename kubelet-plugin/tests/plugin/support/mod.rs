@@ -52,7 +52,8 @@ pub const DRIVER_DEVICE_ID: &str = "gpu.migdra.dev/driver=files";
 /// are replaced by the applied ones, other drivers' entries stay, and a UID that does not
 /// match is refused (422, as the API server refuses it), a missing claim is 404.
 /// [`StaticClaims::block_status`] holds every status write until its guard is dropped (a slow
-/// or stuck API server).
+/// or stuck API server). [`StaticClaims::delay_gets`] makes every GET take a while (a slow
+/// API server).
 #[derive(Clone, Default)]
 pub struct StaticClaims {
     claims: Arc<Mutex<HashMap<(String, String), ResourceClaim>>>,
@@ -62,6 +63,7 @@ pub struct StaticClaims {
     /// Status writes wait for a read lock; [`StaticClaims::block_status`] holds the write lock.
     status_gate: Arc<tokio::sync::RwLock<()>>,
     writes_started: Arc<AtomicUsize>,
+    get_delay: Arc<Mutex<Duration>>,
 }
 
 /// One status write as the plugin sent it.
@@ -90,6 +92,11 @@ impl StaticClaims {
             claim.metadata.name.clone().unwrap_or_default(),
         );
         self.claims.lock().unwrap().insert(key, claim);
+    }
+
+    /// Every GET answers only after `delay`.
+    pub fn delay_gets(&self, delay: Duration) {
+        *self.get_delay.lock().unwrap() = delay;
     }
 
     pub fn set_unreachable(&self, unreachable: bool) {
@@ -181,6 +188,10 @@ impl StaticClaims {
 
 impl ClaimSource for StaticClaims {
     async fn get(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, kube::Error> {
+        let delay = *self.get_delay.lock().unwrap();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         if self.unreachable.load(Ordering::SeqCst) {
             return Err(kube::Error::ReadEvents(std::io::Error::other(
                 "connection refused (simulated)",
