@@ -112,8 +112,6 @@ pub struct Stores {
 pub struct Context {
     /// Settings.
     pub config: ControllerConfig,
-    /// The API client (the slice writes send pre-encoded bodies through it).
-    pub client: Client,
     /// Cluster-wide ResourceSlice API.
     pub slice_api: Api<ResourceSlice>,
     /// Cluster-wide GpuNode API.
@@ -231,8 +229,7 @@ impl Context {
             slice_api: Api::all(client.clone()),
             gpunode_api: Api::all(client.clone()),
             lease_api: Api::namespaced(client.clone(), &config.heartbeat_namespace),
-            recorder: Recorder::new(client.clone(), reporter),
-            client,
+            recorder: Recorder::new(client, reporter),
             gpunodes: stores.gpunodes,
             nodes: stores.nodes,
             policies: stores.policies,

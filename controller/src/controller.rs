@@ -374,7 +374,6 @@ async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: Cancellati
             ctx.metrics.forget_node(&node);
             let publisher = Publisher {
                 api: &ctx.slice_api,
-                client: &ctx.client,
                 expectations: &ctx.expectations,
                 metrics: &ctx.metrics,
                 node: &node,

@@ -10,7 +10,7 @@
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::{
-    Api, Client, ResourceExt,
+    Api, ResourceExt,
     api::{DeleteParams, PostParams, Preconditions},
 };
 
@@ -26,8 +26,6 @@ use crate::{
 pub struct Publisher<'a> {
     /// The cluster-wide ResourceSlice API.
     pub api: &'a Api<ResourceSlice>,
-    /// The client behind `api`, for the writes sent as encoded bytes.
-    pub client: &'a Client,
     /// Where writes are recorded.
     pub expectations: &'a Expectations,
     /// Write counters.
@@ -152,7 +150,12 @@ impl Publisher<'_> {
         let result = match built {
             Ok(mut request) => {
                 request.extensions_mut().insert(kind.request_tag());
-                self.client.request::<ResourceSlice>(request).await
+                // The client behind `api` sends the bytes as they are.
+                self.api
+                    .clone()
+                    .into_client()
+                    .request::<ResourceSlice>(request)
+                    .await
             }
             Err(e) => Err(kube::Error::BuildRequest(e)),
         };

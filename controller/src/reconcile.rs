@@ -600,7 +600,6 @@ pub fn cache_after_publish(
 fn publisher<'a>(ctx: &'a Context, node: &'a str) -> Publisher<'a> {
     Publisher {
         api: &ctx.slice_api,
-        client: &ctx.client,
         expectations: &ctx.expectations,
         metrics: &ctx.metrics,
         node,
