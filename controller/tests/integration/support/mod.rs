@@ -517,28 +517,22 @@ fn canonical_quantities(v: &mut Value, in_quantity_map: bool) {
 }
 
 fn canonical_quantity(q: &str) -> String {
-    const BINARY: [&str; 5] = ["", "Ki", "Mi", "Gi", "Ti"];
-    const DECIMAL: [&str; 4] = ["", "k", "M", "G"];
     let digits = q.trim_end_matches(|c: char| c.is_ascii_alphabetic());
     let (Ok(mut n), suffix) = (digits.parse::<u64>(), &q[digits.len()..]) else {
         return q.to_string();
     };
-    if let Some(mut i) = BINARY.iter().position(|s| *s == suffix).filter(|i| *i > 0) {
-        while n > 0 && n % 1024 == 0 && i + 1 < BINARY.len() {
-            n /= 1024;
-            i += 1;
-        }
-        return format!("{n}{}", BINARY[i]);
+    // A binary suffix scales by 1024; a plain integer by 1000, into decimal suffixes.
+    let (suffixes, base): (&[&str], u64) = match suffix {
+        "Ki" | "Mi" | "Gi" | "Ti" => (&["", "Ki", "Mi", "Gi", "Ti"], 1024),
+        "" => (&["", "k", "M", "G"], 1000),
+        _ => return q.to_string(),
+    };
+    let mut i = suffixes.iter().position(|s| *s == suffix).unwrap_or(0);
+    while n > 0 && n % base == 0 && i + 1 < suffixes.len() {
+        n /= base;
+        i += 1;
     }
-    if suffix.is_empty() {
-        let mut i = 0;
-        while n > 0 && n % 1000 == 0 && i + 1 < DECIMAL.len() {
-            n /= 1000;
-            i += 1;
-        }
-        return format!("{n}{}", DECIMAL[i]);
-    }
-    q.to_string()
+    format!("{n}{}", suffixes[i])
 }
 
 fn query(req: &Request<()>) -> BTreeMap<String, String> {
