@@ -469,8 +469,6 @@ pub async fn run(cluster: &Cluster, pairs: usize, b4_extra: usize) -> anyhow::Re
 mod tests {
     use super::*;
 
-    /// A plugin exposition: `observations` of each (handler, nvml, claim GET) triple, in
-    /// seconds; the claim GET histogram only `with_gets`.
     /// What a plugin times, from the oldest to the newest.
     #[derive(Clone, Copy, PartialEq, PartialOrd)]
     enum Timing {
@@ -479,7 +477,8 @@ mod tests {
         OwnWork,
     }
 
-    /// A plugin's metrics after prepares of (handler, NVML, claim GET) seconds each.
+    /// A plugin's exposition after prepares of (handler, NVML, claim GET) seconds each, with
+    /// the histograms a plugin of `timing` exports.
     fn plugin_text(observations: &[(f64, f64, f64)], timing: Timing) -> String {
         let mut text = String::new();
         let mut family = |name: &str, labels: &str, values: Vec<f64>| {
