@@ -37,11 +37,11 @@ use crate::{
     compare::SliceMeta,
     error::Error,
     expectations::Expectations,
-    geometries::Geometries,
+    geometry_cache::GeometryCache,
+    lag_windows::RecentDelays,
     liveness::{HeartbeatCensus, LeaseBeat, beat},
     metrics::Metrics,
     naming::slice_node,
-    recent::RecentDelays,
     status::{FIELD_MANAGER, StatusLedger},
 };
 
@@ -135,7 +135,7 @@ pub struct Context {
     /// The last status written to each GpuNode (see [`StatusLedger`]).
     pub status_ledger: StatusLedger,
     /// The MIG geometries moved out of the cached GpuNodes.
-    pub geometries: Arc<Geometries>,
+    pub geometries: Arc<GeometryCache>,
     /// Kubernetes events.
     pub recorder: Recorder,
     /// Metrics.
@@ -238,7 +238,7 @@ impl Context {
             leases: stores.leases,
             expectations: Expectations::default(),
             status_ledger: StatusLedger::default(),
-            geometries: Arc::new(Geometries::default()),
+            geometries: Arc::new(GeometryCache::default()),
             metrics,
             config,
             failures: Mutex::new(HashMap::new()),

@@ -41,7 +41,7 @@ use std::{
 use k8s_openapi::jiff::Timestamp;
 use kube::{ResourceExt, runtime::watcher};
 
-use crate::{compare::SliceMeta, naming::slice_node, recent::RecentMax};
+use crate::{compare::SliceMeta, lag_windows::RecentMax, naming::slice_node};
 
 /// How long an unmet expectation holds a node's pool back at least (the TTL's floor).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(15);

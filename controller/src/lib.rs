@@ -3,7 +3,7 @@
 //! kubelet plugin goes away.
 //!
 //! Data flow: [`cli`] → [`leader`] (only the lease holder runs) → [`controller`] (watches and
-//! caches; [`geometries`] keeps the GpuNode cache small) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, keep the
+//! caches; [`geometry_cache`] keeps the GpuNode cache small) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, keep the
 //! devices [`claims`] hold, render, validate) → [`compare`] (semantic diff) → [`publish`] (slice writes, recorded in
 //! [`expectations`]) → [`status`].
 
@@ -16,13 +16,13 @@ pub mod crds;
 pub mod desired;
 pub mod error;
 pub mod expectations;
-pub mod geometries;
+pub mod geometry_cache;
+pub mod lag_windows;
 pub mod leader;
 pub mod liveness;
 pub mod metrics;
 pub mod naming;
 pub mod publish;
-pub mod recent;
 pub mod reconcile;
 pub mod status;
 

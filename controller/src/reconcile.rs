@@ -419,7 +419,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         return Ok(Outcome::published(requeue, &update));
     }
     ctx.set_memo(&node_name, None);
-    // The cached GpuNode holds no profile tables (see `crate::geometries`).
+    // The cached GpuNode holds no profile tables (see `crate::geometry_cache`).
     let full = ctx.geometries.restore(gpunode);
     let desired = match desired_pool(
         &full,

@@ -22,6 +22,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use dra_kubelet::{ClaimRef, DraDriver};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use migdra_fake_nvml::testing::FakeGpuHost;
 use migdra_kubelet_plugin::{
@@ -32,7 +33,6 @@ use migdra_kubelet_plugin::{
     nvml::NvmlBackend,
     state_dir::fsync_count,
 };
-use migdra_kubeletplugin::{ClaimRef, DraDriver};
 use serde_json::json;
 
 #[derive(Clone, Default)]

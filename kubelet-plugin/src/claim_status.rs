@@ -30,6 +30,7 @@ use std::{
     time::Duration,
 };
 
+use dra_kubelet::ClaimRef;
 use k8s_openapi::{
     api::resource::v1::{AllocatedDeviceStatus, ResourceClaim},
     apimachinery::pkg::{
@@ -39,7 +40,6 @@ use k8s_openapi::{
     jiff::Timestamp,
 };
 use migdra_api::device_name::DeviceName;
-use migdra_kubeletplugin::ClaimRef;
 use serde::Serialize;
 use serde_json::json;
 

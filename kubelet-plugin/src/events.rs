@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::{driver::ClaimFailure, gpus::PendingRepair};
-use migdra_kubeletplugin::ClaimRef;
+use dra_kubelet::ClaimRef;
 
 /// Events waiting to be written; more are dropped (each is also logged and counted).
 pub const QUEUE_CAPACITY: usize = 256;

@@ -38,7 +38,7 @@ use crate::{
     plan::{GpuView, mode_switchable},
     state_dir::NodeLock,
 };
-use migdra_kubeletplugin::DeviceHealthReport;
+use dra_kubelet::DeviceHealthReport;
 
 // A panic while one of these is held leaves no half-written data behind (durable state is in
 // files written atomically), so a poisoned lock is safe to keep using.

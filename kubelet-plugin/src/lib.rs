@@ -2,7 +2,7 @@
 //! instance, hands it to containers through CDI, and destroys it after the pod is gone.
 //!
 //! Modules follow the data flow. [`cli`] → [`run`] starts everything. The kubelet's gRPC
-//! calls (served by [`migdra_kubeletplugin`]) reach the [`driver`] state machine, which reads
+//! calls (served by [`dra_kubelet`]) reach the [`driver`] state machine, which reads
 //! claims ([`claims`]), plans placements from plain values ([`plan`]), records progress in the [`journal`] (the
 //! [`checkpoint`] file, written through [`state_dir`]), works on GPUs through the GPU table
 //! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]: per claim, plus the node-wide spec of the driver's
@@ -49,7 +49,7 @@ use crate::{
     node_status::{NodeStatusWriter, StatusLoop},
     nvml::NvmlBackend,
 };
-use migdra_kubeletplugin::{PluginServer, PluginServerConfig, RegistrationState};
+use dra_kubelet::{PluginServer, PluginServerConfig, RegistrationState};
 
 /// How long an instance joining a running one (a rolling update) waits for the kubelet's
 /// registration before it reports status regardless.

@@ -52,7 +52,7 @@ use crate::{
     gpus::{Gpus, PendingRepair},
     nvml::GpuBackend,
 };
-use migdra_kubeletplugin::{DeviceHealthReport, RegistrationState};
+use dra_kubelet::{DeviceHealthReport, RegistrationState};
 
 /// Field manager of the plugin's writes.
 pub const FIELD_MANAGER: &str = "migdra-kubelet-plugin";

@@ -77,7 +77,7 @@ use crate::{
     plan::{PlanError, Rejection},
     state_dir::{NodeLock, NodeLockError},
 };
-use migdra_kubeletplugin::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome};
+use dra_kubelet::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome};
 
 /// A point between two steps of prepare or unprepare. Tests stop the driver at each one to
 /// prove that a crash there is repaired.
@@ -231,7 +231,7 @@ impl ClaimFailure {
 }
 
 /// Per-claim outcome of [`Driver::prepare_claims`].
-pub type PrepareResult = Result<Vec<migdra_kubeletplugin::PreparedDevice>, ClaimFailure>;
+pub type PrepareResult = Result<Vec<dra_kubelet::PreparedDevice>, ClaimFailure>;
 /// Per-claim outcome of [`Driver::unprepare_claims`].
 pub type UnprepareResult = Result<(), ClaimFailure>;
 

@@ -20,11 +20,11 @@ use crate::{
     plan::{self, Rejection},
     state_dir::NodeLock,
 };
-use migdra_kubeletplugin::{ClaimRef, PreparedDevice};
+use dra_kubelet::{ClaimRef, PreparedDevice};
 
 impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// Prepares claims: one outcome per claim UID, with the typed failure. (The kubelet's
-    /// [`migdra_kubeletplugin::DraDriver::prepare`] is this, with the failures as messages.)
+    /// [`dra_kubelet::DraDriver::prepare`] is this, with the failures as messages.)
     pub async fn prepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, PrepareResult> {
         let started = Instant::now();
         let nvml = NvmlClock::new();

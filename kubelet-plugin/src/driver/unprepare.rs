@@ -16,11 +16,11 @@ use crate::{
     orphans::OrphanedInstance,
     state_dir::NodeLock,
 };
-use migdra_kubeletplugin::ClaimRef;
+use dra_kubelet::ClaimRef;
 
 impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     /// Unprepares claims: one outcome per claim UID, with the typed failure. (The kubelet's
-    /// [`migdra_kubeletplugin::DraDriver::unprepare`] is this, with the failures as messages.)
+    /// [`dra_kubelet::DraDriver::unprepare`] is this, with the failures as messages.)
     pub async fn unprepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareResult> {
         let started = Instant::now();
         let nvml = NvmlClock::new();

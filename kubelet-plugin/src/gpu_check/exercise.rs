@@ -23,7 +23,7 @@ pub const PROCESS_CHECK_NOTE: &str = "idle check covers GPU and compute instance
 
 /// Refuses (with the reason) unless the GPU has no GPU or compute instance.
 pub fn ensure_idle<B: GpuBackend>(backend: &B, gpu: &GpuDescription) -> Result<(), CheckError> {
-    let instances = super::publish::existing_instances(backend, gpu)?;
+    let instances = super::preview::existing_instances(backend, gpu)?;
     if instances.is_empty() {
         return Ok(());
     }

@@ -4,7 +4,7 @@
 //! Data flow: the GPUs are discovered through the production backend ([`NvmlBackend`], so the
 //! check sees exactly what the plugin would), then each GPU goes through
 //! * [`compare`]: the discovered profiles against [`migdra_api::catalog`] (pure);
-//! * [`publish`]: the device names and counters migdra would publish (pure), the MIG
+//! * [`preview`]: the device names and counters migdra would publish (pure), the MIG
 //!   capability files under the proc root and the driver files the CDI spec would mount
 //!   (read-only file access);
 //! * [`exercise`] (full mode only, on an idle GPU): every profile created at every placement,
@@ -14,7 +14,7 @@
 
 pub mod compare;
 pub mod exercise;
-pub mod publish;
+pub mod preview;
 pub mod report;
 
 use std::path::PathBuf;
@@ -196,7 +196,7 @@ pub fn check<B: GpuBackend>(backend: &B, options: &CheckOptions) -> Result<GpuCh
     }
 
     for gpu in &gpus {
-        let instances = publish::existing_instances(backend, gpu);
+        let instances = preview::existing_instances(backend, gpu);
         let mut gpu_report = report::GpuReport::new(gpu);
         let comparison = compare::compare_with_catalog(gpu, options.catalog);
         gpu_report.catalog_model = comparison.model.map(|m| m.key.to_string());
@@ -205,11 +205,11 @@ pub fn check<B: GpuBackend>(backend: &B, options: &CheckOptions) -> Result<GpuCh
         gpu_report.profiles = comparison.rows;
         match &instances {
             Ok(instances) => {
-                let published = publish::published(gpu, instances);
-                publish::fill_device_names(&mut gpu_report.profiles, &published);
+                let published = preview::published(gpu, instances);
+                preview::fill_device_names(&mut gpu_report.profiles, &published);
                 gpu_report.findings.extend(published.findings.iter().cloned());
                 gpu_report.published = Some(published);
-                let caps = publish::capability_layout(&cdi, &options.proc_root, gpu, instances);
+                let caps = preview::capability_layout(&cdi, &options.proc_root, gpu, instances);
                 gpu_report.findings.extend(caps.findings.iter().cloned());
                 gpu_report.capabilities = Some(caps);
             }
@@ -225,7 +225,7 @@ pub fn check<B: GpuBackend>(backend: &B, options: &CheckOptions) -> Result<GpuCh
         report.gpus.push(gpu_report);
     }
 
-    let files = publish::driver_files(options, &driver_version);
+    let files = preview::driver_files(options, &driver_version);
     report.findings.extend(files.findings.iter().cloned());
     report.driver_files = Some(files);
     Ok(report)

@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::{
     EXIT_MISMATCH, EXIT_OK,
     exercise::ExerciseReport,
-    publish::{CapabilityReport, DriverFilesReport, PublishedReport},
+    preview::{CapabilityReport, DriverFilesReport, PublishedReport},
 };
 use crate::nvml::GpuDescription;
 

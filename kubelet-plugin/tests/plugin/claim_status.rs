@@ -7,7 +7,7 @@
 use migdra_kubelet_plugin::{driver::ClaimFailure, metrics::Metrics, plan::Rejection};
 use serde_json::json;
 
-use migdra_kubeletplugin::DraDriver;
+use dra_kubelet::DraDriver;
 
 use crate::support::*;
 

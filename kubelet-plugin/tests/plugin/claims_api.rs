@@ -5,6 +5,7 @@
 use std::{sync::Arc, time::Duration};
 
 use crate::support::*;
+use dra_kubelet::DraDriver;
 use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
 use migdra_kubelet_plugin::{
@@ -13,7 +14,6 @@ use migdra_kubelet_plugin::{
     metrics::Metrics,
     nvml::NvmlBackend,
 };
-use migdra_kubeletplugin::DraDriver;
 use serde_json::json;
 use tower_test::mock;
 

@@ -6,6 +6,7 @@
 use std::{sync::Arc, time::Duration};
 
 use crate::support::*;
+use dra_kubelet::RegistrationState;
 use http::{Method, Request, Response};
 use kube::{
     client::Body,
@@ -23,7 +24,6 @@ use migdra_kubelet_plugin::{
     node_status::{NodeStatusWriter, StatusLoop},
     nvml::GpuBackend,
 };
-use migdra_kubeletplugin::RegistrationState;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tower_test::mock;

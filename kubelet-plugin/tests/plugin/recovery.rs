@@ -7,6 +7,7 @@
 use std::{sync::Arc, time::Duration};
 
 use crate::support::*;
+use dra_kubelet::DeviceHealthReport;
 use migdra_fake_nvml::{
     FaultState,
     config::{FakeConfig, FaultConfig, GpuConfig},
@@ -17,7 +18,6 @@ use migdra_kubelet_plugin::{
     metrics::Metrics,
     plan::Rejection,
 };
-use migdra_kubeletplugin::DeviceHealthReport;
 
 const STUCK: &str = "gpu-0-mig-3g40gb-4";
 const OTHER_GPU: &str = "gpu-1-mig-3g40gb-4";

@@ -13,9 +13,9 @@ use std::{
     },
 };
 
+use dra_kubelet::DraDriver;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use migdra_kubelet_plugin::driver::{Step, StepHook};
-use migdra_kubeletplugin::DraDriver;
 use serde_json::json;
 
 use crate::support::*;

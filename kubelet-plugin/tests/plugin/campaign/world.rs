@@ -19,6 +19,7 @@ use std::{
     time::Duration,
 };
 
+use dra_kubelet::{ClaimRef, PreparedDevice};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use migdra_kubelet_plugin::{
     claims::ClaimSource,
@@ -26,7 +27,6 @@ use migdra_kubelet_plugin::{
     metrics::Metrics,
     nvml::NvmlBackend,
 };
-use migdra_kubeletplugin::{ClaimRef, PreparedDevice};
 
 use super::{kubelet::Pod, scenario::Scheduler};
 use crate::support::{DRIVER, NODE, Node};

@@ -12,6 +12,7 @@ use std::{
     time::Duration,
 };
 
+use dra_kubelet::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome};
 use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
 use migdra_fake_nvml::{
     config::FakeConfig,
@@ -30,7 +31,6 @@ use migdra_kubelet_plugin::{
         NvmlBackend,
     },
 };
-use migdra_kubeletplugin::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome};
 
 /// The driver the tests run: production code over the fake NVML library.
 pub type TestDriver = Driver<NvmlBackend, StaticClaims>;

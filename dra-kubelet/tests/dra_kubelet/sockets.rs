@@ -3,7 +3,7 @@
 use std::{collections::HashMap, path::Path, sync::Arc, time::Duration};
 
 use crate::support::{DRIVER, GUARD, ScriptedDriver, channel, claim, short_tempdir};
-use migdra_kubeletplugin::{
+use dra_kubelet::{
     ClaimRef, DraDriver, PluginServer, PluginServerConfig, PrepareOutcome, RegistrationState, ServerError,
     SocketKind, UnprepareOutcome,
 };

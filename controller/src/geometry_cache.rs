@@ -1,7 +1,7 @@
 //! Keeps the GpuNode cache small: each GPU's MIG geometry (its profile table, ~90 % of a
 //! GpuNode) is the same for every GPU of a model, so the GpuNode watch moves it out of the
 //! cached object into this table, shared between all GPUs that report an equal one. The
-//! reconciler puts it back ([`Geometries::restore`]) only when it computes a pool.
+//! reconciler puts it back ([`GeometryCache::restore`]) only when it computes a pool.
 //!
 //! At 2,000 8-GPU nodes that is one copy per GPU model instead of 16,000.
 
@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 
 /// The geometries moved out of cached GpuNodes. Cheap to share.
 #[derive(Debug, Default)]
-pub struct Geometries {
+pub struct GeometryCache {
     state: Mutex<State>,
 }
 
@@ -39,7 +39,7 @@ fn content_hash(geometry: &MigGeometry) -> [u8; 16] {
     out
 }
 
-impl Geometries {
+impl GeometryCache {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -154,7 +154,7 @@ mod tests {
 
     #[test]
     fn geometries_are_shared_and_restored_exactly() {
-        let geometries = Geometries::default();
+        let geometries = GeometryCache::default();
         let a = gpunode("a", &["H100-80GB", "H100-80GB", "A100-SXM4-40GB"]);
         let b = gpunode("b", &["H100-80GB", "A100-SXM4-40GB"]);
         let (mut cached_a, mut cached_b) = (a.clone(), b.clone());

@@ -3,7 +3,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::support::{GUARD, Harness, channel};
-use migdra_kubeletplugin::DeviceHealthReport;
+use dra_kubelet::DeviceHealthReport;
 use migdra_proto::health::{v1, v1alpha1};
 use tokio_stream::StreamExt;
 

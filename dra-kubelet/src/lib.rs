@@ -31,7 +31,7 @@
 //! ```no_run
 //! use std::{collections::HashMap, sync::Arc};
 //!
-//! use migdra_kubeletplugin::{
+//! use dra_kubelet::{
 //!     ClaimRef, DraDriver, PluginServer, PluginServerConfig, PrepareOutcome, PreparedDevice,
 //!     RegistrationState, UnprepareOutcome,
 //! };
@@ -58,7 +58,7 @@
 //!     }
 //! }
 //!
-//! # async fn example() -> Result<(), migdra_kubeletplugin::ServerError> {
+//! # async fn example() -> Result<(), dra_kubelet::ServerError> {
 //! let (health, health_rx) = watch::channel(Vec::new()); // send DeviceHealthReports here
 //! let (registration_tx, registration) = watch::channel(RegistrationState::default());
 //! let config = PluginServerConfig::new("/var/lib/kubelet", "dra.example.com");

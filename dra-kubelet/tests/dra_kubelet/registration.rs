@@ -8,7 +8,7 @@ use crate::support::{
     SETTINGS, channel, frame, get_info_block, huffman, percent_encoded, repeated_get_info_block,
     short_tempdir,
 };
-use migdra_kubeletplugin::RegistrationState;
+use dra_kubelet::RegistrationState;
 use migdra_proto::registration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
     registration_client::RegistrationClient,

@@ -9,11 +9,11 @@ use std::{
     time::Duration,
 };
 
-use loona_hpack::Decoder;
-use migdra_kubeletplugin::{
+use dra_kubelet::{
     ClaimRef, DeviceHealthReport, DraDriver, PluginServer, PluginServerConfig, PluginServing, PrepareOutcome,
     PreparedDevice, RegistrationState, UnprepareOutcome,
 };
+use loona_hpack::Decoder;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::UnixStream,

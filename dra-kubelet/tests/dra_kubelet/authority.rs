@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use migdra_kubeletplugin::DeviceHealthReport;
+use dra_kubelet::DeviceHealthReport;
 use migdra_proto::{
     dra::{v1, v1beta1},
     health,

@@ -4,7 +4,7 @@
 use std::{path::Path, sync::Arc, time::Duration};
 
 use crate::support::{DRIVER, ScriptedDriver, channel, claim, short_tempdir};
-use migdra_kubeletplugin::{PluginServer, PluginServerConfig, PluginServing, RegistrationState, ServerError};
+use dra_kubelet::{PluginServer, PluginServerConfig, PluginServing, RegistrationState, ServerError};
 use migdra_proto::{
     dra::v1,
     registration::{InfoRequest, registration_client::RegistrationClient},
