@@ -40,13 +40,12 @@ demo:
 	cargo build --workspace --bins
 	cargo run -p migdra-e2e --bin migdra-demo
 
-# The benchmark runs release builds of migdra (controller, plugin, fake NVML, the bench) and of
-# the packing simulation; flags come from BENCH_* variables, e.g. `make bench BENCH_NODES=2000`
+# The benchmark runs release builds of migdra (controller, plugin, fake NVML) and of the bench,
+# which also runs the packing simulation (B7); flags come from BENCH_* variables, e.g. `make bench BENCH_NODES=2000`
 # (see `migdra-bench --help`). Takes about 20 minutes with the defaults on 2 cores.
 BENCH_BIN = $${CARGO_TARGET_DIR:-target}/release
 bench:
 	cargo build --release -p migdra-controller -p migdra-kubelet-plugin -p migdra-fake-nvml -p migdra-bench
-	cargo build --release -p migdra-api --example packing
 	$(BENCH_BIN)/migdra-bench
 
 lint: lint-rust lint-go lint-shell

@@ -133,9 +133,6 @@ pub struct Args {
     /// PATH), and the heaviest functions into B1's notes. Keep it shorter than a phase.
     #[arg(long, env = "BENCH_SCHEDULER_PROFILE_SECONDS", default_value_t = 0)]
     pub scheduler_profile_seconds: u64,
-    /// The packing simulation binary (default: examples/packing next to this binary).
-    #[arg(long, env = "BENCH_PACKING_BIN")]
-    pub packing_bin: Option<PathBuf>,
 }
 
 /// The identity of the simulated plugins' writes.

@@ -3,7 +3,8 @@
 //! nodes for scale), each figure printed next to its anchor measured in the same run.
 //!
 //! Data flow: [`cli`] says what to run; [`sim`] keeps simulated nodes live so the real
-//! controller publishes real pools for them; [`measure`] runs B1–B7 and returns table rows;
+//! controller publishes real pools for them; [`measure`] runs B1–B7 and returns table rows
+//! ([`packing`] is B7's simulation);
 //! [`probe`] and [`prom`] read the processes and their metrics; [`retry`] rides out a loaded
 //! API server's transient errors; [`stats`] summarises samples;
 //! [`table`] prints the one table. Nothing here asserts speed: only correctness is checked
@@ -11,6 +12,7 @@
 
 pub mod cli;
 pub mod measure;
+pub mod packing;
 pub mod probe;
 pub mod prom;
 pub mod retry;

@@ -2,7 +2,7 @@
 //! measures in order (real node first, while the cluster is quiet; then simulated nodes at
 //! growing counts) and prints the table, also written to `<out>/bench-<time>.md`.
 
-use std::{path::PathBuf, process::Command, time::Duration};
+use std::{process::Command, time::Duration};
 
 use anyhow::Context as _;
 use clap::Parser;
@@ -92,10 +92,6 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let exe_dir = std::env::current_exe()?
-        .parent()
-        .map(PathBuf::from)
-        .context("no directory of the running binary")?;
     let out_dir = args.out_dir()?;
     let mut rows = Vec::new();
     let mut appendix = String::new();
@@ -103,18 +99,10 @@ async fn main() -> anyhow::Result<()> {
 
     // B7 first: a pure simulation, before the cluster loads the machine.
     if args.runs(Measure::B7) {
-        let binary = args
-            .packing_bin
-            .clone()
-            .unwrap_or_else(|| exe_dir.join("examples").join("packing"));
-        eprintln!("B7: packing simulation ({})", binary.display());
-        match measure::packing::run(&binary) {
-            Ok((row, output)) => {
-                rows.push(row);
-                appendix = output;
-            }
-            Err(e) => rows.push(failed_row("B7", "packing simulation", &e)),
-        }
+        eprintln!("B7: packing simulation");
+        let (row, output) = measure::packing::run();
+        rows.push(row);
+        appendix = output;
     }
 
     eprintln!("booting the e2e cluster (8 simulated H100s on the real node)");

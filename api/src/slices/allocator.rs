@@ -1,6 +1,7 @@
 //! A model of the scheduler's allocator over one pool: devices are tried in pool order, and
 //! the first one that matches the request and whose counter consumption fits what is left
-//! of its counter set is taken. Used by the property tests and the packing simulation.
+//! of its counter set is taken. Used by `kubectl migdra`, the property tests and the packing
+//! simulation.
 //!
 //! A shared device ([`PlannedDevice::shares`], `allowMultipleAllocations`) follows the
 //! DRAConsumableCapacity rules of the 1.37 allocator: several allocations may hold it while

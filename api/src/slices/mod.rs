@@ -29,7 +29,6 @@
 
 pub mod allocator;
 pub mod order;
-pub mod packing;
 pub mod prune;
 pub mod quantity;
 pub mod retained;

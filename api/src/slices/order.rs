@@ -1,6 +1,6 @@
 //! Device order: the scheduler allocates the first device in pool order whose counters fit,
 //! so the order we publish decides where partitions land, and how fragmented GPUs become.
-//! The packing simulation in this module's tests (and `examples/packing.rs`) compares the
+//! The packing simulation (`bench/src/packing.rs`, B7 in docs/benchmarks.md) compares the
 //! strategies; `Packed` is the default because it accepts the most claims there.
 
 use super::{PlannedDevice, PlannedKind};
@@ -35,8 +35,8 @@ pub fn dead_slices(geometry: &MigGeometry) -> Vec<u32> {
 ///   and the high half stays whole for the 3g placement that also uses the dead slice;
 /// * the whole GPU last.
 ///
-/// The packing simulation (tests and `examples/packing.rs`) measured this against the naive
-/// order, descending starts, NVIDIA's auto-placement preference and a least-blocking order.
+/// The packing simulation compares this with the naive order, descending starts, NVIDIA's
+/// auto-placement preference and a least-blocking order.
 fn packed_key(dead: &[u32], device: &PlannedDevice) -> (u8, u32, u32, u64, u8, bool, u32) {
     match &device.kind {
         PlannedKind::Mig { profile, start } => (

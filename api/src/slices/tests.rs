@@ -8,7 +8,6 @@ use proptest::prelude::*;
 
 use super::{
     allocator::Allocator,
-    packing::{self, Event},
     validate::{PoolError, validate_pool},
     *,
 };
@@ -442,88 +441,6 @@ fn packed_order_uses_the_dead_slice_first_and_fills_upwards() {
     assert_eq!(names.last().unwrap(), "gpu-0");
     assert_eq!(order::dead_slices(&model.geometry()), vec![7]);
     assert!(order::dead_slices(&catalog::model("A30-24GB").unwrap().geometry()).is_empty());
-}
-
-// ---- packing simulation -------------------------------------------------------------
-
-fn plan_with(model: &GpuModel, gpus: u32, order: DeviceOrder) -> PoolPlan {
-    let policy = EffectivePolicy {
-        device_order: order,
-        whole_gpus: false,
-        ..Default::default()
-    };
-    plan_pool(&node_of(model, gpus, true), &policy)
-}
-
-#[test]
-fn packed_order_accepts_at_least_as_many_claims_as_naive_on_random_streams() {
-    // Justifies the default: on every model, over many seeded mixed streams with releases on
-    // two GPUs, first fit over the Packed order places at least as many claims in total as
-    // the naive order, and strictly more on most models.
-    let mut strictly_better = 0;
-    for model in catalog::models() {
-        let profiles = packing::stream_profiles(&model.geometry());
-        let (mut packed, mut naive) = (0, 0);
-        for seed in 1..=40 {
-            let events = packing::random_stream(&profiles, seed, 200, 6);
-            packed += packing::first_fit(&plan_with(model, 2, DeviceOrder::Packed), &events).0;
-            naive += packing::first_fit(&plan_with(model, 2, DeviceOrder::Naive), &events).0;
-        }
-        assert!(
-            packed >= naive,
-            "{}: packed placed {packed}, naive {naive}",
-            model.key
-        );
-        if packed > naive {
-            strictly_better += 1;
-        }
-    }
-    assert!(
-        strictly_better * 2 > catalog::models().len(),
-        "packed beat naive on only {strictly_better} models"
-    );
-}
-
-#[test]
-fn packed_order_is_near_the_best_placement_on_small_arrival_streams() {
-    // Arrival-only streams of 8 claims on one GPU. The exhaustive optimum places every claim
-    // that fits somewhere (as a scheduler must) but picks each placement with hindsight: the
-    // best any device order could do. Packed must reach at least 97% of it in total and place
-    // at least as many claims as the naive order.
-    for model in catalog::models() {
-        let geometry = model.geometry();
-        let profiles = packing::stream_profiles(&geometry);
-        let packed_plan = plan_with(model, 1, DeviceOrder::Packed);
-        let naive_plan = plan_with(model, 1, DeviceOrder::Naive);
-        let (mut packed, mut naive, mut best) = (0, 0, 0);
-        for seed in 1..=150 {
-            let requests: Vec<_> = packing::random_stream(&profiles, seed, 8, 0)
-                .into_iter()
-                .filter_map(|e| match e {
-                    Event::Arrive { profile, .. } => Some(profile),
-                    Event::Depart { .. } => None,
-                })
-                .collect();
-            let optimum = packing::optimum_online(&geometry, 1, &requests);
-            let p = packing::first_fit_arrivals(&packed_plan, &requests);
-            let n = packing::first_fit_arrivals(&naive_plan, &requests);
-            assert!(
-                p <= optimum && n <= optimum,
-                "{}: first fit beat the exhaustive optimum",
-                model.key
-            );
-            assert!(optimum <= packing::optimum(&geometry, 1, &requests));
-            packed += p;
-            naive += n;
-            best += optimum;
-        }
-        assert!(
-            packed * 100 >= best * 97,
-            "{}: packed {packed} vs optimum {best}",
-            model.key
-        );
-        assert!(packed >= naive, "{}: packed {packed} vs naive {naive}", model.key);
-    }
 }
 
 // ---- validator: one test per limit ----------------------------------------------------

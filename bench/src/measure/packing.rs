@@ -1,14 +1,26 @@
-//! B7, packing: runs the existing simulation (`api/examples/packing.rs`, built by `make
-//! bench`) and reports, summed over every catalog GPU model, how many claims each device
-//! order placed as a share of the exhaustive best placement (short arrival-only streams), and
-//! the mean acceptance on long streams with releases; the naive (NVIDIA's) order is the
-//! anchor.
+//! B7, packing: runs the packing simulation ([`crate::packing`]) and reports, summed over
+//! every catalog GPU model, how many claims each device order placed as a share of the
+//! exhaustive best placement (short arrival-only streams), and the mean acceptance on long
+//! streams with releases; the naive (NVIDIA's) order is the anchor.
 
-use std::{path::Path, process::Command};
+use std::fmt::Write as _;
 
-use anyhow::{Context as _, bail};
+use migdra_api::{catalog, policy::DeviceOrder};
 
-use crate::table::Row;
+use crate::{
+    packing::{
+        arrivals, first_fit, first_fit_arrivals, optimum, optimum_online, plan, random_stream,
+        stream_profiles,
+    },
+    table::Row,
+};
+
+const ORDERS: [DeviceOrder; 3] = [DeviceOrder::Packed, DeviceOrder::Naive, DeviceOrder::Spread];
+const SHORT_STREAMS: u64 = 300;
+const SHORT_LEN: usize = 8;
+const LONG_STREAMS: u64 = 100;
+const LONG_LEN: usize = 400;
+const LONG_GPUS: u32 = 2;
 
 /// Column totals of the simulation's two tables.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -21,64 +33,92 @@ pub struct PackingTotals {
     pub long: [f64; 3],
 }
 
-/// Reads the simulation's output: rows of the short table have a model, five numbers and
-/// `k/n`; rows of the long table a model and three percentages.
-pub fn parse(output: &str) -> anyhow::Result<PackingTotals> {
+/// Runs the simulation over every catalog model: its totals and the per-model tables as text.
+pub fn simulate() -> (PackingTotals, String) {
     let mut totals = PackingTotals::default();
-    let mut long_rows = 0usize;
-    for line in output.lines() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        match fields.as_slice() {
-            [_, packed, naive, spread, best, _subset, ratio] if ratio.contains('/') => {
-                let parsed: Result<Vec<f64>, _> = [packed, naive, spread, best]
-                    .iter()
-                    .map(|v| v.parse::<f64>())
-                    .collect();
-                let Ok(values) = parsed else { continue };
-                for (total, v) in totals.short.iter_mut().zip(values) {
-                    *total += v;
+    let mut text = String::new();
+    // Writing to a String cannot fail.
+    let _ = writeln!(
+        text,
+        "Short arrival-only streams: {SHORT_STREAMS} streams of {SHORT_LEN} claims on 1 GPU (claims placed, summed)\n  \
+         best placement = exhaustive search over placements, every claim that fits is placed (the best any order can do)\n  \
+         best subset    = exhaustive search that may also refuse claims (an offline bound no scheduler reaches)"
+    );
+    let _ = writeln!(
+        text,
+        "{:<16} {:>8} {:>8} {:>8} {:>15} {:>12}   {:>14}",
+        "model", "packed", "naive", "spread", "best placement", "best subset", "packed = best"
+    );
+    for model in catalog::models() {
+        let geometry = model.geometry();
+        let profiles = stream_profiles(&geometry);
+        let plans: Vec<_> = ORDERS.iter().map(|o| plan(model, 1, *o)).collect();
+        let mut placed = [0usize; 3];
+        let (mut online, mut offline, mut packed_optimal) = (0, 0, 0);
+        for seed in 1..=SHORT_STREAMS {
+            let requests = arrivals(random_stream(&profiles, seed, SHORT_LEN, 0));
+            let best = optimum_online(&geometry, 1, &requests);
+            online += best;
+            offline += optimum(&geometry, 1, &requests);
+            for (i, p) in plans.iter().enumerate() {
+                let n = first_fit_arrivals(p, &requests);
+                placed[i] += n;
+                if i == 0 && n == best {
+                    packed_optimal += 1;
                 }
-                totals.models += 1;
             }
-            [_, packed, naive, spread] if packed.ends_with('%') => {
-                let parsed: Result<Vec<f64>, _> = [packed, naive, spread]
-                    .iter()
-                    .map(|v| v.trim_end_matches('%').parse::<f64>())
-                    .collect();
-                let Ok(values) = parsed else { continue };
-                for (total, v) in totals.long.iter_mut().zip(values) {
-                    *total += v;
-                }
-                long_rows += 1;
+        }
+        let _ = writeln!(
+            text,
+            "{:<16} {:>8} {:>8} {:>8} {:>15} {:>12}   {:>7}/{SHORT_STREAMS}",
+            model.key, placed[0], placed[1], placed[2], online, offline, packed_optimal
+        );
+        for (total, n) in totals
+            .short
+            .iter_mut()
+            .zip([placed[0], placed[1], placed[2], online])
+        {
+            *total += n as f64;
+        }
+        totals.models += 1;
+    }
+    let _ = writeln!(
+        text,
+        "\nLong streams with releases: {LONG_STREAMS} streams of {LONG_LEN} claims on {LONG_GPUS} GPUs, mean hold 6 arrivals (acceptance %)"
+    );
+    let _ = writeln!(
+        text,
+        "{:<16} {:>8} {:>8} {:>8}",
+        "model", "packed", "naive", "spread"
+    );
+    for model in catalog::models() {
+        let profiles = stream_profiles(&model.geometry());
+        let plans: Vec<_> = ORDERS.iter().map(|o| plan(model, LONG_GPUS, *o)).collect();
+        let mut accepted = [0usize; 3];
+        for seed in 1..=LONG_STREAMS {
+            let events = random_stream(&profiles, seed, LONG_LEN, 6);
+            for (i, p) in plans.iter().enumerate() {
+                accepted[i] += first_fit(p, &events).0;
             }
-            _ => {}
+        }
+        let pct = accepted.map(|a| 100.0 * a as f64 / (LONG_STREAMS as usize * LONG_LEN) as f64);
+        let _ = writeln!(
+            text,
+            "{:<16} {:>7.1}% {:>7.1}% {:>7.1}%",
+            model.key, pct[0], pct[1], pct[2]
+        );
+        for (total, v) in totals.long.iter_mut().zip(pct) {
+            *total += v / catalog::models().len() as f64;
         }
     }
-    if totals.models == 0 || long_rows == 0 {
-        bail!("the packing simulation printed no table rows");
-    }
-    for v in &mut totals.long {
-        *v /= long_rows as f64;
-    }
-    Ok(totals)
+    (totals, text)
 }
 
-/// The B7 row from the simulation binary at `binary`, and its raw output.
-pub fn run(binary: &Path) -> anyhow::Result<(Row, String)> {
-    let output = Command::new(binary)
-        .output()
-        .with_context(|| format!("running {} (built by `make bench`)", binary.display()))?;
-    if !output.status.success() {
-        bail!(
-            "{} failed: {}",
-            binary.display(),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    let text = String::from_utf8_lossy(&output.stdout).to_string();
-    let t = parse(&text)?;
+/// The B7 row, and the simulation's tables for the result file.
+pub fn run() -> (Row, String) {
+    let (t, text) = simulate();
     let pct = |i: usize| 100.0 * t.short[i] / t.short[3];
-    Ok((
+    (
         Row {
             id: "B7",
             measure: format!(
@@ -99,33 +139,8 @@ pub fn run(binary: &Path) -> anyhow::Result<(Row, String)> {
             ratio: Some(t.short[0] / t.short[1]),
             goal: "unchanged or better",
             met: Some(t.short[0] >= t.short[1] && t.long[0] >= t.long[1]),
-            note: "api/examples/packing.rs, release build; full output in the result file".into(),
+            note: "bench/src/packing.rs, release build; full output in the result file".into(),
         },
         text,
-    ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sums_both_tables() {
-        let output = "\
-Short arrival-only streams: 300 streams of 8 claims on 1 GPU (claims placed, summed)
-model              packed    naive   spread  best placement  best subset    packed = best
-A100-SXM4-40GB       1500     1400     1300            1550         1600       280/300
-H100-80GB            1200     1100     1000            1250         1300       270/300
-
-Long streams with releases: 100 streams of 400 claims on 2 GPUs, mean hold 6 arrivals (acceptance %)
-model              packed    naive   spread
-A100-SXM4-40GB      90.0%    80.0%    70.0%
-H100-80GB           80.0%    70.0%    60.0%
-";
-        let t = parse(output).expect("tables");
-        assert_eq!(t.models, 2);
-        assert_eq!(t.short, [2700.0, 2500.0, 2300.0, 2800.0]);
-        assert_eq!(t.long, [85.0, 75.0, 65.0]);
-        assert!(parse("nothing here").is_err());
-    }
+    )
 }
