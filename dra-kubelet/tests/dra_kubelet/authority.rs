@@ -12,7 +12,9 @@ use migdra_proto::{
 };
 use prost::Message;
 
-use crate::support::{DRIVER, GET_INFO, Harness, RawClient, RawResponse, claim, device_for, percent_encoded};
+use migdra_testkit::dra_kubelet::{
+    DRIVER, GET_INFO, Harness, RawClient, RawResponse, claim, device_for, percent_encoded,
+};
 
 const DRA_V1: &str = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin";
 const DRA_V1BETA1: &str = "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin";

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use crate::support::{Harness, channel, claim, device_for};
 use migdra_proto::dra::{v1, v1beta1};
+use migdra_testkit::dra_kubelet::{Harness, channel, claim, device_for};
 
 fn v1_claim(uid: &str) -> v1::Claim {
     let c = claim(uid);

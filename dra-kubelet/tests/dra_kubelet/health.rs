@@ -2,9 +2,9 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::support::{GUARD, Harness, channel};
 use dra_kubelet::DeviceHealthReport;
 use migdra_proto::health::{v1, v1alpha1};
+use migdra_testkit::dra_kubelet::{GUARD, Harness, channel};
 use tokio_stream::StreamExt;
 
 fn report(device: &str, healthy: Option<bool>, message: &str) -> DeviceHealthReport {

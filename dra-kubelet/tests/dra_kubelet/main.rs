@@ -1,4 +1,4 @@
-//! The helper over real unix sockets, driven by a tiny scripted driver (see [`support`]): the DRA
+//! The helper over real unix sockets, driven by a tiny scripted driver (see `migdra_testkit::dra_kubelet`): the DRA
 //! service, the health streams, plugin registration, the `:authority` fix on both sockets, and
 //! the socket lifecycle. One test binary, so the crate is linked once.
 
@@ -8,4 +8,3 @@ mod health;
 mod registration;
 mod rolling_update;
 mod sockets;
-mod support;

@@ -3,16 +3,16 @@
 
 use std::time::Duration;
 
-use crate::support::{
-    CONTINUATION, DRIVER, END_HEADERS, GUARD, HEADERS, Harness, PADDED, PRIORITY, PROTOCOL_ERROR, RawClient,
-    SETTINGS, channel, frame, get_info_block, huffman, percent_encoded, repeated_get_info_block,
-    short_tempdir,
-};
 use dra_kubelet::RegistrationState;
 use migdra_proto::registration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
     registration_client::RegistrationClient,
     registration_server::{Registration, RegistrationServer},
+};
+use migdra_testkit::dra_kubelet::{
+    CONTINUATION, DRIVER, END_HEADERS, GUARD, HEADERS, Harness, PADDED, PRIORITY, PROTOCOL_ERROR, RawClient,
+    SETTINGS, channel, frame, get_info_block, huffman, percent_encoded, repeated_get_info_block,
+    short_tempdir,
 };
 use prost::Message;
 use tokio::net::UnixListener;
@@ -36,7 +36,7 @@ fn expected_info(h: &Harness) -> PluginInfo {
 }
 
 /// Asserts a successful unary gRPC answer carrying `info`.
-fn assert_plugin_info(response: &crate::support::RawResponse, info: &PluginInfo) {
+fn assert_plugin_info(response: &migdra_testkit::dra_kubelet::RawResponse, info: &PluginInfo) {
     assert_eq!(response.header(":status"), Some("200"), "{response:?}");
     assert_eq!(response.header("grpc-status"), Some("0"), "{response:?}");
     assert_eq!(&PluginInfo::decode(response.message()).expect("PluginInfo"), info);

@@ -3,12 +3,12 @@
 
 use std::{path::Path, sync::Arc, time::Duration};
 
-use crate::support::{DRIVER, ScriptedDriver, channel, claim, short_tempdir};
 use dra_kubelet::{PluginServer, PluginServerConfig, PluginServing, RegistrationState, ServerError};
 use migdra_proto::{
     dra::v1,
     registration::{InfoRequest, registration_client::RegistrationClient},
 };
+use migdra_testkit::dra_kubelet::{DRIVER, ScriptedDriver, channel, claim, short_tempdir};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 

@@ -2,7 +2,6 @@
 
 use std::{collections::HashMap, path::Path, sync::Arc, time::Duration};
 
-use crate::support::{DRIVER, GUARD, ScriptedDriver, channel, claim, short_tempdir};
 use dra_kubelet::{
     ClaimRef, DraDriver, PluginServer, PluginServerConfig, PrepareOutcome, RegistrationState, ServerError,
     SocketKind, UnprepareOutcome,
@@ -11,6 +10,7 @@ use migdra_proto::{
     dra::v1,
     registration::{InfoRequest, registration_client::RegistrationClient},
 };
+use migdra_testkit::dra_kubelet::{DRIVER, GUARD, ScriptedDriver, channel, claim, short_tempdir};
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 

@@ -1,4 +1,4 @@
-//! Shared helpers for the socket tests: a tiny scripted [`DraDriver`], short temp dirs, a server
+//! Support for the dra-kubelet socket tests: a tiny scripted [`DraDriver`], short temp dirs, a server
 //! starter, tonic channels over unix sockets, and a raw HTTP/2 client that speaks exactly like
 //! the kubelet's grpc-go client (percent-encoded `:authority`, Huffman, dynamic table).
 
