@@ -324,35 +324,6 @@ impl MigGeometry {
         }
         Ok(())
     }
-
-    /// Checks a whole layout: every instance must be addable to the ones before it.
-    pub fn check_layout(&self, layout: &[Placement]) -> Result<(), PlacementError> {
-        for (i, placement) in layout.iter().enumerate() {
-            self.check_add(&layout[..i], *placement)?;
-        }
-        Ok(())
-    }
-
-    /// How many more instances of `profile_id` fit next to `existing` (NVML's remaining capacity).
-    pub fn remaining_capacity(&self, existing: &[Placement], profile_id: u32) -> u32 {
-        let Some(profile) = self.profile_by_id(profile_id) else {
-            return 0;
-        };
-        // Greedy over starts is exact here: placements of one profile never overlap each other.
-        let mut layout = existing.to_vec();
-        let mut count = 0;
-        for start in &profile.placements {
-            let candidate = Placement {
-                profile_id,
-                start: *start,
-            };
-            if self.check_add(&layout, candidate).is_ok() {
-                layout.push(candidate);
-                count += 1;
-            }
-        }
-        count
-    }
 }
 
 /// The GPU-instance ID NVML assigns to a placement: a binary-heap index over the memory-slice
@@ -384,15 +355,6 @@ impl Architecture {
     /// True when MIG mode can be switched without a GPU reset (Hopper and later).
     pub fn mig_mode_switchable(self) -> bool {
         !matches!(self, Architecture::Ampere)
-    }
-
-    /// NVML's `nvmlDeviceArchitecture_t` value.
-    pub fn nvml_value(self) -> u32 {
-        match self {
-            Architecture::Ampere => 7,
-            Architecture::Hopper => 9,
-            Architecture::Blackwell => 10,
-        }
     }
 
     /// Parses NVML's architecture value.

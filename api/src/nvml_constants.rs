@@ -79,31 +79,31 @@ pub fn full_compute_instance_profile(compute_slices: u32) -> Option<u32> {
     }
 }
 
-/// Compute slices of a compute-instance profile index.
-pub fn compute_instance_slices(ci_profile_index: u32) -> Option<u32> {
-    match ci_profile_index {
-        CI_PROFILE_1_SLICE | CI_PROFILE_1_SLICE_REV1 => Some(1),
-        CI_PROFILE_2_SLICE => Some(2),
-        CI_PROFILE_3_SLICE => Some(3),
-        CI_PROFILE_4_SLICE => Some(4),
-        CI_PROFILE_6_SLICE => Some(6),
-        CI_PROFILE_7_SLICE => Some(7),
-        CI_PROFILE_8_SLICE => Some(8),
-        _ => None,
-    }
-}
-
-/// Valid compute-instance sizes inside a GPU instance of `gi_compute_slices` slices:
-/// C <= G and not (C < G and 2C > G + 1) (go-nvlib's rule, which matches hardware output).
-pub fn valid_compute_instance_sizes(gi_compute_slices: u32) -> Vec<u32> {
-    (1..=gi_compute_slices)
-        .filter(|c| *c == gi_compute_slices || 2 * c <= gi_compute_slices + 1)
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Compute slices of a compute-instance profile index.
+    pub fn compute_instance_slices(ci_profile_index: u32) -> Option<u32> {
+        match ci_profile_index {
+            CI_PROFILE_1_SLICE | CI_PROFILE_1_SLICE_REV1 => Some(1),
+            CI_PROFILE_2_SLICE => Some(2),
+            CI_PROFILE_3_SLICE => Some(3),
+            CI_PROFILE_4_SLICE => Some(4),
+            CI_PROFILE_6_SLICE => Some(6),
+            CI_PROFILE_7_SLICE => Some(7),
+            CI_PROFILE_8_SLICE => Some(8),
+            _ => None,
+        }
+    }
+
+    /// Valid compute-instance sizes inside a GPU instance of `gi_compute_slices` slices:
+    /// C <= G and not (C < G and 2C > G + 1) (go-nvlib's rule, which matches hardware output).
+    pub fn valid_compute_instance_sizes(gi_compute_slices: u32) -> Vec<u32> {
+        (1..=gi_compute_slices)
+            .filter(|c| *c == gi_compute_slices || 2 * c <= gi_compute_slices + 1)
+            .collect()
+    }
 
     #[test]
     fn compute_instance_sizes_match_published_tables() {

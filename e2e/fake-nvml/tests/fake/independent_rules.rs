@@ -19,6 +19,7 @@ use std::{collections::BTreeSet, path::Path};
 
 use migdra_api::{
     catalog::{self, GpuModel},
+    geometry::Architecture,
     policy::EffectivePolicy,
     slices::{PlannedKind, allocator::Allocator, plan_pool},
 };
@@ -80,8 +81,8 @@ fn table_discrepancies(model: &GpuModel) -> Vec<(String, String)> {
     );
     differ(
         "architecture".into(),
-        model.architecture.nvml_value().to_string(),
-        fake.architecture.to_string(),
+        format!("{:?}", Some(model.architecture)),
+        format!("{:?}", Architecture::from_nvml_value(fake.architecture)),
     );
     differ(
         "PCI device ID".into(),
