@@ -48,7 +48,7 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), Box<dyn std::
 pub const DEFAULT_WORKER_THREADS: u16 = 2;
 
 /// The multi-threaded async runtime with `worker_threads` workers (blocking work, such as
-/// NVML and file calls, runs on tokio's separate blocking threads as before).
+/// NVML and file calls, runs on tokio's separate blocking threads, whatever this number).
 pub fn async_runtime(worker_threads: u16) -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(usize::from(worker_threads.max(1)))

@@ -11,7 +11,7 @@
 //!
 //! A counter is dropped only when it is *redundant*: the largest amount of it that any device
 //! set accepted by the counters kept so far could consume is within its budget (an exact
-//! search over the GPU's devices, not an estimate). Every counter kept is checked as before,
+//! search over the GPU's devices, not an estimate). Every counter kept is checked as usual,
 //! and every counter dropped could not have refused a set the kept ones accept, so the
 //! scheduler allows exactly the same co-allocations as with the full set. Counter sets are
 //! charged per device (a shared device once, however many claims hold shares of it), which is
