@@ -30,6 +30,20 @@ const RESERVED_ENV: &[&str] = &[
     "NVIDIA_CTK_LIBCUDA_DIR",
 ];
 
+/// Environment variables a user may not set because a NVIDIA container runtime that reads the
+/// container's environment (legacy or auto mode) grants more from them than the claim's devices:
+/// MIG monitoring of every GPU, driver capabilities, IMEX channels, GPUDirect Storage, MOFED,
+/// NVSwitch and GDRCopy devices.
+const RUNTIME_GRANT_ENV: &[&str] = &[
+    "NVIDIA_MIG_MONITOR_DEVICES",
+    "NVIDIA_DRIVER_CAPABILITIES",
+    "NVIDIA_IMEX_CHANNELS",
+    "NVIDIA_GDS",
+    "NVIDIA_MOFED",
+    "NVIDIA_NVSWITCH",
+    "NVIDIA_GDRCOPY",
+];
+
 /// Prefix of the per-device variables through which the plugin tells a container the UUID of
 /// each of its devices (`MIGDRA_DEVICE_UUID_<DEVICE>`); users may not set any of them.
 pub const DEVICE_UUID_ENV_PREFIX: &str = "MIGDRA_DEVICE_UUID_";
@@ -67,6 +81,12 @@ pub enum ConfigError {
     /// An environment variable migdra owns.
     #[error("environment variable {0} is set by migdra and cannot be configured")]
     ReservedEnv(String),
+    /// An environment variable from which a NVIDIA container runtime grants more than the claim.
+    #[error(
+        "environment variable {0} would make a NVIDIA container runtime grant the container more \
+         than its claim's devices, and cannot be configured"
+    )]
+    RuntimeGrantEnv(String),
 }
 
 impl DeviceConfig {
@@ -91,6 +111,9 @@ impl DeviceConfig {
             }
             if RESERVED_ENV.contains(&name.as_str()) || name.starts_with(DEVICE_UUID_ENV_PREFIX) {
                 return Err(ConfigError::ReservedEnv(name.clone()));
+            }
+            if RUNTIME_GRANT_ENV.contains(&name.as_str()) {
+                return Err(ConfigError::RuntimeGrantEnv(name.clone()));
             }
         }
         Ok(config)
@@ -165,6 +188,11 @@ mod tests {
             DeviceConfig::parse(&config(json!({"MIGDRA_DEVICE_UUID_GPU_0": "x"}))).unwrap_err(),
             ConfigError::ReservedEnv("MIGDRA_DEVICE_UUID_GPU_0".into())
         );
+        for name in RUNTIME_GRANT_ENV {
+            let err = DeviceConfig::parse(&config(json!({*name: "all"}))).unwrap_err();
+            assert_eq!(err, ConfigError::RuntimeGrantEnv(name.to_string()));
+            assert!(err.to_string().contains(name), "{err}");
+        }
         assert!(matches!(
             DeviceConfig::parse(&config(json!({"A": 1}))).unwrap_err(),
             ConfigError::Malformed(_)
