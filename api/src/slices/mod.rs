@@ -564,6 +564,4 @@ pub(crate) fn test_pool_identity() -> PoolIdentity<'static> {
 }
 
 #[cfg(test)]
-mod sharing_tests;
-#[cfg(test)]
 mod tests;

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::resource::v1::Device;
 use proptest::prelude::*;
 
-use super::{
+use super::super::{
     allocator::Allocator,
     validate::{PoolError, validate_pool},
     *,
