@@ -1,0 +1,323 @@
+#!/usr/bin/env bash
+# Smoke test of the real container runtime that build.sh builds: starts containerd
+# (config version 3) with its root, state, sockets, shim sockets and runc root all
+# under one run directory, imports a busybox image made here from Debian's
+# busybox-static (an OCI layout tarball written by hand), runs a container that
+# prints its cgroups, ids and /dev (and checks the devices cgroup denies a node
+# it was not given), runs one with a CDI device, wires a network namespace with
+# the CNI plugins and pings from a container in it, then stops containerd and
+# unmounts everything. Needs root. A run killed half-way is cleaned up by the
+# next one (and by `smoke.sh clean`). containerd's log of the last run is kept
+# beside the run dir, as RUN_DIR.containerd.log.
+#
+# Nothing outside the run directory is changed: no cgroup mounts, no host network
+# setup, no iptables, no system services. Network namespaces are bind-mounted on
+# files in the run dir. Containers get relative cgroup paths, so runc nests them
+# under this script's own cgroups (cgroupfs driver, not systemd).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+run=${MIGDRA_RT_RUN_DIR:-/tmp/migdra-rt-check/run}
+ns=migdra-smoke
+cg=migdra-rt-check
+image=migdra.dev/e2e/busybox:smoke
+
+[[ $(id -u) == 0 ]] || { echo "smoke.sh: needs root" >&2; exit 1; }
+for t in unshare nsenter ip tar gzip sha256sum; do
+  command -v "$t" >/dev/null || { echo "smoke.sh: needs $t (util-linux, iproute2, tar, gzip, coreutils)" >&2; exit 1; }
+done
+case $run in /tmp/?*) ;; *) echo "smoke.sh: run dir must be under /tmp: $run" >&2; exit 1 ;; esac
+
+log() { echo "smoke.sh: $*" >&2; }
+
+# Our containerd and its shims: those processes whose command line names our run dir.
+our_pids() {
+  local p exe
+  for p in /proc/[0-9]*; do
+    exe=$(readlink "$p/exe" 2>/dev/null) || continue
+    case ${exe##*/} in containerd | containerd-shim-runc-v2) ;; *) continue ;; esac
+    grep -qF -- "$run/" < <(tr '\0' ' ' <"$p/cmdline" 2>/dev/null) && echo "${p#/proc/}"
+  done
+  return 0
+}
+
+cleanup() {
+  local pid i m d
+  # Containers left by a killed run: runc keeps them under its root, per namespace.
+  if [[ -n ${bin:-} && -d $run/runc ]]; then
+    for d in "$run"/runc/*/; do
+      [[ -d $d ]] || continue
+      for i in $("$bin/runc" --root "$d" list -q 2>/dev/null); do
+        "$bin/runc" --root "$d" delete --force "$i" >/dev/null 2>&1 || true
+      done
+    done
+  fi
+  # containerd first (it would restart nothing, but stops serving), then its shims.
+  for pid in $(our_pids); do
+    kill -TERM "$pid" 2>/dev/null || true
+  done
+  for _ in $(seq 50); do
+    [[ -z $(our_pids) ]] && break
+    sleep 0.2
+  done
+  for pid in $(our_pids); do
+    log "killing leftover pid $pid"
+    kill -KILL "$pid" 2>/dev/null || true
+  done
+  # Unmount everything under the run dir, deepest first.
+  for _ in 1 2 3; do
+    m=$(awk -v r="$run/" 'index($5, r) == 1 {print $5}' /proc/self/mountinfo | sort -r)
+    [[ -z $m ]] && break
+    while read -r d; do
+      umount "$d" 2>/dev/null || umount -l "$d" 2>/dev/null || true
+    done <<<"$m"
+  done
+  if awk -v r="$run/" 'index($5, r) == 1 {f=1} END {exit !f}' /proc/self/mountinfo; then
+    log "mounts left under $run:"
+    awk -v r="$run/" 'index($5, r) == 1 {print $5}' /proc/self/mountinfo >&2
+    return 1
+  fi
+  # Our cgroups (empty once the containers are gone), under our own cgroup of each hierarchy.
+  while IFS=: read -r _ ctrl path; do
+    d=/sys/fs/cgroup/${ctrl#name=}
+    [[ -z $ctrl ]] && d=/sys/fs/cgroup/unified
+    d=$d${path%/}/$cg
+    if [[ -d $d ]]; then find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true; fi
+  done </proc/self/cgroup
+  if [[ -f $run/containerd.log ]]; then cp "$run/containerd.log" "${run%/}.containerd.log"; fi
+  rm -rf --one-file-system "$run"
+}
+
+if [[ ${1:-} == clean ]]; then
+  bin=$("$here/build.sh")
+  cleanup
+  exit 0
+fi
+
+bin=$("$here/build.sh")
+"$bin/runc" --version | sed -n 1p >&2
+"$bin/containerd" --version >&2
+cleanup
+on_exit() {
+  local rc=$?
+  trap - EXIT INT TERM
+  cleanup || rc=1
+  exit "$rc"
+}
+trap on_exit EXIT
+trap 'exit 130' INT TERM
+
+mkdir -p "$run"/{root,state,runc,fifo,tmp,opt,cni/net.d,cdiroot/cdi,image}
+sock=$run/containerd.sock
+
+# Config version 4 is containerd 2.4's own (it still reads version 3, migrating it
+# with a warning). CDI is always on in the CRI plugin since 2.4 (no enable_cdi key);
+# its spec dirs are set here. imports = [] keeps /etc/containerd/conf.d out.
+cat >"$run/containerd.toml" <<EOF
+version = 4
+imports = []
+root = "$run/root"
+state = "$run/state"
+temp = "$run/tmp"
+disabled_plugins = [
+  "io.containerd.nri.v1.nri",
+  "io.containerd.snapshotter.v1.blockfile",
+  "io.containerd.snapshotter.v1.devmapper",
+  "io.containerd.snapshotter.v1.erofs",
+  "io.containerd.snapshotter.v1.zfs",
+]
+
+[debug]
+  level = "info"
+
+[plugins.'io.containerd.server.v1.grpc']
+  address = "$sock"
+[plugins.'io.containerd.server.v1.ttrpc']
+  address = "$sock.ttrpc"
+[plugins.'io.containerd.server.v1.debug']
+  address = "$run/debug.sock"
+[plugins.'io.containerd.server.v1.metrics']
+  address = ""
+[plugins.'io.containerd.shim.v1.manager']
+  socket_dir = "$run/s"
+[plugins.'io.containerd.internal.v1.opt']
+  path = "$run/opt"
+[plugins.'io.containerd.image-verifier.v1.bindir']
+  bin_dir = "$run/opt/image-verifier/bin"
+[plugins.'io.containerd.grpc.v1.cri']
+  disable_tcp_service = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+[plugins.'io.containerd.cri.v1.runtime']
+  netns_mounts_under_state_dir = true
+  cdi_spec_dirs = ["$run/cdiroot/cdi"]
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["$bin"]
+    conf_dir = "$run/cni/net.d"
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = "runc"
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        BinaryName = "$bin/runc"
+        Root = "$run/runc"
+        SystemdCgroup = false
+EOF
+
+log "starting containerd (log: $run/containerd.log)"
+PATH=$bin:$PATH TMPDIR=$run/tmp "$bin/containerd" --config "$run/containerd.toml" \
+  >"$run/containerd.log" 2>&1 &
+echo $! >"$run/containerd.pid"
+ctr() { "$bin/ctr" --address "$sock" --namespace "$ns" "$@"; }
+for _ in $(seq 100); do
+  ctr version >/dev/null 2>&1 && break
+  kill -0 "$(cat "$run/containerd.pid")" 2>/dev/null || { tail -20 "$run/containerd.log" >&2; exit 1; }
+  sleep 0.2
+done
+ctr version >&2
+plugins=$(ctr plugins ls)
+if grep -E '\s(error|skip)\s*$' <<<"$plugins" >&2; then
+  log "(plugins above did not load; the overlayfs snapshotter and the CRI plugins must not be among them)"
+fi
+for p in 'io\.containerd\.snapshotter\.v1\s+overlayfs' 'io\.containerd\.grpc\.v1\s+cri' 'io\.containerd\.cri\.v1\s+runtime'; do
+  grep -qE "^$p\s.*\sok\s*$" <<<"$plugins" || { log "plugin $p not loaded"; exit 1; }
+done
+
+# An OCI image layout tarball of a busybox-static root filesystem, written by hand.
+busybox=/bin/busybox
+if ! dpkg -s busybox-static >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+  log "installing busybox-static"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static >&2
+fi
+grep -q 'not a dynamic' < <(LC_ALL=C ldd "$busybox" 2>&1) ||
+  { log "needs a static $busybox (Debian: busybox-static)"; exit 1; }
+rootfs=$run/image/rootfs
+mkdir -p "$rootfs"/{bin,dev,proc,sys,etc,tmp,root}
+cp "$busybox" "$rootfs/bin/busybox"
+for a in $("$busybox" --list); do
+  [[ $a == busybox ]] || ln -s busybox "$rootfs/bin/$a"
+done
+printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' >"$rootfs/etc/passwd"
+printf 'root:x:0:\nnogroup:x:65534:\n' >"$rootfs/etc/group"
+oci=$run/image/oci
+mkdir -p "$oci/blobs/sha256"
+tar -C "$rootfs" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$run/image/layer.tar" .
+diff_id=$(sha256sum <"$run/image/layer.tar" | cut -d' ' -f1)
+gzip -n -c "$run/image/layer.tar" >"$run/image/layer.tar.gz"
+blob() { # file -> prints "sha256 size", and stores the file as a blob
+  local d s
+  d=$(sha256sum <"$1" | cut -d' ' -f1)
+  s=$(stat -c %s "$1")
+  mv "$1" "$oci/blobs/sha256/$d"
+  echo "$d $s"
+}
+read -r layer_d layer_s < <(blob "$run/image/layer.tar.gz")
+printf '%s' '{"architecture":"amd64","os":"linux","config":{"Env":["PATH=/bin"],"Cmd":["/bin/sh"],"WorkingDir":"/"},"rootfs":{"type":"layers","diff_ids":["sha256:'"$diff_id"'"]}}' >"$run/image/config.json"
+read -r config_d config_s < <(blob "$run/image/config.json")
+printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:'"$config_d"'","size":'"$config_s"'},"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"sha256:'"$layer_d"'","size":'"$layer_s"'}]}' >"$run/image/manifest.json"
+read -r manifest_d manifest_s < <(blob "$run/image/manifest.json")
+printf '%s' '{"imageLayoutVersion":"1.0.0"}' >"$oci/oci-layout"
+printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:'"$manifest_d"'","size":'"$manifest_s"',"platform":{"architecture":"amd64","os":"linux"},"annotations":{"io.containerd.image.name":"'"$image"'","org.opencontainers.image.ref.name":"smoke"}}]}' >"$oci/index.json"
+tar -C "$oci" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$run/image/busybox-oci.tar" .
+
+ctr images import --snapshotter overlayfs "$run/image/busybox-oci.tar" >&2
+ctr images ls >&2
+
+runflags=(--rm --snapshotter overlayfs --runc-binary "$bin/runc" --runc-root "$run/runc"
+  --fifo-dir "$run/fifo")
+
+log "container 1: /proc/self/cgroup, id, ls -l /dev"
+out=$(ctr run "${runflags[@]}" --seccomp --cgroup "$cg/smoke-1" "$image" smoke-1 \
+  sh -c 'echo "== /proc/self/cgroup"; cat /proc/self/cgroup; echo "== id"; id; echo "== ls -l /dev"; ls -l /dev
+    echo "== seccomp (containerd default profile)"; grep Seccomp: /proc/self/status
+    echo "== devices cgroup: reading a fresh node for char 1:1 (/dev/mem), not in the allow list"
+    mknod /tmp/mem c 1 1 && head -c1 /tmp/mem 2>&1 >/dev/null || true')
+echo "$out"
+grep -q 'head: /tmp/mem: Operation not permitted' <<<"$out" || { log "devices cgroup did not deny 1:1"; exit 1; }
+grep -q "memory:.*/$cg/smoke-1" <<<"$out" || { log "container not in its own memory cgroup"; exit 1; }
+grep -q 'uid=0(root) gid=0(root)' <<<"$out" || { log "unexpected id"; exit 1; }
+grep -qE '^Seccomp:\s+2$' <<<"$out" || { log "seccomp filter not applied"; exit 1; }
+
+# CDI: a spec under the run dir adding /dev/null's node (char 1:3) under another name.
+# containerd's CRI plugin reads cdi_spec_dirs from the config above; ctr resolves CDI
+# names itself from the fixed dirs /etc/cdi and /var/run/cdi, so ctr runs in a
+# private mount namespace where the run dir's cdiroot is bind-mounted over /run.
+cat >"$run/cdiroot/cdi/migdra-smoke.json" <<'EOF'
+{
+  "cdiVersion": "0.6.0",
+  "kind": "migdra.dev/smoke",
+  "devices": [
+    {
+      "name": "null0",
+      "containerEdits": {
+        "env": ["MIGDRA_SMOKE_CDI=null0"],
+        "deviceNodes": [
+          {"path": "/dev/migdra-null0", "hostPath": "/dev/null", "type": "c", "major": 1, "minor": 3, "permissions": "rw"}
+        ]
+      }
+    }
+  ]
+}
+EOF
+log "container 2: CDI device migdra.dev/smoke=null0"
+# shellcheck disable=SC2016 # both scripts expand inside the container / the new shell
+out=$(unshare --mount --propagation private -- bash -c 'mount --bind "$1" /run && shift && exec "$@"' _ \
+  "$run/cdiroot" "$bin/ctr" --address "$sock" --namespace "$ns" run "${runflags[@]}" \
+  --cgroup "$cg/smoke-2" --device migdra.dev/smoke=null0 "$image" smoke-2 \
+  sh -c 'ls -l /dev/migdra-null0 && echo "env MIGDRA_SMOKE_CDI=$MIGDRA_SMOKE_CDI" && echo x >/dev/migdra-null0 && echo "write ok"')
+echo "$out"
+grep -qE '^crw-rw-rw-\s+1 root\s+root\s+1,\s+3 .*/dev/migdra-null0$' <<<"$out" || { log "CDI device node missing"; exit 1; }
+grep -q 'env MIGDRA_SMOKE_CDI=null0' <<<"$out" || { log "CDI env edit missing"; exit 1; }
+grep -q 'write ok' <<<"$out" || { log "CDI device not writable"; exit 1; }
+
+# CNI: bridge + host-local + loopback, run by hand (as the CRI plugin would) from inside
+# a "node" network namespace made here, for a "pod" network namespace made here; both
+# are bind-mounted on files under the run dir. Nothing touches the host's namespace;
+# no masquerading (no iptables); the only traffic is one ping inside these namespaces.
+log "CNI: bridge/host-local/loopback between two network namespaces under the run dir"
+mkdir -p "$run/netns" "$run/cni/ipam"
+for n in node pod; do
+  touch "$run/netns/$n"
+  unshare --net="$run/netns/$n" true
+done
+nsenter --net="$run/netns/node" ip link set lo up
+cat >"$run/cni/net.d/10-migdra-smoke.conf" <<CONF
+{
+  "cniVersion": "1.0.0",
+  "name": "migdra-smoke",
+  "type": "bridge",
+  "bridge": "migdra0",
+  "isGateway": true,
+  "ipMasq": false,
+  "ipam": {
+    "type": "host-local",
+    "ranges": [[{"subnet": "10.88.0.0/24"}]],
+    "dataDir": "$run/cni/ipam"
+  }
+}
+CONF
+printf '%s' '{"cniVersion":"1.0.0","name":"lo","type":"loopback"}' >"$run/cni/net.d/99-loopback.conf"
+cni() { # command plugin ifname conf
+  nsenter --net="$run/netns/node" env CNI_COMMAND="$1" CNI_CONTAINERID=smoke-3 \
+    CNI_NETNS="$run/netns/pod" CNI_IFNAME="$3" CNI_PATH="$bin" "$bin/$2" <"$4"
+}
+cni ADD loopback lo "$run/cni/net.d/99-loopback.conf" >/dev/null
+cni ADD bridge eth0 "$run/cni/net.d/10-migdra-smoke.conf" >"$run/cni/result.json"
+pod_ip=$(grep -oE '"address": *"[0-9.]+/' "$run/cni/result.json" | sed -n 1p | grep -oE '[0-9.]+/' | tr -d /)
+gw=$(grep -oE '"gateway": *"[0-9.]+"' "$run/cni/result.json" | sed -n 1p | grep -oE '[0-9.]+')
+[[ -n $pod_ip && -n $gw ]] || { cat "$run/cni/result.json" >&2; log "no address in the CNI result"; exit 1; }
+log "pod address $pod_ip, gateway $gw"
+if ip link show migdra0 >/dev/null 2>&1; then log "bridge leaked into the host network namespace"; exit 1; fi
+out=$(ctr run "${runflags[@]}" --cgroup "$cg/smoke-3" --with-ns "network:$run/netns/pod" "$image" smoke-3 \
+  sh -c "ip -4 addr show eth0; ping -c 1 -W 2 $gw")
+echo "$out"
+grep -q "inet $pod_ip/24" <<<"$out" || { log "pod address not on eth0 in the container"; exit 1; }
+grep -q '1 packets received' <<<"$out" || { log "no ping reply from the bridge"; exit 1; }
+cni DEL bridge eth0 "$run/cni/net.d/10-migdra-smoke.conf"
+cni DEL loopback lo "$run/cni/net.d/99-loopback.conf"
+
+log "stopping containerd"
+kill -TERM "$(cat "$run/containerd.pid")"
+log "ok"
