@@ -37,12 +37,11 @@ pub const DEFAULT_DRIVER_NAME: &str = "gpu.migdra.dev";
     printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.publication.gpus"}"#,
     printcolumn = r#"{"name":"Registered","type":"boolean","jsonPath":".status.plugin.registered"}"#,
     printcolumn = r#"{"name":"Devices","type":"integer","jsonPath":".status.publication.devices"}"#,
-    printcolumn = r#"{"name":"Heartbeat","type":"date","jsonPath":".status.plugin.heartbeatTime"}"#,
+    printcolumn = r#"{"name":"Live","type":"string","description":"Whether the controller sees the plugin live and publishes its pool (the Published condition)","jsonPath":".status.conditions[?(@.type==\"Published\")].status"}"#,
     printcolumn = r#"{"name":"Instances","type":"integer","priority":1,"description":"MIG instances on the node (migdra's and foreign)","jsonPath":".status.summary.instances"}"#,
     printcolumn = r#"{"name":"Foreign","type":"integer","priority":1,"description":"MIG instances migdra did not create","jsonPath":".status.summary.foreignInstances"}"#,
     printcolumn = r#"{"name":"Free-Slices","type":"string","priority":1,"description":"Free memory slices of the MIG-enabled GPUs, free/total","jsonPath":".status.summary.freeMemorySlices"}"#,
-    printcolumn = r#"{"name":"Health","type":"string","priority":1,"description":"Healthy, or how many GPUs are unhealthy","jsonPath":".status.summary.health"}"#,
-    printcolumn = r#"{"name":"Live","type":"string","priority":1,"description":"Whether the controller sees the plugin live and publishes its pool (the Published condition)","jsonPath":".status.conditions[?(@.type==\"Published\")].status"}"#
+    printcolumn = r#"{"name":"Health","type":"string","priority":1,"description":"Healthy, or how many GPUs are unhealthy","jsonPath":".status.summary.health"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct GpuNodeSpec {
@@ -56,7 +55,8 @@ pub struct GpuNodeSpec {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuNodeStatus {
-    /// The kubelet plugin's liveness and registration (written by the plugin).
+    /// The kubelet plugin's registration with the kubelet (written by the plugin; its
+    /// heartbeat is a Lease, see [`heartbeat_lease_name`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plugin: Option<PluginStatus>,
     /// The GPUs of the node (written by the plugin).
@@ -130,7 +130,7 @@ impl NodeSummary {
     }
 }
 
-/// The kubelet plugin's view of itself.
+/// The kubelet plugin's view of itself, written when it changes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PluginStatus {
@@ -143,11 +143,6 @@ pub struct PluginStatus {
     pub registration_error: Option<String>,
     /// When the plugin process started.
     pub start_time: Time,
-    /// Last time the plugin reported itself alive.
-    pub heartbeat_time: Time,
-    /// How often the plugin heartbeats; the controller allows at least one and a half intervals
-    /// (its heartbeat timeout, 25 s by default) before it treats the plugin as gone.
-    pub heartbeat_interval_seconds: u32,
     /// NVIDIA driver version reported by NVML.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub driver_version: Option<String>,
@@ -313,19 +308,37 @@ pub const HEARTBEAT_LEASE_LABEL: &str = "gpu.migdra.dev/heartbeat";
 const MAX_OBJECT_NAME: usize = 253;
 
 /// The name of the `coordination.k8s.io/v1` Lease the plugin of `driver` on `node` renews as
-/// its heartbeat, in the plugin's namespace: `<node>.<driver>`. `None` when that is longer
-/// than an object name may be; the plugin then heartbeats in its GpuNode only.
-pub fn heartbeat_lease_name(node: &str, driver: &str) -> Option<String> {
+/// its heartbeat, in the controller's namespace: `<node>.<driver>`, or, when that is longer
+/// than an object name may be, `<node prefix>-<hash of node>.<driver>`, cut to fit. The
+/// Lease's `spec.holderIdentity` is the whole node name: a reader maps a Lease to its node by
+/// that, and checks that this function gives the Lease's name for it.
+pub fn heartbeat_lease_name(node: &str, driver: &str) -> String {
     let name = format!("{node}.{driver}");
-    (name.len() <= MAX_OBJECT_NAME).then_some(name)
+    if name.len() <= MAX_OBJECT_NAME {
+        return name;
+    }
+    let hash = format!("{:016x}", fnv1a_64(node.as_bytes()));
+    let mut keep = MAX_OBJECT_NAME
+        .saturating_sub(driver.len() + 1 + hash.len() + 1)
+        .min(node.len());
+    while !node.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    // A name part may neither end in '-' nor be followed by '-' after a '.'.
+    match node[..keep].trim_end_matches(['-', '.']) {
+        "" => format!("{hash}.{driver}"),
+        prefix => format!("{prefix}-{hash}.{driver}"),
+    }
 }
 
-/// The node a heartbeat Lease named by [`heartbeat_lease_name`] belongs to.
-pub fn heartbeat_lease_node<'a>(lease: &'a str, driver: &str) -> Option<&'a str> {
-    lease
-        .strip_suffix(driver)?
-        .strip_suffix('.')
-        .filter(|node| !node.is_empty())
+/// The 64-bit FNV-1a hash: stable across Rust versions and platforms, unlike std's hashers,
+/// so a plugin and a controller built apart name a Lease alike.
+fn fnv1a_64(bytes: &[u8]) -> u64 {
+    const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    bytes.iter().fold(OFFSET_BASIS, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(PRIME)
+    })
 }
 
 /// When a plugin tries a failed heartbeat Lease renewal again, before its next beat.
@@ -473,25 +486,75 @@ mod renewal_retry_tests {
 
 #[cfg(test)]
 mod lease_name_tests {
+    use proptest::prelude::*;
+
     use super::*;
 
+    /// A DNS subdomain, as Kubernetes validates object names.
+    fn is_dns_subdomain(name: &str) -> bool {
+        name.len() <= MAX_OBJECT_NAME
+            && name.split('.').all(|label| {
+                !label.is_empty()
+                    && label.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                    && label.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                    && label
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            })
+    }
+
     #[test]
-    fn lease_names_round_trip_and_are_bounded() {
-        let name = heartbeat_lease_name("node-a", DEFAULT_DRIVER_NAME).unwrap();
-        assert_eq!(name, "node-a.gpu.migdra.dev");
-        assert_eq!(heartbeat_lease_node(&name, DEFAULT_DRIVER_NAME), Some("node-a"));
+    fn a_lease_is_named_after_its_node_and_driver_while_that_fits() {
         assert_eq!(
-            heartbeat_lease_node("node-a.other.dev", DEFAULT_DRIVER_NAME),
-            None
+            heartbeat_lease_name("node-a", DEFAULT_DRIVER_NAME),
+            "node-a.gpu.migdra.dev"
         );
-        assert_eq!(heartbeat_lease_node(".gpu.migdra.dev", DEFAULT_DRIVER_NAME), None);
+        let longest = "n".repeat(253 - DEFAULT_DRIVER_NAME.len() - 1);
         assert_eq!(
-            heartbeat_lease_node("migdra-controller", DEFAULT_DRIVER_NAME),
-            None
+            heartbeat_lease_name(&longest, DEFAULT_DRIVER_NAME),
+            format!("{longest}.{DEFAULT_DRIVER_NAME}")
         );
-        let long = "n".repeat(253 - DEFAULT_DRIVER_NAME.len() - 1);
-        assert!(heartbeat_lease_name(&long, DEFAULT_DRIVER_NAME).is_some());
-        assert!(heartbeat_lease_name(&format!("{long}x"), DEFAULT_DRIVER_NAME).is_none());
+    }
+
+    #[test]
+    fn a_long_node_name_is_cut_and_hashed_to_a_valid_distinct_name() {
+        let longest = "n".repeat(253 - DEFAULT_DRIVER_NAME.len() - 1);
+        let a = heartbeat_lease_name(&format!("{longest}a"), DEFAULT_DRIVER_NAME);
+        let b = heartbeat_lease_name(&format!("{longest}b"), DEFAULT_DRIVER_NAME);
+        for name in [&a, &b] {
+            assert!(is_dns_subdomain(name), "{name}");
+            assert!(name.ends_with(".gpu.migdra.dev"), "{name}");
+            assert!(name.starts_with(&longest[..200]), "{name}");
+        }
+        assert_ne!(a, b, "nodes sharing a long prefix get Leases of their own");
+        // The same node always gets the same name (a fixed hash, not a per-process one).
+        assert_eq!(
+            a,
+            heartbeat_lease_name(&format!("{longest}a"), DEFAULT_DRIVER_NAME)
+        );
+        assert_eq!(fnv1a_64(b"node-a"), 0xe697_1cc2_2078_cb53);
+    }
+
+    #[test]
+    fn a_cut_never_leaves_a_dash_or_dot_before_the_hash() {
+        for cut_at in ["-", ".", "-----"] {
+            let node = format!("{}{cut_at}x{}", "a".repeat(220), "b".repeat(30));
+            let name = heartbeat_lease_name(&node, DEFAULT_DRIVER_NAME);
+            assert!(is_dns_subdomain(&name), "{name}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn every_valid_node_name_gets_a_valid_lease_name(
+            labels in prop::collection::vec("[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?", 1..12),
+        ) {
+            let node: String = labels.join(".").chars().take(253).collect();
+            let node = node.trim_end_matches(['-', '.']).to_string();
+            prop_assume!(is_dns_subdomain(&node));
+            let name = heartbeat_lease_name(&node, DEFAULT_DRIVER_NAME);
+            prop_assert!(is_dns_subdomain(&name), "{}", name);
+        }
     }
 }
 

@@ -5,8 +5,6 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use crate::sim::heartbeat::HeartbeatForm;
-
 /// The measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
 pub enum Measure {
@@ -90,10 +88,6 @@ pub struct Args {
     /// Length of the steady-state window (B3), seconds.
     #[arg(long, env = "BENCH_STEADY_SECONDS", default_value_t = 60)]
     pub steady_seconds: u64,
-    /// How the simulated plugins heartbeat (the plugin's own default, as the chart deploys
-    /// it, is the Lease; `gpu-node-status` simulates plugins before the Lease heartbeat).
-    #[arg(long, env = "BENCH_HEARTBEAT_FORM", value_enum, default_value = "lease")]
-    pub heartbeat_form: HeartbeatForm,
     /// Who the simulated plugins write their GpuNodes and heartbeat Leases as.
     #[arg(
         long,
@@ -107,14 +101,10 @@ pub struct Args {
     pub heartbeat_interval_seconds: u32,
     /// Also measure a second build of migdra's controller in the same run: after the
     /// controller measures (B2, B3, B6) with the binaries the cluster started with
-    /// (`MIGDRA_BIN_DIR`), switch to the `migdra-controller` in this directory and the
-    /// heartbeat to `--after-heartbeat-form`, and measure them again (rows marked
-    /// before/after).
+    /// (`MIGDRA_BIN_DIR`), switch to the `migdra-controller` in this directory and measure
+    /// them again (rows marked before/after).
     #[arg(long, env = "BENCH_AFTER_BIN_DIR")]
     pub after_bin_dir: Option<PathBuf>,
-    /// The simulated plugins' heartbeat form for the `--after-bin-dir` controller.
-    #[arg(long, env = "BENCH_AFTER_HEARTBEAT_FORM", value_enum, default_value = "lease")]
-    pub after_heartbeat_form: HeartbeatForm,
     /// The bare-client floor's concurrency for the `--after-bin-dir` controller.
     #[arg(long, env = "BENCH_AFTER_FLOOR_CONCURRENCY", default_value_t = 16)]
     pub after_floor_concurrency: usize,

@@ -138,9 +138,8 @@ async fn main() -> anyhow::Result<()> {
         versions,
         notes: vec![
             format!(
-                "simulated nodes: Node (capacity, conditions, node Lease every 10 s) + GpuNode of 8 × H100-80GB; plugin heartbeat every {} s: {}; plugin writes as {}",
+                "simulated nodes: Node (capacity, conditions, node Lease every 10 s) + GpuNode of 8 × H100-80GB; plugin heartbeat (Lease renewal) every {} s; plugin writes as {}",
                 args.heartbeat_interval_seconds,
-                args.heartbeat_form.describe(),
                 args.plugin_identity.describe(),
             ),
             match args.control_plane_api_qps {
@@ -153,11 +152,10 @@ async fn main() -> anyhow::Result<()> {
             match &args.after_bin_dir {
                 Some(dir) => format!(
                     "before/after in one run: **before** = the binaries the cluster started with ({}), heartbeat as above, floor concurrency {}; \
-                     **after** = the controller in {}, heartbeat: {}, floor concurrency {}; same cluster, same simulated nodes",
+                     **after** = the controller in {}, floor concurrency {}; same cluster, same simulated nodes",
                     std::env::var("MIGDRA_BIN_DIR").unwrap_or_else(|_| "next to migdra-bench".into()),
                     concurrency_text(args.floor_concurrency),
                     dir.display(),
-                    args.after_heartbeat_form.describe(),
                     concurrency_text(args.after_floor_concurrency)
                 ),
                 None => format!(
@@ -214,12 +212,7 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
             Err(e) => rows.push(failed_row("B5", "real-node measures (B4, B5, B6 plugin)", &e)),
         }
     }
-    let heartbeat = Heartbeat::new(
-        args.heartbeat_form,
-        DRIVER,
-        CHART_NAMESPACE,
-        args.heartbeat_interval_seconds,
-    );
+    let heartbeat = Heartbeat::new(DRIVER, CHART_NAMESPACE, args.heartbeat_interval_seconds);
     let identities =
         (args.plugin_identity == PluginIdentity::ServiceAccount).then(|| cluster.plugin_identities());
     let mut fleet = Fleet::new(cluster.client.clone(), identities, heartbeat.clone());
@@ -261,18 +254,8 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
         };
         controller_measures(args, cluster, &mut fleet, rows, before, args.floor_concurrency).await?;
         if let Some(dir) = &args.after_bin_dir {
-            eprintln!(
-                "switching to the controller in {} and the {:?} heartbeat",
-                dir.display(),
-                args.after_heartbeat_form
-            );
+            eprintln!("switching to the controller in {}", dir.display());
             cluster.layout.migdra_bin = dir.clone();
-            heartbeat.set_form(args.after_heartbeat_form);
-            // One heartbeat interval for every plugin to switch (Leases created).
-            tokio::time::sleep(Duration::from_secs(
-                u64::from(args.heartbeat_interval_seconds) + 5,
-            ))
-            .await;
             controller_measures(
                 args,
                 cluster,

@@ -149,7 +149,7 @@ def test_plugin_env_follows_values(case):
     assert env["LOG_FORMAT"] == values["logging"]["format"]
     assert env["LOG_LEVEL"] == values["logging"]["level"]
     assert env["HEARTBEAT_INTERVAL_SECONDS"] == str(values["heartbeat"]["intervalSeconds"])
-    assert env["GPUNODE_HEARTBEAT_INTERVAL_SECONDS"] == str(values["heartbeat"]["gpunodeIntervalSeconds"])
+    assert "GPUNODE_HEARTBEAT_INTERVAL_SECONDS" not in env
     assert env["HEALTH_RESEND_INTERVAL_SECONDS"] == str(p["healthResendIntervalSeconds"])
     assert env["LOCK_TIMEOUT_SECONDS"] == str(p["lockTimeoutSeconds"])
     assert env["STALE_CLAIM_GC_INTERVAL_SECONDS"] == str(p["staleClaimGcIntervalSeconds"])

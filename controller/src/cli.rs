@@ -56,14 +56,14 @@ pub struct Args {
           value_parser = parse_fraction)]
     pub mass_expiry_threshold: f64,
     /// Most nodes reconciled at once. Bounds the memory of a cold start (each publishing
-    /// reconciliation holds its pool's slices, encoded, ~170 kB for 8 H100s, and one answer
-    /// of the server at a time) and the write concurrency against the API server.
+    /// reconciliation holds its pool's slices, encoded, and one answer of the server at a
+    /// time) and the write concurrency against the API server.
     #[arg(long, env = "MAX_CONCURRENT_RECONCILES", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub max_concurrent_reconciles: u16,
     /// Worker threads of the async runtime. Fixed rather than one per core of the machine
-    /// (or of the CPU limit), so the controller's memory does not grow with them; at 2,000
-    /// nodes its steady state takes about 2% of one core.
+    /// (or of the CPU limit), so the controller's memory does not grow with them; its steady
+    /// state needs a fraction of one core.
     #[arg(long, env = "WORKER_THREADS", default_value_t = migdra_runtime::DEFAULT_WORKER_THREADS,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub worker_threads: u16,

@@ -1,13 +1,13 @@
 //! The pure diff between the slices a pool should have and the slices it has.
 //!
-//! The controller caches only the *metadata* of its slices (a pool of 208 devices is ~150 kB
-//! of objects; 2,000 nodes' worth would be gigabytes). Every slice it writes carries two
+//! The controller caches only the *metadata* of its slices (the specs of every node's pool
+//! would take gigabytes on a large cluster). Every slice it writes carries two
 //! annotations: [`SPEC_HASH_ANNOTATION`], a hash of the canonical form of the spec it wrote,
 //! and [`GENERATION_ANNOTATION`], the pool generation. A desired slice is unchanged when the
 //! cached slice of the same name at the pool's generation carries the desired spec's hash.
-//! A slice without them (written by an older controller) counts as new, so the pool is
-//! rewritten once at a new generation. (A spec edited by hand behind the controller's back
-//! is not noticed until the pool changes; the controller is the slices' only writer.)
+//! A slice without them (one the controller did not write) counts as new, so the pool is
+//! rewritten at a new generation. (A spec edited by hand behind the controller's back is not
+//! noticed until the pool changes; the controller is the slices' only writer.)
 //!
 //! The canonical form ([`normalize_spec`]) makes semantically equal specs hash alike
 //! ([`spec_hash`]); a written slice is checked against the API server's answer by that
@@ -563,7 +563,7 @@ mod tests {
     }
 
     #[test]
-    fn slices_of_an_older_controller_are_rewritten_once_at_a_new_generation() {
+    fn slices_the_controller_did_not_write_are_rewritten_once_at_a_new_generation() {
         // No annotations: the spec cannot be compared, so the pool is rewritten, atomically.
         let desired = vec![slice("a", 0, vec![device("1", false)]), slice("b", 0, vec![])];
         let unannotated = |s: ResourceSlice, rv: &str| {

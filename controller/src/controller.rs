@@ -12,14 +12,13 @@
 //!   holds reconciles the nodes of the pools it names, before and after (a device in use
 //!   stays in its pool until released);
 //! * the plugins' heartbeat Leases in the controller's namespace (label
-//!   `gpu.migdra.dev/heartbeat=<driver>`): a renewal reconciles the node only when the
-//!   controller does not consider it live (the expiry watch re-checks a live one), so a
+//!   `gpu.migdra.dev/heartbeat=<driver>`, the node in `spec.holderIdentity`): a renewal
+//!   reconciles the node only when the controller does not consider it live (the expiry watch re-checks a live one), so a
 //!   steady heartbeat costs a cache update, not a reconciliation;
 //! * the expiry watch: every [`EXPIRY_SCAN`], the live nodes whose heartbeat expiry has
 //!   passed are looked at in the caches; only those not renewed since are reconciled (see
-//!   [`Context::take_expired`]). A timer per live node would reconcile every node once per
-//!   heartbeat: at 2,000 nodes and 15 s beats, 133 reconciliations a second that find nothing
-//!   to do.
+//!   [`crate::liveness::HeartbeatTracker::take_expired`]). A timer per live node would
+//!   reconcile every node once per heartbeat, to find nothing to do.
 //!
 //! Each watch also fills the cache the reconciler reads, stripped of what it never reads
 //! (managed fields; the GpuNode's foreign annotations). A sweeper deletes this driver's
@@ -31,7 +30,7 @@ use std::{
     time::Duration,
 };
 
-use futures::{StreamExt, future};
+use futures::{Stream, StreamExt, future};
 use k8s_openapi::{
     api::{coordination::v1::Lease, core::v1::Node, resource::v1::ResourceClaim},
     jiff::Timestamp,
@@ -41,24 +40,24 @@ use kube::{
     core::PartialObjectMeta,
     runtime::{
         Controller, WatchStreamExt, controller,
-        reflector::{self, ObjectRef, Store},
+        reflector::{self, ObjectRef, Store, store::Writer},
         watcher::{self, watcher},
     },
 };
 use migdra_api::{
-    inventory::{GpuNode, HEARTBEAT_LEASE_LABEL, heartbeat_lease_node},
+    inventory::{GpuNode, HEARTBEAT_LEASE_LABEL},
     policy::MigPolicy,
 };
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     claims::{ClaimChanges, strip_claim},
-    compare::{SliceDelete, SliceMeta},
-    context::{Context, ControllerConfig, Stores, lease_beat},
+    compare::{PoolDiff, SliceDelete, SliceMeta},
+    context::{Context, ControllerConfig, Stores},
     error::Error,
+    liveness::{LeaseBeat, lease_node},
     metrics::Metrics,
     naming::slice_node,
-    publish::Publisher,
     reconcile::{error_policy, reconcile},
 };
 
@@ -150,6 +149,43 @@ pub fn strip_gpunode(gpunode: &mut GpuNode) {
     gpunode.metadata.annotations = None;
 }
 
+/// The writers that fill the caches of a [`Context`] from the watches.
+struct CacheWriters {
+    gpunodes: Writer<GpuNode>,
+    nodes: Writer<PartialObjectMeta<Node>>,
+    policies: Writer<MigPolicy>,
+    slices: Writer<SliceMeta>,
+    claims: Writer<ResourceClaim>,
+    leases: Writer<Lease>,
+}
+
+/// A context over empty caches, and the writers that fill them.
+fn build_context(client: Client, config: ControllerConfig, metrics: Metrics) -> (Arc<Context>, CacheWriters) {
+    let (gpunodes, gpunode_writer) = reflector::store::<GpuNode>();
+    let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
+    let (policies, policy_writer) = reflector::store::<MigPolicy>();
+    let (slices, slice_writer) = reflector::store::<SliceMeta>();
+    let (claims, claim_writer) = reflector::store::<ResourceClaim>();
+    let (leases, lease_writer) = reflector::store::<Lease>();
+    let stores = Stores {
+        gpunodes,
+        nodes,
+        policies,
+        slices,
+        claims,
+        leases,
+    };
+    let writers = CacheWriters {
+        gpunodes: gpunode_writer,
+        nodes: node_writer,
+        policies: policy_writer,
+        slices: slice_writer,
+        claims: claim_writer,
+        leases: lease_writer,
+    };
+    (Arc::new(Context::new(client, config, stores, metrics)), writers)
+}
+
 /// Runs the controller until `shutdown` fires (graceful: in-flight reconciliations finish).
 pub async fn run(
     client: Client,
@@ -157,187 +193,35 @@ pub async fn run(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let (gpunodes, gpunode_writer) = reflector::store::<GpuNode>();
-    let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
-    let (policies, policy_writer) = reflector::store::<MigPolicy>();
-    let (slices, slice_writer) = reflector::store::<SliceMeta>();
-    let (claims, claim_writer) = reflector::store::<ResourceClaim>();
-    let (leases, lease_writer) = reflector::store::<Lease>();
     let driver = config.driver.clone();
-    let namespace = config.heartbeat_namespace.clone();
     let concurrency = config.concurrency;
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        config,
-        Stores {
-            gpunodes: gpunodes.clone(),
-            nodes,
-            policies,
-            slices,
-            claims,
-            leases,
-        },
-        metrics,
-    ));
-
-    let mut node_changes = NodeChanges::default();
-    let node_triggers = watcher(
-        Api::<PartialObjectMeta<Node>>::all(client.clone()),
-        watcher::Config::default(),
+    let (ctx, writers) = build_context(client.clone(), config, metrics);
+    let gpunodes = ctx.gpunodes.clone();
+    let controller = Controller::for_stream(
+        gpunode_triggers(&client, &ctx, writers.gpunodes),
+        gpunodes.clone(),
     )
-    .default_backoff()
-    .reflect(node_writer)
-    .filter_map(move |event| {
-        future::ready(match event {
-            Ok(event) => node_changes.admit(&event).map(Ok),
-            Err(e) => Some(Err(e)),
-        })
-    });
-
-    let policy_triggers = watcher(Api::<MigPolicy>::all(client.clone()), watcher::Config::default())
-        .default_backoff()
-        .reflect(policy_writer)
-        .touched_objects()
-        .filter_map(|result| {
-            future::ready(match result {
-                Ok(_) => Some(()),
-                Err(e) => {
-                    tracing::warn!(error = %e, "MigPolicy watch failed");
-                    None
-                }
-            })
-        });
-
-    let observer = ctx.clone();
-    let slice_triggers = watcher(Api::<SliceMeta>::all(client.clone()), slice_watch_config(&driver))
-        .default_backoff()
-        .modify(strip_slice)
-        .reflect(slice_writer)
-        .inspect(move |event| {
-            if let Ok(event) = event {
-                let wiped = observer.observe_slice_event(event);
-                if wiped > 0 {
-                    observer.metrics.slices_wiped(wiped);
-                }
-                let (lag, ttl) = observer.expectations.watch_lag_and_ttl();
-                observer.metrics.set_slice_watch_lag(lag, ttl);
-            }
-        })
-        .touched_objects();
-
-    let mut claim_changes = ClaimChanges::default();
-    let claim_driver = driver.clone();
-    let strip_driver = driver.clone();
-    let claim_triggers = watcher(
-        Api::<ResourceClaim>::all(client.clone()),
-        watcher::Config::default(),
+    .with_config(
+        controller::Config::default()
+            .debounce(DEBOUNCE)
+            .concurrency(concurrency),
     )
-    .default_backoff()
-    .modify(move |claim| strip_claim(claim, &strip_driver))
-    .reflect(claim_writer)
-    .flat_map(move |event| {
-        let nodes = match event {
-            Ok(event) => claim_changes.admit(&event, &claim_driver),
-            Err(e) => {
-                tracing::warn!(error = %e, "ResourceClaim watch failed");
-                Default::default()
-            }
-        };
-        futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::<GpuNode>::new(&node)))
-    });
-
-    let lease_ctx = ctx.clone();
-    let delay_ctx = ctx.clone();
-    let lease_driver = driver.clone();
-    let lease_triggers = watcher(
-        Api::<Lease>::namespaced(client.clone(), &namespace),
-        lease_watch_config(&driver),
-    )
-    .default_backoff()
-    .modify(|lease| {
-        lease.metadata.managed_fields = None;
+    .watches_stream(node_triggers(&client, writers.nodes), |node| {
+        Some(ObjectRef::<GpuNode>::new(&node.name_any()))
     })
-    .reflect(lease_writer)
-    .inspect(move |event| {
-        // Renewals as they happen, not the initial list (or a relist), whose renewals are
-        // up to an interval old by nature.
-        if let Ok(watcher::Event::Apply(lease)) = event
-            && let Some(beat) = lease_beat(lease)
-        {
-            delay_ctx.record_heartbeat_delay(beat.renewed);
-        }
+    .watches_stream(slice_triggers(&client, &ctx, writers.slices), |slice| {
+        slice_node(&slice).map(ObjectRef::<GpuNode>::new)
     })
-    .touched_objects()
-    .filter_map(move |result| {
-        future::ready(match result {
-            Ok(lease) => {
-                let name = lease.name_any();
-                heartbeat_lease_node(&name, &lease_driver)
-                    .filter(|node| !lease_ctx.is_live(node))
-                    .map(ObjectRef::<GpuNode>::new)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "heartbeat Lease watch failed");
-                None
-            }
-        })
-    });
-
-    let mut scans = tokio::time::interval(EXPIRY_SCAN);
-    scans.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let expiry_triggers = futures::stream::unfold((scans, ctx.clone()), |(mut scans, ctx)| async move {
-        scans.tick().await;
-        Some((ctx.take_expired(Timestamp::now()), (scans, ctx)))
-    })
-    .flat_map(|nodes| futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::<GpuNode>::new(&node))));
-
-    // The GpuNode cache is shared with the reconciler (the heartbeat census reads it).
-    let geometries = ctx.geometries.clone();
-    let gpunode_triggers = watcher(Api::<GpuNode>::all(client.clone()), watcher::Config::default())
-        .default_backoff()
-        .modify(move |gpunode| {
-            strip_gpunode(gpunode);
-            geometries.take(gpunode);
-        })
-        .reflect(gpunode_writer)
-        .applied_objects();
-    let controller = Controller::for_stream(gpunode_triggers, gpunodes.clone())
-        .with_config(
-            controller::Config::default()
-                .debounce(DEBOUNCE)
-                .concurrency(concurrency),
-        )
-        .watches_stream(node_triggers, |node| {
-            Some(ObjectRef::<GpuNode>::new(&node.name_any()))
-        })
-        .watches_stream(slice_triggers, |slice| {
-            slice_node(&slice).map(ObjectRef::<GpuNode>::new)
-        })
-        .reconcile_all_on(policy_triggers)
-        .reconcile_on(claim_triggers)
-        .reconcile_on(lease_triggers)
-        .reconcile_on(expiry_triggers)
-        .graceful_shutdown_on(shutdown.clone().cancelled_owned());
+    .reconcile_all_on(policy_triggers(&client, writers.policies))
+    .reconcile_on(claim_triggers(&client, &driver, writers.claims))
+    .reconcile_on(lease_triggers(&client, &ctx, writers.leases))
+    .reconcile_on(expiry_triggers(&ctx))
+    .graceful_shutdown_on(shutdown.clone().cancelled_owned());
     // The sweeper lives in this task (not a spawned one), so aborting the task on a lost
     // lease stops it too.
     let sweeper = sweep(ctx.clone(), gpunodes, shutdown.clone());
-
     tracing::info!(driver = %driver, "controller running");
-    // When every cache has its initial list (the first reconciliations wait for it): a
-    // cold start's milestone in the log.
-    let synced = {
-        let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
-        let began = std::time::Instant::now();
-        async move {
-            tokio::select! {
-                _ = shutdown.cancelled() => {}
-                ready = ctx.wait_ready() => match ready {
-                    Ok(()) => tracing::info!(after = ?began.elapsed(), "caches synced"),
-                    Err(e) => tracing::warn!(error = %e, "caches did not sync"),
-                },
-            }
-        }
-    };
+    let synced = log_when_synced(ctx.clone(), shutdown.clone());
     let controller = controller.run(reconcile, error_policy, ctx).for_each(|result| {
         match result {
             Ok((object, _)) => tracing::trace!(node = %object.name, "reconciled"),
@@ -351,6 +235,182 @@ pub async fn run(
     futures::join!(controller, sweeper, synced);
     tracing::info!("controller stopped");
     Ok(())
+}
+
+/// The GpuNode watch, filling the cache the reconciler and the heartbeat census read.
+fn gpunode_triggers(
+    client: &Client,
+    ctx: &Context,
+    writer: Writer<GpuNode>,
+) -> impl Stream<Item = Result<GpuNode, watcher::Error>> + use<> {
+    let geometries = ctx.geometries.clone();
+    watcher(Api::<GpuNode>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .modify(move |gpunode| {
+            strip_gpunode(gpunode);
+            geometries.take(gpunode);
+        })
+        .reflect(writer)
+        .applied_objects()
+}
+
+/// The Node metadata watch: the nodes whose label set or UID changed, or that were deleted.
+fn node_triggers(
+    client: &Client,
+    writer: Writer<PartialObjectMeta<Node>>,
+) -> impl Stream<Item = Result<PartialObjectMeta<Node>, watcher::Error>> + use<> {
+    let mut node_changes = NodeChanges::default();
+    watcher(
+        Api::<PartialObjectMeta<Node>>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .reflect(writer)
+    .filter_map(move |event| {
+        future::ready(match event {
+            Ok(event) => node_changes.admit(&event).map(Ok),
+            Err(e) => Some(Err(e)),
+        })
+    })
+}
+
+/// The MigPolicy watch: any change.
+fn policy_triggers(client: &Client, writer: Writer<MigPolicy>) -> impl Stream<Item = ()> + use<> {
+    watcher(Api::<MigPolicy>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .touched_objects()
+        .filter_map(|result| {
+            future::ready(match result {
+                Ok(_) => Some(()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "MigPolicy watch failed");
+                    None
+                }
+            })
+        })
+}
+
+/// The watch of this driver's slices (metadata only), feeding the slice index and the
+/// expectations as events arrive.
+fn slice_triggers(
+    client: &Client,
+    ctx: &Arc<Context>,
+    writer: Writer<SliceMeta>,
+) -> impl Stream<Item = Result<SliceMeta, watcher::Error>> + use<> {
+    let observer = ctx.clone();
+    watcher(
+        Api::<SliceMeta>::all(client.clone()),
+        slice_watch_config(&ctx.config.driver),
+    )
+    .default_backoff()
+    .modify(strip_slice)
+    .reflect(writer)
+    .inspect(move |event| {
+        if let Ok(event) = event {
+            let wiped = observer.observe_slice_event(event);
+            if wiped > 0 {
+                observer.metrics.slices_wiped(wiped);
+            }
+            let (lag, ttl) = observer.expectations.watch_lag_and_ttl();
+            observer.metrics.set_slice_watch_lag(lag, ttl);
+        }
+    })
+    .touched_objects()
+}
+
+/// The ResourceClaim watch (cut down to `driver`'s allocation results): the nodes whose held
+/// devices changed.
+fn claim_triggers(
+    client: &Client,
+    driver: &str,
+    writer: Writer<ResourceClaim>,
+) -> impl Stream<Item = ObjectRef<GpuNode>> + use<> {
+    let mut claim_changes = ClaimChanges::default();
+    let claim_driver = driver.to_string();
+    let strip_driver = driver.to_string();
+    watcher(
+        Api::<ResourceClaim>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(move |claim| strip_claim(claim, &strip_driver))
+    .reflect(writer)
+    .flat_map(move |event| {
+        let nodes = match event {
+            Ok(event) => claim_changes.admit(&event, &claim_driver),
+            Err(e) => {
+                tracing::warn!(error = %e, "ResourceClaim watch failed");
+                Default::default()
+            }
+        };
+        futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::<GpuNode>::new(&node)))
+    })
+}
+
+/// The heartbeat Lease watch: the renewals of nodes the controller does not consider live.
+fn lease_triggers(
+    client: &Client,
+    ctx: &Arc<Context>,
+    writer: Writer<Lease>,
+) -> impl Stream<Item = ObjectRef<GpuNode>> + use<> {
+    let lease_ctx = ctx.clone();
+    let delay_ctx = ctx.clone();
+    let lease_driver = ctx.config.driver.clone();
+    watcher(
+        Api::<Lease>::namespaced(client.clone(), &ctx.config.heartbeat_namespace),
+        lease_watch_config(&ctx.config.driver),
+    )
+    .default_backoff()
+    .modify(|lease| {
+        lease.metadata.managed_fields = None;
+    })
+    .reflect(writer)
+    .inspect(move |event| {
+        // Renewals as they happen, not the initial list (or a relist), whose renewals are
+        // up to an interval old by nature.
+        if let Ok(watcher::Event::Apply(lease)) = event
+            && let Some(beat) = LeaseBeat::of(lease)
+        {
+            delay_ctx.heartbeats.record_delay(beat.renewed);
+        }
+    })
+    .touched_objects()
+    .filter_map(move |result| {
+        future::ready(match result {
+            Ok(lease) => lease_node(&lease, &lease_driver)
+                .filter(|node| !lease_ctx.heartbeats.is_live(node))
+                .map(ObjectRef::<GpuNode>::new),
+            Err(e) => {
+                tracing::warn!(error = %e, "heartbeat Lease watch failed");
+                None
+            }
+        })
+    })
+}
+
+/// The expiry watch: every [`EXPIRY_SCAN`], the live nodes whose heartbeat expired.
+fn expiry_triggers(ctx: &Arc<Context>) -> impl Stream<Item = ObjectRef<GpuNode>> + use<> {
+    let mut scans = tokio::time::interval(EXPIRY_SCAN);
+    scans.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    futures::stream::unfold((scans, ctx.clone()), |(mut scans, ctx)| async move {
+        scans.tick().await;
+        Some((ctx.heartbeats.take_expired(Timestamp::now()), (scans, ctx)))
+    })
+    .flat_map(|nodes| futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::<GpuNode>::new(&node))))
+}
+
+/// Logs when every cache has its initial list (the first reconciliations wait for it): a
+/// cold start's milestone.
+async fn log_when_synced(ctx: Arc<Context>, shutdown: CancellationToken) {
+    let began = std::time::Instant::now();
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        ready = ctx.wait_ready() => match ready {
+            Ok(()) => tracing::info!(after = ?began.elapsed(), "caches synced"),
+            Err(e) => tracing::warn!(error = %e, "caches did not sync"),
+        },
+    }
 }
 
 /// Deletes slices of nodes without a GpuNode, every [`SWEEP_INTERVAL`], and forgets their
@@ -368,21 +428,15 @@ async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: Cancellati
         }
         let names: HashSet<String> = gpunodes.state().iter().map(|g| g.name_any()).collect();
         ctx.geometries.retain(|name| names.contains(name));
-        ctx.retain_status_deferrals(|name| names.contains(name));
+        ctx.status_deferral.retain(|name| names.contains(name));
         for (node, orphan) in orphaned_slices(&ctx.slices.state(), &names) {
             tracing::info!(slice = %orphan.name, %node, "deleting a slice of a node without GpuNode");
             ctx.metrics.forget_node(&node);
-            let publisher = Publisher {
-                api: &ctx.slice_api,
-                expectations: &ctx.expectations,
-                metrics: &ctx.metrics,
-                node: &node,
-            };
-            let diff = crate::compare::PoolDiff {
+            let diff = PoolDiff {
                 deletes: vec![orphan],
                 ..Default::default()
             };
-            if let Err(e) = publisher.apply(diff).await {
+            if let Err(e) = ctx.publisher(&node).apply(diff).await {
                 tracing::warn!(error = %e, "deleting an orphaned slice failed");
             }
         }

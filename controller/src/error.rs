@@ -66,7 +66,7 @@ pub enum Error {
         problems: String,
     },
     /// A heartbeat expiry seen in the cache could not be confirmed with a fresh read of the
-    /// node's GpuNode and Lease: the pool is kept, and the node retried with backoff.
+    /// node's Lease: the pool is kept, and the node retried with backoff.
     #[error(
         "the heartbeat of node {node} looks expired in the cache, but reading its {object} \
          to confirm failed, so its pool is kept: {reason}"

@@ -13,10 +13,9 @@
 //!
 //! The TTL follows the watch: it is three times the longest delay seen in the last one to two
 //! minutes between a write and the watch event that met its expectation, never below the
-//! configured floor (15 s) nor above 120 s. A fixed 15 s TTL expired while a saturated API
-//! server delivered events 20 s and more after the write (2,000 nodes growing on the
-//! development machine): the controller then trusted a cache that did not show its own
-//! writes yet and wrote those slices again, and 2,123 reconciliations failed with a 409.
+//! configured floor (15 s) nor above 120 s. A saturated API server can deliver events later
+//! than any fixed TTL: the controller would then trust a cache that does not show its own
+//! writes yet, write those slices again and fail with conflicts.
 //!
 //! Ownership: per node, the slices the controller published and has not deleted itself. A
 //! deletion is the controller's own when it recorded the slice as expected absent *before*
@@ -27,10 +26,9 @@
 //! observed is kept until the plugin heartbeats after it (see [`crate::liveness`]).
 //!
 //! A slice the controller wrote but the cache has never shown is not missing, only not seen
-//! yet: behind a saturated API server the watch lags by more than the expectations' TTL (24 s
-//! at 2,000 nodes on the development machine), and counting those as wiped withdrew healthy
-//! pools and wrote them again, hundreds of times in one cold start. Only a slice the cache
-//! has shown, and then no longer shows, is a wipe found at reconcile time.
+//! yet: behind a saturated API server the watch can lag by more than the expectations' TTL,
+//! and counting those as wiped would withdraw healthy pools and write them again. Only a
+//! slice the cache has shown, and then no longer shows, is a wipe found at reconcile time.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},

@@ -1,9 +1,8 @@
 //! Keeps the GpuNode cache small: each GPU's MIG geometry (its profile table, ~90 % of a
 //! GpuNode) is the same for every GPU of a model, so the GpuNode watch moves it out of the
 //! cached object into this table, shared between all GPUs that report an equal one. The
-//! reconciler puts it back ([`GeometryCache::restore`]) only when it computes a pool.
-//!
-//! At 2,000 8-GPU nodes that is one copy per GPU model instead of 16,000.
+//! reconciler puts it back ([`GeometryCache::restore`]) only when it computes a pool: one
+//! copy per GPU model instead of one per GPU.
 
 use std::{
     collections::HashMap,

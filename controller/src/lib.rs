@@ -3,10 +3,14 @@
 //! kubelet plugin goes away.
 //!
 //! Data flow: [`cli`] → [`leader`] (only the lease holder runs) → [`controller`] (watches and
-//! caches; [`geometry_cache`] keeps the GpuNode cache small) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, keep the
-//! devices [`claims`] hold, render, validate) → [`compare`] (semantic diff) → [`publish`] (slice writes, recorded in
-//! [`expectations`]) → [`status`].
+//! caches; [`geometry_cache`] keeps the GpuNode cache small, [`slice_index`] finds a node's
+//! slices) → [`reconcile`] per GpuNode: [`liveness`] → [`desired`] (policy, plan, keep the
+//! devices [`claims`] hold, render, validate) → [`compare`] (semantic diff) → [`publish`]
+//! (slice writes, recorded in [`expectations`]) → [`status`] (deferred while slices are
+//! written, see [`status_deferral`]); a failed reconciliation is retried after its
+//! [`backoff`]. The [`context`] holds what the reconciliations share.
 
+pub mod backoff;
 pub mod claims;
 pub mod cli;
 pub mod compare;
@@ -24,12 +28,17 @@ pub mod metrics;
 pub mod naming;
 pub mod publish;
 pub mod reconcile;
+pub mod slice_index;
 pub mod status;
+pub mod status_deferral;
 
-use std::{sync::Arc, time::Duration};
+use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context as _;
-use migdra_runtime::Readiness;
+use kube::Client;
+use migdra_runtime::{LogFormat, Readiness};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 pub use error::{Error, Result};
 
@@ -38,8 +47,8 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// Heartbeat expiry alone withdraws at most one pool per this interval (the node lifecycle
 /// controller's default eviction rate, 0.1 nodes/s).
 const EXPIRY_WITHDRAWAL_INTERVAL: Duration = Duration::from_secs(10);
-/// How long one heartbeat census is reused (a pass over every GpuNode; at 2,000 nodes the
-/// reconciles of one second would otherwise each repeat it).
+/// How long one heartbeat census is reused (a pass over every GpuNode, which the
+/// reconciliations of one second would otherwise each repeat).
 const CENSUS_TTL: Duration = Duration::from_secs(1);
 
 /// Runs the binary: prints the CRDs, or runs the controller until SIGTERM/SIGINT.
@@ -48,8 +57,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         print!("{}", crds::crds_yaml().context("rendering the CRDs")?);
         return Ok(());
     }
-    migdra_runtime::init_logging(args.log_format, &args.log_level)
-        .map_err(|e| anyhow::anyhow!("setting up logging: {e}"))?;
+    init_logging(args.log_format, &args.log_level)?;
     let identity = args.identity();
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
@@ -59,57 +67,85 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         "starting"
     );
     let shutdown = migdra_runtime::shutdown_on_signals().context("installing signal handlers")?;
-
     let metrics = metrics::Metrics::new();
     let ready = Readiness::default();
-    let renderer = {
+    let http_task = {
         let metrics = metrics.clone();
-        Arc::new(move || metrics.encode())
+        serve_metrics(args.http_address, move || metrics.encode(), &ready, &shutdown).await?
     };
-    let (http_addr, http_task) =
-        migdra_runtime::serve_http(args.http_address, renderer, ready.clone(), shutdown.clone())
-            .await
-            .context("starting the HTTP endpoint")?;
-    tracing::info!(%http_addr, "serving metrics and probes");
-
     let client = migdra_runtime::kube_client(args.kubeconfig.as_deref()).await?;
-    let config = context::ControllerConfig {
-        driver: args.driver_name.clone(),
-        heartbeat_timeout: args.heartbeat_timeout(),
-        mass_expiry_threshold: args.mass_expiry_threshold,
-        identity: identity.clone(),
-        ready_timeout: READY_TIMEOUT,
-        heartbeat_namespace: args.namespace.clone(),
-        census_ttl: CENSUS_TTL,
-        concurrency: args.max_concurrent_reconciles,
-        expiry_withdrawal_interval: EXPIRY_WITHDRAWAL_INTERVAL,
-        status_defer_max: reconcile::STATUS_DEFER_MAX,
-        status_defer_quiet: reconcile::STATUS_DEFER_QUIET,
-    };
 
     // Both the leader and a standby replica are ready: a standby is healthy and waiting.
     ready.set(true);
-    let result = if args.leader_elect {
-        let lease = leader::LeaseConfig {
-            namespace: args.namespace.clone(),
-            name: args.lease_name.clone(),
-            identity,
-            duration_seconds: args.lease_duration_seconds,
-        };
-        let task = {
-            let client = client.clone();
-            let metrics = metrics.clone();
-            move |stop| controller::run(client.clone(), config.clone(), metrics.clone(), stop)
-        };
-        leader::run(client, lease, metrics.clone(), shutdown.clone(), task).await
-    } else {
-        metrics.set_leader(true);
-        controller::run(client, config, metrics.clone(), shutdown.clone()).await
-    };
+    let result = run_controller(&args, identity, client, metrics, &shutdown).await;
     ready.set(false);
     shutdown.cancel();
     let _ = http_task.await;
     result.context("controller")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Sets up logging in `format`, filtered by `filter` (RUST_LOG syntax).
+fn init_logging(format: LogFormat, filter: &str) -> anyhow::Result<()> {
+    migdra_runtime::init_logging(format, filter).map_err(|e| anyhow::anyhow!("setting up logging: {e}"))
+}
+
+/// Serves the metrics `render` encodes and the probes on `address` until `shutdown`.
+async fn serve_metrics(
+    address: SocketAddr,
+    render: impl Fn() -> String + Send + Sync + 'static,
+    ready: &Readiness,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<JoinHandle<()>> {
+    let (http_addr, http_task) =
+        migdra_runtime::serve_http(address, Arc::new(render), ready.clone(), shutdown.clone())
+            .await
+            .context("starting the HTTP endpoint")?;
+    tracing::info!(%http_addr, "serving metrics and probes");
+    Ok(http_task)
+}
+
+/// The reconciler's settings from the command line.
+fn controller_config(args: &cli::Args, identity: String) -> context::ControllerConfig {
+    context::ControllerConfig {
+        driver: args.driver_name.clone(),
+        heartbeat_timeout: args.heartbeat_timeout(),
+        mass_expiry_threshold: args.mass_expiry_threshold,
+        identity,
+        ready_timeout: READY_TIMEOUT,
+        heartbeat_namespace: args.namespace.clone(),
+        census_ttl: CENSUS_TTL,
+        concurrency: args.max_concurrent_reconciles,
+        expiry_withdrawal_interval: EXPIRY_WITHDRAWAL_INTERVAL,
+        status_defer_max: status_deferral::MAX_WAIT,
+        status_defer_quiet: status_deferral::QUIET,
+    }
+}
+
+/// Runs the controller until `shutdown`: while this replica holds the lease, or throughout
+/// without leader election.
+async fn run_controller(
+    args: &cli::Args,
+    identity: String,
+    client: Client,
+    metrics: metrics::Metrics,
+    shutdown: &CancellationToken,
+) -> Result<()> {
+    let config = controller_config(args, identity.clone());
+    if !args.leader_elect {
+        metrics.set_leader(true);
+        return controller::run(client, config, metrics, shutdown.clone()).await;
+    }
+    let lease = leader::LeaseConfig {
+        namespace: args.namespace.clone(),
+        name: args.lease_name.clone(),
+        identity,
+        duration_seconds: args.lease_duration_seconds,
+    };
+    let task = {
+        let (client, metrics) = (client.clone(), metrics.clone());
+        move |stop| controller::run(client.clone(), config.clone(), metrics.clone(), stop)
+    };
+    leader::run(client, lease, metrics, shutdown.clone(), task).await
 }

@@ -4,9 +4,9 @@
 //! [`crate::expectations`]).
 //!
 //! The slices are encoded to JSON before the first request, and only the bytes are held
-//! while the writes wait on the API server: a slice of 64 devices is ~35 kB as JSON but
-//! ~260 kB as objects (maps of attributes), and a cold start has up to
-//! `--max-concurrent-reconciles` pools waiting at once.
+//! while the writes wait on the API server: JSON is several times smaller than the objects
+//! (maps of attributes), and a cold start has up to `--max-concurrent-reconciles` pools
+//! waiting at once.
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::{

@@ -3,14 +3,10 @@
 //! table of faults injected by kind, invariant violations by kind and wall time. Exits
 //! non-zero when any trial violated an invariant, after printing each failing seed with its
 //! log. `make fault-campaign TRIALS=1000 [SEED=S]` runs it.
-#![allow(clippy::unwrap_used)] // the shared test support unwraps on setup failures
-
-#[path = "../tests/plugin/campaign/mod.rs"]
-mod campaign;
-#[path = "../tests/plugin/support/mod.rs"]
-mod support;
 
 use std::process::ExitCode;
+
+use migdra_testkit::plugin::campaign;
 
 fn usage() -> ExitCode {
     eprintln!("usage: fault_campaign [--trials N] [--seed S] [--jobs J] [--progress] [--log]");

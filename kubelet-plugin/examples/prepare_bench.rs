@@ -132,7 +132,7 @@ impl Samples {
 }
 
 /// One kubelet call, `prepare` or `unprepare`, for claim `uid`: its error, if it failed.
-async fn call(driver: &Driver<NvmlBackend, Claims>, operation: &str, uid: &str) -> Option<String> {
+async fn call(driver: &Driver<Claims>, operation: &str, uid: &str) -> Option<String> {
     if operation == "prepare" {
         driver
             .prepare(vec![reference(uid)])

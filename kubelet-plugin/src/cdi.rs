@@ -52,16 +52,13 @@ pub enum CdiError {
     /// A /proc file could not be read.
     #[error("reading {path}: {source}")]
     Read {
-        /// File.
         path: PathBuf,
-        /// Cause.
         #[source]
         source: std::io::Error,
     },
     /// A /proc file lacks what we need.
     #[error("{path}: {what}")]
     Missing {
-        /// File.
         path: PathBuf,
         /// What is missing.
         what: String,
@@ -69,9 +66,7 @@ pub enum CdiError {
     /// Writing or removing a spec failed.
     #[error("CDI spec {path}: {source}")]
     Write {
-        /// File.
         path: PathBuf,
-        /// Cause.
         #[source]
         source: std::io::Error,
     },
@@ -92,9 +87,7 @@ pub struct DeviceNode {
     /// `c` for character devices.
     #[serde(rename = "type")]
     pub node_type: String,
-    /// Major number.
     pub major: u32,
-    /// Minor number.
     pub minor: u32,
     /// Permission bits.
     pub file_mode: u32,
@@ -285,11 +278,10 @@ impl CdiWriter {
         format!("{}/boot-id", self.vendor)
     }
 
-    /// Removes every claim spec of this vendor in the spec directory that names another boot
-    /// than this writer's, or cannot be read as a spec (a power loss tore it: specs are
-    /// renamed into place whole, and are not synced). Specs without a boot annotation (written
-    /// before it existed) are left. Returns the removed specs' claim UIDs. Nothing without a
-    /// boot ([`Self::for_boot`]).
+    /// Removes every claim spec of this vendor in the spec directory that does not name this
+    /// writer's boot: another boot's, or one that cannot be read as a spec (a power loss tore
+    /// it: specs are renamed into place whole, and are not synced). Returns the removed specs'
+    /// claim UIDs. Nothing without a boot ([`Self::for_boot`]).
     pub fn remove_specs_of_other_boots(&self) -> Result<Vec<String>, CdiError> {
         let Some(boot_id) = &self.boot_id else {
             return Ok(Vec::new());
@@ -312,21 +304,17 @@ impl CdiWriter {
                 continue;
             };
             let path = entry.path();
+            // `None` when torn.
             let written_for = fs::read(&path)
                 .ok()
                 .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
-                .map(|spec| {
-                    spec.pointer("/annotations")
-                        .and_then(|a| a.get(self.boot_annotation()))
-                        .and_then(|b| b.as_str())
+                .and_then(|spec| {
+                    spec.pointer("/annotations")?
+                        .get(self.boot_annotation())?
+                        .as_str()
                         .map(str::to_string)
                 });
-            let stale = match &written_for {
-                None => true,                  // torn
-                Some(None) => false,           // an older writer's: cannot tell
-                Some(Some(b)) => b != boot_id, // another boot's
-            };
-            if stale {
+            if written_for.as_ref() != Some(boot_id) {
                 match fs::remove_file(&path) {
                     Ok(()) => removed.push(uid.to_string()),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -604,11 +592,6 @@ impl CdiWriter {
     pub fn has_claim_spec(&self, claim_uid: &str) -> bool {
         self.spec_path(claim_uid).exists()
     }
-
-    /// The spec directory.
-    pub fn spec_dir(&self) -> &Path {
-        &self.spec_dir
-    }
 }
 
 #[cfg(test)]
@@ -654,15 +637,13 @@ mod tests {
         assert_eq!(after_reboot.claim_spec_durability(), Durability::ThisBoot);
         let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
         assert_eq!(spec["annotations"]["gpu.migdra.dev/boot-id"], "boot-2");
-        // Torn by a power loss; written by an older plugin (no boot); another driver's spec of
-        // the earlier boot; this driver's node-wide driver spec.
+        // Torn by a power loss; another driver's spec of the earlier boot; this driver's
+        // node-wide driver spec.
         fs::write(
             cdi.join("gpu.migdra.dev-claim_uid-3.json"),
             "{\"cdiVersion\": \"0.6",
         )
         .unwrap();
-        let unannotated = r#"{"cdiVersion":"0.6.0","kind":"gpu.migdra.dev/claim","devices":[]}"#;
-        fs::write(cdi.join("gpu.migdra.dev-claim_uid-4.json"), unannotated).unwrap();
         let other = r#"{"annotations":{"other.example.com/boot-id":"boot-1"}}"#;
         fs::write(cdi.join("other.example.com-claim_uid-5.json"), other).unwrap();
         fs::write(cdi.join("gpu.migdra.dev-driver.json"), "{}").unwrap();
@@ -680,7 +661,6 @@ mod tests {
             left,
             [
                 "gpu.migdra.dev-claim_uid-2.json",
-                "gpu.migdra.dev-claim_uid-4.json",
                 "gpu.migdra.dev-driver.json",
                 "other.example.com-claim_uid-5.json"
             ]
@@ -837,7 +817,10 @@ mod tests {
         }
         let writer =
             CdiWriter::new(dir.path().join("cdi"), "gpu.migdra.dev", dir.path()).with_driver(DriverSetup {
-                driver_root: HostDir::same(&root),
+                driver_root: HostDir {
+                    on_host: root.clone(),
+                    visible_at: root.clone(),
+                },
                 host_root: dir.path().join("no-host"),
                 hook_path: PathBuf::from(driver_files::DEFAULT_HOOK_PATH),
                 dev_root: dev,

@@ -6,9 +6,9 @@
 //! not describe was made by someone else and is never touched.
 //!
 //! The file is `{"checksum": "sha256:<hex>", "data": {...}}`, where the checksum covers the
-//! exact bytes of `data` as written. Readers never re-serialise before checking, so adding a
-//! field in a later version cannot break an older binary's checksum (the failure mode of
-//! NVIDIA's driver, #1080). Writes replace the file atomically without creating one
+//! exact bytes of `data` as written. Readers never re-serialise before checking, so a field
+//! a binary does not know cannot break its checksum (the failure mode of NVIDIA's driver,
+//! #1080). Writes replace the file atomically without creating one
 //! ([`replace_by_exchange`], three per prepare) and are not fsynced: the file belongs to one
 //! boot ([`crate::state_dir::Durability::ThisBoot`]); it is read with [`read_consistent`]. It is root-only (0600 in a 0700 directory). The driver uses it only through [`crate::journal::Journal`].
 
@@ -71,7 +71,6 @@ pub enum DeviceKind {
 pub struct DeviceRecord {
     /// The allocation result's request (may be `<request>/<subrequest>`).
     pub request: String,
-    /// Pool name.
     pub pool: String,
     /// Device name in the pool.
     pub device: String,
@@ -117,13 +116,10 @@ impl DeviceRecord {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ClaimRecord {
-    /// Claim namespace.
     pub namespace: String,
-    /// Claim name.
     pub name: String,
     /// Where the claim is.
     pub state: ClaimState,
-    /// Its devices.
     pub devices: Vec<DeviceRecord>,
 }
 
@@ -138,7 +134,6 @@ impl ClaimRecord {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CheckpointData {
-    /// Format version.
     pub version: u32,
     /// Boot ID of the boot this checkpoint belongs to. MIG instances never survive a reboot.
     pub boot_id: String,
@@ -167,14 +162,12 @@ pub enum CheckpointError {
     Io {
         /// File or directory.
         path: PathBuf,
-        /// Cause.
         #[source]
         source: std::io::Error,
     },
     /// The file is not a checkpoint, or its checksum does not match.
     #[error("checkpoint {path} is corrupt: {reason}")]
     Corrupt {
-        /// File.
         path: PathBuf,
         /// What is wrong.
         reason: String,
@@ -192,10 +185,7 @@ pub enum LoadOutcome {
     /// The file was read.
     Loaded,
     /// The file belonged to an earlier boot and was discarded.
-    PreviousBoot {
-        /// Its boot ID.
-        old_boot_id: String,
-    },
+    PreviousBoot { old_boot_id: String },
     /// The file was corrupt; it was moved aside to this path and an empty checkpoint used.
     CorruptMovedAside(PathBuf),
 }
@@ -282,11 +272,6 @@ impl Checkpoint {
                 Ok((checkpoint, LoadOutcome::CorruptMovedAside(aside)))
             }
         }
-    }
-
-    /// The path of the file.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 
     /// The current content.
@@ -458,7 +443,7 @@ mod tests {
         let (mut cp, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
         assert_eq!(outcome, LoadOutcome::Fresh);
         cp.put("uid-1", record(ClaimState::PrepareCompleted)).unwrap();
-        let mode = fs::metadata(cp.path()).unwrap().permissions().mode() & 0o777;
+        let mode = fs::metadata(&cp.path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         let (cp2, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
         assert_eq!(outcome, LoadOutcome::Loaded);
@@ -486,10 +471,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (mut cp, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
         cp.put("uid-1", record(ClaimState::PrepareStarted)).unwrap();
-        let text = fs::read_to_string(cp.path())
+        let text = fs::read_to_string(&cp.path)
             .unwrap()
             .replace("PrepareStarted", "PrepareCompleted");
-        fs::write(cp.path(), text).unwrap();
+        fs::write(&cp.path, text).unwrap();
         let (cp2, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
         let LoadOutcome::CorruptMovedAside(aside) = outcome else {
             panic!("expected corrupt, got {outcome:?}")
@@ -511,14 +496,14 @@ mod tests {
     }
 
     #[test]
-    fn a_checkpoint_from_before_shared_partitions_loads_with_exclusive_devices() {
-        // The bytes an earlier binary wrote (no shareId anywhere).
+    fn a_checkpoint_without_share_ids_loads_with_exclusive_devices() {
+        // Exclusive devices are written without a shareId.
         let dir = tempfile::tempdir().unwrap();
         let data = r#"{"version":1,"bootId":"boot-a","claims":{"uid-1":{"namespace":"ns","name":"claim","state":"PrepareCompleted","devices":[{"request":"gpu","pool":"node/gpu.migdra.dev","device":"gpu-0-mig-3g40gb-4","gpuUuid":"GPU-1","gpuMinor":0,"type":"mig","profile_id":9,"start":4,"size":4,"gpu_instance":2,"compute_instance":0,"mig_uuid":"MIG-1"}]}}}"#;
         let file = format!(r#"{{"checksum":"{}","data":{data}}}"#, checksum(data.as_bytes()));
         fs::write(dir.path().join("checkpoint.json"), file).unwrap();
         decode(fs::read(dir.path().join("checkpoint.json")).unwrap().as_slice())
-            .expect("an old checkpoint decodes");
+            .expect("a checkpoint without share IDs decodes");
         let (cp, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
         assert_eq!(outcome, LoadOutcome::Loaded);
         let loaded = cp.claim("uid-1").unwrap();
@@ -576,7 +561,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (mut a, _) = Checkpoint::open(dir.path(), "boot-a").unwrap();
         a.put("uid-1", record(ClaimState::PrepareCompleted)).unwrap();
-        fs::write(a.path(), b"{\"checksum\": \"sha256:00\", \"data\": {}}").unwrap();
+        fs::write(&a.path, b"{\"checksum\": \"sha256:00\", \"data\": {}}").unwrap();
         let err = a.reload_if_changed().unwrap_err();
         assert!(matches!(err, CheckpointError::Corrupt { .. }), "{err}");
         assert!(a.claim("uid-1").is_some());

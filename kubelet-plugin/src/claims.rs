@@ -84,7 +84,6 @@ pub enum ClaimError {
     Api {
         /// `namespace/name`.
         claim: String,
-        /// Cause.
         #[source]
         source: kube::Error,
     },
@@ -119,9 +118,7 @@ pub enum ClaimError {
     OtherPool {
         /// `namespace/name`.
         claim: String,
-        /// Device name.
         device: String,
-        /// Its pool.
         pool: String,
         /// This node's pool.
         expected: String,
@@ -131,7 +128,6 @@ pub enum ClaimError {
     DeviceName {
         /// `namespace/name`.
         claim: String,
-        /// Cause.
         #[source]
         source: InvalidDeviceName,
     },
@@ -142,7 +138,6 @@ pub enum ClaimError {
         claim: String,
         /// Request the configuration applies to.
         request: String,
-        /// Cause.
         #[source]
         source: ConfigError,
     },
@@ -168,7 +163,6 @@ impl ClaimError {
 pub struct AllocatedDevice {
     /// Allocation result's request (may be `<request>/<subrequest>`).
     pub request: String,
-    /// Pool name.
     pub pool: String,
     /// Device name as allocated.
     pub device: String,

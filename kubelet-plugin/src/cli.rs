@@ -72,19 +72,13 @@ pub struct Args {
     #[arg(long, env = "GRPC_HEALTH_ADDRESS", default_value = "0.0.0.0:51515")]
     pub grpc_health_address: SocketAddr,
     /// Seconds between inventory refreshes and heartbeats (renewals of the node's heartbeat
-    /// Lease; GpuNode heartbeats when there is no Lease).
+    /// Lease).
     #[arg(long, env = "HEARTBEAT_INTERVAL_SECONDS", default_value_t = 15)]
     pub heartbeat_interval_seconds: u64,
-    /// Namespace of the node's heartbeat Lease (`<node>.<driver>`; the chart passes the pod's
-    /// namespace, where the controller watches). Unset: no Lease; the plugin heartbeats by
-    /// rewriting its GpuNode status every heartbeat interval.
-    #[arg(long, env = "POD_NAMESPACE")]
-    pub heartbeat_namespace: Option<String>,
-    /// With a heartbeat Lease: seconds between GpuNode status writes when nothing in it
-    /// changed (a controller that predates the Lease reads only these, and allows 1.5 of
-    /// these intervals between them). Changes are written at the next heartbeat.
-    #[arg(long, env = "GPUNODE_HEARTBEAT_INTERVAL_SECONDS", default_value_t = 300)]
-    pub gpunode_heartbeat_interval_seconds: u64,
+    /// Namespace of the node's heartbeat Lease (`<node>.<driver>`): the controller's, where
+    /// it watches them (the chart passes the pod's namespace).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "migdra-system")]
+    pub heartbeat_namespace: String,
     /// Seconds between full re-sends of the device health list to the kubelet.
     #[arg(long, env = "HEALTH_RESEND_INTERVAL_SECONDS", default_value_t = 10)]
     pub health_resend_interval_seconds: u64,
@@ -160,12 +154,6 @@ impl Args {
         Duration::from_secs(self.heartbeat_interval_seconds.max(1))
     }
 
-    /// With a heartbeat Lease, the longest time between GpuNode status writes (at least the
-    /// heartbeat interval).
-    pub fn gpunode_heartbeat_interval(&self) -> Duration {
-        Duration::from_secs(self.gpunode_heartbeat_interval_seconds).max(self.heartbeat_interval())
-    }
-
     /// Time between full re-sends of the device health list (at least a second).
     pub fn health_resend_interval(&self) -> Duration {
         Duration::from_secs(self.health_resend_interval_seconds.max(1))
@@ -226,8 +214,7 @@ mod tests {
             .is_err()
         );
         assert_eq!(a.heartbeat_interval(), Duration::from_secs(15));
-        assert_eq!(a.heartbeat_namespace, None);
-        assert_eq!(a.gpunode_heartbeat_interval(), Duration::from_secs(300));
+        assert_eq!(a.heartbeat_namespace, "migdra-system");
         assert_eq!(a.health_resend_interval(), Duration::from_secs(10));
         assert_eq!(a.lock_timeout(), Duration::from_secs(30));
         assert_eq!(a.stale_claim_gc_interval(), Duration::from_secs(300));
@@ -358,10 +345,6 @@ mod tests {
             ("grpc-health-address", "GRPC_HEALTH_ADDRESS"),
             ("heartbeat-interval-seconds", "HEARTBEAT_INTERVAL_SECONDS"),
             ("heartbeat-namespace", "POD_NAMESPACE"),
-            (
-                "gpunode-heartbeat-interval-seconds",
-                "GPUNODE_HEARTBEAT_INTERVAL_SECONDS",
-            ),
             ("health-resend-interval-seconds", "HEALTH_RESEND_INTERVAL_SECONDS"),
             ("lock-timeout-seconds", "LOCK_TIMEOUT_SECONDS"),
             (

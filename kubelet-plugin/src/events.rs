@@ -31,11 +31,8 @@ const NOTE_LIMIT: usize = 1024;
 /// One event about a ResourceClaim.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClaimEvent {
-    /// The claim's namespace.
     pub namespace: String,
-    /// The claim's name.
     pub name: String,
-    /// The claim's UID.
     pub uid: String,
     /// Warning or Normal.
     pub type_: EventType,

@@ -103,8 +103,8 @@ impl Drop for HeldGpu {
 ///
 /// ```no_run
 /// # use std::{path::Path, time::Duration};
-/// # use migdra_kubelet_plugin::{gpus::Gpus, nvml::NvmlBackend, state_dir::NodeLock};
-/// fn in_order(gpus: &Gpus<NvmlBackend>, dir: &Path) {
+/// # use migdra_kubelet_plugin::{gpus::Gpus, state_dir::NodeLock};
+/// fn in_order(gpus: &Gpus, dir: &Path) {
 ///     let node = NodeLock::acquire(dir, Duration::ZERO).unwrap();
 ///     let locks = node.lock_gpus(gpus, [0, 1]);
 ///     drop(locks);
@@ -116,8 +116,8 @@ impl Drop for HeldGpu {
 ///
 /// ```compile_fail,E0505
 /// # use std::{path::Path, time::Duration};
-/// # use migdra_kubelet_plugin::{gpus::Gpus, nvml::NvmlBackend, state_dir::NodeLock};
-/// fn out_of_order(gpus: &Gpus<NvmlBackend>, dir: &Path) {
+/// # use migdra_kubelet_plugin::{gpus::Gpus, state_dir::NodeLock};
+/// fn out_of_order(gpus: &Gpus, dir: &Path) {
 ///     let node = NodeLock::acquire(dir, Duration::ZERO).unwrap();
 ///     let locks = node.lock_gpus(gpus, [0, 1]);
 ///     drop(node);
@@ -132,7 +132,7 @@ pub struct GpuLocks<'node> {
 impl NodeLock {
     /// Locks the GPUs with these minors (those this node knows), in minor order so that two
     /// claims never wait on each other.
-    pub fn lock_gpus<B>(&self, gpus: &Gpus<B>, minors: impl IntoIterator<Item = u32>) -> GpuLocks<'_> {
+    pub fn lock_gpus(&self, gpus: &Gpus, minors: impl IntoIterator<Item = u32>) -> GpuLocks<'_> {
         let minors: BTreeSet<u32> = minors.into_iter().collect();
         let held = minors
             .into_iter()
@@ -170,7 +170,7 @@ impl GpuLocks<'_> {
     /// ([`crate::orphans`]), on those that answer now. Prepare calls it under the node lock
     /// (the journal just re-read) before planning, so a claim whose placement such an
     /// instance blocks does not wait for an inventory that finds the node lock free.
-    pub fn destroy_orphans<B: GpuBackend>(&self, gpus: &Gpus<B>, records: &BTreeMap<String, ClaimRecord>) {
+    pub fn destroy_orphans(&self, gpus: &Gpus, records: &BTreeMap<String, ClaimRecord>) {
         let Some(orphans) = gpus.orphans().filter(|o| !o.is_empty()) else {
             return;
         };
@@ -183,7 +183,7 @@ impl GpuLocks<'_> {
     }
 
     /// What planning needs of the locked GPUs: descriptions and existing instances.
-    pub fn views<B: GpuBackend>(&self, gpus: &Gpus<B>) -> BTreeMap<u32, GpuView> {
+    pub fn views(&self, gpus: &Gpus) -> BTreeMap<u32, GpuView> {
         self.held
             .iter()
             .map(|(minor, gpu)| {
@@ -201,8 +201,8 @@ impl GpuLocks<'_> {
     }
 }
 
-struct Inner<B> {
-    backend: Arc<B>,
+struct Inner {
+    backend: Arc<dyn GpuBackend>,
     pool: String,
     journal: Arc<Journal>,
     metrics: Metrics,
@@ -217,7 +217,6 @@ struct Inner<B> {
 /// and is retried in the background.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PendingRepair {
-    /// The claim's UID.
     pub uid: String,
     /// The claim, `namespace/name`.
     pub claim: String,
@@ -235,19 +234,12 @@ impl PendingRepair {
 }
 
 /// The GPU table. Cheap to clone; clones share state.
-pub struct Gpus<B> {
-    inner: Arc<Inner<B>>,
+#[derive(Clone)]
+pub struct Gpus {
+    inner: Arc<Inner>,
 }
 
-impl<B> Clone for Gpus<B> {
-    fn clone(&self) -> Self {
-        Self {
-            inner: self.inner.clone(),
-        }
-    }
-}
-
-impl<B> Gpus<B> {
+impl Gpus {
     fn get(&self, minor: u32) -> Option<Arc<Gpu>> {
         read(&self.inner.table).get(&minor).cloned()
     }
@@ -258,15 +250,13 @@ impl<B> Gpus<B> {
     }
 
     /// The backend.
-    pub fn backend(&self) -> &Arc<B> {
+    pub(crate) fn backend(&self) -> &Arc<dyn GpuBackend> {
         &self.inner.backend
     }
-}
 
-impl<B: GpuBackend> Gpus<B> {
     /// Discovers the GPUs. `journal` says which instances are migdra's (for the inventory).
     pub fn discover(
-        backend: Arc<B>,
+        backend: Arc<dyn GpuBackend>,
         pool: String,
         journal: Arc<Journal>,
         metrics: Metrics,

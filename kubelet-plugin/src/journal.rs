@@ -78,18 +78,6 @@ impl Journal {
         checkpoint.data().claims.clone()
     }
 
-    /// How many claims are recorded (re-read like [`Self::claims`]).
-    pub fn len(&self) -> usize {
-        let mut checkpoint = self.lock();
-        refresh_for_reading(&mut checkpoint);
-        checkpoint.data().claims.len()
-    }
-
-    /// True when no claim is recorded.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Every record except `uid`'s: what a new claim must not collide with.
     pub fn others(&self, uid: &str) -> Vec<(String, ClaimRecord)> {
         self.lock()
@@ -243,7 +231,7 @@ mod tests {
         assert_eq!(journal.others("v").len(), 1);
         assert!(journal.others("u").is_empty());
         journal.forget("u").unwrap();
-        assert!(journal.is_empty());
+        assert!(journal.claims().is_empty());
         let (reopened, _) = Journal::open(dir.path(), "boot").unwrap();
         assert!(reopened.get("u").is_none());
     }

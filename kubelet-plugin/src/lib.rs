@@ -33,73 +33,153 @@ pub mod orphans;
 pub mod plan;
 pub mod state_dir;
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use anyhow::Context as _;
 use migdra_runtime::Readiness;
-use tokio::sync::{mpsc, watch};
+use tokio::{
+    sync::{mpsc, watch},
+    task::JoinHandle,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     cdi::{CdiWriter, DriverSetup},
     claims::KubeClaims,
-    driver::{Backoff, Driver, DriverConfig, RecoveryEvent},
+    driver::{Backoff, Driver, DriverConfig, RecoveryEvent, RecoveryReport},
     events::ClaimEvents,
     metrics::Metrics,
-    node_status::{NodeStatusWriter, StatusLoop},
+    node_status::{HeartbeatLease, NodeStatusWriter, StatusLoop},
     nvml::NvmlBackend,
 };
-use dra_kubelet::{PluginServer, PluginServerConfig, RegistrationState};
+use dra_kubelet::{PluginServer, PluginServerConfig, PluginServing, RegistrationState};
 
 /// How long an instance joining a running one (a rolling update) waits for the kubelet's
 /// registration before it reports status regardless.
-const JOIN_REGISTRATION_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+const JOIN_REGISTRATION_WAIT: Duration = Duration::from_secs(60);
 
 /// How often claim status writes that failed are retried.
-const CLAIM_STATUS_RETRY_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+const CLAIM_STATUS_RETRY_INTERVAL: Duration = Duration::from_secs(30);
+
+/// The driver as the plugin runs it: claims come from the API server.
+type PluginDriver = Driver<KubeClaims>;
 
 /// Runs the plugin until SIGTERM/SIGINT: metrics and probes, NVML, the driver (with startup
-/// recovery), the background repair of what recovery left pending, the status loop, then the
-/// kubelet's DRA and registration sockets.
+/// recovery), its background loops, the status loop, then the kubelet's DRA and registration
+/// sockets; once they are gone, the status loop stops or hands over to another instance.
 pub async fn run(args: cli::Args) -> anyhow::Result<()> {
-    migdra_runtime::init_logging(args.log_format, &args.log_level)
-        .map_err(|e| anyhow::anyhow!("setting up logging: {e}"))?;
-    tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %args.node_name, driver = %args.driver_name, "starting");
+    init_logging(&args)?;
     let shutdown = migdra_runtime::shutdown_on_signals().context("installing signal handlers")?;
-
     let metrics = Metrics::for_node(&args.node_name);
     let ready = Readiness::default();
-    let renderer = {
-        let metrics = metrics.clone();
-        Arc::new(move || metrics.encode())
-    };
-    let (http_addr, http_task) =
-        migdra_runtime::serve_http(args.http_address, renderer, ready.clone(), shutdown.clone())
-            .await
-            .context("starting the HTTP endpoint")?;
-    tracing::info!(%http_addr, "serving metrics and probes");
-    let (grpc_health, grpc_health_service) = tonic_health::server::health_reporter();
-    grpc_health
-        .set_service_status("", tonic_health::ServingStatus::NotServing)
-        .await;
-    let grpc_health_task = {
-        let shutdown = shutdown.clone();
-        let addr = args.grpc_health_address;
-        tokio::spawn(async move {
-            let result = tonic::transport::Server::builder()
-                .add_service(grpc_health_service)
-                .serve_with_shutdown(addr, shutdown.cancelled_owned())
-                .await;
-            if let Err(e) = result {
-                tracing::error!(%addr, error = %e, "gRPC health endpoint failed");
-            }
-        })
-    };
+    let http_task = serve_metrics(&args, &metrics, &ready, &shutdown).await?;
+    let (grpc_health, grpc_health_task) = serve_grpc_health(&args, &shutdown).await;
 
     let kube_config = migdra_runtime::kube_config(args.kubeconfig.as_deref()).await?;
     let client =
         kube::Client::try_from(kube_config.clone()).map_err(migdra_runtime::KubeClientError::from)?;
+    let (driver, report) = start_driver(&args, KubeClaims::new(client.clone()), metrics).await?;
+    let mut tasks = vec![http_task, grpc_health_task];
+    let (claim_events, recovery_events) =
+        spawn_background(&args, &driver, &report, client.clone(), &shutdown, &mut tasks);
+    let (registration_tx, registration) = watch::channel(RegistrationState::default());
+    let writer = status_writer(&args, client, kube_config)?;
+    let (status, health) = status_loop(
+        &args,
+        &driver,
+        &report,
+        writer,
+        (claim_events, recovery_events),
+        registration.clone(),
+    )
+    .await?;
 
+    let mut server_config = PluginServerConfig::new(&args.kubelet_root_dir, &args.driver_name)
+        .with_instance(&args.plugin_instance);
+    server_config.health_resend_interval = args.health_resend_interval();
+    let peer_config = server_config.clone();
+    // Joining a running instance (a rolling update): until the kubelet has registered this
+    // one, its heartbeat would report the node's plugin unregistered over the other's and
+    // the controller would withdraw the pool. So the status loop starts once registered.
+    let joining = !peer_config.live_peer_registrations().await.is_empty();
+    let server = PluginServer::new(server_config, Arc::new(driver), health, registration_tx);
+    let serving = serve_kubelet(server, &shutdown).await?;
+    ready.set(true);
+    grpc_health
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    tracing::info!("serving the kubelet");
+    if joining {
+        wait_for_registration(registration, &shutdown).await;
+    }
+    // Stopped after the sockets are gone, not on the shutdown signal: see `stop_status_loop`.
+    let status_stop = CancellationToken::new();
+    let status_task = tokio::spawn(status.run(status_stop.clone()));
+    let served = serving.wait().await;
+    ready.set(false);
+    stop_status_loop(&peer_config, status_task, status_stop).await;
+    shutdown.cancel();
+    futures::future::join_all(tasks).await;
+    served.context("kubelet gRPC servers")?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn init_logging(args: &cli::Args) -> anyhow::Result<()> {
+    migdra_runtime::init_logging(args.log_format, &args.log_level)
+        .map_err(|e| anyhow::anyhow!("setting up logging: {e}"))?;
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %args.node_name, driver = %args.driver_name, "starting");
+    Ok(())
+}
+
+/// Serves metrics and the HTTP probes until `shutdown`; ready once `ready` is set.
+async fn serve_metrics(
+    args: &cli::Args,
+    metrics: &Metrics,
+    ready: &Readiness,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<JoinHandle<()>> {
+    let renderer = {
+        let metrics = metrics.clone();
+        Arc::new(move || metrics.encode())
+    };
+    let (http_addr, task) =
+        migdra_runtime::serve_http(args.http_address, renderer, ready.clone(), shutdown.clone())
+            .await
+            .context("starting the HTTP endpoint")?;
+    tracing::info!(%http_addr, "serving metrics and probes");
+    Ok(task)
+}
+
+/// Serves the gRPC health service until `shutdown`, not serving until the reporter says so.
+async fn serve_grpc_health(
+    args: &cli::Args,
+    shutdown: &CancellationToken,
+) -> (tonic_health::server::HealthReporter, JoinHandle<()>) {
+    let (reporter, service) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
+    let shutdown = shutdown.clone();
+    let addr = args.grpc_health_address;
+    let task = tokio::spawn(async move {
+        let result = tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_shutdown(addr, shutdown.cancelled_owned())
+            .await;
+        if let Err(e) = result {
+            tracing::error!(%addr, error = %e, "gRPC health endpoint failed");
+        }
+    });
+    (reporter, task)
+}
+
+/// Loads NVML and starts the driver, which repairs what a previous run left half done.
+async fn start_driver(
+    args: &cli::Args,
+    claims: KubeClaims,
+    metrics: Metrics,
+) -> anyhow::Result<(PluginDriver, RecoveryReport)> {
     let boot_id = state_dir::read_boot_id(&args.boot_id_path)?;
     let backend = {
         let path = args.nvml_lib_path.clone();
@@ -130,58 +210,100 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     };
     tracing::info!(?driver_setup, "driver files");
     let cdi = CdiWriter::new(&args.cdi_dir, &args.driver_name, &args.proc_root).with_driver(driver_setup);
-    let (driver, report) = {
-        let claims = KubeClaims::new(client.clone());
-        let metrics = metrics.clone();
-        tokio::task::spawn_blocking(move || {
-            Driver::start(config, Arc::new(backend), claims, cdi, None, metrics)
-        })
-        .await?
-        .context("starting the driver")?
-    };
+    let (driver, report) = tokio::task::spawn_blocking(move || {
+        Driver::start(config, Arc::new(backend), claims, cdi, None, metrics)
+    })
+    .await?
+    .context("starting the driver")?;
     tracing::info!(?report, pool = driver.pool(), "driver ready");
+    Ok((driver, report))
+}
+
+/// Spawns into `tasks` what runs beside the kubelet's calls: the task that writes claim events,
+/// the repair of what recovery left pending, the stale-claim GC and the claim status retries.
+/// Returns where claim events go and what the repairs report, for the status loop.
+fn spawn_background(
+    args: &cli::Args,
+    driver: &PluginDriver,
+    report: &RecoveryReport,
+    client: kube::Client,
+    shutdown: &CancellationToken,
+    tasks: &mut Vec<JoinHandle<()>>,
+) -> (ClaimEvents, mpsc::UnboundedReceiver<RecoveryEvent>) {
     // Failed claims become events on the claim, written by their own task (never under a lock).
     let (claim_events, claim_events_rx) = ClaimEvents::channel();
     driver.set_claim_events(claim_events.clone());
-    let claim_events_task = tokio::spawn(events::publish_claim_events(
-        kube::runtime::events::Recorder::new(
-            client.clone(),
-            kube::runtime::events::Reporter {
-                controller: node_status::FIELD_MANAGER.into(),
-                instance: Some(args.node_name.clone()),
-            },
-        ),
+    let reporter = kube::runtime::events::Reporter {
+        controller: node_status::FIELD_MANAGER.into(),
+        instance: Some(args.node_name.clone()),
+    };
+    let recorder = kube::runtime::events::Recorder::new(client, reporter);
+    tasks.push(tokio::spawn(events::publish_claim_events(
+        recorder,
         claim_events_rx,
         shutdown.clone(),
-    ));
-
+    )));
     // Records recovery could not repair keep their GPUs unhealthy and are retried in the
     // background; serving does not wait for them.
     let (recovery_tx, recovery_rx) = mpsc::unbounded_channel();
-    if let Some(event) = RecoveryEvent::pending(&report) {
+    if let Some(event) = RecoveryEvent::pending(report) {
         let _ = recovery_tx.send(event);
     }
-    let repair_task = tokio::spawn(driver.clone().run_repair_loop(
+    tasks.push(tokio::spawn(driver.clone().run_repair_loop(
         Backoff::default(),
         recovery_tx.clone(),
         shutdown.clone(),
-    ));
+    )));
     // Claims deleted while nobody unprepared them release their instances; the first pass
     // runs now, after recovery.
-    let stale_gc_task = tokio::spawn(driver.clone().run_stale_claim_gc(
+    tasks.push(tokio::spawn(driver.clone().run_stale_claim_gc(
         args.stale_claim_gc_interval(),
         recovery_tx,
         shutdown.clone(),
-    ));
+    )));
     // Claim status writes that failed (API server unreachable, RBAC missing) are retried;
     // the first pass also writes the status of claims a previous run prepared.
-    let claim_status_task = tokio::spawn(
+    tasks.push(tokio::spawn(
         driver
             .clone()
             .run_claim_status_retries(CLAIM_STATUS_RETRY_INTERVAL, shutdown.clone()),
-    );
+    ));
+    (claim_events, recovery_rx)
+}
 
-    // The health list starts from a first inventory, so the kubelet never sees an empty one.
+/// Writes the node's GpuNode and renews its heartbeat Lease (with a client of its own).
+fn status_writer(
+    args: &cli::Args,
+    client: kube::Client,
+    kube_config: kube::Config,
+) -> anyhow::Result<NodeStatusWriter> {
+    let heartbeat_client =
+        node_status::heartbeat_client(kube_config).map_err(migdra_runtime::KubeClientError::from)?;
+    let lease = HeartbeatLease::new(
+        heartbeat_client,
+        &args.heartbeat_namespace,
+        &args.node_name,
+        &args.driver_name,
+        args.heartbeat_interval(),
+    );
+    Ok(NodeStatusWriter::new(
+        client,
+        &args.node_name,
+        &args.driver_name,
+        lease,
+    ))
+}
+
+/// The status loop over the driver's GPU table, and the device health it sends the kubelet.
+/// The health list starts from a first inventory, so the kubelet never sees an empty one.
+async fn status_loop(
+    args: &cli::Args,
+    driver: &PluginDriver,
+    report: &RecoveryReport,
+    writer: NodeStatusWriter,
+    (claim_events, recovery_events): (ClaimEvents, mpsc::UnboundedReceiver<RecoveryEvent>),
+    registration: watch::Receiver<RegistrationState>,
+) -> anyhow::Result<(StatusLoop, watch::Receiver<Vec<dra_kubelet::DeviceHealthReport>>)> {
     let gpus = driver.gpus().clone();
     let first = {
         let gpus = gpus.clone();
@@ -189,70 +311,62 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
             .await?
             .context("first GPU inventory")?
     };
-    let (health_tx, health_rx) = watch::channel(gpus.device_health(&first));
-    let (registration_tx, registration_rx) = watch::channel(RegistrationState::default());
-    let heartbeat = args.heartbeat_interval();
-    let mut writer = NodeStatusWriter::new(client.clone(), &args.node_name, &args.driver_name, heartbeat);
-    if let Some(namespace) = args.heartbeat_namespace.as_deref().filter(|n| !n.is_empty()) {
-        let heartbeat_client =
-            node_status::heartbeat_client(kube_config).map_err(migdra_runtime::KubeClientError::from)?;
-        writer = writer.with_heartbeat_lease(heartbeat_client, namespace, args.gpunode_heartbeat_interval());
-    }
+    let (health, health_rx) = watch::channel(gpus.device_health(&first));
     let status = StatusLoop {
         gpus,
         writer: Some(writer),
         recovery_note: report.summary(),
-        recovery_events: Some(recovery_rx),
-        registration: registration_rx.clone(),
-        health: health_tx,
-        interval: heartbeat,
+        recovery_events: Some(recovery_events),
+        registration,
+        health,
+        interval: args.heartbeat_interval(),
         claim_events,
     };
-    let mut server_config = PluginServerConfig::new(&args.kubelet_root_dir, &args.driver_name)
-        .with_instance(&args.plugin_instance);
-    server_config.health_resend_interval = args.health_resend_interval();
-    let peer_config = server_config.clone();
-    // Joining a running instance (a rolling update): until the kubelet has registered this
-    // one, its heartbeat would report the node's plugin unregistered over the other's and
-    // the controller would withdraw the pool. So the status loop starts once registered.
-    let joining = !peer_config.live_peer_registrations().await.is_empty();
-    let mut registered = registration_rx.clone();
-    let server = PluginServer::new(server_config, Arc::new(driver), health_rx, registration_tx);
+    Ok((status, health_rx))
+}
+
+/// Serves the DRA socket, then registers with the kubelet (never the other way round).
+async fn serve_kubelet(
+    server: PluginServer<PluginDriver>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<PluginServing> {
     let serving = server
         .serve_dra(shutdown.clone())
         .await
         .context("serving the DRA socket")?;
-    let serving = serving
+    serving
         .register()
         .await
-        .context("creating the registration socket")?;
-    ready.set(true);
-    grpc_health
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
-    tracing::info!("serving the kubelet");
-    if joining {
-        tracing::info!(
-            "another plugin instance serves this node; reporting status once the kubelet registered this one"
-        );
-        let confirmed = tokio::time::timeout(JOIN_REGISTRATION_WAIT, registered.wait_for(|r| r.registered));
-        tokio::select! {
-            outcome = confirmed => if outcome.is_err() {
-                tracing::warn!("the kubelet did not register this instance in time; reporting status anyway");
-            },
-            () = shutdown.cancelled() => {}
-        }
+        .context("creating the registration socket")
+}
+
+/// Waits until the kubelet registered this instance, for at most [`JOIN_REGISTRATION_WAIT`].
+async fn wait_for_registration(
+    mut registration: watch::Receiver<RegistrationState>,
+    shutdown: &CancellationToken,
+) {
+    tracing::info!(
+        "another plugin instance serves this node; reporting status once the kubelet registered this one"
+    );
+    let confirmed = tokio::time::timeout(JOIN_REGISTRATION_WAIT, registration.wait_for(|r| r.registered));
+    tokio::select! {
+        outcome = confirmed => if outcome.is_err() {
+            tracing::warn!("the kubelet did not register this instance in time; reporting status anyway");
+        },
+        () = shutdown.cancelled() => {}
     }
-    // Stopped after the sockets are gone, not on the shutdown signal: see the hand-over below.
-    let status_stop = CancellationToken::new();
-    let status_task = tokio::spawn(status.run(status_stop.clone()));
-    let served = serving.wait().await;
-    ready.set(false);
-    // A stopping plugin normally reports itself unregistered, so the controller withdraws the
-    // node's pool at once. In a rolling update another instance is still registered and keeps
-    // serving: then this one just stops reporting (aborting the status task also stops its
-    // Lease renewals; the other's heartbeat continues), or the pool would vanish for a
-    // heartbeat interval.
+}
+
+/// A stopping plugin normally reports itself unregistered, so the controller withdraws the
+/// node's pool at once. In a rolling update another instance is still registered and keeps
+/// serving: then this one just stops reporting (aborting the status task also stops its
+/// Lease renewals; the other's heartbeat continues), or the pool would vanish for a
+/// heartbeat interval.
+async fn stop_status_loop(
+    peer_config: &PluginServerConfig,
+    status_task: JoinHandle<()>,
+    status_stop: CancellationToken,
+) {
     let peers = peer_config.live_peer_registrations().await;
     if peers.is_empty() {
         status_stop.cancel();
@@ -266,16 +380,4 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         );
         status_task.abort();
     }
-    shutdown.cancel();
-    let _ = tokio::join!(
-        http_task,
-        grpc_health_task,
-        repair_task,
-        stale_gc_task,
-        claim_events_task,
-        claim_status_task
-    );
-    served.context("kubelet gRPC servers")?;
-    tracing::info!("stopped");
-    Ok(())
 }

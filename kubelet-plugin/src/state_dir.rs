@@ -80,10 +80,9 @@ pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32, durability: Durabi
 ///
 /// Writers of this function serialize on `.<name>.lock`, and [`read_consistent`] readers take
 /// it shared, because the scratch file's inode is the previous version: a reader holding it
-/// open while the next write reuses it would see that write. Writers of older versions (a
-/// rolling update) rename new files over `path` and never modify an inode in place, which is
-/// safe with either reader. A missing `path`, or a file system without the exchange, falls
-/// back to [`write_atomically`].
+/// open while the next write reuses it would see that write. A missing `path`, or a file system
+/// without the exchange, falls back to [`write_atomically`], which renames a new file over
+/// `path` and never modifies an inode in place.
 pub fn replace_by_exchange(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
 
@@ -175,9 +174,7 @@ fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
 #[derive(Debug, thiserror::Error)]
 #[error("{path}: {source}")]
 pub struct StateFileError {
-    /// The file.
     pub path: PathBuf,
-    /// Cause.
     #[source]
     pub source: std::io::Error,
 }

@@ -25,7 +25,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    heartbeat::{Heartbeat, HeartbeatForm, SimPlugin},
+    heartbeat::{Heartbeat, SimPlugin},
     objects::{NODE_LEASE_NAMESPACE, SIMULATED_LABEL, node_gpus, node_lease, node_name, node_object},
 };
 use crate::{retry::retry, stats::Samples};
@@ -297,7 +297,6 @@ async fn keep_live(
     for timer in [&mut beats, &mut renewals] {
         timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
-    let mut beat_number = 0u64;
     // A refused renewal is tried again before the next beat, as the plugin's Lease task does.
     let mut retry = RenewalRetry::default();
     let mut retry_at: Option<tokio::time::Instant> = None;
@@ -307,7 +306,6 @@ async fn keep_live(
         let attempt = tokio::select! {
             _ = cancel.cancelled() => return,
             beat = beats.tick() => {
-                beat_number += 1;
                 began = Instant::now();
                 next_beat = beat + interval;
                 retry_at = None;
@@ -328,7 +326,7 @@ async fn keep_live(
         if !attempt {
             continue;
         }
-        let result = heartbeat.beat(&plugin, beat_number).await;
+        let result = heartbeat.beat(&plugin).await;
         let delay = match &result {
             Ok(()) => {
                 retry.succeeded();
@@ -340,7 +338,7 @@ async fn keep_live(
                     _ => None,
                 };
                 let until_next_beat = next_beat.saturating_duration_since(tokio::time::Instant::now());
-                (heartbeat.form() == HeartbeatForm::Lease && RenewalRetry::retryable(status))
+                RenewalRetry::retryable(status)
                     .then(|| retry.failed_now(until_next_beat))
                     .flatten()
             }

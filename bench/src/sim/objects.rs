@@ -110,21 +110,19 @@ pub fn gpunode_object(node: &str, node_uid: &str, driver: &str) -> Value {
     })
 }
 
-/// The plugin's part of the GpuNode status, as it applies it on every heartbeat.
-pub fn plugin_status(started: Timestamp, now: Timestamp, interval_seconds: u32) -> PluginStatus {
+/// The plugin's part of the GpuNode status.
+pub fn plugin_status(started: Timestamp) -> PluginStatus {
     PluginStatus {
         version: env!("CARGO_PKG_VERSION").to_string(),
         registered: true,
         registration_error: None,
         start_time: Time(started),
-        heartbeat_time: Time(now),
-        heartbeat_interval_seconds: interval_seconds,
         // The driver version the fake NVML reports: the simulated nodes claim the same.
         driver_version: Some(migdra_fake_nvml::config::DEFAULT_DRIVER_VERSION.to_string()),
     }
 }
 
-/// The status apply patch of a heartbeat: `status.plugin` and `status.gpus`.
+/// The plugin's status apply patch: `status.plugin` and `status.gpus`.
 pub fn status_patch(plugin: &PluginStatus, gpus: &[GpuInventory]) -> Value {
     json!({
         "apiVersion": API_VERSION,
@@ -144,7 +142,7 @@ mod tests {
         let now = Timestamp::now();
         let gpus = node_gpus("sim-gpu-0007", 8).expect("catalog model");
         let mut object = gpunode_object("sim-gpu-0007", "uid-1", "gpu.migdra.dev");
-        object["status"] = status_patch(&plugin_status(now, now, 15), &gpus)["status"].clone();
+        object["status"] = status_patch(&plugin_status(now), &gpus)["status"].clone();
         // The real type reads it back unchanged: same fields, names and nesting.
         let parsed: GpuNode = serde_json::from_value(object.clone()).expect("a GpuNode");
         assert_eq!(
@@ -155,7 +153,6 @@ mod tests {
         let status = parsed.status.expect("status");
         let plugin = status.plugin.expect("plugin status");
         assert!(plugin.registered);
-        assert_eq!(plugin.heartbeat_interval_seconds, 15);
         let parsed_gpus = status.gpus.expect("gpus");
         assert_eq!(parsed_gpus, gpus);
         assert_eq!(parsed_gpus.len(), 8);

@@ -8,14 +8,14 @@ use std::{
     time::Duration,
 };
 
-use crate::support::{
-    DRIVER, NAMESPACE, NODE, NODE_UID, ago, gpunode, h100s, lease, plugin,
-    router::{Call, Reply, serve, status},
-};
 use http::{Method, StatusCode};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use migdra_api::{policy::EffectivePolicy, slices::published_plan};
 use migdra_controller::{context::ControllerConfig, controller, metrics::Metrics};
+use migdra_testkit::controller::{
+    NAMESPACE, NODE, NODE_UID, ago, config, gpunode, h100s, lease, plugin,
+    router::{Call, Reply, serve, status},
+};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -82,29 +82,19 @@ fn handle(call: &Call, written: &Mutex<Vec<ResourceSlice>>, gpunode: &Value) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
     let gpus = h100s(2);
-    // A plugin of this version: its GpuNode heartbeat is a minute old (it is rewritten every
-    // 300 s); its Lease, renewed 2 s ago, is what makes it live.
-    let mut slow = plugin(true, ago(60));
-    slow.heartbeat_interval_seconds = 300;
-    let g = serde_json::to_value(gpunode(Some(slow), gpus.clone())).unwrap();
+    // A registered plugin, written an hour ago; its Lease, renewed 2 s ago, makes it live.
+    let registered = plugin(true, ago(3600));
+    let g = serde_json::to_value(gpunode(Some(registered), gpus.clone())).unwrap();
     let written = Arc::new(Mutex::new(Vec::new()));
     let (client, calls) = {
         let written = written.clone();
         serve(move |call| handle(call, &written, &g))
     };
     let config = ControllerConfig {
-        driver: DRIVER.into(),
-        heartbeat_timeout: Duration::from_secs(25),
-        mass_expiry_threshold: 0.55,
-        identity: "controller-0".into(),
         ready_timeout: Duration::from_secs(5),
-        heartbeat_namespace: NAMESPACE.into(),
         census_ttl: Duration::from_secs(1),
         concurrency: 4,
-        expiry_withdrawal_interval: Duration::from_secs(10),
-        status_defer_max: migdra_controller::reconcile::STATUS_DEFER_MAX,
-        // Statuses wait only while slices are written, unless a test asks for more.
-        status_defer_quiet: Duration::ZERO,
+        ..config()
     };
     let shutdown = CancellationToken::new();
     let run = tokio::spawn(controller::run(client, config, Metrics::new(), shutdown.clone()));

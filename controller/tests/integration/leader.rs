@@ -10,13 +10,13 @@ use std::{
     time::Duration,
 };
 
-use crate::support::router::{Reply, serve, status};
 use http::{Method, StatusCode};
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::MicroTime, jiff::Timestamp};
 use migdra_controller::{
     leader::{self, LeaseConfig},
     metrics::Metrics,
 };
+use migdra_testkit::controller::router::{Reply, serve, status};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 

@@ -5,7 +5,6 @@
 
 use std::{sync::Arc, time::Duration};
 
-use crate::support::*;
 use http::StatusCode;
 use k8s_openapi::{api::resource::v1::ResourceSlice, jiff::Timestamp};
 use kube::runtime::controller::Action;
@@ -18,6 +17,7 @@ use migdra_controller::{
     Error,
     reconcile::{LIVE_RESYNC, error_policy},
 };
+use migdra_testkit::controller::*;
 
 fn name(i: usize) -> String {
     format!("{NODE}-{DRIVER}-{i:03}")
@@ -38,7 +38,11 @@ fn expiry_watched_in(h: &Harness, action: &Action) -> i64 {
         Some(LIVE_RESYNC.as_secs()),
         "a live node is requeued only for the resync"
     );
-    let until = h.ctx.live_until(NODE).expect("a live node is watched for expiry");
+    let until = h
+        .ctx
+        .heartbeats
+        .live_until(NODE)
+        .expect("a live node is watched for expiry");
     until.duration_since(Timestamp::now()).as_secs()
 }
 
@@ -57,6 +61,16 @@ fn pool_slice(generation: i64, count: usize) -> impl Fn(&ResourceSlice) + Send +
         );
         assert_eq!(owner.controller, Some(true));
         assert_eq!(s.metadata.labels.as_ref().unwrap()["gpu.migdra.dev/node"], NODE);
+        // What the slice cache compares by (the cache holds no specs).
+        let annotations = s.metadata.annotations.as_ref().unwrap();
+        assert!(
+            annotations.contains_key("gpu.migdra.dev/spec-hash"),
+            "{annotations:?}"
+        );
+        assert_eq!(
+            annotations["gpu.migdra.dev/pool-generation"],
+            generation.to_string()
+        );
     }
 }
 
@@ -167,11 +181,9 @@ async fn inventory_change_bumps_the_generation_rewrites_all_and_deletes_the_surp
     assert!(served.written.iter().all(|s| s.spec.pool.generation == 2));
 }
 
-/// The GpuNode after the plugin's next heartbeat.
-fn heartbeat(mut g: GpuNode) -> GpuNode {
-    let plugin = g.status.as_mut().unwrap().plugin.as_mut().unwrap();
-    plugin.heartbeat_time = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now());
-    g
+/// The plugin's next heartbeat: a Lease renewal now.
+fn heartbeat(h: &mut Harness) {
+    h.put_lease(NODE, Timestamp::now());
 }
 
 /// The reconcile after a wipe the plugin has not answered: nothing to delete, the pool is
@@ -213,7 +225,7 @@ async fn a_kubelet_wipe_withdraws_the_pool_until_the_plugin_heartbeats_again() {
 
     // The plugin heartbeats after the wipe (it re-registered with a restarted kubelet): the
     // pool comes back, the generation continuing above the published one.
-    let g = heartbeat(g);
+    heartbeat(&mut h);
     let scenario = Scenario::new()
         .then_all((0..count).map(|i| create_slice(&name(i), pool_slice(2, count))))
         .then(patch_status(|body| {
@@ -237,7 +249,8 @@ async fn a_wipe_right_after_the_create_is_a_wipe_too() {
     let scenario = Scenario::new()
         .then_all((0..count).map(|i| create_slice(&name(i), pool_slice(2, count))))
         .then(patch_status(|_| {}));
-    let (result, _) = h.reconcile(&heartbeat(g), scenario).await;
+    heartbeat(&mut h);
+    let (result, _) = h.reconcile(&g, scenario).await;
     assert!(result.is_ok());
 }
 
@@ -284,11 +297,12 @@ async fn the_controllers_own_deletes_are_no_wipe() {
 /// `count` more GpuNodes of registered plugins whose last heartbeat was `seconds` ago.
 fn other_nodes(h: &mut Harness, count: usize, seconds: i64) {
     for i in 0..count {
-        let mut other = gpunode(Some(plugin(true, ago(seconds))), h100s(1));
+        let mut other = gpunode(Some(live_plugin()), h100s(1));
         let name = format!("node-other-{seconds}-{i}");
         other.metadata.name = Some(name.clone());
-        other.spec.node_name = name;
+        other.spec.node_name = name.clone();
         h.put_gpunode(&other);
+        h.put_lease(&name, ago(seconds));
     }
 }
 
@@ -300,9 +314,8 @@ async fn most_heartbeats_expiring_at_once_withdraw_nothing() {
     // node-a and three more nodes miss their heartbeats together, one node is fine: 4 of 5.
     other_nodes(&mut h, 3, 120);
     other_nodes(&mut h, 1, 0);
-    let mut stale = g.clone();
-    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
-    let (result, _) = h.reconcile(&stale, Scenario::new()).await;
+    h.put_lease(NODE, ago(120));
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
     let recheck = requeue_secs(&result.unwrap()).expect("looked at again soon");
     assert!(recheck <= 10, "{recheck}");
     let metrics = h.ctx.metrics.encode();
@@ -331,13 +344,11 @@ async fn a_few_expired_heartbeats_among_many_live_ones_withdraw() {
     // node-a and two more are stale, four are fine: 3 of 7 is not a mass expiry.
     other_nodes(&mut h, 2, 120);
     other_nodes(&mut h, 4, 0);
-    let mut stale = g.clone();
-    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
+    h.put_lease(NODE, ago(120));
     let scenario = Scenario::new()
-        .then(get_gpunode(&stale))
-        .then(get_lease(None))
+        .then(get_lease(Some(ago(120))))
         .then_all(withdrawal(stored.len(), "PluginNotReady"));
-    let (result, _) = h.reconcile(&stale, scenario).await;
+    let (result, _) = h.reconcile(&g, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
     let metrics = h.ctx.metrics.encode();
     assert!(
@@ -350,20 +361,21 @@ async fn a_few_expired_heartbeats_among_many_live_ones_withdraw() {
     );
 }
 
-/// `confirmed`: the plugin's heartbeat expired, which the reconcile confirms with a fresh
-/// read of the GpuNode and the (missing) Lease before withdrawing.
+/// `stale`: the plugin's Lease was last renewed two minutes ago, which the reconcile
+/// confirms with a fresh read of the Lease before withdrawing.
 async fn withdrawn_when(
     plugin: Option<migdra_api::inventory::PluginStatus>,
     message: &'static str,
-    confirmed: bool,
+    stale: bool,
 ) {
     let mut h = Harness::new();
     let (stored, g) = publish_fresh(&mut h, h100s(2)).await;
     h.store_slices(&stored);
     let mut g = g;
     g.status.as_mut().unwrap().plugin = plugin;
-    let reads = if confirmed {
-        vec![get_gpunode(&g), get_lease(None)]
+    let reads = if stale {
+        h.put_lease(NODE, ago(120));
+        vec![get_lease(Some(ago(120)))]
     } else {
         Vec::new()
     };
@@ -399,7 +411,7 @@ async fn an_unregistered_plugin_withdraws_the_pool() {
 
 #[tokio::test]
 async fn a_stale_heartbeat_withdraws_the_pool() {
-    withdrawn_when(Some(plugin(true, ago(120))), "heartbeat", true).await;
+    withdrawn_when(Some(live_plugin()), "last heartbeat", true).await;
 }
 
 #[tokio::test]
@@ -443,7 +455,7 @@ async fn a_conflict_fails_the_reconcile_and_the_retry_succeeds() {
     assert!(matches!(err, Error::Conflict { .. }), "{err}");
     assert_eq!(err.metric_label(), "conflict");
     assert_eq!(
-        h.ctx.slice_writers(),
+        h.ctx.status_deferral.slice_writers(),
         0,
         "a failed publish no longer counts as writing"
     );
@@ -755,14 +767,6 @@ async fn a_single_slice_change_keeps_the_generation_and_the_taint_times() {
     assert!(served.status_patches.is_empty());
 }
 
-/// A plugin of this version: the GpuNode heartbeat is `gpunode_age` seconds old and
-/// announces the 300 s GpuNode interval.
-fn leased_plugin(gpunode_age: i64) -> migdra_api::inventory::PluginStatus {
-    let mut p = plugin(true, ago(gpunode_age));
-    p.heartbeat_interval_seconds = 300;
-    p
-}
-
 /// The calls of a withdrawal of `slices` slices: each deleted, then a status saying
 /// `Published=False` for `reason`.
 fn withdrawal(slices: usize, reason: &'static str) -> Vec<Step> {
@@ -773,26 +777,25 @@ fn withdrawal(slices: usize, reason: &'static str) -> Vec<Step> {
     steps
 }
 
-/// Publishes a one-GPU pool, caches its slices, and makes the plugin one of this version: a
-/// GpuNode heartbeat 200 s old (300 s interval) and a Lease renewed `lease_age` seconds ago.
+/// Publishes a one-GPU pool, caches its slices, and leaves the plugin's Lease last renewed
+/// `lease_age` seconds ago.
 async fn publish_leased(h: &mut Harness, lease_age: i64) -> (Vec<ResourceSlice>, GpuNode) {
-    let (stored, mut g) = publish_fresh(h, h100s(1)).await;
+    let (stored, g) = publish_fresh(h, h100s(1)).await;
     h.store_slices(&stored);
-    g.status.as_mut().unwrap().plugin = Some(leased_plugin(200));
     h.put_lease(NODE, ago(lease_age));
     (stored, g)
 }
 
 #[tokio::test]
-async fn lease_renewals_keep_a_node_live_between_slow_gpunode_writes() {
+async fn lease_renewals_keep_a_node_live() {
     let mut h = Harness::new();
     let (_, g) = publish_leased(&mut h, 3).await;
-    // Live through the Lease: nothing to write; watched for the Lease's expiry (25 s after
-    // the renewal, not 450 s after the GpuNode's beat).
+    // Live through the Lease, however old the GpuNode: nothing to write; watched for the
+    // Lease's expiry (25 s after the renewal).
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     let expiry = expiry_watched_in(&h, &result.unwrap());
     assert!((20..=22).contains(&expiry), "heartbeat expires in {expiry}s");
-    assert!(h.ctx.is_live(NODE));
+    assert!(h.ctx.heartbeats.is_live(NODE));
 }
 
 #[tokio::test]
@@ -801,57 +804,41 @@ async fn the_expiry_watch_hands_over_only_heartbeats_not_renewed_since() {
     let (_, g) = publish_leased(&mut h, 3).await;
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     expiry_watched_in(&h, &result.unwrap());
-    let first = h.ctx.live_until(NODE).unwrap();
-    assert!(h.ctx.take_expired(Timestamp::now()).is_empty(), "not expired yet");
+    let first = h.ctx.heartbeats.live_until(NODE).unwrap();
+    assert!(
+        h.ctx.heartbeats.take_expired(Timestamp::now()).is_empty(),
+        "not expired yet"
+    );
 
     // Renewed before the expiry: moved to the renewal's expiry without a reconciliation.
     let renewed = ago(0);
     h.put_lease(NODE, renewed);
-    assert!(h.ctx.take_expired(first).is_empty());
-    let second = h.ctx.live_until(NODE).unwrap();
+    assert!(h.ctx.heartbeats.take_expired(first).is_empty());
+    let second = h.ctx.heartbeats.live_until(NODE).unwrap();
     assert_eq!(second, renewed + Duration::from_secs(25));
     assert!(
-        h.ctx.is_live(NODE),
+        h.ctx.heartbeats.is_live(NODE),
         "a renewal of a live node still triggers nothing"
     );
 
     // Not renewed again: handed to a reconciliation at that expiry, once; it stops counting
     // as live, so a late renewal triggers a reconciliation.
-    assert_eq!(h.ctx.take_expired(second), vec![NODE.to_string()]);
-    assert!(!h.ctx.is_live(NODE));
-    assert!(h.ctx.take_expired(second + Duration::from_secs(60)).is_empty());
-}
-
-#[tokio::test]
-async fn the_expiry_watch_follows_an_old_plugins_gpunode_heartbeat() {
-    // A plugin without a Lease beats in its GpuNode; the watch reads the cached GpuNode.
-    let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
-    let first = h.ctx.live_until(NODE).unwrap();
-    let mut beaten = g.clone();
-    // A beat 5 s after the one the reconciliation saw (whole seconds, as the plugin writes).
-    let at = first - Duration::from_secs(20);
-    beaten.status.as_mut().unwrap().plugin = Some(plugin(true, at));
-    h.put_gpunode(&beaten);
-    assert!(h.ctx.take_expired(first).is_empty());
-    assert_eq!(h.ctx.live_until(NODE), Some(at + Duration::from_secs(25)));
-    // Its GpuNode is gone from the cache: nothing says it is live.
-    h.remove_gpunode(&beaten);
-    assert_eq!(
-        h.ctx.take_expired(at + Duration::from_secs(25)),
-        vec![NODE.to_string()]
+    assert_eq!(h.ctx.heartbeats.take_expired(second), vec![NODE.to_string()]);
+    assert!(!h.ctx.heartbeats.is_live(NODE));
+    assert!(
+        h.ctx
+            .heartbeats
+            .take_expired(second + Duration::from_secs(60))
+            .is_empty()
     );
 }
 
 #[tokio::test]
 async fn a_lease_that_stops_being_renewed_withdraws_the_pool() {
-    // The GpuNode alone (300 s interval, 200 s old) would still be live; the Lease, last
-    // renewed 40 s ago, says the plugin is gone.
+    // The Lease, last renewed 40 s ago, says the plugin is gone; the server agrees.
     let mut h = Harness::new();
     let (stored, g) = publish_leased(&mut h, 40).await;
     let scenario = Scenario::new()
-        .then(get_gpunode(&g))
         .then(get_lease(Some(ago(40))))
         .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
         .then(patch_status(|body| {
@@ -862,68 +849,9 @@ async fn a_lease_that_stops_being_renewed_withdraws_the_pool() {
     let (result, _) = h.reconcile(&g, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
     assert!(
-        !h.ctx.is_live(NODE),
+        !h.ctx.heartbeats.is_live(NODE),
         "the next Lease renewal must trigger a reconcile"
     );
-}
-
-#[tokio::test]
-async fn an_old_plugin_without_lease_is_judged_by_its_gpunode_heartbeat() {
-    // Version skew: a plugin that predates the Lease beats in the GpuNode every 15 s.
-    let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
-    let (result, _) = h.reconcile(&g, Scenario::new()).await;
-    assert!(requeue_secs(&result.unwrap()).is_some());
-    assert!(h.ctx.is_live(NODE));
-    // A Lease another (downgraded) plugin left behind long ago changes nothing.
-    h.put_lease(NODE, ago(3600));
-    let (result, _) = h.reconcile(&g, Scenario::new()).await;
-    let expiry = expiry_watched_in(&h, &result.unwrap());
-    assert!((20..=25).contains(&expiry), "heartbeat expires in {expiry}s");
-}
-
-#[tokio::test]
-async fn slices_of_an_older_controller_are_rewritten_once_then_left_alone() {
-    let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    for s in &stored {
-        let annotations = s.metadata.annotations.as_ref().unwrap();
-        assert!(
-            annotations.contains_key("gpu.migdra.dev/spec-hash"),
-            "{annotations:?}"
-        );
-        assert_eq!(annotations["gpu.migdra.dev/pool-generation"], "1");
-    }
-    // What an older controller wrote: the same slices without the annotations (other
-    // objects, so other resourceVersions).
-    let old: Vec<ResourceSlice> = stored
-        .iter()
-        .cloned()
-        .enumerate()
-        .map(|(i, mut s)| {
-            s.metadata.annotations = None;
-            s.metadata.resource_version = Some(format!("{}", 9000 + i));
-            s
-        })
-        .collect();
-    h.store_slices(&old);
-    let count = old.len();
-    let scenario = Scenario::new()
-        .then_all((0..count).map(|i| {
-            let rv = old[i].metadata.resource_version.clone().unwrap();
-            replace_slice(&name(i), Some(&rv), pool_slice(2, count))
-        }))
-        .then(patch_status(|body| {
-            assert_eq!(body["status"]["publication"]["generation"], 2)
-        }));
-    let (result, served) = h.reconcile(&g, scenario).await;
-    assert!(result.is_ok());
-    h.store_slices(&served.written);
-    let g = with_status_patch(g, &served.status_patches[0]);
-    // Annotated now: a resync writes nothing.
-    let (result, _) = h.reconcile(&g, Scenario::new()).await;
-    assert!(result.is_ok());
 }
 
 #[tokio::test]
@@ -933,12 +861,12 @@ async fn an_unchanged_pool_is_remembered_until_an_input_changes() {
     h.store_slices(&stored);
     // The publish left the memo the caches match once they show its writes; a full
     // computation over those caches finds the same inputs.
-    let predicted = h.ctx.memo(NODE).expect("a publish leaves a memo");
-    h.ctx.set_memo(NODE, None);
+    let predicted = h.ctx.memos.get(NODE).expect("a publish leaves a memo");
+    h.ctx.memos.set(NODE, None);
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     assert!(result.is_ok());
-    let computed = h.ctx.memo(NODE).expect("the pool was found up to date");
-    assert_eq!(computed.inputs(), predicted.inputs());
+    let computed = h.ctx.memos.get(NODE).expect("the pool was found up to date");
+    assert_eq!(computed.inputs, predicted.inputs);
     // Same inputs: still nothing to write (now without computing the pool).
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     assert!(result.is_ok());
@@ -975,8 +903,8 @@ async fn an_unchanged_pool_is_remembered_until_an_input_changes() {
     assert!(result.is_ok());
     // Written: the memo now describes the caches after the write, not the ones before, so
     // the next reconciliation over the old cache waits for it instead of trusting it.
-    let after_write = h.ctx.memo(NODE).expect("a publish leaves a memo");
-    assert_ne!(after_write.inputs(), computed.inputs());
+    let after_write = h.ctx.memos.get(NODE).expect("a publish leaves a memo");
+    assert_ne!(after_write.inputs, computed.inputs);
     let (result, served) = h.reconcile(&g, Scenario::new()).await;
     assert!(requeue_secs(&result.unwrap()).is_some());
     assert!(served.written.is_empty() && served.status_patches.is_empty());
@@ -987,9 +915,9 @@ async fn reconciliations_after_a_publish_reuse_its_memo_and_do_not_rewrite_its_s
     let mut h = Harness::new();
     let gpus = h100s(2);
     let (stored, with_status) = publish_fresh(&mut h, gpus.clone()).await;
-    let predicted = h.ctx.memo(NODE).expect("a publish leaves a memo");
+    let predicted = h.ctx.memos.get(NODE).expect("a publish leaves a memo");
     assert!(
-        predicted.gpunode_version().is_some_and(|v| v != "1"),
+        predicted.gpunode_version.as_deref().is_some_and(|v| v != "1"),
         "the memo names the GpuNode version the status write produced: {predicted:?}"
     );
     h.store_slices(&stored);
@@ -999,7 +927,7 @@ async fn reconciliations_after_a_publish_reuse_its_memo_and_do_not_rewrite_its_s
     let (result, served) = h.reconcile(&before_write, Scenario::new()).await;
     assert!(requeue_secs(&result.unwrap()).is_some());
     assert!(served.status_patches.is_empty(), "no second status write");
-    assert_eq!(h.ctx.memo(NODE), Some(predicted.clone()));
+    assert_eq!(h.ctx.memos.get(NODE), Some(predicted.clone()));
     // The GpuNode cache caught up: nothing to write either.
     let (result, served) = h.reconcile(&with_status, Scenario::new()).await;
     assert!(result.is_ok() && served.status_patches.is_empty());
@@ -1022,15 +950,14 @@ async fn expiry_withdraws_at_most_one_pool_per_interval() {
     h.store_slices(&stored);
     other_nodes(&mut h, 6, 0);
     // Another node's pool was just withdrawn for an expired heartbeat.
-    assert!(h.ctx.allow_expiry_withdrawal());
-    assert!(!h.ctx.allow_expiry_withdrawal(), "one per interval");
+    assert!(h.ctx.heartbeats.allow_expiry_withdrawal());
+    assert!(!h.ctx.heartbeats.allow_expiry_withdrawal(), "one per interval");
     // node-a's heartbeat expires too (1 of 7: no mass expiry): kept for now, looked at again.
-    let mut stale = g.clone();
-    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
-    let (result, _) = h.reconcile(&stale, Scenario::new()).await;
+    h.put_lease(NODE, ago(120));
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
     let recheck = requeue_secs(&result.unwrap()).expect("looked at again soon");
     assert!(recheck <= 10, "{recheck}");
-    assert!(!h.ctx.is_live(NODE));
+    assert!(!h.ctx.heartbeats.is_live(NODE));
     // The limit holds back expiry only: an unregistered plugin is withdrawn at once.
     let mut unregistered = g.clone();
     unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
@@ -1045,22 +972,20 @@ async fn an_expiry_the_api_server_refutes_keeps_the_pool() {
     // server); the server has a renewal from a second ago.
     let mut h = Harness::new();
     let (_, g) = publish_leased(&mut h, 40).await;
-    let scenario = Scenario::new()
-        .then(get_gpunode(&g))
-        .then(get_lease(Some(ago(1))));
+    let scenario = Scenario::new().then(get_lease(Some(ago(1))));
     let (result, served) = h.reconcile(&g, scenario).await;
     assert!(served.deleted.is_empty() && served.status_patches.is_empty());
     // Live until the fresh renewal expires (25 s after it), looked at again then.
     let expiry = expiry_watched_in(&h, &result.unwrap());
     assert!((22..=24).contains(&expiry), "heartbeat expires in {expiry}s");
-    assert!(h.ctx.is_live(NODE));
+    assert!(h.ctx.heartbeats.is_live(NODE));
     let metrics = h.ctx.metrics.encode();
     assert!(
         metrics.contains(r#"migdra_controller_heartbeat_expiry_checks_total{outcome="refuted"} 1"#),
         "{metrics}"
     );
     assert!(
-        h.ctx.allow_expiry_withdrawal(),
+        h.ctx.heartbeats.allow_expiry_withdrawal(),
         "a refuted expiry uses up no withdrawal allowance"
     );
 }
@@ -1073,9 +998,9 @@ async fn an_expiry_no_later_than_renewals_arrive_right_now_keeps_the_pool() {
     let mut h = Harness::new();
     let (stored, g) = publish_leased(&mut h, 30).await;
     for _ in 0..40 {
-        h.ctx.record_heartbeat_delay(ago(9));
+        h.ctx.heartbeats.record_delay(ago(9));
     }
-    assert_eq!(h.ctx.heartbeat_allowance(), Duration::from_secs(10));
+    assert_eq!(h.ctx.heartbeats.allowance(), Duration::from_secs(10));
     // Kept without a read (the server is loaded enough) and looked at again soon.
     let (result, served) = h.reconcile(&g, Scenario::new()).await;
     let recheck = requeue_secs(&result.unwrap()).expect("looked at again");
@@ -1089,7 +1014,6 @@ async fn an_expiry_no_later_than_renewals_arrive_right_now_keeps_the_pool() {
     // 40 s old is later than that: confirmed by the server and withdrawn.
     h.put_lease(NODE, ago(40));
     let scenario = Scenario::new()
-        .then(get_gpunode(&g))
         .then(get_lease(Some(ago(40))))
         .then_all(withdrawal(stored.len(), "PluginNotReady"));
     let (result, served) = h.reconcile(&g, scenario).await;
@@ -1102,46 +1026,25 @@ async fn a_few_late_renewals_give_no_allowance() {
     // Fewer renewals than the allowance needs (one node's skewed clock, say): none.
     let h = Harness::new();
     for _ in 0..5 {
-        h.ctx.record_heartbeat_delay(ago(60));
+        h.ctx.heartbeats.record_delay(ago(60));
     }
-    assert_eq!(h.ctx.heartbeat_allowance(), Duration::ZERO);
+    assert_eq!(h.ctx.heartbeats.allowance(), Duration::ZERO);
     // Enough of them, far later than any cap: the cap.
     for _ in 0..40 {
-        h.ctx.record_heartbeat_delay(ago(600));
+        h.ctx.heartbeats.record_delay(ago(600));
     }
     assert_eq!(
-        h.ctx.heartbeat_allowance(),
-        migdra_controller::context::MAX_HEARTBEAT_ALLOWANCE
+        h.ctx.heartbeats.allowance(),
+        migdra_controller::liveness::tracker::MAX_HEARTBEAT_ALLOWANCE
     );
-}
-
-#[tokio::test]
-async fn an_old_plugins_expiry_the_api_server_refutes_keeps_the_pool() {
-    // A plugin without a Lease beats in its GpuNode; the cached copy is two minutes old, the
-    // server's from two seconds ago.
-    let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
-    let mut stale = g.clone();
-    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
-    let mut fresh = g.clone();
-    fresh.status.as_mut().unwrap().plugin = Some(plugin(true, ago(2)));
-    let scenario = Scenario::new().then(get_gpunode(&fresh)).then(get_lease(None));
-    let (result, served) = h.reconcile(&stale, scenario).await;
-    assert!(served.deleted.is_empty());
-    assert!(requeue_secs(&result.unwrap()).is_some());
-    assert!(h.ctx.is_live(NODE));
 }
 
 #[tokio::test]
 async fn an_expiry_that_cannot_be_confirmed_keeps_the_pool() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
-    let mut stale = g.clone();
-    stale.status.as_mut().unwrap().plugin = Some(plugin(true, ago(120)));
+    let (stored, stale) = publish_leased(&mut h, 120).await;
     let failing = answering(
-        get_gpunode(&stale),
+        get_lease(Some(ago(120))),
         Answer::Fail(StatusCode::INTERNAL_SERVER_ERROR, "InternalError"),
     );
     // No delete, no status write, no event: an overloaded API server is not loaded further.
@@ -1157,8 +1060,7 @@ async fn an_expiry_that_cannot_be_confirmed_keeps_the_pool() {
     );
     // Retried with backoff; once the server answers, the expiry is confirmed and withdraws.
     let scenario = Scenario::new()
-        .then(get_gpunode(&stale))
-        .then(get_lease(None))
+        .then(get_lease(Some(ago(120))))
         .then_all(withdrawal(stored.len(), "PluginNotReady"));
     let (result, served) = h.reconcile(&stale, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
@@ -1198,7 +1100,7 @@ async fn publish_deferred(h: &mut Harness, g: &GpuNode) -> Vec<ResourceSlice> {
 async fn a_published_status_waits_while_other_reconciliations_write_slices() {
     let mut h = Harness::new();
     let ctx = h.ctx.clone();
-    let others = ctx.writing_slices();
+    let others = ctx.status_deferral.writing_slices();
     let gpus = h100s(2);
     let (_, devices) = expected_pool(&gpus);
     let g = gpunode(Some(live_plugin()), gpus);
@@ -1208,13 +1110,13 @@ async fn a_published_status_waits_while_other_reconciliations_write_slices() {
         "migdra_controller_status_writes_deferred_total 1"
     );
     assert_eq!(
-        h.ctx.slice_writers(),
+        h.ctx.status_deferral.slice_writers(),
         1,
         "its own writes are done; the others' are not"
     );
     // No status write: the GpuNode keeps the version the cache has.
-    let predicted = h.ctx.memo(NODE).expect("a publish leaves a memo");
-    assert_eq!(predicted.gpunode_version(), Some("1"));
+    let predicted = h.ctx.memos.get(NODE).expect("a publish leaves a memo");
+    assert_eq!(predicted.gpunode_version.as_deref(), Some("1"));
 
     // The slice cache caught up, the others still write: the memo leads straight to the
     // status write, which waits again.
@@ -1223,7 +1125,7 @@ async fn a_published_status_waits_while_other_reconciliations_write_slices() {
     let recheck = requeue_secs(&result.unwrap()).unwrap();
     assert!(recheck <= 2, "recheck after {recheck}s");
     assert!(served.status_patches.is_empty());
-    assert_eq!(h.ctx.memo(NODE), Some(predicted), "the memo was used");
+    assert_eq!(h.ctx.memos.get(NODE), Some(predicted), "the memo was used");
     assert_eq!(
         deferred_total(&h),
         "migdra_controller_status_writes_deferred_total 2"
@@ -1254,7 +1156,7 @@ async fn a_deferred_status_is_written_after_the_bound_while_slices_are_still_wri
     let bound = Duration::from_millis(300);
     let mut h = Harness::with_config(|c| c.status_defer_max = bound);
     let ctx = h.ctx.clone();
-    let _others = ctx.writing_slices();
+    let _others = ctx.status_deferral.writing_slices();
     let g = gpunode(Some(live_plugin()), h100s(1));
     let stored = publish_deferred(&mut h, &g).await;
     h.store_slices(&stored);
@@ -1271,14 +1173,14 @@ async fn a_deferred_status_is_written_after_the_bound_while_slices_are_still_wri
         deferred_total(&h),
         "migdra_controller_status_writes_deferred_total 1"
     );
-    assert_eq!(h.ctx.slice_writers(), 1);
+    assert_eq!(h.ctx.status_deferral.slice_writers(), 1);
 }
 
 #[tokio::test]
 async fn a_zero_bound_never_defers() {
     let mut h = Harness::with_config(|c| c.status_defer_max = Duration::ZERO);
     let ctx = h.ctx.clone();
-    let _others = ctx.writing_slices();
+    let _others = ctx.status_deferral.writing_slices();
     publish_fresh(&mut h, h100s(1)).await;
     assert_eq!(
         deferred_total(&h),
@@ -1292,7 +1194,7 @@ async fn a_withdrawal_writes_its_status_at_once_while_slices_are_written() {
     let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
     h.store_slices(&stored);
     let ctx = h.ctx.clone();
-    let _others = ctx.writing_slices();
+    let _others = ctx.status_deferral.writing_slices();
     let mut unregistered = g.clone();
     unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
     let scenario = Scenario::new().then_all(withdrawal(stored.len(), "PluginNotReady"));
@@ -1316,7 +1218,7 @@ async fn a_refused_policy_writes_its_status_at_once_while_slices_are_written() {
         },
     ));
     let ctx = h.ctx.clone();
-    let _others = ctx.writing_slices();
+    let _others = ctx.status_deferral.writing_slices();
     let g = gpunode(Some(live_plugin()), h100s(1));
     let scenario = Scenario::new()
         .then(patch_status(|body| {
@@ -1338,8 +1240,8 @@ async fn a_status_waits_a_quiet_period_after_the_last_slice_write() {
     // a quiet period, this pool's status still waits; once it has passed, it goes out.
     let quiet = Duration::from_millis(300);
     let mut h = Harness::with_config(|c| c.status_defer_quiet = quiet);
-    drop(h.ctx.writing_slices());
-    assert_eq!(h.ctx.slice_writers(), 0);
+    drop(h.ctx.status_deferral.writing_slices());
+    assert_eq!(h.ctx.status_deferral.slice_writers(), 0);
     let g = gpunode(Some(live_plugin()), h100s(1));
     let stored = publish_deferred(&mut h, &g).await;
     h.store_slices(&stored);

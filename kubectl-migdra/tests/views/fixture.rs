@@ -107,8 +107,6 @@ pub fn gpu_node(gpus: Vec<GpuInventory>) -> GpuNode {
                 "version": "0.1.0",
                 "registered": true,
                 "startTime": "2026-12-01T20:00:00Z",
-                "heartbeatTime": "2026-12-01T20:00:00Z",
-                "heartbeatIntervalSeconds": 15,
                 "driverVersion": "580.82.07",
             }))
             .unwrap(),

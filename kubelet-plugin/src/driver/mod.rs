@@ -121,7 +121,6 @@ pub type StepHook = Arc<dyn Fn(&str, Step) + Send + Sync>;
 pub struct DriverConfig {
     /// DRA driver name.
     pub driver_name: String,
-    /// This node's name.
     pub node_name: String,
     /// Directory of the checkpoint and the node lock.
     pub state_dir: PathBuf,
@@ -235,12 +234,12 @@ pub type PrepareResult = Result<Vec<dra_kubelet::PreparedDevice>, ClaimFailure>;
 /// Per-claim outcome of [`Driver::unprepare_claims`].
 pub type UnprepareResult = Result<(), ClaimFailure>;
 
-struct Inner<B, C> {
+struct Inner<C> {
     config: DriverConfig,
     claims: C,
     cdi: CdiWriter,
     journal: Arc<Journal>,
-    gpus: Gpus<B>,
+    gpus: Gpus,
     hook: StepHook,
     metrics: Metrics,
     /// Where events about failed claims go; set once by [`Driver::set_claim_events`].
@@ -249,11 +248,11 @@ struct Inner<B, C> {
 }
 
 /// The driver. Cheap to clone; clones share state.
-pub struct Driver<B, C> {
-    inner: Arc<Inner<B, C>>,
+pub struct Driver<C> {
+    inner: Arc<Inner<C>>,
 }
 
-impl<B, C> Clone for Driver<B, C> {
+impl<C> Clone for Driver<C> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -261,14 +260,14 @@ impl<B, C> Clone for Driver<B, C> {
     }
 }
 
-impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
+impl<C: ClaimSource> Driver<C> {
     /// Opens the checkpoint, discovers the GPUs and repairs whatever a previous run left half
     /// done. Instances that no record describes are left alone. Records that cannot be
     /// repaired now do not fail the start: they are in [`RecoveryReport::pending`], for
     /// [`Driver::run_repair_loop`].
     pub fn start(
         config: DriverConfig,
-        backend: Arc<B>,
+        backend: Arc<dyn GpuBackend>,
         claims: C,
         cdi: CdiWriter,
         hook: Option<StepHook>,
@@ -342,12 +341,12 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     }
 
     /// The backend.
-    pub fn backend(&self) -> &Arc<B> {
+    fn backend(&self) -> &Arc<dyn GpuBackend> {
         self.inner.gpus.backend()
     }
 
     /// The GPU table (inventory and device health).
-    pub fn gpus(&self) -> &Gpus<B> {
+    pub fn gpus(&self) -> &Gpus {
         &self.inner.gpus
     }
 
@@ -459,7 +458,7 @@ impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
     }
 }
 
-impl<B: GpuBackend + 'static, C: ClaimSource> DraDriver for Driver<B, C> {
+impl<C: ClaimSource> DraDriver for Driver<C> {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, PrepareOutcome> {
         self.prepare_claims(claims)
             .await

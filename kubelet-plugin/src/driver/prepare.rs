@@ -16,13 +16,13 @@ use crate::{
     claim_status::{self, DesiredStatus, StatusContext, StatusDevice, StatusRetryRound},
     claims::{self, AllocatedDevice, ClaimError, ClaimSource},
     gpus::GpuLocks,
-    nvml::{GpuBackend, MigModeChange, NvmlErrorKind, timing::NvmlClock},
+    nvml::{MigModeChange, NvmlErrorKind, timing::NvmlClock},
     plan::{self, Rejection},
     state_dir::NodeLock,
 };
 use dra_kubelet::{ClaimRef, PreparedDevice};
 
-impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
+impl<C: ClaimSource> Driver<C> {
     /// Prepares claims: one outcome per claim UID, with the typed failure. (The kubelet's
     /// [`dra_kubelet::DraDriver::prepare`] is this, with the failures as messages.)
     pub async fn prepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, PrepareResult> {

@@ -19,7 +19,6 @@ use crate::{
     checkpoint::{ClaimRecord, ClaimState, LoadOutcome},
     claims::ClaimSource,
     gpus::PendingRepair,
-    nvml::GpuBackend,
     state_dir::NodeLock,
 };
 
@@ -156,7 +155,7 @@ pub struct RepairRound {
     pub pending: Vec<PendingRepair>,
 }
 
-impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
+impl<C: ClaimSource> Driver<C> {
     pub(super) fn recover(&self) -> Result<RecoveryReport, DriverError> {
         let node = self.node_lock()?;
         let mut report = RecoveryReport::default();

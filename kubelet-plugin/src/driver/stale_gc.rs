@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{ClaimFailure, Driver, RecoveryEvent};
-use crate::{checkpoint::ClaimRecord, claims::ClaimSource, nvml::GpuBackend};
+use crate::{checkpoint::ClaimRecord, claims::ClaimSource};
 
 /// How long one claim's GET may take before the claim is kept (a timeout is not "gone").
 const GET_TIMEOUT: Duration = Duration::from_secs(10);
@@ -127,7 +127,7 @@ pub fn stale_cause(uid: &str, found: Option<&ResourceClaim>, driver: &str, pool:
     (!allocated_here).then_some(StaleCause::NotAllocatedHere)
 }
 
-impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
+impl<C: ClaimSource> Driver<C> {
     /// Looks up every recorded claim and releases the stale ones.
     pub async fn collect_stale_claims(&self) -> StaleGcRound {
         let mut round = StaleGcRound::default();

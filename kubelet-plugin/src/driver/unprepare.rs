@@ -12,13 +12,13 @@ use crate::{
     claim_status::{self, DesiredStatus, StatusContext},
     claims::ClaimSource,
     gpus::GpuLocks,
-    nvml::{GpuBackend, NvmlErrorKind, timing::NvmlClock},
+    nvml::{NvmlErrorKind, timing::NvmlClock},
     orphans::OrphanedInstance,
     state_dir::NodeLock,
 };
 use dra_kubelet::ClaimRef;
 
-impl<B: GpuBackend + 'static, C: ClaimSource> Driver<B, C> {
+impl<C: ClaimSource> Driver<C> {
     /// Unprepares claims: one outcome per claim UID, with the typed failure. (The kubelet's
     /// [`dra_kubelet::DraDriver::unprepare`] is this, with the failures as messages.)
     pub async fn unprepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareResult> {

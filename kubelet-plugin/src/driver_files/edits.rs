@@ -51,9 +51,7 @@ pub struct ContainerEdits {
 pub struct Mount {
     /// Source on the host.
     pub host_path: String,
-    /// Destination in the container.
     pub container_path: String,
-    /// Mount options.
     pub options: Vec<String>,
 }
 

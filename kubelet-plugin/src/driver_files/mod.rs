@@ -53,18 +53,6 @@ pub struct HostDir {
     pub visible_at: PathBuf,
 }
 
-impl HostDir {
-    /// A directory this process sees at its host path (the plugin runs in the host's mount
-    /// namespace, or the DaemonSet mounts it at the same path).
-    pub fn same(path: impl Into<PathBuf>) -> Self {
-        let path = path.into();
-        Self {
-            on_host: path.clone(),
-            visible_at: path,
-        }
-    }
-}
-
 /// What discovery needs to know.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DiscoveryInputs {
@@ -83,25 +71,6 @@ pub struct DiscoveryInputs {
     pub hook_path: PathBuf,
     /// Architecture of the linker-cache entries to take.
     pub arch: LibraryArch,
-}
-
-impl DiscoveryInputs {
-    /// Inputs for a driver root this process sees at its host path, with the host's `/` at
-    /// `/`, the default hook path and this build's architecture.
-    pub fn new(
-        driver_root: impl Into<PathBuf>,
-        driver_version: impl Into<String>,
-        kernel_release: impl Into<String>,
-    ) -> Self {
-        Self {
-            driver_root: HostDir::same(driver_root),
-            driver_version: driver_version.into(),
-            kernel_release: kernel_release.into(),
-            host_root: PathBuf::from("/"),
-            hook_path: PathBuf::from(DEFAULT_HOOK_PATH),
-            arch: LibraryArch::HOST,
-        }
-    }
 }
 
 /// One discovered file: where it is on the host and where it goes in the container.
@@ -162,7 +131,6 @@ pub enum DriverFilesError {
     MissingLibrary {
         /// `libcuda` or `libnvidia-ml`.
         library: &'static str,
-        /// The driver version.
         version: String,
         /// The driver root on the host.
         root: PathBuf,

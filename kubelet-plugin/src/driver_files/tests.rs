@@ -35,10 +35,17 @@ fn fake_root(options: &DriverRootOptions) -> (tempfile::TempDir, DriverRootLayou
 
 /// Inputs for a root this process sees at its host path, with no hook on the "host".
 fn inputs(root: &Path, version: &str) -> DiscoveryInputs {
-    let mut inputs = DiscoveryInputs::new(root, version, KERNEL);
-    inputs.host_root = root.join("no-such-host-root");
-    inputs.arch = LibraryArch::X86_64;
-    inputs
+    DiscoveryInputs {
+        driver_root: HostDir {
+            on_host: root.into(),
+            visible_at: root.into(),
+        },
+        driver_version: version.into(),
+        kernel_release: KERNEL.into(),
+        host_root: root.join("no-such-host-root"),
+        hook_path: PathBuf::from(DEFAULT_HOOK_PATH),
+        arch: LibraryArch::X86_64,
+    }
 }
 
 fn container_paths(files: &[DriverFile]) -> Vec<String> {

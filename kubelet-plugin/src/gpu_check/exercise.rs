@@ -14,7 +14,7 @@ use serde::Serialize;
 use super::{CheckError, report::Finding};
 use crate::{
     cdi::{CdiWriter, ClaimDevice},
-    nvml::{BackendError, GpuBackend, GpuDescription, MigModeChange},
+    nvml::{BackendError, GpuBackend, GpuDescription, MigModeChange, NvmlBackend},
 };
 
 /// What full mode cannot check, printed with every full-mode report.
@@ -22,7 +22,7 @@ pub const PROCESS_CHECK_NOTE: &str = "idle check covers GPU and compute instance
     backend does not expose NVML's running-process list, so make sure no process uses the GPU";
 
 /// Refuses (with the reason) unless the GPU has no GPU or compute instance.
-pub fn ensure_idle<B: GpuBackend>(backend: &B, gpu: &GpuDescription) -> Result<(), CheckError> {
+pub fn ensure_idle(backend: &NvmlBackend, gpu: &GpuDescription) -> Result<(), CheckError> {
     let instances = super::preview::existing_instances(backend, gpu)?;
     if instances.is_empty() {
         return Ok(());
@@ -63,7 +63,6 @@ pub struct PlacementResult {
     pub gpu_instance: Option<u32>,
     /// Compute-instance ID NVML gave.
     pub compute_instance: Option<u32>,
-    /// The MIG device's UUID.
     pub mig_uuid: Option<String>,
     /// Capability minors (GI, CI) from the access files.
     pub capability_minors: Option<(u32, u32)>,
@@ -95,7 +94,6 @@ pub struct ExerciseReport {
     pub timings: Vec<CallTiming>,
     /// What happened to the MIG mode (`left on`, `enabled, then restored to off`, ...).
     pub mig_mode_note: String,
-    /// Findings.
     #[serde(skip)]
     pub findings: Vec<Finding>,
 }
@@ -116,11 +114,6 @@ impl Timings {
             self.0.entry(call).or_default().push(started.elapsed());
         }
         result
-    }
-
-    /// Records a duration (for tests and callers that time themselves).
-    pub fn record(&mut self, call: &'static str, d: Duration) {
-        self.0.entry(call).or_default().push(d);
     }
 
     /// Count, p50 (lower median) and max per call, in [`TIMED_CALLS`] order.
@@ -144,7 +137,7 @@ impl Timings {
 
 /// Exercises every placement of an idle MIG-capable GPU (see the module docs). Problems are
 /// findings, never early returns, so the MIG mode is always restored.
-pub fn exercise_gpu<B: GpuBackend>(backend: &B, gpu: &GpuDescription, cdi: &CdiWriter) -> ExerciseReport {
+pub fn exercise_gpu(backend: &NvmlBackend, gpu: &GpuDescription, cdi: &CdiWriter) -> ExerciseReport {
     let mut findings = Vec::new();
     let mut timings = Timings::default();
     let label = format!("GPU {} ({})", gpu.index, gpu.product_name);
@@ -225,7 +218,7 @@ pub fn exercise_gpu<B: GpuBackend>(backend: &B, gpu: &GpuDescription, cdi: &CdiW
 }
 
 /// Enables MIG (only where that takes effect without a reset) and re-discovers the GPU.
-fn enable_mig<B: GpuBackend>(backend: &B, gpu: &GpuDescription) -> Result<GpuDescription, String> {
+fn enable_mig(backend: &NvmlBackend, gpu: &GpuDescription) -> Result<GpuDescription, String> {
     match backend.set_mig_mode(gpu.index, true) {
         Ok(MigModeChange::Applied) => {}
         Ok(MigModeChange::PendingReset) => {
@@ -250,8 +243,8 @@ fn enable_mig<B: GpuBackend>(backend: &B, gpu: &GpuDescription) -> Result<GpuDes
 }
 
 /// Creates, checks and destroys one placement. Returns the result and the problems found.
-fn exercise_placement<B: GpuBackend>(
-    backend: &B,
+fn exercise_placement(
+    backend: &NvmlBackend,
     gpu: &GpuDescription,
     cdi: &CdiWriter,
     profile_id: u32,
@@ -377,9 +370,13 @@ mod tests {
     fn timings_summarise_count_lower_median_and_max_per_call() {
         let mut t = Timings::default();
         for ms in [5, 1, 3, 9] {
-            t.record("create GI", Duration::from_millis(ms));
+            t.0.entry("create GI")
+                .or_default()
+                .push(Duration::from_millis(ms));
         }
-        t.record("destroy GI", Duration::from_millis(2));
+        t.0.entry("destroy GI")
+            .or_default()
+            .push(Duration::from_millis(2));
         let s = t.summary();
         assert_eq!(s.iter().map(|c| c.call.as_str()).collect::<Vec<_>>(), TIMED_CALLS);
         assert_eq!((s[0].count, s[0].p50_ms, s[0].max_ms), (4, 3.0, 9.0));

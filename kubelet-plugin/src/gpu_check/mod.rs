@@ -140,7 +140,6 @@ pub enum CheckError {
     Refused {
         /// NVML index.
         gpu: u32,
-        /// Why.
         reason: String,
     },
 }
@@ -178,7 +177,7 @@ pub fn run(args: &GpuCheckArgs) -> i32 {
 
 /// Runs every check on the selected GPUs. Full mode refuses (before changing anything on any
 /// GPU) unless every selected MIG-capable GPU is idle.
-pub fn check<B: GpuBackend>(backend: &B, options: &CheckOptions) -> Result<GpuCheckReport, CheckError> {
+pub fn check(backend: &NvmlBackend, options: &CheckOptions) -> Result<GpuCheckReport, CheckError> {
     let driver_version = backend.driver_version()?;
     let gpus = selected_gpus(backend.discover()?, options.gpu)?;
     let cdi = CdiWriter::new(

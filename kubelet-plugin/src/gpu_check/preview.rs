@@ -23,12 +23,12 @@ use crate::{
     cdi::CdiWriter,
     driver_files::{self, DiscoveryInputs},
     gpus::describe_instance,
-    nvml::{GpuBackend, GpuDescription, GpuInstanceRecord, NvmlErrorKind},
+    nvml::{GpuBackend, GpuDescription, GpuInstanceRecord, NvmlBackend, NvmlErrorKind},
 };
 
 /// The GPU instances that exist on a GPU (none when MIG is off or unsupported).
-pub fn existing_instances<B: GpuBackend>(
-    backend: &B,
+pub fn existing_instances(
+    backend: &NvmlBackend,
     gpu: &GpuDescription,
 ) -> Result<Vec<GpuInstanceRecord>, crate::nvml::BackendError> {
     match &gpu.mig {
@@ -44,7 +44,6 @@ pub fn existing_instances<B: GpuBackend>(
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PublishedDevice {
-    /// Device name.
     pub name: String,
     /// GPU-instance profile ID (none for the whole GPU).
     pub profile_id: Option<u32>,
@@ -170,9 +169,7 @@ pub fn fill_device_names(rows: &mut [ProfileRow], published: &PublishedReport) {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct InstanceCapabilities {
-    /// GPU-instance ID.
     pub gpu_instance: u32,
-    /// Compute-instance ID.
     pub compute_instance: u32,
     /// Minor of the GI's capability device.
     pub gi_minor: u32,
@@ -190,7 +187,6 @@ pub struct CapabilityReport {
     pub mig_minors_present: bool,
     /// Minors read for the existing instances.
     pub instances: Vec<InstanceCapabilities>,
-    /// Findings.
     #[serde(skip)]
     pub findings: Vec<Finding>,
 }
@@ -283,7 +279,6 @@ pub struct DriverFilesReport {
     pub driver_root: String,
     /// What was found; `None` when discovery failed (see the warnings).
     pub summary: Option<DriverFilesSummary>,
-    /// Findings.
     #[serde(skip)]
     pub findings: Vec<Finding>,
 }

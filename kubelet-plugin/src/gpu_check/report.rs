@@ -87,7 +87,6 @@ pub struct ProfileRow {
     pub id: u32,
     /// Profile index.
     pub index: u32,
-    /// Compute slices.
     pub compute_slices: u32,
     /// Memory slices of a placement.
     pub memory_slices: u32,
@@ -121,13 +120,11 @@ pub struct MigMode {
 pub struct GpuReport {
     /// NVML index.
     pub index: u32,
-    /// Device minor.
     pub minor: u32,
     /// `GPU-…` UUID.
     pub uuid: String,
     /// Product name NVML reports.
     pub product_name: String,
-    /// Total memory (MiB).
     pub memory_mib: u64,
     /// MIG mode; `None` for a GPU that is not MIG-capable.
     pub mig: Option<MigMode>,

@@ -1,10 +1,11 @@
-//! The GPU backend: everything migdra asks of NVML, behind a small trait.
+//! The GPU backend: everything migdra asks of NVML.
 //!
-//! The production implementation ([`NvmlBackend`]) is nvml-wrapper plus raw calls through its
-//! `-sys` function table where the safe API lacks GPU/compute-instance calls. Tests run that
-//! same implementation against the fake NVML library (`e2e/fake-nvml`); there is no second,
-//! Rust-level mock of NVML. Every backend call's wall time is measured ([`timing`]) and
-//! attributed to the kubelet call it was made for.
+//! [`NvmlBackend`] is nvml-wrapper plus raw calls through its `-sys` function table where the
+//! safe API lacks GPU/compute-instance calls. Tests run it against the fake NVML library
+//! (`e2e/fake-nvml`); there is no Rust-level mock of NVML. The driver and the GPU table hold it
+//! as an `Arc<dyn GpuBackend>` so a test can wrap it to hold a call (an NVML call that hangs).
+//! Every backend call's wall time is measured ([`timing`]) and attributed to the kubelet call
+//! it was made for.
 
 mod nvml_backend;
 pub mod timing;
@@ -21,13 +22,11 @@ pub struct GpuDescription {
     pub minor: u32,
     /// `GPU-…` UUID.
     pub uuid: String,
-    /// Product name.
     pub product_name: String,
     /// PCI bus ID (`0000:3b:00.0`), when NVML reports it.
     pub pci_bus_id: Option<String>,
     /// NUMA node, when NVML reports it.
     pub numa_node: Option<i64>,
-    /// Total memory in MiB.
     pub memory_mib: u64,
     /// Architecture, when it is one migdra knows.
     pub architecture: Option<Architecture>,
@@ -130,8 +129,7 @@ pub struct BackendError {
 
 /// Everything migdra needs from NVML. GPUs are addressed by NVML index.
 ///
-/// Implementations must be safe to call from several threads; migdra serialises operations
-/// per GPU itself.
+/// Safe to call from several threads; migdra serialises operations per GPU itself.
 pub trait GpuBackend: Send + Sync {
     /// NVIDIA driver version (`nvmlSystemGetDriverVersion`).
     fn driver_version(&self) -> Result<String, BackendError>;

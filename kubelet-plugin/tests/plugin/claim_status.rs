@@ -9,7 +9,7 @@ use serde_json::json;
 
 use dra_kubelet::DraDriver;
 
-use crate::support::*;
+use migdra_testkit::plugin::*;
 
 /// Another driver's entry, which the plugin must never touch.
 fn foreign_entry() -> serde_json::Value {

@@ -4,7 +4,6 @@
 
 use std::{sync::Arc, time::Duration};
 
-use crate::support::*;
 use dra_kubelet::DraDriver;
 use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
@@ -14,6 +13,7 @@ use migdra_kubelet_plugin::{
     metrics::Metrics,
     nvml::NvmlBackend,
 };
+use migdra_testkit::plugin::*;
 use serde_json::json;
 use tower_test::mock;
 
@@ -116,7 +116,7 @@ async fn serve_claims_and_status(
 }
 
 /// A driver on `node` whose claim GETs go to a mocked API server.
-fn start_with_mock_api(node: &Node) -> (Driver<NvmlBackend, KubeClaims>, Handle) {
+fn start_with_mock_api(node: &Node) -> (Driver<KubeClaims>, Handle) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = kube::Client::new(service, "default");
     let config = DriverConfig {

@@ -12,9 +12,9 @@ use std::{
     },
 };
 
-use crate::support::*;
 use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
 use migdra_kubelet_plugin::driver::{Step, StepHook};
+use migdra_testkit::plugin::*;
 
 const DEVICES: [(&str, &str); 2] = [("a", "gpu-0-mig-3g40gb-0"), ("b", "gpu-1-mig-2g20gb-2")];
 
@@ -79,9 +79,6 @@ fn fully_prepared(node: &Node) {
     );
     assert_eq!(node.cdi_specs().len(), 1);
 }
-
-type TestDriver =
-    migdra_kubelet_plugin::driver::Driver<migdra_kubelet_plugin::nvml::NvmlBackend, StaticClaims>;
 
 /// Restarts the plugin. With `recovery_crash`, the first restart crashes inside recovery at
 /// that step (a crash during the repair itself) if recovery reaches it; either way that

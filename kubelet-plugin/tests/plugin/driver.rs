@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 
-use crate::support::*;
 use migdra_api::geometry::PlacementError;
 use migdra_api::inventory::InstanceOwner;
 use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
@@ -17,6 +16,7 @@ use migdra_kubelet_plugin::{
     plan::Rejection,
     state_dir::NodeLockError,
 };
+use migdra_testkit::plugin::*;
 use serde_json::json;
 
 const H100_3G_AT_4: &str = "gpu-0-mig-3g40gb-4";

@@ -6,9 +6,9 @@
 
 use std::fs;
 
-use crate::support::*;
 use migdra_fake_nvml::driver_root::{DriverRootOptions, LIB_DIR, create_driver_root};
 use migdra_kubelet_plugin::driver::ClaimFailure;
+use migdra_testkit::plugin::*;
 use serde_json::Value;
 
 const H100_3G_AT_4: &str = "gpu-0-mig-3g40gb-4";

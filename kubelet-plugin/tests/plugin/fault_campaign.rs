@@ -1,9 +1,9 @@
-//! A bounded run of the randomized fault campaign ([`crate::campaign`]): consecutive seeds,
+//! A bounded run of the randomized fault campaign ([`migdra_testkit::plugin::campaign`]): consecutive seeds,
 //! every invariant held after each trial. The benchmark mode runs more
 //! (`make fault-campaign TRIALS=1000`); `MIGDRA_CAMPAIGN_TRIALS` and `MIGDRA_CAMPAIGN_SEED`
 //! change this run's count and first seed (a failing seed is printed with its log).
 
-use crate::campaign::{Options, run};
+use migdra_testkit::plugin::campaign::{Options, run};
 
 /// Trials per test run, at `JOBS` at once: small enough for a loaded two-core machine with
 /// the debug build of the fake NVML.

@@ -58,7 +58,10 @@ impl CheckedHost {
             read_only,
             gpu: None,
             proc_root: self.host.proc_root(),
-            driver_root: HostDir::same(self.driver_root.path()),
+            driver_root: HostDir {
+                on_host: self.driver_root.path().into(),
+                visible_at: self.driver_root.path().into(),
+            },
             host_root: PathBuf::from("/"),
             hook_path: PathBuf::from(DEFAULT_HOOK_PATH),
             catalog: catalog::models(),

@@ -3,9 +3,9 @@
 //! GPU comes back (never a foreign one), and prepare on a lost GPU is a typed rejection.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
-use crate::support::*;
 use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
 use migdra_kubelet_plugin::{driver::ClaimFailure, plan::Rejection};
+use migdra_testkit::plugin::*;
 
 /// Profile 3g.40gb (ID 9) at start 0 on GPU 0.
 const OURS: &str = "gpu-0-mig-3g40gb-0";
@@ -179,7 +179,7 @@ async fn prepare_on_a_lost_gpu_is_a_typed_rejection() {
     assert_eq!(placements(&node), [(9, 0), FOREIGN]);
 }
 
-/// Found by the fault campaign: an orphan recorded before its GPU instance had an ID (a
+/// An orphan recorded before its GPU instance had an ID (a
 /// half-prepared claim torn down while its GPU was lost) matches any instance at its
 /// placement. The instance was never created, so once the GPU is back another claim may be
 /// prepared there before the next inventory; that inventory must not destroy the live
@@ -230,7 +230,7 @@ async fn an_orphan_never_destroys_the_instance_of_a_live_claim_at_its_placement(
     assert_eq!(placements(&node), [FOREIGN]);
 }
 
-/// Found by the fault campaign: during a rolling update the instance that tears a claim down
+/// During a rolling update the instance that tears a claim down
 /// on a lost GPU may not be the one still running when the GPU returns. The list of orphans
 /// is the node's (a file under the node lock), not one instance's: the survivor destroys what
 /// the other left, and its own additions keep the other's.
@@ -267,11 +267,10 @@ async fn orphans_left_by_one_plugin_instance_are_destroyed_by_the_other() {
     assert!(orphans(&new).is_empty());
 }
 
-/// Found by the fault campaign: the inventory destroys orphans only when the node lock is
-/// free at once, which on a busy node (kubelet calls back to back) can take long; meanwhile
-/// the claim allocated at the orphan's placement (its own claim retrying, or a new one) failed
-/// with an overlap. A prepare, which holds the node lock, destroys the orphans on its GPUs
-/// first.
+/// The inventory destroys orphans only when the node lock is free at once, which on a busy
+/// node (kubelet calls back to back) can take long; meanwhile the claim allocated at the
+/// orphan's placement (its own claim retrying, or a new one) would fail with an overlap. So a
+/// prepare, which holds the node lock, destroys the orphans on its GPUs first.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_prepare_destroys_the_orphans_on_its_gpu_before_planning() {
     let node = node();
@@ -302,7 +301,7 @@ async fn a_prepare_destroys_the_orphans_on_its_gpu_before_planning() {
     );
 }
 
-/// Found by the fault campaign: a rescan that cannot read a GPU's virtualization mode
+/// A rescan that cannot read a GPU's virtualization mode
 /// describes it without MIG for that round. The orphan pass must ask NVML what is on the GPU
 /// rather than trust that description, or it takes the orphan for gone and the instance leaks.
 #[tokio::test(flavor = "multi_thread")]

@@ -1,8 +1,7 @@
 //! The kubelet plugin's integration tests, in one binary. They run the production code
-//! (`NvmlBackend` included) against the fake NVML library; [`support`] builds the simulated
-//! node, the claim store and the claims.
+//! (`NvmlBackend` included) against the fake NVML library; `migdra_testkit::plugin` builds the
+//! simulated node, the claim store and the claims.
 
-mod campaign;
 mod claim_status;
 mod claims_api;
 mod crash;
@@ -18,4 +17,3 @@ mod recovery;
 mod rolling_update;
 mod sharing;
 mod stale_gc;
-mod support;

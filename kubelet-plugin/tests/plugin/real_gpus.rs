@@ -16,7 +16,7 @@ use migdra_kubelet_plugin::{
     plan::mode_switchable,
 };
 
-use crate::support::*;
+use migdra_testkit::plugin::*;
 
 const P_1G: u32 = 19;
 const P_3G: u32 = 9;

@@ -6,7 +6,6 @@
 
 use std::{sync::Arc, time::Duration};
 
-use crate::support::*;
 use dra_kubelet::DeviceHealthReport;
 use migdra_fake_nvml::{
     FaultState,
@@ -18,6 +17,7 @@ use migdra_kubelet_plugin::{
     metrics::Metrics,
     plan::Rejection,
 };
+use migdra_testkit::plugin::*;
 
 const STUCK: &str = "gpu-0-mig-3g40gb-4";
 const OTHER_GPU: &str = "gpu-1-mig-3g40gb-4";

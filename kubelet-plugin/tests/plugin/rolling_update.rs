@@ -9,12 +9,12 @@ use std::{
     time::Duration,
 };
 
-use crate::support::*;
 use migdra_kubelet_plugin::{
     checkpoint::ClaimState,
     driver::{ClaimFailure, Step, StepHook},
     state_dir::NodeLockError,
 };
+use migdra_testkit::plugin::*;
 
 const SMALL_0: &str = "gpu-0-mig-1g10gb-0";
 const SMALL_1: &str = "gpu-0-mig-1g10gb-1";

@@ -18,7 +18,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use migdra_kubelet_plugin::driver::{Step, StepHook};
 use serde_json::json;
 
-use crate::support::*;
+use migdra_testkit::plugin::*;
 
 /// A shared 1g.10gb device of an H100 (memory slice 6).
 const SHARED: &str = "gpu-0-mig-1g10gb-6";

@@ -9,11 +9,11 @@ use std::{
     time::Duration,
 };
 
-use crate::support::*;
 use migdra_kubelet_plugin::{
     driver::{RecoveryEvent, StaleCause, Step, StepHook},
     metrics::Metrics,
 };
+use migdra_testkit::plugin::*;
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -206,7 +206,7 @@ async fn a_zero_interval_disables_the_collection() {
     assert_untouched(&node, &driver);
 }
 
-/// Found by the fault campaign: a plugin instance that dies mid-prepare while another one
+/// A plugin instance that dies mid-prepare while another one
 /// serves (a rolling update) leaves a half-prepared record that no recovery will see. Once
 /// its claim is gone no kubelet retries it either, so the collection rolls it back, instance
 /// included; it can tell that nothing is preparing it, since every prepare holds the node lock.

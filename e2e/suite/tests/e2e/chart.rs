@@ -382,7 +382,7 @@ async fn migdra_requests_land_in_the_charts_priority_levels(cluster: &mut Cluste
         "no request was dispatched through migdra-kubelet-plugin-heartbeat at node-high"
     );
 
-    let lease = migdra_api::inventory::heartbeat_lease_name(NODE, DRIVER).context("lease name")?;
+    let lease = migdra_api::inventory::heartbeat_lease_name(NODE, DRIVER);
     let plugin = cluster.plugin_client().await?;
     let controller = cluster.controller_client().await?;
     let ns = CHART_NAMESPACE;

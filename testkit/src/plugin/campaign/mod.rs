@@ -15,7 +15,6 @@
 //! The plugin test binary runs a bounded campaign (`fault_campaign.rs`); the example
 //! `fault_campaign` runs any number of trials and prints the [`report`] table
 //! (`make fault-campaign TRIALS=1000 [SEED=S]`).
-#![allow(dead_code)]
 
 pub mod invariants;
 pub mod kubelet;
@@ -47,8 +46,8 @@ pub struct Options {
     pub jobs: usize,
 }
 
-/// Keeps the simulated crashes (panics at a step) off stderr; every other panic is reported
-/// as before.
+/// Keeps the simulated crashes (panics at a step) off stderr; every other panic goes to the
+/// hook installed before.
 pub fn quiet_simulated_crashes() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {

@@ -25,7 +25,7 @@ use super::{
     scenario::Placement,
     world::{Call, World, lock},
 };
-use crate::support::{DRIVER, POOL};
+use crate::plugin::{DRIVER, POOL};
 
 /// One claim of a pod.
 #[derive(Clone, Debug)]

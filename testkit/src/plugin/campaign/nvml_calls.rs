@@ -9,7 +9,7 @@ use std::{collections::BTreeMap, sync::OnceLock};
 use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
 
 use super::scenario::{device_name, profiles};
-use crate::support::{Node, claim, prepare_one, unprepare_one};
+use crate::plugin::{Node, claim, prepare_one, unprepare_one};
 
 /// Every NVML error code (`nvmlReturn_t` but SUCCESS), with its name.
 pub const ERROR_CODES: [(u32, &str); 31] = [

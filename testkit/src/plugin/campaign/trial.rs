@@ -23,7 +23,7 @@ use super::{
     scenario::{GPUS, Scenario, Scheduler},
     world::{Tally, Violation, World, lock},
 };
-use crate::support::Node;
+use crate::plugin::Node;
 
 /// Most claims a trial creates.
 pub const MAX_CLAIMS: usize = 64;

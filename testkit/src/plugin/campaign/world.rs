@@ -29,10 +29,10 @@ use migdra_kubelet_plugin::{
 };
 
 use super::{kubelet::Pod, scenario::Scheduler};
-use crate::support::{DRIVER, NODE, Node};
+use crate::plugin::{DRIVER, NODE, Node};
 
 /// The driver under test: production code over the fake NVML library and the campaign's API.
-pub type CampaignDriver = Driver<NvmlBackend, ApiClaims>;
+pub type CampaignDriver = Driver<ApiClaims>;
 
 /// How long the kubelet waits for one DRA call before it gives up (and retries later).
 pub const KUBELET_DEADLINE: Duration = Duration::from_secs(1);

@@ -1,0 +1,288 @@
+//! The controller's heartbeat state: the Lease cache, which nodes it found live and until
+//! when, the heartbeat census, the rate limit on expiry withdrawals and how late renewals
+//! arrive right now.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use k8s_openapi::{api::coordination::v1::Lease, jiff::Timestamp};
+use kube::{
+    Api, Client,
+    runtime::reflector::{ObjectRef, Store},
+};
+use migdra_api::inventory::{GpuNode, heartbeat_lease_name};
+
+use super::{HeartbeatCensus, LeaseBeat, lease_node};
+use crate::{context::ControllerConfig, error::Error, lag_windows::RecentDelays, metrics::Metrics};
+
+/// How long the read that confirms a heartbeat expiry may take before the expiry counts as
+/// unconfirmed (the pool is kept and the node retried with backoff).
+pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most a slow control plane extends a heartbeat's timeout by (see
+/// [`HeartbeatTracker::allowance`]). A plugin that really died loses its slices to the
+/// kubelet's wipe 30 s after its connection drops, whatever this is.
+pub const MAX_HEARTBEAT_ALLOWANCE: Duration = Duration::from_secs(120);
+
+/// How many recent renewal delays the allowance needs: fewer say nothing about the control
+/// plane (and let no single node's clock decide).
+pub const MIN_DELAY_SAMPLES: u64 = 20;
+
+/// The heartbeat state every reconciliation shares.
+pub struct HeartbeatTracker {
+    driver: String,
+    namespace: String,
+    timeout: Duration,
+    mass_expiry_threshold: f64,
+    census_ttl: Duration,
+    expiry_withdrawal_interval: Duration,
+    /// Every GpuNode, for the registrations the census counts.
+    gpunodes: Store<GpuNode>,
+    /// The plugins' heartbeat Leases of this driver.
+    leases: Store<Lease>,
+    /// The Leases' namespace, for the reads that confirm an expiry.
+    lease_api: Api<Lease>,
+    metrics: Metrics,
+    /// Whether the last census held expiry withdrawals back (logged when it changes).
+    holding: AtomicBool,
+    /// The last census, when it was taken and whether it holds expiry back.
+    census: Mutex<Option<(Instant, HeartbeatCensus, bool)>>,
+    last_expiry_withdrawal: Mutex<Option<Instant>>,
+    /// How late Lease renewals reached the controller recently (see [`Self::allowance`]).
+    delays: Mutex<RecentDelays>,
+    /// Nodes whose last reconciliation found the plugin live, with the heartbeat expiry it
+    /// saw: a Lease renewal of theirs needs no reconciliation (the expiry watch re-checks
+    /// them, see [`Self::take_expired`]), one of any other node does.
+    live: Mutex<HashMap<String, Timestamp>>,
+}
+
+impl HeartbeatTracker {
+    /// A tracker over the caches `gpunodes` and `leases`, reading Leases through `client`.
+    pub fn new(
+        client: Client,
+        config: &ControllerConfig,
+        gpunodes: Store<GpuNode>,
+        leases: Store<Lease>,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            driver: config.driver.clone(),
+            namespace: config.heartbeat_namespace.clone(),
+            timeout: config.heartbeat_timeout,
+            mass_expiry_threshold: config.mass_expiry_threshold,
+            census_ttl: config.census_ttl,
+            expiry_withdrawal_interval: config.expiry_withdrawal_interval,
+            gpunodes,
+            leases,
+            lease_api: Api::namespaced(client, &config.heartbeat_namespace),
+            metrics,
+            holding: AtomicBool::new(false),
+            census: Mutex::new(None),
+            last_expiry_withdrawal: Mutex::new(None),
+            delays: Mutex::new(RecentDelays::new(Instant::now())),
+            live: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Waits until the Lease cache has its initial list (without it every plugin looks
+    /// silent).
+    pub async fn wait_ready(&self) -> Result<(), kube::runtime::reflector::store::WriterDropped> {
+        self.leases.wait_until_ready().await
+    }
+
+    /// The last renewal of `node`'s heartbeat Lease, if it has one.
+    pub fn lease_beat(&self, node: &str) -> Option<LeaseBeat> {
+        let name = heartbeat_lease_name(node, &self.driver);
+        let lease = self.leases.get(&ObjectRef::new(&name).within(&self.namespace))?;
+        (lease_node(&lease, &self.driver) == Some(node))
+            .then(|| LeaseBeat::of(&lease))
+            .flatten()
+    }
+
+    /// Records how late a Lease renewal made at `renewed` (the plugin's clock) arrived: now,
+    /// in a watch event. A renewal is stamped when the plugin sends it, so the delay is the
+    /// API server's time to accept the write plus the watch's time to deliver it (plus any
+    /// clock skew, which the quantile below keeps a few nodes' from deciding).
+    pub fn record_delay(&self, renewed: Timestamp) {
+        let delay = Timestamp::now()
+            .duration_since(renewed)
+            .try_into()
+            .unwrap_or(Duration::ZERO);
+        lock(&self.delays).record(Instant::now(), delay);
+    }
+
+    /// How much later than its timeout a heartbeat may be before its expiry withdraws the
+    /// pool: the 99th percentile of how late renewals arrived in the last one to two minutes
+    /// (at least [`MIN_DELAY_SAMPLES`] of them, else none), at most
+    /// [`MAX_HEARTBEAT_ALLOWANCE`]. On a healthy control plane this is a fraction of a second.
+    /// Behind a saturated API server every plugin's renewals land seconds late, and a beat
+    /// that is late by what is normal right now is a slow control plane, not a dead plugin
+    /// (see docs/benchmarks.md).
+    pub fn allowance(&self) -> Duration {
+        lock(&self.delays)
+            .quantile(Instant::now(), 0.99, MIN_DELAY_SAMPLES)
+            .map_or(Duration::ZERO, |d| d.min(MAX_HEARTBEAT_ALLOWANCE))
+    }
+
+    /// Records that `node`'s plugin was found live until `expires`.
+    pub fn set_live(&self, node: &str, expires: Timestamp) {
+        lock(&self.live).insert(node.to_string(), expires);
+    }
+
+    /// Records that `node`'s plugin was not found live.
+    pub fn set_not_live(&self, node: &str) {
+        lock(&self.live).remove(node);
+    }
+
+    /// True when the last reconciliation of `node` found its plugin live.
+    pub fn is_live(&self, node: &str) -> bool {
+        lock(&self.live).contains_key(node)
+    }
+
+    /// The heartbeat expiry `node` is next looked at, while it counts as live.
+    pub fn live_until(&self, node: &str) -> Option<Timestamp> {
+        lock(&self.live).get(node).copied()
+    }
+
+    /// The live nodes whose heartbeat expired by `now` in the caches, for a reconciliation
+    /// (which decides, with the census, the rate limit and a fresh read, what the expiry
+    /// means). They stop counting as live, so a late renewal of theirs triggers a
+    /// reconciliation too. A live node whose Lease was renewed since is moved to its new
+    /// expiry without one: a steady heartbeat costs a comparison, not a reconciliation.
+    pub fn take_expired(&self, now: Timestamp) -> Vec<String> {
+        let mut live = lock(&self.live);
+        let mut expired = Vec::new();
+        for (node, expires) in live.iter_mut() {
+            if now < *expires {
+                continue;
+            }
+            let renewed = self
+                .lease_beat(node)
+                .map(|lease| lease.expires(self.timeout))
+                .filter(|renewed| now < *renewed);
+            match renewed {
+                Some(renewed) => *expires = renewed,
+                None => expired.push(node.clone()),
+            }
+        }
+        for node in &expired {
+            live.remove(node);
+        }
+        expired
+    }
+
+    /// The heartbeats of every GpuNode of this driver at `now` (reused for
+    /// [`ControllerConfig::census_ttl`]), and whether heartbeat expiry is held back; records
+    /// that in the metrics and the log.
+    pub fn census(&self, now: Timestamp) -> (HeartbeatCensus, bool) {
+        let mut cached = lock(&self.census);
+        if let Some((at, census, hold)) = *cached
+            && at.elapsed() < self.census_ttl
+        {
+            return (census, hold);
+        }
+        let gpunodes = self.gpunodes.state();
+        let census = HeartbeatCensus::take(
+            gpunodes.iter().filter(|g| g.spec.driver == self.driver).map(|g| {
+                let plugin = g.status.as_ref().and_then(|s| s.plugin.as_ref());
+                let name = g.metadata.name.as_deref().unwrap_or_default();
+                let lease = plugin.and_then(|_| self.lease_beat(name));
+                (plugin, lease)
+            }),
+            now,
+            self.timeout,
+        );
+        let hold = census.mass_expiry(self.mass_expiry_threshold);
+        *cached = Some((Instant::now(), census, hold));
+        drop(cached);
+        self.metrics.set_heartbeat_census(census.expired, hold);
+        self.metrics.set_heartbeat_allowance(self.allowance());
+        if self.holding.swap(hold, Ordering::Relaxed) != hold {
+            if hold {
+                tracing::warn!(
+                    expired = census.expired,
+                    registered = census.registered,
+                    threshold = self.mass_expiry_threshold,
+                    "too many plugin heartbeats expired at once: suspecting the control plane, \
+                     withdrawing no pool on heartbeat expiry alone"
+                );
+            } else {
+                tracing::info!(
+                    expired = census.expired,
+                    registered = census.registered,
+                    "plugin heartbeats recovered: heartbeat expiry withdraws pools again"
+                );
+            }
+        }
+        (census, hold)
+    }
+
+    /// Whether a pool may be withdrawn for heartbeat expiry alone now; true uses up the
+    /// allowance. At most one per [`ControllerConfig::expiry_withdrawal_interval`], like the
+    /// node lifecycle controller's eviction rate: heartbeats that go stale one after another
+    /// while the API server struggles (each too few for the mass-expiry rule) then cost at
+    /// most a few pools, not every one that happened to be late. A plugin that really died
+    /// still loses its pool at once when its connection drops: the kubelet wipes its slices
+    /// after 30 s, and a wipe withdraws without limit.
+    pub fn allow_expiry_withdrawal(&self) -> bool {
+        self.expiry_allowance(true)
+    }
+
+    /// Whether [`Self::allow_expiry_withdrawal`] would allow one now, without using it up
+    /// (so a node that would be held anyway costs no confirming read).
+    pub fn expiry_withdrawal_due(&self) -> bool {
+        self.expiry_allowance(false)
+    }
+
+    fn expiry_allowance(&self, take: bool) -> bool {
+        let interval = self.expiry_withdrawal_interval;
+        if interval.is_zero() {
+            return true;
+        }
+        let mut last = lock(&self.last_expiry_withdrawal);
+        match *last {
+            Some(at) if at.elapsed() < interval => false,
+            _ => {
+                if take {
+                    *last = Some(Instant::now());
+                }
+                true
+            }
+        }
+    }
+
+    /// `node`'s heartbeat as the API server has it now (a quorum read of its Lease, not the
+    /// cache). An expiry seen in the cache is confirmed with this before a pool is withdrawn,
+    /// because a watch that lags behind an overloaded API server shows every heartbeat older
+    /// than it is. A missing Lease is `None`; no answer within [`CONFIRM_TIMEOUT`] is an
+    /// error.
+    pub async fn fresh_lease_beat(&self, node: &str) -> Result<Option<LeaseBeat>, Error> {
+        let unconfirmed = |reason: String| Error::HeartbeatUnconfirmed {
+            node: node.to_string(),
+            object: "Lease",
+            reason,
+        };
+        let name = heartbeat_lease_name(node, &self.driver);
+        match tokio::time::timeout(CONFIRM_TIMEOUT, self.lease_api.get_opt(&name)).await {
+            Ok(Ok(lease)) => Ok(lease
+                .filter(|lease| lease_node(lease, &self.driver) == Some(node))
+                .as_ref()
+                .and_then(LeaseBeat::of)),
+            Ok(Err(e)) => Err(unconfirmed(e.to_string())),
+            Err(_) => Err(unconfirmed(format!(
+                "no answer within {}s",
+                CONFIRM_TIMEOUT.as_secs()
+            ))),
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -1,0 +1,52 @@
+//! The node's `GpuNode` and heartbeat.
+//!
+//! The GpuNode ([`writer`]) is created with a Node owner reference (so it is garbage-collected
+//! with the node) and its status is written whenever the inventory, the device health or the
+//! kubelet registration state changes: from it the controller decides what to publish for
+//! this node. It is never rewritten just to show the plugin is alive: its inventory is tens of
+//! kilobytes that every controller replica decodes and re-evaluates.
+//!
+//! The heartbeat ([`lease`]) is a `coordination.k8s.io/v1` Lease in the controller's namespace
+//! (see [`migdra_api::inventory::heartbeat_lease_name`]), renewed every heartbeat interval by
+//! a task of its own, as the kubelet renews its node Lease apart from the node status: a
+//! renewal is a ~400-byte merge patch, and the status loop's inventory refresh (NVML,
+//! unbounded), events and GpuNode writes never delay one. The controller judges liveness from
+//! the Lease (see its `liveness` module).
+//!
+//! The [`status_loop`] refreshes the inventory and device health every heartbeat interval and
+//! drives both. It reads the GPU table ([`crate::gpus`]), never the driver: it keeps running
+//! while another plugin instance holds the node lock.
+
+mod lease;
+mod status_loop;
+mod writer;
+
+use std::time::Duration;
+
+pub use lease::{HeartbeatLease, heartbeat_client};
+pub use status_loop::StatusLoop;
+pub use writer::NodeStatusWriter;
+
+/// Field manager of the plugin's writes.
+pub const FIELD_MANAGER: &str = "migdra-kubelet-plugin";
+
+/// How long one heartbeat-path write (the GpuNode, its status, a Lease renewal) may take: two
+/// intervals. The client's own read timeout is minutes, and one call hanging on an overloaded
+/// API server would otherwise hold every later beat; but a bound of one interval cancels every
+/// write once the server answers writes more slowly than that, and then no beat lands at all.
+/// A write answered late is a heartbeat; a cancelled one is not.
+fn write_bound(interval: Duration) -> Duration {
+    interval.saturating_mul(2)
+}
+
+/// Runs one API call of the heartbeat path for at most `limit` (see [`write_bound`]; events
+/// get one interval: they are no heartbeat). `None` (logged) when it did not answer in time.
+async fn bounded<T>(limit: Duration, what: &str, call: impl Future<Output = T>) -> Option<T> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(answer) => Some(answer),
+        Err(_) => {
+            tracing::warn!(timeout = ?limit, "{what}: no answer in time; the next beat tries again");
+            None
+        }
+    }
+}
