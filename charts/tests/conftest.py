@@ -1,7 +1,9 @@
 """Shared fixtures of the offline chart tests: run helm, parse what it renders.
 
-run.sh sets MIGDRA_HELM (the helm binary), MIGDRA_CHART, MIGDRA_REPO and
-MIGDRA_CHART_KUBE_VERSION. Without MIGDRA_HELM the tests look for `helm` on PATH.
+run.sh sets MIGDRA_HELM (the helm binary), MIGDRA_PROMTOOL (promtool, built by promtool/build.sh),
+MIGDRA_CHART, MIGDRA_REPO and MIGDRA_CHART_KUBE_VERSION. Without MIGDRA_HELM the tests look for
+`helm` on PATH; without MIGDRA_PROMTOOL they run promtool/build.sh (which builds promtool once
+and caches it). A missing helm or promtool fails the tests.
 """
 
 from __future__ import annotations
@@ -33,6 +35,24 @@ def helm_binary() -> str:
     if not helm:
         pytest.fail("no helm: run charts/tests/run.sh, or set MIGDRA_HELM")
     return helm
+
+
+def promtool_binary() -> str:
+    """The pinned promtool: MIGDRA_PROMTOOL, else what promtool/build.sh prints (it builds it)."""
+    promtool = os.environ.get("MIGDRA_PROMTOOL")
+    if not promtool:
+        proc = subprocess.run(["bash", str(TESTS / "promtool" / "build.sh")], capture_output=True, text=True)
+        if proc.returncode != 0 or not proc.stdout.strip():
+            pytest.fail(f"no promtool: promtool/build.sh failed ({proc.returncode}):\n{proc.stderr}")
+        promtool = proc.stdout.strip().splitlines()[-1]
+    if not os.access(promtool, os.X_OK):
+        pytest.fail(f"no promtool at {promtool!r}: run charts/tests/run.sh, or set MIGDRA_PROMTOOL")
+    return promtool
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    return promtool_binary()
 
 
 def run_helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
