@@ -1,11 +1,11 @@
 //! Command line of `migdra-controller`. Every flag can also come from an environment
 //! variable, which is how the Helm chart configures it.
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use migdra_api::inventory::DEFAULT_DRIVER_NAME;
-use migdra_runtime::LogFormat;
+use migdra_runtime::ProcessArgs;
 
 /// migdra controller: publishes the ResourceSlice pool of every GPU node whose kubelet
 /// plugin is live, from the node's GpuNode inventory and the MigPolicies.
@@ -18,9 +18,6 @@ pub struct Args {
     /// DRA driver name; must match the kubelet plugins and the DeviceClasses.
     #[arg(long, env = "DRIVER_NAME", default_value = DEFAULT_DRIVER_NAME)]
     pub driver_name: String,
-    /// Kubeconfig file (default: $KUBECONFIG, ~/.kube/config or the in-cluster configuration).
-    #[arg(long, env = "KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
     /// Namespace of the leader-election Lease and of the plugins' heartbeat Leases.
     #[arg(long, env = "POD_NAMESPACE", default_value = "migdra-system")]
     pub namespace: String,
@@ -61,21 +58,9 @@ pub struct Args {
     #[arg(long, env = "MAX_CONCURRENT_RECONCILES", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub max_concurrent_reconciles: u16,
-    /// Worker threads of the async runtime. Fixed rather than one per core of the machine
-    /// (or of the CPU limit), so the controller's memory does not grow with them; its steady
-    /// state needs a fraction of one core.
-    #[arg(long, env = "WORKER_THREADS", default_value_t = migdra_runtime::DEFAULT_WORKER_THREADS,
-          value_parser = clap::value_parser!(u16).range(1..))]
-    pub worker_threads: u16,
-    /// Address of the HTTP endpoint (/metrics, /healthz, /readyz).
-    #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
-    pub http_address: SocketAddr,
-    /// Log format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
-    /// Log filter, RUST_LOG syntax.
-    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
-    pub log_level: String,
+    /// Logging, the HTTP endpoint, threads and the kubeconfig.
+    #[command(flatten)]
+    pub process: ProcessArgs,
 }
 
 /// Subcommands.
@@ -142,9 +127,9 @@ mod tests {
         assert_eq!(a.heartbeat_timeout(), crate::liveness::DEFAULT_HEARTBEAT_TIMEOUT);
         assert_eq!(a.mass_expiry_threshold, 0.55);
         assert_eq!(a.max_concurrent_reconciles, 16);
-        assert_eq!(a.worker_threads, 2);
+        assert_eq!(a.process.worker_threads, 2);
         assert!(Args::try_parse_from(["migdra-controller", "--worker-threads", "0"]).is_err());
-        assert_eq!(a.http_address, "0.0.0.0:8080".parse().unwrap());
+        assert_eq!(a.process.http_address, "0.0.0.0:8080".parse().unwrap());
         assert!(!a.identity().is_empty());
 
         let a = Args::try_parse_from([
@@ -161,7 +146,7 @@ mod tests {
         assert!(!a.leader_elect);
         assert_eq!(a.identity(), "pod-1");
         assert_eq!(a.driver_name, "gpu.example.com");
-        assert_eq!(a.log_format, LogFormat::Json);
+        assert_eq!(a.process.log_format, migdra_runtime::LogFormat::Json);
 
         assert!(
             Args::try_parse_from(["migdra-controller", "--leader-elect"])

@@ -32,12 +32,10 @@ pub mod slice_index;
 pub mod status;
 pub mod status_deferral;
 
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use kube::Client;
-use migdra_runtime::{LogFormat, Readiness};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use error::{Error, Result};
@@ -57,7 +55,7 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         print!("{}", crds::crds_yaml().context("rendering the CRDs")?);
         return Ok(());
     }
-    init_logging(args.log_format, &args.log_level)?;
+    args.process.init_logging()?;
     let identity = args.identity();
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
@@ -66,44 +64,22 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         leader_elect = args.leader_elect,
         "starting"
     );
-    let shutdown = migdra_runtime::shutdown_on_signals().context("installing signal handlers")?;
     let metrics = metrics::Metrics::new();
-    let ready = Readiness::default();
-    let http_task = {
+    let process = {
         let metrics = metrics.clone();
-        serve_metrics(args.http_address, move || metrics.encode(), &ready, &shutdown).await?
+        args.process.start(move || metrics.encode()).await?
     };
-    let client = migdra_runtime::kube_client(args.kubeconfig.as_deref()).await?;
+    let client = migdra_runtime::kube_client(args.process.kubeconfig.as_deref()).await?;
 
     // Both the leader and a standby replica are ready: a standby is healthy and waiting.
-    ready.set(true);
-    let result = run_controller(&args, identity, client, metrics, &shutdown).await;
-    ready.set(false);
-    shutdown.cancel();
-    let _ = http_task.await;
+    process.ready.set(true);
+    let result = run_controller(&args, identity, client, metrics, &process.shutdown).await;
+    process.ready.set(false);
+    process.shutdown.cancel();
+    let _ = process.http_task.await;
     result.context("controller")?;
     tracing::info!("stopped");
     Ok(())
-}
-
-/// Sets up logging in `format`, filtered by `filter` (RUST_LOG syntax).
-fn init_logging(format: LogFormat, filter: &str) -> anyhow::Result<()> {
-    migdra_runtime::init_logging(format, filter).map_err(|e| anyhow::anyhow!("setting up logging: {e}"))
-}
-
-/// Serves the metrics `render` encodes and the probes on `address` until `shutdown`.
-async fn serve_metrics(
-    address: SocketAddr,
-    render: impl Fn() -> String + Send + Sync + 'static,
-    ready: &Readiness,
-    shutdown: &CancellationToken,
-) -> anyhow::Result<JoinHandle<()>> {
-    let (http_addr, http_task) =
-        migdra_runtime::serve_http(address, Arc::new(render), ready.clone(), shutdown.clone())
-            .await
-            .context("starting the HTTP endpoint")?;
-    tracing::info!(%http_addr, "serving metrics and probes");
-    Ok(http_task)
 }
 
 /// The reconciler's settings from the command line.

@@ -4,5 +4,5 @@ use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
     let args = migdra_controller::cli::Args::parse();
-    migdra_runtime::async_runtime(args.worker_threads)?.block_on(migdra_controller::run(args))
+    migdra_runtime::async_runtime(args.process.worker_threads)?.block_on(migdra_controller::run(args))
 }

@@ -5,7 +5,7 @@ use std::{ffi::OsString, net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::Parser;
 use migdra_api::inventory::DEFAULT_DRIVER_NAME;
-use migdra_runtime::LogFormat;
+use migdra_runtime::ProcessArgs;
 
 /// migdra kubelet plugin: creates the MIG instance of each allocated ResourceClaim on this
 /// node, hands it to containers through CDI, and destroys it once the pod is gone.
@@ -56,18 +56,6 @@ pub struct Args {
     /// File holding the kernel boot ID.
     #[arg(long, env = "BOOT_ID_PATH", default_value = "/proc/sys/kernel/random/boot_id")]
     pub boot_id_path: PathBuf,
-    /// Kubeconfig file (default: in-cluster configuration, or $KUBECONFIG).
-    #[arg(long, env = "KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
-    /// Log format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
-    /// Log filter, RUST_LOG syntax.
-    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
-    pub log_level: String,
-    /// Address of the HTTP endpoint (/metrics, /healthz, /readyz).
-    #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
-    pub http_address: SocketAddr,
     /// Address of the gRPC health endpoint (grpc.health.v1) for kubelet gRPC probes.
     #[arg(long, env = "GRPC_HEALTH_ADDRESS", default_value = "0.0.0.0:51515")]
     pub grpc_health_address: SocketAddr,
@@ -95,12 +83,9 @@ pub struct Args {
     /// passes the pod UID. Empty: the fixed names `dra.sock` and `<driver>-reg.sock`.
     #[arg(long, env = "POD_UID", default_value = "")]
     pub plugin_instance: String,
-    /// Worker threads of the async runtime (kubelet gRPC, API calls, heartbeats; NVML and
-    /// file work run on blocking threads besides). Fixed rather than one per core, so the
-    /// plugin's memory does not grow with the node's cores.
-    #[arg(long, env = "WORKER_THREADS", default_value_t = migdra_runtime::DEFAULT_WORKER_THREADS,
-          value_parser = clap::value_parser!(u16).range(1..))]
-    pub worker_threads: u16,
+    /// Logging, the HTTP endpoint, threads and the kubeconfig.
+    #[command(flatten)]
+    pub process: ProcessArgs,
 }
 
 /// The subcommand that checks this node's GPUs instead of running the plugin.
@@ -200,9 +185,9 @@ mod tests {
         assert_eq!(a.cdi_dir, PathBuf::from("/var/run/cdi"));
         assert_eq!(a.proc_root, PathBuf::from("/proc"));
         assert_eq!(a.boot_id_path, PathBuf::from("/proc/sys/kernel/random/boot_id"));
-        assert_eq!(a.http_address, "0.0.0.0:8080".parse().unwrap());
+        assert_eq!(a.process.http_address, "0.0.0.0:8080".parse().unwrap());
         assert_eq!(a.grpc_health_address, "0.0.0.0:51515".parse().unwrap());
-        assert_eq!(a.worker_threads, 2);
+        assert_eq!(a.process.worker_threads, 2);
         assert!(
             Args::try_parse_from([
                 "migdra-kubelet-plugin",
@@ -218,7 +203,7 @@ mod tests {
         assert_eq!(a.health_resend_interval(), Duration::from_secs(10));
         assert_eq!(a.lock_timeout(), Duration::from_secs(30));
         assert_eq!(a.stale_claim_gc_interval(), Duration::from_secs(300));
-        assert_eq!(a.log_format, LogFormat::Text);
+        assert_eq!(a.process.log_format, migdra_runtime::LogFormat::Text);
         assert!(a.nvml_lib_path.is_none());
         assert_eq!(a.driver_root, PathBuf::from("/"));
         assert_eq!(a.resolved_driver_root_mount(), PathBuf::from("/"));
@@ -258,7 +243,7 @@ mod tests {
             Duration::from_secs(1),
             "never a busy loop"
         );
-        assert_eq!(a.log_format, LogFormat::Json);
+        assert_eq!(a.process.log_format, migdra_runtime::LogFormat::Json);
     }
 
     #[test]
@@ -338,10 +323,6 @@ mod tests {
             ("nvidia-cdi-hook-path", "NVIDIA_CDI_HOOK_PATH"),
             ("dev-root", "DEV_ROOT"),
             ("boot-id-path", "BOOT_ID_PATH"),
-            ("kubeconfig", "KUBECONFIG"),
-            ("log-format", "LOG_FORMAT"),
-            ("log-level", "LOG_LEVEL"),
-            ("http-address", "HTTP_ADDRESS"),
             ("grpc-health-address", "GRPC_HEALTH_ADDRESS"),
             ("heartbeat-interval-seconds", "HEARTBEAT_INTERVAL_SECONDS"),
             ("heartbeat-namespace", "POD_NAMESPACE"),
@@ -352,6 +333,10 @@ mod tests {
                 "STALE_CLAIM_GC_INTERVAL_SECONDS",
             ),
             ("plugin-instance", "POD_UID"),
+            ("kubeconfig", "KUBECONFIG"),
+            ("log-format", "LOG_FORMAT"),
+            ("log-level", "LOG_LEVEL"),
+            ("http-address", "HTTP_ADDRESS"),
             ("worker-threads", "WORKER_THREADS"),
         ];
         let expected: Vec<(String, String)> = expected

@@ -36,7 +36,7 @@ pub mod state_dir;
 use std::{sync::Arc, time::Duration};
 
 use anyhow::Context as _;
-use migdra_runtime::Readiness;
+use migdra_runtime::Process;
 use tokio::{
     sync::{mpsc, watch},
     task::JoinHandle,
@@ -68,14 +68,20 @@ type PluginDriver = Driver<KubeClaims>;
 /// recovery), its background loops, the status loop, then the kubelet's DRA and registration
 /// sockets; once they are gone, the status loop stops or hands over to another instance.
 pub async fn run(args: cli::Args) -> anyhow::Result<()> {
-    init_logging(&args)?;
-    let shutdown = migdra_runtime::shutdown_on_signals().context("installing signal handlers")?;
+    args.process.init_logging()?;
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %args.node_name, driver = %args.driver_name, "starting");
     let metrics = Metrics::for_node(&args.node_name);
-    let ready = Readiness::default();
-    let http_task = serve_metrics(&args, &metrics, &ready, &shutdown).await?;
+    let Process {
+        shutdown,
+        ready,
+        http_task,
+    } = {
+        let metrics = metrics.clone();
+        args.process.start(move || metrics.encode()).await?
+    };
     let (grpc_health, grpc_health_task) = serve_grpc_health(&args, &shutdown).await;
 
-    let kube_config = migdra_runtime::kube_config(args.kubeconfig.as_deref()).await?;
+    let kube_config = migdra_runtime::kube_config(args.process.kubeconfig.as_deref()).await?;
     let client =
         kube::Client::try_from(kube_config.clone()).map_err(migdra_runtime::KubeClientError::from)?;
     let (driver, report) = start_driver(&args, KubeClaims::new(client.clone()), metrics).await?;
@@ -123,32 +129,6 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     served.context("kubelet gRPC servers")?;
     tracing::info!("stopped");
     Ok(())
-}
-
-fn init_logging(args: &cli::Args) -> anyhow::Result<()> {
-    migdra_runtime::init_logging(args.log_format, &args.log_level)
-        .map_err(|e| anyhow::anyhow!("setting up logging: {e}"))?;
-    tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %args.node_name, driver = %args.driver_name, "starting");
-    Ok(())
-}
-
-/// Serves metrics and the HTTP probes until `shutdown`; ready once `ready` is set.
-async fn serve_metrics(
-    args: &cli::Args,
-    metrics: &Metrics,
-    ready: &Readiness,
-    shutdown: &CancellationToken,
-) -> anyhow::Result<JoinHandle<()>> {
-    let renderer = {
-        let metrics = metrics.clone();
-        Arc::new(move || metrics.encode())
-    };
-    let (http_addr, task) =
-        migdra_runtime::serve_http(args.http_address, renderer, ready.clone(), shutdown.clone())
-            .await
-            .context("starting the HTTP endpoint")?;
-    tracing::info!(%http_addr, "serving metrics and probes");
-    Ok(task)
 }
 
 /// Serves the gRPC health service until `shutdown`, not serving until the reporter says so.

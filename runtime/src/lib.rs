@@ -1,9 +1,11 @@
-//! Process plumbing shared by `migdra-controller` and `migdra-kubelet-plugin`: logging setup,
-//! the HTTP endpoint for metrics and probes, shutdown on signals, and the Kubernetes client.
+//! Process plumbing shared by `migdra-controller` and `migdra-kubelet-plugin`: the flags both
+//! take ([`ProcessArgs`]), logging setup, the HTTP endpoint for metrics and probes, shutdown on
+//! signals ([`Process`]), and the Kubernetes client.
 
 use std::{
     convert::Infallible,
     net::SocketAddr,
+    path::PathBuf,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -15,7 +17,7 @@ use http::{Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::{body::Incoming, service::service_fn};
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
+use tokio::{net::TcpListener, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::{EnvFilter, fmt, prelude::*};
 
@@ -26,6 +28,82 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line.
     Json,
+}
+
+/// The flags of both binaries' processes, each also from an environment variable.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ProcessArgs {
+    /// Kubeconfig file (default: $KUBECONFIG, ~/.kube/config or the in-cluster configuration).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// Log filter, RUST_LOG syntax.
+    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+    /// Address of the HTTP endpoint (/metrics, /healthz, /readyz).
+    #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
+    pub http_address: SocketAddr,
+    /// Worker threads of the async runtime (NVML and file work run on blocking threads
+    /// besides). Fixed rather than one per core, so memory does not grow with the machine.
+    #[arg(long, env = "WORKER_THREADS", default_value_t = DEFAULT_WORKER_THREADS,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub worker_threads: u16,
+}
+
+/// Errors of starting a process's plumbing.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The log filter or the global subscriber could not be set up.
+    #[error("setting up logging: {0}")]
+    Logging(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// SIGTERM/SIGINT handlers could not be installed.
+    #[error("installing signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
+    /// The HTTP endpoint could not be started.
+    #[error("starting the HTTP endpoint: {0}")]
+    Http(#[from] HttpError),
+}
+
+impl ProcessArgs {
+    /// Installs the global tracing subscriber with the configured format and filter.
+    pub fn init_logging(&self) -> Result<(), StartError> {
+        init_logging(self.log_format, &self.log_level).map_err(StartError::Logging)
+    }
+
+    /// Installs the signal handlers and serves `metrics` and the probes on the HTTP address.
+    pub async fn start(
+        &self,
+        metrics: impl Fn() -> String + Send + Sync + 'static,
+    ) -> Result<Process, StartError> {
+        let shutdown = shutdown_on_signals().map_err(StartError::Signals)?;
+        let ready = Readiness::default();
+        let (addr, http_task) = serve_http(
+            self.http_address,
+            Arc::new(metrics),
+            ready.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+        tracing::info!(http_addr = %addr, "serving metrics and probes");
+        Ok(Process {
+            shutdown,
+            ready,
+            http_task,
+        })
+    }
+}
+
+/// A started process: its shutdown signal, its readiness and its HTTP endpoint.
+#[derive(Debug)]
+pub struct Process {
+    /// Fires on SIGTERM or SIGINT, or when the process cancels it to stop.
+    pub shutdown: CancellationToken,
+    /// What `/readyz` reports.
+    pub ready: Readiness,
+    /// The HTTP endpoint; it ends once `shutdown` fires.
+    pub http_task: JoinHandle<()>,
 }
 
 /// Installs the global tracing subscriber. `filter` uses `RUST_LOG` syntax (e.g. `info` or
@@ -134,7 +212,7 @@ impl Readiness {
 }
 
 /// Renders the metrics text on demand.
-pub type MetricsRenderer = Arc<dyn Fn() -> String + Send + Sync>;
+type MetricsRenderer = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Errors of the HTTP endpoint.
 #[derive(Debug, thiserror::Error)]
@@ -153,12 +231,12 @@ pub enum HttpError {
 /// Binds `addr` and serves `/metrics` (OpenMetrics text), `/healthz` (always 200 while the
 /// process serves) and `/readyz` (200 when `ready` is set) until `shutdown` fires. Returns
 /// the bound address (useful with port 0) and the serving task.
-pub async fn serve_http(
+async fn serve_http(
     addr: SocketAddr,
     metrics: MetricsRenderer,
     ready: Readiness,
     shutdown: CancellationToken,
-) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), HttpError> {
+) -> Result<(SocketAddr, JoinHandle<()>), HttpError> {
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|source| HttpError::Bind { addr, source })?;
