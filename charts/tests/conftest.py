@@ -153,5 +153,3 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def crds_present() -> bool:
-    return all(p.exists() for p in CRD_FILES.values())
