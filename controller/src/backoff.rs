@@ -3,9 +3,7 @@
 
 use std::{collections::HashMap, sync::Mutex, time::Duration};
 
-/// First retry delay.
 const BASE: Duration = Duration::from_secs(1);
-/// Longest retry delay.
 pub const MAX: Duration = Duration::from_secs(120);
 
 /// The consecutive failures of every node.
@@ -15,7 +13,7 @@ pub struct Backoff(Mutex<HashMap<String, u32>>);
 impl Backoff {
     /// Counts one more consecutive failure of `node`; returns how long its retry waits.
     pub fn failed(&self, node: &str) -> Duration {
-        let mut failures = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut failures = crate::lock(&self.0);
         let count = failures.entry(node.to_string()).or_insert(0);
         *count = count.saturating_add(1);
         delay(*count)
@@ -23,7 +21,7 @@ impl Backoff {
 
     /// Forgets `node`'s failures after a success.
     pub fn succeeded(&self, node: &str) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).remove(node);
+        crate::lock(&self.0).remove(node);
     }
 }
 

@@ -71,7 +71,6 @@ pub enum Command {
 }
 
 impl Args {
-    /// The heartbeat timeout.
     pub fn heartbeat_timeout(&self) -> Duration {
         Duration::from_secs(self.heartbeat_timeout_seconds)
     }

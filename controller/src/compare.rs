@@ -71,26 +71,15 @@ fn cached_hash(slice: &SliceMeta) -> Option<&str> {
 /// One write of the pool.
 #[derive(Clone, Debug, PartialEq)]
 pub enum SliceWrite {
-    /// Create a slice that does not exist.
     Create(ResourceSlice),
-    /// Replace an existing slice; carries the `resourceVersion` it was read at, so a
-    /// concurrent change fails with a conflict instead of being overwritten.
+    /// Carries the `resourceVersion` it was read at, so a concurrent change fails with a
+    /// conflict instead of being overwritten.
     Replace(ResourceSlice),
-}
-
-impl SliceWrite {
-    /// The slice written.
-    pub fn slice(&self) -> &ResourceSlice {
-        match self {
-            Self::Create(s) | Self::Replace(s) => s,
-        }
-    }
 }
 
 /// One slice to delete.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SliceDelete {
-    /// Slice name.
     pub name: String,
     /// UID it was read with (a precondition of the delete).
     pub uid: Option<String>,
@@ -113,7 +102,6 @@ pub struct PoolDiff {
 }
 
 impl PoolDiff {
-    /// True when nothing needs to be written.
     pub fn is_empty(&self) -> bool {
         self.writes.is_empty() && self.deletes.is_empty()
     }
@@ -337,17 +325,13 @@ fn normalize_device(device: &Device) -> Device {
             .as_ref()
             .filter(|c| !c.is_empty())
             .map(|capacity| {
+                let normalize = |cap: &DeviceCapacity| DeviceCapacity {
+                    value: normalize_quantity(&cap.value),
+                    request_policy: cap.request_policy.clone(),
+                };
                 capacity
                     .iter()
-                    .map(|(name, cap)| {
-                        (
-                            name.clone(),
-                            DeviceCapacity {
-                                value: normalize_quantity(&cap.value),
-                                request_policy: cap.request_policy.clone(),
-                            },
-                        )
-                    })
+                    .map(|(name, cap)| (name.clone(), normalize(cap)))
                     .collect()
             }),
         consumes_counters: non_empty(&device.consumes_counters).map(|consumptions| {
@@ -376,16 +360,12 @@ fn normalize_device(device: &Device) -> Device {
 }
 
 fn normalize_counters(counters: &BTreeMap<String, Counter>) -> BTreeMap<String, Counter> {
+    let normalize = |c: &Counter| Counter {
+        value: normalize_quantity(&c.value),
+    };
     counters
         .iter()
-        .map(|(name, c)| {
-            (
-                name.clone(),
-                Counter {
-                    value: normalize_quantity(&c.value),
-                },
-            )
-        })
+        .map(|(name, c)| (name.clone(), normalize(c)))
         .collect()
 }
 
@@ -415,6 +395,13 @@ mod tests {
     };
 
     use super::*;
+
+    impl SliceWrite {
+        fn slice(&self) -> &ResourceSlice {
+            let (Self::Create(s) | Self::Replace(s)) = self;
+            s
+        }
+    }
 
     fn slice(name: &str, generation: i64, devices: Vec<Device>) -> ResourceSlice {
         ResourceSlice {

@@ -13,8 +13,8 @@
 //!   stays in its pool until released);
 //! * the plugins' heartbeat Leases in the controller's namespace (label
 //!   `gpu.migdra.dev/heartbeat=<driver>`, the node in `spec.holderIdentity`): a renewal
-//!   reconciles the node only when the controller does not consider it live (the expiry watch re-checks a live one), so a
-//!   steady heartbeat costs a cache update, not a reconciliation;
+//!   reconciles the node only when the controller does not consider it live (the expiry
+//!   watch re-checks a live one), so a steady heartbeat costs a cache update;
 //! * the expiry watch: every [`EXPIRY_SCAN`], the live nodes whose heartbeat expiry has
 //!   passed are looked at in the caches; only those not renewed since are reconciled (see
 //!   [`crate::liveness::HeartbeatTracker::take_expired`]). A timer per live node would
@@ -40,7 +40,7 @@ use kube::{
     core::PartialObjectMeta,
     runtime::{
         Controller, WatchStreamExt, controller,
-        reflector::{self, ObjectRef, Store, store::Writer},
+        reflector::{self, ObjectRef, store::Writer},
         watcher::{self, watcher},
     },
 };
@@ -68,12 +68,10 @@ pub const EXPIRY_SCAN: Duration = Duration::from_secs(1);
 /// Collapses bursts of triggers (a pool write produces one event per slice).
 const DEBOUNCE: Duration = Duration::from_millis(500);
 
-/// The watch configuration of this driver's slices.
 pub fn slice_watch_config(driver: &str) -> watcher::Config {
     watcher::Config::default().fields(&format!("spec.driver={driver}"))
 }
 
-/// The watch configuration of this driver's heartbeat Leases.
 pub fn lease_watch_config(driver: &str) -> watcher::Config {
     watcher::Config::default().labels(&format!("{HEARTBEAT_LEASE_LABEL}={driver}"))
 }
@@ -161,12 +159,20 @@ struct CacheWriters {
 
 /// A context over empty caches, and the writers that fill them.
 fn build_context(client: Client, config: ControllerConfig, metrics: Metrics) -> (Arc<Context>, CacheWriters) {
-    let (gpunodes, gpunode_writer) = reflector::store::<GpuNode>();
-    let (nodes, node_writer) = reflector::store::<PartialObjectMeta<Node>>();
-    let (policies, policy_writer) = reflector::store::<MigPolicy>();
-    let (slices, slice_writer) = reflector::store::<SliceMeta>();
-    let (claims, claim_writer) = reflector::store::<ResourceClaim>();
-    let (leases, lease_writer) = reflector::store::<Lease>();
+    let (gpunodes, gpunodes_writer) = reflector::store();
+    let (nodes, nodes_writer) = reflector::store();
+    let (policies, policies_writer) = reflector::store();
+    let (slices, slices_writer) = reflector::store();
+    let (claims, claims_writer) = reflector::store();
+    let (leases, leases_writer) = reflector::store();
+    let writers = CacheWriters {
+        gpunodes: gpunodes_writer,
+        nodes: nodes_writer,
+        policies: policies_writer,
+        slices: slices_writer,
+        claims: claims_writer,
+        leases: leases_writer,
+    };
     let stores = Stores {
         gpunodes,
         nodes,
@@ -174,14 +180,6 @@ fn build_context(client: Client, config: ControllerConfig, metrics: Metrics) -> 
         slices,
         claims,
         leases,
-    };
-    let writers = CacheWriters {
-        gpunodes: gpunode_writer,
-        nodes: node_writer,
-        policies: policy_writer,
-        slices: slice_writer,
-        claims: claim_writer,
-        leases: lease_writer,
     };
     (Arc::new(Context::new(client, config, stores, metrics)), writers)
 }
@@ -196,10 +194,9 @@ pub async fn run(
     let driver = config.driver.clone();
     let concurrency = config.concurrency;
     let (ctx, writers) = build_context(client.clone(), config, metrics);
-    let gpunodes = ctx.gpunodes.clone();
     let controller = Controller::for_stream(
         gpunode_triggers(&client, &ctx, writers.gpunodes),
-        gpunodes.clone(),
+        ctx.stores.gpunodes.clone(),
     )
     .with_config(
         controller::Config::default()
@@ -219,7 +216,7 @@ pub async fn run(
     .graceful_shutdown_on(shutdown.clone().cancelled_owned());
     // The sweeper lives in this task (not a spawned one), so aborting the task on a lost
     // lease stops it too.
-    let sweeper = sweep(ctx.clone(), gpunodes, shutdown.clone());
+    let sweeper = sweep(ctx.clone(), shutdown.clone());
     tracing::info!(driver = %driver, "controller running");
     let synced = log_when_synced(ctx.clone(), shutdown.clone());
     let controller = controller.run(reconcile, error_policy, ctx).for_each(|result| {
@@ -235,6 +232,21 @@ pub async fn run(
     futures::join!(controller, sweeper, synced);
     tracing::info!("controller stopped");
     Ok(())
+}
+
+/// Drops a watch's errors, logged (the watcher retries them with backoff).
+fn warn_on_error<T>(what: &'static str) -> impl FnMut(Result<T, watcher::Error>) -> future::Ready<Option<T>> {
+    move |result| {
+        future::ready(
+            result
+                .map_err(|e| tracing::warn!(error = %e, "{what} watch failed"))
+                .ok(),
+        )
+    }
+}
+
+fn gpunode_refs(nodes: impl IntoIterator<Item = String>) -> impl Stream<Item = ObjectRef<GpuNode>> {
+    futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::new(&node)))
 }
 
 /// The GpuNode watch, filling the cache the reconciler and the heartbeat census read.
@@ -260,18 +272,15 @@ fn node_triggers(
     writer: Writer<PartialObjectMeta<Node>>,
 ) -> impl Stream<Item = Result<PartialObjectMeta<Node>, watcher::Error>> + use<> {
     let mut node_changes = NodeChanges::default();
-    watcher(
-        Api::<PartialObjectMeta<Node>>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .reflect(writer)
-    .filter_map(move |event| {
-        future::ready(match event {
-            Ok(event) => node_changes.admit(&event).map(Ok),
-            Err(e) => Some(Err(e)),
+    watcher(Api::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .filter_map(move |event| {
+            future::ready(match event {
+                Ok(event) => node_changes.admit(&event).map(Ok),
+                Err(e) => Some(Err(e)),
+            })
         })
-    })
 }
 
 /// The MigPolicy watch: any change.
@@ -280,15 +289,8 @@ fn policy_triggers(client: &Client, writer: Writer<MigPolicy>) -> impl Stream<It
         .default_backoff()
         .reflect(writer)
         .touched_objects()
-        .filter_map(|result| {
-            future::ready(match result {
-                Ok(_) => Some(()),
-                Err(e) => {
-                    tracing::warn!(error = %e, "MigPolicy watch failed");
-                    None
-                }
-            })
-        })
+        .filter_map(warn_on_error("MigPolicy"))
+        .map(|_| ())
 }
 
 /// The watch of this driver's slices (metadata only), feeding the slice index and the
@@ -298,25 +300,22 @@ fn slice_triggers(
     ctx: &Arc<Context>,
     writer: Writer<SliceMeta>,
 ) -> impl Stream<Item = Result<SliceMeta, watcher::Error>> + use<> {
-    let observer = ctx.clone();
-    watcher(
-        Api::<SliceMeta>::all(client.clone()),
-        slice_watch_config(&ctx.config.driver),
-    )
-    .default_backoff()
-    .modify(strip_slice)
-    .reflect(writer)
-    .inspect(move |event| {
-        if let Ok(event) = event {
-            let wiped = observer.observe_slice_event(event);
-            if wiped > 0 {
-                observer.metrics.slices_wiped(wiped);
+    let ctx = ctx.clone();
+    watcher(Api::all(client.clone()), slice_watch_config(&ctx.config.driver))
+        .default_backoff()
+        .modify(strip_slice)
+        .reflect(writer)
+        .inspect(move |event| {
+            if let Ok(event) = event {
+                let wiped = ctx.observe_slice_event(event);
+                if wiped > 0 {
+                    ctx.metrics.slices_wiped(wiped);
+                }
+                let (lag, ttl) = ctx.expectations.watch_lag_and_ttl();
+                ctx.metrics.set_slice_watch_lag(lag, ttl);
             }
-            let (lag, ttl) = observer.expectations.watch_lag_and_ttl();
-            observer.metrics.set_slice_watch_lag(lag, ttl);
-        }
-    })
-    .touched_objects()
+        })
+        .touched_objects()
 }
 
 /// The ResourceClaim watch (cut down to `driver`'s allocation results): the nodes whose held
@@ -327,25 +326,13 @@ fn claim_triggers(
     writer: Writer<ResourceClaim>,
 ) -> impl Stream<Item = ObjectRef<GpuNode>> + use<> {
     let mut claim_changes = ClaimChanges::default();
-    let claim_driver = driver.to_string();
-    let strip_driver = driver.to_string();
-    watcher(
-        Api::<ResourceClaim>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .modify(move |claim| strip_claim(claim, &strip_driver))
-    .reflect(writer)
-    .flat_map(move |event| {
-        let nodes = match event {
-            Ok(event) => claim_changes.admit(&event, &claim_driver),
-            Err(e) => {
-                tracing::warn!(error = %e, "ResourceClaim watch failed");
-                Default::default()
-            }
-        };
-        futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::<GpuNode>::new(&node)))
-    })
+    let (claim_driver, strip_driver) = (driver.to_string(), driver.to_string());
+    watcher(Api::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .modify(move |claim| strip_claim(claim, &strip_driver))
+        .reflect(writer)
+        .filter_map(warn_on_error("ResourceClaim"))
+        .flat_map(move |event| gpunode_refs(claim_changes.admit(&event, &claim_driver)))
 }
 
 /// The heartbeat Lease watch: the renewals of nodes the controller does not consider live.
@@ -354,17 +341,13 @@ fn lease_triggers(
     ctx: &Arc<Context>,
     writer: Writer<Lease>,
 ) -> impl Stream<Item = ObjectRef<GpuNode>> + use<> {
-    let lease_ctx = ctx.clone();
-    let delay_ctx = ctx.clone();
-    let lease_driver = ctx.config.driver.clone();
+    let (delay_ctx, lease_ctx) = (ctx.clone(), ctx.clone());
     watcher(
         Api::<Lease>::namespaced(client.clone(), &ctx.config.heartbeat_namespace),
         lease_watch_config(&ctx.config.driver),
     )
     .default_backoff()
-    .modify(|lease| {
-        lease.metadata.managed_fields = None;
-    })
+    .modify(|lease| lease.metadata.managed_fields = None)
     .reflect(writer)
     .inspect(move |event| {
         // Renewals as they happen, not the initial list (or a relist), whose renewals are
@@ -376,16 +359,13 @@ fn lease_triggers(
         }
     })
     .touched_objects()
-    .filter_map(move |result| {
-        future::ready(match result {
-            Ok(lease) => lease_node(&lease, &lease_driver)
+    .filter_map(warn_on_error("heartbeat Lease"))
+    .filter_map(move |lease| {
+        future::ready(
+            lease_node(&lease, &lease_ctx.config.driver)
                 .filter(|node| !lease_ctx.heartbeats.is_live(node))
                 .map(ObjectRef::<GpuNode>::new),
-            Err(e) => {
-                tracing::warn!(error = %e, "heartbeat Lease watch failed");
-                None
-            }
-        })
+        )
     })
 }
 
@@ -397,7 +377,7 @@ fn expiry_triggers(ctx: &Arc<Context>) -> impl Stream<Item = ObjectRef<GpuNode>>
         scans.tick().await;
         Some((ctx.heartbeats.take_expired(Timestamp::now()), (scans, ctx)))
     })
-    .flat_map(|nodes| futures::stream::iter(nodes.into_iter().map(|node| ObjectRef::<GpuNode>::new(&node))))
+    .flat_map(gpunode_refs)
 }
 
 /// Logs when every cache has its initial list (the first reconciliations wait for it): a
@@ -415,7 +395,8 @@ async fn log_when_synced(ctx: Arc<Context>, shutdown: CancellationToken) {
 
 /// Deletes slices of nodes without a GpuNode, every [`SWEEP_INTERVAL`], and forgets their
 /// metrics and deferred status writes.
-async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: CancellationToken) {
+async fn sweep(ctx: Arc<Context>, shutdown: CancellationToken) {
+    let gpunodes = &ctx.stores.gpunodes;
     let ready = async { gpunodes.wait_until_ready().await.is_ok() && ctx.wait_ready().await.is_ok() };
     tokio::select! {
         _ = shutdown.cancelled() => return,
@@ -429,14 +410,14 @@ async fn sweep(ctx: Arc<Context>, gpunodes: Store<GpuNode>, shutdown: Cancellati
         let names: HashSet<String> = gpunodes.state().iter().map(|g| g.name_any()).collect();
         ctx.geometries.retain(|name| names.contains(name));
         ctx.status_deferral.retain(|name| names.contains(name));
-        for (node, orphan) in orphaned_slices(&ctx.slices.state(), &names) {
+        for (node, orphan) in orphaned_slices(&ctx.stores.slices.state(), &names) {
             tracing::info!(slice = %orphan.name, %node, "deleting a slice of a node without GpuNode");
             ctx.metrics.forget_node(&node);
             let diff = PoolDiff {
                 deletes: vec![orphan],
                 ..Default::default()
             };
-            if let Err(e) = ctx.publisher(&node).apply(diff).await {
+            if let Err(e) = crate::publish::apply(&ctx, &node, diff).await {
                 tracing::warn!(error = %e, "deleting an orphaned slice failed");
             }
         }

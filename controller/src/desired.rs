@@ -19,11 +19,9 @@ use crate::naming::{NODE_LABEL, is_dns_subdomain, node_label_value, slice_name};
 /// A node's desired pool, generation not yet assigned.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DesiredPool {
-    /// Pool name.
     pub pool: String,
     /// Slices in pool order, named, labelled and owned by the Node.
     pub slices: Vec<ResourceSlice>,
-    /// Devices in the pool.
     pub devices: u32,
     /// GPUs with at least one device in the pool.
     pub gpus: u32,
@@ -45,11 +43,10 @@ pub enum DesiredError {
 /// The identity of a node, as the pool needs it.
 #[derive(Clone, Copy, Debug)]
 pub struct NodeRef<'a> {
-    /// Node name.
     pub name: &'a str,
-    /// Node UID, for the owner reference.
+    /// For the owner reference.
     pub uid: Option<&'a str>,
-    /// Node labels, for policy selection.
+    /// For policy selection.
     pub labels: &'a BTreeMap<String, String>,
 }
 
@@ -78,10 +75,9 @@ pub fn desired_pool<'p>(
         driver_version,
     };
     let specs = render_pool(&id, gpus, &plan);
-    let mut problems: Vec<String> = match validate_pool(&specs) {
-        Ok(()) => Vec::new(),
-        Err(errors) => errors.iter().map(ToString::to_string).collect(),
-    };
+    let mut problems: Vec<String> = validate_pool(&specs).err().map_or_else(Vec::new, |errors| {
+        errors.iter().map(ToString::to_string).collect()
+    });
     let count = specs.len();
     let owner = node.uid.map(|uid| OwnerReference {
         api_version: "v1".into(),

@@ -9,58 +9,45 @@ pub enum Error {
     /// stale. The controller retries with backoff from a fresh view.
     #[error("{operation} of {object} conflicted with a concurrent change: {source}")]
     Conflict {
-        /// What was attempted (`create`, `update`, `delete`).
+        /// `create`, `update` or `delete`.
         operation: &'static str,
         /// The object, e.g. `ResourceSlice node-a-gpu.migdra.dev-000`.
         object: String,
-        /// The API error.
         #[source]
         source: kube::Error,
     },
-    /// Creating, replacing or deleting a ResourceSlice failed.
     #[error("{operation} of ResourceSlice {name} failed: {source}")]
     SliceWrite {
-        /// What was attempted (`create`, `update`, `delete`).
+        /// `create`, `update`, `delete` or `get`.
         operation: &'static str,
-        /// Slice name.
         name: String,
-        /// The API error.
         #[source]
         source: kube::Error,
     },
-    /// Patching a GpuNode's status failed.
     #[error("patching the status of GpuNode {node} failed: {source}")]
     StatusPatch {
-        /// Node name.
         node: String,
-        /// The API error.
         #[source]
         source: kube::Error,
     },
     /// The API server stored a slice without some of the fields that were sent, usually
-    /// because a feature gate (DRAPartitionableDevices, DRADeviceTaints) is off. Such a pool
-    /// would be published wrong, so the controller stops and reports instead of looping.
+    /// because a feature gate is off. Such a pool would be published wrong, so the controller
+    /// stops and reports instead of looping.
     #[error(
         "the API server dropped fields of ResourceSlice {name} (is a DRA feature gate such as \
          DRAPartitionableDevices or DRADeviceTaints disabled?)"
     )]
-    FieldsDropped {
-        /// Slice name.
-        name: String,
-    },
+    FieldsDropped { name: String },
     /// The MigPolicy that applies to the node is invalid.
     #[error("no valid MigPolicy for node {node}: {source}")]
     Policy {
-        /// Node name.
         node: String,
-        /// The policy problem.
         #[source]
         source: PolicyError,
     },
     /// The rendered pool breaks an API rule; it is not written.
     #[error("the pool of node {node} is invalid: {problems}")]
     InvalidPool {
-        /// Node name.
         node: String,
         /// Every problem found, joined.
         problems: String,
@@ -72,7 +59,6 @@ pub enum Error {
          to confirm failed, so its pool is kept: {reason}"
     )]
     HeartbeatUnconfirmed {
-        /// Node name.
         node: String,
         /// What could not be read.
         object: &'static str,
@@ -81,49 +67,40 @@ pub enum Error {
     },
     /// The caches the reconciler reads were not filled in time.
     #[error("the {what} cache is not ready")]
-    NotReady {
-        /// Which cache.
-        what: &'static str,
-    },
+    NotReady { what: &'static str },
     /// The controller's watches ended with an error.
     #[error("the controller stopped: {0}")]
     Controller(String),
-    /// Leader election failed.
     #[error("leader election failed: {0}")]
     LeaderElection(#[source] kube_lease_manager::LeaseManagerError),
 }
 
 impl Error {
+    /// The `reason` label of `migdra_controller_reconcile_errors_total`, and the `reason` of
+    /// the Kubernetes event and of the `Published=False` condition.
+    fn reasons(&self) -> (&'static str, &'static str) {
+        match self {
+            Self::Conflict { .. } => ("conflict", "Conflict"),
+            Self::SliceWrite { .. } => ("slice_write", "PublishFailed"),
+            Self::StatusPatch { .. } => ("status_patch", "StatusFailed"),
+            Self::FieldsDropped { .. } => ("fields_dropped", "FieldsDropped"),
+            Self::Policy { .. } => ("policy", "PolicyInvalid"),
+            Self::InvalidPool { .. } => ("invalid_pool", "PoolInvalid"),
+            Self::HeartbeatUnconfirmed { .. } => ("heartbeat_unconfirmed", "HeartbeatUnconfirmed"),
+            Self::NotReady { .. } => ("not_ready", "CachesNotReady"),
+            Self::Controller(_) => ("controller", "ControllerFailed"),
+            Self::LeaderElection(_) => ("leader_election", "LeaderElectionFailed"),
+        }
+    }
+
     /// The `reason` label of `migdra_controller_reconcile_errors_total`.
     pub fn metric_label(&self) -> &'static str {
-        match self {
-            Self::Conflict { .. } => "conflict",
-            Self::SliceWrite { .. } => "slice_write",
-            Self::StatusPatch { .. } => "status_patch",
-            Self::FieldsDropped { .. } => "fields_dropped",
-            Self::Policy { .. } => "policy",
-            Self::InvalidPool { .. } => "invalid_pool",
-            Self::HeartbeatUnconfirmed { .. } => "heartbeat_unconfirmed",
-            Self::NotReady { .. } => "not_ready",
-            Self::Controller(_) => "controller",
-            Self::LeaderElection(_) => "leader_election",
-        }
+        self.reasons().0
     }
 
     /// The `reason` of the Kubernetes event and of the `Published=False` condition.
     pub fn reason(&self) -> &'static str {
-        match self {
-            Self::Conflict { .. } => "Conflict",
-            Self::SliceWrite { .. } => "PublishFailed",
-            Self::StatusPatch { .. } => "StatusFailed",
-            Self::FieldsDropped { .. } => "FieldsDropped",
-            Self::Policy { .. } => "PolicyInvalid",
-            Self::InvalidPool { .. } => "PoolInvalid",
-            Self::HeartbeatUnconfirmed { .. } => "HeartbeatUnconfirmed",
-            Self::NotReady { .. } => "CachesNotReady",
-            Self::Controller(_) => "ControllerFailed",
-            Self::LeaderElection(_) => "LeaderElectionFailed",
-        }
+        self.reasons().1
     }
 
     /// Wraps an API error of a slice write, telling conflicts apart.
@@ -163,5 +140,4 @@ pub fn is_not_found(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(status) if status.code == 404)
 }
 
-/// The controller's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,37 +1,34 @@
 //! What the controller expects its slice cache to show after its own writes, and which of
 //! its slices disappeared without it.
 //!
-//! The reconciler reads slices from a watch cache, which lags behind the writes it just
-//! made. Without care, a reconcile triggered between a write and its watch event (by the
-//! status patch, or by the event of the first of several slices) would see a half-updated
-//! pool, call it changed and bump the generation again, forever. So every write records an
-//! expectation — this slice at (at least) this resourceVersion, or this slice gone — and a
-//! node's pool is only diffed once the cache has caught up with all of them. Expectations are
-//! met by the cache contents at reconcile time or by watch events as they stream in (which
-//! also covers a slice created and deleted again before the reconcile ran), and they expire
+//! The slice cache lags behind the controller's writes. A reconcile triggered between a
+//! write and its watch event would see a half-updated pool, call it changed and bump the
+//! generation again, forever. So every write records an expectation (this slice at least at
+//! this resourceVersion, or this slice gone), and a node's pool is only diffed once the cache
+//! meets all of them, at reconcile time or through watch events as they stream in (which also
+//! covers a slice created and deleted again before the reconcile ran). Expectations expire
 //! after a TTL so a lost event cannot block a node forever.
 //!
-//! The TTL follows the watch: it is three times the longest delay seen in the last one to two
-//! minutes between a write and the watch event that met its expectation, never below the
-//! configured floor (15 s) nor above 120 s. A saturated API server can deliver events later
-//! than any fixed TTL: the controller would then trust a cache that does not show its own
-//! writes yet, write those slices again and fail with conflicts.
+//! The TTL follows the watch: three times the longest write-to-event delay of the last one to
+//! two minutes, within the floor (15 s) and 120 s. A saturated API server can deliver events
+//! later than any fixed TTL, and a controller trusting a cache that does not show its own
+//! writes yet writes those slices again and fails with conflicts.
 //!
 //! Ownership: per node, the slices the controller published and has not deleted itself. A
 //! deletion is the controller's own when it recorded the slice as expected absent *before*
-//! sending the delete. An owned slice that goes away otherwise — a watch delete event, or
-//! missing from the cache at reconcile time (a relist hides the event) — was wiped by
-//! someone else, in practice the kubelet, which deletes a driver's node-local slices when its
-//! plugin has been disconnected for 30 s and when the kubelet starts. The time the wipe was
-//! observed is kept until the plugin heartbeats after it (see [`crate::liveness`]).
+//! sending the delete. An owned slice that goes away otherwise (a watch delete event, or
+//! missing from the cache at reconcile time: a relist hides the event) was wiped by someone
+//! else, in practice the kubelet, which deletes a driver's node-local slices when its plugin
+//! has been disconnected for 30 s and when the kubelet starts. The time the wipe was observed
+//! is kept until the plugin heartbeats after it (see [`crate::liveness`]).
 //!
 //! A slice the controller wrote but the cache has never shown is not missing, only not seen
-//! yet: behind a saturated API server the watch can lag by more than the expectations' TTL,
-//! and counting those as wiped would withdraw healthy pools and write them again. Only a
-//! slice the cache has shown, and then no longer shows, is a wipe found at reconcile time.
+//! yet: the watch can lag by more than the TTL, and counting those as wiped would withdraw
+//! healthy pools. Only a slice the cache has shown, and then no longer shows, is a wipe found
+//! at reconcile time.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, HashMap},
     sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
@@ -39,9 +36,14 @@ use std::{
 use k8s_openapi::jiff::Timestamp;
 use kube::{ResourceExt, runtime::watcher};
 
-use crate::{compare::SliceMeta, lag_windows::RecentMax, naming::slice_node};
+use crate::{
+    compare::SliceMeta,
+    lag_windows::RecentMax,
+    naming::slice_node,
+    slice_index::{ByNode, remove},
+};
 
-/// How long an unmet expectation holds a node's pool back at least (the TTL's floor).
+/// The TTL's default floor.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(15);
 /// The longest an unmet expectation holds a node's pool back, however slow the watch.
 pub const MAX_TTL: Duration = Duration::from_secs(120);
@@ -52,12 +54,8 @@ const LAG_FACTOR: u32 = 3;
 /// What a write leaves behind.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Expected {
-    /// The slice exists at this resourceVersion or a later one.
-    Present {
-        /// The resourceVersion the write returned.
-        resource_version: String,
-    },
-    /// The slice is gone.
+    /// The slice exists at this resourceVersion (the write's answer) or a later one.
+    Present(String),
     Absent,
 }
 
@@ -65,14 +63,8 @@ pub enum Expected {
 struct NodeExpectations {
     /// When the last of them was recorded: they expire a TTL after it.
     since: Instant,
-    slices: BTreeMap<String, Pending>,
-}
-
-/// One slice's expectation, and when it was recorded (to measure the watch lag).
-#[derive(Debug)]
-struct Pending {
-    expected: Expected,
-    at: Instant,
+    /// Per slice, what is expected and when it was recorded (to measure the watch lag).
+    slices: BTreeMap<String, (Expected, Instant)>,
 }
 
 /// The TTL for a recent watch lag: [`LAG_FACTOR`] times it, within `floor` and
@@ -87,26 +79,26 @@ struct State {
     /// Write-to-event delays of the slice watch.
     lag: RecentMax,
     /// Slices per node the controller published and has not deleted itself.
-    owned: HashMap<String, BTreeSet<String>>,
-    /// Per node, the owned slices the controller wrote whose write the cache has not shown yet.
-    unseen: HashMap<String, BTreeSet<String>>,
+    owned: ByNode,
+    /// Per node, the owned slices whose write the cache has not shown yet.
+    unseen: ByNode,
     /// When someone else was last seen deleting an owned slice of the node.
     wiped: HashMap<String, Timestamp>,
 }
 
 impl State {
-    fn new(now: Instant) -> Self {
-        Self {
-            pending: HashMap::new(),
-            lag: RecentMax::new(now),
-            owned: HashMap::new(),
-            unseen: HashMap::new(),
-            wiped: HashMap::new(),
+    /// Drops `slice`'s expectation on `node`, and the node's entry when it was the last.
+    fn settle(&mut self, node: &str, slice: &str) {
+        if let Some(entry) = self.pending.get_mut(node) {
+            entry.slices.remove(slice);
+            if entry.slices.is_empty() {
+                self.pending.remove(node);
+            }
         }
     }
 }
 
-/// Expectations and ownership of every node. Cheap to share.
+/// Expectations and ownership of every node.
 #[derive(Debug)]
 pub struct Expectations {
     /// The TTL's floor.
@@ -121,12 +113,18 @@ impl Default for Expectations {
 }
 
 impl Expectations {
-    /// Expectations that expire after `ttl`, or later while the watch lags (see the module
-    /// documentation).
+    /// Expectations that expire after `ttl`, or later while the watch lags.
     pub fn new(ttl: Duration) -> Self {
+        let state = State {
+            pending: HashMap::new(),
+            lag: RecentMax::new(Instant::now()),
+            owned: HashMap::new(),
+            unseen: HashMap::new(),
+            wiped: HashMap::new(),
+        };
         Self {
             ttl,
-            state: Mutex::new(State::new(Instant::now())),
+            state: Mutex::new(state),
         }
     }
 
@@ -137,8 +135,7 @@ impl Expectations {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding this lock leaves plain data behind; keep using it.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::lock(&self.state)
     }
 
     /// Records that the cache should show `slice` as `expected` for `node`.
@@ -153,28 +150,20 @@ impl Expectations {
                 slices: BTreeMap::new(),
             });
         entry.since = now;
-        entry
-            .slices
-            .insert(slice.to_string(), Pending { expected, at: now });
+        entry.slices.insert(slice.to_string(), (expected, now));
     }
 
     /// Records a slice the controller has just written: it is owned, and the cache should
     /// show it at `resource_version` or later.
     pub fn written(&self, node: &str, slice: &str, resource_version: Option<String>) {
-        let mut state = self.lock();
-        state
-            .owned
-            .entry(node.to_string())
-            .or_default()
-            .insert(slice.to_string());
-        state
-            .unseen
-            .entry(node.to_string())
-            .or_default()
-            .insert(slice.to_string());
-        drop(state);
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        for set in [&mut state.owned, &mut state.unseen] {
+            set.entry(node.to_string()).or_default().insert(slice.to_string());
+        }
+        drop(guard);
         if let Some(resource_version) = resource_version {
-            self.expect(node, slice, Expected::Present { resource_version });
+            self.expect(node, slice, Expected::Present(resource_version));
         }
     }
 
@@ -185,7 +174,7 @@ impl Expectations {
         if let Some(owned) = state.owned.get_mut(node) {
             owned.remove(slice);
         }
-        remove_slice(&mut state.unseen, node, slice);
+        remove(&mut state.unseen, node, slice);
         drop(state);
         self.expect(node, slice, Expected::Absent);
     }
@@ -193,12 +182,7 @@ impl Expectations {
     /// Undoes [`Self::deleting`] after the delete failed: the slice is still there.
     pub fn delete_failed(&self, node: &str, slice: &str) {
         let mut state = self.lock();
-        if let Some(entry) = state.pending.get_mut(node) {
-            entry.slices.remove(slice);
-            if entry.slices.is_empty() {
-                state.pending.remove(node);
-            }
-        }
+        state.settle(node, slice);
         state
             .owned
             .entry(node.to_string())
@@ -209,7 +193,7 @@ impl Expectations {
     /// Replaces the set of slices the controller owns on `node` (after a reconcile that left
     /// exactly these in place; this also adopts the slices a previous leader wrote).
     pub fn own(&self, node: &str, slices: impl IntoIterator<Item = String>) {
-        let slices: BTreeSet<String> = slices.into_iter().collect();
+        let slices: std::collections::BTreeSet<String> = slices.into_iter().collect();
         let mut state = self.lock();
         if let Some(unseen) = state.unseen.get_mut(node) {
             unseen.retain(|name| slices.contains(name));
@@ -245,42 +229,32 @@ impl Expectations {
         };
         let name = slice.name_any();
         let mut state = self.lock();
-        remove_slice(&mut state.unseen, node, &name);
-        let ours = state
-            .pending
-            .get(node)
-            .and_then(|e| e.slices.get(&name))
-            .is_some_and(|p| p.expected == Expected::Absent);
+        remove(&mut state.unseen, node, &name);
+        let pending = state.pending.get(node).and_then(|e| e.slices.get(&name)).cloned();
+        let ours = matches!(pending, Some((Expected::Absent, _)));
         let wiped = deleted && !ours && state.owned.get_mut(node).is_some_and(|owned| owned.remove(&name));
         if wiped {
             state.wiped.insert(node.to_string(), Timestamp::now());
         }
-        let state = &mut *state;
-        let Some(entry) = state.pending.get_mut(node) else {
-            return wiped;
-        };
-        let Some(pending) = entry.slices.get(&name) else {
+        let Some((expected, at)) = pending else {
             return wiped;
         };
         // Whether this event is the one the write expected (its delay is the watch lag),
         // and whether it settles the expectation. A deletion settles any expectation:
         // whatever was expected, the slice is gone now, and the next diff must see that.
-        let (answers, met) = match &pending.expected {
+        let (answers, met) = match &expected {
             Expected::Absent => (deleted, deleted),
-            Expected::Present { resource_version } => {
+            Expected::Present(resource_version) => {
                 let reached = version_at_least(slice.resource_version().as_deref(), resource_version);
                 (reached && !deleted, reached || deleted)
             }
         };
         let now = Instant::now();
         if answers {
-            state.lag.record(now, now.saturating_duration_since(pending.at));
+            state.lag.record(now, now.saturating_duration_since(at));
         }
         if met {
-            entry.slices.remove(&name);
-            if entry.slices.is_empty() {
-                state.pending.remove(node);
-            }
+            state.settle(node, &name);
         }
         wiped
     }
@@ -299,17 +273,16 @@ impl Expectations {
             state.pending.remove(node);
             return None;
         }
-        entry.slices.retain(|name, Pending { expected, .. }| {
+        entry.slices.retain(|name, (expected, _)| {
             let have = cached
                 .iter()
                 .find(|s| s.metadata.name.as_deref() == Some(name.as_str()));
             let met = match (expected, have) {
-                (Expected::Absent, None) => true,
-                (Expected::Absent, Some(_)) => false,
-                (Expected::Present { .. }, None) => false,
-                (Expected::Present { resource_version }, Some(s)) => {
-                    version_at_least(s.metadata.resource_version.as_deref(), resource_version)
+                (Expected::Absent, have) => have.is_none(),
+                (Expected::Present(version), Some(s)) => {
+                    version_at_least(s.metadata.resource_version.as_deref(), version)
                 }
+                (Expected::Present(_), None) => false,
             };
             !met
         });
@@ -354,25 +327,6 @@ impl Expectations {
             state.wiped.remove(node);
         }
     }
-
-    /// Drops every expectation, ownership record and wipe of `node`.
-    pub fn forget(&self, node: &str) {
-        let mut state = self.lock();
-        state.pending.remove(node);
-        state.owned.remove(node);
-        state.unseen.remove(node);
-        state.wiped.remove(node);
-    }
-}
-
-/// Removes `slice` from `node`'s set, and the set when it is empty.
-fn remove_slice(sets: &mut HashMap<String, BTreeSet<String>>, node: &str, slice: &str) {
-    if let Some(set) = sets.get_mut(node) {
-        set.remove(slice);
-        if set.is_empty() {
-            sets.remove(node);
-        }
-    }
 }
 
 /// True when `observed` is `expected` or later. Kubernetes resourceVersions are opaque but,
@@ -407,9 +361,7 @@ mod tests {
     }
 
     fn present(rv: &str) -> Expected {
-        Expected::Present {
-            resource_version: rv.into(),
-        }
+        Expected::Present(rv.into())
     }
 
     #[test]

@@ -23,24 +23,16 @@ struct State {
     /// Per GpuNode name, per GPU minor, the geometry taken from it.
     by_gpu: HashMap<String, HashMap<u32, Arc<MigGeometry>>>,
     /// Every distinct geometry, by content hash.
-    interned: HashMap<[u8; 16], Weak<MigGeometry>>,
+    interned: HashMap<[u8; 32], Weak<MigGeometry>>,
 }
 
-/// A geometry with no profiles: what a cached GpuNode shows instead of the real one.
-fn placeholder() -> MigGeometry {
-    MigGeometry::new(Vec::new(), 0)
-}
-
-fn content_hash(geometry: &MigGeometry) -> [u8; 16] {
-    let json = serde_json::to_vec(geometry).unwrap_or_default();
-    let mut out = [0u8; 16];
-    out.copy_from_slice(&Sha256::digest(&json)[..16]);
-    out
+fn content_hash(geometry: &MigGeometry) -> [u8; 32] {
+    Sha256::digest(serde_json::to_vec(geometry).unwrap_or_default()).into()
 }
 
 impl GeometryCache {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.state)
     }
 
     /// Moves the geometries out of `gpunode` (a watch modifier: called on every event of
@@ -63,7 +55,8 @@ impl GeometryCache {
             if mig.geometry.profiles.is_empty() {
                 continue;
             }
-            let geometry = std::mem::replace(&mut mig.geometry, placeholder());
+            // A cached GpuNode shows a geometry without profiles instead of the real one.
+            let geometry = std::mem::replace(&mut mig.geometry, MigGeometry::new(Vec::new(), 0));
             // The same GPU usually reports the same table as last time: no hashing then.
             let shared = match previous.get(&gpu.minor) {
                 Some(known) if **known == geometry => known.clone(),
@@ -113,11 +106,6 @@ impl GeometryCache {
         let mut state = self.lock();
         state.by_gpu.retain(|name, _| keep(name));
         state.interned.retain(|_, weak| weak.strong_count() > 0);
-    }
-
-    /// Distinct geometries held.
-    pub fn distinct(&self) -> usize {
-        self.lock().interned.len()
     }
 }
 
@@ -172,7 +160,7 @@ mod tests {
                 "the cached object holds no profile table"
             );
         }
-        assert_eq!(geometries.distinct(), 2, "one per model");
+        assert_eq!(geometries.lock().interned.len(), 2, "one per model");
         assert_eq!(geometries.restore(&cached_a).status, a.status);
         assert_eq!(geometries.restore(&cached_b).status, b.status);
         // An object that was never taken from is returned as it is.
@@ -185,11 +173,11 @@ mod tests {
         let mut cached = changed.clone();
         geometries.take(&mut cached);
         assert_eq!(geometries.restore(&cached).status, changed.status);
-        assert_eq!(geometries.distinct(), 3);
+        assert_eq!(geometries.lock().interned.len(), 3);
 
         // Deleted nodes are forgotten, and so are geometries nobody reports any more.
         geometries.retain(|name| name == "b");
-        assert_eq!(geometries.distinct(), 2);
+        assert_eq!(geometries.lock().interned.len(), 2);
         assert_eq!(geometries.restore(&cached_b).status, b.status);
     }
 }

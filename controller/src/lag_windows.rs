@@ -43,12 +43,10 @@ impl<T: Default> Windows<T> {
 pub struct RecentMax(Windows<Duration>);
 
 impl RecentMax {
-    /// Nothing observed yet.
     pub fn new(now: Instant) -> Self {
         Self(Windows::new(now))
     }
 
-    /// Observes `value` at `now`.
     pub fn record(&mut self, now: Instant, value: Duration) {
         self.0.rotate(now);
         self.0.current = self.0.current.max(value);
@@ -78,12 +76,10 @@ struct Buckets {
 pub struct RecentDelays(Windows<Buckets>);
 
 impl RecentDelays {
-    /// Nothing observed yet.
     pub fn new(now: Instant) -> Self {
         Self(Windows::new(now))
     }
 
-    /// Observes one delay at `now`.
     pub fn record(&mut self, now: Instant, delay: Duration) {
         self.0.rotate(now);
         let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
@@ -97,12 +93,10 @@ impl RecentDelays {
     /// `min_samples` observations.
     pub fn quantile(&mut self, now: Instant, q: f64, min_samples: u64) -> Option<Duration> {
         self.0.rotate(now);
-        let counts: Vec<u64> = self
-            .0
-            .current
-            .counts
-            .iter()
-            .zip(&self.0.previous.counts)
+        let Windows {
+            current, previous, ..
+        } = &self.0;
+        let counts: Vec<u64> = (current.counts.iter().zip(&previous.counts))
             .map(|(a, b)| u64::from(*a) + u64::from(*b))
             .collect();
         let total: u64 = counts.iter().sum();
@@ -113,17 +107,15 @@ impl RecentDelays {
         // below it.
         let rank = ((q.clamp(0.0, 1.0) * total as f64).ceil() as u64).max(1);
         let mut seen = 0;
-        for (bucket, count) in counts.iter().enumerate() {
+        let bucket = counts.iter().position(|count| {
             seen += count;
-            if seen >= rank {
-                return Some(
-                    BOUNDS_MS
-                        .get(bucket)
-                        .map_or(Duration::MAX, |ms| Duration::from_millis(*ms)),
-                );
-            }
-        }
-        Some(Duration::MAX)
+            seen >= rank
+        });
+        Some(
+            bucket
+                .and_then(|b| BOUNDS_MS.get(b))
+                .map_or(Duration::MAX, |ms| Duration::from_millis(*ms)),
+        )
     }
 }
 

@@ -11,7 +11,7 @@
 use std::{future::Future, time::Duration};
 
 use kube::Client;
-use kube_lease_manager::{LeaseManager, LeaseManagerBuilder};
+use kube_lease_manager::{LeaseManager, LeaseManagerBuilder, LeaseManagerError};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -19,21 +19,18 @@ use crate::{error::Error, metrics::Metrics};
 
 /// How long a graceful stop may take before the task is aborted.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
-/// Wait before retrying after a lease error.
+/// Wait before retrying after a lease error, doubled up to `RETRY_MAX`.
 const RETRY_MIN: Duration = Duration::from_millis(500);
-/// Longest wait between retries.
 const RETRY_MAX: Duration = Duration::from_secs(10);
 
 /// Where the lease lives and who competes for it.
 #[derive(Clone, Debug)]
 pub struct LeaseConfig {
-    /// Namespace of the Lease.
     pub namespace: String,
-    /// Name of the Lease.
     pub name: String,
     /// This replica's identity (the lease holder string).
     pub identity: String,
-    /// Lease duration in seconds (at least 2).
+    /// At least 2.
     pub duration_seconds: u64,
 }
 
@@ -44,24 +41,13 @@ impl LeaseConfig {
     }
 }
 
+/// The controller task while it runs.
 struct Running {
     handle: JoinHandle<Result<(), Error>>,
     stop: CancellationToken,
 }
 
 impl Running {
-    fn start<F, Fut>(task: &F) -> Self
-    where
-        F: Fn(CancellationToken) -> Fut,
-        Fut: Future<Output = Result<(), Error>> + Send + 'static,
-    {
-        let stop = CancellationToken::new();
-        Self {
-            handle: tokio::spawn(task(stop.clone())),
-            stop,
-        }
-    }
-
     /// Aborts at once (the lease is lost).
     async fn abort(self) {
         self.handle.abort();
@@ -76,8 +62,7 @@ impl Running {
             .is_err()
         {
             tracing::warn!("the controller did not stop in time; aborting it");
-            self.handle.abort();
-            let _ = self.handle.await;
+            self.abort().await;
         }
     }
 }
@@ -103,65 +88,51 @@ where
             _ = shutdown.cancelled() => return Ok(()),
             built = build(&client, &config) => built,
         };
-        let manager = match manager {
-            Ok(manager) => manager,
-            Err(e) => {
-                tracing::warn!(error = %e, ?retry, "setting up the lease failed; retrying");
-                if sleep_or_shutdown(retry, &shutdown).await {
-                    return Ok(());
-                }
-                retry = (retry * 2).min(RETRY_MAX);
-                continue;
+        match manager {
+            Ok(manager) => {
+                let error = match hold(&manager, &config, &metrics, &shutdown, &task).await {
+                    Ok(result) => {
+                        match manager.release().await {
+                            Ok(_) => tracing::info!(lease = %config.name, "lease released"),
+                            Err(e) => tracing::warn!(error = %e, "releasing the lease failed"),
+                        }
+                        return result;
+                    }
+                    Err(e) => e,
+                };
+                tracing::warn!(error = %error, ?retry, "lease renewal failed; stopped the controller, competing again");
             }
-        };
-        match hold(&manager, &config, &metrics, &shutdown, &task).await {
-            Held::Shutdown(result) => {
-                if let Err(e) = manager.release().await {
-                    tracing::warn!(error = %e, "releasing the lease failed");
-                } else {
-                    tracing::info!(lease = %config.name, "lease released");
-                }
-                return result;
-            }
-            Held::LeaseError(e) => {
-                tracing::warn!(error = %e, ?retry, "lease renewal failed; stopped the controller, competing again");
-                if sleep_or_shutdown(retry, &shutdown).await {
-                    return Ok(());
-                }
-                retry = (retry * 2).min(RETRY_MAX);
-            }
+            Err(e) => tracing::warn!(error = %e, ?retry, "setting up the lease failed; retrying"),
         }
+        if sleep_or_shutdown(retry, &shutdown).await {
+            return Ok(());
+        }
+        retry = (retry * 2).min(RETRY_MAX);
     }
 }
 
-enum Held {
-    /// Shutdown (or the task ended): release the lease and return this.
-    Shutdown(Result<(), Error>),
-    /// The lease manager failed: rebuild it.
-    LeaseError(kube_lease_manager::LeaseManagerError),
-}
-
+/// Runs `task` while `manager` holds the lease. Returns, for the lease to be released, what
+/// shutdown (or the task's end) gives; or the lease manager's error, for it to be rebuilt.
 async fn hold<F, Fut>(
     manager: &LeaseManager,
     config: &LeaseConfig,
     metrics: &Metrics,
     shutdown: &CancellationToken,
     task: &F,
-) -> Held
+) -> Result<Result<(), Error>, LeaseManagerError>
 where
     F: Fn(CancellationToken) -> Fut,
     Fut: Future<Output = Result<(), Error>> + Send + 'static,
 {
     let mut running: Option<Running> = None;
-    loop {
+    let held = loop {
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => {
                 if let Some(r) = running.take() {
                     r.stop().await;
                 }
-                metrics.set_leader(false);
-                return Held::Shutdown(Ok(()));
+                break Ok(Ok(()));
             }
             joined = async {
                 match running.as_mut() {
@@ -169,45 +140,41 @@ where
                     None => std::future::pending().await,
                 }
             } => {
-                metrics.set_leader(false);
-                let result = match joined {
+                break Ok(match joined {
                     Ok(Ok(())) => Err(Error::Controller("the controller ended unexpectedly".into())),
                     Ok(Err(e)) => Err(e),
                     Err(e) => Err(Error::Controller(format!("the controller task failed: {e}"))),
-                };
-                return Held::Shutdown(result);
+                });
             }
-            changed = manager.changed() => match changed {
-                Ok(true) => {
+            changed = manager.changed() => {
+                if let Ok(true) = changed {
                     tracing::info!(identity = %config.identity, lease = %config.name, "acquired the lease; starting the controller");
                     if running.is_none() {
-                        running = Some(Running::start(task));
+                        let stop = CancellationToken::new();
+                        let handle = tokio::spawn(task(stop.clone()));
+                        running = Some(Running { handle, stop });
                     }
                     metrics.set_leader(true);
+                    continue;
                 }
-                Ok(false) => {
+                if let Ok(false) = changed {
                     tracing::warn!(identity = %config.identity, "lost the lease; stopping the controller");
-                    if let Some(r) = running.take() {
-                        r.abort().await;
-                    }
-                    metrics.set_leader(false);
                 }
-                Err(e) => {
-                    if let Some(r) = running.take() {
-                        r.abort().await;
-                    }
-                    metrics.set_leader(false);
-                    return Held::LeaseError(e);
+                if let Some(r) = running.take() {
+                    r.abort().await;
                 }
-            },
+                metrics.set_leader(false);
+                if let Err(e) = changed {
+                    break Err(e);
+                }
+            }
         }
-    }
+    };
+    metrics.set_leader(false);
+    held
 }
 
-async fn build(
-    client: &Client,
-    config: &LeaseConfig,
-) -> Result<LeaseManager, kube_lease_manager::LeaseManagerError> {
+async fn build(client: &Client, config: &LeaseConfig) -> Result<LeaseManager, LeaseManagerError> {
     LeaseManagerBuilder::new(client.clone(), &config.name)
         .with_namespace(&config.namespace)
         .with_identity(&config.identity)

@@ -82,23 +82,6 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The reconciler's settings from the command line.
-fn controller_config(args: &cli::Args, identity: String) -> context::ControllerConfig {
-    context::ControllerConfig {
-        driver: args.driver_name.clone(),
-        heartbeat_timeout: args.heartbeat_timeout(),
-        mass_expiry_threshold: args.mass_expiry_threshold,
-        identity,
-        ready_timeout: READY_TIMEOUT,
-        heartbeat_namespace: args.namespace.clone(),
-        census_ttl: CENSUS_TTL,
-        concurrency: args.max_concurrent_reconciles,
-        expiry_withdrawal_interval: EXPIRY_WITHDRAWAL_INTERVAL,
-        status_defer_max: status_deferral::MAX_WAIT,
-        status_defer_quiet: status_deferral::QUIET,
-    }
-}
-
 /// Runs the controller until `shutdown`: while this replica holds the lease, or throughout
 /// without leader election.
 async fn run_controller(
@@ -108,7 +91,19 @@ async fn run_controller(
     metrics: metrics::Metrics,
     shutdown: &CancellationToken,
 ) -> Result<()> {
-    let config = controller_config(args, identity.clone());
+    let config = context::ControllerConfig {
+        driver: args.driver_name.clone(),
+        heartbeat_timeout: args.heartbeat_timeout(),
+        mass_expiry_threshold: args.mass_expiry_threshold,
+        identity: identity.clone(),
+        ready_timeout: READY_TIMEOUT,
+        heartbeat_namespace: args.namespace.clone(),
+        census_ttl: CENSUS_TTL,
+        concurrency: args.max_concurrent_reconciles,
+        expiry_withdrawal_interval: EXPIRY_WITHDRAWAL_INTERVAL,
+        status_defer_max: status_deferral::MAX_WAIT,
+        status_defer_quiet: status_deferral::QUIET,
+    };
     if !args.leader_elect {
         metrics.set_leader(true);
         return controller::run(client, config, metrics, shutdown.clone()).await;
@@ -124,4 +119,10 @@ async fn run_controller(
         move |stop| controller::run(client.clone(), config.clone(), metrics.clone(), stop)
     };
     leader::run(client, lease, metrics, shutdown.clone(), task).await
+}
+
+/// Locks `mutex`, ignoring poisoning: every mutex of the controller guards plain data that a
+/// panic cannot leave half-updated in a way later readers care about.
+pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -1,117 +1,119 @@
 //! Prometheus metrics of the controller (prefix `migdra_controller_`): reconciliations and
 //! their duration, ResourceSlice writes by kind, and per node what is published (devices,
 //! slices, GPUs) and whether its plugin is live; the count of published pools; status writes
-//! deferred while other pools were being written. The `node`
-//! label is bounded by the cluster's GPU nodes, and a node's series go with its GpuNode.
+//! deferred while other pools were being written. The `node` label is bounded by the cluster's GPU nodes, and a node's series go with its GpuNode.
 
 use std::{
     collections::BTreeSet,
-    sync::{Arc, Mutex, PoisonError, atomic::AtomicU64},
+    sync::{Arc, Mutex, atomic::AtomicU64},
     time::{Duration, Instant},
 };
 
 use prometheus_client::{
-    encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
     registry::Registry,
 };
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ResultLabels {
-    result: &'static str,
+/// One `name="value"` label.
+type Label = [(&'static str, &'static str); 1];
+type NodeLabel = [(&'static str, String); 1];
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+fn node_label(node: &str) -> NodeLabel {
+    [("node", node.to_string())]
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ReasonLabels {
-    reason: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OperationLabels {
-    operation: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OutcomeLabels {
-    outcome: &'static str,
-}
-
-/// How a fresh read answered a heartbeat expiry seen in the cache, as counted in
-/// `heartbeat_expiry_checks_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ExpiryCheck {
-    /// The API server has the same stale heartbeat (or a plugin that is gone otherwise).
-    Confirmed,
-    /// The API server has a newer heartbeat: the cache lagged.
-    Refuted,
-    /// The reads failed or timed out; the pool was kept.
-    Failed,
-}
-
-impl ExpiryCheck {
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Confirmed => "confirmed",
-            Self::Refuted => "refuted",
-            Self::Failed => "failed",
+/// Declares [`Metrics`]: each metric's field, type, initial value, name and help, registered
+/// in this order.
+macro_rules! metrics {
+    ($($field:ident: $ty:ty = $init:expr, $name:literal, $help:expr;)*) => {
+        /// The controller's metrics. Cheap to clone.
+        #[derive(Clone)]
+        pub struct Metrics {
+            $($field: $ty,)*
+            /// The nodes with a published pool (devices > 0): a set, so an update costs a
+            /// lookup, not a walk over every node.
+            published_nodes: Arc<Mutex<BTreeSet<String>>>,
+            registry: Arc<Registry>,
         }
-    }
-}
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct NodeLabels {
-    node: String,
-}
-
-/// A write to a ResourceSlice, as counted in `slice_writes_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SliceOperation {
-    /// A new slice.
-    Create,
-    /// A replaced slice.
-    Update,
-    /// A deleted slice.
-    Delete,
-}
-
-impl SliceOperation {
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Create => "create",
-            Self::Update => "update",
-            Self::Delete => "delete",
+        impl Metrics {
+            pub fn new() -> Self {
+                let mut registry = Registry::with_prefix("migdra_controller");
+                $(
+                    let $field: $ty = $init;
+                    registry.register($name, $help, $field.clone());
+                )*
+                Self {
+                    $($field,)*
+                    published_nodes: Arc::default(),
+                    registry: Arc::new(registry),
+                }
+            }
         }
-    }
+    };
 }
 
-/// The controller's metrics. Cheap to clone.
-#[derive(Clone)]
-pub struct Metrics {
-    reconciles: Family<ResultLabels, Counter>,
-    reconcile_errors: Family<ReasonLabels, Counter>,
-    slice_writes: Family<OperationLabels, Counter>,
-    published_devices: Family<NodeLabels, Gauge>,
-    published_slices: Family<NodeLabels, Gauge>,
-    published_gpus: Family<NodeLabels, Gauge>,
-    pools: Gauge,
-    plugin_live: Family<NodeLabels, Gauge>,
-    /// The nodes with a published pool (devices > 0), to count them: a set, so an update
-    /// costs a lookup, not a walk over every node.
-    published_nodes: Arc<Mutex<BTreeSet<String>>>,
-    reconcile_duration: Histogram,
-    leader: Gauge,
-    slice_wipes: Counter,
-    expired_heartbeats: Gauge,
-    withdrawals_held: Gauge,
-    expiry_checks: Family<OutcomeLabels, Counter>,
-    status_writes_deferred: Counter,
-    slice_watch_lag: Gauge<f64, AtomicU64>,
-    heartbeat_allowance: Gauge<f64, AtomicU64>,
-    expiries_excused: Counter,
-    expectation_ttl: Gauge<f64, AtomicU64>,
-    registry: Arc<Registry>,
+metrics! {
+    reconciles: Family<Label, Counter> = Family::default(),
+        "reconciles", "GpuNode reconciliations, by result";
+    reconcile_errors: Family<Label, Counter> = Family::default(),
+        "reconcile_errors", "Failed GpuNode reconciliations, by reason";
+    slice_writes: Family<Label, Counter> = Family::default(),
+        "slice_writes", "ResourceSlice writes, by operation (create, update, delete)";
+    published_devices: Family<NodeLabel, Gauge> = Family::default(),
+        "published_devices", "Devices currently published in each node's pool";
+    published_slices: Family<NodeLabel, Gauge> = Family::default(),
+        "published_slices",
+        "ResourceSlices currently published in each node's pool (counter-set slices included)";
+    published_gpus: Family<NodeLabel, Gauge> = Family::default(),
+        "published_gpus", "GPUs currently published in each node's pool";
+    pools: Gauge = Gauge::default(),
+        "published_pools", "Nodes whose pool is published with at least one device";
+    plugin_live: Family<NodeLabel, Gauge> = Family::default(),
+        "plugin_live",
+        "1 while the node's kubelet plugin is registered and heartbeating (its pool may be \
+         published), else 0, at the node's last reconcile";
+    reconcile_duration: Histogram =
+        Histogram::new([0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
+        "reconcile_duration_seconds", "Duration of GpuNode reconciliations";
+    leader: Gauge = Gauge::default(),
+        "leader", "1 while this replica holds the lease and runs the controller, else 0";
+    slice_wipes: Counter = Counter::default(),
+        "slice_wipes",
+        "Published ResourceSlices deleted by someone other than the controller (the kubelet's wipe)";
+    expired_heartbeats: Gauge = Gauge::default(),
+        "expired_heartbeats",
+        "Registered kubelet plugins whose heartbeat has expired, at the last reconcile";
+    withdrawals_held: Gauge = Gauge::default(),
+        "heartbeat_withdrawals_held",
+        "1 while so many heartbeats expired at once that expiry alone withdraws no pool \
+         (suspected control-plane trouble), else 0";
+    expiry_checks: Family<Label, Counter> = Family::default(),
+        "heartbeat_expiry_checks",
+        "Heartbeat expiries seen in the cache and checked with a fresh read of the Lease \
+         before withdrawing a pool, by outcome (refuted: the cache lagged)";
+    status_writes_deferred: Counter = Counter::default(),
+        "status_writes_deferred",
+        "GpuNode status writes put off while other reconciliations were writing slices \
+         (one per deferral: a node put off twice counts twice)";
+    slice_watch_lag: FloatGauge = FloatGauge::default(),
+        "slice_watch_lag_seconds",
+        "Longest delay in the last one to two minutes between a ResourceSlice write and the \
+         watch event that showed it";
+    expectation_ttl: FloatGauge = FloatGauge::default(),
+        "expectation_ttl_seconds",
+        "How long a node's pool waits for the slice watch to show the controller's own writes \
+         before trusting the cache anyway (follows the watch lag)";
+    heartbeat_allowance: FloatGauge = FloatGauge::default(),
+        "heartbeat_allowance_seconds",
+        "How much later than its timeout a heartbeat may be before its expiry withdraws a \
+         pool: the 99th percentile of how late Lease renewals arrived in the last one to two \
+         minutes (0 on a healthy control plane)";
+    expiries_excused: Counter = Counter::default(),
+        "heartbeat_expiries_excused",
+        "Heartbeat expiries that withdrew no pool because the beat was no later than renewals \
+         arrive right now (heartbeat_allowance_seconds)";
 }
 
 impl Default for Metrics {
@@ -121,199 +123,29 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Creates the metrics and their registry.
-    pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("migdra_controller");
-        let reconciles = Family::<ResultLabels, Counter>::default();
-        registry.register(
-            "reconciles",
-            "GpuNode reconciliations, by result",
-            reconciles.clone(),
-        );
-        let reconcile_errors = Family::<ReasonLabels, Counter>::default();
-        registry.register(
-            "reconcile_errors",
-            "Failed GpuNode reconciliations, by reason",
-            reconcile_errors.clone(),
-        );
-        let slice_writes = Family::<OperationLabels, Counter>::default();
-        registry.register(
-            "slice_writes",
-            "ResourceSlice writes, by operation (create, update, delete)",
-            slice_writes.clone(),
-        );
-        let published_devices = Family::<NodeLabels, Gauge>::default();
-        registry.register(
-            "published_devices",
-            "Devices currently published in each node's pool",
-            published_devices.clone(),
-        );
-        let published_slices = Family::<NodeLabels, Gauge>::default();
-        registry.register(
-            "published_slices",
-            "ResourceSlices currently published in each node's pool (counter-set slices included)",
-            published_slices.clone(),
-        );
-        let published_gpus = Family::<NodeLabels, Gauge>::default();
-        registry.register(
-            "published_gpus",
-            "GPUs currently published in each node's pool",
-            published_gpus.clone(),
-        );
-        let pools = Gauge::default();
-        registry.register(
-            "published_pools",
-            "Nodes whose pool is published with at least one device",
-            pools.clone(),
-        );
-        let plugin_live = Family::<NodeLabels, Gauge>::default();
-        registry.register(
-            "plugin_live",
-            "1 while the node's kubelet plugin is registered and heartbeating (its pool may be \
-             published), else 0, at the node's last reconcile",
-            plugin_live.clone(),
-        );
-        let reconcile_duration = Histogram::new([
-            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-        ]);
-        registry.register(
-            "reconcile_duration_seconds",
-            "Duration of GpuNode reconciliations",
-            reconcile_duration.clone(),
-        );
-        let leader = Gauge::default();
-        registry.register(
-            "leader",
-            "1 while this replica holds the lease and runs the controller, else 0",
-            leader.clone(),
-        );
-        let slice_wipes = Counter::default();
-        registry.register(
-            "slice_wipes",
-            "Published ResourceSlices deleted by someone other than the controller (the kubelet's wipe)",
-            slice_wipes.clone(),
-        );
-        let expired_heartbeats = Gauge::default();
-        registry.register(
-            "expired_heartbeats",
-            "Registered kubelet plugins whose heartbeat has expired, at the last reconcile",
-            expired_heartbeats.clone(),
-        );
-        let withdrawals_held = Gauge::default();
-        registry.register(
-            "heartbeat_withdrawals_held",
-            "1 while so many heartbeats expired at once that expiry alone withdraws no pool \
-             (suspected control-plane trouble), else 0",
-            withdrawals_held.clone(),
-        );
-        let expiry_checks = Family::<OutcomeLabels, Counter>::default();
-        registry.register(
-            "heartbeat_expiry_checks",
-            "Heartbeat expiries seen in the cache and checked with a fresh read of the Lease \
-             before withdrawing a pool, by outcome (refuted: the cache lagged)",
-            expiry_checks.clone(),
-        );
-        let status_writes_deferred = Counter::default();
-        registry.register(
-            "status_writes_deferred",
-            "GpuNode status writes put off while other reconciliations were writing slices \
-             (one per deferral: a node put off twice counts twice)",
-            status_writes_deferred.clone(),
-        );
-        let slice_watch_lag = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "slice_watch_lag_seconds",
-            "Longest delay in the last one to two minutes between a ResourceSlice write and the \
-             watch event that showed it",
-            slice_watch_lag.clone(),
-        );
-        let expectation_ttl = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "expectation_ttl_seconds",
-            "How long a node's pool waits for the slice watch to show the controller's own writes \
-             before trusting the cache anyway (follows the watch lag)",
-            expectation_ttl.clone(),
-        );
-        let heartbeat_allowance = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "heartbeat_allowance_seconds",
-            "How much later than its timeout a heartbeat may be before its expiry withdraws a \
-             pool: the 99th percentile of how late Lease renewals arrived in the last one to two \
-             minutes (0 on a healthy control plane)",
-            heartbeat_allowance.clone(),
-        );
-        let expiries_excused = Counter::default();
-        registry.register(
-            "heartbeat_expiries_excused",
-            "Heartbeat expiries that withdrew no pool because the beat was no later than renewals \
-             arrive right now (heartbeat_allowance_seconds)",
-            expiries_excused.clone(),
-        );
-        Self {
-            heartbeat_allowance,
-            expiries_excused,
-            slice_watch_lag,
-            expectation_ttl,
-            expiry_checks,
-            status_writes_deferred,
-            slice_wipes,
-            expired_heartbeats,
-            withdrawals_held,
-            reconciles,
-            reconcile_errors,
-            slice_writes,
-            published_devices,
-            published_slices,
-            published_gpus,
-            pools,
-            plugin_live,
-            published_nodes: Arc::default(),
-            reconcile_duration,
-            leader,
-            registry: Arc::new(registry),
-        }
-    }
-
     /// Starts timing one reconciliation; the duration is observed when the guard drops.
     pub fn reconcile_timer(&self) -> ReconcileTimer {
-        ReconcileTimer {
-            histogram: self.reconcile_duration.clone(),
-            start: Instant::now(),
-        }
+        ReconcileTimer(self.reconcile_duration.clone(), Instant::now())
     }
 
-    /// Counts a successful reconciliation.
     pub fn reconcile_ok(&self) {
-        self.reconciles
-            .get_or_create(&ResultLabels { result: "success" })
-            .inc();
+        self.reconciles.get_or_create(&[("result", "success")]).inc();
     }
 
-    /// Counts a failed reconciliation with its reason.
     pub fn reconcile_failed(&self, reason: &'static str) {
-        self.reconciles
-            .get_or_create(&ResultLabels { result: "error" })
-            .inc();
-        self.reconcile_errors
-            .get_or_create(&ReasonLabels { reason })
-            .inc();
+        self.reconciles.get_or_create(&[("result", "error")]).inc();
+        self.reconcile_errors.get_or_create(&[("reason", reason)]).inc();
     }
 
-    /// Counts one slice write.
-    pub fn slice_write(&self, operation: SliceOperation) {
-        self.slice_writes
-            .get_or_create(&OperationLabels {
-                operation: operation.as_str(),
-            })
-            .inc();
+    /// Counts one slice write: `operation` is `create`, `update` or `delete`.
+    pub fn slice_write(&self, operation: &'static str) {
+        self.slice_writes.get_or_create(&[("operation", operation)]).inc();
     }
 
     /// Sets the number of devices published for `node`. Zero means the pool is withdrawn:
     /// its slice and GPU counts go to zero too.
     pub fn set_published_devices(&self, node: &str, devices: u32) {
-        let labels = NodeLabels {
-            node: node.to_string(),
-        };
+        let labels = node_label(node);
         self.published_devices
             .get_or_create(&labels)
             .set(i64::from(devices));
@@ -321,64 +153,46 @@ impl Metrics {
             self.published_slices.get_or_create(&labels).set(0);
             self.published_gpus.get_or_create(&labels).set(0);
         }
-        let mut published = self
-            .published_nodes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if devices > 0 {
-            if !published.contains(node) {
-                published.insert(node.to_string());
-            }
-        } else {
+        let mut published = crate::lock(&self.published_nodes);
+        if devices == 0 {
             published.remove(node);
+        } else if !published.contains(node) {
+            published.insert(node.to_string());
         }
-        self.set_pool_count(&published);
+        self.pools.set(count(published.len()));
     }
 
-    /// Sets the slices and GPUs published in `node`'s pool.
     pub fn set_published_pool(&self, node: &str, slices: usize, gpus: u32) {
-        let labels = NodeLabels {
-            node: node.to_string(),
-        };
-        self.published_slices
-            .get_or_create(&labels)
-            .set(i64::try_from(slices).unwrap_or(i64::MAX));
+        let labels = node_label(node);
+        self.published_slices.get_or_create(&labels).set(count(slices));
         self.published_gpus.get_or_create(&labels).set(i64::from(gpus));
     }
 
-    /// Records whether `node`'s plugin is live.
     pub fn set_plugin_live(&self, node: &str, live: bool) {
         self.plugin_live
-            .get_or_create(&NodeLabels {
-                node: node.to_string(),
-            })
+            .get_or_create(&node_label(node))
             .set(i64::from(live));
-    }
-
-    fn set_pool_count(&self, published: &BTreeSet<String>) {
-        self.pools.set(i64::try_from(published.len()).unwrap_or(i64::MAX));
     }
 
     /// Forgets `node` (its GpuNode or Node is gone).
     pub fn forget_node(&self, node: &str) {
-        let labels = NodeLabels {
-            node: node.to_string(),
-        };
-        self.published_devices.remove(&labels);
-        self.published_slices.remove(&labels);
-        self.published_gpus.remove(&labels);
-        self.plugin_live.remove(&labels);
-        let mut published = self
-            .published_nodes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let labels = node_label(node);
+        for family in [
+            &self.published_devices,
+            &self.published_slices,
+            &self.published_gpus,
+            &self.plugin_live,
+        ] {
+            family.remove(&labels);
+        }
+        let mut published = crate::lock(&self.published_nodes);
         published.remove(node);
-        self.set_pool_count(&published);
+        self.pools.set(count(published.len()));
     }
 
     /// Counts owned slices found deleted by someone else.
-    pub fn slices_wiped(&self, count: usize) {
-        self.slice_wipes.inc_by(u64::try_from(count).unwrap_or(u64::MAX));
+    pub fn slices_wiped(&self, wiped: usize) {
+        self.slice_wipes.inc_by(u64::try_from(wiped).unwrap_or(u64::MAX));
     }
 
     /// Records the slice watch's recent lag and the expectation TTL it gives.
@@ -387,38 +201,31 @@ impl Metrics {
         self.expectation_ttl.set(ttl.as_secs_f64());
     }
 
-    /// Records the heartbeat allowance a slow control plane gives.
     pub fn set_heartbeat_allowance(&self, allowance: Duration) {
         self.heartbeat_allowance.set(allowance.as_secs_f64());
     }
 
-    /// Counts a heartbeat expiry excused by the allowance.
     pub fn heartbeat_expiry_excused(&self) {
         self.expiries_excused.inc();
     }
 
     /// Records the heartbeat census: expired heartbeats, and whether withdrawals are held.
     pub fn set_heartbeat_census(&self, expired: usize, held: bool) {
-        self.expired_heartbeats
-            .set(i64::try_from(expired).unwrap_or(i64::MAX));
+        self.expired_heartbeats.set(count(expired));
         self.withdrawals_held.set(i64::from(held));
     }
 
-    /// Counts one fresh-read check of a heartbeat expiry.
-    pub fn heartbeat_expiry_checked(&self, outcome: ExpiryCheck) {
-        self.expiry_checks
-            .get_or_create(&OutcomeLabels {
-                outcome: outcome.as_str(),
-            })
-            .inc();
+    /// Counts one fresh-read check of a heartbeat expiry: `outcome` is `confirmed` (the
+    /// server has the same stale heartbeat, or a plugin gone otherwise), `refuted` (the cache
+    /// lagged) or `failed` (the read failed; the pool was kept).
+    pub fn heartbeat_expiry_checked(&self, outcome: &'static str) {
+        self.expiry_checks.get_or_create(&[("outcome", outcome)]).inc();
     }
 
-    /// Counts one deferred status write.
     pub fn status_write_deferred(&self) {
         self.status_writes_deferred.inc();
     }
 
-    /// Sets the is-leader gauge.
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
     }
@@ -433,22 +240,16 @@ impl Metrics {
     }
 }
 
-/// Observes a reconciliation's duration on drop.
-pub struct ReconcileTimer {
-    histogram: Histogram,
-    start: Instant,
+fn count(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-impl ReconcileTimer {
-    /// Time since the reconciliation started.
-    pub fn elapsed(&self) -> Duration {
-        self.start.elapsed()
-    }
-}
+/// Observes a reconciliation's duration on drop.
+pub struct ReconcileTimer(Histogram, Instant);
 
 impl Drop for ReconcileTimer {
     fn drop(&mut self) {
-        self.histogram.observe(self.start.elapsed().as_secs_f64());
+        self.0.observe(self.1.elapsed().as_secs_f64());
     }
 }
 
@@ -461,8 +262,8 @@ mod tests {
         let m = Metrics::new();
         m.reconcile_ok();
         m.reconcile_failed("conflict");
-        m.slice_write(SliceOperation::Create);
-        m.slice_write(SliceOperation::Delete);
+        m.slice_write("create");
+        m.slice_write("delete");
         m.set_published_devices("node-a", 42);
         m.set_published_pool("node-a", 3, 2);
         m.set_plugin_live("node-a", true);

@@ -30,7 +30,6 @@ pub fn slice_node(slice: &PartialObjectMeta<ResourceSlice>) -> Option<&str> {
 /// Longest object name Kubernetes accepts (a DNS subdomain).
 pub const MAX_NAME_LENGTH: usize = 253;
 
-/// Longest label value.
 const MAX_LABEL_VALUE_LENGTH: usize = 63;
 
 /// Hex digits of the node-name hash used when a name must be shortened.
@@ -38,13 +37,11 @@ const HASH_LENGTH: usize = 10;
 
 /// Digits of the index: at least three, more only for pools of 1000 slices or more.
 pub fn index_width(slice_count: usize) -> usize {
-    let mut width = 1;
-    let mut max = slice_count.saturating_sub(1);
-    while max >= 10 {
-        max /= 10;
-        width += 1;
-    }
-    width.max(3)
+    let digits = slice_count
+        .saturating_sub(1)
+        .checked_ilog10()
+        .map_or(1, |d| d as usize + 1);
+    digits.max(3)
 }
 
 /// The name of slice `index` of a pool of `slice_count` slices of `driver` on `node`.
@@ -71,34 +68,30 @@ pub fn slice_name(node: &str, driver: &str, index: usize, slice_count: usize) ->
     }
 }
 
+/// True when `s` is 1 to `max` bytes that `allowed` accepts, alphanumeric at both ends.
+fn is_token(s: &str, max: usize, allowed: impl Fn(u8) -> bool) -> bool {
+    let bytes = s.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= max
+        && bytes.iter().all(|b| allowed(*b))
+        && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
+        && bytes.last().is_some_and(u8::is_ascii_alphanumeric)
+}
+
 /// True when `s` is a valid object name: a lower-case RFC 1123 subdomain of at most 253
 /// characters.
 pub fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= MAX_NAME_LENGTH
-        && s.split('.').all(|part| {
-            let bytes = part.as_bytes();
-            !bytes.is_empty()
-                && bytes
-                    .iter()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
-                && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
-                && bytes.last().is_some_and(u8::is_ascii_alphanumeric)
-        })
+    let label_char = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-';
+    s.len() <= MAX_NAME_LENGTH
+        && s.split('.')
+            .all(|part| is_token(part, MAX_NAME_LENGTH, label_char))
 }
 
 /// The node label value, when `node` is a valid label value (at most 63 characters,
 /// alphanumeric at both ends, `-`, `_` and `.` inside).
 pub fn node_label_value(node: &str) -> Option<&str> {
-    let bytes = node.as_bytes();
-    let valid = !bytes.is_empty()
-        && bytes.len() <= MAX_LABEL_VALUE_LENGTH
-        && bytes
-            .iter()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-        && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
-        && bytes.last().is_some_and(u8::is_ascii_alphanumeric);
-    valid.then_some(node)
+    let allowed = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.');
+    is_token(node, MAX_LABEL_VALUE_LENGTH, allowed).then_some(node)
 }
 
 #[cfg(test)]

@@ -2,19 +2,15 @@
 //! the cached slices, write the difference, record the outcome in the status.
 //!
 //! * Node gone → withdraw the pool (delete its slices), `Published=False NodeNotFound`.
-//! * Plugin not live (see [`crate::liveness`]: unregistered, heartbeat expired, or its slices
-//!   wiped by the kubelet and no heartbeat since) → withdraw, `Published=False
-//!   PluginNotReady`; the plugin's next heartbeat brings the node back. Heartbeat expiry is
-//!   held back while most heartbeats expire at once (control-plane trouble), withdraws only
-//!   once a fresh read of the Lease confirms it (a lagging watch shows healthy
-//!   heartbeats stale), and at most one pool per 10 s.
+//! * Plugin not live (see [`crate::liveness`]) → withdraw, `Published=False PluginNotReady`;
+//!   the plugin's next heartbeat brings the node back. Heartbeat expiry is held back while
+//!   most heartbeats expire at once, withdraws only once a fresh read of the Lease confirms
+//!   it, and at most one pool per 10 s.
 //! * Plugin live → policy, plan (keeping the devices claims hold), render, validate; an
 //!   invalid policy or pool is reported (event + condition) and nothing is written; otherwise
-//!   the pool is diffed and only a real change is written, with a new generation when the
-//!   upstream slice controller would bump it. The expiry watch (see
-//!   [`crate::liveness::HeartbeatTracker::take_expired`]) hands the node back at its
-//!   heartbeat's expiry unless it was renewed, so a plugin that dies silently is noticed;
-//!   otherwise a resync every [`LIVE_RESYNC`].
+//!   only a real change is written, with a new generation when the upstream slice controller
+//!   would bump it. The expiry watch hands the node back at its heartbeat's expiry unless it
+//!   was renewed; otherwise a resync every [`LIVE_RESYNC`].
 //! * Slices first, statuses after: a `Published=True` status that would change the GpuNode
 //!   waits while other reconciliations write slices (see [`crate::status_deferral`]); the node
 //!   is looked at again within `STATUS_DEFER_RECHECK`. A status that explains a withdrawal,
@@ -23,14 +19,10 @@
 //! Short circuit. Most reconciliations change nothing (a resync, a MigPolicy change that
 //! leaves this pool as it is, the events of the controller's own writes). So a reconciliation
 //! that found the pool up to date leaves a [`memo::Memo`]: a hash of everything the pool is
-//! computed from (inventory, node identity and labels, policies, held devices, published
-//! generation) and of the cached slices' versions. The next one with the same hash skips
-//! planning, rendering, validating and comparing, and only confirms the status. The inventory
-//! hash is reused while the GpuNode's resourceVersion is unchanged (the plugin writes its
-//! GpuNode only when something in it changes). A reconciliation that wrote the pool leaves the
-//! memo the caches will match once they show its writes (slice versions from the server's
-//! answers, the status it wrote), so the reconciliations its own events trigger skip the work
-//! too.
+//! computed from and of the cached slices' versions. The next one with the same hash only
+//! confirms the status. A reconciliation that wrote the pool leaves the memo the caches will
+//! match once they show its writes, so the reconciliations its own events trigger skip the
+//! work too.
 //!
 //! The phases, one submodule each: `heartbeat` judges the plugin's liveness, `withdraw` takes
 //! a pool down, `pool` computes and publishes a live node's pool, `status_write` records the
@@ -54,13 +46,10 @@ use tracing::Instrument;
 use crate::{compare::SliceMeta, context::Context, error::Error, liveness::Liveness, status::StatusUpdate};
 
 /// How often a live node is reconciled when nothing changes: a safety net, as every input
-/// is watched and the expiry watch (see [`crate::liveness::HeartbeatTracker::take_expired`])
-/// looks at its heartbeat's expiry.
+/// is watched and the expiry watch looks at its heartbeat's expiry.
 pub const LIVE_RESYNC: Duration = Duration::from_secs(300);
-/// How often a node whose heartbeat expiry is held back (see [`crate::liveness`]) is looked
-/// at again.
+/// How often a node whose heartbeat expiry is held back is looked at again.
 const HELD_RECHECK: Duration = Duration::from_secs(10);
-/// Shortest requeue.
 const MIN_REQUEUE: Duration = Duration::from_secs(1);
 /// How soon a node whose status write was deferred is looked at again.
 const STATUS_DEFER_RECHECK: Duration = Duration::from_secs(2);
@@ -96,7 +85,6 @@ impl Outcome {
 struct NodeView<'a> {
     ctx: &'a Context,
     gpunode: &'a GpuNode,
-    /// The node's name (the GpuNode's).
     name: String,
     /// The node's cached slices.
     cached: Vec<Arc<SliceMeta>>,
@@ -106,7 +94,6 @@ struct NodeView<'a> {
 }
 
 impl<'a> NodeView<'a> {
-    /// The node of `gpunode` as the caches show it.
     fn observe(ctx: &'a Context, gpunode: &'a GpuNode) -> Self {
         let name = gpunode.name_any();
         let cached = ctx.slice_index.node_slices(&name);
@@ -123,7 +110,6 @@ impl<'a> NodeView<'a> {
         }
     }
 
-    /// The generation the status records.
     fn published_generation(&self) -> Option<i64> {
         self.published.as_ref().map(|p| p.generation)
     }
@@ -181,7 +167,7 @@ async fn reconcile_node(gpunode: &GpuNode, ctx: &Context) -> Result<Outcome, Err
         withdraw::slices(&view).await?;
         return Ok(Outcome::done(Action::await_change()));
     }
-    let Some(node) = ctx.nodes.get(&ObjectRef::new(&view.name)) else {
+    let Some(node) = ctx.stores.nodes.get(&ObjectRef::new(&view.name)) else {
         return withdraw::node_gone(&view).await;
     };
     let requeue = match heartbeat::judge(&view).await? {

@@ -3,7 +3,7 @@
 //! itself: a relist builds a new index, swapped in when it is complete.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeSet, HashMap},
     sync::{Arc, Mutex},
 };
 
@@ -14,7 +14,7 @@ use kube::runtime::{
 
 use crate::{compare::SliceMeta, naming::slice_node};
 
-type ByNode = HashMap<String, HashSet<String>>;
+pub(crate) type ByNode = HashMap<String, BTreeSet<String>>;
 
 /// The slice cache, indexed by node.
 pub struct SliceIndex {
@@ -34,31 +34,12 @@ fn insert(index: &mut ByNode, slice: &SliceMeta) {
     }
 }
 
-impl Index {
-    fn observe(&mut self, event: &watcher::Event<SliceMeta>) {
-        match event {
-            watcher::Event::Apply(slice) => insert(&mut self.by_node, slice),
-            watcher::Event::Delete(slice) => {
-                if let (Some(node), Some(name)) = (slice_node(slice), slice.metadata.name.as_ref())
-                    && let Some(names) = self.by_node.get_mut(node)
-                {
-                    names.remove(name);
-                    if names.is_empty() {
-                        self.by_node.remove(node);
-                    }
-                }
-            }
-            watcher::Event::Init => self.relisting = Some(HashMap::new()),
-            watcher::Event::InitApply(slice) => {
-                if let Some(index) = &mut self.relisting {
-                    insert(index, slice);
-                }
-            }
-            watcher::Event::InitDone => {
-                if let Some(index) = self.relisting.take() {
-                    self.by_node = index;
-                }
-            }
+/// Removes `slice` from `node`'s set, and the set when it is empty.
+pub(crate) fn remove(index: &mut ByNode, node: &str, slice: &str) {
+    if let Some(names) = index.get_mut(node) {
+        names.remove(slice);
+        if names.is_empty() {
+            index.remove(node);
         }
     }
 }
@@ -68,31 +49,46 @@ impl SliceIndex {
     pub fn new(store: Store<SliceMeta>) -> Self {
         Self {
             store,
-            index: Mutex::new(Index::default()),
+            index: Mutex::default(),
         }
     }
 
     /// Feeds one event of the slice watch, after the cache applied it.
     pub fn observe(&self, event: &watcher::Event<SliceMeta>) {
-        self.index
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .observe(event);
+        let mut index = crate::lock(&self.index);
+        let Index { by_node, relisting } = &mut *index;
+        match event {
+            watcher::Event::Apply(slice) => insert(by_node, slice),
+            watcher::Event::Delete(slice) => {
+                if let (Some(node), Some(name)) = (slice_node(slice), slice.metadata.name.as_ref()) {
+                    remove(by_node, node, name);
+                }
+            }
+            watcher::Event::Init => *relisting = Some(HashMap::new()),
+            watcher::Event::InitApply(slice) => {
+                if let Some(relisting) = relisting {
+                    insert(relisting, slice);
+                }
+            }
+            watcher::Event::InitDone => {
+                if let Some(complete) = relisting.take() {
+                    *by_node = complete;
+                }
+            }
+        }
     }
 
     /// The cached slices of this driver on `node` (the watch selects the driver), by name.
     pub fn node_slices(&self, node: &str) -> Vec<Arc<SliceMeta>> {
-        let index = self.index.lock().unwrap_or_else(|p| p.into_inner());
+        let index = crate::lock(&self.index);
         let Some(names) = index.by_node.get(node) else {
             return Vec::new();
         };
-        let mut slices: Vec<Arc<SliceMeta>> = names
+        names
             .iter()
             .filter_map(|name| self.store.get(&ObjectRef::new(name)))
             .filter(|s| slice_node(s) == Some(node))
-            .collect();
-        slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-        slices
+            .collect()
     }
 }
 

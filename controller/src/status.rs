@@ -4,6 +4,8 @@
 //! not again while the cache has not caught up with the controller's own last write); the
 //! caller may defer a change (see [`update`]).
 
+use std::{collections::HashMap, sync::Mutex};
+
 use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
     jiff::Timestamp,
@@ -17,15 +19,12 @@ use serde_json::json;
 
 use crate::error::{Error, is_not_found};
 
-/// Field manager of every controller write.
 pub const FIELD_MANAGER: &str = "migdra-controller";
 
-/// Type of the condition the controller maintains.
 pub const CONDITION_PUBLISHED: &str = "Published";
 
 /// Condition reasons.
 pub mod reason {
-    /// The pool is published.
     pub const PUBLISHED: &str = "Published";
     /// The plugin is not live; the pool is withdrawn.
     pub const PLUGIN_NOT_READY: &str = "PluginNotReady";
@@ -38,14 +37,11 @@ pub mod reason {
 pub struct Published {
     /// True when the pool is published as desired.
     pub ok: bool,
-    /// CamelCase reason.
     pub reason: String,
-    /// Human-readable message.
     pub message: String,
 }
 
 impl Published {
-    /// A `True` condition.
     pub fn yes(message: impl Into<String>) -> Self {
         Self {
             ok: true,
@@ -54,7 +50,6 @@ impl Published {
         }
     }
 
-    /// A `False` condition.
     pub fn no(reason: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             ok: false,
@@ -67,7 +62,6 @@ impl Published {
 /// The status the controller wants on a GpuNode.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DesiredStatus {
-    /// `status.publication`.
     pub publication: PublicationStatus,
     /// `status.conditions[type=Published]`.
     pub condition: Condition,
@@ -120,9 +114,8 @@ fn same_condition(a: &Condition, b: &Condition) -> bool {
 /// True when the GpuNode already shows `desired`.
 pub fn is_current(gpunode: &GpuNode, desired: &DesiredStatus) -> bool {
     let status = gpunode.status.as_ref();
-    let publication_ok = status.and_then(|s| s.publication.as_ref()) == Some(&desired.publication);
-    let condition_ok = current_condition(status).is_some_and(|c| same_condition(c, &desired.condition));
-    publication_ok && condition_ok
+    status.and_then(|s| s.publication.as_ref()) == Some(&desired.publication)
+        && current_condition(status).is_some_and(|c| same_condition(c, &desired.condition))
 }
 
 /// One status write of the controller: over which version of which GpuNode, what it wrote,
@@ -143,37 +136,33 @@ struct Written {
 /// the one written. Any other version (the cache caught up, or someone else wrote) is compared
 /// as usual.
 #[derive(Debug, Default)]
-pub struct StatusLedger(std::sync::Mutex<std::collections::HashMap<String, Written>>);
+pub struct StatusLedger(Mutex<HashMap<String, Written>>);
 
 impl StatusLedger {
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Written>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    /// The controller's last write if it went over this very version of `gpunode`.
+    fn written_over(&self, gpunode: &GpuNode) -> Option<Written> {
+        let written = crate::lock(&self.0)
+            .get(gpunode.metadata.name.as_deref()?)?
+            .clone();
+        (written.uid == gpunode.metadata.uid
+            && written.over.is_some()
+            && written.over == gpunode.metadata.resource_version)
+            .then_some(written)
     }
 
     /// The version `gpunode` will have once the cache shows `desired` that the controller
     /// already wrote over this very version of it, if it did.
     pub fn already_written(&self, gpunode: &GpuNode, desired: &DesiredStatus) -> Option<Option<String>> {
-        let name = gpunode.metadata.name.as_deref()?;
-        let ledger = self.lock();
-        let written = ledger.get(name)?;
-        let same_object = written.uid == gpunode.metadata.uid
-            && written.over.is_some()
-            && written.over == gpunode.metadata.resource_version;
-        let same_status = written.status.publication == desired.publication
-            && same_condition(&written.status.condition, &desired.condition);
-        (same_object && same_status).then(|| written.after.clone())
+        let written = self.written_over(gpunode)?;
+        (written.status.publication == desired.publication
+            && same_condition(&written.status.condition, &desired.condition))
+        .then_some(written.after)
     }
 
     /// The publication the controller last wrote over this very version of `gpunode`: what
     /// the server shows while the cache still has the version before the write.
     pub fn publication(&self, gpunode: &GpuNode) -> Option<PublicationStatus> {
-        let name = gpunode.metadata.name.as_deref()?;
-        let ledger = self.lock();
-        let written = ledger.get(name)?;
-        (written.uid == gpunode.metadata.uid
-            && written.over.is_some()
-            && written.over == gpunode.metadata.resource_version)
-            .then(|| written.status.publication.clone())
+        self.written_over(gpunode).map(|w| w.status.publication)
     }
 
     /// Records that `desired` was written over `gpunode` (as cached), producing `after`.
@@ -181,20 +170,18 @@ impl StatusLedger {
         let Some(name) = gpunode.metadata.name.clone() else {
             return;
         };
-        self.lock().insert(
-            name,
-            Written {
-                uid: gpunode.metadata.uid.clone(),
-                over: gpunode.metadata.resource_version.clone(),
-                after,
-                status: desired.clone(),
-            },
-        );
+        let written = Written {
+            uid: gpunode.metadata.uid.clone(),
+            over: gpunode.metadata.resource_version.clone(),
+            after,
+            status: desired.clone(),
+        };
+        crate::lock(&self.0).insert(name, written);
     }
 
     /// Forgets `node` (its GpuNode is gone).
     pub fn forget(&self, node: &str) {
-        self.lock().remove(node);
+        crate::lock(&self.0).remove(node);
     }
 }
 
@@ -214,7 +201,6 @@ pub enum StatusUpdate {
 }
 
 impl StatusUpdate {
-    /// True when a write went out.
     pub fn wrote(&self) -> bool {
         matches!(self, Self::Written(_))
     }

@@ -14,6 +14,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::lock;
+
 /// Default longest wait of a status: a bound, so the condition is at most this stale even
 /// while slices are written without pause (a long cold start, continuous churn), and long
 /// enough that a cold start's statuses do not compete with its slice writes.
@@ -38,20 +40,19 @@ pub struct StatusDeferral {
     first_deferred: Mutex<HashMap<String, Instant>>,
 }
 
-/// Counts one reconciliation as writing slices while it lives (see
-/// [`StatusDeferral::writing_slices`]); dropping it, on success, error or panic, ends that.
+/// Counts one reconciliation as writing slices while it lives; dropping it, on success, error
+/// or panic, ends that.
 #[must_use = "the reconciliation counts as writing slices only while the guard lives"]
 pub struct SliceWriting<'a>(&'a StatusDeferral);
 
 impl Drop for SliceWriting<'_> {
     fn drop(&mut self) {
-        *self.0.last_write.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        *lock(&self.0.last_write) = Some(Instant::now());
         self.0.writers.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 impl StatusDeferral {
-    /// Statuses wait at most `max_wait`, and `quiet` after the last slice write.
     pub fn new(max_wait: Duration, quiet: Duration) -> Self {
         Self {
             max_wait,
@@ -77,11 +78,12 @@ impl StatusDeferral {
     /// written (or were, within the quiet period), for at most the longest wait since its
     /// first deferral, which is recorded here and kept until [`Self::settled`].
     pub fn defer(&self, node: &str) -> bool {
-        if self.max_wait.is_zero() || (self.slice_writers() == 0 && !self.written_lately()) {
+        let written_lately =
+            || !self.quiet.is_zero() && lock(&self.last_write).is_some_and(|at| at.elapsed() < self.quiet);
+        if self.max_wait.is_zero() || (self.slice_writers() == 0 && !written_lately()) {
             return false;
         }
-        let mut deferred = self.first_deferred.lock().unwrap_or_else(|p| p.into_inner());
-        match deferred.entry(node.to_string()) {
+        match lock(&self.first_deferred).entry(node.to_string()) {
             Entry::Occupied(first) => first.get().elapsed() < self.max_wait,
             Entry::Vacant(first) => {
                 first.insert(Instant::now());
@@ -90,32 +92,16 @@ impl StatusDeferral {
         }
     }
 
-    /// Whether a slice write ended less than the quiet period ago.
-    fn written_lately(&self) -> bool {
-        !self.quiet.is_zero()
-            && self
-                .last_write
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_some_and(|at| at.elapsed() < self.quiet)
-    }
-
     /// Forgets `node`'s deferred status write: written, no longer needed, or its GpuNode is
     /// gone.
     pub fn settled(&self, node: &str) {
-        self.first_deferred
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(node);
+        lock(&self.first_deferred).remove(node);
     }
 
     /// Forgets the deferred status writes of the nodes `keep` rejects (their GpuNodes are
     /// gone, so no reconciliation settles them).
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
-        self.first_deferred
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|node, _| keep(node));
+        lock(&self.first_deferred).retain(|node, _| keep(node));
     }
 }
 

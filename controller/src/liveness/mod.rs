@@ -5,36 +5,31 @@
 //! A plugin is live while it reports itself registered with the kubelet, its heartbeat Lease
 //! is fresh, and it has renewed the Lease since the kubelet last wiped the node's slices.
 //!
-//! The heartbeat. The plugin renews a `coordination.k8s.io/v1` Lease in the controller's
-//! namespace (named by [`migdra_api::inventory::heartbeat_lease_name`], its node in
-//! `spec.holderIdentity`) every heartbeat interval (15 s by default), and at once when its
-//! kubelet registration changes, with `leaseDurationSeconds` = 1.5 intervals ([`LeaseBeat`]).
-//! A renewal is a few hundred bytes the controller only re-checks liveness on, where a GpuNode
-//! write carries the whole inventory, which every replica decodes and re-evaluates: the plugin
-//! writes its GpuNode only when something in it changes.
+//! The heartbeat. The plugin renews a Lease in the controller's namespace (named by
+//! [`migdra_api::inventory::heartbeat_lease_name`], its node in `spec.holderIdentity`) every
+//! interval (15 s by default), and at once when its kubelet registration changes, with
+//! `leaseDurationSeconds` = 1.5 intervals ([`LeaseBeat`]). A renewal is a few hundred bytes,
+//! where a GpuNode write carries the whole inventory: the plugin writes its GpuNode only when
+//! something in it changes.
 //!
 //! Timing. The kubelet deletes a driver's node-local slices 30 s after the plugin's connection
 //! drops (and all of them when it starts). A pool republished after that wipe advertises
 //! devices nobody can prepare, so:
 //!
 //! * the heartbeat expires `max(timeout, leaseDurationSeconds)` after the last renewal; the
-//!   default timeout (25 s) withdraws a dead plugin's pool (last beat + 25 s, plus one
-//!   reconcile) before the kubelet's 30 s wipe, while tolerating one beat up to 10 s late;
+//!   default timeout (25 s) withdraws a dead plugin's pool before the kubelet's 30 s wipe,
+//!   while tolerating one beat up to 10 s late;
 //! * a wipe the controller did not cause marks the plugin gone until it renews *after* the
 //!   wipe was observed ([`GoneReason::SlicesWiped`]): a dead plugin never does, a plugin that
-//!   re-registers with a restarted kubelet does so at once. (The renewal time is the node's
-//!   clock, the wipe time the controller's, as for the expiry itself: clocks are assumed
-//!   synchronised; a node clock behind by a few seconds only delays the return to the next
-//!   beat);
+//!   re-registers with a restarted kubelet does so at once. (Renewal times are the node's
+//!   clock, the wipe time the controller's: clocks are assumed synchronised; a node clock
+//!   behind by a few seconds only delays the return to the next beat);
 //! * when more than a threshold fraction of all heartbeats expire at the same time, the
-//!   likelier cause is a slow or partitioned control plane, not dead plugins: expiry alone
-//!   then withdraws nothing ([`HeartbeatCensus::mass_expiry`], [`Liveness::Held`]), like the
-//!   node lifecycle controller's unhealthy-zone rule. An explicit "not registered" and a
-//!   kubelet wipe still withdraw;
+//!   likelier cause is a slow or partitioned control plane: expiry alone then withdraws
+//!   nothing ([`HeartbeatCensus::mass_expiry`], [`Liveness::Held`]), like the node lifecycle
+//!   controller's unhealthy-zone rule. "Not registered" and a kubelet wipe still withdraw;
 //! * the cache is only as fresh as the watch: a single expiry is confirmed with a quorum
-//!   read of the Lease before the pool goes (see `reconcile::heartbeat`), so a watch that
-//!   lags behind a saturated API server, by more than the margin between the heartbeat and
-//!   the timeout, withdraws nothing.
+//!   read of the Lease before the pool goes (see `reconcile::heartbeat`).
 
 pub mod tracker;
 
@@ -48,19 +43,15 @@ use migdra_api::inventory::{PluginStatus, heartbeat_lease_name};
 
 pub use tracker::HeartbeatTracker;
 
-/// The timeout applied when nothing else is configured: below the kubelet's 30 s wipe.
+/// Below the kubelet's 30 s wipe.
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(25);
-
-/// The kubelet deletes a driver's node-local slices this long after its plugin disconnects.
-pub const KUBELET_WIPE_DELAY: Duration = Duration::from_secs(30);
 
 /// Default fraction of registered plugins whose heartbeats must expire at once before the
 /// controller blames the control plane instead (the node lifecycle controller's 0.55).
 pub const DEFAULT_MASS_EXPIRY_THRESHOLD: f64 = 0.55;
 
 /// Fewest expired heartbeats that count as a mass expiry (the node lifecycle controller also
-/// needs more than two unready nodes): one or two dead plugins are just dead plugins, even on
-/// a small cluster.
+/// needs more than two unready nodes): one or two dead plugins are just dead plugins.
 pub const MASS_EXPIRY_MIN_NODES: usize = 3;
 
 /// A renewal of a node's heartbeat Lease.
@@ -111,16 +102,10 @@ pub fn lease_node<'a>(lease: &'a Lease, driver: &str) -> Option<&'a str> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Liveness {
     /// The plugin is live until `expires` unless it heartbeats again.
-    Live {
-        /// When the current heartbeat goes stale.
-        expires: Timestamp,
-    },
-    /// The heartbeat expired, but so did too many others at once to blame the plugin: the
-    /// pool stays as published.
-    Held {
-        /// Time of the last heartbeat.
-        last: Timestamp,
-    },
+    Live { expires: Timestamp },
+    /// The heartbeat (last renewed at `last`) expired, but so did too many others at once to
+    /// blame the plugin: the pool stays as published.
+    Held { last: Timestamp },
     /// The plugin is gone: its pool must be withdrawn.
     Gone(GoneReason),
 }
@@ -130,32 +115,20 @@ pub enum Liveness {
 pub enum GoneReason {
     /// The plugin never wrote its status.
     NoStatus,
-    /// The kubelet has not (or no longer) registered the plugin.
-    NotRegistered {
-        /// The registration error the plugin reported, if any.
-        error: Option<String>,
-    },
+    /// The kubelet has not (or no longer) registered the plugin; the error the plugin
+    /// reported, if any.
+    NotRegistered { error: Option<String> },
     /// The plugin has no heartbeat Lease (none yet, or it was deleted).
     NoHeartbeat,
-    /// Someone else (the kubelet) deleted the node's slices, and the plugin has not
-    /// heartbeated since.
-    SlicesWiped {
-        /// When the controller observed the deletion.
-        at: Timestamp,
-        /// Time of the last heartbeat.
-        last: Timestamp,
-    },
-    /// The last heartbeat is older than the timeout.
-    HeartbeatExpired {
-        /// Time of the last heartbeat.
-        last: Timestamp,
-        /// The timeout that applied.
-        timeout: Duration,
-    },
+    /// Someone else (the kubelet) deleted the node's slices (observed `at`), and the plugin
+    /// has not heartbeated since `last`.
+    SlicesWiped { at: Timestamp, last: Timestamp },
+    /// The last heartbeat is older than the `timeout` that applied.
+    HeartbeatExpired { last: Timestamp, timeout: Duration },
 }
 
 impl GoneReason {
-    /// A human-readable explanation, for conditions and logs.
+    /// For conditions and logs.
     pub fn message(&self) -> String {
         match self {
             Self::NoStatus => "the kubelet plugin has not reported its status".to_string(),
@@ -226,9 +199,8 @@ pub fn liveness(
 /// from a sick control plane.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HeartbeatCensus {
-    /// Plugins that report themselves registered.
     pub registered: usize,
-    /// Of those, the ones whose heartbeat has expired (or that have no Lease).
+    /// Registered plugins whose heartbeat has expired (or that have no Lease).
     pub expired: usize,
 }
 
@@ -268,6 +240,9 @@ mod tests {
     use migdra_api::inventory::DEFAULT_DRIVER_NAME;
 
     use super::*;
+
+    /// The kubelet deletes a driver's node-local slices this long after its plugin disconnects.
+    const KUBELET_WIPE_DELAY: Duration = Duration::from_secs(30);
 
     fn plugin(registered: bool) -> PluginStatus {
         PluginStatus {

@@ -19,7 +19,13 @@ use kube::{
 use migdra_api::inventory::{GpuNode, heartbeat_lease_name};
 
 use super::{HeartbeatCensus, LeaseBeat, lease_node};
-use crate::{context::ControllerConfig, error::Error, lag_windows::RecentDelays, metrics::Metrics};
+use crate::{
+    context::{ControllerConfig, Stores},
+    error::Error,
+    lag_windows::RecentDelays,
+    lock,
+    metrics::Metrics,
+};
 
 /// How long the read that confirms a heartbeat expiry may take before the expiry counts as
 /// unconfirmed (the pool is kept and the node retried with backoff).
@@ -36,17 +42,11 @@ pub const MIN_DELAY_SAMPLES: u64 = 20;
 
 /// The heartbeat state every reconciliation shares.
 pub struct HeartbeatTracker {
-    driver: String,
-    namespace: String,
-    timeout: Duration,
-    mass_expiry_threshold: f64,
-    census_ttl: Duration,
-    expiry_withdrawal_interval: Duration,
+    config: ControllerConfig,
     /// Every GpuNode, for the registrations the census counts.
     gpunodes: Store<GpuNode>,
-    /// The plugins' heartbeat Leases of this driver.
     leases: Store<Lease>,
-    /// The Leases' namespace, for the reads that confirm an expiry.
+    /// For the reads that confirm an expiry.
     lease_api: Api<Lease>,
     metrics: Metrics,
     /// Whether the last census held expiry withdrawals back (logged when it changes).
@@ -63,23 +63,11 @@ pub struct HeartbeatTracker {
 }
 
 impl HeartbeatTracker {
-    /// A tracker over the caches `gpunodes` and `leases`, reading Leases through `client`.
-    pub fn new(
-        client: Client,
-        config: &ControllerConfig,
-        gpunodes: Store<GpuNode>,
-        leases: Store<Lease>,
-        metrics: Metrics,
-    ) -> Self {
+    pub fn new(client: Client, config: &ControllerConfig, stores: &Stores, metrics: Metrics) -> Self {
         Self {
-            driver: config.driver.clone(),
-            namespace: config.heartbeat_namespace.clone(),
-            timeout: config.heartbeat_timeout,
-            mass_expiry_threshold: config.mass_expiry_threshold,
-            census_ttl: config.census_ttl,
-            expiry_withdrawal_interval: config.expiry_withdrawal_interval,
-            gpunodes,
-            leases,
+            config: config.clone(),
+            gpunodes: stores.gpunodes.clone(),
+            leases: stores.leases.clone(),
             lease_api: Api::namespaced(client, &config.heartbeat_namespace),
             metrics,
             holding: AtomicBool::new(false),
@@ -90,25 +78,18 @@ impl HeartbeatTracker {
         }
     }
 
-    /// Waits until the Lease cache has its initial list (without it every plugin looks
-    /// silent).
-    pub async fn wait_ready(&self) -> Result<(), kube::runtime::reflector::store::WriterDropped> {
-        self.leases.wait_until_ready().await
-    }
-
     /// The last renewal of `node`'s heartbeat Lease, if it has one.
     pub fn lease_beat(&self, node: &str) -> Option<LeaseBeat> {
-        let name = heartbeat_lease_name(node, &self.driver);
-        let lease = self.leases.get(&ObjectRef::new(&name).within(&self.namespace))?;
-        (lease_node(&lease, &self.driver) == Some(node))
-            .then(|| LeaseBeat::of(&lease))
-            .flatten()
+        let name = heartbeat_lease_name(node, &self.config.driver);
+        let lease = self
+            .leases
+            .get(&ObjectRef::new(&name).within(&self.config.heartbeat_namespace))?;
+        LeaseBeat::of(&lease).filter(|_| lease_node(&lease, &self.config.driver) == Some(node))
     }
 
-    /// Records how late a Lease renewal made at `renewed` (the plugin's clock) arrived: now,
-    /// in a watch event. A renewal is stamped when the plugin sends it, so the delay is the
-    /// API server's time to accept the write plus the watch's time to deliver it (plus any
-    /// clock skew, which the quantile below keeps a few nodes' from deciding).
+    /// Records how late a Lease renewal made at `renewed` (the plugin's clock) arrives in a
+    /// watch event now: the API server's time to accept the write plus the watch's time to
+    /// deliver it (plus any clock skew, which the quantile keeps a few nodes' from deciding).
     pub fn record_delay(&self, renewed: Timestamp) {
         let delay = Timestamp::now()
             .duration_since(renewed)
@@ -120,22 +101,19 @@ impl HeartbeatTracker {
     /// How much later than its timeout a heartbeat may be before its expiry withdraws the
     /// pool: the 99th percentile of how late renewals arrived in the last one to two minutes
     /// (at least [`MIN_DELAY_SAMPLES`] of them, else none), at most
-    /// [`MAX_HEARTBEAT_ALLOWANCE`]. On a healthy control plane this is a fraction of a second.
-    /// Behind a saturated API server every plugin's renewals land seconds late, and a beat
-    /// that is late by what is normal right now is a slow control plane, not a dead plugin
-    /// (see docs/benchmarks.md).
+    /// [`MAX_HEARTBEAT_ALLOWANCE`]. Behind a saturated API server every plugin's renewals land
+    /// seconds late, and a beat that is late by what is normal right now is a slow control
+    /// plane, not a dead plugin (see docs/benchmarks.md).
     pub fn allowance(&self) -> Duration {
         lock(&self.delays)
             .quantile(Instant::now(), 0.99, MIN_DELAY_SAMPLES)
             .map_or(Duration::ZERO, |d| d.min(MAX_HEARTBEAT_ALLOWANCE))
     }
 
-    /// Records that `node`'s plugin was found live until `expires`.
     pub fn set_live(&self, node: &str, expires: Timestamp) {
         lock(&self.live).insert(node.to_string(), expires);
     }
 
-    /// Records that `node`'s plugin was not found live.
     pub fn set_not_live(&self, node: &str) {
         lock(&self.live).remove(node);
     }
@@ -150,11 +128,10 @@ impl HeartbeatTracker {
         lock(&self.live).get(node).copied()
     }
 
-    /// The live nodes whose heartbeat expired by `now` in the caches, for a reconciliation
-    /// (which decides, with the census, the rate limit and a fresh read, what the expiry
-    /// means). They stop counting as live, so a late renewal of theirs triggers a
-    /// reconciliation too. A live node whose Lease was renewed since is moved to its new
-    /// expiry without one: a steady heartbeat costs a comparison, not a reconciliation.
+    /// The live nodes whose heartbeat expired by `now` in the caches, for a reconciliation to
+    /// decide what the expiry means. They stop counting as live, so a late renewal of theirs
+    /// triggers a reconciliation too. A live node whose Lease was renewed since is moved to
+    /// its new expiry: a steady heartbeat costs a comparison, not a reconciliation.
     pub fn take_expired(&self, now: Timestamp) -> Vec<String> {
         let mut live = lock(&self.live);
         let mut expired = Vec::new();
@@ -164,7 +141,7 @@ impl HeartbeatTracker {
             }
             let renewed = self
                 .lease_beat(node)
-                .map(|lease| lease.expires(self.timeout))
+                .map(|lease| lease.expires(self.config.heartbeat_timeout))
                 .filter(|renewed| now < *renewed);
             match renewed {
                 Some(renewed) => *expires = renewed,
@@ -183,22 +160,25 @@ impl HeartbeatTracker {
     pub fn census(&self, now: Timestamp) -> (HeartbeatCensus, bool) {
         let mut cached = lock(&self.census);
         if let Some((at, census, hold)) = *cached
-            && at.elapsed() < self.census_ttl
+            && at.elapsed() < self.config.census_ttl
         {
             return (census, hold);
         }
         let gpunodes = self.gpunodes.state();
         let census = HeartbeatCensus::take(
-            gpunodes.iter().filter(|g| g.spec.driver == self.driver).map(|g| {
-                let plugin = g.status.as_ref().and_then(|s| s.plugin.as_ref());
-                let name = g.metadata.name.as_deref().unwrap_or_default();
-                let lease = plugin.and_then(|_| self.lease_beat(name));
-                (plugin, lease)
-            }),
+            gpunodes
+                .iter()
+                .filter(|g| g.spec.driver == self.config.driver)
+                .map(|g| {
+                    let plugin = g.status.as_ref().and_then(|s| s.plugin.as_ref());
+                    let name = g.metadata.name.as_deref().unwrap_or_default();
+                    let lease = plugin.and_then(|_| self.lease_beat(name));
+                    (plugin, lease)
+                }),
             now,
-            self.timeout,
+            self.config.heartbeat_timeout,
         );
-        let hold = census.mass_expiry(self.mass_expiry_threshold);
+        let hold = census.mass_expiry(self.config.mass_expiry_threshold);
         *cached = Some((Instant::now(), census, hold));
         drop(cached);
         self.metrics.set_heartbeat_census(census.expired, hold);
@@ -208,7 +188,7 @@ impl HeartbeatTracker {
                 tracing::warn!(
                     expired = census.expired,
                     registered = census.registered,
-                    threshold = self.mass_expiry_threshold,
+                    threshold = self.config.mass_expiry_threshold,
                     "too many plugin heartbeats expired at once: suspecting the control plane, \
                      withdrawing no pool on heartbeat expiry alone"
                 );
@@ -227,9 +207,8 @@ impl HeartbeatTracker {
     /// allowance. At most one per [`ControllerConfig::expiry_withdrawal_interval`], like the
     /// node lifecycle controller's eviction rate: heartbeats that go stale one after another
     /// while the API server struggles (each too few for the mass-expiry rule) then cost at
-    /// most a few pools, not every one that happened to be late. A plugin that really died
-    /// still loses its pool at once when its connection drops: the kubelet wipes its slices
-    /// after 30 s, and a wipe withdraws without limit.
+    /// most a few pools. A plugin that really died still loses its pool: the kubelet wipes its
+    /// slices 30 s after its connection drops, and a wipe withdraws without limit.
     pub fn allow_expiry_withdrawal(&self) -> bool {
         self.expiry_allowance(true)
     }
@@ -241,7 +220,7 @@ impl HeartbeatTracker {
     }
 
     fn expiry_allowance(&self, take: bool) -> bool {
-        let interval = self.expiry_withdrawal_interval;
+        let interval = self.config.expiry_withdrawal_interval;
         if interval.is_zero() {
             return true;
         }
@@ -258,20 +237,18 @@ impl HeartbeatTracker {
     }
 
     /// `node`'s heartbeat as the API server has it now (a quorum read of its Lease, not the
-    /// cache). An expiry seen in the cache is confirmed with this before a pool is withdrawn,
-    /// because a watch that lags behind an overloaded API server shows every heartbeat older
-    /// than it is. A missing Lease is `None`; no answer within [`CONFIRM_TIMEOUT`] is an
-    /// error.
+    /// cache, which a lagging watch shows older than it is). A missing Lease is `None`; no
+    /// answer within [`CONFIRM_TIMEOUT`] is an error.
     pub async fn fresh_lease_beat(&self, node: &str) -> Result<Option<LeaseBeat>, Error> {
         let unconfirmed = |reason: String| Error::HeartbeatUnconfirmed {
             node: node.to_string(),
             object: "Lease",
             reason,
         };
-        let name = heartbeat_lease_name(node, &self.driver);
+        let name = heartbeat_lease_name(node, &self.config.driver);
         match tokio::time::timeout(CONFIRM_TIMEOUT, self.lease_api.get_opt(&name)).await {
             Ok(Ok(lease)) => Ok(lease
-                .filter(|lease| lease_node(lease, &self.driver) == Some(node))
+                .filter(|lease| lease_node(lease, &self.config.driver) == Some(node))
                 .as_ref()
                 .and_then(LeaseBeat::of)),
             Ok(Err(e)) => Err(unconfirmed(e.to_string())),
@@ -281,8 +258,4 @@ impl HeartbeatTracker {
             ))),
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -9,8 +9,7 @@ use k8s_openapi::jiff::Timestamp;
 use super::NodeView;
 use crate::{
     error::Error,
-    liveness::{GoneReason, Liveness, liveness},
-    metrics::ExpiryCheck,
+    liveness::{GoneReason, LeaseBeat, Liveness, liveness},
 };
 
 /// Judges the liveness of `view`'s plugin and records it.
@@ -24,39 +23,29 @@ pub(super) async fn judge(view: &NodeView<'_>) -> Result<Liveness, Error> {
     let plugin = view.gpunode.status.as_ref().and_then(|s| s.plugin.as_ref());
     let lease = ctx.heartbeats.lease_beat(node);
     let (_, hold) = ctx.heartbeats.census(now);
-    let state = liveness(
-        plugin,
-        lease.as_ref(),
-        now,
-        ctx.config.heartbeat_timeout,
-        wiped_at,
-        hold,
-    );
-    let state = match state {
+    let judge = |lease: Option<&LeaseBeat>, now| {
+        liveness(plugin, lease, now, ctx.config.heartbeat_timeout, wiped_at, hold)
+    };
+    let state = match judge(lease.as_ref(), now) {
         // Expiry alone is checked against the API server and rate-limited; a pool already
         // withdrawn needs neither.
         Liveness::Gone(GoneReason::HeartbeatExpired { last, timeout }) if !view.cached.is_empty() => {
-            confirm_expiry(view, (last, timeout), wiped_at, hold).await?
+            confirm_expiry(view, (last, timeout), judge).await?
         }
         state => state,
     };
-    match &state {
-        Liveness::Gone(_) => {
-            ctx.heartbeats.set_not_live(node);
-            ctx.metrics.set_plugin_live(node, false);
+    if let Liveness::Live { expires } = state {
+        ctx.heartbeats.set_live(node, expires);
+        ctx.metrics.set_plugin_live(node, true);
+        if let Some(at) = wiped_at {
+            tracing::info!(%at, "the plugin heartbeated after its slices were wiped; republishing");
+            ctx.expectations.wipe_answered(node, at);
         }
-        Liveness::Held { last } => {
-            ctx.heartbeats.set_not_live(node);
-            ctx.metrics.set_plugin_live(node, false);
+    } else {
+        ctx.heartbeats.set_not_live(node);
+        ctx.metrics.set_plugin_live(node, false);
+        if let Liveness::Held { last } = state {
             tracing::debug!(%last, "heartbeat expired, but expiry withdrawals are held back: keeping the pool");
-        }
-        Liveness::Live { expires } => {
-            ctx.heartbeats.set_live(node, *expires);
-            ctx.metrics.set_plugin_live(node, true);
-            if let Some(at) = wiped_at {
-                tracing::info!(%at, "the plugin heartbeated after its slices were wiped; republishing");
-                ctx.expectations.wipe_answered(node, at);
-            }
         }
     }
     Ok(state)
@@ -70,15 +59,13 @@ pub(super) async fn judge(view: &NodeView<'_>) -> Result<Liveness, Error> {
 /// the pool anyway, or the beat is no later than renewals arrive right now
 /// ([`crate::liveness::HeartbeatTracker::allowance`]), no read is made. A failed read keeps
 /// the pool (an error: retried with backoff); the kubelet still wipes the slices of a plugin
-/// that really died.
+/// that really died. `judge` gives the liveness for a heartbeat at a time.
 async fn confirm_expiry(
     view: &NodeView<'_>,
     (cached_last, timeout): (Timestamp, Duration),
-    wiped_at: Option<Timestamp>,
-    hold: bool,
+    judge: impl Fn(Option<&LeaseBeat>, Timestamp) -> Liveness,
 ) -> Result<Liveness, Error> {
-    let (ctx, node) = (view.ctx, view.name.as_str());
-    let heartbeats = &ctx.heartbeats;
+    let (ctx, heartbeats) = (view.ctx, &view.ctx.heartbeats);
     let allowance = heartbeats.allowance();
     let excused_until = cached_last + timeout + allowance;
     if Timestamp::now() < excused_until {
@@ -95,35 +82,28 @@ async fn confirm_expiry(
     if !heartbeats.expiry_withdrawal_due() {
         return Ok(held_by_rate_limit(cached_last));
     }
-    let lease = match heartbeats.fresh_lease_beat(node).await {
+    let lease = match heartbeats.fresh_lease_beat(&view.name).await {
         Ok(fresh) => fresh,
         Err(e) => {
-            ctx.metrics.heartbeat_expiry_checked(ExpiryCheck::Failed);
+            ctx.metrics.heartbeat_expiry_checked("failed");
             tracing::warn!(error = %e, "keeping the pool: its heartbeat expiry could not be confirmed");
             return Err(e);
         }
     };
-    let now = Timestamp::now();
-    let plugin = view.gpunode.status.as_ref().and_then(|s| s.plugin.as_ref());
-    let fresh = liveness(
-        plugin,
-        lease.as_ref(),
-        now,
-        ctx.config.heartbeat_timeout,
-        wiped_at,
-        hold,
-    );
+    let fresh = judge(lease.as_ref(), Timestamp::now());
+    ctx.metrics
+        .heartbeat_expiry_checked(if matches!(fresh, Liveness::Live { .. }) {
+            "refuted"
+        } else {
+            "confirmed"
+        });
     match fresh {
-        Liveness::Gone(GoneReason::HeartbeatExpired { last, .. }) => {
-            ctx.metrics.heartbeat_expiry_checked(ExpiryCheck::Confirmed);
-            if heartbeats.allow_expiry_withdrawal() {
-                Ok(fresh)
-            } else {
-                Ok(held_by_rate_limit(last))
-            }
+        Liveness::Gone(GoneReason::HeartbeatExpired { last, .. })
+            if !heartbeats.allow_expiry_withdrawal() =>
+        {
+            Ok(held_by_rate_limit(last))
         }
-        Liveness::Live { expires } => {
-            ctx.metrics.heartbeat_expiry_checked(ExpiryCheck::Refuted);
+        Liveness::Live { .. } => {
             let fresh_last = lease.map_or(Timestamp::UNIX_EPOCH, |l| l.renewed);
             tracing::warn!(
                 cached_last = %cached_last,
@@ -132,13 +112,10 @@ async fn confirm_expiry(
                 "the cache showed an expired heartbeat, the API server a live one: the \
                  controller's watch lags; keeping the pool"
             );
-            Ok(Liveness::Live { expires })
+            Ok(fresh)
         }
         // Gone for another reason (the Lease was deleted) is the server's word too.
-        other => {
-            ctx.metrics.heartbeat_expiry_checked(ExpiryCheck::Confirmed);
-            Ok(other)
-        }
+        other => Ok(other),
     }
 }
 

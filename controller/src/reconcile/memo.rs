@@ -4,7 +4,6 @@
 
 use std::{
     collections::{BTreeSet, HashMap},
-    io,
     sync::{Arc, Mutex},
 };
 
@@ -28,7 +27,7 @@ pub struct Memo {
     pub inputs: [u8; 16],
     /// The publication the status shows.
     pub publication: PublicationStatus,
-    /// The message of the `Published` condition.
+    /// The `Published` condition's message.
     pub message: String,
 }
 
@@ -39,16 +38,12 @@ pub struct Memos(Mutex<HashMap<String, Memo>>);
 impl Memos {
     /// The memo of `node`'s last up-to-date reconciliation.
     pub fn get(&self, node: &str) -> Option<Memo> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(node)
-            .cloned()
+        crate::lock(&self.0).get(node).cloned()
     }
 
     /// Records (or, with `None`, forgets) `node`'s memo.
     pub fn set(&self, node: &str, memo: Option<Memo>) {
-        let mut memos = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut memos = crate::lock(&self.0);
         match memo {
             Some(memo) => memos.insert(node.to_string(), memo),
             None => memos.remove(node),
@@ -56,38 +51,23 @@ impl Memos {
     }
 }
 
-/// Feeds what is written into a SHA-256.
-struct HashWriter(Sha256);
+/// A SHA-256 over values serialized as JSON, each followed by a 0 byte.
+struct Hasher(Sha256);
 
-impl io::Write for HashWriter {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl HashWriter {
-    fn new() -> Self {
-        Self(Sha256::new())
-    }
-
+impl Hasher {
     fn add(&mut self, value: &impl serde::Serialize) {
-        // Serializing plain data into a hasher cannot fail; a failure would only weaken the
-        // memo, which the `0xff` marker then keeps from matching anything serialized.
-        if serde_json::to_writer(&mut *self, value).is_err() {
-            self.0.update([0xff]);
+        // Serializing plain data cannot fail; a failure would only weaken the memo, which the
+        // `0xff` marker then keeps from matching anything serialized.
+        match serde_json::to_vec(value) {
+            Ok(json) => self.0.update(json),
+            Err(_) => self.0.update([0xff]),
         }
         self.0.update([0]);
     }
 
     fn finish(self) -> [u8; 16] {
-        let digest = self.0.finalize();
         let mut out = [0u8; 16];
-        out.copy_from_slice(&digest[..16]);
+        out.copy_from_slice(&self.0.finalize()[..16]);
         out
     }
 }
@@ -95,7 +75,7 @@ impl HashWriter {
 /// Hash of what the pool takes from the GpuNode: its driver, inventory and driver version.
 pub fn inventory_hash(gpunode: &GpuNode) -> [u8; 16] {
     let status = gpunode.status.as_ref();
-    let mut h = HashWriter::new();
+    let mut h = Hasher(Sha256::new());
     h.add(&gpunode.spec.driver);
     h.add(&status.and_then(|s| s.gpus.as_ref()));
     h.add(
@@ -112,7 +92,6 @@ pub fn inventory_hash(gpunode: &GpuNode) -> [u8; 16] {
 pub struct PoolInputs<'a> {
     /// [`inventory_hash`] of the GpuNode.
     pub inventory: [u8; 16],
-    /// The node, its UID and labels.
     pub node: &'a NodeRef<'a>,
     /// Every MigPolicy.
     pub policies: &'a [Arc<MigPolicy>],
@@ -124,7 +103,7 @@ impl PoolInputs<'_> {
     /// The hash of these inputs, the generation the status records, and the node's cached
     /// slices (names and versions): everything the pool and its diff depend on.
     pub fn hash(&self, published_generation: Option<i64>, cached: &[Arc<SliceMeta>]) -> [u8; 16] {
-        let mut h = HashWriter::new();
+        let mut h = Hasher(Sha256::new());
         h.0.update(self.inventory);
         h.add(&(self.node.name, self.node.uid, self.node.labels));
         let mut policies: Vec<(&Option<String>, &MigPolicySpec)> = self

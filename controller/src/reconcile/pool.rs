@@ -6,12 +6,12 @@ use std::time::Duration;
 
 use k8s_openapi::api::{core::v1::Node, resource::v1::ResourceSlice};
 use kube::{ResourceExt, core::PartialObjectMeta, runtime::controller::Action};
-use migdra_api::inventory::{PublicationStatus, pool_name};
+use migdra_api::inventory::PublicationStatus;
 
 use super::{
     NodeView, Outcome,
     memo::{Memo, PoolInputs, cache_after_publish, inventory_hash},
-    status_write::{Urgency, publish_event},
+    status_write::{Urgency, kept, publish_event},
 };
 use crate::{
     compare::{diff_pool, keep_taint_times, tainted_replacements},
@@ -27,7 +27,7 @@ pub(super) async fn publish(
     requeue: Duration,
 ) -> Result<Outcome, Error> {
     let ctx = view.ctx;
-    let policies = ctx.policies.state();
+    let policies = ctx.stores.policies.state();
     let node_ref = NodeRef {
         name: &view.name,
         uid: node.metadata.uid.as_deref(),
@@ -83,9 +83,8 @@ fn inventory(view: &NodeView<'_>, memo: Option<&Memo>) -> [u8; 16] {
 
 /// What a publication left behind.
 struct Publication {
-    /// The status that describes it.
     status: PublicationStatus,
-    /// The pool's slices, by name.
+    /// The pool's slice names.
     names: Vec<String>,
     /// The slices written, with the resourceVersions the server gave them; `None` when the
     /// pool was up to date.
@@ -133,7 +132,7 @@ async fn write(view: &NodeView<'_>, desired: DesiredPool) -> Result<Publication,
         );
         // Counted while it writes: the status writes of other nodes wait for it.
         let _writing = view.ctx.status_deferral.writing_slices();
-        Some(view.ctx.publisher(&view.name).apply(diff).await?)
+        Some(crate::publish::apply(view.ctx, &view.name, diff).await?)
     };
     view.ctx.expectations.own(&view.name, names.clone());
     view.ctx.metrics.set_published_devices(&view.name, devices);
@@ -218,10 +217,7 @@ async fn refuse(view: &NodeView<'_>, problem: DesiredError, requeue: Duration) -
         },
     };
     tracing::warn!(%error, "not publishing");
-    let publication = view.published.clone().unwrap_or_else(|| PublicationStatus {
-        pool: pool_name(&view.name, &view.ctx.config.driver),
-        ..PublicationStatus::default()
-    });
+    let publication = kept(view.published.clone(), &view.name, view.ctx);
     let condition = Published::no(error.reason(), error.to_string());
     if view
         .write_status(publication, &condition, Urgency::Now)

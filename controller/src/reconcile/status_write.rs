@@ -27,7 +27,6 @@ pub(super) enum Urgency {
 }
 
 impl NodeView<'_> {
-    /// Writes the node's status (see [`write()`]).
     pub(super) async fn write_status(
         &self,
         publication: PublicationStatus,
@@ -69,19 +68,20 @@ pub(super) async fn report_failure(gpunode: &GpuNode, ctx: &Context, error: &Err
     if matches!(error, Error::StatusPatch { .. }) {
         return;
     }
-    let node = gpunode.name_any();
-    let publication = gpunode
-        .status
-        .as_ref()
-        .and_then(|s| s.publication.clone())
-        .unwrap_or_else(|| PublicationStatus {
-            pool: pool_name(&node, &ctx.config.driver),
-            ..PublicationStatus::default()
-        });
+    let published = gpunode.status.as_ref().and_then(|s| s.publication.clone());
+    let publication = kept(published, &gpunode.name_any(), ctx);
     let condition = Published::no(error.reason(), error.to_string());
     if let Err(e) = write(gpunode, ctx, publication, &condition, Urgency::Now).await {
         tracing::warn!(error = %e, "recording the failure in the status failed");
     }
+}
+
+/// `published`, or else an empty publication of `node`'s pool.
+pub(super) fn kept(published: Option<PublicationStatus>, node: &str, ctx: &Context) -> PublicationStatus {
+    published.unwrap_or_else(|| PublicationStatus {
+        pool: pool_name(node, &ctx.config.driver),
+        ..PublicationStatus::default()
+    })
 }
 
 /// Publishes a Warning event about `gpunode` for `error`.

@@ -44,7 +44,7 @@ pub(super) async fn slices(view: &NodeView<'_>) -> Result<(), Error> {
     view.ctx.memos.set(&view.name, None);
     let diff = diff_pool(Vec::new(), &view.cached, None);
     if !diff.is_empty() {
-        view.ctx.publisher(&view.name).apply(diff).await?;
+        crate::publish::apply(view.ctx, &view.name, diff).await?;
     }
     Ok(())
 }
