@@ -7,10 +7,10 @@
 //! `NVIDIA_VISIBLE_DEVICES=void` ([`crate::driver_files::container_edits`]). Every prepared
 //! device names it as a second CDI device ID, so a container with devices of several
 //! requests or claims gets the driver's edits once (runtimes inject a device named twice
-//! once) and the device nodes of all of them: no environment variable is set by two devices
-//! with different values. It is written at start and whenever discovery runs again (a new
-//! driver version), atomically, and never removed (claims may reference it at any time).
-//! A claim's own spec keeps only device nodes and per-device environment.
+//! once): no environment variable is set by two devices with different values. It is
+//! rewritten atomically at start and after a driver change, and never removed (claims may
+//! reference it at any time). A claim's own spec keeps only device nodes and per-device
+//! environment.
 //!
 //! Every device node is written with an explicit type, major and minor, so the runtime
 //! creates it inside the container even when the host node does not exist (the kernel driver
@@ -21,6 +21,7 @@ use std::{
     collections::BTreeMap,
     fs,
     path::{Path, PathBuf},
+    sync::{Arc, Mutex, PoisonError},
 };
 
 use serde::Serialize;
@@ -32,24 +33,20 @@ use crate::{
     state_dir::{Durability, write_atomically},
 };
 
-/// CDI spec version we write: explicit device-node fields need nothing newer, dots in the
-/// vendor name and annotations are covered by 0.6.0.
-pub const CDI_VERSION: &str = "0.6.0";
+/// Explicit device-node fields and dots in the vendor name and annotations need nothing newer.
+const CDI_VERSION: &str = "0.6.0";
 /// CDI class of per-claim specs.
-pub const CDI_CLASS: &str = "claim";
+const CDI_CLASS: &str = "claim";
 /// CDI class of the node-wide driver spec.
-pub const DRIVER_CLASS: &str = "driver";
+const DRIVER_CLASS: &str = "driver";
 /// The one device of the node-wide driver spec.
 pub const DRIVER_DEVICE: &str = "files";
 /// Major number of `/dev/nvidia*` (fixed by the NVIDIA kernel driver).
 const NVIDIA_MAJOR: u32 = 195;
-/// Minor of `/dev/nvidiactl`.
 const NVIDIACTL_MINOR: u32 = 255;
 
-/// CDI failures.
 #[derive(Debug, thiserror::Error)]
 pub enum CdiError {
-    /// A /proc file could not be read.
     #[error("reading {path}: {source}")]
     Read {
         path: PathBuf,
@@ -58,11 +55,7 @@ pub enum CdiError {
     },
     /// A /proc file lacks what we need.
     #[error("{path}: {what}")]
-    Missing {
-        path: PathBuf,
-        /// What is missing.
-        what: String,
-    },
+    Missing { path: PathBuf, what: String },
     /// Writing or removing a spec failed.
     #[error("CDI spec {path}: {source}")]
     Write {
@@ -70,7 +63,6 @@ pub enum CdiError {
         #[source]
         source: std::io::Error,
     },
-    /// Encoding failed.
     #[error("encoding a CDI spec: {0}")]
     Encode(#[from] serde_json::Error),
     /// The node lacks what every CUDA container needs (driver files, control device nodes).
@@ -89,7 +81,6 @@ pub struct DeviceNode {
     pub node_type: String,
     pub major: u32,
     pub minor: u32,
-    /// Permission bits.
     pub file_mode: u32,
 }
 
@@ -123,7 +114,7 @@ fn char_node(path: String, major: u32, minor: u32, file_mode: u32) -> DeviceNode
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
 struct ContainerEdits {
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -132,20 +123,21 @@ struct ContainerEdits {
     device_nodes: Vec<DeviceNode>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+/// A CDI spec file; `E` is the devices' container edits.
+#[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
-struct SpecDevice {
-    name: String,
-    container_edits: ContainerEdits,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-struct Spec {
+struct Spec<E> {
     cdi_version: &'static str,
     kind: String,
     annotations: BTreeMap<String, String>,
-    devices: Vec<SpecDevice>,
+    devices: Vec<SpecDevice<E>>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SpecDevice<E> {
+    name: String,
+    container_edits: E,
 }
 
 /// What goes into the container for one allocated device.
@@ -153,7 +145,6 @@ struct Spec {
 pub struct ClaimDevice {
     /// Device name in the pool (becomes part of the CDI device name).
     pub device_name: String,
-    /// Parent GPU device minor.
     pub gpu_minor: u32,
     /// `(GPU instance, compute instance)` for a MIG device.
     pub mig: Option<(u32, u32)>,
@@ -161,7 +152,7 @@ pub struct ClaimDevice {
     /// lists every MIG instance of the GPU: for a whole GPU in MIG mode handed out with
     /// `adminAccess` to a monitoring agent.
     pub mig_monitor: bool,
-    /// Environment variables (the device's own UUID variable and the configured ones).
+    /// The device's own UUID variable and the configured ones.
     pub env: BTreeMap<String, String>,
 }
 
@@ -180,41 +171,12 @@ pub struct DriverSetup {
     pub kernel_release: String,
 }
 
-impl DriverSetup {
-    fn inputs(&self, driver_version: &str) -> DiscoveryInputs {
-        DiscoveryInputs {
-            driver_root: self.driver_root.clone(),
-            driver_version: driver_version.to_string(),
-            kernel_release: self.kernel_release.clone(),
-            host_root: self.host_root.clone(),
-            hook_path: self.hook_path.clone(),
-            arch: LibraryArch::HOST,
-        }
-    }
-}
-
 /// The driver setup with the last discovery and the files the node-wide spec was written
 /// from.
 #[derive(Debug)]
 struct DriverSpecState {
     setup: DriverSetup,
-    cache: std::sync::Mutex<(DriverFilesCache, Option<std::sync::Arc<DriverFiles>>)>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-struct DriverSpecDevice {
-    name: &'static str,
-    container_edits: driver_files::ContainerEdits,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-struct DriverSpec {
-    cdi_version: &'static str,
-    kind: String,
-    annotations: BTreeMap<String, String>,
-    devices: Vec<DriverSpecDevice>,
+    cache: Mutex<(DriverFilesCache, Option<Arc<DriverFiles>>)>,
 }
 
 /// Major numbers of the NVIDIA character devices, from `/proc/devices`.
@@ -232,7 +194,7 @@ pub struct CdiWriter {
     spec_dir: PathBuf,
     vendor: String,
     proc_root: PathBuf,
-    driver: Option<std::sync::Arc<DriverSpecState>>,
+    driver: Option<Arc<DriverSpecState>>,
     /// The boot claim specs are written for (see [`CdiWriter::for_boot`]).
     boot_id: Option<String>,
 }
@@ -254,19 +216,15 @@ impl CdiWriter {
         }
     }
 
-    /// Writes claim specs for boot `boot_id`: each names it in an annotation
-    /// (`<vendor>/boot-id`) and is written without an fsync, because
-    /// [`Self::remove_specs_of_other_boots`] removes, at the next start after a reboot, every
-    /// spec an earlier boot left, whole or torn by the power loss (a spec of this boot is
-    /// always whole: it is renamed into place). A writer without a boot syncs each spec, as
+    /// Writes claim specs for boot `boot_id`, named in an annotation (`<vendor>/boot-id`),
+    /// without an fsync: after a reboot [`Self::remove_specs_of_other_boots`] removes every
+    /// spec an earlier boot left, whole or torn. A writer without a boot syncs each spec, as
     /// the runtime may read it after a reboot.
     pub fn for_boot(mut self, boot_id: &str) -> Self {
         self.boot_id = Some(boot_id.to_string());
         self
     }
 
-    /// With a boot, a spec a power loss tore is removed at the next start (see
-    /// [`Self::for_boot`]), so it needs no fsync.
     fn claim_spec_durability(&self) -> Durability {
         match self.boot_id {
             Some(_) => Durability::ThisBoot,
@@ -279,9 +237,8 @@ impl CdiWriter {
     }
 
     /// Removes every claim spec of this vendor in the spec directory that does not name this
-    /// writer's boot: another boot's, or one that cannot be read as a spec (a power loss tore
-    /// it: specs are renamed into place whole, and are not synced). Returns the removed specs'
-    /// claim UIDs. Nothing without a boot ([`Self::for_boot`]).
+    /// writer's boot: another boot's, or a torn one. Returns the removed specs' claim UIDs.
+    /// Nothing without a boot ([`Self::for_boot`]).
     pub fn remove_specs_of_other_boots(&self) -> Result<Vec<String>, CdiError> {
         let Some(boot_id) = &self.boot_id else {
             return Ok(Vec::new());
@@ -303,9 +260,8 @@ impl CdiWriter {
             let Some(uid) = name.strip_prefix(&prefix).and_then(|n| n.strip_suffix(".json")) else {
                 continue;
             };
-            let path = entry.path();
             // `None` when torn.
-            let written_for = fs::read(&path)
+            let written_for = fs::read(entry.path())
                 .ok()
                 .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
                 .and_then(|spec| {
@@ -314,12 +270,8 @@ impl CdiWriter {
                         .as_str()
                         .map(str::to_string)
                 });
-            if written_for.as_ref() != Some(boot_id) {
-                match fs::remove_file(&path) {
-                    Ok(()) => removed.push(uid.to_string()),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(source) => return Err(CdiError::Write { path, source }),
-                }
+            if written_for.as_ref() != Some(boot_id) && remove_file(entry.path())? {
+                removed.push(uid.to_string());
             }
         }
         removed.sort();
@@ -330,23 +282,11 @@ impl CdiWriter {
     /// writer without it writes claim specs with device nodes only (benchmarks, tests of
     /// the state machine); the plugin always sets it.
     pub fn with_driver(mut self, setup: DriverSetup) -> Self {
-        self.driver = Some(std::sync::Arc::new(DriverSpecState {
+        self.driver = Some(Arc::new(DriverSpecState {
             setup,
-            cache: std::sync::Mutex::new((DriverFilesCache::new(), None)),
+            cache: Mutex::new((DriverFilesCache::default(), None)),
         }));
         self
-    }
-
-    /// `<vendor>/driver`.
-    pub fn driver_kind(&self) -> String {
-        format!("{}/{DRIVER_CLASS}", self.vendor)
-    }
-
-    /// The CDI device ID of the node-wide driver device, when a driver setup is configured.
-    pub fn driver_device_id(&self) -> Option<String> {
-        self.driver
-            .as_ref()
-            .map(|_| format!("{}={DRIVER_DEVICE}", self.driver_kind()))
     }
 
     /// Path of the node-wide driver spec.
@@ -354,11 +294,15 @@ impl CdiWriter {
         self.spec_dir.join(format!("{}-{DRIVER_CLASS}.json", self.vendor))
     }
 
-    /// The CDI device IDs a prepared claim device hands the runtime: its own and the
-    /// node-wide driver device.
+    /// The CDI device IDs a prepared claim device hands the runtime: its own and, with a
+    /// driver setup, the node-wide driver device.
     pub fn device_ids(&self, claim_uid: &str, device_name: &str) -> Vec<String> {
+        let driver = self
+            .driver
+            .as_ref()
+            .map(|_| format!("{}/{DRIVER_CLASS}={DRIVER_DEVICE}", self.vendor));
         std::iter::once(self.device_id(claim_uid, device_name))
-            .chain(self.driver_device_id())
+            .chain(driver)
             .collect()
     }
 
@@ -371,65 +315,68 @@ impl CdiWriter {
         let Some(driver) = &self.driver else {
             return Ok(());
         };
-        driver_files::check_required_device_nodes(&driver.setup.dev_root, |p| p.exists())?;
-        let inputs = driver.setup.inputs(driver_version);
+        let setup = &driver.setup;
+        driver_files::check_required_device_nodes(&setup.dev_root, |p| p.exists())?;
+        let inputs = DiscoveryInputs {
+            driver_root: setup.driver_root.clone(),
+            driver_version: driver_version.to_string(),
+            kernel_release: setup.kernel_release.clone(),
+            host_root: setup.host_root.clone(),
+            hook_path: setup.hook_path.clone(),
+            arch: LibraryArch::HOST,
+        };
         // Poisoning only means another thread panicked mid-discovery; the cache is still
         // a valid (possibly empty) cache.
-        let mut guard = driver
-            .cache
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut guard = driver.cache.lock().unwrap_or_else(PoisonError::into_inner);
         let (cache, written) = &mut *guard;
         let files = cache.get(&inputs)?;
         let path = self.driver_spec_path();
-        let current = written
-            .as_ref()
-            .is_some_and(|w| std::sync::Arc::ptr_eq(w, &files))
-            && path.exists();
-        if !current {
-            self.write_driver_spec(&path, &files)?;
-            tracing::info!(
-                path = %path.display(),
-                version = %files.version,
-                libraries = files.libraries.len(),
-                hooks = files.hook.is_some(),
-                "wrote the node-wide driver CDI spec"
-            );
-            *written = Some(files);
+        if written.as_ref().is_some_and(|w| Arc::ptr_eq(w, &files)) && path.exists() {
+            return Ok(());
         }
+        let spec = Spec {
+            cdi_version: CDI_VERSION,
+            kind: format!("{}/{DRIVER_CLASS}", self.vendor),
+            annotations: BTreeMap::from([(format!("{}/driver-version", self.vendor), files.version.clone())]),
+            devices: vec![SpecDevice {
+                name: DRIVER_DEVICE.into(),
+                container_edits: driver_files::container_edits(&files),
+            }],
+        };
+        self.write_spec(&path, &spec, Durability::AcrossReboots)?;
+        tracing::info!(
+            path = %path.display(),
+            version = %files.version,
+            libraries = files.libraries.len(),
+            hooks = files.hook.is_some(),
+            "wrote the node-wide driver CDI spec"
+        );
+        *written = Some(files);
         Ok(())
     }
 
-    fn write_driver_spec(&self, path: &Path, files: &DriverFiles) -> Result<(), CdiError> {
+    /// Writes a spec atomically (runtimes read the directory concurrently).
+    fn write_spec<E: Serialize>(
+        &self,
+        path: &Path,
+        spec: &Spec<E>,
+        durability: Durability,
+    ) -> Result<(), CdiError> {
         fs::create_dir_all(&self.spec_dir).map_err(|source| CdiError::Write {
             path: self.spec_dir.clone(),
             source,
         })?;
-        let spec = DriverSpec {
-            cdi_version: CDI_VERSION,
-            kind: self.driver_kind(),
-            annotations: BTreeMap::from([(format!("{}/driver-version", self.vendor), files.version.clone())]),
-            devices: vec![DriverSpecDevice {
-                name: DRIVER_DEVICE,
-                container_edits: driver_files::container_edits(files),
-            }],
-        };
-        let mut bytes = serde_json::to_vec_pretty(&spec)?;
+        let mut bytes = serde_json::to_vec_pretty(spec)?;
         bytes.push(b'\n');
-        write_atomically(path, &bytes, 0o644, Durability::AcrossReboots).map_err(|source| CdiError::Write {
+        write_atomically(path, &bytes, 0o644, durability).map_err(|source| CdiError::Write {
             path: path.to_path_buf(),
             source,
         })
     }
 
-    /// `<vendor>/claim`.
-    pub fn kind(&self) -> String {
-        format!("{}/{CDI_CLASS}", self.vendor)
-    }
-
     /// The fully qualified CDI device ID of a claim's device.
-    pub fn device_id(&self, claim_uid: &str, device_name: &str) -> String {
-        format!("{}={claim_uid}-{device_name}", self.kind())
+    fn device_id(&self, claim_uid: &str, device_name: &str) -> String {
+        format!("{}/{CDI_CLASS}={claim_uid}-{device_name}", self.vendor)
     }
 
     /// Path of a claim's spec file.
@@ -450,18 +397,14 @@ impl CdiWriter {
             caps: None,
         };
         let mut in_char = false;
-        for line in text.lines() {
-            let line = line.trim();
+        for line in text.lines().map(str::trim) {
             if line.ends_with(':') {
                 in_char = line == "Character devices:";
                 continue;
             }
-            let Some((major, name)) = line.split_once(char::is_whitespace) else {
+            let Some((major, name)) = line.split_once(char::is_whitespace).filter(|_| in_char) else {
                 continue;
             };
-            if !in_char {
-                continue;
-            }
             let Ok(major) = major.parse() else { continue };
             match name.trim() {
                 "nvidia-uvm" => majors.uvm = Some(major),
@@ -470,11 +413,6 @@ impl CdiWriter {
             }
         }
         Ok(majors)
-    }
-
-    /// Minor and mode of the MIG monitor capability (`mig/monitor`, readable by everyone).
-    pub fn monitor_capability(&self) -> Result<(u32, u32), CdiError> {
-        read_capability(&self.proc_root.join("driver/nvidia/capabilities/mig/monitor"))
     }
 
     /// Minor and mode of a MIG capability, from the per-instance access file, which exists
@@ -492,6 +430,14 @@ impl CdiWriter {
 
     /// The device nodes a container needs for a device.
     pub fn device_nodes(&self, device: &ClaimDevice, majors: Majors) -> Result<Vec<DeviceNode>, CdiError> {
+        let missing = |what: &str| CdiError::Missing {
+            path: self.proc_root.join("devices"),
+            what: what.into(),
+        };
+        // CUDA cannot initialise without unified memory: no node, no device.
+        let uvm = majors.uvm.ok_or_else(|| {
+            missing("no nvidia-uvm character device: the nvidia-uvm kernel module is not loaded")
+        })?;
         let mut nodes = vec![
             char_node(
                 format!("/dev/nvidia{}", device.gpu_minor),
@@ -500,97 +446,82 @@ impl CdiWriter {
                 0o666,
             ),
             char_node("/dev/nvidiactl".into(), NVIDIA_MAJOR, NVIDIACTL_MINOR, 0o666),
+            char_node("/dev/nvidia-uvm".into(), uvm, 0, 0o666),
+            char_node("/dev/nvidia-uvm-tools".into(), uvm, 1, 0o666),
         ];
-        // CUDA cannot initialise without unified memory: no node, no device.
-        let uvm = majors.uvm.ok_or_else(|| CdiError::Missing {
-            path: self.proc_root.join("devices"),
-            what: "no nvidia-uvm character device: the nvidia-uvm kernel module is not loaded".into(),
-        })?;
-        nodes.push(char_node("/dev/nvidia-uvm".into(), uvm, 0, 0o666));
-        nodes.push(char_node("/dev/nvidia-uvm-tools".into(), uvm, 1, 0o666));
         let caps_major = || {
-            majors.caps.ok_or_else(|| CdiError::Missing {
-                path: self.proc_root.join("devices"),
-                what: "no nvidia-caps character device (MIG capabilities unavailable)".into(),
-            })
+            majors
+                .caps
+                .ok_or_else(|| missing("no nvidia-caps character device (MIG capabilities unavailable)"))
         };
-        if device.mig_monitor {
-            let (minor, mode) = self.monitor_capability()?;
-            nodes.push(char_node(
+        let cap_node = |(minor, mode): (u32, u32)| {
+            Ok::<_, CdiError>(char_node(
                 format!("/dev/nvidia-caps/nvidia-cap{minor}"),
                 caps_major()?,
                 minor,
                 mode,
-            ));
+            ))
+        };
+        if device.mig_monitor {
+            // Readable by everyone.
+            let monitor = self.proc_root.join("driver/nvidia/capabilities/mig/monitor");
+            nodes.push(cap_node(read_capability(&monitor)?)?);
         }
         if let Some((gi, ci)) = device.mig {
-            let caps = caps_major()?;
-            for (minor, mode) in [
-                self.capability(device.gpu_minor, gi, None)?,
-                self.capability(device.gpu_minor, gi, Some(ci))?,
-            ] {
-                nodes.push(char_node(
-                    format!("/dev/nvidia-caps/nvidia-cap{minor}"),
-                    caps,
-                    minor,
-                    mode,
-                ));
+            caps_major()?;
+            for ci in [None, Some(ci)] {
+                nodes.push(cap_node(self.capability(device.gpu_minor, gi, ci)?)?);
             }
         }
         Ok(nodes)
     }
 
-    /// Writes a claim's spec atomically (runtimes read the directory concurrently).
+    /// Writes a claim's spec.
     pub fn write_claim_spec(&self, claim_uid: &str, devices: &[ClaimDevice]) -> Result<PathBuf, CdiError> {
-        fs::create_dir_all(&self.spec_dir).map_err(|source| CdiError::Write {
-            path: self.spec_dir.clone(),
-            source,
-        })?;
         let majors = self.majors()?;
-        let mut spec_devices = Vec::with_capacity(devices.len());
-        for device in devices {
-            spec_devices.push(SpecDevice {
-                name: format!("{claim_uid}-{}", device.device_name),
-                container_edits: ContainerEdits {
-                    env: device.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
-                    device_nodes: self.device_nodes(device, majors)?,
-                },
-            });
+        let devices = devices
+            .iter()
+            .map(|device| {
+                Ok(SpecDevice {
+                    name: format!("{claim_uid}-{}", device.device_name),
+                    container_edits: ContainerEdits {
+                        env: device.env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+                        device_nodes: self.device_nodes(device, majors)?,
+                    },
+                })
+            })
+            .collect::<Result<_, CdiError>>()?;
+        let mut annotations = BTreeMap::from([(format!("{}/claim-uid", self.vendor), claim_uid.to_string())]);
+        if let Some(boot) = &self.boot_id {
+            annotations.insert(self.boot_annotation(), boot.clone());
         }
         let spec = Spec {
             cdi_version: CDI_VERSION,
-            kind: self.kind(),
-            annotations: BTreeMap::from_iter(
-                std::iter::once((format!("{}/claim-uid", self.vendor), claim_uid.to_string())).chain(
-                    self.boot_id
-                        .as_ref()
-                        .map(|boot| (self.boot_annotation(), boot.clone())),
-                ),
-            ),
-            devices: spec_devices,
+            kind: format!("{}/{CDI_CLASS}", self.vendor),
+            annotations,
+            devices,
         };
         let path = self.spec_path(claim_uid);
-        let mut bytes = serde_json::to_vec_pretty(&spec)?;
-        bytes.push(b'\n');
-        match write_atomically(&path, &bytes, 0o644, self.claim_spec_durability()) {
-            Ok(()) => Ok(path),
-            Err(source) => Err(CdiError::Write { path, source }),
-        }
+        self.write_spec(&path, &spec, self.claim_spec_durability())?;
+        Ok(path)
     }
 
     /// Removes a claim's spec; a missing file is fine.
     pub fn remove_claim_spec(&self, claim_uid: &str) -> Result<(), CdiError> {
-        let path = self.spec_path(claim_uid);
-        match fs::remove_file(&path) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(CdiError::Write { path, source }),
-        }
+        remove_file(self.spec_path(claim_uid)).map(|_| ())
     }
 
-    /// True when a claim's spec exists.
     pub fn has_claim_spec(&self, claim_uid: &str) -> bool {
         self.spec_path(claim_uid).exists()
+    }
+}
+
+/// Removes a spec file; `Ok(false)` when it did not exist.
+fn remove_file(path: PathBuf) -> Result<bool, CdiError> {
+    match fs::remove_file(&path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(CdiError::Write { path, source }),
     }
 }
 

@@ -7,10 +7,10 @@
 //!
 //! The file is `{"checksum": "sha256:<hex>", "data": {...}}`, where the checksum covers the
 //! exact bytes of `data` as written. Readers never re-serialise before checking, so a field
-//! a binary does not know cannot break its checksum (the failure mode of NVIDIA's driver,
-//! #1080). Writes replace the file atomically without creating one
-//! ([`replace_by_exchange`], three per prepare) and are not fsynced: the file belongs to one
-//! boot ([`crate::state_dir::Durability::ThisBoot`]); it is read with [`read_consistent`]. It is root-only (0600 in a 0700 directory). The driver uses it only through [`crate::journal::Journal`].
+//! a binary does not know cannot break its checksum. Writes replace the file atomically
+//! ([`replace_by_exchange`]) and are not fsynced: the file belongs to one boot
+//! ([`crate::state_dir::Durability::ThisBoot`]). It is root-only (0600 in a 0700 directory).
+//! The driver uses it only through [`crate::journal::Journal`].
 
 use std::{
     collections::BTreeMap,
@@ -49,17 +49,12 @@ pub enum DeviceKind {
     Mig {
         /// GPU-instance profile ID.
         profile_id: u32,
-        /// Placement start.
         start: u32,
-        /// Placement size.
         size: u32,
-        /// GPU-instance ID, once created.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         gpu_instance: Option<u32>,
-        /// Compute-instance ID, once created.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         compute_instance: Option<u32>,
-        /// MIG UUID, once created.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         mig_uuid: Option<String>,
     },
@@ -74,11 +69,9 @@ pub struct DeviceRecord {
     pub pool: String,
     /// Device name in the pool.
     pub device: String,
-    /// Parent GPU UUID.
+    /// Parent GPU.
     pub gpu_uuid: String,
-    /// Parent GPU device minor.
     pub gpu_minor: u32,
-    /// What it is.
     #[serde(flatten)]
     pub kind: DeviceKind,
     /// Extra environment from the resolved opaque configuration.
@@ -87,14 +80,12 @@ pub struct DeviceRecord {
     /// Set when the device is shared (`allowMultipleAllocations`): the allocation's share ID.
     /// Several claims then hold the same MIG instance, each with a record of it carrying the
     /// same IDs; the records of a device's shares *are* its reference count (see
-    /// [`DeviceRecord::same_shared_instance`]). Absent in checkpoints written before shared
-    /// partitions existed, which therefore load as exclusive devices, as they were.
+    /// [`DeviceRecord::same_shared_instance`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share_id: Option<String>,
 }
 
 impl DeviceRecord {
-    /// True when this device is a share of a shared device.
     pub fn is_share(&self) -> bool {
         self.share_id.is_some()
     }
@@ -118,7 +109,6 @@ impl DeviceRecord {
 pub struct ClaimRecord {
     pub namespace: String,
     pub name: String,
-    /// Where the claim is.
     pub state: ClaimState,
     pub devices: Vec<DeviceRecord>,
 }
@@ -135,44 +125,31 @@ impl ClaimRecord {
 #[serde(rename_all = "camelCase")]
 pub struct CheckpointData {
     pub version: u32,
-    /// Boot ID of the boot this checkpoint belongs to. MIG instances never survive a reboot.
+    /// MIG instances never survive a reboot, so a checkpoint belongs to one boot.
     pub boot_id: String,
-    /// Claims by UID.
+    /// By UID.
     pub claims: BTreeMap<String, ClaimRecord>,
 }
 
-#[derive(Serialize)]
-struct FileOut<'a> {
-    checksum: String,
-    data: &'a RawValue,
-}
-
-#[derive(Deserialize)]
-struct FileIn<'a> {
+/// The file: `data` is kept as written, so its checksum covers exactly those bytes.
+#[derive(Serialize, Deserialize)]
+struct CheckpointFile<'a> {
     checksum: String,
     #[serde(borrow)]
     data: &'a RawValue,
 }
 
-/// Checkpoint failures.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    /// Reading, writing or renaming failed.
     #[error("checkpoint {path}: {source}")]
     Io {
-        /// File or directory.
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
     /// The file is not a checkpoint, or its checksum does not match.
     #[error("checkpoint {path} is corrupt: {reason}")]
-    Corrupt {
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
-    /// Serialising failed (cannot happen for these types, but is not unwrapped).
+    Corrupt { path: PathBuf, reason: String },
     #[error("serialising the checkpoint: {0}")]
     Encode(#[from] serde_json::Error),
 }
@@ -222,40 +199,27 @@ impl Checkpoint {
         let bytes = match read_consistent(&path) {
             Ok(Some(bytes)) => bytes,
             Ok(None) => {
-                return Ok((
-                    Self {
-                        path,
-                        data: empty,
-                        on_disk: None,
-                    },
-                    LoadOutcome::Fresh,
-                ));
-            }
-            Err(source) => return Err(CheckpointError::Io { path, source }),
-        };
-        match decode(&bytes) {
-            Ok(data) if data.boot_id == boot_id => Ok((
-                Self {
-                    path,
-                    data,
-                    on_disk: Some(bytes),
-                },
-                LoadOutcome::Loaded,
-            )),
-            Ok(data) => {
-                let mut checkpoint = Self {
+                let checkpoint = Self {
                     path,
                     data: empty,
                     on_disk: None,
                 };
-                checkpoint.persist()?;
-                Ok((
-                    checkpoint,
-                    LoadOutcome::PreviousBoot {
-                        old_boot_id: data.boot_id,
-                    },
-                ))
+                return Ok((checkpoint, LoadOutcome::Fresh));
             }
+            Err(source) => return Err(CheckpointError::Io { path, source }),
+        };
+        let outcome = match decode(&bytes) {
+            Ok(data) if data.boot_id == boot_id => {
+                let checkpoint = Self {
+                    path,
+                    data,
+                    on_disk: Some(bytes),
+                };
+                return Ok((checkpoint, LoadOutcome::Loaded));
+            }
+            Ok(data) => LoadOutcome::PreviousBoot {
+                old_boot_id: data.boot_id,
+            },
             Err(reason) => {
                 let aside = dir.join(format!("checkpoint.json.corrupt-{}", std::process::id()));
                 fs::rename(&path, &aside).map_err(|source| CheckpointError::Io {
@@ -263,23 +227,22 @@ impl Checkpoint {
                     source,
                 })?;
                 tracing::error!(path = %path.display(), %reason, aside = %aside.display(), "checkpoint is corrupt; starting empty");
-                let mut checkpoint = Self {
-                    path,
-                    data: empty,
-                    on_disk: None,
-                };
-                checkpoint.persist()?;
-                Ok((checkpoint, LoadOutcome::CorruptMovedAside(aside)))
+                LoadOutcome::CorruptMovedAside(aside)
             }
-        }
+        };
+        let mut checkpoint = Self {
+            path,
+            data: empty,
+            on_disk: None,
+        };
+        checkpoint.persist()?;
+        Ok((checkpoint, outcome))
     }
 
-    /// The current content.
     pub fn data(&self) -> &CheckpointData {
         &self.data
     }
 
-    /// A claim's record.
     pub fn claim(&self, uid: &str) -> Option<&ClaimRecord> {
         self.data.claims.get(uid)
     }
@@ -324,23 +287,16 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// Re-reads the file when its bytes differ from what this process last read or wrote:
-    /// another plugin instance on the node (a rolling update) changed it. Returns whether the
-    /// content was replaced. Call it holding the node lock before reading records that will
-    /// be acted on, and always before writing (a write replaces the whole file). Comparing the
-    /// bytes (a few KiB) is exact, where file metadata can repeat (inode reuse, coarse mtime).
-    /// A file that cannot be used is an error and the content in memory is kept: unlike at
-    /// start it is not moved aside, because the other instance may be writing it right now.
+    /// Re-reads the file when its bytes differ from what this process last read or wrote
+    /// (another plugin instance changed it); returns whether the content was replaced. Call it
+    /// under the node lock before acting on records, and always before writing. Bytes, unlike
+    /// file metadata (inode reuse, coarse mtime), compare exactly. An unusable file is an error
+    /// and is not moved aside: the other instance may be writing it right now.
     pub fn reload_if_changed(&mut self) -> Result<bool, CheckpointError> {
-        let bytes = match read_consistent(&self.path) {
-            Ok(bytes) => bytes,
-            Err(source) => {
-                return Err(CheckpointError::Io {
-                    path: self.path.clone(),
-                    source,
-                });
-            }
-        };
+        let bytes = read_consistent(&self.path).map_err(|source| CheckpointError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
         if bytes == self.on_disk {
             return Ok(false);
         }
@@ -377,13 +333,14 @@ impl Checkpoint {
 fn encode(data: &CheckpointData) -> Result<Vec<u8>, CheckpointError> {
     let raw = serde_json::value::to_raw_value(data)?;
     let checksum = checksum(raw.get().as_bytes());
-    let mut bytes = serde_json::to_vec(&FileOut { checksum, data: &raw })?;
+    let mut bytes = serde_json::to_vec(&CheckpointFile { checksum, data: &raw })?;
     bytes.push(b'\n');
     Ok(bytes)
 }
 
 fn decode(bytes: &[u8]) -> Result<CheckpointData, String> {
-    let file: FileIn<'_> = serde_json::from_slice(bytes).map_err(|e| format!("not a checkpoint: {e}"))?;
+    let file: CheckpointFile<'_> =
+        serde_json::from_slice(bytes).map_err(|e| format!("not a checkpoint: {e}"))?;
     let actual = checksum(file.data.get().as_bytes());
     if actual != file.checksum {
         return Err(format!(

@@ -15,7 +15,7 @@ use migdra_api::{
     device_name::{DeviceName, InvalidDeviceName},
 };
 
-/// Where claims come from. The production source is the API server; tests may use others.
+/// Where claims come from: the API server ([`KubeClaims`]), or a test double.
 pub trait ClaimSource: Send + Sync + 'static {
     /// GETs a claim; `Ok(None)` when it does not exist.
     fn get(
@@ -44,7 +44,6 @@ pub struct KubeClaims {
 }
 
 impl KubeClaims {
-    /// Reads claims with `client`.
     pub fn new(client: Client) -> Self {
         Self { client }
     }
@@ -77,46 +76,33 @@ impl ClaimSource for KubeClaims {
 
 /// Why a claim cannot be prepared on this node. Each message is what the user sees in the
 /// pod's `FailedPrepareDynamicResources` event, so it says what is wrong and with what.
+/// `claim` is `namespace/name`.
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
-    /// The GET failed.
     #[error("reading ResourceClaim {claim}: {source}")]
     Api {
-        /// `namespace/name`.
         claim: String,
         #[source]
         source: kube::Error,
     },
-    /// The claim does not exist (any more).
     #[error("ResourceClaim {claim} not found")]
-    NotFound {
-        /// `namespace/name`.
-        claim: String,
-    },
+    NotFound { claim: String },
     /// The claim was deleted and re-created under the same name.
     #[error(
         "ResourceClaim {claim} has UID {actual}, but the kubelet asked for UID {expected}: the claim was replaced"
     )]
     Replaced {
-        /// `namespace/name`.
         claim: String,
-        /// UID the kubelet asked for.
         expected: String,
-        /// UID found.
         actual: String,
     },
-    /// Nothing allocated.
     #[error("ResourceClaim {claim} is not allocated")]
-    NotAllocated {
-        /// `namespace/name`.
-        claim: String,
-    },
+    NotAllocated { claim: String },
     /// Allocated from another node's pool.
     #[error(
         "ResourceClaim {claim}: device {device} was allocated from pool {pool}, but this node serves pool {expected}"
     )]
     OtherPool {
-        /// `namespace/name`.
         claim: String,
         device: String,
         pool: String,
@@ -126,17 +112,14 @@ pub enum ClaimError {
     /// A device name that is not one of ours.
     #[error("ResourceClaim {claim}: {source}")]
     DeviceName {
-        /// `namespace/name`.
         claim: String,
         #[source]
         source: InvalidDeviceName,
     },
-    /// Bad opaque configuration.
+    /// Bad opaque configuration for `request`.
     #[error("ResourceClaim {claim}, request {request}: {source}")]
     Config {
-        /// `namespace/name`.
         claim: String,
-        /// Request the configuration applies to.
         request: String,
         #[source]
         source: ConfigError,
@@ -164,9 +147,8 @@ pub struct AllocatedDevice {
     /// Allocation result's request (may be `<request>/<subrequest>`).
     pub request: String,
     pub pool: String,
-    /// Device name as allocated.
+    /// Device name as allocated, and parsed.
     pub device: String,
-    /// Parsed device name.
     pub name: DeviceName,
     /// Resolved opaque configuration.
     pub config: DeviceConfig,

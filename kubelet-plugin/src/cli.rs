@@ -89,7 +89,7 @@ pub struct Args {
 }
 
 /// The subcommand that checks this node's GPUs instead of running the plugin.
-pub const GPU_CHECK: &str = "gpu-check";
+const GPU_CHECK: &str = "gpu-check";
 
 const GPU_CHECK_HELP: &str = "Subcommand:\n  gpu-check  check that migdra understands this node's GPUs \
      (see `migdra-kubelet-plugin gpu-check --help`)";
@@ -97,9 +97,8 @@ const GPU_CHECK_HELP: &str = "Subcommand:\n  gpu-check  check that migdra unders
 /// What the command line asks for.
 #[derive(Debug)]
 pub enum Invocation {
-    /// Run the plugin (no subcommand: the invocation the chart and e2e use).
+    /// No subcommand: the invocation the chart and e2e use.
     Plugin(Box<Args>),
-    /// `gpu-check`.
     GpuCheck(crate::gpu_check::GpuCheckArgs),
 }
 
@@ -134,29 +133,27 @@ impl Args {
             .unwrap_or_else(|| self.kubelet_root_dir.join("plugins").join(&self.driver_name))
     }
 
-    /// Time between inventory refreshes and heartbeats (at least a second).
+    /// At least a second: never a busy loop.
     pub fn heartbeat_interval(&self) -> Duration {
         Duration::from_secs(self.heartbeat_interval_seconds.max(1))
     }
 
-    /// Time between full re-sends of the device health list (at least a second).
+    /// At least a second.
     pub fn health_resend_interval(&self) -> Duration {
         Duration::from_secs(self.health_resend_interval_seconds.max(1))
     }
 
-    /// Where this process sees the driver root.
     pub fn resolved_driver_root_mount(&self) -> PathBuf {
         self.driver_root_mount
             .clone()
             .unwrap_or_else(|| self.driver_root.clone())
     }
 
-    /// How long a call waits for the node lock.
     pub fn lock_timeout(&self) -> Duration {
         Duration::from_secs(self.lock_timeout_seconds)
     }
 
-    /// Time between stale-claim garbage-collection passes; zero means disabled.
+    /// Zero means disabled.
     pub fn stale_claim_gc_interval(&self) -> Duration {
         Duration::from_secs(self.stale_claim_gc_interval_seconds)
     }

@@ -34,7 +34,6 @@ pub struct ClaimEvent {
     pub namespace: String,
     pub name: String,
     pub uid: String,
-    /// Warning or Normal.
     pub type_: EventType,
     /// Stable CamelCase reason.
     pub reason: &'static str,
@@ -48,10 +47,9 @@ pub struct ClaimEvent {
 impl ClaimEvent {
     /// The Warning for a claim whose `operation` (`prepare` or `unprepare`) failed.
     pub fn failed(operation: &str, claim: &ClaimRef, failure: &ClaimFailure) -> Self {
-        let action = if operation == "unprepare" {
-            "UnprepareResourceClaim"
-        } else {
-            "PrepareResourceClaim"
+        let action = match operation {
+            "unprepare" => "UnprepareResourceClaim",
+            _ => "PrepareResourceClaim",
         };
         Self {
             namespace: claim.namespace.clone(),
@@ -89,39 +87,40 @@ impl ClaimEvent {
     /// The Warning for a claim whose interrupted operation could not be repaired yet; `None`
     /// when the record's claim is not `namespace/name`.
     pub fn recovery_pending(repair: &PendingRepair) -> Option<Self> {
-        let (namespace, name) = repair.claim.split_once('/')?;
-        Some(Self {
-            namespace: namespace.to_string(),
-            name: name.to_string(),
-            uid: repair.uid.clone(),
-            type_: EventType::Warning,
-            reason: "RecoveryPending",
-            action: "RecoverInterruptedOperation",
-            note: truncate_note(format!(
-                "an interrupted operation of this claim could not be repaired yet (retried in the background; GPU(s) {:?} refuse new claims meanwhile): {}",
-                repair.minors, repair.error
-            )),
-        })
+        let note = truncate_note(format!(
+            "an interrupted operation of this claim could not be repaired yet (retried in the background; GPU(s) {:?} refuse new claims meanwhile): {}",
+            repair.minors, repair.error
+        ));
+        Self::about_repair(repair, EventType::Warning, "RecoveryPending", note)
     }
 
     /// The Normal event for a claim whose pending repair is done (repaired, or torn down).
     pub fn recovery_completed(repair: &PendingRepair) -> Option<Self> {
+        let note = format!(
+            "the interrupted operation of this claim was repaired; GPU(s) {:?} are usable again",
+            repair.minors
+        );
+        Self::about_repair(repair, EventType::Normal, "RecoveryCompleted", note)
+    }
+
+    fn about_repair(
+        repair: &PendingRepair,
+        type_: EventType,
+        reason: &'static str,
+        note: String,
+    ) -> Option<Self> {
         let (namespace, name) = repair.claim.split_once('/')?;
         Some(Self {
             namespace: namespace.to_string(),
             name: name.to_string(),
             uid: repair.uid.clone(),
-            type_: EventType::Normal,
-            reason: "RecoveryCompleted",
+            type_,
+            reason,
             action: "RecoverInterruptedOperation",
-            note: format!(
-                "the interrupted operation of this claim was repaired; GPU(s) {:?} are usable again",
-                repair.minors
-            ),
+            note,
         })
     }
 
-    /// The reference the event is about.
     pub fn regarding(&self) -> ObjectReference {
         ObjectReference {
             api_version: Some("resource.k8s.io/v1".into()),
@@ -165,9 +164,7 @@ impl ClaimEvents {
     pub fn send(&self, event: ClaimEvent) {
         let Some(sender) = &self.sender else { return };
         if let Err(e) = sender.try_send(event) {
-            let event = match &e {
-                mpsc::error::TrySendError::Full(event) | mpsc::error::TrySendError::Closed(event) => event,
-            };
+            let event = e.into_inner();
             tracing::warn!(claim = %format!("{}/{}", event.namespace, event.name), reason = event.reason, "claim event dropped: the event queue is full or closed");
         }
     }
@@ -182,12 +179,10 @@ pub async fn publish_claim_events(
 ) {
     loop {
         let event = tokio::select! {
-            () = shutdown.cancelled() => break,
-            event = events.recv() => match event {
-                Some(event) => event,
-                None => break,
-            },
+            () = shutdown.cancelled() => None,
+            event = events.recv() => event,
         };
+        let Some(event) = event else { break };
         let published = Event {
             type_: event.type_,
             reason: event.reason.into(),

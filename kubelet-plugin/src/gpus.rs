@@ -19,7 +19,9 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     marker::PhantomData,
-    sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard},
+    sync::{
+        Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
+    },
     time::Duration,
 };
 
@@ -43,18 +45,17 @@ use dra_kubelet::DeviceHealthReport;
 // A panic while one of these is held leaves no half-written data behind (durable state is in
 // files written atomically), so a poisoned lock is safe to keep using.
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    lock.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+    lock.read().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    lock.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+    lock.write().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// One GPU as the plugin tracks it.
 struct Gpu {
     description: RwLock<GpuDescription>,
     /// The operation lock: a flag and a condition variable rather than a `Mutex<()>`, because
@@ -76,10 +77,7 @@ impl Gpu {
     fn acquire(self: &Arc<Self>) -> HeldGpu {
         let mut busy = lock(&self.busy);
         while *busy {
-            busy = self
-                .released
-                .wait(busy)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            busy = self.released.wait(busy).unwrap_or_else(PoisonError::into_inner);
         }
         *busy = true;
         HeldGpu(self.clone())
@@ -146,12 +144,10 @@ impl NodeLock {
 }
 
 impl GpuLocks<'_> {
-    /// A locked GPU's description.
     pub fn description(&self, minor: u32) -> Option<GpuDescription> {
         self.held.get(&minor).map(|g| read(&g.0.description).clone())
     }
 
-    /// A locked GPU's NVML index.
     pub fn index(&self, minor: u32) -> Option<u32> {
         self.held.get(&minor).map(|g| read(&g.0.description).index)
     }
@@ -184,19 +180,13 @@ impl GpuLocks<'_> {
 
     /// What planning needs of the locked GPUs: descriptions and existing instances.
     pub fn views(&self, gpus: &Gpus) -> BTreeMap<u32, GpuView> {
+        let view = |description: GpuDescription| GpuView {
+            instances: gpus.occupied(&description),
+            description,
+        };
         self.held
             .iter()
-            .map(|(minor, gpu)| {
-                let description = read(&gpu.0.description).clone();
-                let instances = gpus.occupied(&description);
-                (
-                    *minor,
-                    GpuView {
-                        description,
-                        instances,
-                    },
-                )
-            })
+            .map(|(minor, gpu)| (*minor, view(read(&gpu.0.description).clone())))
             .collect()
     }
 }
@@ -226,13 +216,6 @@ pub struct PendingRepair {
     pub error: String,
 }
 
-impl PendingRepair {
-    /// Why a GPU this record touches is unhealthy.
-    pub fn health_reason(&self) -> String {
-        format!("recovery of claim {} pending: {}", self.claim, self.error)
-    }
-}
-
 /// The GPU table. Cheap to clone; clones share state.
 #[derive(Clone)]
 pub struct Gpus {
@@ -244,12 +227,10 @@ impl Gpus {
         read(&self.inner.table).get(&minor).cloned()
     }
 
-    /// This node's pool name.
     pub fn pool(&self) -> &str {
         &self.inner.pool
     }
 
-    /// The backend.
     pub(crate) fn backend(&self) -> &Arc<dyn GpuBackend> {
         &self.inner.backend
     }
@@ -297,7 +278,6 @@ impl Gpus {
     /// again: exactly those (same profile, placement and GPU-instance ID where recorded),
     /// never another. One that is gone is forgotten; one that cannot be destroyed now stays
     /// listed for the next pass. Called under the GPU's lock and the node lock.
-    /// Destroys the instances teardown left on `gpu` while it was lost, now that it answers.
     /// An orphan whose placement a recorded claim holds is forgotten instead: the instance
     /// there is that claim's (the orphan's own was gone before the claim could be prepared
     /// there; an orphan recorded before its instance had an ID would otherwise match it).
@@ -326,30 +306,21 @@ impl Gpus {
                 return;
             }
         };
+        let backend = &self.inner.backend;
         for orphan in listed {
+            let is_orphan = |gi: &&GpuInstanceRecord| {
+                (gi.profile_id, gi.start) == (orphan.profile_id, orphan.start)
+                    && orphan.gpu_instance.is_none_or(|id| id == gi.id)
+            };
             if claimed(orphan.profile_id, orphan.start) {
                 tracing::info!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, "the placement of an instance left while the GPU was lost belongs to a recorded claim now; forgetting it");
-                if let Err(e) = orphans.remove(&orphan) {
-                    tracing::warn!(error = %e, "forgetting an instance left while the GPU was lost failed; retrying later");
-                }
-                continue;
-            }
-            let found = instances.iter().find(|gi| {
-                gi.profile_id == orphan.profile_id
-                    && gi.start == orphan.start
-                    && orphan.gpu_instance.is_none_or(|id| id == gi.id)
-            });
-            if let Some(gi) = found {
+            } else if let Some(gi) = instances.iter().find(is_orphan) {
                 let destroyed = gi
                     .compute_instances
                     .iter()
-                    .map(|ci| {
-                        self.inner
-                            .backend
-                            .destroy_compute_instance(gpu.index, gi.id, ci.id)
-                    })
+                    .map(|ci| backend.destroy_compute_instance(gpu.index, gi.id, ci.id))
                     .chain(std::iter::once_with(|| {
-                        self.inner.backend.destroy_gpu_instance(gpu.index, gi.id)
+                        backend.destroy_gpu_instance(gpu.index, gi.id)
                     }))
                     .find_map(|r| r.err().filter(|e| e.kind != NvmlErrorKind::NotFound));
                 if let Some(e) = destroyed {
@@ -382,7 +353,6 @@ impl Gpus {
         was
     }
 
-    /// The records waiting for repair, by UID.
     pub fn recovery_pending(&self) -> Vec<PendingRepair> {
         lock(&self.inner.recovery_pending).values().cloned().collect()
     }
@@ -485,67 +455,34 @@ impl Gpus {
             let _held = gpu.acquire();
             *write(&gpu.description) = description.clone();
             let records = self.inner.journal.claims();
-            let probe = self
-                .inner
-                .backend
-                .probe_health(description.index)
-                .err()
-                .map(|e| e.to_string());
+            let probe = self.inner.backend.probe_health(description.index).err();
+            let probe = probe.map(|e| e.to_string());
             if probe.is_none()
                 && let Some((orphans, _node)) = &orphans
             {
                 self.destroy_orphans(orphans, &description, &records);
             }
-            let pending = self
-                .recovery_pending_on(description.minor, None)
-                .map(|p| p.health_reason());
-            let health = match (probe, pending) {
-                (None, None) => GpuHealth::healthy(),
-                (Some(reason), None) | (None, Some(reason)) => GpuHealth {
-                    healthy: false,
-                    reason: Some(reason),
-                },
-                (Some(probe), Some(pending)) => GpuHealth {
-                    healthy: false,
-                    reason: Some(format!("{probe}; {pending}")),
-                },
+            let pending = self.recovery_pending_on(description.minor, None);
+            let reasons: Vec<String> = probe
+                .into_iter()
+                .chain(pending.map(|p| format!("recovery of claim {} pending: {}", p.claim, p.error)))
+                .collect();
+            let health = GpuHealth {
+                healthy: reasons.is_empty(),
+                reason: (!reasons.is_empty()).then(|| reasons.join("; ")),
             };
-            let mig = match &description.mig {
-                None => None,
-                Some(mig) => {
-                    let instances = self.occupied(&description).unwrap_or_else(|e| {
-                        tracing::warn!(gpu = description.minor, error = %e, "listing GPU instances failed");
-                        Vec::new()
-                    });
-                    let geometry = MigGeometry::new(mig.profiles.clone(), description.memory_mib);
-                    let instances = instances
-                        .iter()
-                        .map(|gi| describe_instance(gi, &geometry, description.minor, &records))
-                        .collect();
-                    Some(MigInventory {
-                        enabled: mig.enabled,
-                        change_pending: mig.enabled != mig.pending_enabled,
-                        mode_switchable: mode_switchable(&description),
-                        geometry,
-                        instances,
-                    })
-                }
-            };
-            inventory.push(GpuInventory {
-                minor: description.minor,
-                index: description.index,
-                uuid: description.uuid.clone(),
-                product_name: description.product_name.clone(),
-                architecture: description.architecture,
-                cuda_compute_capability: description
-                    .cuda_compute_capability
-                    .map(|(a, b)| format!("{a}.{b}")),
-                pci_bus_id: description.pci_bus_id.clone(),
-                numa_node: description.numa_node,
-                memory_mib: description.memory_mib,
-                mig,
-                health,
+            let instances = self.occupied(&description).unwrap_or_else(|e| {
+                tracing::warn!(gpu = description.minor, error = %e, "listing GPU instances failed");
+                Vec::new()
             });
+            let switchable = mode_switchable(&description);
+            inventory.push(gpu_inventory(
+                &description,
+                &instances,
+                &records,
+                health,
+                switchable,
+            ));
         }
         self.inner
             .metrics
@@ -582,9 +519,44 @@ impl Gpus {
     }
 }
 
-/// Describes an existing GPU instance: migdra's when a record describes it (same placement,
-/// and same ID where recorded), foreign otherwise.
-pub fn describe_instance(
+/// What the node reports about `gpu` with these instances: each is migdra's when a record
+/// describes it (same placement, and same ID where recorded), foreign otherwise.
+pub fn gpu_inventory(
+    gpu: &GpuDescription,
+    instances: &[GpuInstanceRecord],
+    records: &BTreeMap<String, ClaimRecord>,
+    health: GpuHealth,
+    mode_switchable: bool,
+) -> GpuInventory {
+    GpuInventory {
+        minor: gpu.minor,
+        index: gpu.index,
+        uuid: gpu.uuid.clone(),
+        product_name: gpu.product_name.clone(),
+        architecture: gpu.architecture,
+        cuda_compute_capability: gpu.cuda_compute_capability.map(|(a, b)| format!("{a}.{b}")),
+        pci_bus_id: gpu.pci_bus_id.clone(),
+        numa_node: gpu.numa_node,
+        memory_mib: gpu.memory_mib,
+        mig: gpu.mig.as_ref().map(|mig| {
+            let geometry = MigGeometry::new(mig.profiles.clone(), gpu.memory_mib);
+            let instances = instances
+                .iter()
+                .map(|gi| describe_instance(gi, &geometry, gpu.minor, records))
+                .collect();
+            MigInventory {
+                enabled: mig.enabled,
+                change_pending: mig.enabled != mig.pending_enabled,
+                mode_switchable,
+                geometry,
+                instances,
+            }
+        }),
+        health,
+    }
+}
+
+fn describe_instance(
     gi: &GpuInstanceRecord,
     geometry: &MigGeometry,
     minor: u32,

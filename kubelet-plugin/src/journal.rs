@@ -13,19 +13,17 @@
 //! During a rolling update two plugin instances share the file. The copy in memory is then
 //! only a cache: the driver calls [`Journal::reload_if_changed`] right after taking the node
 //! lock (so every record it acts on or writes is the latest), the idempotent prepare answer
-//! re-reads before answering, and the read-only views ([`Journal::claims`], [`Journal::len`])
-//! re-read too. A re-read compares the file's bytes with the last ones this process read or
+//! re-reads before answering, and the read-only view [`Journal::claims`] re-reads too. A re-read compares the file's bytes with the last ones this process read or
 //! wrote, and parses only when they differ.
 
 use std::{
     collections::BTreeMap,
     path::Path,
-    sync::{Mutex, MutexGuard},
+    sync::{Mutex, MutexGuard, PoisonError},
 };
 
 use crate::checkpoint::{Checkpoint, CheckpointError, ClaimRecord, ClaimState, DeviceRecord, LoadOutcome};
 
-/// The checkpoint behind its mutex.
 #[derive(Debug)]
 pub struct Journal {
     checkpoint: Mutex<Checkpoint>,
@@ -35,20 +33,14 @@ impl Journal {
     /// Opens the checkpoint in `dir` for boot `boot_id` (see [`Checkpoint::open`]).
     pub fn open(dir: &Path, boot_id: &str) -> Result<(Self, LoadOutcome), CheckpointError> {
         let (checkpoint, outcome) = Checkpoint::open(dir, boot_id)?;
-        Ok((
-            Self {
-                checkpoint: Mutex::new(checkpoint),
-            },
-            outcome,
-        ))
+        let checkpoint = Mutex::new(checkpoint);
+        Ok((Self { checkpoint }, outcome))
     }
 
     fn lock(&self) -> MutexGuard<'_, Checkpoint> {
         // The checkpoint in memory only changes together with a successful file write, so a
         // panic elsewhere while this was held leaves nothing half-done: keep using it.
-        self.checkpoint
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.checkpoint.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Re-reads the checkpoint when another plugin instance on the node changed the file (see
@@ -58,7 +50,6 @@ impl Journal {
         self.lock().reload_if_changed()
     }
 
-    /// A claim's record.
     pub fn get(&self, uid: &str) -> Option<ClaimRecord> {
         self.lock().claim(uid).cloned()
     }
@@ -74,31 +65,33 @@ impl Journal {
     /// be read, the copy in memory is returned.
     pub fn claims(&self) -> BTreeMap<String, ClaimRecord> {
         let mut checkpoint = self.lock();
-        refresh_for_reading(&mut checkpoint);
+        // Best effort: acting on records always reloads under the node lock, where a failure
+        // is an error.
+        if let Err(e) = checkpoint.reload_if_changed() {
+            tracing::warn!(error = %e, "cannot re-read the checkpoint; reporting the copy in memory");
+        }
         checkpoint.data().claims.clone()
     }
 
     /// Every record except `uid`'s: what a new claim must not collide with.
     pub fn others(&self, uid: &str) -> Vec<(String, ClaimRecord)> {
-        self.lock()
-            .data()
-            .claims
-            .iter()
-            .filter(|(other, _)| *other != uid)
-            .map(|(u, r)| (u.clone(), r.clone()))
-            .collect()
+        self.others_where(uid, |_| true)
     }
 
     /// The other claims holding shares of `device` (a shared device's record): uid, record and
     /// their record of the device. The instance must outlive each of them.
     pub fn other_holders(&self, uid: &str, device: &DeviceRecord) -> Vec<(String, ClaimRecord)> {
-        self.lock()
+        self.others_where(uid, |r| r.devices.iter().any(|d| d.same_shared_instance(device)))
+    }
+
+    fn others_where(&self, uid: &str, keep: impl Fn(&ClaimRecord) -> bool) -> Vec<(String, ClaimRecord)> {
+        let checkpoint = self.lock();
+        let others = checkpoint
             .data()
             .claims
             .iter()
-            .filter(|(other, r)| *other != uid && r.devices.iter().any(|d| d.same_shared_instance(device)))
-            .map(|(u, r)| (u.clone(), r.clone()))
-            .collect()
+            .filter(|(other, r)| *other != uid && keep(r));
+        others.map(|(u, r)| (u.clone(), r.clone())).collect()
     }
 
     /// Records the intent to prepare: the claim and the placements it will create, before
@@ -147,14 +140,6 @@ impl Journal {
     /// Forgets a claim whose instances are gone.
     pub fn forget(&self, uid: &str) -> Result<(), CheckpointError> {
         self.lock().remove(uid)
-    }
-}
-
-/// Best-effort reload for read-only views; acting on records always reloads under the node
-/// lock, where a failure is an error.
-fn refresh_for_reading(checkpoint: &mut Checkpoint) {
-    if let Err(e) = checkpoint.reload_if_changed() {
-        tracing::warn!(error = %e, "cannot re-read the checkpoint; reporting the copy in memory");
     }
 }
 

@@ -1,19 +1,15 @@
 //! migdra's kubelet plugin: prepares allocated ResourceClaims by creating the allocated MIG
 //! instance, hands it to containers through CDI, and destroys it after the pod is gone.
 //!
-//! Modules follow the data flow. [`cli`] → [`run`] starts everything. The kubelet's gRPC
-//! calls (served by [`dra_kubelet`]) reach the [`driver`] state machine, which reads
-//! claims ([`claims`]), plans placements from plain values ([`plan`]), records progress in the [`journal`] (the
-//! [`checkpoint`] file, written through [`state_dir`]), works on GPUs through the GPU table
-//! ([`gpus`], over [`nvml`]) and writes CDI specs ([`cdi`]: per claim, plus the node-wide spec of the driver's
-//! files found by [`driver_files`]); records startup recovery could not repair are retried by
-//! the driver's background repair loop while the plugin serves, and a periodic pass releases
-//! recorded claims whose ResourceClaim is gone; instances a teardown left on a lost GPU are
-//! listed in [`orphans`] and destroyed when it is back. Prepared claims report their devices
-//! in their status ([`claim_status`]), with failed writes retried periodically. Beside it, the status loop
-//! ([`node_status`]) publishes the GPU table's inventory and device health; [`metrics`]
-//! counts what happens; [`events`] records what went wrong with a claim on the claim. The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs
-//! against what migdra expects, without running the plugin.
+//! [`cli`] → [`run`] starts everything. The kubelet's gRPC calls (served by [`dra_kubelet`])
+//! reach the [`driver`] state machine, which reads claims ([`claims`]), plans placements
+//! ([`plan`]), records progress in the [`journal`] ([`checkpoint`] file, written through
+//! [`state_dir`]), works on GPUs through the GPU table ([`gpus`], over [`nvml`]) and writes CDI
+//! specs ([`cdi`], with the driver's files found by [`driver_files`]). Instances a teardown
+//! left on a lost GPU are listed in [`orphans`]. Prepared claims report their devices in their
+//! status ([`claim_status`]). The status loop ([`node_status`]) publishes the inventory and
+//! device health; [`metrics`] counts what happens; [`events`] records failures on the claim.
+//! The `gpu-check` subcommand ([`gpu_check`]) checks a node's GPUs without running the plugin.
 
 pub mod cdi;
 pub mod checkpoint;
@@ -89,7 +85,16 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     let (claim_events, recovery_events) =
         spawn_background(&args, &driver, &report, client.clone(), &shutdown, &mut tasks);
     let (registration_tx, registration) = watch::channel(RegistrationState::default());
-    let writer = status_writer(&args, client, kube_config)?;
+    let heartbeat_client =
+        node_status::heartbeat_client(kube_config).map_err(migdra_runtime::KubeClientError::from)?;
+    let lease = HeartbeatLease::new(
+        heartbeat_client,
+        &args.heartbeat_namespace,
+        &args.node_name,
+        &args.driver_name,
+        args.heartbeat_interval(),
+    );
+    let writer = NodeStatusWriter::new(client, &args.node_name, &args.driver_name, lease);
     let (status, health) = status_loop(
         &args,
         &driver,
@@ -249,29 +254,6 @@ fn spawn_background(
             .run_claim_status_retries(CLAIM_STATUS_RETRY_INTERVAL, shutdown.clone()),
     ));
     (claim_events, recovery_rx)
-}
-
-/// Writes the node's GpuNode and renews its heartbeat Lease (with a client of its own).
-fn status_writer(
-    args: &cli::Args,
-    client: kube::Client,
-    kube_config: kube::Config,
-) -> anyhow::Result<NodeStatusWriter> {
-    let heartbeat_client =
-        node_status::heartbeat_client(kube_config).map_err(migdra_runtime::KubeClientError::from)?;
-    let lease = HeartbeatLease::new(
-        heartbeat_client,
-        &args.heartbeat_namespace,
-        &args.node_name,
-        &args.driver_name,
-        args.heartbeat_interval(),
-    );
-    Ok(NodeStatusWriter::new(
-        client,
-        &args.node_name,
-        &args.driver_name,
-        lease,
-    ))
 }
 
 /// The status loop over the driver's GPU table, and the device health it sends the kubelet.

@@ -18,7 +18,7 @@
 
 use std::{
     path::{Path, PathBuf},
-    sync::{Mutex, MutexGuard},
+    sync::{Mutex, MutexGuard, PoisonError},
 };
 
 use serde::{Deserialize, Serialize};
@@ -28,7 +28,6 @@ use crate::{
     state_dir::{Durability, write_atomically},
 };
 
-/// Name of the file in the state directory.
 pub const ORPHANS_FILE: &str = "lost-gpu-orphans.json";
 
 /// A MIG instance that a claim's teardown left on a lost GPU.
@@ -39,11 +38,9 @@ pub struct OrphanedInstance {
     pub gpu_uuid: String,
     /// The GPU's minor when the instance was left.
     pub gpu_minor: u32,
-    /// GPU-instance profile ID.
     pub profile_id: u32,
-    /// Placement start.
     pub start: u32,
-    /// GPU-instance ID, when it was recorded.
+    /// When it was recorded.
     pub gpu_instance: Option<u32>,
     /// The claim it belonged to, `namespace/name`.
     pub claim: String,
@@ -99,9 +96,7 @@ impl Loaded {
 }
 
 impl LostGpuOrphans {
-    /// Loads the list of boot `boot_id` from `state_dir` (which exists). A list of another
-    /// boot is empty; an unreadable one is logged and treated as empty (its instances then
-    /// show as foreign, which is safe: they are never destroyed).
+    /// Loads the list of boot `boot_id` from `state_dir` (which exists; see [`Loaded::follow`]).
     pub fn open(state_dir: &Path, boot_id: &str) -> Result<Self, CheckpointError> {
         let path = state_dir.join(ORPHANS_FILE);
         let mut list = Loaded::default();
@@ -122,7 +117,7 @@ impl LostGpuOrphans {
     /// The list as the file has it now (another plugin instance may have changed it). When
     /// the file cannot be read the last list this process knew stands.
     fn lock(&self) -> MutexGuard<'_, Loaded> {
-        let mut list = self.list.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut list = self.list.lock().unwrap_or_else(PoisonError::into_inner);
         match read_bytes(&self.path) {
             Ok(bytes) => list.follow(&self.path, &self.boot_id, bytes),
             Err(e) => {
@@ -132,17 +127,14 @@ impl LostGpuOrphans {
         list
     }
 
-    /// Every orphaned instance.
     pub fn all(&self) -> Vec<OrphanedInstance> {
         self.lock().orphans.clone()
     }
 
-    /// Whether any instance is orphaned.
     pub fn is_empty(&self) -> bool {
         self.lock().orphans.is_empty()
     }
 
-    /// The instances orphaned on the GPU with this UUID.
     pub fn on_gpu(&self, gpu_uuid: &str) -> Vec<OrphanedInstance> {
         self.lock()
             .orphans
@@ -155,59 +147,54 @@ impl LostGpuOrphans {
     /// Adds instances (each once) and writes the file; on failure nothing is added. Callers
     /// hold the node lock, so the file read here is not changed before it is written.
     pub fn add(&self, new: impl IntoIterator<Item = OrphanedInstance>) -> Result<(), CheckpointError> {
-        let mut list = self.lock();
-        let mut next = list.orphans.clone();
-        for orphan in new {
-            if !next.contains(&orphan) {
-                next.push(orphan);
+        self.change(|list| {
+            for orphan in new {
+                if !list.contains(&orphan) {
+                    list.push(orphan);
+                }
             }
-        }
-        if next.len() == list.orphans.len() {
-            return Ok(());
-        }
-        self.persist(&mut list, next)
+        })
     }
 
     /// Removes an instance (destroyed, or found gone) and writes the file (under the node
     /// lock, like [`Self::add`]).
     pub fn remove(&self, orphan: &OrphanedInstance) -> Result<(), CheckpointError> {
-        let mut list = self.lock();
-        let next: Vec<_> = list.orphans.iter().filter(|o| *o != orphan).cloned().collect();
-        if next.len() == list.orphans.len() {
-            return Ok(());
-        }
-        self.persist(&mut list, next)
+        self.change(|list| list.retain(|o| o != orphan))
     }
 
-    fn persist(&self, list: &mut Loaded, orphans: Vec<OrphanedInstance>) -> Result<(), CheckpointError> {
+    /// Applies `edit` to the list as the file has it now and writes the result, if it differs.
+    fn change(&self, edit: impl FnOnce(&mut Vec<OrphanedInstance>)) -> Result<(), CheckpointError> {
+        let mut list = self.lock();
+        let mut orphans = list.orphans.clone();
+        edit(&mut orphans);
+        if orphans == list.orphans {
+            return Ok(());
+        }
         let file = OrphanFile {
             boot_id: self.boot_id.clone(),
             orphans,
         };
         let mut bytes = serde_json::to_vec(&file)?;
         bytes.push(b'\n');
-        write_atomically(&self.path, &bytes, 0o600, Durability::AcrossReboots).map_err(|source| {
-            CheckpointError::Io {
-                path: self.path.clone(),
-                source,
-            }
-        })?;
+        write_atomically(&self.path, &bytes, 0o600, Durability::AcrossReboots)
+            .map_err(|e| io_error(&self.path, e))?;
         list.orphans = file.orphans;
         list.on_disk = Some(bytes);
         Ok(())
     }
 }
 
-/// The file's bytes, `None` when there is none.
 fn read_bytes(path: &Path) -> Result<Option<Vec<u8>>, CheckpointError> {
     match std::fs::read(path) {
         Ok(bytes) => Ok(Some(bytes)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(CheckpointError::Io {
-            path: path.to_path_buf(),
-            source,
-        }),
+        Err(e) => Err(io_error(path, e)),
     }
+}
+
+fn io_error(path: &Path, source: std::io::Error) -> CheckpointError {
+    let path = path.to_path_buf();
+    CheckpointError::Io { path, source }
 }
 
 #[cfg(test)]

@@ -22,37 +22,30 @@ use std::{
 /// Name of the node lock file in the state directory.
 pub const NODE_LOCK_FILE: &str = "plugin.lock";
 
-/// How long a file written by [`write_atomically`] must stay whole.
-///
-/// Readers on this boot (this process, a restarted one, a second plugin instance during a
-/// rolling update, the container runtime) see the file through the page cache: a process
-/// crash loses nothing that was written, so no fsync is needed for them. An fsync only
+/// How long a file written by [`write_atomically`] must stay whole. Readers on this boot see
+/// it through the page cache, so a process crash loses nothing written; an fsync only
 /// matters across an OS crash or power loss, and those reboot the node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Durability {
-    /// The file describes this boot only and is discarded after a reboot (the checkpoint
-    /// names its boot ID, and one a power loss tore is moved aside at start, which is right
-    /// because MIG instances never survive a reboot): no fsync at all.
+    /// The file describes this boot only and is discarded after a reboot: no fsync.
     ThisBoot,
-    /// The file is read after a reboot too (CDI specs, read by the container runtime): its
-    /// data is synced before the rename, so whichever version a power loss leaves is whole.
-    /// The directory is not synced: after a power loss the rename may be lost, leaving the
-    /// previous whole version, which is exactly what a power loss just before the rename
-    /// leaves anyway.
+    /// The file is read after a reboot too (CDI specs): its data is synced before the
+    /// rename, so whichever version a power loss leaves is whole. The directory is not
+    /// synced: a lost rename leaves the previous whole version, as a power loss just before
+    /// the rename would.
     AcrossReboots,
 }
 
-/// fsyncs made by [`write_atomically`] in this process (what the prepare benchmark counts).
 static FSYNCS: AtomicU64 = AtomicU64::new(0);
 
-/// How many fsyncs [`write_atomically`] has made in this process.
+/// How many fsyncs [`write_atomically`] has made in this process (the prepare benchmark
+/// counts them).
 pub fn fsync_count() -> u64 {
     FSYNCS.load(Ordering::Relaxed)
 }
 
 /// Writes `bytes` to `path` so that readers see either the old or the new file, never a mix:
-/// a temp file in the same directory, renamed over the target (with an fsync of the data
-/// first when `durability` asks for it).
+/// a temp file in the same directory, renamed over the target.
 pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     let mut tmp = tempfile::Builder::new().prefix(".tmp-").tempfile_in(dir)?;
@@ -72,17 +65,14 @@ pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32, durability: Durabi
 /// reader that opens `path` sees the old content or the new one, whole; so does a crash at any
 /// point. Not fsynced: for files of one boot only ([`Durability::ThisBoot`]).
 ///
-/// Why not [`write_atomically`]: on ext4 a new file renamed over an old one costs the journal
-/// an inode allocation and a deletion and starts writeback of the new file (`auto_da_alloc`);
-/// the checkpoint is rewritten three times per prepare, and that was most of a prepare's time
-/// outside NVML when the state directory was on disk. Overwriting blocks already allocated
-/// does none of that.
+/// Why not [`write_atomically`]: on ext4 a new file renamed over an old one costs an inode
+/// allocation and a deletion and starts writeback (`auto_da_alloc`); overwriting blocks
+/// already allocated does none of that (see docs/benchmarks.md).
 ///
-/// Writers of this function serialize on `.<name>.lock`, and [`read_consistent`] readers take
-/// it shared, because the scratch file's inode is the previous version: a reader holding it
-/// open while the next write reuses it would see that write. A missing `path`, or a file system
-/// without the exchange, falls back to [`write_atomically`], which renames a new file over
-/// `path` and never modifies an inode in place.
+/// Writers serialize on `.<name>.lock`, and [`read_consistent`] readers take it shared,
+/// because the scratch file's inode is the previous version: a reader holding it open while
+/// the next write reuses it would see that write. A missing `path`, or a file system without
+/// the exchange, falls back to [`write_atomically`].
 pub fn replace_by_exchange(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
 
@@ -146,14 +136,12 @@ fn exchange_lock(path: &Path) -> std::io::Result<File> {
         .open(sibling(path, "lock"))
 }
 
-/// Swaps the names `a` and `b` atomically.
 #[allow(unsafe_code)]
 fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     use std::{ffi::CString, os::unix::ffi::OsStrExt};
     let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
     let (a, b) = (c(a)?, c(b)?);
-    // SAFETY: both are valid NUL-terminated paths that outlive the call; renameat2 only reads
-    // them.
+    // SAFETY: both are valid NUL-terminated paths that outlive the call.
     let rc = unsafe {
         libc::renameat2(
             libc::AT_FDCWD,
@@ -189,18 +177,13 @@ pub fn read_boot_id(path: &Path) -> Result<String, StateFileError> {
         })
 }
 
-/// The node lock could not be taken.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeLockError {
-    /// Opening or locking the file failed.
     #[error(transparent)]
     File(#[from] StateFileError),
     /// Another plugin instance held it for the whole timeout.
     #[error("{path}: another plugin instance holds the node lock")]
-    Held {
-        /// The lock file.
-        path: PathBuf,
-    },
+    Held { path: PathBuf },
 }
 
 /// The node-wide lock: held while prepare, unprepare or recovery run. Dropping it releases
@@ -214,9 +197,8 @@ pub struct NodeLock {
 }
 
 /// The in-process queue in front of a node lock file: waiters of this process sleep on a
-/// condition variable and are woken the moment the holder lets go, instead of polling the
-/// file lock. Only one thread of the process tries the file at a time, so polling remains
-/// only for another process (a second plugin instance during a rolling update).
+/// condition variable instead of polling the file lock, which only another process (a second
+/// plugin instance during a rolling update) still needs.
 #[derive(Debug, Default)]
 struct Gate {
     held: Mutex<bool>,
@@ -266,9 +248,8 @@ impl Gate {
 }
 
 impl NodeLock {
-    /// Takes `<state_dir>/plugin.lock`, waiting up to `timeout`. Threads of this process queue
-    /// in front of the file and are woken when the holder releases it; against another
-    /// process the file lock is polled, because std's file locks have no timed wait.
+    /// Takes `<state_dir>/plugin.lock`, waiting up to `timeout`. Against another process the
+    /// file lock is polled, because std's file locks have no timed wait.
     pub fn acquire(state_dir: &Path, timeout: Duration) -> Result<Self, NodeLockError> {
         let path = state_dir.join(NODE_LOCK_FILE);
         let io = |source| StateFileError {

@@ -19,53 +19,40 @@ use serde_json::json;
 
 use crate::checkpoint::{DeviceKind, DeviceRecord};
 
-/// The condition type every entry carries.
 pub const READY_CONDITION: &str = "Ready";
-/// The API's limit on an entry's `data` (serialized).
+/// The API's limits on an entry's serialized `data` and on a condition message.
 pub const MAX_DATA_BYTES: usize = 10 * 1024;
-/// The API's limit on a condition message.
 pub const MAX_CONDITION_MESSAGE_BYTES: usize = 32 * 1024;
 
 /// Where a MIG device sits on its GPU, in memory slices.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct PlacementData {
-    /// First memory slice.
     pub start: u32,
-    /// Number of memory slices.
     pub size: u32,
 }
 
 /// What a device is on the hardware: an entry's `data`, as the user reads it with
-/// `kubectl get resourceclaim -o yaml`.
+/// `kubectl get resourceclaim -o yaml`. The GPU index is left out when unknown; the GPU is
+/// the parent GPU of a MIG device.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(tag = "type", rename_all = "lowercase")]
+#[serde(tag = "type", rename_all = "lowercase", rename_all_fields = "camelCase")]
 pub enum DeviceDetails {
-    /// A whole GPU.
     Gpu {
-        /// `GPU-…` UUID.
         uuid: String,
-        /// NVML index, when known.
-        #[serde(rename = "gpuIndex", skip_serializing_if = "Option::is_none")]
+        #[serde(skip_serializing_if = "Option::is_none")]
         gpu_index: Option<u32>,
-        /// Device minor (`/dev/nvidia<minor>`).
-        #[serde(rename = "gpuMinor")]
         gpu_minor: u32,
-        /// Handed out for monitoring only (`adminAccess`).
-        #[serde(rename = "adminAccess", skip_serializing_if = "std::ops::Not::not")]
+        /// Handed out for monitoring only.
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
         admin_access: bool,
     },
     /// A MIG device created for the claim.
     Mig {
-        /// `MIG-…` UUID.
         uuid: String,
-        /// The parent GPU's `GPU-…` UUID.
         #[serde(rename = "parentUUID")]
         parent_uuid: String,
-        /// The parent GPU's NVML index, when known.
-        #[serde(rename = "gpuIndex", skip_serializing_if = "Option::is_none")]
+        #[serde(skip_serializing_if = "Option::is_none")]
         gpu_index: Option<u32>,
-        /// The parent GPU's device minor.
-        #[serde(rename = "gpuMinor")]
         gpu_minor: u32,
         #[serde(rename = "gpuInstanceID")]
         gpu_instance_id: u32,
@@ -73,7 +60,6 @@ pub enum DeviceDetails {
         compute_instance_id: u32,
         /// Profile name, e.g. `1g.10gb`.
         profile: String,
-        /// Placement on the parent GPU.
         placement: PlacementData,
     },
 }
@@ -85,7 +71,6 @@ pub struct StatusDevice {
     pub request: String,
     pub pool: String,
     pub device: String,
-    /// What it is.
     pub details: DeviceDetails,
 }
 
@@ -162,7 +147,7 @@ type EntryKey = (String, String, Option<String>);
 /// allocation results, and since when our entries have been ready (kept across rewrites).
 #[derive(Clone, Debug, PartialEq)]
 pub struct StatusContext {
-    /// `metadata.generation` (→ `observedGeneration`).
+    /// `metadata.generation`, the conditions' `observedGeneration`.
     pub generation: Option<i64>,
     /// Share IDs of our allocation results, by (request, pool, device).
     pub share_ids: BTreeMap<(String, String, String), String>,
@@ -226,7 +211,6 @@ impl StatusContext {
     }
 }
 
-/// The current time as the API's `Time`.
 pub fn now() -> Time {
     Time(Timestamp::now())
 }
@@ -324,10 +308,9 @@ fn truncate(text: &mut String, max: usize) {
     }
 }
 
-/// The partial ResourceClaim server-side applied to the `status` subresource: type, name,
-/// namespace, UID (so a claim replaced under the same name is refused, not written: the API
-/// server answers 422, `metadata.uid` is immutable) and
-/// `status.devices` = `entries`. An empty list removes every entry this field manager wrote.
+/// The partial ResourceClaim applied to the `status` subresource. The UID makes the API
+/// server refuse (422) a claim replaced under the same name. An empty `entries` removes every
+/// entry this field manager wrote.
 pub fn apply_object(claim: &ClaimRef, entries: &[AllocatedDeviceStatus]) -> serde_json::Value {
     json!({
         "apiVersion": "resource.k8s.io/v1",

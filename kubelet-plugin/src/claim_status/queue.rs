@@ -40,25 +40,18 @@ impl DesiredStatus {
     }
 }
 
-/// Why a status write did not happen.
+/// Why a status write did not happen. `claim` is `namespace/name`.
 #[derive(Debug, thiserror::Error)]
 pub enum StatusWriteError {
     /// The API server answered with an error, or could not be reached.
     #[error("writing the status of ResourceClaim {claim}: {source}")]
     Api {
-        /// `namespace/name`.
         claim: String,
         #[source]
         source: kube::Error,
     },
-    /// No answer in time.
     #[error("writing the status of ResourceClaim {claim}: no answer within {timeout:?}")]
-    Timeout {
-        /// `namespace/name`.
-        claim: String,
-        /// The limit.
-        timeout: Duration,
-    },
+    Timeout { claim: String, timeout: Duration },
 }
 
 impl StatusWriteError {
@@ -86,20 +79,9 @@ pub enum WriteOutcome {
     Failed,
 }
 
-impl WriteOutcome {
-    fn label(self) -> &'static str {
-        match self {
-            Self::Written => "written",
-            Self::Dropped => "dropped",
-            Self::Failed => "failed",
-        }
-    }
-}
-
 /// What one retry pass did, by claim UID.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StatusRetryRound {
-    /// Written now.
     pub written: Vec<String>,
     /// Given up (claim gone, replaced, unprepared or refused).
     pub dropped: Vec<String>,
@@ -189,6 +171,17 @@ impl ClaimStatusWriter {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Counts what a write of `operation` did.
+    fn counted(&self, operation: &'static str, outcome: WriteOutcome) -> WriteOutcome {
+        let label = match outcome {
+            WriteOutcome::Written => "written",
+            WriteOutcome::Dropped => "dropped",
+            WriteOutcome::Failed => "failed",
+        };
+        self.metrics.claim_status_write(operation, label);
+        outcome
+    }
+
     fn insert(queue: &mut Queue, claim: ClaimRef, desired: DesiredStatus, queued: Option<StatusContext>) {
         queue.next_seq += 1;
         let seq = queue.next_seq;
@@ -258,9 +251,7 @@ impl ClaimStatusWriter {
                 && !still_prepared(&pending.claim.uid);
             let outcome = if unprepared {
                 tracing::info!(claim = %pending.claim.name, uid = %pending.claim.uid, "the claim is no longer prepared here; its ready status is not written");
-                self.metrics
-                    .claim_status_write(pending.desired.operation(), WriteOutcome::Dropped.label());
-                WriteOutcome::Dropped
+                self.counted(pending.desired.operation(), WriteOutcome::Dropped)
             } else {
                 self.write(claims, &pending.claim, pending.desired.clone(), &context)
                     .await
@@ -317,14 +308,9 @@ impl ClaimStatusWriter {
             DesiredStatus::Cleared => Vec::new(),
         };
         let object = apply_object(claim, &entries);
-        let result = tokio::time::timeout(
-            self.timeout,
-            claims.apply_status(&claim.namespace, &claim.name, &self.field_manager, &object),
-        )
-        .await;
-        let result = match result {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(source)) => Err(StatusWriteError::Api {
+        let apply = claims.apply_status(&claim.namespace, &claim.name, &self.field_manager, &object);
+        let result = match tokio::time::timeout(self.timeout, apply).await {
+            Ok(result) => result.map_err(|source| StatusWriteError::Api {
                 claim: key.clone(),
                 source,
             }),
@@ -333,7 +319,7 @@ impl ClaimStatusWriter {
                 timeout: self.timeout,
             }),
         };
-        let outcome = match &result {
+        let outcome = match result {
             Ok(()) => {
                 tracing::debug!(claim = %key, uid = %claim.uid, operation, entries = entries.len(), "claim status written");
                 WriteOutcome::Written
@@ -354,8 +340,7 @@ impl ClaimStatusWriter {
                 WriteOutcome::Failed
             }
         };
-        self.metrics.claim_status_write(operation, outcome.label());
-        outcome
+        self.counted(operation, outcome)
     }
 
     /// Retries every write that waits for a retry. Each claim is read first: a claim that is
@@ -382,37 +367,31 @@ impl ClaimStatusWriter {
                 Ok(object) => object,
                 Err(e) => {
                     tracing::debug!(claim = %claim.name, %uid, error = %e, "reading the claim for a status retry failed");
-                    self.metrics
-                        .claim_status_write(operation, WriteOutcome::Failed.label());
+                    self.counted(operation, WriteOutcome::Failed);
                     round.failed.push(uid);
                     continue;
                 }
             };
             let current = object.filter(|c| c.metadata.uid.as_deref() == Some(uid.as_str()));
-            let verdict = match (desired, &current) {
-                (_, None) => Verdict::Drop("the claim is gone or was replaced"),
+            let drop = |why: &str| {
+                tracing::info!(claim = %claim.name, %uid, operation, "{why}; its status is not written");
+                self.counted(operation, WriteOutcome::Dropped)
+            };
+            let outcome = match (desired, &current) {
+                (_, None) => drop("the claim is gone or was replaced"),
                 (DesiredStatus::Ready { recorded: true, .. }, _) if !is_recorded(&uid) => {
-                    Verdict::Drop("the claim is no longer prepared here")
+                    drop("the claim is no longer prepared here")
                 }
                 (DesiredStatus::Ready { devices, .. }, Some(c)) if !allocates(c, &self.driver, devices) => {
-                    Verdict::Drop("the claim no longer allocates these devices")
+                    drop("the claim no longer allocates these devices")
                 }
-                (DesiredStatus::Cleared, Some(c)) if !has_entries(c, &self.driver) => Verdict::Done,
-                (_, Some(c)) => Verdict::Write(StatusContext::from_claim(c, &self.driver, now())),
-            };
-            let outcome = match verdict {
-                Verdict::Drop(why) => {
-                    tracing::info!(claim = %claim.name, %uid, operation, "{why}; its status is not written");
-                    self.metrics
-                        .claim_status_write(operation, WriteOutcome::Dropped.label());
-                    WriteOutcome::Dropped
+                (DesiredStatus::Cleared, Some(c)) if !has_entries(c, &self.driver) => {
+                    self.counted(operation, WriteOutcome::Written)
                 }
-                Verdict::Done => {
-                    self.metrics
-                        .claim_status_write(operation, WriteOutcome::Written.label());
-                    WriteOutcome::Written
+                (_, Some(c)) => {
+                    let context = StatusContext::from_claim(c, &self.driver, now());
+                    self.write(claims, claim, desired.clone(), &context).await
                 }
-                Verdict::Write(context) => self.write(claims, claim, desired.clone(), &context).await,
             };
             self.settle(&pending, outcome);
             match outcome {
@@ -423,12 +402,6 @@ impl ClaimStatusWriter {
         }
         round
     }
-}
-
-enum Verdict {
-    Drop(&'static str),
-    Done,
-    Write(StatusContext),
 }
 
 /// Whether the claim's allocation still has every device (driver, pool, device, request).

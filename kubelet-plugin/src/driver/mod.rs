@@ -1,52 +1,46 @@
 //! The prepare/unprepare state machine behind the kubelet's DRA calls.
 //!
-//! - `prepare.rs`: per claim, GET the claim and validate it (no lock held, nothing created);
-//!   then, under the node lock and the locks of the claim's GPUs, check that the node can
-//!   run CUDA containers (driver files and control nodes; the node-wide driver CDI spec is
-//!   rewritten after a driver change, [`crate::cdi::CdiWriter::ensure_driver_spec`]), plan
-//!   it ([`crate::plan`]), record `PrepareStarted` with the planned placements, switch MIG mode
-//!   where the plan says so, create each GPU instance and its full compute instance, write
-//!   the CDI spec, record `PrepareCompleted`. Any failure after the first record tears down
-//!   what was created and forgets the claim. Then, outside every lock, the claim's
-//!   `status.devices` entries are written ([`crate::claim_status`]; a failure is retried by a
-//!   periodic pass, never fails the prepare). An `adminAccess` claim (whole GPUs only) gets
-//!   its CDI spec and status and nothing else: no plan, no record, no MIG-mode change.
-//! - `unprepare.rs`: per claim, record `UnprepareStarted`, destroy compute then GPU
-//!   instances, remove the CDI spec, forget the claim, then remove the claim's status
-//!   entries. Already gone is success. Its teardown routine is also the rollback of a failed
-//!   or interrupted prepare.
+//! - `prepare.rs`: per claim, GET and validate the claim (no lock held, nothing created);
+//!   then, under the node lock and the claim's GPU locks, check that the node can run CUDA
+//!   containers ([`crate::cdi::CdiWriter::ensure_driver_spec`]), plan ([`crate::plan`]),
+//!   record `PrepareStarted` with the planned placements, switch MIG mode where the plan says
+//!   so, create each GPU instance and its full compute instance, write the CDI spec, record
+//!   `PrepareCompleted`. Any failure after the first record tears down what was created and
+//!   forgets the claim. Then, outside every lock, the claim's `status.devices` entries are
+//!   queued ([`crate::claim_status`]; a failure never fails the prepare). An `adminAccess`
+//!   claim (whole GPUs only) gets its CDI spec and status and nothing else.
+//! - `unprepare.rs`: record `UnprepareStarted`, destroy compute then GPU instances, remove
+//!   the CDI spec, forget the claim, then clear its status entries. Already gone is success.
+//!   Its teardown is also the rollback of a failed or interrupted prepare.
 //! - `recovery.rs`: at start, half-prepared claims are rolled back, half-unprepared ones
-//!   finished and missing CDI specs rewritten. Every instance the journal does not describe
-//!   belongs to someone else and is never touched. A record that cannot be repaired does
-//!   not stop the start: it stays recorded, its GPUs are unhealthy and refuse prepares, and
-//!   a background loop retries it with backoff through the same routine.
-//!   On a lost GPU (`GPU_IS_LOST`) the instances count as gone, so pods terminate; they
-//!   are listed in [`crate::orphans`] and destroyed when the GPU is back.
-//! - `stale_gc.rs`: at start and periodically, records whose ResourceClaim is gone (not
-//!   found, replaced, no longer allocated here) are torn down through the same routine.
+//!   finished and missing CDI specs rewritten. A record that cannot be repaired does not stop
+//!   the start: its GPUs are unhealthy and refuse prepares, and a background loop retries it.
+//!   On a lost GPU (`GPU_IS_LOST`) the instances count as gone, so pods terminate; they are
+//!   listed in [`crate::orphans`] and destroyed when the GPU is back.
+//! - `stale_gc.rs`: records whose ResourceClaim is gone are torn down the same way.
+//!
+//! Every instance the journal does not describe belongs to someone else and is never
+//! touched. Because the record is written before the GPU is touched ([`crate::journal`]), a
+//! crash between any two steps is repaired from the checkpoint alone.
 //!
 //! Shared devices: several claims hold one MIG instance, each with its own record of it
-//! (same IDs, its own share ID). The first share's prepare creates the instance as above;
-//! a later one finds a prepared holder under the GPU lock and records the holder's IDs
-//! instead of creating ([`crate::plan`]); a teardown destroys the instance only when no other
-//! record holds it. The set of holder records is the reference count: every change to it is
-//! one atomic checkpoint write, so a crash never leaves it wrong, and recovery and the
-//! stale-claim GC, which tear down through the same routine, respect it without knowing.
-//!
-//! Because the record is written before the GPU is touched ([`crate::journal`]), a crash
-//! between any two steps is repaired from the checkpoint alone.
+//! (same IDs, its own share ID). The first share's prepare creates the instance; a later one
+//! finds a prepared holder under the GPU lock and records the holder's IDs instead
+//! ([`crate::plan`]); a teardown destroys the instance only when no other record holds it.
+//! The set of holder records is the reference count: every change to it is one atomic
+//! checkpoint write, so a crash never leaves it wrong.
 //!
 //! # Lock order
 //!
 //! The node lock ([`NodeLock`], a file lock shared with other plugin instances on the node;
-//! taking it re-reads the checkpoint another instance may have changed), then the locks of the GPUs a claim touches ([`GpuLocks`], all at once, in minor order),
-//! then, briefly, the journal's mutex. The order is enforced by types: GPU locks exist only
-//! as a [`GpuLocks`] made by [`NodeLock::lock_gpus`] and borrowing the node lock, every
-//! step that plans, creates or destroys takes a `&GpuLocks` and reaches the GPU through it,
-//! and the journal's mutex never leaves [`crate::journal::Journal`]. Claims of one kubelet
-//! call run in parallel under one node lock, each holding its own GPUs' locks. The status
-//! loop's inventory ([`Gpus::inventory`]) takes one GPU lock at a time and never the node
-//! lock, so it keeps reporting while another plugin instance works.
+//! taking it re-reads the checkpoint another instance may have changed), then the locks of
+//! the GPUs a claim touches ([`GpuLocks`], all at once, in minor order), then, briefly, the
+//! journal's mutex. Types enforce the order: GPU locks exist only as a [`GpuLocks`] made by
+//! [`NodeLock::lock_gpus`] and borrowing the node lock, every step that plans, creates or
+//! destroys takes a `&GpuLocks`, and the journal's mutex never leaves
+//! [`crate::journal::Journal`]. Claims of one kubelet call run in parallel under one node
+//! lock. The status loop's inventory ([`Gpus::inventory`]) takes one GPU lock at a time and
+//! never the node lock, so it keeps reporting while another plugin instance works.
 
 mod prepare;
 mod recovery;
@@ -79,35 +73,25 @@ use crate::{
 };
 use dra_kubelet::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome};
 
-/// A point between two steps of prepare or unprepare. Tests stop the driver at each one to
-/// prove that a crash there is repaired.
+/// A point between two steps of prepare or unprepare, named after the step just done. Tests
+/// stop the driver at each one to prove that a crash there is repaired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Step {
-    /// `PrepareStarted` written.
     PrepareRecorded,
-    /// A share of a shared device joined the MIG instance its other holders recorded (the
-    /// record, written at `PrepareRecorded`, already carries the instance's IDs).
+    /// A share joined the MIG instance its other holders recorded (the record, written at
+    /// `PrepareRecorded`, already carries the instance's IDs).
     ShareJoined,
-    /// A GPU instance exists.
     GpuInstanceCreated,
-    /// Its compute instance exists.
     ComputeInstanceCreated,
     /// The device's IDs are in the checkpoint.
     DeviceRecorded,
-    /// The CDI spec is written.
     CdiWritten,
-    /// `PrepareCompleted` written.
     PrepareCompleted,
-    /// `UnprepareStarted` written.
     UnprepareRecorded,
-    /// A compute instance was destroyed.
     ComputeInstanceDestroyed,
-    /// A GPU instance was destroyed.
     GpuInstanceDestroyed,
-    /// A share of a shared device was let go without destroying the instance, which other
-    /// claims still hold.
+    /// A share was let go without destroying the instance, which other claims still hold.
     ShareReleased,
-    /// The CDI spec is removed.
     CdiRemoved,
     /// The claim is gone from the checkpoint.
     ClaimForgotten,
@@ -116,15 +100,12 @@ pub enum Step {
 /// Called at every [`Step`] with the claim UID. Production passes a no-op.
 pub type StepHook = Arc<dyn Fn(&str, Step) + Send + Sync>;
 
-/// Static settings of the driver.
 #[derive(Clone, Debug)]
 pub struct DriverConfig {
-    /// DRA driver name.
     pub driver_name: String,
     pub node_name: String,
     /// Directory of the checkpoint and the node lock.
     pub state_dir: PathBuf,
-    /// Current boot ID.
     pub boot_id: String,
     /// How long a call waits for the node lock (another plugin instance) before failing.
     pub lock_timeout: Duration,
@@ -133,13 +114,10 @@ pub struct DriverConfig {
 /// Driver failures that are not per-claim.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
-    /// The checkpoint could not be used.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    /// NVML failed.
     #[error(transparent)]
     Backend(#[from] BackendError),
-    /// The node lock could not be taken, or the checkpoint not re-read under it.
     #[error(transparent)]
     NodeAccess(#[from] NodeAccessError),
 }
@@ -148,11 +126,9 @@ pub enum DriverError {
 /// (hence the `Arc`s).
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum NodeAccessError {
-    /// The node lock could not be taken (another plugin instance held it).
     #[error("node lock: {0}")]
     Lock(Arc<NodeLockError>),
-    /// Under the node lock, the checkpoint (which another plugin instance may have changed)
-    /// could not be re-read.
+    /// The checkpoint, which another plugin instance may have changed, could not be re-read.
     #[error("re-reading the checkpoint under the node lock: {0}")]
     Reload(Arc<CheckpointError>),
 }
@@ -167,40 +143,23 @@ pub enum ClaimFailure {
     /// The allocation cannot be prepared on this node as it is.
     #[error(transparent)]
     Rejected(#[from] Rejection),
-    /// NVML failed.
     #[error(transparent)]
     Backend(#[from] BackendError),
-    /// The checkpoint could not be written.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    /// The CDI spec could not be written or removed.
     #[error("writing the CDI spec: {0}")]
     Cdi(#[from] CdiError),
     /// The node lacks the driver's files or control device nodes every CUDA container
     /// needs (checked before anything is created).
     #[error("{0}")]
     NodeNotReady(CdiError),
-    /// The node lock could not be taken (shared by every claim of the call).
-    #[error("node lock: {0}")]
-    NodeLock(Arc<NodeLockError>),
-    /// The checkpoint could not be re-read under the node lock (shared by every claim of the
-    /// call).
-    #[error("re-reading the checkpoint under the node lock: {0}")]
-    CheckpointReload(Arc<CheckpointError>),
+    #[error(transparent)]
+    NodeAccess(#[from] NodeAccessError),
     /// The operation failed and undoing it failed too.
     #[error(
         "{0}; rolling back also failed: {1} (the claim stays recorded and is rolled back on the next attempt)"
     )]
     RollbackFailed(Box<ClaimFailure>, Box<ClaimFailure>),
-}
-
-impl From<NodeAccessError> for ClaimFailure {
-    fn from(e: NodeAccessError) -> Self {
-        match e {
-            NodeAccessError::Lock(e) => Self::NodeLock(e),
-            NodeAccessError::Reload(e) => Self::CheckpointReload(e),
-        }
-    }
 }
 
 impl From<PlanError> for ClaimFailure {
@@ -222,8 +181,8 @@ impl ClaimFailure {
             Self::Checkpoint(_) => "CheckpointError",
             Self::Cdi(_) => "CdiError",
             Self::NodeNotReady(_) => "DriverFilesUnavailable",
-            Self::NodeLock(_) => "NodeLockUnavailable",
-            Self::CheckpointReload(_) => "CheckpointError",
+            Self::NodeAccess(NodeAccessError::Lock(_)) => "NodeLockUnavailable",
+            Self::NodeAccess(NodeAccessError::Reload(_)) => "CheckpointError",
             Self::RollbackFailed(..) => "RollbackFailed",
         }
     }
@@ -242,7 +201,6 @@ struct Inner<C> {
     gpus: Gpus,
     hook: StepHook,
     metrics: Metrics,
-    /// Where events about failed claims go; set once by [`Driver::set_claim_events`].
     events: std::sync::OnceLock<ClaimEvents>,
     status: ClaimStatusWriter,
 }
@@ -335,22 +293,18 @@ impl<C: ClaimSource> Driver<C> {
         }
     }
 
-    /// This node's pool name.
     pub fn pool(&self) -> &str {
         self.inner.gpus.pool()
     }
 
-    /// The backend.
     fn backend(&self) -> &Arc<dyn GpuBackend> {
         self.inner.gpus.backend()
     }
 
-    /// The GPU table (inventory and device health).
     pub fn gpus(&self) -> &Gpus {
         &self.inner.gpus
     }
 
-    /// A copy of the checkpoint's claims.
     pub fn recorded_claims(&self) -> std::collections::BTreeMap<String, ClaimRecord> {
         self.inner.journal.claims()
     }
@@ -373,7 +327,6 @@ impl<C: ClaimSource> Driver<C> {
         Ok(node)
     }
 
-    /// Locks the GPUs `record` touches.
     fn lock_record_gpus<'n>(&self, node: &'n NodeLock, record: &ClaimRecord) -> GpuLocks<'n> {
         node.lock_gpus(&self.inner.gpus, record.devices.iter().map(|d| d.gpu_minor))
     }
@@ -460,18 +413,20 @@ impl<C: ClaimSource> Driver<C> {
 
 impl<C: ClaimSource> DraDriver for Driver<C> {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, PrepareOutcome> {
-        self.prepare_claims(claims)
-            .await
-            .into_iter()
-            .map(|(uid, outcome)| (uid, outcome.map_err(|e| e.to_string())))
-            .collect()
+        with_messages(self.prepare_claims(claims).await)
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareOutcome> {
-        self.unprepare_claims(claims)
-            .await
-            .into_iter()
-            .map(|(uid, outcome)| (uid, outcome.map_err(|e| e.to_string())))
-            .collect()
+        with_messages(self.unprepare_claims(claims).await)
     }
+}
+
+/// The kubelet gets each failure as its message.
+fn with_messages<T>(
+    outcomes: HashMap<String, Result<T, ClaimFailure>>,
+) -> HashMap<String, Result<T, String>> {
+    outcomes
+        .into_iter()
+        .map(|(uid, outcome)| (uid, outcome.map_err(|e| e.to_string())))
+        .collect()
 }

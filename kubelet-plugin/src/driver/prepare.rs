@@ -23,18 +23,15 @@ use crate::{
 use dra_kubelet::{ClaimRef, PreparedDevice};
 
 impl<C: ClaimSource> Driver<C> {
-    /// Prepares claims: one outcome per claim UID, with the typed failure. (The kubelet's
-    /// [`dra_kubelet::DraDriver::prepare`] is this, with the failures as messages.)
+    /// Prepares claims: one outcome per claim UID, with the typed failure.
     pub async fn prepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, PrepareResult> {
         let started = Instant::now();
         let nvml = NvmlClock::new();
         let mut outcomes = HashMap::with_capacity(claims.len());
         let mut pending = Vec::new();
-        // The fast path below answers without the node lock, so first catch up with what
-        // another plugin instance (a rolling update) wrote: a claim it unprepared meanwhile
-        // must not be answered from this instance's stale copy. The file is replaced
-        // atomically, so reading it without the lock sees one whole version. When it cannot
-        // be read, every claim takes the locked path, which reports why.
+        // The fast path answers without the node lock, so first catch up with what another
+        // plugin instance (a rolling update) wrote: a claim it unprepared meanwhile must not
+        // be answered from a stale copy. Unreadable, every claim takes the locked path.
         let fresh = match self.inner.journal.reload_if_changed() {
             Ok(_) => true,
             Err(e) => {
@@ -44,12 +41,7 @@ impl<C: ClaimSource> Driver<C> {
         };
         for claim in claims {
             // Idempotency without an API call: a completed claim is answered from the record.
-            let completed = if fresh {
-                self.inner.journal.completed(&claim.uid)
-            } else {
-                None
-            };
-            match completed {
+            match fresh.then(|| self.inner.journal.completed(&claim.uid)).flatten() {
                 Some(record) => {
                     self.inner.metrics.claim("prepare", true);
                     outcomes.insert(claim.uid.clone(), Ok(self.prepared_devices(&claim.uid, &record)));
@@ -57,7 +49,6 @@ impl<C: ClaimSource> Driver<C> {
                 None => pending.push(claim),
             }
         }
-        // The GETs run side by side: the call waits for them as long as this takes.
         let fetching = Instant::now();
         let fetched = futures::future::join_all(pending.into_iter().map(|claim| async move {
             let devices = self.fetch_allocation(&claim).await;
@@ -69,22 +60,18 @@ impl<C: ClaimSource> Driver<C> {
         let prepared = self
             .run_claims("prepare", &nvml, fetched, |driver, node, claim, fetched| {
                 let (devices, context) = fetched?;
-                if plan::admin_access(&devices)? {
+                let (devices, status, recorded) = if plan::admin_access(&devices)? {
                     let (devices, status) = driver.prepare_admin_access(node, claim, &devices)?;
-                    return Ok(Prepared {
-                        claim: claim.clone(),
-                        devices,
-                        status,
-                        recorded: false,
-                        context,
-                    });
-                }
-                let devices = driver.prepare_allocated(node, claim, devices)?;
+                    (devices, status, false)
+                } else {
+                    let devices = driver.prepare_allocated(node, claim, devices)?;
+                    (devices, driver.recorded_status_devices(node, &claim.uid), true)
+                };
                 Ok(Prepared {
                     claim: claim.clone(),
                     devices,
-                    status: driver.recorded_status_devices(node, &claim.uid),
-                    recorded: true,
+                    status,
+                    recorded,
                     context,
                 })
             })
@@ -191,13 +178,7 @@ impl<C: ClaimSource> Driver<C> {
         tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, devices = devices.len(), "prepared for monitoring (adminAccess): nothing created, changed or reserved");
         let prepared = devices
             .iter()
-            .map(|d| PreparedDevice {
-                request_names: vec![claims::base_request(&d.request).to_string()],
-                pool_name: d.pool.clone(),
-                device_name: d.device.clone(),
-                cdi_device_ids: self.inner.cdi.device_ids(&claim.uid, &d.device),
-                share_id: None,
-            })
+            .map(|d| self.prepared_device(&claim.uid, &d.request, &d.pool, &d.device, None))
             .collect();
         Ok((prepared, status))
     }
@@ -233,19 +214,16 @@ impl<C: ClaimSource> Driver<C> {
         }
     }
 
-    /// UIDs of the claims whose status write failed and waits for the periodic retry.
+    /// See [`crate::claim_status::ClaimStatusWriter::pending_claims`].
     pub fn claim_status_pending(&self) -> Vec<String> {
         self.inner.status.pending_claims()
     }
 
-    /// UIDs of the claims whose status write is queued for the background writer (or being
-    /// written now): empty once every prepare's and unprepare's write was tried.
+    /// Empty once every prepare's and unprepare's status write was tried.
     pub fn claim_status_queued(&self) -> Vec<String> {
         self.inner.status.queued_claims()
     }
 
-    /// Retries the claim status writes that failed
-    /// ([`crate::claim_status::ClaimStatusWriter::retry_pending`]).
     pub async fn retry_claim_status(&self) -> StatusRetryRound {
         let journal = &self.inner.journal;
         // Another plugin instance (a rolling update) may have unprepared claims since this
@@ -507,18 +485,29 @@ impl<C: ClaimSource> Driver<C> {
         record
             .devices
             .iter()
-            .map(|d| PreparedDevice {
-                request_names: vec![claims::base_request(&d.request).to_string()],
-                pool_name: d.pool.clone(),
-                device_name: d.device.clone(),
-                cdi_device_ids: self.inner.cdi.device_ids(uid, &d.device),
-                share_id: d.share_id.clone(),
-            })
+            .map(|d| self.prepared_device(uid, &d.request, &d.pool, &d.device, d.share_id.clone()))
             .collect()
+    }
+
+    fn prepared_device(
+        &self,
+        uid: &str,
+        request: &str,
+        pool: &str,
+        device: &str,
+        share_id: Option<String>,
+    ) -> PreparedDevice {
+        PreparedDevice {
+            request_names: vec![claims::base_request(request).to_string()],
+            pool_name: pool.to_string(),
+            device_name: device.to_string(),
+            cdi_device_ids: self.inner.cdi.device_ids(uid, device),
+            share_id,
+        }
     }
 }
 
-/// A claim prepared under the locks, with what its status write needs afterwards.
+/// A claim prepared under the locks, with what its status write needs.
 struct Prepared {
     claim: ClaimRef,
     devices: Vec<PreparedDevice>,
@@ -527,7 +516,6 @@ struct Prepared {
     context: StatusContext,
 }
 
-/// The device's UUID: the MIG device's, or the GPU's.
 fn device_uuid(device: &DeviceRecord) -> String {
     match &device.kind {
         DeviceKind::Mig {

@@ -22,21 +22,20 @@ use crate::{
     state_dir::NodeLock,
 };
 
-/// What startup recovery did.
+/// What startup recovery did; claims by UID.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RecoveryReport {
-    /// How the checkpoint was loaded.
     pub checkpoint: Option<LoadOutcome>,
     /// Half-prepared claims rolled back.
     pub rolled_back: Vec<String>,
     /// Half-unprepared claims finished.
     pub unprepared: Vec<String>,
-    /// Completed claims whose CDI spec was missing and rewritten.
+    /// Completed claims whose missing CDI spec was rewritten.
     pub cdi_rewritten: Vec<String>,
     /// Claims whose CDI spec an earlier boot left (their instances died with it), removed.
     pub cdi_removed: Vec<String>,
-    /// Records that could not be repaired at start: kept in the journal as they were and
-    /// retried in the background.
+    /// Records that could not be repaired at start: kept as they were and retried in the
+    /// background.
     pub pending: Vec<PendingRepair>,
 }
 
@@ -72,16 +71,12 @@ impl RecoveryReport {
     }
 }
 
-/// What repairing one record did.
+/// What repairing one record did (see [`RecoveryReport`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Repair {
-    /// A half-prepared claim was rolled back.
     RolledBack,
-    /// A half-unprepared claim was finished.
     Unprepared,
-    /// A completed claim's missing CDI spec was rewritten.
     CdiRewritten,
-    /// Nothing needed doing.
     Nothing,
 }
 
@@ -89,9 +84,7 @@ pub enum Repair {
 /// `max`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Backoff {
-    /// Delay before the first retry.
     pub initial: Duration,
-    /// Longest delay.
     pub max: Duration,
 }
 
@@ -105,7 +98,7 @@ impl Default for Backoff {
 }
 
 impl Backoff {
-    /// The delay before retry number `attempt` (0-based).
+    /// `attempt` is 0-based.
     pub fn delay(&self, attempt: u32) -> Duration {
         let factor = 2u32.checked_pow(attempt).unwrap_or(u32::MAX);
         self.initial.saturating_mul(factor).min(self.max)
@@ -115,9 +108,8 @@ impl Backoff {
 /// Something the status loop records as an event on the GpuNode.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RecoveryEvent {
-    /// Warning or Normal.
     pub type_: EventType,
-    /// A stable CamelCase reason (`RecoveryPending`, `RecoveryCompleted`).
+    /// A stable CamelCase reason (`RecoveryPending`, `RecoveryCompleted`, ...).
     pub reason: &'static str,
     /// The sentence for people.
     pub note: String,
@@ -226,7 +218,6 @@ impl<C: ClaimSource> Driver<C> {
         result
     }
 
-    /// The records recovery could not repair yet.
     pub fn pending_repairs(&self) -> Vec<PendingRepair> {
         self.inner.gpus.recovery_pending()
     }

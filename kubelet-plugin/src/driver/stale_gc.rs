@@ -2,19 +2,14 @@
 //!
 //! A claim deleted while the plugin was down, or one a kubelet never unprepared, would keep
 //! its MIG instance (and block that placement) forever. At start, after recovery, and then
-//! every interval ([`Driver::run_stale_claim_gc`]), each recorded claim is looked up through
-//! the [`ClaimSource`], with no lock held. It is stale only when the API answers clearly: the
-//! claim is not found, it has another UID (it was replaced), or its allocation no longer
-//! names this driver and pool. An API error or a timeout proves nothing, so the claim is
-//! kept. A stale claim is torn down through the same routine as the kubelet's unprepare,
-//! under the node lock and its GPU locks, after the record is read again there (the kubelet
-//! may have unprepared it meanwhile). A claim being prepared is never collected: every
-//! prepare holds the node lock from its first record to its last, so a half-prepared record
-//! seen under the node lock is one whose prepare died (another plugin instance crashed, or
-//! a rollback failed); its claim being gone, no kubelet will retry it, so it is rolled back
-//! (recovery would do so only at the next start). Each release is counted
-//! (`stale_claims_released_total`) and sent to the status loop, which records a
-//! `StaleClaimReleased` event on the GpuNode.
+//! every interval, each recorded claim is looked up with no lock held. It is stale only when
+//! the API answers clearly: not found, another UID (replaced), or an allocation that no
+//! longer names this driver and pool; an error or a timeout proves nothing. A stale claim is
+//! torn down like the kubelet's unprepare, under the node lock and its GPU locks, after the
+//! record is read again there. A prepare holds the node lock from its first record to its
+//! last, so a half-prepared record seen under it is one whose prepare died; its claim being
+//! gone, no kubelet will retry it, so it is rolled back. Each release is counted and becomes
+//! a `StaleClaimReleased` event on the GpuNode.
 
 use std::time::Duration;
 
@@ -35,16 +30,13 @@ pub enum StaleCause {
     /// The API server says the claim does not exist.
     NotFound,
     /// A claim of that name exists with another UID: the recorded one was deleted.
-    Replaced {
-        /// The UID the API server has now.
-        current_uid: String,
-    },
+    Replaced { current_uid: String },
     /// The claim exists but its allocation no longer names this driver and pool.
     NotAllocatedHere,
 }
 
 impl StaleCause {
-    /// A stable CamelCase label (for metrics).
+    /// A stable CamelCase label for metrics.
     pub fn reason(&self) -> &'static str {
         match self {
             Self::NotFound => "ClaimNotFound",
@@ -67,18 +59,15 @@ impl StaleCause {
 /// A stale claim that was released.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReleasedClaim {
-    /// The recorded UID.
     pub uid: String,
     /// `namespace/name`.
     pub claim: String,
-    /// Why it was stale.
     pub cause: StaleCause,
 }
 
 /// What one garbage-collection pass did.
 #[derive(Debug, Default)]
 pub struct StaleGcRound {
-    /// Stale claims torn down.
     pub released: Vec<ReleasedClaim>,
     /// Claims kept because the API server could not be asked (error or timeout), by UID.
     pub unknown: Vec<String>,

@@ -19,8 +19,7 @@ use crate::{
 use dra_kubelet::ClaimRef;
 
 impl<C: ClaimSource> Driver<C> {
-    /// Unprepares claims: one outcome per claim UID, with the typed failure. (The kubelet's
-    /// [`dra_kubelet::DraDriver::unprepare`] is this, with the failures as messages.)
+    /// Unprepares claims: one outcome per claim UID, with the typed failure.
     pub async fn unprepare_claims(&self, claims: Vec<ClaimRef>) -> HashMap<String, UnprepareResult> {
         let started = Instant::now();
         let nvml = NvmlClock::new();

@@ -6,32 +6,16 @@ use std::{fmt, path::Path};
 
 use super::DriverFilesError;
 
-/// A device node CUDA needs and what its absence means.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RequiredDeviceNode {
-    /// File name under the device root, e.g. `nvidia-uvm`.
-    pub name: &'static str,
-    /// Why it is usually missing.
-    pub cause: &'static str,
-}
+const UVM_MISSING: &str = "the nvidia-uvm kernel module is not loaded (or its device nodes were not \
+                           created: `nvidia-modprobe -u -c=0` creates them)";
 
 /// `/dev/nvidiactl` (driver control), `/dev/nvidia-uvm` and `/dev/nvidia-uvm-tools` (unified
-/// memory: `cuInit` fails without them).
-pub const REQUIRED_DEVICE_NODES: &[RequiredDeviceNode] = &[
-    RequiredDeviceNode {
-        name: "nvidiactl",
-        cause: "the nvidia kernel module is not loaded",
-    },
-    RequiredDeviceNode {
-        name: "nvidia-uvm",
-        cause: "the nvidia-uvm kernel module is not loaded (or its device nodes were not \
-                created: `nvidia-modprobe -u -c=0` creates them)",
-    },
-    RequiredDeviceNode {
-        name: "nvidia-uvm-tools",
-        cause: "the nvidia-uvm kernel module is not loaded (or its device nodes were not \
-                created: `nvidia-modprobe -u -c=0` creates them)",
-    },
+/// memory: `cuInit` fails without them): file name under the device root, and why it is
+/// usually missing.
+const REQUIRED_DEVICE_NODES: &[(&str, &str)] = &[
+    ("nvidiactl", "the nvidia kernel module is not loaded"),
+    ("nvidia-uvm", UVM_MISSING),
+    ("nvidia-uvm-tools", UVM_MISSING),
 ];
 
 /// A missing required node.
@@ -39,7 +23,6 @@ pub const REQUIRED_DEVICE_NODES: &[RequiredDeviceNode] = &[
 pub struct MissingDeviceNode {
     /// The node as a container names it, e.g. `/dev/nvidia-uvm`.
     pub node: String,
-    /// Where it was looked for.
     pub looked_at: std::path::PathBuf,
     /// Why it is usually missing.
     pub cause: &'static str,
@@ -63,12 +46,12 @@ pub fn check_required_device_nodes(
 ) -> Result<(), DriverFilesError> {
     let missing: Vec<MissingDeviceNode> = REQUIRED_DEVICE_NODES
         .iter()
-        .filter_map(|required| {
-            let path = dev_root.join(required.name);
+        .filter_map(|&(name, cause)| {
+            let path = dev_root.join(name);
             (!exists(&path)).then(|| MissingDeviceNode {
-                node: format!("/dev/{}", required.name),
+                node: format!("/dev/{name}"),
                 looked_at: path,
-                cause: required.cause,
+                cause,
             })
         })
         .collect();

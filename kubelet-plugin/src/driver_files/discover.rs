@@ -111,12 +111,10 @@ fn is_absent(error: &io::Error) -> bool {
 }
 
 impl Root<'_> {
-    /// Where this process reads a path of the root.
     fn local(&self, path_in_root: &Path) -> PathBuf {
         self.visible_at.join(relative(path_in_root))
     }
 
-    /// The host's name for a path of the root.
     fn host(&self, path_in_root: &Path) -> PathBuf {
         self.on_host.join(relative(path_in_root))
     }
@@ -365,6 +363,20 @@ fn driver_file(root: &Root, resolved: &Path, container_path: &Path) -> DriverFil
     }
 }
 
+/// The first of `lookups` that `find` resolves.
+fn first_found(
+    root: &Root,
+    lookups: impl IntoIterator<Item = PathBuf>,
+    find: impl Fn(&Path) -> Result<Option<PathBuf>, DriverFilesError>,
+) -> Result<Option<DriverFile>, DriverFilesError> {
+    for lookup in lookups {
+        if let Some(resolved) = find(&lookup)? {
+            return Ok(Some(driver_file(root, &resolved, &lookup)));
+        }
+    }
+    Ok(None)
+}
+
 fn validate_version(version: &str) -> Result<(), DriverFilesError> {
     if version.is_empty() || version.contains('/') || version.contains(char::is_whitespace) {
         return Err(DriverFilesError::InvalidVersion(version.to_string()));
@@ -447,15 +459,8 @@ pub fn discover(inputs: &DiscoveryInputs) -> Result<DriverFiles, DriverFilesErro
 
     let mut binaries = Vec::new();
     for name in BINARIES {
-        let mut found = None;
-        for dir in BINARY_DIRS {
-            let lookup = Path::new(dir).join(name);
-            if let Some(resolved) = root.find_file(&lookup, true)? {
-                found = Some(driver_file(&root, &resolved, &lookup));
-                break;
-            }
-        }
-        match found {
+        let lookups = BINARY_DIRS.iter().map(|dir| Path::new(dir).join(name));
+        match first_found(&root, lookups, |path| root.find_file(path, true))? {
             Some(file) => binaries.push(file),
             None => tracing::debug!(binary = name, "driver utility not found; not mounting it"),
         }
@@ -483,17 +488,11 @@ pub fn discover(inputs: &DiscoveryInputs) -> Result<DriverFiles, DriverFilesErro
 
     let mut ipc = Vec::new();
     for candidates in IPC_PATHS {
-        let mut found = None;
-        for candidate in *candidates {
-            let lookup = Path::new(candidate);
-            if let Some(resolved) = root.resolve(lookup)?
-                && root.metadata(&resolved)?.is_some()
-            {
-                found = Some(driver_file(&root, &resolved, lookup));
-                break;
-            }
-        }
-        match found {
+        let exists = |path: &Path| match root.resolve(path)? {
+            Some(resolved) if root.metadata(&resolved)?.is_some() => Ok(Some(resolved)),
+            _ => Ok(None),
+        };
+        match first_found(&root, candidates.iter().map(PathBuf::from), exists)? {
             Some(file) => ipc.push(file),
             None => tracing::debug!(candidates = ?candidates, "IPC endpoint not found; not mounting it"),
         }

@@ -37,10 +37,8 @@ pub struct ContainerEdits {
     /// `KEY=value` entries.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<String>,
-    /// Bind mounts.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<Mount>,
-    /// OCI hooks.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hooks: Vec<Hook>,
 }
@@ -65,7 +63,6 @@ pub struct Hook {
     pub path: String,
     /// Full argv, `argv[0]` first.
     pub args: Vec<String>,
-    /// Environment of the hook process.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<String>,
 }

@@ -27,78 +27,52 @@ const NEW_ENTRY_LEN: usize = 24;
 /// Alignment of the new-format header after an old-format table.
 const NEW_HEADER_ALIGN: usize = 8;
 
-/// `FLAG_ELF_LIBC6`: the entry type for glibc ELF libraries (low byte of an entry's flags).
+/// The entry type (low byte of an entry's flags) of glibc ELF libraries.
 pub const FLAG_ELF_LIBC6: i32 = 0x0003;
-/// Mask of the entry type.
 const FLAG_TYPE_MASK: i32 = 0x00ff;
-/// Mask of the architecture ("required") bits.
+/// The architecture ("required") bits.
 const FLAG_REQUIRED_MASK: i32 = 0xff00;
-/// `FLAG_X8664_LIB64`.
 pub const FLAG_X8664_LIB64: i32 = 0x0300;
-/// `FLAG_AARCH64_LIB64`.
 pub const FLAG_AARCH64_LIB64: i32 = 0x0a00;
 
-/// A malformed cache: what is wrong and where.
+/// A malformed cache: what is wrong and where (`offset` is the byte offset of the structure
+/// or field concerned, `len` the file's length).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum LdCacheError {
-    /// Neither format's magic is at the start.
     #[error("byte 0: not a glibc linker cache (no \"glibc-ld.so.cache1.1\" or \"ld.so-1.7.0\" magic)")]
     BadMagic,
     /// An old-format cache without the new format after it (the loader of every supported
     /// glibc reads only the new format).
     #[error("byte {offset}: old-format cache without the new-format table after it")]
-    OldFormatOnly {
-        /// Where the new-format header should start.
-        offset: usize,
-    },
-    /// The file ends before a structure it declares.
+    OldFormatOnly { offset: usize },
+    /// The file ends before a structure it declares, which needs the file to reach `needed`.
     #[error("byte {offset}: file ends before the {what} ({needed} bytes needed, file has {len})")]
     Truncated {
-        /// Start of the structure.
         offset: usize,
-        /// What was being read.
         what: &'static str,
-        /// End offset the structure needs.
         needed: usize,
-        /// File length.
         len: usize,
     },
-    /// The header declares a byte order we do not read.
+    /// The header declares a byte order we do not read ("big-endian" or "invalid").
     #[error("byte {offset}: cache byte order is {order}, expected little-endian")]
-    ByteOrder {
-        /// Offset of the header's flags byte.
-        offset: usize,
-        /// "big-endian" or "invalid".
-        order: &'static str,
-    },
-    /// An entry's string offset points outside the file.
+    ByteOrder { offset: usize, order: &'static str },
+    /// An entry's `key` or `value` string offset points outside the file.
     #[error("byte {offset}: entry {entry}'s {field} offset {value} is outside the file ({len} bytes)")]
     StringOutOfRange {
-        /// Offset of the field in the file.
         offset: usize,
-        /// Entry index.
         entry: usize,
-        /// `key` or `value`.
         field: &'static str,
-        /// The offset found.
         value: u32,
-        /// File length.
         len: usize,
     },
     /// A string runs to the end of the file without its NUL.
     #[error("byte {offset}: string of entry {entry} is not NUL-terminated")]
-    UnterminatedString {
-        /// Start of the string.
-        offset: usize,
-        /// Entry index.
-        entry: usize,
-    },
+    UnterminatedString { offset: usize, entry: usize },
 }
 
 /// One library of the cache.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LdCacheEntry {
-    /// Type and architecture bits.
     pub flags: i32,
     /// The soname, e.g. `libcuda.so.1`.
     pub soname: OsString,
@@ -111,9 +85,7 @@ pub struct LdCacheEntry {
 /// (`0x0003`) and x32 entries of the same soname are skipped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LibraryArch {
-    /// x86-64 (`FLAG_X8664_LIB64`).
     X86_64,
-    /// 64-bit ARM (`FLAG_AARCH64_LIB64`).
     Aarch64,
 }
 
@@ -126,7 +98,6 @@ impl LibraryArch {
         LibraryArch::X86_64
     };
 
-    /// True when an entry with `flags` is a library of this architecture.
     pub fn accepts(self, flags: i32) -> bool {
         let required = match self {
             LibraryArch::X86_64 => FLAG_X8664_LIB64,
@@ -135,7 +106,7 @@ impl LibraryArch {
         flags & FLAG_TYPE_MASK == FLAG_ELF_LIBC6 && flags & FLAG_REQUIRED_MASK == required
     }
 
-    /// The Debian multiarch directory name of this architecture.
+    /// The Debian multiarch directory name.
     pub fn multiarch(self) -> &'static str {
         match self {
             LibraryArch::X86_64 => "x86_64-linux-gnu",
@@ -158,7 +129,6 @@ fn read_u32(bytes: &[u8], offset: usize, what: &'static str) -> Result<u32, LdCa
     Ok(u32::from_le_bytes(field))
 }
 
-/// Checks that `offset + len` fits in the file.
 fn require(bytes: &[u8], offset: usize, len: usize, what: &'static str) -> Result<(), LdCacheError> {
     match offset.checked_add(len) {
         Some(end) if end <= bytes.len() => Ok(()),
@@ -242,20 +212,16 @@ pub fn parse(bytes: &[u8]) -> Result<Vec<LdCacheEntry>, LdCacheError> {
     let count = read_u32(bytes, base + NEW_MAGIC.len(), "new-format header")? as usize;
     let strings_len = read_u32(bytes, base + NEW_MAGIC.len() + 4, "new-format header")? as usize;
     let flags_offset = base + NEW_MAGIC.len() + 8;
-    match bytes[flags_offset] & 0b11 {
-        0 | 2 => {}
-        1 => {
-            return Err(LdCacheError::ByteOrder {
-                offset: flags_offset,
-                order: "invalid",
-            });
-        }
-        _ => {
-            return Err(LdCacheError::ByteOrder {
-                offset: flags_offset,
-                order: "big-endian",
-            });
-        }
+    let order = match bytes[flags_offset] & 0b11 {
+        0 | 2 => None,
+        1 => Some("invalid"),
+        _ => Some("big-endian"),
+    };
+    if let Some(order) = order {
+        return Err(LdCacheError::ByteOrder {
+            offset: flags_offset,
+            order,
+        });
     }
     let table = base + NEW_HEADER_LEN;
     let table_len = count.saturating_mul(NEW_ENTRY_LEN);

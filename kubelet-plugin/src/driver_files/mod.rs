@@ -32,9 +32,7 @@ use std::{
     sync::Arc,
 };
 
-pub use device_nodes::{
-    MissingDeviceNode, REQUIRED_DEVICE_NODES, RequiredDeviceNode, check_required_device_nodes,
-};
+pub use device_nodes::{MissingDeviceNode, check_required_device_nodes};
 pub use discover::{
     BINARY_DIRS, DEFAULT_HOOK_PATH, IPC_PATHS, discover, fallback_library_dirs, firmware_dirs,
 };
@@ -97,14 +95,13 @@ pub struct SonameLink {
 /// Every list is sorted by container path (links by link path) and has no duplicates.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DriverFiles {
-    /// The driver version the files belong to.
     pub version: String,
     /// Versioned libraries (always including `libcuda.so.<version>` and
     /// `libnvidia-ml.so.<version>` when discovered).
     pub libraries: Vec<DriverFile>,
     /// Utilities (`nvidia-smi`, …) that exist.
     pub binaries: Vec<DriverFile>,
-    /// GSP firmware files.
+    /// GSP firmware.
     pub firmware: Vec<DriverFile>,
     /// Daemon sockets and the MPS directory that exist.
     pub ipc: Vec<DriverFile>,
@@ -119,39 +116,31 @@ pub struct DriverFiles {
 /// Why the driver's files could not be discovered (or a node cannot run CUDA containers).
 #[derive(Debug, thiserror::Error)]
 pub enum DriverFilesError {
-    /// The driver version cannot name files.
     #[error("driver version {0:?} is not a version (empty, or contains '/' or whitespace)")]
     InvalidVersion(String),
-    /// A library every CUDA container needs is not there.
     #[error(
         "no {library}.so.{version} found under {root} (searched: {}); is the driver root \
          right and does its version match the loaded kernel module?",
         display_paths(.searched)
     )]
+    /// `library` (`libcuda` or `libnvidia-ml`) is not under the driver root (host paths).
     MissingLibrary {
-        /// `libcuda` or `libnvidia-ml`.
         library: &'static str,
         version: String,
-        /// The driver root on the host.
         root: PathBuf,
-        /// Where it was looked for (host paths).
         searched: Vec<PathBuf>,
     },
-    /// The driver root's linker cache is not a valid glibc cache.
+    /// The driver root's linker cache (`path` on the host) is not a valid glibc cache.
     #[error("corrupt linker cache {path}: {source}")]
     CorruptLdCache {
-        /// The cache file (host path).
         path: PathBuf,
-        /// What is wrong, with the byte offset.
         #[source]
         source: LdCacheError,
     },
-    /// A path exists but could not be read.
+    /// A path (as this process sees it) exists but could not be read.
     #[error("reading {path}: {source}")]
     Read {
-        /// The path as this process sees it.
         path: PathBuf,
-        /// The I/O error.
         #[source]
         source: io::Error,
     },
@@ -190,11 +179,6 @@ pub struct DriverFilesCache {
 }
 
 impl DriverFilesCache {
-    /// An empty cache.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     /// The files for `inputs`, discovered now unless the last discovery had the same inputs.
     pub fn get(&mut self, inputs: &DiscoveryInputs) -> Result<Arc<DriverFiles>, DriverFilesError> {
         self.get_with(inputs, discover)

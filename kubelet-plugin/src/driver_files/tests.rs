@@ -913,7 +913,7 @@ fn missing_uvm_nodes_say_which_module_is_missing() {
 
 #[test]
 fn cache_discovers_again_only_when_inputs_change() {
-    let mut cache = DriverFilesCache::new();
+    let mut cache = DriverFilesCache::default();
     let mut calls = Vec::new();
     let mut get = |cache: &mut DriverFilesCache, version: &str| {
         cache
@@ -934,7 +934,7 @@ fn cache_discovers_again_only_when_inputs_change() {
 
 #[test]
 fn cache_does_not_keep_failures() {
-    let mut cache = DriverFilesCache::new();
+    let mut cache = DriverFilesCache::default();
     let inputs = inputs(Path::new("/r"), VERSION);
     let err = cache.get_with(&inputs, |i| {
         Err(DriverFilesError::InvalidVersion(i.driver_version.clone()))
@@ -956,7 +956,7 @@ fn driver_upgrade_on_disk_is_picked_up_with_the_new_version() {
     let root = dir.path().join("root");
     fs::create_dir(&root).unwrap();
     create_driver_root(&root, VERSION, &DriverRootOptions::default()).unwrap();
-    let mut cache = DriverFilesCache::new();
+    let mut cache = DriverFilesCache::default();
     let old = cache.get(&inputs(&root, VERSION)).unwrap();
     // Upgrade: the old files are replaced by the new version's.
     fs::remove_dir_all(&root).unwrap();

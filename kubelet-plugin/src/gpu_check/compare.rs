@@ -18,11 +18,9 @@ use crate::nvml::GpuDescription;
 /// The outcome of comparing one GPU with the catalog.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CatalogComparison {
-    /// The recognised catalog model.
     pub model: Option<&'static GpuModel>,
     /// One row per NVML profile.
     pub rows: Vec<ProfileRow>,
-    /// Mismatches and warnings.
     pub findings: Vec<Finding>,
 }
 
@@ -33,20 +31,17 @@ pub fn compare_with_catalog(gpu: &GpuDescription, catalog: &'static [GpuModel]) 
     let model = catalog
         .iter()
         .find(|m| m.product_name.eq_ignore_ascii_case(product));
-    let mut findings = Vec::new();
     let gpu_label = format!("GPU {} ({})", gpu.index, gpu.product_name);
     let Some(mig) = &gpu.mig else {
-        if let Some(m) = model {
-            findings.push(Finding::warning(format!(
+        let message = match model {
+            Some(m) => format!(
                 "{gpu_label}: catalog model {} is MIG-capable but NVML reports no MIG support \
                  (GetMigMode not supported, e.g. in a VM); migdra can publish it only whole",
                 m.key
-            )));
-        } else {
-            findings.push(Finding::warning(format!(
-                "{gpu_label}: not MIG-capable; migdra publishes it whole, no MIG checks"
-            )));
-        }
+            ),
+            None => format!("{gpu_label}: not MIG-capable; migdra publishes it whole, no MIG checks"),
+        };
+        let findings = vec![Finding::warning(message)];
         return CatalogComparison {
             model,
             rows: Vec::new(),
@@ -54,26 +49,28 @@ pub fn compare_with_catalog(gpu: &GpuDescription, catalog: &'static [GpuModel]) 
         };
     };
     let Some(model) = model else {
-        findings.push(Finding::mismatch(format!(
-            "{gpu_label}: product name {:?} is not in migdra's catalog (known: {})",
-            gpu.product_name,
-            catalog
-                .iter()
-                .map(|m| m.product_name)
-                .collect::<Vec<_>>()
-                .join(", ")
-        )));
+        let known = catalog
+            .iter()
+            .map(|m| m.product_name)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let message = format!(
+            "{gpu_label}: product name {:?} is not in migdra's catalog (known: {known})",
+            gpu.product_name
+        );
         let rows = mig
             .profiles
             .iter()
             .map(|p| row(p, RowStatus::NotInCatalog))
             .collect();
+        let findings = vec![Finding::mismatch(message)];
         return CatalogComparison {
             model: None,
             rows,
             findings,
         };
     };
+    let mut findings = Vec::new();
     let label = format!("{gpu_label} [{}]", model.key);
     for e in model.estimates {
         let fields = e.fields.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(", ");
@@ -176,86 +173,59 @@ struct Difference {
 }
 
 fn differences(nvml: &MigProfile, catalog: &MigProfile) -> Vec<Difference> {
-    let mut out = Vec::new();
-    let mut check = |what, field, a: String, b: String| {
-        if a != b {
-            out.push(Difference {
-                what,
-                field,
-                nvml: a,
-                catalog: b,
-            });
-        }
+    let fields = |p: &MigProfile| {
+        let e = p.engines;
+        [
+            ("name", None, p.name.to_string()),
+            ("profile index", None, p.gi_profile_index.to_string()),
+            ("compute slices", None, p.compute_slices.to_string()),
+            ("memory slices", None, p.memory_slices.to_string()),
+            ("instance count", None, p.instance_count.to_string()),
+            (
+                "placements",
+                Some(ProfileField::Placements),
+                format!("{:?}", sorted(&p.placements)),
+            ),
+            (
+                "memory MiB",
+                Some(ProfileField::MemoryMib),
+                p.memory_mib.to_string(),
+            ),
+            (
+                "multiprocessors",
+                Some(ProfileField::Multiprocessors),
+                e.multiprocessors.to_string(),
+            ),
+            (
+                "copy engines",
+                Some(ProfileField::CopyEngines),
+                e.copy_engines.to_string(),
+            ),
+            ("decoders", Some(ProfileField::Decoders), e.decoders.to_string()),
+            ("encoders", None, e.encoders.to_string()),
+            (
+                "JPEG engines",
+                Some(ProfileField::JpegEngines),
+                e.jpeg_engines.to_string(),
+            ),
+            (
+                "OFA engines",
+                Some(ProfileField::OfaEngines),
+                e.ofa_engines.to_string(),
+            ),
+        ]
     };
-    check("name", None, nvml.name.to_string(), catalog.name.to_string());
-    check(
-        "profile index",
-        None,
-        nvml.gi_profile_index.to_string(),
-        catalog.gi_profile_index.to_string(),
-    );
-    check(
-        "compute slices",
-        None,
-        nvml.compute_slices.to_string(),
-        catalog.compute_slices.to_string(),
-    );
-    check(
-        "memory slices",
-        None,
-        nvml.memory_slices.to_string(),
-        catalog.memory_slices.to_string(),
-    );
-    check(
-        "instance count",
-        None,
-        nvml.instance_count.to_string(),
-        catalog.instance_count.to_string(),
-    );
-    check(
-        "placements",
-        Some(ProfileField::Placements),
-        format!("{:?}", sorted(&nvml.placements)),
-        format!("{:?}", sorted(&catalog.placements)),
-    );
-    check(
-        "memory MiB",
-        Some(ProfileField::MemoryMib),
-        nvml.memory_mib.to_string(),
-        catalog.memory_mib.to_string(),
-    );
-    let (a, b) = (nvml.engines, catalog.engines);
-    for (what, field, x, y) in [
-        (
-            "multiprocessors",
-            Some(ProfileField::Multiprocessors),
-            a.multiprocessors,
-            b.multiprocessors,
-        ),
-        (
-            "copy engines",
-            Some(ProfileField::CopyEngines),
-            a.copy_engines,
-            b.copy_engines,
-        ),
-        ("decoders", Some(ProfileField::Decoders), a.decoders, b.decoders),
-        ("encoders", None, a.encoders, b.encoders),
-        (
-            "JPEG engines",
-            Some(ProfileField::JpegEngines),
-            a.jpeg_engines,
-            b.jpeg_engines,
-        ),
-        (
-            "OFA engines",
-            Some(ProfileField::OfaEngines),
-            a.ofa_engines,
-            b.ofa_engines,
-        ),
-    ] {
-        check(what, field, x.to_string(), y.to_string());
-    }
-    out
+    fields(nvml)
+        .into_iter()
+        .zip(fields(catalog))
+        .filter(|(a, b)| a.2 != b.2)
+        .map(|((what, field, nvml), (_, _, catalog))| Difference {
+            what,
+            field,
+            nvml,
+            catalog,
+        })
+        .collect()
 }
 
 fn sorted(v: &[u32]) -> Vec<u32> {

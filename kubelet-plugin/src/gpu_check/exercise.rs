@@ -9,12 +9,13 @@ use std::{
     time::{Duration, Instant},
 };
 
+use migdra_api::geometry::MigProfile;
 use serde::Serialize;
 
 use super::{CheckError, report::Finding};
 use crate::{
     cdi::{CdiWriter, ClaimDevice},
-    nvml::{BackendError, GpuBackend, GpuDescription, MigModeChange, NvmlBackend},
+    nvml::{GpuBackend, GpuDescription, MigModeChange, NvmlBackend},
 };
 
 /// What full mode cannot check, printed with every full-mode report.
@@ -30,13 +31,8 @@ pub fn ensure_idle(backend: &NvmlBackend, gpu: &GpuDescription) -> Result<(), Ch
     let list = instances
         .iter()
         .map(|gi| {
-            format!(
-                "GI {} (profile ID {}, start {}, {} compute instance(s))",
-                gi.id,
-                gi.profile_id,
-                gi.start,
-                gi.compute_instances.len()
-            )
+            let (id, profile, start, cis) = (gi.id, gi.profile_id, gi.start, gi.compute_instances.len());
+            format!("GI {id} (profile ID {profile}, start {start}, {cis} compute instance(s))")
         })
         .collect::<Vec<_>>()
         .join(", ");
@@ -50,18 +46,14 @@ pub fn ensure_idle(backend: &NvmlBackend, gpu: &GpuDescription) -> Result<(), Ch
 }
 
 /// One placement exercised.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PlacementResult {
-    /// Profile name.
     pub profile: String,
-    /// GPU-instance profile ID.
     pub profile_id: u32,
-    /// Placement start.
     pub start: u32,
-    /// GPU-instance ID NVML gave.
+    /// The IDs NVML gave.
     pub gpu_instance: Option<u32>,
-    /// Compute-instance ID NVML gave.
     pub compute_instance: Option<u32>,
     pub mig_uuid: Option<String>,
     /// Capability minors (GI, CI) from the access files.
@@ -78,9 +70,8 @@ pub struct CallTiming {
     pub call: String,
     /// Successful calls timed.
     pub count: usize,
-    /// Median (lower) in milliseconds.
+    /// Lower median.
     pub p50_ms: f64,
-    /// Maximum in milliseconds.
     pub max_ms: f64,
 }
 
@@ -90,7 +81,6 @@ pub struct CallTiming {
 pub struct ExerciseReport {
     /// Every placement, in NVML profile order.
     pub placements: Vec<PlacementResult>,
-    /// NVML timings per call.
     pub timings: Vec<CallTiming>,
     /// What happened to the MIG mode (`left on`, `enabled, then restored to off`, ...).
     pub mig_mode_note: String,
@@ -101,7 +91,6 @@ pub struct ExerciseReport {
 /// The NVML calls full mode times, in report order.
 pub const TIMED_CALLS: [&str; 4] = ["create GI", "create CI", "destroy CI", "destroy GI"];
 
-/// Durations per call kind.
 #[derive(Debug, Default)]
 pub struct Timings(BTreeMap<&'static str, Vec<Duration>>);
 
@@ -135,21 +124,18 @@ impl Timings {
     }
 }
 
-/// Exercises every placement of an idle MIG-capable GPU (see the module docs). Problems are
-/// findings, never early returns, so the MIG mode is always restored.
-pub fn exercise_gpu(backend: &NvmlBackend, gpu: &GpuDescription, cdi: &CdiWriter) -> ExerciseReport {
+/// Exercises every placement of an idle MIG-capable GPU whose MIG mode is `was_enabled` (see
+/// the module docs). Problems are findings, never early returns, so the MIG mode is always
+/// restored.
+pub fn exercise_gpu(
+    backend: &NvmlBackend,
+    gpu: &GpuDescription,
+    was_enabled: bool,
+    cdi: &CdiWriter,
+) -> ExerciseReport {
     let mut findings = Vec::new();
     let mut timings = Timings::default();
     let label = format!("GPU {} ({})", gpu.index, gpu.product_name);
-    let Some(mig) = &gpu.mig else {
-        return ExerciseReport {
-            placements: Vec::new(),
-            timings: timings.summary(),
-            mig_mode_note: "not MIG-capable".into(),
-            findings,
-        };
-    };
-    let was_enabled = mig.enabled;
     let mut placements = Vec::new();
     let mut mig_mode_note = "left on".to_string();
 
@@ -167,19 +153,13 @@ pub fn exercise_gpu(backend: &NvmlBackend, gpu: &GpuDescription, cdi: &CdiWriter
         Ok(current) => {
             for p in current.mig.iter().flat_map(|m| &m.profiles) {
                 for &start in &p.placements {
-                    let result =
-                        exercise_placement(backend, &current, cdi, p.gi_profile_id, start, &mut timings);
-                    let (result, problems) = result;
-                    for problem in problems {
-                        findings.push(Finding::mismatch(format!(
-                            "{label}: {}@{start} (ID {}): {problem}",
-                            p.name, p.gi_profile_id
-                        )));
-                    }
-                    placements.push(PlacementResult {
-                        profile: p.name.to_string(),
-                        ..result
-                    });
+                    let (result, problems) =
+                        exercise_placement(backend, &current, cdi, p, start, &mut timings);
+                    let (name, id) = (p.name, p.gi_profile_id);
+                    let problem =
+                        |problem| Finding::mismatch(format!("{label}: {name}@{start} (ID {id}): {problem}"));
+                    findings.extend(problems.into_iter().map(problem));
+                    placements.push(result);
                 }
             }
             match backend.list_gpu_instances(current.index) {
@@ -222,11 +202,9 @@ fn enable_mig(backend: &NvmlBackend, gpu: &GpuDescription) -> Result<GpuDescript
     match backend.set_mig_mode(gpu.index, true) {
         Ok(MigModeChange::Applied) => {}
         Ok(MigModeChange::PendingReset) => {
-            return Err(
-                "enabling MIG needs a GPU reset on this GPU (Ampere); enable MIG mode \
-                        and reset the GPU first, then run gpu-check again"
-                    .into(),
-            );
+            let why = "enabling MIG needs a GPU reset on this GPU (Ampere); enable MIG mode \
+                       and reset the GPU first, then run gpu-check again";
+            return Err(why.into());
         }
         Err(e) => return Err(format!("enabling MIG mode: {e}")),
     }
@@ -247,20 +225,17 @@ fn exercise_placement(
     backend: &NvmlBackend,
     gpu: &GpuDescription,
     cdi: &CdiWriter,
-    profile_id: u32,
+    profile: &MigProfile,
     start: u32,
     timings: &mut Timings,
 ) -> (PlacementResult, Vec<String>) {
     let mut problems = Vec::new();
+    let profile_id = profile.gi_profile_id;
     let mut result = PlacementResult {
-        profile: String::new(),
+        profile: profile.name.to_string(),
         profile_id,
         start,
-        gpu_instance: None,
-        compute_instance: None,
-        mig_uuid: None,
-        capability_minors: None,
-        ok: false,
+        ..PlacementResult::default()
     };
     let index = gpu.index;
     let gi = match timings.time("create GI", || {
@@ -321,14 +296,10 @@ fn exercise_placement(
                 ));
             }
         }
-        Err(e) => problems.push(destroy_failure(&e)),
+        Err(e) => problems.push(format!("{e} (the instance may be left on the GPU)")),
     }
     result.ok = problems.is_empty();
     (result, problems)
-}
-
-fn destroy_failure(e: &BackendError) -> String {
-    format!("{e} (the instance may be left on the GPU)")
 }
 
 /// The device nodes a CDI spec would carry for the instance: both capability devices with the

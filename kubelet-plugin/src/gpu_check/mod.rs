@@ -77,7 +77,6 @@ pub struct GpuCheckArgs {
     pub nvidia_cdi_hook_path: PathBuf,
 }
 
-/// Output formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OutputFormat {
     /// Human-readable tables.
@@ -93,9 +92,7 @@ pub struct CheckOptions {
     pub read_only: bool,
     /// Only this NVML index.
     pub gpu: Option<u32>,
-    /// Where /proc is.
     pub proc_root: PathBuf,
-    /// Driver root for driver-file discovery: its host path, and where this process sees it.
     pub driver_root: HostDir,
     /// Where this process sees the host's `/`.
     pub host_root: PathBuf,
@@ -137,36 +134,28 @@ pub enum CheckError {
     NoSuchGpu(u32, String),
     /// Full mode refused on a GPU that is not idle, or that cannot be exercised.
     #[error("full mode refused on GPU {gpu}: {reason}")]
-    Refused {
-        /// NVML index.
-        gpu: u32,
-        reason: String,
-    },
+    Refused { gpu: u32, reason: String },
 }
 
 /// Runs the subcommand: prints the report to stdout and returns the exit code.
 pub fn run(args: &GpuCheckArgs) -> i32 {
-    let backend = match NvmlBackend::new(args.nvml_lib_path.as_deref()) {
-        Ok(backend) => backend,
-        Err(e) => {
-            eprintln!("gpu-check: {e}");
-            return EXIT_NOT_RUN;
-        }
-    };
-    match check(&backend, &CheckOptions::from(args)) {
-        Ok(report) => {
+    let outcome = NvmlBackend::new(args.nvml_lib_path.as_deref())
+        .map_err(|e| e.to_string())
+        .and_then(|backend| check(&backend, &CheckOptions::from(args)).map_err(|e| e.to_string()))
+        .and_then(|report| {
             let text = match args.output {
                 OutputFormat::Table => report.render_table(),
-                OutputFormat::Json => match serde_json::to_string_pretty(&report) {
-                    Ok(json) => json + "\n",
-                    Err(e) => {
-                        eprintln!("gpu-check: encoding the report: {e}");
-                        return EXIT_NOT_RUN;
-                    }
-                },
+                OutputFormat::Json => {
+                    serde_json::to_string_pretty(&report).map_err(|e| format!("encoding the report: {e}"))?
+                        + "\n"
+                }
             };
+            Ok((text, report.exit_code()))
+        });
+    match outcome {
+        Ok((text, code)) => {
             print!("{text}");
-            report.exit_code()
+            code
         }
         Err(e) => {
             eprintln!("gpu-check: {e}");
@@ -216,8 +205,8 @@ pub fn check(backend: &NvmlBackend, options: &CheckOptions) -> Result<GpuCheckRe
                 "listing the GPU instances failed: {e}"
             ))),
         }
-        if !options.read_only && gpu.mig.is_some() {
-            let exercised = exercise::exercise_gpu(backend, gpu, &cdi);
+        if let Some(mig) = gpu.mig.as_ref().filter(|_| !options.read_only) {
+            let exercised = exercise::exercise_gpu(backend, gpu, mig.enabled, &cdi);
             gpu_report.findings.extend(exercised.findings.iter().cloned());
             gpu_report.exercise = Some(exercised);
         }
@@ -232,14 +221,9 @@ pub fn check(backend: &NvmlBackend, options: &CheckOptions) -> Result<GpuCheckRe
 
 fn selected_gpus(gpus: Vec<GpuDescription>, only: Option<u32>) -> Result<Vec<GpuDescription>, CheckError> {
     let Some(index) = only else { return Ok(gpus) };
-    let found = gpus
-        .iter()
-        .map(|g| g.index.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
-    let selected: Vec<_> = gpus.into_iter().filter(|g| g.index == index).collect();
-    if selected.is_empty() {
-        return Err(CheckError::NoSuchGpu(index, found));
+    if !gpus.iter().any(|g| g.index == index) {
+        let found: Vec<_> = gpus.iter().map(|g| g.index.to_string()).collect();
+        return Err(CheckError::NoSuchGpu(index, found.join(", ")));
     }
-    Ok(selected)
+    Ok(gpus.into_iter().filter(|g| g.index == index).collect())
 }

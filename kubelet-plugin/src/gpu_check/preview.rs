@@ -8,8 +8,7 @@ use std::{collections::BTreeMap, path::Path};
 
 use migdra_api::{
     device_name::DeviceName,
-    geometry::MigGeometry,
-    inventory::{GpuHealth, GpuInventory, MigInventory},
+    inventory::GpuHealth,
     policy::EffectivePolicy,
     slices::{PlannedKind, plan_pool, published_plan},
 };
@@ -22,7 +21,7 @@ use super::{
 use crate::{
     cdi::CdiWriter,
     driver_files::{self, DiscoveryInputs},
-    gpus::describe_instance,
+    gpus::gpu_inventory,
     nvml::{GpuBackend, GpuDescription, GpuInstanceRecord, NvmlBackend, NvmlErrorKind},
 };
 
@@ -45,9 +44,8 @@ pub fn existing_instances(
 #[serde(rename_all = "camelCase")]
 pub struct PublishedDevice {
     pub name: String,
-    /// GPU-instance profile ID (none for the whole GPU).
+    /// Profile ID and placement start; `None` for the whole GPU.
     pub profile_id: Option<u32>,
-    /// Placement start (none for the whole GPU).
     pub start: Option<u32>,
 }
 
@@ -55,57 +53,32 @@ pub struct PublishedDevice {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PublishedReport {
-    /// Number of devices.
     pub device_count: usize,
-    /// Devices in published order.
+    /// In published order.
     pub devices: Vec<PublishedDevice>,
-    /// The GPU's counter set name.
     pub counter_set: Option<String>,
     /// Its counters, as published: those that can refuse an allocation.
     pub counters: BTreeMap<String, u64>,
     /// Counters of the set left out because no device set could ever exceed them
     /// ([`migdra_api::slices::prune`]).
     pub counters_left_out: BTreeMap<String, u64>,
-    /// Findings (bad names).
     #[serde(skip)]
     pub findings: Vec<Finding>,
-}
-
-/// The inventory the plugin would report for `gpu` with these instances (all foreign: the
-/// check has no claims).
-pub fn inventory(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> GpuInventory {
-    GpuInventory {
-        minor: gpu.minor,
-        index: gpu.index,
-        uuid: gpu.uuid.clone(),
-        product_name: gpu.product_name.clone(),
-        architecture: gpu.architecture,
-        cuda_compute_capability: gpu.cuda_compute_capability.map(|(a, b)| format!("{a}.{b}")),
-        pci_bus_id: gpu.pci_bus_id.clone(),
-        numa_node: gpu.numa_node,
-        memory_mib: gpu.memory_mib,
-        mig: gpu.mig.as_ref().map(|mig| {
-            let geometry = MigGeometry::new(mig.profiles.clone(), gpu.memory_mib);
-            let instances = instances
-                .iter()
-                .map(|gi| describe_instance(gi, &geometry, gpu.minor, &BTreeMap::new()))
-                .collect();
-            MigInventory {
-                enabled: mig.enabled,
-                change_pending: mig.enabled != mig.pending_enabled,
-                mode_switchable: gpu.architecture.is_some_and(|a| a.mig_mode_switchable()),
-                geometry,
-                instances,
-            }
-        }),
-        health: GpuHealth::healthy(),
-    }
 }
 
 /// The devices and counters migdra would publish for `gpu` under the default policy, with
 /// a check that every name is a DNS label that parses back to the same device.
 pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> PublishedReport {
-    let gpus = [inventory(gpu, instances)];
+    // All instances are foreign: the check has no claims.
+    let no_claims = BTreeMap::new();
+    let switchable = gpu.architecture.is_some_and(|a| a.mig_mode_switchable());
+    let gpus = [gpu_inventory(
+        gpu,
+        instances,
+        &no_claims,
+        GpuHealth::healthy(),
+        switchable,
+    )];
     let policy = EffectivePolicy::default();
     let budget = plan_pool(&gpus, &policy)
         .counter_sets
@@ -153,7 +126,6 @@ pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> Publi
     }
 }
 
-/// Copies the published device names into the profile rows.
 pub fn fill_device_names(rows: &mut [ProfileRow], published: &PublishedReport) {
     for row in rows {
         row.device_names = published
@@ -171,9 +143,8 @@ pub fn fill_device_names(rows: &mut [ProfileRow], published: &PublishedReport) {
 pub struct InstanceCapabilities {
     pub gpu_instance: u32,
     pub compute_instance: u32,
-    /// Minor of the GI's capability device.
+    /// Minors of the GI's and the CI's capability devices.
     pub gi_minor: u32,
-    /// Minor of the CI's capability device.
     pub ci_minor: u32,
 }
 
@@ -216,11 +187,12 @@ pub fn capability_layout(
             proc_root.join("devices").display()
         )));
     }
-    let mig_minors_present = proc_root.join("driver/nvidia-caps/mig-minors").is_file();
+    let mig_minors = proc_root.join("driver/nvidia-caps/mig-minors");
+    let mig_minors_present = mig_minors.is_file();
     if !mig_minors_present && gpu.mig.is_some() {
         findings.push(Finding::warning(format!(
             "{label}: {} is missing",
-            proc_root.join("driver/nvidia-caps/mig-minors").display()
+            mig_minors.display()
         )));
     }
     let mut caps = Vec::new();
@@ -255,15 +227,13 @@ pub fn capability_layout(
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DriverFilesSummary {
-    /// Versioned libraries.
+    /// Versioned libraries and utilities.
     pub libraries: usize,
-    /// Utilities.
     pub binaries: usize,
     /// GSP firmware files.
     pub firmware: usize,
     /// Sockets.
     pub ipc: usize,
-    /// Soname links to make.
     pub soname_links: usize,
     /// `nvidia-cdi-hook`, when found.
     pub hook: Option<String>,
@@ -275,7 +245,6 @@ pub struct DriverFilesSummary {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DriverFilesReport {
-    /// The driver root searched.
     pub driver_root: String,
     /// What was found; `None` when discovery failed (see the warnings).
     pub summary: Option<DriverFilesSummary>,
@@ -298,31 +267,27 @@ pub fn driver_files(options: &CheckOptions, driver_version: &str) -> DriverFiles
             arch: driver_files::LibraryArch::HOST,
         })
     });
-    match discovered {
-        Ok(files) => DriverFilesReport {
-            driver_root: root,
-            summary: Some(DriverFilesSummary {
-                libraries: files.libraries.len(),
-                binaries: files.binaries.len(),
-                firmware: files.firmware.len(),
-                ipc: files.ipc.len(),
-                soname_links: files.soname_links.len(),
-                hook: files.hook.as_ref().map(|h| h.display().to_string()),
-                library_paths: files
-                    .libraries
-                    .iter()
-                    .map(|f| f.host_path.display().to_string())
-                    .collect(),
-            }),
-            findings: Vec::new(),
-        },
-        Err(e) => DriverFilesReport {
-            driver_root: root.clone(),
-            summary: None,
-            findings: vec![Finding::warning(format!(
-                "driver files under {root} not discovered: {e}"
-            ))],
-        },
+    let summary = discovered.as_ref().ok().map(|files| DriverFilesSummary {
+        libraries: files.libraries.len(),
+        binaries: files.binaries.len(),
+        firmware: files.firmware.len(),
+        ipc: files.ipc.len(),
+        soname_links: files.soname_links.len(),
+        hook: files.hook.as_ref().map(|h| h.display().to_string()),
+        library_paths: files
+            .libraries
+            .iter()
+            .map(|f| f.host_path.display().to_string())
+            .collect(),
+    });
+    let failed = discovered
+        .err()
+        .map(|e| format!("driver files under {root} not discovered: {e}"));
+    let findings = failed.into_iter().map(Finding::warning).collect();
+    DriverFilesReport {
+        driver_root: root,
+        summary,
+        findings,
     }
 }
 

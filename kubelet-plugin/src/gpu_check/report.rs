@@ -14,7 +14,6 @@ use super::{
 };
 use crate::nvml::GpuDescription;
 
-/// How bad a finding is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub enum Severity {
@@ -28,14 +27,12 @@ pub enum Severity {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Finding {
-    /// Mismatch or warning.
     pub severity: Severity,
-    /// What was found, self-contained.
+    /// Self-contained.
     pub message: String,
 }
 
 impl Finding {
-    /// A mismatch.
     pub fn mismatch(message: impl Into<String>) -> Self {
         Self {
             severity: Severity::Mismatch,
@@ -43,7 +40,6 @@ impl Finding {
         }
     }
 
-    /// A warning.
     pub fn warning(message: impl Into<String>) -> Self {
         Self {
             severity: Severity::Warning,
@@ -81,66 +77,56 @@ impl RowStatus {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ProfileRow {
-    /// Profile name (`3g.40gb`).
+    /// `3g.40gb`.
     pub name: String,
-    /// GPU-instance profile ID.
+    /// GPU-instance profile ID and index.
     pub id: u32,
-    /// Profile index.
     pub index: u32,
     pub compute_slices: u32,
-    /// Memory slices of a placement.
+    /// Of one placement.
     pub memory_slices: u32,
-    /// Most instances.
     pub instance_count: u32,
-    /// Memory of one instance (MiB).
+    /// Of one instance.
     pub memory_mib: u64,
-    /// Streaming multiprocessors.
     pub multiprocessors: u32,
     /// Possible placement starts.
     pub placements: Vec<u32>,
     /// Device names migdra would publish for this profile (one per offered placement).
     pub device_names: Vec<String>,
-    /// Catalog verdict.
     pub catalog: RowStatus,
 }
 
-/// MIG mode of a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MigMode {
-    /// Current mode.
     pub enabled: bool,
-    /// Pending mode.
     pub pending_enabled: bool,
 }
 
 /// Everything found about one GPU.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuReport {
     /// NVML index.
     pub index: u32,
     pub minor: u32,
-    /// `GPU-…` UUID.
     pub uuid: String,
-    /// Product name NVML reports.
     pub product_name: String,
     pub memory_mib: u64,
-    /// MIG mode; `None` for a GPU that is not MIG-capable.
+    /// `None` for a GPU that is not MIG-capable.
     pub mig: Option<MigMode>,
     /// Catalog key of the recognised model.
     pub catalog_model: Option<String>,
     /// `documented` or `estimated`.
     pub catalog_source: Option<String>,
-    /// Profiles in NVML index order.
+    /// In NVML index order.
     pub profiles: Vec<ProfileRow>,
     /// The pool migdra would publish for the GPU.
     pub published: Option<PublishedReport>,
-    /// The MIG capability files.
     pub capabilities: Option<CapabilityReport>,
     /// Full mode's results.
     pub exercise: Option<ExerciseReport>,
-    /// Findings about this GPU (including those of the parts above).
+    /// Including those of the parts above.
     pub findings: Vec<Finding>,
 }
 
@@ -157,26 +143,17 @@ impl GpuReport {
                 enabled: m.enabled,
                 pending_enabled: m.pending_enabled,
             }),
-            catalog_model: None,
-            catalog_source: None,
-            profiles: Vec::new(),
-            published: None,
-            capabilities: None,
-            exercise: None,
-            findings: Vec::new(),
+            ..Self::default()
         }
     }
 }
 
-/// The whole report.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuCheckReport {
     /// `read-only` or `full`.
     pub mode: String,
-    /// Driver version NVML reports.
     pub driver_version: String,
-    /// Per GPU.
     pub gpus: Vec<GpuReport>,
     /// Driver files the CDI spec would mount.
     pub driver_files: Option<DriverFilesReport>,
@@ -186,7 +163,6 @@ pub struct GpuCheckReport {
     pub notes: Vec<String>,
 }
 
-/// `documented` or `estimated`.
 pub fn source_name(source: DataSource) -> String {
     match source {
         DataSource::Documented => "documented".into(),
@@ -195,15 +171,11 @@ pub fn source_name(source: DataSource) -> String {
 }
 
 impl GpuCheckReport {
-    /// An empty report.
     pub fn new(read_only: bool, driver_version: String) -> Self {
         Self {
             mode: if read_only { "read-only" } else { "full" }.into(),
             driver_version,
-            gpus: Vec::new(),
-            driver_files: None,
-            findings: Vec::new(),
-            notes: Vec::new(),
+            ..Self::default()
         }
     }
 
@@ -212,7 +184,6 @@ impl GpuCheckReport {
         self.gpus.iter().flat_map(|g| &g.findings).chain(&self.findings)
     }
 
-    /// Number of mismatches.
     pub fn mismatches(&self) -> usize {
         self.all_findings()
             .filter(|f| f.severity == Severity::Mismatch)
@@ -221,14 +192,12 @@ impl GpuCheckReport {
 
     /// 0 without mismatches, 1 with.
     pub fn exit_code(&self) -> i32 {
-        if self.mismatches() == 0 {
-            EXIT_OK
-        } else {
-            EXIT_MISMATCH
+        match self.mismatches() {
+            0 => EXIT_OK,
+            _ => EXIT_MISMATCH,
         }
     }
 
-    /// The human-readable report.
     pub fn render_table(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(
@@ -240,24 +209,14 @@ impl GpuCheckReport {
             render_gpu(&mut out, gpu);
         }
         if let Some(files) = &self.driver_files {
-            let _ = writeln!(out, "\nDriver files under {}:", files.driver_root);
-            match &files.summary {
-                Some(s) => {
-                    let _ = writeln!(
-                        out,
-                        "  {} libraries, {} utilities, {} firmware files, {} sockets, {} soname links, hook {}",
-                        s.libraries,
-                        s.binaries,
-                        s.firmware,
-                        s.ipc,
-                        s.soname_links,
-                        s.hook.as_deref().unwrap_or("none")
-                    );
-                }
-                None => {
-                    let _ = writeln!(out, "  not discovered (see warnings)");
-                }
-            }
+            let summary = files.summary.as_ref().map_or("not discovered (see warnings)".into(), |s| {
+                let hook = s.hook.as_deref().unwrap_or("none");
+                format!(
+                    "{} libraries, {} utilities, {} firmware files, {} sockets, {} soname links, hook {hook}",
+                    s.libraries, s.binaries, s.firmware, s.ipc, s.soname_links
+                )
+            });
+            let _ = writeln!(out, "\nDriver files under {}:\n  {summary}", files.driver_root);
         }
         for note in &self.notes {
             let _ = writeln!(out, "\nnote: {note}");
@@ -282,16 +241,11 @@ impl GpuCheckReport {
 }
 
 fn render_gpu(out: &mut String, gpu: &GpuReport) {
+    let on = |enabled: bool| if enabled { "on" } else { "off" };
     let mig = match gpu.mig {
         None => "not MIG-capable".to_string(),
-        Some(m) if m.enabled == m.pending_enabled => {
-            format!("MIG {}", if m.enabled { "on" } else { "off" })
-        }
-        Some(m) => format!(
-            "MIG {} (pending {})",
-            if m.enabled { "on" } else { "off" },
-            if m.pending_enabled { "on" } else { "off" }
-        ),
+        Some(m) if m.enabled == m.pending_enabled => format!("MIG {}", on(m.enabled)),
+        Some(m) => format!("MIG {} (pending {})", on(m.enabled), on(m.pending_enabled)),
     };
     let catalog = match (&gpu.catalog_model, &gpu.catalog_source) {
         (Some(key), Some(source)) => format!("catalog {key} ({source})"),
@@ -333,18 +287,12 @@ fn render_gpu(out: &mut String, gpu: &GpuReport) {
         );
     }
     if let Some(published) = &gpu.published {
-        let counters = published
+        let (slices, others): (Vec<_>, Vec<_>) = published
             .counters
             .iter()
-            .filter(|(k, _)| !k.starts_with("memory-slice-"))
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(" ");
-        let slices = published
-            .counters
-            .keys()
-            .filter(|k| k.starts_with("memory-slice-"))
-            .count();
+            .partition(|(k, _)| k.starts_with("memory-slice-"));
+        let (slices, counters) = (slices.len(), others.iter().map(|(k, v)| format!("{k}={v}")));
+        let counters = counters.collect::<Vec<_>>().join(" ");
         let _ = writeln!(
             out,
             "  published: {} devices; counter set {}: {counters}, {slices} memory-slice counters; {} never-binding counters left out",

@@ -224,17 +224,14 @@ async fn renew_every_interval(mut renewer: Renewer, renew_now: Arc<Notify>, stop
     }
 }
 
-/// The client the heartbeat Lease is renewed through: `config` without kube's own retry of
-/// 429/503/504, which would resend the same request, `renewTime` and all, after the API
-/// server's Retry-After; [`renew_every_interval`] retries with a fresh one instead. A client
-/// of its own also keeps renewals off the connection the GpuNode and event writes queue on,
-/// as the kubelet keeps its node Lease on a heartbeat client.
+/// The client the heartbeat Lease is renewed through: without kube's own retry of
+/// 429/503/504, which would resend the same `renewTime` ([`renew_every_interval`] retries with
+/// a fresh one), and off the connection the GpuNode and event writes queue on.
 pub fn heartbeat_client(mut config: kube::Config) -> Result<Client, kube::Error> {
     config.default_retry = false;
     Client::try_from(config)
 }
 
-/// Sleeps until `at`, or forever without one.
 async fn sleep_until_some(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,

@@ -1,17 +1,14 @@
 //! The node's `GpuNode` and heartbeat.
 //!
-//! The GpuNode ([`writer`]) is created with a Node owner reference (so it is garbage-collected
-//! with the node) and its status is written whenever the inventory, the device health or the
-//! kubelet registration state changes: from it the controller decides what to publish for
-//! this node. It is never rewritten just to show the plugin is alive: its inventory is tens of
-//! kilobytes that every controller replica decodes and re-evaluates.
+//! The GpuNode ([`writer`]) is owned by the Node (so it is garbage-collected with it) and its
+//! status is written whenever the inventory, the device health or the kubelet registration
+//! state changes; from it the controller decides what to publish for this node. It is never
+//! rewritten just to show the plugin is alive: its inventory is tens of kilobytes that every
+//! controller replica decodes.
 //!
-//! The heartbeat ([`lease`]) is a `coordination.k8s.io/v1` Lease in the controller's namespace
-//! (see [`migdra_api::inventory::heartbeat_lease_name`]), renewed every heartbeat interval by
-//! a task of its own, as the kubelet renews its node Lease apart from the node status: a
-//! renewal is a ~400-byte merge patch, and the status loop's inventory refresh (NVML,
-//! unbounded), events and GpuNode writes never delay one. The controller judges liveness from
-//! the Lease (see its `liveness` module).
+//! The heartbeat ([`lease`]) is a Lease in the controller's namespace, renewed by a task of
+//! its own, as the kubelet renews its node Lease apart from the node status: the status loop's
+//! inventory refresh (NVML, unbounded), events and GpuNode writes never delay a renewal.
 //!
 //! The [`status_loop`] refreshes the inventory and device health every heartbeat interval and
 //! drives both. It reads the GPU table ([`crate::gpus`]), never the driver: it keeps running
@@ -27,14 +24,12 @@ pub use lease::{HeartbeatLease, heartbeat_client};
 pub use status_loop::StatusLoop;
 pub use writer::NodeStatusWriter;
 
-/// Field manager of the plugin's writes.
 pub const FIELD_MANAGER: &str = "migdra-kubelet-plugin";
 
 /// How long one heartbeat-path write (the GpuNode, its status, a Lease renewal) may take: two
-/// intervals. The client's own read timeout is minutes, and one call hanging on an overloaded
-/// API server would otherwise hold every later beat; but a bound of one interval cancels every
-/// write once the server answers writes more slowly than that, and then no beat lands at all.
-/// A write answered late is a heartbeat; a cancelled one is not.
+/// intervals. Unbounded, one call hanging on an overloaded API server would hold every later
+/// beat; bounded by one interval, every write is cancelled once the server answers more
+/// slowly than that. A write answered late is a heartbeat; a cancelled one is not.
 fn write_bound(interval: Duration) -> Duration {
     interval.saturating_mul(2)
 }

@@ -20,21 +20,17 @@ use dra_kubelet::{DeviceHealthReport, RegistrationState};
 
 /// The status loop's inputs and outputs; [`Self::run`] runs it.
 pub struct StatusLoop {
-    /// The GPU table the inventory comes from.
     pub gpus: Gpus,
     /// Writes the GpuNode and heartbeats; `None` only refreshes the device health.
     pub writer: Option<NodeStatusWriter>,
-    /// What startup recovery repaired, recorded once as an event (see
-    /// [`crate::driver::RecoveryReport::summary`]).
+    /// What startup recovery repaired, recorded once as an event.
     pub recovery_note: Option<String>,
-    /// Driver events to record (records left unrepaired at start, repairs finished in the
-    /// background, stale claims released); kept until the GpuNode exists.
+    /// Driver events to record on the GpuNode; kept until it exists.
     pub recovery_events: Option<mpsc::UnboundedReceiver<RecoveryEvent>>,
-    /// The kubelet's registration state.
     pub registration: watch::Receiver<RegistrationState>,
-    /// Where the device health goes (the resource-health stream).
+    /// The resource-health stream's device health.
     pub health: watch::Sender<Vec<DeviceHealthReport>>,
-    /// Time between refreshes and between Lease renewals (the heartbeat).
+    /// The heartbeat: time between refreshes and between Lease renewals.
     pub interval: Duration,
     /// Where events about claims go: a GPU turning unhealthy is also a Warning on each claim
     /// with a device on it; a repair left pending and its completion are events on the claim.
@@ -131,12 +127,12 @@ impl StatusLoop {
                     // restarted (re-applying the Lease) if the Node turned out replaced.
                     lease = Some(LeaseTask::start(writer.lease().clone(), owner, &shutdown));
                 }
-                if object_ready && let Some(note) = recovery_note.take() {
-                    let event = writer.event(EventType::Warning, "RecoveredInterruptedOperations", note);
-                    bounded(interval, "recording an event", event).await;
-                }
-                if object_ready && let Some(events) = &mut recovery_events {
-                    while let Ok(event) = events.try_recv() {
+                if object_ready {
+                    if let Some(note) = recovery_note.take() {
+                        let event = writer.event(EventType::Warning, "RecoveredInterruptedOperations", note);
+                        bounded(interval, "recording an event", event).await;
+                    }
+                    while let Some(Ok(event)) = recovery_events.as_mut().map(|e| e.try_recv()) {
                         let event = writer.event(event.type_, event.reason, event.note);
                         bounded(interval, "recording an event", event).await;
                     }

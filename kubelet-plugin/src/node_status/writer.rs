@@ -42,7 +42,6 @@ pub struct NodeStatusWriter {
 }
 
 impl NodeStatusWriter {
-    /// A writer for `node`, serving `driver`, heartbeating through `lease`.
     pub fn new(client: Client, node: &str, driver: &str, lease: HeartbeatLease) -> Self {
         Self {
             api: Api::all(client.clone()),
@@ -58,16 +57,13 @@ impl NodeStatusWriter {
         }
     }
 
-    /// The heartbeat Lease.
     pub(super) fn lease(&self) -> &HeartbeatLease {
         &self.lease
     }
 
-    /// The recorder for an event of `type_` and `reason` with `note`. kube's [`Recorder`] folds
-    /// every event of one type and reason on one object into a single series that keeps the
-    /// first note, so the release of a second claim (or a second GPU turning unhealthy) would
-    /// show the first one's message. A repeat of the last note of that type and reason stays
-    /// in its series; another note gets a recorder, and so an event, of its own.
+    /// The recorder for an event. kube's [`Recorder`] folds every event of one type and reason
+    /// on one object into one series that keeps the first note; so only a repeat of the last
+    /// note stays in its series, and another note gets a recorder, and an event, of its own.
     fn recorder(&self, type_: EventType, reason: &str, note: &str) -> Recorder {
         let mut recorders = self
             .recorders

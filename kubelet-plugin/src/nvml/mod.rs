@@ -20,17 +20,15 @@ pub struct GpuDescription {
     pub index: u32,
     /// Device minor (`/dev/nvidia<minor>`).
     pub minor: u32,
-    /// `GPU-…` UUID.
     pub uuid: String,
     pub product_name: String,
-    /// PCI bus ID (`0000:3b:00.0`), when NVML reports it.
+    /// Kubernetes spelling (`0000:3b:00.0`).
     pub pci_bus_id: Option<String>,
-    /// NUMA node, when NVML reports it.
     pub numa_node: Option<i64>,
     pub memory_mib: u64,
-    /// Architecture, when it is one migdra knows.
+    /// `None` when it is not one migdra knows.
     pub architecture: Option<Architecture>,
-    /// CUDA compute capability (major, minor).
+    /// (major, minor).
     pub cuda_compute_capability: Option<(i32, i32)>,
     /// MIG state; `None` when the GPU is not MIG-capable (GetMigMode answers NOT_SUPPORTED).
     pub mig: Option<MigDescription>,
@@ -39,7 +37,6 @@ pub struct GpuDescription {
 /// MIG state of a MIG-capable GPU.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MigDescription {
-    /// Current mode.
     pub enabled: bool,
     /// Pending mode (differs from `enabled` on Ampere until a GPU reset).
     pub pending_enabled: bool,
@@ -50,9 +47,7 @@ pub struct MigDescription {
 /// A compute instance inside a GPU instance.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ComputeInstanceRecord {
-    /// Compute-instance ID within its GPU instance.
     pub id: u32,
-    /// Compute-instance profile ID.
     pub profile_id: u32,
     /// `MIG-…` UUID of the MIG device this compute instance forms.
     pub mig_uuid: String,
@@ -61,13 +56,10 @@ pub struct ComputeInstanceRecord {
 /// A GPU instance that exists on a GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuInstanceRecord {
-    /// GPU-instance ID.
     pub id: u32,
-    /// GPU-instance profile ID.
     pub profile_id: u32,
-    /// Placement start (memory slices).
+    /// Placement start and size, in memory slices.
     pub start: u32,
-    /// Placement size (memory slices).
     pub size: u32,
     /// Its compute instances (empty for a GI left without a CI).
     pub compute_instances: Vec<ComputeInstanceRecord>,
@@ -76,40 +68,31 @@ pub struct GpuInstanceRecord {
 /// What a newly created full compute instance is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CreatedComputeInstance {
-    /// Compute-instance ID.
     pub id: u32,
     /// `MIG-…` UUID of the new MIG device.
     pub mig_uuid: String,
 }
 
-/// Result of a MIG mode change request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MigModeChange {
-    /// The mode is now in effect.
     Applied,
     /// The mode is pending a GPU reset the driver could not do itself (Ampere with clients
     /// holding the GPU, or in a pass-through VM).
     PendingReset,
 }
 
-/// NVML return codes migdra distinguishes.
+/// NVML return codes migdra distinguishes (`NVML_ERROR_<NAME>`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NvmlErrorKind {
-    /// NVML_ERROR_INVALID_ARGUMENT (2).
     InvalidArgument,
-    /// NVML_ERROR_NOT_SUPPORTED (3).
     NotSupported,
-    /// NVML_ERROR_NO_PERMISSION (4).
     NoPermission,
-    /// NVML_ERROR_NOT_FOUND (6).
     NotFound,
-    /// NVML_ERROR_GPU_IS_LOST (15).
+    /// NVML_ERROR_GPU_IS_LOST.
     GpuLost,
-    /// NVML_ERROR_RESET_REQUIRED (16).
     ResetRequired,
-    /// NVML_ERROR_IN_USE (19).
     InUse,
-    /// NVML_ERROR_INSUFFICIENT_RESOURCES (23): occupied, overlapping or over budget.
+    /// Occupied, overlapping or over budget.
     InsufficientResources,
     /// Any other failure, including a missing library or symbol.
     Other,
@@ -121,7 +104,6 @@ pub enum NvmlErrorKind {
 pub struct BackendError {
     /// What was being done, e.g. `create GPU instance 3g.40gb@4 on GPU 0`.
     pub operation: String,
-    /// The NVML error class.
     pub kind: NvmlErrorKind,
     /// NVML's message or the underlying error.
     pub message: String,

@@ -13,10 +13,9 @@
 
 use std::{
     collections::HashMap,
-    ffi::OsStr,
     path::Path,
     ptr,
-    sync::{Mutex, PoisonError},
+    sync::{Mutex, MutexGuard, PoisonError},
 };
 
 use migdra_api::{
@@ -53,6 +52,13 @@ const MAX_GPU_INSTANCES: u32 = 15;
 /// Upper bound of compute instances in one GPU instance (CI IDs run 0..=7).
 const MAX_COMPUTE_INSTANCES: u32 = 8;
 const MIB: u64 = 1024 * 1024;
+
+/// The function `$name` of the loaded library (`FailedToLoadSymbol` when it lacks it).
+macro_rules! sym {
+    ($self:ident, $name:ident) => {
+        nvml_sym($self.nvml.lib().$name.as_ref())
+    };
+}
 
 /// A device handle NVML gave us.
 #[derive(Clone, Copy)]
@@ -106,11 +112,19 @@ fn nvml_message(err: &NvmlError) -> String {
 }
 
 fn error(operation: impl Into<String>, err: &NvmlError) -> BackendError {
+    failure(operation, kind_of(err), nvml_message(err))
+}
+
+fn failure(operation: impl Into<String>, kind: NvmlErrorKind, message: impl Into<String>) -> BackendError {
     BackendError {
         operation: operation.into(),
-        kind: kind_of(err),
-        message: nvml_message(err),
+        kind,
+        message: message.into(),
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Skippable answers when walking profile indexes: the model lacks the profile, or the
@@ -163,10 +177,8 @@ impl NvmlBackend {
             builder.lib_path(path.as_os_str());
         }
         let nvml = builder.init().map_err(|e| {
-            let what = lib_path
-                .map(Path::as_os_str)
-                .unwrap_or(OsStr::new("libnvidia-ml.so.1"));
-            error(format!("initialise NVML from {}", what.to_string_lossy()), &e)
+            let what = lib_path.map_or("libnvidia-ml.so.1".into(), |p| p.display().to_string());
+            error(format!("initialise NVML from {what}"), &e)
         })?;
         Ok(Self {
             devices: Mutex::new(HashMap::new()),
@@ -177,7 +189,7 @@ impl NvmlBackend {
 
     /// The device handle of GPU `index`, cached: NVML handle lookups can be slow under load.
     fn device(&self, index: u32) -> Result<Device<'_>, BackendError> {
-        let mut cache = self.devices.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut cache = lock(&self.devices);
         let raw = match cache.get(&index) {
             Some(raw) => *raw,
             None => {
@@ -194,14 +206,6 @@ impl NvmlBackend {
         };
         // SAFETY: the handle came from `device_by_index` on this very `Nvml`.
         Ok(unsafe { Device::new(raw.0, &self.nvml) })
-    }
-
-    /// Forgets every cached handle: after a MIG mode change NVML may have re-created them.
-    fn forget_handles(&self) {
-        self.devices
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clear();
     }
 
     /// Whether the GPU's MIG partitions may be managed here: not in a vGPU guest or on a
@@ -225,7 +229,7 @@ impl NvmlBackend {
     }
 
     fn architecture(&self, device: &Device<'_>) -> Result<Option<Architecture>, NvmlError> {
-        let f = nvml_sym(self.nvml.lib().nvmlDeviceGetArchitecture.as_ref())?;
+        let f = sym!(self, nvmlDeviceGetArchitecture)?;
         let mut arch: nvmlDeviceArchitecture_t = 0;
         // SAFETY: valid device handle and a valid out pointer.
         unsafe { nvml_try(f(device.handle(), &mut arch))? };
@@ -237,12 +241,9 @@ impl NvmlBackend {
         match device.memory_info() {
             Ok(info) => Ok(info.total),
             Err(NvmlError::FailedToLoadSymbol(_) | NvmlError::NotSupported) => {
-                let f = nvml_sym(self.nvml.lib().nvmlDeviceGetMemoryInfo.as_ref())?;
-                let mut info = nvmlMemory_t {
-                    total: 0,
-                    free: 0,
-                    used: 0,
-                };
+                let f = sym!(self, nvmlDeviceGetMemoryInfo)?;
+                // SAFETY: a C struct of integers, for which all zeros is a valid value.
+                let mut info: nvmlMemory_t = unsafe { std::mem::zeroed() };
                 // SAFETY: valid device handle and a valid out pointer.
                 unsafe { nvml_try(f(device.handle(), &mut info))? };
                 Ok(info.total)
@@ -257,12 +258,7 @@ impl NvmlBackend {
         profile_id: u32,
     ) -> Result<Vec<nvmlGpuInstancePlacement_t>, NvmlError> {
         // Not `Device::possible_placements`: it never sets the vector's length.
-        let f = nvml_sym(
-            self.nvml
-                .lib()
-                .nvmlDeviceGetGpuInstancePossiblePlacements_v2
-                .as_ref(),
-        )?;
+        let f = sym!(self, nvmlDeviceGetGpuInstancePossiblePlacements_v2)?;
         let mut count: u32 = 0;
         // SAFETY: valid device handle; a NULL array asks for the count only.
         unsafe { nvml_try(f(device.handle(), profile_id, ptr::null_mut(), &mut count))? };
@@ -270,15 +266,9 @@ impl NvmlBackend {
             return Ok(Vec::new());
         }
         let mut placements = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
+        let buffer = placements.as_mut_ptr();
         // SAFETY: the buffer holds `count` entries, which NVML writes at most, updating count.
-        unsafe {
-            nvml_try(f(
-                device.handle(),
-                profile_id,
-                placements.as_mut_ptr(),
-                &mut count,
-            ))?
-        };
+        unsafe { nvml_try(f(device.handle(), profile_id, buffer, &mut count))? };
         placements.truncate(count as usize);
         Ok(placements)
     }
@@ -364,10 +354,7 @@ impl NvmlBackend {
         let uuid = device.uuid().map_err(|e| error(op("UUID"), &e))?;
         let product_name = device.name().map_err(|e| error(op("name"), &e))?;
         let minor = device.minor_number().map_err(|e| error(op("minor number"), &e))?;
-        self.described_minors
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(index, minor);
+        lock(&self.described_minors).insert(index, minor);
         let memory_bytes = self.memory_total(&device).map_err(|e| error(op("memory"), &e))?;
         let pci_bus_id = device.pci_info().ok().map(|p| normalize_bus_id(&p.bus_id));
         let numa_node = device.numa_node_id().ok().map(i64::from);
@@ -398,7 +385,7 @@ impl NvmlBackend {
     }
 
     fn gpu_instance_by_id(&self, device: &Device<'_>, id: u32) -> Result<nvmlGpuInstance_t, NvmlError> {
-        let f = nvml_sym(self.nvml.lib().nvmlDeviceGetGpuInstanceById.as_ref())?;
+        let f = sym!(self, nvmlDeviceGetGpuInstanceById)?;
         let mut gi: nvmlGpuInstance_t = ptr::null_mut();
         // SAFETY: valid device handle and a valid out pointer.
         unsafe { nvml_try(f(device.handle(), id, &mut gi))? };
@@ -406,13 +393,9 @@ impl NvmlBackend {
     }
 
     fn gpu_instance_info(&self, gi: nvmlGpuInstance_t) -> Result<nvmlGpuInstanceInfo_t, NvmlError> {
-        let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceGetInfo.as_ref())?;
-        let mut info = nvmlGpuInstanceInfo_t {
-            device: ptr::null_mut(),
-            id: 0,
-            profileId: 0,
-            placement: nvmlGpuInstancePlacement_t { start: 0, size: 0 },
-        };
+        let f = sym!(self, nvmlGpuInstanceGetInfo)?;
+        // SAFETY: a C struct of integers and pointers, for which all zeros is a valid value.
+        let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
         // SAFETY: `gi` is a live GPU-instance handle from NVML; valid out pointer.
         unsafe { nvml_try(f(gi, &mut info))? };
         Ok(info)
@@ -423,23 +406,9 @@ impl NvmlBackend {
         gi: nvmlGpuInstance_t,
         index: u32,
     ) -> Result<nvmlComputeInstanceProfileInfo_t, NvmlError> {
-        let f = nvml_sym(
-            self.nvml
-                .lib()
-                .nvmlGpuInstanceGetComputeInstanceProfileInfo
-                .as_ref(),
-        )?;
-        let mut info = nvmlComputeInstanceProfileInfo_t {
-            id: 0,
-            sliceCount: 0,
-            instanceCount: 0,
-            multiprocessorCount: 0,
-            sharedCopyEngineCount: 0,
-            sharedDecoderCount: 0,
-            sharedEncoderCount: 0,
-            sharedJpegCount: 0,
-            sharedOfaCount: 0,
-        };
+        let f = sym!(self, nvmlGpuInstanceGetComputeInstanceProfileInfo)?;
+        // SAFETY: a C struct of integers, for which all zeros is a valid value.
+        let mut info: nvmlComputeInstanceProfileInfo_t = unsafe { std::mem::zeroed() };
         // SAFETY: live GPU-instance handle; valid out pointer.
         unsafe { nvml_try(f(gi, index, CI_ENGINE_PROFILE_SHARED, &mut info))? };
         Ok(info)
@@ -449,14 +418,9 @@ impl NvmlBackend {
         &self,
         ci: nvmlComputeInstance_t,
     ) -> Result<nvmlComputeInstanceInfo_t, NvmlError> {
-        let f = nvml_sym(self.nvml.lib().nvmlComputeInstanceGetInfo_v2.as_ref())?;
-        let mut info = nvmlComputeInstanceInfo_t {
-            device: ptr::null_mut(),
-            gpuInstance: ptr::null_mut(),
-            id: 0,
-            profileId: 0,
-            placement: nvml_wrapper_sys::bindings::nvmlComputeInstancePlacement_t { start: 0, size: 0 },
-        };
+        let f = sym!(self, nvmlComputeInstanceGetInfo_v2)?;
+        // SAFETY: a C struct of integers and pointers, for which all zeros is a valid value.
+        let mut info: nvmlComputeInstanceInfo_t = unsafe { std::mem::zeroed() };
         // SAFETY: live compute-instance handle; valid out pointer.
         unsafe { nvml_try(f(ci, &mut info))? };
         Ok(info)
@@ -475,13 +439,12 @@ impl NvmlBackend {
         ci_id: u32,
         operation: &str,
     ) -> Result<String, BackendError> {
-        if !info_device.is_null() {
+        if !info_device.is_null()
             // SAFETY: the handle came from NVML (ComputeInstanceGetInfo) on this `Nvml`.
-            let device = unsafe { Device::new(info_device, &self.nvml) };
-            match device.uuid() {
-                Ok(uuid) if uuid.starts_with("MIG-") => return Ok(uuid),
-                Ok(_) | Err(_) => {}
-            }
+            && let Ok(uuid) = unsafe { Device::new(info_device, &self.nvml) }.uuid()
+            && uuid.starts_with("MIG-")
+        {
+            return Ok(uuid);
         }
         let mig_error = |e: &NvmlError| {
             error(
@@ -489,14 +452,10 @@ impl NvmlBackend {
                 e,
             )
         };
-        let count_of =
-            nvml_sym(self.nvml.lib().nvmlDeviceGetMaxMigDeviceCount.as_ref()).map_err(|e| mig_error(&e))?;
-        let by_index = nvml_sym(self.nvml.lib().nvmlDeviceGetMigDeviceHandleByIndex.as_ref())
-            .map_err(|e| mig_error(&e))?;
-        let gi_of =
-            nvml_sym(self.nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref()).map_err(|e| mig_error(&e))?;
-        let ci_of =
-            nvml_sym(self.nvml.lib().nvmlDeviceGetComputeInstanceId.as_ref()).map_err(|e| mig_error(&e))?;
+        let count_of = sym!(self, nvmlDeviceGetMaxMigDeviceCount).map_err(|e| mig_error(&e))?;
+        let by_index = sym!(self, nvmlDeviceGetMigDeviceHandleByIndex).map_err(|e| mig_error(&e))?;
+        let gi_of = sym!(self, nvmlDeviceGetGpuInstanceId).map_err(|e| mig_error(&e))?;
+        let ci_of = sym!(self, nvmlDeviceGetComputeInstanceId).map_err(|e| mig_error(&e))?;
         let mut count: u32 = 0;
         // SAFETY: valid device handle and a valid out pointer.
         unsafe { nvml_try(count_of(parent.handle(), &mut count)) }.map_err(|e| mig_error(&e))?;
@@ -525,21 +484,21 @@ impl NvmlBackend {
             if uuid.starts_with("MIG-") {
                 return Ok(uuid);
             }
-            return Err(BackendError {
-                operation: operation.to_string(),
-                kind: NvmlErrorKind::Other,
-                message: format!(
+            return Err(failure(
+                operation,
+                NvmlErrorKind::Other,
+                format!(
                     "the MIG device of GPU instance {gi_id}, compute instance {ci_id} has UUID {uuid}, not a MIG- one"
                 ),
-            });
+            ));
         }
-        Err(BackendError {
-            operation: operation.to_string(),
-            kind: NvmlErrorKind::NotFound,
-            message: format!(
+        Err(failure(
+            operation,
+            NvmlErrorKind::NotFound,
+            format!(
                 "no MIG device of GPU instance {gi_id}, compute instance {ci_id} among the GPU's {count} MIG device slots"
             ),
-        })
+        ))
     }
 
     fn gpu_instances_of_profile(
@@ -548,7 +507,7 @@ impl NvmlBackend {
         profile_id: u32,
         capacity: u32,
     ) -> Result<Vec<nvmlGpuInstance_t>, NvmlError> {
-        let f = nvml_sym(self.nvml.lib().nvmlDeviceGetGpuInstances.as_ref())?;
+        let f = sym!(self, nvmlDeviceGetGpuInstances)?;
         // NVML has no size parameter here: the buffer must fit the profile's instance count.
         let mut handles: Vec<nvmlGpuInstance_t> =
             vec![ptr::null_mut(); capacity.max(MAX_GPU_INSTANCES) as usize];
@@ -565,7 +524,7 @@ impl NvmlBackend {
         profile_id: u32,
         capacity: u32,
     ) -> Result<Vec<nvmlComputeInstance_t>, NvmlError> {
-        let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceGetComputeInstances.as_ref())?;
+        let f = sym!(self, nvmlGpuInstanceGetComputeInstances)?;
         let mut handles: Vec<nvmlComputeInstance_t> =
             vec![ptr::null_mut(); capacity.max(MAX_COMPUTE_INSTANCES) as usize];
         let mut count: u32 = 0;
@@ -630,7 +589,7 @@ impl NvmlBackend {
         gi: nvmlGpuInstance_t,
         profile_id: u32,
     ) -> Result<nvmlComputeInstance_t, NvmlError> {
-        let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceCreateComputeInstance.as_ref())?;
+        let f = sym!(self, nvmlGpuInstanceCreateComputeInstance)?;
         let mut ci: nvmlComputeInstance_t = ptr::null_mut();
         // SAFETY: live GPU-instance handle; valid out pointer.
         unsafe { nvml_try(f(gi, profile_id, &mut ci))? };
@@ -638,13 +597,13 @@ impl NvmlBackend {
     }
 
     fn destroy_raw_compute_instance(&self, ci: nvmlComputeInstance_t) -> Result<(), NvmlError> {
-        let f = nvml_sym(self.nvml.lib().nvmlComputeInstanceDestroy.as_ref())?;
+        let f = sym!(self, nvmlComputeInstanceDestroy)?;
         // SAFETY: live compute-instance handle.
         unsafe { nvml_try(f(ci)) }
     }
 
     fn destroy_raw_gpu_instance(&self, gi: nvmlGpuInstance_t) -> Result<(), NvmlError> {
-        let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceDestroy.as_ref())?;
+        let f = sym!(self, nvmlGpuInstanceDestroy)?;
         // SAFETY: live GPU-instance handle.
         unsafe { nvml_try(f(gi)) }
     }
@@ -661,26 +620,26 @@ impl NvmlBackend {
         match self.gpu_instance_by_id(device, gpu_instance) {
             Ok(gi) => Ok(gi),
             // NOT_SUPPORTED means "MIG is off" only if the mode says so.
-            Err(NvmlError::NotSupported) if !self.mig_is_on(device).map_err(|e| error(operation, &e))? => {
-                Err(BackendError {
-                    operation: operation.to_string(),
-                    kind: NvmlErrorKind::NotFound,
-                    message: format!(
-                        "MIG mode is off on GPU {gpu}, so GPU instance {gpu_instance} does not exist"
-                    ),
-                })
+            Err(NvmlError::NotSupported)
+                if mig_mode(device).map_err(|e| error(operation, &e))? != Some(true) =>
+            {
+                Err(failure(
+                    operation,
+                    NvmlErrorKind::NotFound,
+                    format!("MIG mode is off on GPU {gpu}, so GPU instance {gpu_instance} does not exist"),
+                ))
             }
             Err(e) => Err(error(operation, &e)),
         }
     }
+}
 
-    /// Whether MIG mode is currently on (false on a GPU without MIG).
-    fn mig_is_on(&self, device: &Device<'_>) -> Result<bool, NvmlError> {
-        match device.mig_mode() {
-            Ok(mode) => Ok(mode.current != 0),
-            Err(NvmlError::NotSupported) => Ok(false),
-            Err(e) => Err(e),
-        }
+/// The current MIG mode; `None` on a GPU without MIG.
+fn mig_mode(device: &Device<'_>) -> Result<Option<bool>, NvmlError> {
+    match device.mig_mode() {
+        Ok(mode) => Ok(Some(mode.current != 0)),
+        Err(NvmlError::NotSupported) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -720,10 +679,8 @@ impl GpuBackend for NvmlBackend {
         timing::timed("list_gpu_instances", || {
             let device = self.device(gpu)?;
             let op = || format!("list GPU instances of GPU {gpu}");
-            match device.mig_mode() {
-                Ok(mode) if mode.current != 0 => {}
-                Ok(_) | Err(NvmlError::NotSupported) => return Ok(Vec::new()),
-                Err(e) => return Err(error(op(), &e)),
+            if mig_mode(&device).map_err(|e| error(op(), &e))? != Some(true) {
+                return Ok(Vec::new());
             }
             let mut records = Vec::new();
             for index in 0..GI_PROFILE_COUNT {
@@ -768,38 +725,31 @@ impl GpuBackend for NvmlBackend {
                 "{} MIG mode on GPU {gpu}",
                 if enabled { "enable" } else { "disable" }
             );
-            let uuid = device.uuid().map_err(|e| error(&op, &e))?;
-            let described = self
-                .described_minors
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get(&gpu)
-                .copied();
-            let minor = match described {
-                Some(minor) => minor,
-                None => device.minor_number().map_err(|e| error(&op, &e))?,
-            };
+            let fail = |e: NvmlError| error(&op, &e);
+            let uuid = device.uuid().map_err(fail)?;
+            let described = lock(&self.described_minors).get(&gpu).copied();
+            let minor = described.map_or_else(|| device.minor_number().map_err(fail), Ok)?;
             // NVML reports a switch it could not make through the activation status, not the
             // return code (§12), so the outcome is read back from the mode, as mig-parted does.
-            let activation = device.set_mig_mode(enabled).map_err(|e| error(&op, &e))?;
+            let activation = device.set_mig_mode(enabled).map_err(fail)?;
             // The switch may reset or rebind the GPU: handles, index and minor may change.
-            self.forget_handles();
+            lock(&self.devices).clear();
             let device = self
                 .nvml
                 .device_by_uuid(uuid.as_str())
                 .map_err(|e| error(format!("{op}: re-open the GPU by UUID {uuid}"), &e))?;
-            let new_index = device.index().map_err(|e| error(&op, &e))?;
-            let new_minor = device.minor_number().map_err(|e| error(&op, &e))?;
+            let new_index = device.index().map_err(fail)?;
+            let new_minor = device.minor_number().map_err(fail)?;
             if (new_index, new_minor) != (gpu, minor) {
-                return Err(BackendError {
-                    operation: op,
-                    kind: NvmlErrorKind::Other,
-                    message: format!(
+                return Err(failure(
+                    &op,
+                    NvmlErrorKind::Other,
+                    format!(
                         "the GPU was renumbered by the mode change (index {gpu} -> {new_index}, minor {minor} -> {new_minor}); it must be rediscovered"
                     ),
-                });
+                ));
             }
-            let mode = device.mig_mode().map_err(|e| error(&op, &e))?;
+            let mode = device.mig_mode().map_err(fail)?;
             let wanted = u32::from(enabled);
             if mode.current == wanted {
                 Ok(MigModeChange::Applied)
@@ -807,8 +757,7 @@ impl GpuBackend for NvmlBackend {
                 tracing::info!(gpu, activation, "MIG mode change is pending a GPU reset");
                 Ok(MigModeChange::PendingReset)
             } else {
-                let err = NvmlError::from(activation);
-                Err(error(&op, &err))
+                Err(fail(NvmlError::from(activation)))
             }
         })
     }
@@ -817,22 +766,21 @@ impl GpuBackend for NvmlBackend {
         timing::timed("create_gpu_instance", || {
             let device = self.device(gpu)?;
             let op = format!("create GPU instance of profile {profile_id} at {start} on GPU {gpu}");
+            let fail = |e: NvmlError| error(&op, &e);
             // Every placement of a profile has the same size; NVML validates the start.
-            let placements = self
-                .possible_placements(&device, profile_id)
-                .map_err(|e| error(&op, &e))?;
-            let size = placements.first().map(|p| p.size).ok_or_else(|| BackendError {
-                operation: op.clone(),
-                kind: NvmlErrorKind::InvalidArgument,
-                message: "the profile has no placements".to_string(),
+            let placements = self.possible_placements(&device, profile_id).map_err(fail)?;
+            let size = placements.first().map(|p| p.size).ok_or_else(|| {
+                failure(
+                    &op,
+                    NvmlErrorKind::InvalidArgument,
+                    "the profile has no placements",
+                )
             })?;
-            let f = nvml_sym(self.nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement.as_ref())
-                .map_err(|e| error(&op, &e))?;
+            let f = sym!(self, nvmlDeviceCreateGpuInstanceWithPlacement).map_err(fail)?;
             let placement = nvmlGpuInstancePlacement_t { start, size };
             let mut gi: nvmlGpuInstance_t = ptr::null_mut();
             // SAFETY: valid device handle, a placement that lives across the call, valid out pointer.
-            unsafe { nvml_try(f(device.handle(), profile_id, &placement, &mut gi)) }
-                .map_err(|e| error(&op, &e))?;
+            unsafe { nvml_try(f(device.handle(), profile_id, &placement, &mut gi)) }.map_err(fail)?;
             match self.gpu_instance_info(gi) {
                 Ok(info) => Ok(info.id),
                 Err(e) => {
@@ -840,7 +788,7 @@ impl GpuBackend for NvmlBackend {
                     if let Err(undo) = self.destroy_raw_gpu_instance(gi) {
                         tracing::warn!(gpu, profile_id, start, error = %undo, "rolling back an unidentifiable GPU instance failed");
                     }
-                    Err(error(&op, &e))
+                    Err(fail(e))
                 }
             }
         })
@@ -854,20 +802,18 @@ impl GpuBackend for NvmlBackend {
         timing::timed("create_full_compute_instance", || {
             let device = self.device(gpu)?;
             let op = format!("create the compute instance of GPU instance {gpu_instance} on GPU {gpu}");
-            let gi = self
-                .gpu_instance_by_id(&device, gpu_instance)
-                .map_err(|e| error(&op, &e))?;
-            let gi_info = self.gpu_instance_info(gi).map_err(|e| error(&op, &e))?;
+            let fail = |e: NvmlError| error(&op, &e);
+            let gi = self.gpu_instance_by_id(&device, gpu_instance).map_err(fail)?;
+            let gi_info = self.gpu_instance_info(gi).map_err(fail)?;
             let slices = self
                 .gpu_instance_slices(&device, gi_info.profileId)
-                .map_err(|e| error(&op, &e))?
-                .ok_or_else(|| BackendError {
-                    operation: op.clone(),
-                    kind: NvmlErrorKind::NotSupported,
-                    message: format!(
+                .map_err(fail)?
+                .ok_or_else(|| {
+                    let message = format!(
                         "GPU-instance profile {} is not among the GPU's profiles",
                         gi_info.profileId
-                    ),
+                    );
+                    failure(&op, NvmlErrorKind::NotSupported, message)
                 })?;
             // Every CI profile spanning the whole GPU instance, the plain one first: a 1-slice GI
             // may need `1_SLICE_REV1` (GH200), a 7-slice one `7_SLICE_NVL` (index 8), and go-nvlib
@@ -883,7 +829,7 @@ impl GpuBackend for NvmlBackend {
                     Ok(p) if p.sliceCount == slices => candidates.push(p.id),
                     Ok(_) => {}
                     Err(e @ (NvmlError::NotSupported | NvmlError::InvalidArg)) => last_error = e,
-                    Err(e) => return Err(error(&op, &e)),
+                    Err(e) => return Err(fail(e)),
                 }
             }
             let mut created = None;
@@ -894,25 +840,22 @@ impl GpuBackend for NvmlBackend {
                         break;
                     }
                     Err(e @ (NvmlError::NotSupported | NvmlError::InvalidArg)) => last_error = e,
-                    Err(e) => return Err(error(&op, &e)),
+                    Err(e) => return Err(fail(e)),
                 }
             }
-            let ci = created.ok_or_else(|| error(&op, &last_error))?;
-            let identified = self
-                .compute_instance_info(ci)
-                .map_err(|e| error(&op, &e))
-                .and_then(|info| {
-                    Ok(CreatedComputeInstance {
-                        id: info.id,
-                        mig_uuid: self.mig_uuid(&device, info.device, gi_info.id, info.id, &op)?,
-                    })
-                });
+            let ci = created.ok_or_else(|| fail(last_error))?;
+            let identified = self.compute_instance_info(ci).map_err(fail).and_then(|info| {
+                Ok(CreatedComputeInstance {
+                    id: info.id,
+                    mig_uuid: self.mig_uuid(&device, info.device, gi_info.id, info.id, &op)?,
+                })
+            });
             identified.inspect_err(|_| {
-            // A MIG device nobody can name is useless; do not leave it behind.
-            if let Err(undo) = self.destroy_raw_compute_instance(ci) {
-                tracing::warn!(gpu, gpu_instance, error = %undo, "rolling back an unidentifiable compute instance failed");
-            }
-        })
+                // A MIG device nobody can name is useless; do not leave it behind.
+                if let Err(undo) = self.destroy_raw_compute_instance(ci) {
+                    tracing::warn!(gpu, gpu_instance, error = %undo, "rolling back an unidentifiable compute instance failed");
+                }
+            })
         })
     }
 
@@ -927,13 +870,13 @@ impl GpuBackend for NvmlBackend {
             let op = format!(
                 "destroy compute instance {compute_instance} of GPU instance {gpu_instance} on GPU {gpu}"
             );
+            let fail = |e: NvmlError| error(&op, &e);
             let gi = self.existing_gpu_instance(&device, gpu, gpu_instance, &op)?;
-            let f = nvml_sym(self.nvml.lib().nvmlGpuInstanceGetComputeInstanceById.as_ref())
-                .map_err(|e| error(&op, &e))?;
+            let f = sym!(self, nvmlGpuInstanceGetComputeInstanceById).map_err(fail)?;
             let mut ci: nvmlComputeInstance_t = ptr::null_mut();
             // SAFETY: live GPU-instance handle; valid out pointer.
-            unsafe { nvml_try(f(gi, compute_instance, &mut ci)) }.map_err(|e| error(&op, &e))?;
-            self.destroy_raw_compute_instance(ci).map_err(|e| error(&op, &e))
+            unsafe { nvml_try(f(gi, compute_instance, &mut ci)) }.map_err(fail)?;
+            self.destroy_raw_compute_instance(ci).map_err(fail)
         })
     }
 
@@ -948,12 +891,7 @@ impl GpuBackend for NvmlBackend {
 
     fn mig_enabled(&self, gpu: u32) -> Result<Option<bool>, BackendError> {
         timing::timed("mig_enabled", || {
-            let device = self.device(gpu)?;
-            match device.mig_mode() {
-                Ok(mode) => Ok(Some(mode.current != 0)),
-                Err(NvmlError::NotSupported) => Ok(None),
-                Err(e) => Err(error(format!("read MIG mode of GPU {gpu}"), &e)),
-            }
+            mig_mode(&self.device(gpu)?).map_err(|e| error(format!("read MIG mode of GPU {gpu}"), &e))
         })
     }
 

@@ -11,7 +11,7 @@
 
 use std::{
     cell::RefCell,
-    sync::{Arc, Mutex, PoisonError},
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
 };
 
@@ -20,7 +20,6 @@ use std::{
 pub struct NvmlCall {
     /// The [`crate::nvml::GpuBackend`] method, e.g. `create_gpu_instance`.
     pub function: &'static str,
-    /// Wall time of the call.
     pub duration: Duration,
 }
 
@@ -53,7 +52,6 @@ impl Drop for InstalledClock {
 }
 
 impl NvmlClock {
-    /// A clock with no calls.
     pub fn new() -> Self {
         Self::default()
     }
@@ -64,16 +62,13 @@ impl NvmlClock {
         InstalledClock { previous }
     }
 
-    fn add(&self, call: NvmlCall) {
-        self.calls
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(call);
+    fn calls_mut(&self) -> MutexGuard<'_, Vec<NvmlCall>> {
+        self.calls.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The calls recorded so far, in the order they ended.
     pub fn calls(&self) -> Vec<NvmlCall> {
-        self.calls.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        self.calls_mut().clone()
     }
 }
 
@@ -96,7 +91,7 @@ pub fn timed<T>(function: &'static str, call: impl FnOnce() -> T) -> T {
     let duration = started.elapsed();
     CURRENT.with(|c| {
         if let Some(clock) = c.borrow().as_ref() {
-            clock.add(NvmlCall { function, duration });
+            clock.calls_mut().push(NvmlCall { function, duration });
         }
     });
     out

@@ -32,7 +32,6 @@ mod tests;
 /// One GPU as planning sees it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GpuView {
-    /// What the GPU is, and its MIG mode.
     pub description: GpuDescription,
     /// The GPU instances on it (empty when MIG is off), or why they could not be listed; the
     /// error fails the plan only when a decision needs the list.
@@ -48,6 +47,7 @@ pub struct Plan {
     /// GPUs whose MIG mode must be switched first: minor to the mode needed.
     pub mig_mode_changes: BTreeMap<u32, bool>,
 }
+
 /// Whether a claim is an `adminAccess` claim: `Ok(true)` when every device is allocated with
 /// admin access (then only whole GPUs: nothing is planned, created or recorded for it),
 /// `Ok(false)` when none is. A MIG device with admin access, or a mix, is refused.
@@ -149,16 +149,7 @@ pub fn plan(
                         .into());
                     }
                     if let Some(joined) = join_shared(device, minor, &description.uuid, gpu, others)? {
-                        records.push(DeviceRecord {
-                            request: device.request.clone(),
-                            pool: device.pool.clone(),
-                            device: device.device.clone(),
-                            gpu_uuid: description.uuid.clone(),
-                            gpu_minor: minor,
-                            kind: joined,
-                            env: device.config.env.clone(),
-                            share_id: device.share_id.clone(),
-                        });
+                        records.push(planned_record(device, &description.uuid, joined));
                         continue;
                     }
                 }
@@ -212,21 +203,25 @@ pub fn plan(
                 }
             }
         };
-        records.push(DeviceRecord {
-            request: device.request.clone(),
-            pool: device.pool.clone(),
-            device: device.device.clone(),
-            gpu_uuid: description.uuid.clone(),
-            gpu_minor: minor,
-            kind,
-            env: device.config.env.clone(),
-            share_id: device.share_id.clone(),
-        });
+        records.push(planned_record(device, &description.uuid, kind));
     }
     Ok(Plan {
         devices: records,
         mig_mode_changes,
     })
+}
+
+fn planned_record(device: &AllocatedDevice, gpu_uuid: &str, kind: DeviceKind) -> DeviceRecord {
+    DeviceRecord {
+        request: device.request.clone(),
+        pool: device.pool.clone(),
+        device: device.device.clone(),
+        gpu_uuid: gpu_uuid.to_string(),
+        gpu_minor: device.name.minor(),
+        kind,
+        env: device.config.env.clone(),
+        share_id: device.share_id.clone(),
+    }
 }
 
 /// For a share of a shared device: the instance its other holders recorded, when there are
@@ -240,16 +235,7 @@ fn join_shared(
     gpu: &GpuView,
     others: &[(String, ClaimRecord)],
 ) -> Result<Option<DeviceKind>, PlanError> {
-    let probe = DeviceRecord {
-        request: device.request.clone(),
-        pool: device.pool.clone(),
-        device: device.device.clone(),
-        gpu_uuid: gpu_uuid.to_string(),
-        gpu_minor: minor,
-        kind: DeviceKind::Gpu,
-        env: BTreeMap::new(),
-        share_id: device.share_id.clone(),
-    };
+    let probe = planned_record(device, gpu_uuid, DeviceKind::Gpu);
     let holders: Vec<(&ClaimRecord, &DeviceRecord)> = others
         .iter()
         .flat_map(|(_, r)| r.devices.iter().map(move |d| (r, d)))

@@ -1,12 +1,12 @@
-//! Why a claim cannot be prepared as allocated ([`Rejection`], what the user reads in the
-//! pod's event) and why planning failed ([`PlanError`]).
+//! Why a claim cannot be prepared as allocated, and why planning failed.
 
 use migdra_api::{geometry::PlacementError, profile::ProfileName};
 
 use crate::nvml::BackendError;
 
 /// Why a claim cannot be prepared as allocated. The message is what the user sees in the
-/// pod's event; [`Rejection::reason`] is the stable label for metrics.
+/// pod's event; [`Rejection::reason`] is the stable label for metrics. Claims and holders
+/// are named `namespace/name`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Rejection {
     /// The GPU holds a checkpoint record that recovery could not repair yet; nothing is
@@ -15,7 +15,6 @@ pub enum Rejection {
     GpuRecoveryPending {
         device: String,
         minor: u32,
-        /// The unrepaired claim, `namespace/name`.
         claim: String,
         /// Why its repair failed last.
         error: String,
@@ -26,7 +25,6 @@ pub enum Rejection {
     GpuLost {
         device: String,
         minor: u32,
-        /// What NVML said.
         message: String,
     },
     /// The device names a GPU this node does not have.
@@ -48,7 +46,6 @@ pub enum Rejection {
     InUseByClaim {
         device: String,
         other_device: String,
-        /// The other claim, `namespace/name`.
         other_claim: String,
         other_uid: String,
     },
@@ -63,11 +60,7 @@ pub enum Rejection {
     #[error(
         "shared device {device}: its MIG instance is being set up or torn down for claim {holder}; retry once that finishes"
     )]
-    SharedInstanceUnsettled {
-        device: String,
-        /// A holder, `namespace/name`.
-        holder: String,
-    },
+    SharedInstanceUnsettled { device: String, holder: String },
     /// The instance the holders of a shared device recorded is gone from the GPU.
     #[error(
         "shared device {device}: MIG instance {gpu_instance} on GPU {minor}, held by claim {holder}, no longer exists"
@@ -75,9 +68,7 @@ pub enum Rejection {
     SharedInstanceMissing {
         device: String,
         minor: u32,
-        /// Recorded GPU-instance ID.
         gpu_instance: u32,
-        /// A holder, `namespace/name`.
         holder: String,
     },
     /// A partition of a GPU that has no MIG.
@@ -93,7 +84,6 @@ pub enum Rejection {
         device: String,
         minor: u32,
         product_name: String,
-        /// The profile asked for.
         profile: ProfileName,
         /// The profiles the GPU has.
         offered: Vec<String>,
@@ -104,21 +94,15 @@ pub enum Rejection {
     PlacementUnavailable {
         device: String,
         profile: ProfileName,
-        /// Placement start.
         start: u32,
         minor: u32,
-        /// What the geometry says.
         cause: PlacementError,
     },
     /// A whole GPU that carries instances migdra did not create.
     #[error(
         "GPU {minor} has {count} MIG instance(s) that migdra does not own; it cannot be handed out whole"
     )]
-    ForeignInstances {
-        minor: u32,
-        /// How many instances.
-        count: usize,
-    },
+    ForeignInstances { minor: u32, count: usize },
     /// The MIG-mode switch waited for a GPU reset the driver could not do; it was withdrawn.
     #[error(
         "switching MIG mode on GPU {minor} needs a GPU reset the driver could not do (processes hold the GPU, or it is passed through to a VM); the change was withdrawn"
@@ -138,12 +122,7 @@ pub enum Rejection {
     #[error(
         "device {device} is allocated with adminAccess but device {other} of the same claim is not; put the monitoring request in a claim of its own"
     )]
-    AdminAccessMixed {
-        /// A device with admin access.
-        device: String,
-        /// A device without.
-        other: String,
-    },
+    AdminAccessMixed { device: String, other: String },
 }
 
 impl Rejection {
@@ -180,7 +159,6 @@ impl Rejection {
 /// Why planning failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
-    /// The allocation cannot be served.
     #[error(transparent)]
     Rejected(#[from] Rejection),
     /// Listing a GPU's instances failed, and the decision needed them.

@@ -10,7 +10,7 @@ use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
 use migdra_kubelet_plugin::{
     checkpoint::ClaimState,
     claims::ClaimError,
-    driver::ClaimFailure,
+    driver::{ClaimFailure, NodeAccessError},
     metrics::Metrics,
     nvml::{BackendError, NvmlErrorKind},
     plan::Rejection,
@@ -513,7 +513,7 @@ async fn a_second_plugin_instance_waits_for_the_node_lock() {
     lock.lock().unwrap();
     let err = prepare_typed(&driver, "u1", "c1").await.unwrap_err();
     assert!(
-        matches!(err, ClaimFailure::NodeLock(ref e) if matches!(**e, NodeLockError::Held { .. })),
+        matches!(err, ClaimFailure::NodeAccess(NodeAccessError::Lock(ref e)) if matches!(**e, NodeLockError::Held { .. })),
         "{err}"
     );
     let message = prepare_one(&driver, "u1", "c1").await.unwrap_err();

@@ -11,7 +11,7 @@ use std::{
 
 use migdra_kubelet_plugin::{
     checkpoint::ClaimState,
-    driver::{ClaimFailure, Step, StepHook},
+    driver::{ClaimFailure, NodeAccessError, Step, StepHook},
     state_dir::NodeLockError,
 };
 use migdra_testkit::plugin::*;
@@ -182,7 +182,7 @@ async fn an_instance_waits_for_the_node_lock_the_other_holds_then_sees_its_work(
     // another claim on another GPU too, and for unprepare.
     let err = prepare_typed(&new, "u2", "c2").await.unwrap_err();
     assert!(
-        matches!(err, ClaimFailure::NodeLock(ref e) if matches!(**e, NodeLockError::Held { .. })),
+        matches!(err, ClaimFailure::NodeAccess(NodeAccessError::Lock(ref e)) if matches!(**e, NodeLockError::Held { .. })),
         "{err}"
     );
     let message = unprepare_one(&new, "u1", "c1").await.unwrap_err();
