@@ -67,21 +67,16 @@ pub enum ConfigError {
     /// Not valid JSON for a DeviceConfig (includes unknown fields).
     #[error("invalid {DEVICE_CONFIG_KIND}: {0}")]
     Malformed(String),
-    /// Wrong `apiVersion`.
     #[error("unsupported apiVersion {0:?}: expected {API_VERSION}")]
     ApiVersion(String),
-    /// Wrong `kind`.
     #[error("unsupported kind {0:?}: expected {DEVICE_CONFIG_KIND}")]
     Kind(String),
-    /// An environment variable name that is not a C identifier.
     #[error(
         "invalid environment variable name {0:?}: use letters, digits and '_', not starting with a digit"
     )]
     EnvName(String),
-    /// An environment variable migdra owns.
     #[error("environment variable {0} is set by migdra and cannot be configured")]
     ReservedEnv(String),
-    /// An environment variable from which a NVIDIA container runtime grants more than the claim.
     #[error(
         "environment variable {0} would make a NVIDIA container runtime grant the container more \
          than its claim's devices, and cannot be configured"
@@ -131,7 +126,6 @@ impl DeviceConfig {
 pub struct ConfigEntry<'a> {
     /// Requests it applies to (empty: all). May name `<request>/<subrequest>`.
     pub requests: &'a [String],
-    /// The raw parameters.
     pub parameters: &'a serde_json::Value,
 }
 

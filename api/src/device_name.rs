@@ -12,21 +12,15 @@ use std::{fmt, str::FromStr};
 
 use crate::profile::ProfileName;
 
-/// A parsed device name.
+/// A parsed device name; `minor` is the (parent) GPU's device minor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DeviceName {
-    /// A whole GPU.
     Gpu {
-        /// Device minor of the GPU.
         minor: u32,
     },
-    /// A MIG partition at a placement.
     Mig {
-        /// Device minor of the parent GPU.
         minor: u32,
-        /// GPU-instance profile.
         profile: ProfileName,
-        /// First memory slice of the placement.
         start: u32,
     },
 }
@@ -35,7 +29,6 @@ pub enum DeviceName {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{name:?} is not a migdra device name (expected gpu-<minor> or gpu-<minor>-mig-<profile>-<start>)")]
 pub struct InvalidDeviceName {
-    /// The rejected input.
     pub name: String,
 }
 

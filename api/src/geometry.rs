@@ -33,28 +33,25 @@ pub struct Engines {
 }
 
 impl Engines {
+    fn combine(self, other: Engines, f: impl Fn(u32, u32) -> u32) -> Engines {
+        Engines {
+            multiprocessors: f(self.multiprocessors, other.multiprocessors),
+            copy_engines: f(self.copy_engines, other.copy_engines),
+            decoders: f(self.decoders, other.decoders),
+            encoders: f(self.encoders, other.encoders),
+            jpeg_engines: f(self.jpeg_engines, other.jpeg_engines),
+            ofa_engines: f(self.ofa_engines, other.ofa_engines),
+        }
+    }
+
     /// Component-wise maximum.
     pub fn max(self, other: Engines) -> Engines {
-        Engines {
-            multiprocessors: self.multiprocessors.max(other.multiprocessors),
-            copy_engines: self.copy_engines.max(other.copy_engines),
-            decoders: self.decoders.max(other.decoders),
-            encoders: self.encoders.max(other.encoders),
-            jpeg_engines: self.jpeg_engines.max(other.jpeg_engines),
-            ofa_engines: self.ofa_engines.max(other.ofa_engines),
-        }
+        self.combine(other, Ord::max)
     }
 
     /// Component-wise difference, floored at zero.
     pub fn saturating_sub(self, other: Engines) -> Engines {
-        Engines {
-            multiprocessors: self.multiprocessors.saturating_sub(other.multiprocessors),
-            copy_engines: self.copy_engines.saturating_sub(other.copy_engines),
-            decoders: self.decoders.saturating_sub(other.decoders),
-            encoders: self.encoders.saturating_sub(other.encoders),
-            jpeg_engines: self.jpeg_engines.saturating_sub(other.jpeg_engines),
-            ofa_engines: self.ofa_engines.saturating_sub(other.ofa_engines),
-        }
+        self.combine(other, u32::saturating_sub)
     }
 
     /// True when every component of `self` is at most the one of `budget`.
@@ -82,14 +79,7 @@ impl std::ops::Add for Engines {
     type Output = Engines;
 
     fn add(self, other: Engines) -> Engines {
-        Engines {
-            multiprocessors: self.multiprocessors + other.multiprocessors,
-            copy_engines: self.copy_engines + other.copy_engines,
-            decoders: self.decoders + other.decoders,
-            encoders: self.encoders + other.encoders,
-            jpeg_engines: self.jpeg_engines + other.jpeg_engines,
-            ofa_engines: self.ofa_engines + other.ofa_engines,
-        }
+        self.combine(other, |a, b| a + b)
     }
 }
 
@@ -179,45 +169,28 @@ pub enum PlacementError {
     /// The start is not a valid placement of the profile (NVML: INVALID_ARGUMENT).
     #[error("{profile} cannot be placed at memory slice {start} (valid starts: {valid:?})")]
     InvalidStart {
-        /// Profile name.
         profile: ProfileName,
-        /// Rejected start.
         start: u32,
-        /// The profile's valid starts.
         valid: Vec<u32>,
     },
     /// The placement overlaps an existing GPU instance (NVML: INSUFFICIENT_RESOURCES).
     #[error("{profile}@{start} overlaps the existing {other}@{other_start}")]
     Overlap {
-        /// Profile being placed.
         profile: ProfileName,
-        /// Its start.
         start: u32,
-        /// The overlapping instance's profile.
         other: ProfileName,
-        /// The overlapping instance's start.
         other_start: u32,
     },
     /// The profile's instance limit is reached (NVML: INSUFFICIENT_RESOURCES).
     #[error("{profile} allows at most {limit} instances per GPU")]
-    InstanceLimit {
-        /// Profile name.
-        profile: ProfileName,
-        /// Its instance limit.
-        limit: u32,
-    },
+    InstanceLimit { profile: ProfileName, limit: u32 },
     /// An engine or memory budget would be exceeded (NVML: INSUFFICIENT_RESOURCES).
     #[error("{profile}@{start} exceeds the GPU's {resource} budget ({used} of {budget} in use)")]
     Budget {
-        /// Profile being placed.
         profile: ProfileName,
-        /// Its start.
         start: u32,
-        /// Which budget.
         resource: &'static str,
-        /// Amount already used.
         used: u64,
-        /// Total budget.
         budget: u64,
     },
 }

@@ -341,33 +341,27 @@ fn fnv1a_64(bytes: &[u8]) -> u64 {
     })
 }
 
-/// When a plugin tries a failed heartbeat Lease renewal again, before its next beat.
-///
-/// Why at all: the controller keeps a pool while the last renewal is younger than the
-/// heartbeat timeout (25 s by default, against a 15 s beat), so a single failed renewal that
-/// waited for the next beat would let the heartbeat expire. Why a fresh request each time
-/// (the caller stamps `renewTime` anew): a client-side retry of the same request would land
-/// an old `renewTime`, vouching for less of the timeout than a new one. Only answers that can
-/// change on their own are retried ([`Self::retryable`]); delays double from
-/// [`Self::FIRST_DELAY`] to [`Self::MAX_DELAY`], each cut by up to half at random so that many
-/// plugins refused at the same moment (API Priority and Fairness answering 429 to all of
-/// them) do not come back at the same moment; and no retry is due at or after the next beat,
-/// which renews anyway.
+/// When a plugin tries a failed heartbeat Lease renewal again, before its next beat: the
+/// controller keeps a pool only while the last renewal is younger than the heartbeat timeout
+/// (25 s against a 15 s beat by default), so one failed renewal must not wait for the next
+/// beat. Each retry is a fresh request with a new `renewTime` (an old one would vouch for less
+/// of the timeout). Only answers that can change are retried ([`Self::retryable`]); delays
+/// double from [`Self::FIRST_DELAY`] to [`Self::MAX_DELAY`], each cut by up to half at random
+/// so that plugins refused together (API Priority and Fairness) do not return together; no
+/// retry is due at or after the next beat.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RenewalRetry {
     failures: u32,
 }
 
 impl RenewalRetry {
-    /// Delay after the first failure (before jitter).
+    /// Before jitter.
     pub const FIRST_DELAY: std::time::Duration = std::time::Duration::from_millis(500);
-    /// Longest delay (before jitter).
+    /// Before jitter.
     pub const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(4);
 
     /// Whether a renewal answered with HTTP `status` is worth trying again within the beat:
-    /// no answer (`None`: connection refused, reset or timed out), 429 (the API server's
-    /// flow control) and 5xx. A 4xx other than 429 (a policy's refusal, a bad request)
-    /// would be answered the same way again.
+    /// no answer (`None`), 429 (flow control) and 5xx; any other 4xx would come again.
     pub fn retryable(status: Option<u16>) -> bool {
         match status {
             None => true,
@@ -376,8 +370,7 @@ impl RenewalRetry {
     }
 
     /// Records a failed renewal; the delay before the next attempt, or `None` when that
-    /// would not come before the next beat (`until_next_beat` away). `entropy` is any random
-    /// value: it picks the jitter.
+    /// would not come before the next beat. `entropy` (any random value) picks the jitter.
     pub fn failed(
         &mut self,
         until_next_beat: std::time::Duration,
@@ -406,7 +399,6 @@ impl RenewalRetry {
         self.failures = 0;
     }
 
-    /// Failed renewals since the last success.
     pub fn failures(&self) -> u32 {
         self.failures
     }

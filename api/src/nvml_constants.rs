@@ -1,65 +1,43 @@
 //! NVML constants that the geometry needs, shared by the plugin and the fake NVML library.
 //!
 //! GPU-instance profile *indexes* (what `nvmlDeviceGetGpuInstanceProfileInfo` takes) are not
-//! profile *IDs* (what create, placement and list calls take).
+//! profile *IDs* (what create, placement and list calls take). `GI_PROFILE_<x>` is NVML's
+//! `NVML_GPU_INSTANCE_PROFILE_<x>`, `CI_PROFILE_<x>` its `NVML_COMPUTE_INSTANCE_PROFILE_<x>`
+//! (NVML header v13).
 
-/// `NVML_GPU_INSTANCE_PROFILE_1_SLICE`.
 pub const GI_PROFILE_1_SLICE: u32 = 0;
-/// `NVML_GPU_INSTANCE_PROFILE_2_SLICE`.
 pub const GI_PROFILE_2_SLICE: u32 = 1;
-/// `NVML_GPU_INSTANCE_PROFILE_3_SLICE`.
 pub const GI_PROFILE_3_SLICE: u32 = 2;
-/// `NVML_GPU_INSTANCE_PROFILE_4_SLICE`.
 pub const GI_PROFILE_4_SLICE: u32 = 3;
-/// `NVML_GPU_INSTANCE_PROFILE_7_SLICE`.
 pub const GI_PROFILE_7_SLICE: u32 = 4;
-/// `NVML_GPU_INSTANCE_PROFILE_8_SLICE`.
 pub const GI_PROFILE_8_SLICE: u32 = 5;
-/// `NVML_GPU_INSTANCE_PROFILE_6_SLICE`.
 pub const GI_PROFILE_6_SLICE: u32 = 6;
-/// `NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1`: 1g `+me`.
+/// 1g `+me`.
 pub const GI_PROFILE_1_SLICE_REV1: u32 = 7;
-/// `NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1`: 2g `+me` (A30).
+/// 2g `+me` (A30).
 pub const GI_PROFILE_2_SLICE_REV1: u32 = 8;
-/// `NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2`: 1g with double memory.
+/// 1g with double memory.
 pub const GI_PROFILE_1_SLICE_REV2: u32 = 9;
-/// `NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX`.
 pub const GI_PROFILE_1_SLICE_GFX: u32 = 10;
-/// `NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX`.
 pub const GI_PROFILE_2_SLICE_GFX: u32 = 11;
-/// `NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX`.
 pub const GI_PROFILE_4_SLICE_GFX: u32 = 12;
-/// `NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME`.
 pub const GI_PROFILE_1_SLICE_NO_ME: u32 = 13;
-/// `NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME`.
 pub const GI_PROFILE_2_SLICE_NO_ME: u32 = 14;
-/// `NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME`.
 pub const GI_PROFILE_1_SLICE_ALL_ME: u32 = 15;
-/// `NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME`.
 pub const GI_PROFILE_2_SLICE_ALL_ME: u32 = 16;
-/// `NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX` (NVML header v13).
 pub const GI_PROFILE_3_SLICE_GFX: u32 = 17;
-/// `NVML_GPU_INSTANCE_PROFILE_COUNT` in the v13 header: indexes at or above it are invalid.
+/// Indexes at or above it are invalid.
 pub const GI_PROFILE_COUNT: u32 = 18;
 
-/// `NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE`.
 pub const CI_PROFILE_1_SLICE: u32 = 0;
-/// `NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE`.
 pub const CI_PROFILE_2_SLICE: u32 = 1;
-/// `NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE`.
 pub const CI_PROFILE_3_SLICE: u32 = 2;
-/// `NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE`.
 pub const CI_PROFILE_4_SLICE: u32 = 3;
-/// `NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE`.
 pub const CI_PROFILE_7_SLICE: u32 = 4;
-/// `NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE`.
 pub const CI_PROFILE_8_SLICE: u32 = 5;
-/// `NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE`.
 pub const CI_PROFILE_6_SLICE: u32 = 6;
-/// `NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1` (GH200 uses it for the full CI of a
-/// double-memory 1g GPU instance).
+/// GH200 uses it for the full CI of a double-memory 1g GPU instance.
 pub const CI_PROFILE_1_SLICE_REV1: u32 = 7;
-/// `NVML_COMPUTE_INSTANCE_PROFILE_COUNT` in the v13 header.
 pub const CI_PROFILE_COUNT: u32 = 9;
 /// `NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED`, the only engine profile.
 pub const CI_ENGINE_PROFILE_SHARED: u32 = 0;

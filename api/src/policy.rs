@@ -118,9 +118,7 @@ pub enum ProfileMatcher {
     Exact(ProfileName),
     /// Every profile with this many compute slices and this variant.
     Class {
-        /// Compute slices.
         compute_slices: u32,
-        /// Variant.
         variant: ProfileVariant,
     },
 }
@@ -165,23 +163,16 @@ impl ProfileMatcher {
 /// The settings that apply to one node, after defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EffectivePolicy {
-    /// Policy name, when one applied.
     pub name: Option<String>,
     /// Offered profiles (empty = all).
     pub profiles: Vec<ProfileMatcher>,
-    /// Excluded profiles.
     pub exclude_profiles: Vec<ProfileMatcher>,
-    /// Offer whole GPUs.
     pub whole_gpus: bool,
-    /// Offer MIG partitions.
     pub mig: bool,
-    /// Device order.
     pub device_order: DeviceOrder,
-    /// Unhealthy GPU handling.
     pub unhealthy_gpus: UnhealthyGpus,
     /// Shared profiles (empty: nothing is shared).
     pub shared_profiles: Vec<ProfileMatcher>,
-    /// Shares of each shared device.
     pub shares: u32,
 }
 
@@ -222,31 +213,16 @@ impl EffectivePolicy {
 /// Why a policy cannot be applied.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
-    /// A bad profile entry.
     #[error("MigPolicy {policy}: {source}")]
     Profile {
-        /// Policy name.
         policy: String,
-        /// Cause.
         #[source]
         source: InvalidProfileMatcher,
     },
-    /// A share count out of range.
     #[error("MigPolicy {policy}: sharing.shares is {shares}, but must be between 1 and {MAX_SHARES}")]
-    Shares {
-        /// Policy name.
-        policy: String,
-        /// The value given.
-        shares: u32,
-    },
-    /// A bad selector.
+    Shares { policy: String, shares: u32 },
     #[error("MigPolicy {policy}: invalid nodeSelector: {reason}")]
-    Selector {
-        /// Policy name.
-        policy: String,
-        /// What is wrong.
-        reason: String,
-    },
+    Selector { policy: String, reason: String },
 }
 
 impl MigPolicy {
@@ -316,16 +292,10 @@ pub fn policy_for_node<'a>(
             matching.push(policy);
         }
     }
-    matching.sort_by(|a, b| {
-        b.spec
-            .priority
-            .cmp(&a.spec.priority)
-            .then_with(|| a.policy_name().cmp(&b.policy_name()))
-    });
-    match matching.first() {
-        Some(policy) => policy.effective(),
-        None => Ok(EffectivePolicy::default()),
-    }
+    let best = matching
+        .into_iter()
+        .min_by(|a, b| (b.spec.priority, a.policy_name()).cmp(&(a.spec.priority, b.policy_name())));
+    best.map_or_else(|| Ok(EffectivePolicy::default()), MigPolicy::effective)
 }
 
 /// Evaluates a Kubernetes label selector (matchLabels AND matchExpressions).
@@ -342,9 +312,8 @@ pub fn label_selector_matches(
         let values = expr.values.as_deref().unwrap_or_default();
         let present = labels.get(&expr.key);
         let ok = match expr.operator.as_str() {
-            "In" if values.is_empty() => return Err(format!("operator In on {} needs values", expr.key)),
-            "NotIn" if values.is_empty() => {
-                return Err(format!("operator NotIn on {} needs values", expr.key));
+            op @ ("In" | "NotIn") if values.is_empty() => {
+                return Err(format!("operator {op} on {} needs values", expr.key));
             }
             "In" => present.is_some_and(|v| values.contains(v)),
             "NotIn" => present.is_none_or(|v| !values.contains(v)),

@@ -70,12 +70,10 @@ pub struct ProfileName {
     "invalid MIG profile name {name:?}: expected <G>g.<GB>gb with an optional +me, -me, +me.all or +gfx suffix"
 )]
 pub struct InvalidProfileName {
-    /// The rejected input.
     pub name: String,
 }
 
 impl ProfileName {
-    /// Builds a name from its parts.
     pub fn new(compute_slices: u32, memory_gb: u32, variant: ProfileVariant) -> Self {
         Self {
             compute_slices,
@@ -96,19 +94,25 @@ impl ProfileName {
 
     /// Parses the spelling produced by [`ProfileName::to_label`].
     pub fn from_label(label: &str) -> Result<Self, InvalidProfileName> {
-        let invalid = || InvalidProfileName {
+        parse_name(label, "g", ProfileVariant::label_suffix).ok_or_else(|| InvalidProfileName {
             name: label.to_string(),
-        };
-        let (g, rest) = split_number(label).ok_or_else(invalid)?;
-        let rest = rest.strip_prefix('g').ok_or_else(invalid)?;
-        let (gb, rest) = split_number(rest).ok_or_else(invalid)?;
-        let suffix = rest.strip_prefix("gb").ok_or_else(invalid)?;
-        let variant = ProfileVariant::ALL
-            .into_iter()
-            .find(|v| v.label_suffix() == suffix)
-            .ok_or_else(invalid)?;
-        Ok(Self::new(g, gb, variant))
+        })
     }
+}
+
+/// Parses `<G><separator><GB>gb<suffix>`, the suffix spelled as `suffix_of` spells it.
+fn parse_name(
+    s: &str,
+    separator: &str,
+    suffix_of: fn(ProfileVariant) -> &'static str,
+) -> Option<ProfileName> {
+    let (g, rest) = split_number(s)?;
+    let (gb, rest) = split_number(rest.strip_prefix(separator)?)?;
+    let suffix = rest.strip_prefix("gb")?;
+    let variant = ProfileVariant::ALL
+        .into_iter()
+        .find(|v| suffix_of(*v) == suffix)?;
+    Some(ProfileName::new(g, gb, variant))
 }
 
 impl fmt::Display for ProfileName {
@@ -127,21 +131,10 @@ impl FromStr for ProfileName {
     type Err = InvalidProfileName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let invalid = || InvalidProfileName { name: s.to_string() };
         // NVML's v2/v3 profile info spells names as "MIG 1g.10gb"; accept that too.
-        let body = s.strip_prefix("MIG ").unwrap_or(s);
-        let (g, rest) = split_number(body).ok_or_else(invalid)?;
-        let rest = rest.strip_prefix("g.").ok_or_else(invalid)?;
-        let (gb, rest) = split_number(rest).ok_or_else(invalid)?;
-        let suffix = rest.strip_prefix("gb").ok_or_else(invalid)?;
-        let variant = ProfileVariant::ALL
-            .into_iter()
-            .find(|v| v.suffix() == suffix)
-            .ok_or_else(invalid)?;
-        if g == 0 || gb == 0 {
-            return Err(invalid());
-        }
-        Ok(Self::new(g, gb, variant))
+        parse_name(s.strip_prefix("MIG ").unwrap_or(s), "g.", ProfileVariant::suffix)
+            .filter(|p| p.compute_slices > 0 && p.memory_gb > 0)
+            .ok_or_else(|| InvalidProfileName { name: s.to_string() })
     }
 }
 

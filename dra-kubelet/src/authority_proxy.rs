@@ -1,20 +1,15 @@
 //! An HTTP/2 proxy in front of the kubelet-facing gRPC servers that rewrites `:authority`.
 //!
-//! The kubelet dials the registration socket by its bare path, and kubelets before 1.34 dial the
-//! DRA socket that way too, so grpc-go sends the percent-encoded socket path as `:authority`
-//! (`%2Fvar%2Flib%2F…-reg.sock`). The `h2` crate under tonic refuses that authority with
-//! PROTOCOL_ERROR: registration never completes and such a kubelet cannot prepare anything.
-//! This proxy owns each socket instead: it reads the client's frames, decodes every
-//! header block (HEADERS + CONTINUATION, PADDED and PRIORITY handled) with its own HPACK decoder,
-//! replaces `:authority` with `localhost`, re-encodes the block and hands the connection to tonic
-//! through an in-memory duplex pipe. Everything else is forwarded unchanged, in both directions.
+//! The kubelet dials the registration socket (and, before 1.34, the DRA socket) by its bare
+//! path, so grpc-go sends the percent-encoded socket path as `:authority`, which the `h2` crate
+//! under tonic refuses with PROTOCOL_ERROR. The proxy decodes every client header block
+//! (HEADERS + CONTINUATION, PADDED and PRIORITY handled) with its own HPACK decoder, sets
+//! `:authority` to `localhost`, re-encodes the block and hands the connection to tonic through
+//! an in-memory pipe; everything else passes unchanged in both directions.
 //!
-//! Re-encoded blocks use only "literal without indexing" representations, so the server's HPACK
-//! decoder never gains a dynamic-table entry and needs no coordination with the client's encoder
-//! (whose dynamic table only our decoder follows). They are split into CONTINUATION frames at
-//! 16 384 bytes, the smallest SETTINGS_MAX_FRAME_SIZE any peer may announce, so the server's
-//! settings need not be tracked. Server-to-client bytes are copied untouched.
-//!
+//! Re-encoded blocks use only literals without indexing, so the server's HPACK decoder never
+//! gains a dynamic-table entry, and are split into frames of at most 16 384 bytes (the smallest
+//! SETTINGS_MAX_FRAME_SIZE a peer may announce), so the server's settings need not be tracked.
 //! Any malformed input closes the connection; buffers are bounded per connection.
 
 use std::{
@@ -36,18 +31,16 @@ use tracing::{debug, warn};
 
 use crate::SocketKind;
 
-/// The HTTP/2 client connection preface.
-pub const CLIENT_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const CLIENT_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-/// The `:authority` every proxied request carries.
-pub const REWRITTEN_AUTHORITY: &[u8] = b"localhost";
+const REWRITTEN_AUTHORITY: &[u8] = b"localhost";
 
 /// Largest encoded header block (all HEADERS/CONTINUATION payloads of one block) accepted.
-pub const MAX_HEADER_BLOCK: usize = 64 * 1024;
+const MAX_HEADER_BLOCK: usize = 64 * 1024;
 
 /// Largest decoded header list accepted, counted as in SETTINGS_MAX_HEADER_LIST_SIZE (name +
 /// value + 32 per field); bounds what indexed references can expand to.
-pub const MAX_HEADER_LIST: usize = 256 * 1024;
+const MAX_HEADER_LIST: usize = 256 * 1024;
 
 /// Largest dynamic table the client's encoder may ask our decoder for.
 const MAX_DECODER_TABLE: usize = 64 * 1024;
@@ -72,30 +65,25 @@ const FLAG_PRIORITY: u8 = 0x20;
 /// Why a proxied connection was closed.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
-    /// The client did not start with the HTTP/2 connection preface.
     #[error("client did not send the HTTP/2 connection preface")]
     BadPreface,
-    /// The client broke the HTTP/2 framing rules.
     #[error("HTTP/2 protocol error from client: {0}")]
     Protocol(&'static str),
-    /// A header block exceeded [`MAX_HEADER_BLOCK`] or [`MAX_HEADER_LIST`].
+    /// Beyond [`MAX_HEADER_BLOCK`] or [`MAX_HEADER_LIST`].
     #[error("header block too large")]
     HeaderBlockTooLarge,
-    /// The client's header block could not be HPACK-decoded.
     #[error("HPACK decoding failed: {0}")]
     Hpack(#[from] loona_hpack::decoder::DecoderError),
-    /// The connection ended in the middle of a frame.
     #[error("connection closed in the middle of a frame")]
     Truncated,
-    /// Reading or writing failed.
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
 }
 
 impl ProxyError {
-    /// True when the peer simply went away (reset, broken pipe), which is how the kubelet ends
-    /// a registration connection.
-    pub fn is_disconnect(&self) -> bool {
+    /// True when the peer simply went away (reset, broken pipe), as the kubelet ends a
+    /// registration connection.
+    fn is_disconnect(&self) -> bool {
         matches!(self, ProxyError::Io(e) if matches!(
             e.kind(),
             std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof
@@ -128,8 +116,7 @@ pub struct AuthorityProxy {
 }
 
 impl AuthorityProxy {
-    /// A proxy for `listener` (the `kind` socket, named in logs) and the stream of connections it
-    /// produces.
+    /// A proxy for `listener` (`kind` names it in logs) and the connections it produces.
     pub fn new(kind: SocketKind, listener: UnixListener) -> (Self, ProxiedConnections) {
         let (sender, receiver) = mpsc::channel(PENDING_CONNECTIONS);
         (
@@ -241,25 +228,23 @@ impl FrameHeader {
 /// Reads a frame header; `None` on a clean end of stream at a frame boundary.
 async fn read_frame_header<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Option<FrameHeader>, ProxyError> {
     let mut bytes = [0u8; FRAME_HEADER_LEN];
-    let mut filled = 0;
-    while filled < FRAME_HEADER_LEN {
-        let read = reader.read(&mut bytes[filled..]).await?;
-        if read == 0 {
-            return if filled == 0 {
-                Ok(None)
-            } else {
-                Err(ProxyError::Truncated)
-            };
-        }
-        filled += read;
+    if reader.read(&mut bytes[..1]).await? == 0 {
+        return Ok(None);
     }
+    fill(reader, &mut bytes[1..]).await?;
     Ok(Some(FrameHeader::parse(&bytes)))
 }
 
 async fn read_payload<R: AsyncRead + Unpin>(reader: &mut R, length: usize) -> Result<Vec<u8>, ProxyError> {
     let mut payload = vec![0u8; length];
-    match reader.read_exact(&mut payload).await {
-        Ok(_) => Ok(payload),
+    fill(reader, &mut payload).await?;
+    Ok(payload)
+}
+
+/// `read_exact`, with an early end of stream as [`ProxyError::Truncated`].
+async fn fill<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> Result<(), ProxyError> {
+    match reader.read_exact(buf).await {
+        Ok(_) => Ok(()),
         Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => Err(ProxyError::Truncated),
         Err(error) => Err(error.into()),
     }
@@ -329,8 +314,8 @@ where
             // A client must not push; its header block would also desynchronise our decoder.
             (TYPE_PUSH_PROMISE, None) => return Err(ProxyError::Protocol("PUSH_PROMISE from a client")),
             (_, None) => {
-                let mut header = [0u8; FRAME_HEADER_LEN];
-                write_frame_header(
+                let mut header = Vec::with_capacity(FRAME_HEADER_LEN);
+                push_frame_header(
                     &mut header,
                     frame.length,
                     frame.kind,
@@ -384,13 +369,10 @@ fn split_headers_payload(
     Ok((priority, &rest[..fragment_len]))
 }
 
-fn write_frame_header(out: &mut [u8; FRAME_HEADER_LEN], length: usize, kind: u8, flags: u8, stream_id: u32) {
-    let length = length.to_be_bytes();
-    let [.., l0, l1, l2] = length;
-    out[..3].copy_from_slice(&[l0, l1, l2]);
-    out[3] = kind;
-    out[4] = flags;
-    out[5..].copy_from_slice(&(stream_id & 0x7fff_ffff).to_be_bytes());
+fn push_frame_header(out: &mut Vec<u8>, length: usize, kind: u8, flags: u8, stream_id: u32) {
+    let [.., l0, l1, l2] = length.to_be_bytes();
+    out.extend_from_slice(&[l0, l1, l2, kind, flags]);
+    out.extend_from_slice(&(stream_id & 0x7fff_ffff).to_be_bytes());
 }
 
 /// The per-connection HPACK state: a decoder following the client's encoder.
@@ -469,41 +451,24 @@ fn low_byte(value: usize) -> u8 {
 fn encode_header_frames(block: &PendingBlock, encoded: &[u8], out: &mut Vec<u8>) {
     let priority_len = if block.priority.is_some() { PRIORITY_LEN } else { 0 };
     let (first, mut rest) = encoded.split_at(encoded.len().min(MIN_MAX_FRAME_SIZE - priority_len));
-    let mut flags = 0;
-    if block.end_stream {
-        flags |= FLAG_END_STREAM;
-    }
-    if block.priority.is_some() {
-        flags |= FLAG_PRIORITY;
-    }
-    if rest.is_empty() {
-        flags |= FLAG_END_HEADERS;
-    }
-    let mut header = [0u8; FRAME_HEADER_LEN];
-    write_frame_header(
-        &mut header,
+    let flag = |set: bool, flag: u8| if set { flag } else { 0 };
+    let flags = flag(block.end_stream, FLAG_END_STREAM)
+        | flag(block.priority.is_some(), FLAG_PRIORITY)
+        | flag(rest.is_empty(), FLAG_END_HEADERS);
+    push_frame_header(
+        out,
         priority_len + first.len(),
         TYPE_HEADERS,
         flags,
         block.stream_id,
     );
-    out.extend_from_slice(&header);
-    if let Some(priority) = &block.priority {
-        out.extend_from_slice(priority);
-    }
+    out.extend(block.priority.iter().flatten());
     out.extend_from_slice(first);
     while !rest.is_empty() {
         let (chunk, after) = rest.split_at(rest.len().min(MIN_MAX_FRAME_SIZE));
         rest = after;
-        let flags = if rest.is_empty() { FLAG_END_HEADERS } else { 0 };
-        write_frame_header(
-            &mut header,
-            chunk.len(),
-            TYPE_CONTINUATION,
-            flags,
-            block.stream_id,
-        );
-        out.extend_from_slice(&header);
+        let flags = flag(rest.is_empty(), FLAG_END_HEADERS);
+        push_frame_header(out, chunk.len(), TYPE_CONTINUATION, flags, block.stream_id);
         out.extend_from_slice(chunk);
     }
 }

@@ -18,8 +18,7 @@ use tracing::{info, warn};
 
 use crate::{ClaimRef, DraDriver, PrepareOutcome, PreparedDevice, UnprepareOutcome};
 
-/// Serves the DRA plugin service for a [`DraDriver`]; one value backs both the v1 and the
-/// v1beta1 services (see [`DraService::v1_server`], [`DraService::v1beta1_server`]).
+/// Serves the DRA plugin service for a [`DraDriver`]; one value backs both versions.
 pub struct DraService<D> {
     driver: Arc<D>,
     serialize: Arc<Mutex<()>>,
@@ -35,7 +34,6 @@ impl<D> Clone for DraService<D> {
 }
 
 impl<D: DraDriver> DraService<D> {
-    /// A service that forwards to `driver`.
     pub fn new(driver: Arc<D>) -> Self {
         Self {
             driver,
@@ -43,12 +41,10 @@ impl<D: DraDriver> DraService<D> {
         }
     }
 
-    /// The tonic service for `k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`.
     pub fn v1_server(&self) -> v1::dra_plugin_server::DraPluginServer<Self> {
         v1::dra_plugin_server::DraPluginServer::new(self.clone())
     }
 
-    /// The tonic service for `k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin`.
     pub fn v1beta1_server(&self) -> v1beta1::dra_plugin_server::DraPluginServer<Self> {
         v1beta1::dra_plugin_server::DraPluginServer::new(self.clone())
     }
@@ -120,6 +116,10 @@ fn complete_outcomes<T>(
     outcomes
 }
 
+fn claim_refs<C: Into<ClaimRef>>(claims: Vec<C>) -> Vec<ClaimRef> {
+    claims.into_iter().map(Into::into).collect()
+}
+
 fn v1_device(device: PreparedDevice) -> v1::Device {
     v1::Device {
         request_names: device.request_names,
@@ -160,30 +160,19 @@ macro_rules! dra_plugin_version {
                 &self,
                 request: Request<$version::NodePrepareResourcesRequest>,
             ) -> Result<Response<$version::NodePrepareResourcesResponse>, Status> {
-                let claims = request
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(ClaimRef::from)
-                    .collect();
-                let claims = self
-                    .prepare(stringify!($version), claims)
-                    .await
-                    .into_iter()
-                    .map(|(uid, outcome)| {
-                        let response = match outcome {
-                            Ok(devices) => $version::NodePrepareResourceResponse {
-                                devices: devices.into_iter().map($device).collect(),
-                                error: String::new(),
-                            },
-                            Err(error) => $version::NodePrepareResourceResponse {
-                                devices: Vec::new(),
-                                error,
-                            },
-                        };
-                        (uid, response)
-                    })
-                    .collect();
+                let claims = claim_refs(request.into_inner().claims);
+                let outcomes = self.prepare(stringify!($version), claims).await;
+                let claims = outcomes.into_iter().map(|(uid, outcome)| {
+                    let (devices, error) = match outcome {
+                        Ok(devices) => (devices.into_iter().map($device).collect(), String::new()),
+                        Err(error) => (Vec::new(), error),
+                    };
+                    (
+                        uid,
+                        $version::NodePrepareResourceResponse { devices, error },
+                    )
+                });
+                let claims = claims.collect();
                 Ok(Response::new($version::NodePrepareResourcesResponse {
                     claims,
                 }))
@@ -193,21 +182,13 @@ macro_rules! dra_plugin_version {
                 &self,
                 request: Request<$version::NodeUnprepareResourcesRequest>,
             ) -> Result<Response<$version::NodeUnprepareResourcesResponse>, Status> {
-                let claims = request
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(ClaimRef::from)
-                    .collect();
-                let claims = self
-                    .unprepare(stringify!($version), claims)
-                    .await
-                    .into_iter()
-                    .map(|(uid, outcome)| {
-                        let error = outcome.err().unwrap_or_default();
-                        (uid, $version::NodeUnprepareResourceResponse { error })
-                    })
-                    .collect();
+                let claims = claim_refs(request.into_inner().claims);
+                let outcomes = self.unprepare(stringify!($version), claims).await;
+                let claims = outcomes.into_iter().map(|(uid, outcome)| {
+                    let error = outcome.err().unwrap_or_default();
+                    (uid, $version::NodeUnprepareResourceResponse { error })
+                });
+                let claims = claims.collect();
                 Ok(Response::new($version::NodeUnprepareResourcesResponse {
                     claims,
                 }))

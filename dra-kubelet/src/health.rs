@@ -87,12 +87,10 @@ impl HealthService {
         }
     }
 
-    /// The tonic service for `v1alpha1.DRAResourceHealth`.
     pub fn v1alpha1_server(&self) -> v1alpha1::dra_resource_health_server::DraResourceHealthServer<Self> {
         v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(self.clone())
     }
 
-    /// The tonic service for `v1.DRAResourceHealth`.
     pub fn v1_server(&self) -> v1::dra_resource_health_server::DraResourceHealthServer<Self> {
         v1::dra_resource_health_server::DraResourceHealthServer::new(self.clone())
     }
@@ -166,51 +164,41 @@ impl HealthService {
     }
 }
 
-macro_rules! health_response {
+/// The two versions have identical messages in distinct generated modules; this implements
+/// each version's service on the one handler.
+macro_rules! health_version {
     ($version:ident) => {
-        |devices: &[DeviceHealthReport], now: i64, timeout: i64| $version::NodeWatchResourcesResponse {
-            devices: devices
-                .iter()
-                .map(|device| $version::DeviceHealth {
-                    device: Some($version::DeviceIdentifier {
-                        pool_name: device.pool_name.clone(),
-                        device_name: device.device_name.clone(),
-                    }),
-                    health: health_value(device.healthy),
-                    last_updated_time: now,
-                    health_check_timeout_seconds: timeout,
-                    message: truncate_message(&device.message),
-                })
-                .collect(),
+        #[tonic::async_trait]
+        impl $version::dra_resource_health_server::DraResourceHealth for HealthService {
+            type NodeWatchResourcesStream = ResponseStream<$version::NodeWatchResourcesResponse>;
+
+            async fn node_watch_resources(
+                &self,
+                _request: Request<$version::NodeWatchResourcesRequest>,
+            ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+                let convert = |devices: &[DeviceHealthReport], now, timeout| {
+                    let devices = devices.iter().map(|device| $version::DeviceHealth {
+                        device: Some($version::DeviceIdentifier {
+                            pool_name: device.pool_name.clone(),
+                            device_name: device.device_name.clone(),
+                        }),
+                        health: health_value(device.healthy),
+                        last_updated_time: now,
+                        health_check_timeout_seconds: timeout,
+                        message: truncate_message(&device.message),
+                    });
+                    $version::NodeWatchResourcesResponse {
+                        devices: devices.collect(),
+                    }
+                };
+                Ok(Response::new(self.snapshots(stringify!($version), convert)))
+            }
         }
     };
 }
 
-#[tonic::async_trait]
-impl v1alpha1::dra_resource_health_server::DraResourceHealth for HealthService {
-    type NodeWatchResourcesStream = ResponseStream<v1alpha1::NodeWatchResourcesResponse>;
-
-    async fn node_watch_resources(
-        &self,
-        _request: Request<v1alpha1::NodeWatchResourcesRequest>,
-    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        Ok(Response::new(
-            self.snapshots("v1alpha1", health_response!(v1alpha1)),
-        ))
-    }
-}
-
-#[tonic::async_trait]
-impl v1::dra_resource_health_server::DraResourceHealth for HealthService {
-    type NodeWatchResourcesStream = ResponseStream<v1::NodeWatchResourcesResponse>;
-
-    async fn node_watch_resources(
-        &self,
-        _request: Request<v1::NodeWatchResourcesRequest>,
-    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        Ok(Response::new(self.snapshots("v1", health_response!(v1))))
-    }
-}
+health_version!(v1alpha1);
+health_version!(v1);
 
 #[cfg(test)]
 mod tests {

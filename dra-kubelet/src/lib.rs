@@ -1,28 +1,13 @@
-//! A helper for writing the node half of a Kubernetes DRA driver: everything between the kubelet
-//! and a driver's prepare/unprepare logic. It plays the part the Go package
-//! `k8s.io/dynamic-resource-allocation/kubeletplugin` plays for Go drivers.
+//! The node half of a Kubernetes DRA driver: everything between the kubelet and a driver's
+//! prepare/unprepare logic (what the Go package
+//! `k8s.io/dynamic-resource-allocation/kubeletplugin` does for Go drivers). A driver implements
+//! [`DraDriver`]; [`PluginServer`] serves the DRA socket (DRA `v1`, `v1beta1`, resource health
+//! `v1alpha1`, `v1`) and then the registration socket, names both per instance during rolling
+//! updates, fixes the `:authority` kubelets send, and removes the sockets on shutdown.
 //!
-//! A driver implements one trait, [`DraDriver`] (prepare and unprepare claims). The helper
-//! does the rest:
-//!
-//! * binds the DRA socket `<kubelet root>/plugins/<driver>/dra.sock` and serves the DRA plugin
-//!   service (`v1` and `v1beta1`) and the resource-health stream (`v1alpha1` and `v1`) on it;
-//! * then binds the registration socket `<kubelet root>/plugins_registry/<driver>-reg.sock` and
-//!   answers the kubelet's plugin registration (the kubelet may call the DRA socket as soon as it
-//!   has registered, so the DRA socket is served first);
-//! * with an instance name ([`PluginServerConfig::with_instance`], the pod UID) names both
-//!   sockets per instance (`dra-<instance>.sock`, `<driver>-<instance>-reg.sock`), so an old and
-//!   a new instance can serve side by side during a rolling update (kubelet ≥ 1.33);
-//! * serves both sockets behind an `:authority` fix, because kubelets send the percent-encoded
-//!   socket path as HTTP/2 `:authority` (on the registration socket always, on the DRA socket
-//!   before 1.34), which the HTTP/2 server under tonic rejects;
-//! * on shutdown removes the registration socket first (which deregisters the plugin), lets
-//!   in-flight calls finish and removes the DRA socket last.
-//!
-//! Device health and the registration outcome are plain data, so they travel through
-//! [`tokio::sync::watch`] channels rather than the trait: the driver publishes the current
-//! [`DeviceHealthReport`] list whenever it changes (every open stream sends the full list on each
-//! change and periodically), and reads the kubelet's verdict as [`RegistrationState`].
+//! Device health and the registration outcome are plain data and travel through
+//! [`tokio::sync::watch`] channels: the driver publishes the current [`DeviceHealthReport`] list
+//! whenever it changes and reads the kubelet's verdict as [`RegistrationState`].
 //!
 //! Data flow: kubelet → socket (`sockets`) → `:authority` fix (`authority_proxy`) → tonic →
 //! DRA service (`dra`) → [`DraDriver`]; health snapshots → `health` → kubelet; the kubelet's
@@ -77,21 +62,13 @@ mod sockets;
 
 use std::{collections::HashMap, future::Future};
 
-pub use health::{DEFAULT_RESEND_INTERVAL, MAX_MESSAGE_CHARS};
-pub use registration::{PLUGIN_TYPE, SUPPORTED_VERSIONS};
-pub use sockets::{
-    DEFAULT_SHUTDOWN_GRACE, DraServing, MAX_SOCKET_PATH, PluginServer, PluginServerConfig, PluginServing,
-    ServerError, SocketKind,
-};
+pub use sockets::{DraServing, PluginServer, PluginServerConfig, PluginServing, ServerError, SocketKind};
 
 /// A claim as the kubelet names it in NodePrepareResources / NodeUnprepareResources.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ClaimRef {
-    /// Claim namespace.
     pub namespace: String,
-    /// Claim UID.
     pub uid: String,
-    /// Claim name.
     pub name: String,
 }
 
@@ -100,9 +77,7 @@ pub struct ClaimRef {
 pub struct PreparedDevice {
     /// Base request names this device serves (no `/subrequest` part).
     pub request_names: Vec<String>,
-    /// Pool name.
     pub pool_name: String,
-    /// Device name.
     pub device_name: String,
     /// Fully qualified CDI device IDs.
     pub cdi_device_ids: Vec<String>,
@@ -112,7 +87,6 @@ pub struct PreparedDevice {
 
 /// Per-claim outcome of a prepare call: the devices, or a message for the kubelet's event.
 pub type PrepareOutcome = Result<Vec<PreparedDevice>, String>;
-/// Per-claim outcome of an unprepare call.
 pub type UnprepareOutcome = Result<(), String>;
 
 /// What a DRA driver implements. The helper calls it one call at a time (prepare and unprepare
@@ -122,9 +96,7 @@ pub type UnprepareOutcome = Result<(), String>;
 /// with an error, drops UIDs that were not asked for, and replaces an empty error message (which
 /// the kubelet would read as success).
 pub trait DraDriver: Send + Sync + 'static {
-    /// Prepares claims; returns one outcome per claim UID.
     fn prepare(&self, claims: Vec<ClaimRef>) -> impl Future<Output = HashMap<String, PrepareOutcome>> + Send;
-    /// Unprepares claims; returns one outcome per claim UID.
     fn unprepare(
         &self,
         claims: Vec<ClaimRef>,
@@ -134,13 +106,11 @@ pub trait DraDriver: Send + Sync + 'static {
 /// Health of one published device, for the resource-health stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceHealthReport {
-    /// Pool name.
     pub pool_name: String,
-    /// Device name.
     pub device_name: String,
     /// `Some(true)` healthy, `Some(false)` unhealthy, `None` unknown.
     pub healthy: Option<bool>,
-    /// Human-readable detail (at most [`MAX_MESSAGE_CHARS`] characters are sent).
+    /// Human-readable detail (at most 1024 characters are sent).
     pub message: String,
 }
 

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use migdra_proto::registration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-    registration_server::{Registration, RegistrationServer},
+    registration_server::Registration,
 };
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
@@ -28,26 +28,10 @@ pub const SUPPORTED_VERSIONS: [&str; 4] = [
 
 /// Answers the kubelet's `GetInfo` and records its `NotifyRegistrationStatus`.
 pub struct RegistrationService {
-    driver_name: String,
-    endpoint: PathBuf,
-    state: watch::Sender<RegistrationState>,
-}
-
-impl RegistrationService {
-    /// A service announcing `driver_name` with the DRA socket at `endpoint` (absolute: the kubelet
-    /// dials exactly this path); registration outcomes go to `state`.
-    pub fn new(driver_name: String, endpoint: PathBuf, state: watch::Sender<RegistrationState>) -> Self {
-        Self {
-            driver_name,
-            endpoint,
-            state,
-        }
-    }
-
-    /// The tonic service.
-    pub fn into_server(self) -> RegistrationServer<Self> {
-        RegistrationServer::new(self)
-    }
+    pub driver_name: String,
+    /// The DRA socket, absolute: the kubelet dials exactly this path.
+    pub endpoint: PathBuf,
+    pub state: watch::Sender<RegistrationState>,
 }
 
 #[tonic::async_trait]
@@ -67,24 +51,21 @@ impl Registration for RegistrationService {
         request: Request<RegistrationStatus>,
     ) -> Result<Response<RegistrationStatusResponse>, Status> {
         let status = request.into_inner();
-        if status.plugin_registered {
-            info!(driver = %self.driver_name, "kubelet registered the plugin");
-            self.state.send_replace(RegistrationState {
-                registered: true,
-                error: None,
-            });
-            Ok(Response::new(RegistrationStatusResponse {}))
-        } else {
-            error!(driver = %self.driver_name, error = %status.error, "kubelet rejected the plugin registration");
-            self.state.send_replace(RegistrationState {
-                registered: false,
-                error: Some(status.error.clone()),
-            });
-            // Like the Go helper: answering with an error makes the kubelet restart the sequence.
-            Err(Status::unknown(format!(
-                "plugin registration failed: {}",
-                status.error
-            )))
+        let error = (!status.plugin_registered).then(|| status.error.clone());
+        self.state.send_replace(RegistrationState {
+            registered: status.plugin_registered,
+            error: error.clone(),
+        });
+        match error {
+            None => {
+                info!(driver = %self.driver_name, "kubelet registered the plugin");
+                Ok(Response::new(RegistrationStatusResponse {}))
+            }
+            Some(error) => {
+                error!(driver = %self.driver_name, %error, "kubelet rejected the plugin registration");
+                // Like the Go helper: answering with an error makes the kubelet restart the sequence.
+                Err(Status::unknown(format!("plugin registration failed: {error}")))
+            }
         }
     }
 }

@@ -1,42 +1,25 @@
-//! The two kubelet sockets: the DRA socket (DRA v1 + v1beta1, health v1alpha1 + v1) and the
-//! registration socket. Both are served behind the `:authority` proxy
-//! ([`crate::authority_proxy`]): the kubelet sends the percent-encoded socket path as
-//! `:authority` on the registration socket, and kubelets before 1.34 on the DRA socket too.
+//! The two kubelet sockets, both served behind the `:authority` proxy
+//! ([`crate::authority_proxy`]): the DRA socket (DRA v1 + v1beta1, health v1alpha1 + v1) and
+//! the registration socket. The DRA socket is served before the registration socket exists (the
+//! kubelet may call it right after registering); on shutdown the registration socket goes first
+//! (deleting it deregisters the plugin), the DRA socket last.
 //!
-//! Order matters to the kubelet: the DRA socket is served before the registration socket
-//! exists (the kubelet may call it right after registering), and on shutdown the registration
-//! socket goes first (deleting it deregisters the plugin), the DRA socket last.
-//!
-//! ```text
-//! <kubelet root>/plugins/<driver>/dra.sock
-//! <kubelet root>/plugins_registry/<driver>-reg.sock
-//! ```
-//!
-//! With an instance name ([`PluginServerConfig::instance`], e.g. the pod UID) the names are
-//! unique per plugin instance, as the kubelet's rolling-update convention has them, so two
-//! instances (a DaemonSet with `maxSurge > 0`) can be registered at once:
-//!
-//! ```text
-//! <kubelet root>/plugins/<driver>/dra-<instance>.sock
-//! <kubelet root>/plugins_registry/<driver>-<instance>-reg.sock
-//! ```
-//!
-//! Each instance removes its own sockets at start (a stale file of a crashed run) and on
-//! shutdown, and never another instance's live ones: at start it only removes sockets of
-//! this driver that nobody listens on (left by an instance that was killed), because those
-//! names are never reused and the kubelet would keep dialing them.
+//! With an instance name (the pod UID) both socket names are unique per instance, so an old and
+//! a new instance can be registered at once during a rolling update. Those names are never
+//! reused, so at start an instance also removes this driver's sockets that nobody listens on
+//! (left by a killed instance) — never another instance's live ones.
 
 use std::{
-    future::Future,
     io,
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
 };
 
+use migdra_proto::registration::registration_server::RegistrationServer;
 use tokio::{net::UnixListener, sync::watch, task::JoinHandle, time::Instant};
 use tokio_util::sync::{CancellationToken, DropGuard};
-use tonic::transport::Server;
+use tonic::transport::{Server, server::Router};
 use tracing::{info, warn};
 
 use crate::{
@@ -56,9 +39,7 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// Which of the two sockets an error is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SocketKind {
-    /// The DRA service socket.
     Dra,
-    /// The plugin registration socket.
     Registration,
 }
 
@@ -74,96 +55,54 @@ impl std::fmt::Display for SocketKind {
 /// Errors of the socket server; each names the path involved.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    /// The driver name cannot be used in a socket path.
     #[error("driver name {0:?} cannot be used in a socket path")]
     InvalidDriverName(String),
-    /// The kubelet root dir could not be made absolute.
     #[error("cannot make kubelet root dir {path} absolute: {source}")]
-    KubeletRoot {
-        /// The configured root dir.
-        path: PathBuf,
-        /// The cause.
-        source: io::Error,
-    },
-    /// A socket path is too long for a unix socket.
+    KubeletRoot { path: PathBuf, source: io::Error },
     #[error("{kind} socket path {path} is {len} bytes long; unix sockets allow at most {MAX_SOCKET_PATH}")]
     PathTooLong {
-        /// Which socket.
         kind: SocketKind,
-        /// The path.
         path: PathBuf,
-        /// Its length in bytes.
         len: usize,
     },
-    /// The instance name cannot be used in a socket file name.
     #[error("plugin instance name {0:?} cannot be used in a socket file name")]
     InvalidInstanceName(String),
-    /// The socket's directory could not be created.
     #[error("cannot create directory {path} for the {kind} socket: {source}")]
     CreateDir {
-        /// Which socket.
         kind: SocketKind,
-        /// The directory.
         path: PathBuf,
-        /// The cause.
         source: io::Error,
     },
-    /// A stale socket file could not be removed.
     #[error("cannot remove stale {kind} socket {path}: {source}")]
     RemoveStale {
-        /// Which socket.
         kind: SocketKind,
-        /// The path.
         path: PathBuf,
-        /// The cause.
         source: io::Error,
     },
-    /// Binding the socket failed.
     #[error("cannot bind the {kind} socket {path}: {source}")]
     Bind {
-        /// Which socket.
         kind: SocketKind,
-        /// The path.
         path: PathBuf,
-        /// The cause.
         source: io::Error,
     },
-    /// The gRPC server failed.
     #[error("the {kind} gRPC server on {path} failed: {source}")]
     Serve {
-        /// Which socket.
         kind: SocketKind,
-        /// The path.
         path: PathBuf,
-        /// The cause.
         source: tonic::transport::Error,
     },
-    /// A gRPC server stopped although no shutdown was requested.
     #[error("the {kind} gRPC server on {path} stopped unexpectedly")]
-    Stopped {
-        /// Which socket.
-        kind: SocketKind,
-        /// The path.
-        path: PathBuf,
-    },
-    /// The server task panicked or was cancelled.
+    Stopped { kind: SocketKind, path: PathBuf },
     #[error("the {kind} server task on {path} died: {source}")]
     Task {
-        /// Which socket.
         kind: SocketKind,
-        /// The path.
         path: PathBuf,
-        /// The cause.
         source: tokio::task::JoinError,
     },
-    /// The socket file could not be removed on shutdown.
     #[error("cannot remove the {kind} socket {path}: {source}")]
     RemoveSocket {
-        /// Which socket.
         kind: SocketKind,
-        /// The path.
         path: PathBuf,
-        /// The cause.
         source: io::Error,
     },
 }
@@ -171,17 +110,15 @@ pub enum ServerError {
 /// Where and how to serve.
 #[derive(Clone, Debug)]
 pub struct PluginServerConfig {
-    /// The kubelet's root dir (`/var/lib/kubelet`).
+    /// `/var/lib/kubelet`.
     pub kubelet_root: PathBuf,
-    /// The DRA driver name (`dra.example.com`).
     pub driver_name: String,
     /// How often health streams re-send the full list without a change.
     pub health_resend_interval: Duration,
     /// How long shutdown waits for in-flight calls before dropping them.
     pub shutdown_grace: Duration,
-    /// Makes both socket names unique to this plugin instance (the pod UID in a DaemonSet),
-    /// for rolling updates where an old and a new instance run side by side. `None` (or
-    /// empty): the fixed names.
+    /// Makes both socket names unique to this instance (the pod UID); `None` or empty: the
+    /// fixed names.
     pub instance: Option<String>,
 }
 
@@ -197,8 +134,7 @@ impl PluginServerConfig {
         }
     }
 
-    /// Names the sockets after `instance` (see [`Self::instance`]); empty keeps the fixed
-    /// names.
+    /// Names the sockets after `instance`; empty keeps the fixed names.
     pub fn with_instance(mut self, instance: impl Into<String>) -> Self {
         let instance = instance.into();
         self.instance = (!instance.is_empty()).then_some(instance);
@@ -236,14 +172,12 @@ impl PluginServerConfig {
         name.starts_with(&format!("{}-", self.driver_name)) && name.ends_with("-reg.sock")
     }
 
-    /// The registration sockets of other instances of this driver that a process listens on:
-    /// during a rolling update, the instance the kubelet keeps calling once this one is gone.
-    /// A stopping instance uses it to tell a hand-over (someone else still serves the node)
-    /// from the node losing its plugin.
+    /// The live registration sockets of other instances of this driver: a stopping instance
+    /// tells a rolling-update hand-over from the node losing its plugin by them.
     pub async fn live_peer_registrations(&self) -> Vec<PathBuf> {
         let mut live = Vec::new();
         for path in sibling_sockets(&self.registration_socket(), |n| self.is_registration_socket(n)).await {
-            if probe(&path).await == Probe::Alive {
+            if !is_dead(&path).await {
                 live.push(path);
             }
         }
@@ -255,9 +189,8 @@ impl PluginServerConfig {
         if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\0']) {
             return Err(ServerError::InvalidDriverName(name.clone()));
         }
-        // A path separator would put the socket elsewhere, and the kubelet's plugin watcher
-        // ignores dot-files (a leading dot cannot occur: the names start with the driver or
-        // `dra-`).
+        // A path separator would put the socket elsewhere (a leading dot, which the plugin
+        // watcher ignores, cannot occur: names start with the driver or `dra-`).
         if let Some(instance) = self.instance_name()
             && instance.contains(['/', '\0'])
         {
@@ -285,8 +218,8 @@ pub struct PluginServer<D> {
 }
 
 impl<D: DraDriver> PluginServer<D> {
-    /// Servers for `driver`; health streams follow `health`, and the kubelet's registration
-    /// verdicts are published to `registration`.
+    /// Health streams follow `health`; the kubelet's registration verdicts go to
+    /// `registration`.
     pub fn new(
         config: PluginServerConfig,
         driver: Arc<D>,
@@ -301,22 +234,17 @@ impl<D: DraDriver> PluginServer<D> {
         }
     }
 
-    /// Serves both sockets until `shutdown` is cancelled, then removes them (registration
-    /// first). Equivalent to [`Self::serve_dra`], [`DraServing::register`],
-    /// [`PluginServing::wait`].
+    /// [`Self::serve_dra`], [`DraServing::register`], [`PluginServing::wait`]: serves both
+    /// sockets until `shutdown` is cancelled, then removes them.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServerError> {
         self.serve_dra(shutdown).await?.register().await?.wait().await
     }
 
-    /// Step 1: creates the directories, removes a stale DRA socket, binds it and starts serving
-    /// DRA v1 + v1beta1 and health v1alpha1 + v1 on it, through the `:authority` proxy. The
-    /// registration socket is not touched.
+    /// Step 1: binds the DRA socket (replacing a stale one) and serves DRA and health on it.
     pub async fn serve_dra(self, shutdown: CancellationToken) -> Result<DraServing, ServerError> {
         let config = self.config.validate()?;
         let stop = shutdown.child_token();
         let dra_path = config.dra_socket();
-        // Instances that died without cleaning up (SIGKILL, a node crash) left sockets under
-        // names no later instance reuses; the kubelet would keep dialing them.
         remove_dead_sockets(&config.registration_socket(), |name| {
             config.is_registration_socket(name)
         })
@@ -338,15 +266,7 @@ impl<D: DraDriver> PluginServer<D> {
             .add_service(dra.v1beta1_server())
             .add_service(health.v1alpha1_server())
             .add_service(health.v1_server());
-        let (proxy, connections) = AuthorityProxy::new(SocketKind::Dra, listener);
-        let serve_stop = stop.clone();
-        let task = spawn_server(SocketKind::Dra, dra_path.clone(), stop.clone(), async move {
-            let (served, ()) = tokio::join!(
-                router.serve_with_incoming_shutdown(connections, serve_stop.clone().cancelled_owned()),
-                proxy.run(serve_stop),
-            );
-            served
-        });
+        let task = serve_proxied(SocketKind::Dra, dra_path.clone(), listener, router, stop.clone());
         info!(socket = %dra_path.display(), "serving DRA v1, v1beta1 and resource health v1alpha1, v1");
         Ok(DraServing {
             stop_guard: stop.clone().drop_guard(),
@@ -371,18 +291,16 @@ pub struct DraServing {
 }
 
 impl DraServing {
-    /// The absolute path of the DRA socket.
     pub fn dra_socket(&self) -> PathBuf {
         self.config.dra_socket()
     }
 
-    /// The absolute path the registration socket will have.
     pub fn registration_socket(&self) -> PathBuf {
         self.config.registration_socket()
     }
 
-    /// Step 2: removes a stale registration socket, binds it and serves plugin registration
-    /// through the `:authority` proxy. On failure the DRA socket is shut down and removed too.
+    /// Step 2: binds the registration socket (replacing a stale one) and serves plugin
+    /// registration. On failure the DRA socket is shut down and removed too.
     pub async fn register(self) -> Result<PluginServing, ServerError> {
         let registration_path = self.config.registration_socket();
         let mut serving = PluginServing {
@@ -411,25 +329,17 @@ impl DraServing {
         };
         serving.registration_socket.path = Some(registration_path.clone());
 
-        let service = RegistrationService::new(
-            self.config.driver_name.clone(),
-            self.config.dra_socket(),
-            self.registration,
-        );
-        let (proxy, connections) = AuthorityProxy::new(SocketKind::Registration, listener);
-        let router = Server::builder().add_service(service.into_server());
-        let stop = serving.stop.clone();
-        serving.registration_task = Some(spawn_server(
+        let service = RegistrationService {
+            driver_name: self.config.driver_name.clone(),
+            endpoint: self.config.dra_socket(),
+            state: self.registration,
+        };
+        serving.registration_task = Some(serve_proxied(
             SocketKind::Registration,
             registration_path.clone(),
+            listener,
+            Server::builder().add_service(RegistrationServer::new(service)),
             serving.stop.clone(),
-            async move {
-                let (served, ()) = tokio::join!(
-                    router.serve_with_incoming_shutdown(connections, stop.clone().cancelled_owned()),
-                    proxy.run(stop),
-                );
-                served
-            },
         ));
         info!(
             socket = %registration_path.display(),
@@ -455,19 +365,17 @@ pub struct PluginServing {
 }
 
 impl PluginServing {
-    /// The absolute path of the DRA socket.
     pub fn dra_socket(&self) -> &Path {
         &self.dra_path
     }
 
-    /// The absolute path of the registration socket.
     pub fn registration_socket(&self) -> &Path {
         &self.registration_path
     }
 
-    /// Serves until the shutdown token is cancelled (or a server fails), then removes the
-    /// registration socket, lets in-flight calls finish (up to the shutdown grace), stops both
-    /// servers and removes the DRA socket. Returns the first error.
+    /// Serves until the shutdown token is cancelled (or a server fails), then deregisters, lets
+    /// in-flight calls finish (up to the shutdown grace) and removes the DRA socket. Returns the
+    /// first error.
     pub async fn wait(self) -> Result<(), ServerError> {
         let Self {
             stop_guard,
@@ -480,12 +388,11 @@ impl PluginServing {
             registration_path,
             grace,
         } = self;
-        // Also cancelled by a server task that stops on its own (see `spawn_server`).
+        // Also cancelled by a server task that stops on its own (see `serve_proxied`).
         stop.cancelled().await;
         info!("shutting down the kubelet plugin sockets");
 
         let mut errors = Vec::new();
-        // Deregister first: the kubelet stops calling once the registration socket is gone.
         errors.extend(registration_socket.remove().err());
         let deadline = Instant::now() + grace;
         if let Some(task) = registration_task {
@@ -504,19 +411,22 @@ impl PluginServing {
     }
 }
 
-/// Runs a gRPC server; when it stops on its own (an error, or its listener ended) it cancels
-/// `stop`, so that the other server stops too and the sockets are cleaned up.
-fn spawn_server<F>(
+/// Serves `router` on `listener` behind the `:authority` proxy. When the server stops on its
+/// own (an error, or its listener ended) it cancels `stop`, so that the other server stops too
+/// and the sockets are cleaned up.
+fn serve_proxied(
     kind: SocketKind,
     path: PathBuf,
+    listener: UnixListener,
+    router: Router,
     stop: CancellationToken,
-    serve: F,
-) -> JoinHandle<Result<(), ServerError>>
-where
-    F: Future<Output = Result<(), tonic::transport::Error>> + Send + 'static,
-{
+) -> JoinHandle<Result<(), ServerError>> {
+    let (proxy, connections) = AuthorityProxy::new(kind, listener);
     tokio::spawn(async move {
-        let result = serve.await;
+        let (result, ()) = tokio::join!(
+            router.serve_with_incoming_shutdown(connections, stop.clone().cancelled_owned()),
+            proxy.run(stop.clone()),
+        );
         let stopped_early = !stop.is_cancelled();
         stop.cancel();
         match result {
@@ -582,20 +492,13 @@ impl Drop for SocketFile {
 /// How long a probe of another instance's socket may take before it counts as alive.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Whether something listens on a socket file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Probe {
-    /// Connecting was refused: the process that bound it is gone.
-    Dead,
-    /// Connected, or could not tell (a probe that times out counts as alive).
-    Alive,
-}
-
-async fn probe(path: &Path) -> Probe {
-    match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::UnixStream::connect(path)).await {
-        Ok(Err(error)) if error.kind() == io::ErrorKind::ConnectionRefused => Probe::Dead,
-        _ => Probe::Alive,
-    }
+/// Whether the process that bound `path` is gone (connecting is refused); a probe that times
+/// out counts as alive.
+async fn is_dead(path: &Path) -> bool {
+    matches!(
+        tokio::time::timeout(PROBE_TIMEOUT, tokio::net::UnixStream::connect(path)).await,
+        Ok(Err(error)) if error.kind() == io::ErrorKind::ConnectionRefused
+    )
 }
 
 /// The sockets next to `own` (not `own` itself) whose file name `is_plugin_socket` accepts.
@@ -605,7 +508,7 @@ async fn sibling_sockets(own: &Path, is_plugin_socket: impl Fn(&str) -> bool) ->
     let mut found = Vec::new();
     let Some(dir) = own.parent() else { return found };
     let Ok(mut entries) = tokio::fs::read_dir(dir).await else {
-        return found; // not there yet: no siblings either
+        return found;
     };
     while let Ok(Some(entry)) = entries.next_entry().await {
         let path = entry.path();
@@ -619,13 +522,11 @@ async fn sibling_sockets(own: &Path, is_plugin_socket: impl Fn(&str) -> bool) ->
     found
 }
 
-/// Removes the sockets next to `own` (not `own` itself, which [`bind_socket`] replaces) whose
-/// file name `is_plugin_socket` accepts and that nobody listens on. Anything else (a live
-/// socket, a probe that times out, other files) is left alone; failures are logged, never
-/// fatal.
+/// Removes the dead sockets next to `own` whose file name `is_plugin_socket` accepts; failures
+/// are logged, never fatal.
 async fn remove_dead_sockets(own: &Path, is_plugin_socket: impl Fn(&str) -> bool) {
     for path in sibling_sockets(own, is_plugin_socket).await {
-        if probe(&path).await == Probe::Dead {
+        if is_dead(&path).await {
             match tokio::fs::remove_file(&path).await {
                 Ok(()) => {
                     info!(socket = %path.display(), "removed the dead socket of another plugin instance")

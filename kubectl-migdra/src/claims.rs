@@ -29,18 +29,14 @@ pub const FAILED_PREPARE_REASON: &str = "FailedPrepareDynamicResources";
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ClaimsView {
-    /// [`VIEW_API_VERSION`].
     pub api_version: String,
-    /// Always `Claims`.
     pub kind: String,
     /// Claims by namespace and name.
     pub claims: Vec<ClaimRow>,
 }
 
-/// State of a claim.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum ClaimState {
-    /// Not allocated.
     Pending,
     /// Allocated, not prepared.
     Allocated,
@@ -50,22 +46,17 @@ pub enum ClaimState {
     Failed,
 }
 
-/// One claim.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ClaimRow {
-    /// Namespace.
     pub namespace: String,
-    /// Name.
     pub name: String,
-    /// State.
     pub state: ClaimState,
     /// The node whose pool the devices come from.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
     /// The driver's allocated devices.
     pub devices: Vec<ClaimDevice>,
-    /// Pods using the claim.
     pub pods: Vec<PodUse>,
     /// The failure message (Failed), or the plugin's `Ready` message.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -76,11 +67,8 @@ pub struct ClaimRow {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ClaimDevice {
-    /// The claim's request.
     pub request: String,
-    /// Pool.
     pub pool: String,
-    /// Device name.
     pub device: String,
     /// MIG profile, for a partition.
     #[serde(skip_serializing_if = "Option::is_none")]

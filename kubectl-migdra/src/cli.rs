@@ -95,11 +95,9 @@ pub enum CliError {
 /// What a command printed, and how it ends.
 #[derive(Debug)]
 pub struct Outcome {
-    /// Standard output.
     pub stdout: String,
     /// Warnings for standard error (what could not be read).
     pub warnings: Vec<String>,
-    /// Process exit code.
     pub exit_code: u8,
 }
 

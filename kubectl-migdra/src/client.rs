@@ -5,16 +5,11 @@
 
 use std::path::PathBuf;
 
-use k8s_openapi::api::{
-    core::v1::{Event, Pod},
-    resource::v1::{DeviceClass, ResourceClaim, ResourceSlice},
-};
 use kube::{
     Api, Client, Config,
     api::ListParams,
     config::{KubeConfigOptions, Kubeconfig},
 };
-use migdra_api::{inventory::GpuNode, policy::MigPolicy};
 use serde::de::DeserializeOwned;
 
 use crate::snapshot::Snapshot;
@@ -25,12 +20,9 @@ const PAGE_SIZE: u32 = 500;
 /// Why the cluster could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// The kubeconfig file could not be read.
     #[error("reading kubeconfig {path}: {source}")]
     ReadKubeconfig {
-        /// The file.
         path: PathBuf,
-        /// Cause.
         #[source]
         source: kube::config::KubeconfigError,
     },
@@ -40,15 +32,11 @@ pub enum ClientError {
     /// Neither a kubeconfig nor an in-cluster configuration was found.
     #[error("finding a kubeconfig (set KUBECONFIG or pass --kubeconfig): {0}")]
     Infer(#[from] kube::config::InferConfigError),
-    /// The client could not be built.
     #[error("creating the Kubernetes client: {0}")]
     Client(#[source] kube::Error),
-    /// A list call failed.
     #[error("listing {what}: {source}")]
     List {
-        /// What was listed.
         what: &'static str,
-        /// Cause.
         #[source]
         source: kube::Error,
     },
@@ -66,7 +54,6 @@ pub struct KubeOptions {
 /// A client and the namespace the kubeconfig context defaults to.
 #[derive(Clone)]
 pub struct Connection {
-    /// The client.
     pub client: Client,
     /// The context's namespace (`default` when it names none).
     pub default_namespace: String,
@@ -103,19 +90,12 @@ pub async fn connect(options: &KubeOptions) -> Result<Connection, ClientError> {
 pub struct Needs {
     /// Namespace of claims, pods and events (all namespaces when `None`).
     pub namespace: Option<String>,
-    /// GpuNodes.
     pub gpu_nodes: bool,
-    /// The driver's ResourceSlices.
     pub slices: bool,
-    /// ResourceClaims.
     pub claims: bool,
-    /// Pods.
     pub pods: bool,
-    /// Warning events.
     pub events: bool,
-    /// MigPolicies.
     pub policies: bool,
-    /// DeviceClasses.
     pub device_classes: bool,
 }
 
@@ -125,53 +105,29 @@ pub async fn snapshot(connection: &Connection, driver: &str, needs: &Needs) -> R
     let mut snapshot = Snapshot::new(driver);
     let ns = needs.namespace.as_deref();
     let all = ListParams::default();
-    let warnings = &mut snapshot.warnings;
+    let by_driver = ListParams::default().fields(&format!("spec.driver={driver}"));
+    let warning_events = ListParams::default().fields("type=Warning");
+    let w = &mut snapshot.warnings;
     if needs.gpu_nodes {
-        snapshot.gpu_nodes = list(Api::<GpuNode>::all(client.clone()), &all, "gpunodes", warnings).await?;
+        snapshot.gpu_nodes = list(Api::all(client.clone()), &all, "gpunodes", w).await?;
     }
     if needs.slices {
-        let by_driver = ListParams::default().fields(&format!("spec.driver={driver}"));
-        snapshot.slices = list(
-            Api::<ResourceSlice>::all(client.clone()),
-            &by_driver,
-            "resourceslices",
-            warnings,
-        )
-        .await?;
+        snapshot.slices = list(Api::all(client.clone()), &by_driver, "resourceslices", w).await?;
     }
     if needs.claims {
-        snapshot.claims = list(
-            scoped::<ResourceClaim>(client, ns),
-            &all,
-            "resourceclaims",
-            warnings,
-        )
-        .await?;
+        snapshot.claims = list(scoped(client, ns), &all, "resourceclaims", w).await?;
     }
     if needs.pods {
-        snapshot.pods = list(scoped::<Pod>(client, ns), &all, "pods", warnings).await?;
+        snapshot.pods = list(scoped(client, ns), &all, "pods", w).await?;
     }
     if needs.events {
-        let warning_events = ListParams::default().fields("type=Warning");
-        snapshot.events = list(scoped::<Event>(client, ns), &warning_events, "events", warnings).await?;
+        snapshot.events = list(scoped(client, ns), &warning_events, "events", w).await?;
     }
     if needs.policies {
-        snapshot.policies = list(
-            Api::<MigPolicy>::all(client.clone()),
-            &all,
-            "migpolicies",
-            warnings,
-        )
-        .await?;
+        snapshot.policies = list(Api::all(client.clone()), &all, "migpolicies", w).await?;
     }
     if needs.device_classes {
-        snapshot.device_classes = list(
-            Api::<DeviceClass>::all(client.clone()),
-            &all,
-            "deviceclasses",
-            warnings,
-        )
-        .await?;
+        snapshot.device_classes = list(Api::all(client.clone()), &all, "deviceclasses", w).await?;
     }
     Ok(snapshot)
 }

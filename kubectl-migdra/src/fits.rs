@@ -14,7 +14,7 @@ use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use migdra_api::{
     device_name::DeviceName,
     geometry::MigProfile,
-    inventory::GpuNode,
+    inventory::{GpuInventory, GpuNode},
     profile::ProfileName,
     slices::{
         Counters, MEMORY_COUNTER, NOT_OFFERED_TAINT, PlannedDevice, PlannedKind, PoolPlan, SHARES_CAPACITY,
@@ -32,11 +32,9 @@ use crate::{
 /// The shape of the claim asked about.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Shape {
-    /// Exactly this MIG profile.
     Profile(ProfileName),
     /// Any MIG device with at least this much memory.
     Memory {
-        /// Bytes.
         bytes: u128,
         /// As the user wrote it (`20Gi`).
         text: String,
@@ -68,35 +66,25 @@ impl std::fmt::Display for Shape {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct FitsView {
-    /// [`VIEW_API_VERSION`].
     pub api_version: String,
-    /// Always `Fits`.
     pub kind: String,
-    /// What was asked.
     pub request: FitsRequest,
-    /// Nodes, by name.
     pub nodes: Vec<NodeFit>,
 }
 
-/// What was asked.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct FitsRequest {
-    /// The profile asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub profile: Option<String>,
-    /// The memory asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory: Option<String>,
 }
 
-/// The answer for one node.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeFit {
-    /// Node name.
     pub node: String,
-    /// Its pool.
     pub pool: String,
     /// The device a claim would get now.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -114,13 +102,9 @@ pub struct NodeFit {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Landing {
-    /// Device name.
     pub device: String,
-    /// Parent GPU's minor.
     pub gpu: u32,
-    /// Profile.
     pub profile: String,
-    /// Placement start.
     pub start: u32,
     /// Memory slices it would cover.
     pub memory_slices: Vec<u32>,
@@ -130,9 +114,7 @@ pub struct Landing {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct BlockedDevice {
-    /// Device name.
     pub device: String,
-    /// What stops it.
     pub reason: String,
 }
 
@@ -294,12 +276,7 @@ fn rebuild_plan(gpu_node: &GpuNode, slices: &[&ResourceSlice]) -> (PoolPlan, Vec
             plan.counter_sets.push((set.name.clone(), counters));
         }
     }
-    let gpus = gpu_node
-        .status
-        .as_ref()
-        .and_then(|s| s.gpus.as_ref())
-        .cloned()
-        .unwrap_or_default();
+    let gpus = node_gpus(gpu_node);
     for device in slices.iter().flat_map(|s| s.spec.devices.iter().flatten()) {
         let Ok(name) = device.name.parse::<DeviceName>() else {
             continue;
@@ -410,17 +387,24 @@ fn matches(shape: &Shape, device: &Published) -> bool {
     }
 }
 
-fn holder_text(plan: &PoolPlan, index: usize, users: &[DeviceUse]) -> String {
+fn claims_text(users: &[DeviceUse]) -> String {
     let claims: Vec<String> = users.iter().map(|u| format!("claim {}", u.claim)).collect();
-    format!("{} ({})", plan.devices[index].name, claims.join(", "))
+    claims.join(", ")
+}
+
+fn node_gpus(gpu_node: &GpuNode) -> Vec<GpuInventory> {
+    gpu_node
+        .status
+        .as_ref()
+        .and_then(|s| s.gpus.clone())
+        .unwrap_or_default()
 }
 
 /// Why device `index` does not fit: taken itself, or which counters are short and who
 /// holds them.
 fn explain(plan: &PoolPlan, holders: &BTreeMap<usize, &[DeviceUse]>, index: usize) -> String {
     if let Some(users) = holders.get(&index) {
-        let claims: Vec<String> = users.iter().map(|u| format!("claim {}", u.claim)).collect();
-        return format!("allocated to {}", claims.join(", "));
+        return format!("allocated to {}", claims_text(users));
     }
     let device = &plan.devices[index];
     let Some(set) = &device.counter_set else {
@@ -471,10 +455,8 @@ fn explain(plan: &PoolPlan, holders: &BTreeMap<usize, &[DeviceUse]>, index: usiz
             users
                 .iter()
                 .map(|(i, _)| {
-                    format!(
-                        "used by {}",
-                        holder_text(plan, *i, holders.get(i).copied().unwrap_or(&[]))
-                    )
+                    let users = holders.get(i).copied().unwrap_or(&[]);
+                    format!("used by {} ({})", plan.devices[*i].name, claims_text(users))
                 })
                 .collect()
         };
@@ -509,24 +491,22 @@ fn slice_number(counter: &str) -> u32 {
 /// Why the pool has no device of the shape: the policy leaves the profile out, or no GPU of
 /// the node has it.
 fn not_published(snapshot: &Snapshot, gpu_node: &GpuNode, shape: &Shape) -> String {
-    let gpus = gpu_node
-        .status
-        .as_ref()
-        .and_then(|s| s.gpus.as_ref())
-        .cloned()
-        .unwrap_or_default();
+    let gpus = node_gpus(gpu_node);
     let policy_name = gpu_node
         .status
         .as_ref()
         .and_then(|s| s.publication.as_ref())
         .and_then(|p| p.policy.clone());
     if let Shape::Profile(profile) = shape {
-        let on_gpus = gpus.iter().any(|g| {
-            g.mig
-                .as_ref()
-                .is_some_and(|m| m.geometry.profile_by_name(profile).is_some())
-        });
-        if !on_gpus {
+        let with_profile: Vec<&GpuInventory> = gpus
+            .iter()
+            .filter(|g| {
+                g.mig
+                    .as_ref()
+                    .is_some_and(|m| m.geometry.profile_by_name(profile).is_some())
+            })
+            .collect();
+        if with_profile.is_empty() {
             return format!("no GPU of this node has a {profile} profile");
         }
         if let Some(name) = &policy_name {
@@ -542,15 +522,11 @@ fn not_published(snapshot: &Snapshot, gpu_node: &GpuNode, shape: &Shape) -> Stri
                 _ => {}
             }
         }
-        let with_profile = gpus.iter().filter(|g| {
-            g.mig
-                .as_ref()
-                .is_some_and(|m| m.geometry.profile_by_name(profile).is_some())
-        });
-        if with_profile.clone().all(|g| !g.health.healthy) {
+        if with_profile.iter().all(|g| !g.health.healthy) {
             return format!(
                 "the pool publishes no {profile} device: every GPU with the profile is unhealthy ({})",
                 with_profile
+                    .iter()
                     .map(|g| format!("GPU {}", g.minor))
                     .collect::<Vec<_>>()
                     .join(", ")

@@ -23,21 +23,15 @@ use crate::{
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct LayoutView {
-    /// [`VIEW_API_VERSION`].
     pub api_version: String,
-    /// Always `Layout`.
     pub kind: String,
-    /// DRA driver name.
     pub driver: String,
-    /// Nodes, by name.
     pub nodes: Vec<NodeLayout>,
 }
 
-/// One node.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeLayout {
-    /// Node name.
     pub node: String,
     /// Pool its devices are published in.
     pub pool: String,
@@ -51,21 +45,17 @@ pub struct NodeLayout {
     pub gpus: Vec<GpuLayout>,
 }
 
-/// The kubelet plugin of a node.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PluginView {
     /// True once the kubelet confirmed the registration.
     pub registered: bool,
-    /// Plugin version.
     pub version: String,
 }
 
-/// MIG mode of a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub enum MigMode {
-    /// MIG on.
     Enabled,
     /// MIG off; `modeSwitchable` says whether the plugin may turn it on for a claim.
     Disabled,
@@ -77,7 +67,6 @@ pub enum MigMode {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub enum SliceUse {
-    /// Nothing.
     Free,
     /// An instance migdra created.
     Migdra,
@@ -89,24 +78,17 @@ pub enum SliceUse {
     WholeGpu,
 }
 
-/// One GPU.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuLayout {
     /// Device minor (names the GPU in device names).
     pub minor: u32,
-    /// NVML index.
     pub index: u32,
-    /// GPU UUID.
     pub uuid: String,
-    /// Product name.
     pub product: String,
-    /// Health.
     pub healthy: bool,
-    /// Why it is unhealthy.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_reason: Option<String>,
-    /// MIG mode.
     pub mig: MigMode,
     /// True when the plugin may switch MIG mode on demand.
     pub mode_switchable: bool,
@@ -114,7 +96,6 @@ pub struct GpuLayout {
     pub memory_slices: u32,
     /// What holds each memory slice, slice 0 first.
     pub slice_map: Vec<SliceUse>,
-    /// Claims holding the whole GPU.
     pub whole_gpu: Vec<DeviceUse>,
     /// GPU instances (and allocated partitions not created yet), by start.
     pub instances: Vec<InstanceLayout>,
@@ -129,7 +110,6 @@ pub struct GpuLayout {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub enum InstanceOwnerView {
-    /// Created by migdra.
     Migdra,
     /// Created by someone else; migdra never touches it.
     Foreign,
@@ -144,16 +124,12 @@ pub struct InstanceLayout {
     /// Profile name, when the GPU reports the profile.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub profile: Option<String>,
-    /// GPU-instance profile ID.
     pub profile_id: u32,
-    /// First memory slice.
     pub start: u32,
-    /// Memory slices it covers.
     pub memory_slices: Vec<u32>,
     /// NVML GPU-instance ID (absent for an allocated partition not created yet).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_instance_id: Option<u32>,
-    /// Whose it is.
     pub owner: InstanceOwnerView,
     /// The published device it is (absent for foreign instances of unknown profiles).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -172,9 +148,7 @@ pub struct InstanceLayout {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct FreePlacements {
-    /// Profile name.
     pub profile: String,
-    /// Memory slices one instance covers.
     pub memory_slices: u32,
     /// Starts where an instance could be created now.
     pub starts: Vec<u32>,
@@ -184,12 +158,10 @@ pub struct FreePlacements {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Fragmentation {
-    /// Memory slices nothing holds.
     pub free_slices: u32,
     /// The largest profile (by memory slices) with a free placement.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub largest_fit: Option<String>,
-    /// Memory slices of that profile.
     pub largest_fit_slices: u32,
     /// Free slices beyond what one instance of the largest fitting profile covers:
     /// `freeSlices - largestFitSlices`. They may still take smaller instances; what they
@@ -407,15 +379,7 @@ fn mig_layout(layout: &mut GpuLayout, usage: &Usage, pool: &str, mig: &MigInvent
         .iter()
         .filter_map(|f| geometry.profile_by_name(&f.profile.parse().ok()?))
         // The first of the largest in profile-table order: the plain profile before its variants.
-        .fold(
-            None,
-            |best: Option<&migdra_api::geometry::MigProfile>, p| match best {
-                Some(b) if (b.memory_slices, b.compute_slices) >= (p.memory_slices, p.compute_slices) => {
-                    Some(b)
-                }
-                _ => Some(p),
-            },
-        );
+        .min_by_key(|p| std::cmp::Reverse((p.memory_slices, p.compute_slices)));
     let largest_fit_slices = largest.map_or(0, |p| p.memory_slices).min(free_slices);
     let stranded_slices = free_slices - largest_fit_slices;
     layout.fragmentation = Some(Fragmentation {
@@ -437,15 +401,10 @@ pub fn free_placements(geometry: &MigGeometry, existing: &[Placement]) -> Vec<Fr
                 .placements
                 .iter()
                 .copied()
-                .filter(|start| {
+                .filter(|&start| {
+                    let profile_id = profile.gi_profile_id;
                     geometry
-                        .check_add(
-                            existing,
-                            Placement {
-                                profile_id: profile.gi_profile_id,
-                                start: *start,
-                            },
-                        )
+                        .check_add(existing, Placement { profile_id, start })
                         .is_ok()
                 })
                 .collect();
@@ -458,8 +417,7 @@ pub fn free_placements(geometry: &MigGeometry, existing: &[Placement]) -> Vec<Fr
         .collect()
 }
 
-/// The MIG UUID the plugin recorded for an instance in the GpuNode (`migUuid`); plugins
-/// before that field record none.
+/// The MIG UUID the plugin recorded for an instance in the GpuNode (`migUuid`).
 fn recorded_mig_uuid(instance: &migdra_api::inventory::MigInstance) -> Option<String> {
     instance.mig_uuid.clone().filter(|u| u.starts_with("MIG-"))
 }

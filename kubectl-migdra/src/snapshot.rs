@@ -31,7 +31,6 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// An empty snapshot for `driver`.
     pub fn new(driver: impl Into<String>) -> Self {
         Self {
             driver: driver.into(),
@@ -39,7 +38,6 @@ impl Snapshot {
         }
     }
 
-    /// The GpuNode of `node`.
     pub fn gpu_node(&self, node: &str) -> Option<&GpuNode> {
         self.gpu_nodes.iter().find(|g| node_of(g) == node)
     }

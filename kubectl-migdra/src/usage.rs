@@ -13,17 +13,13 @@ use serde::Serialize;
 
 use crate::snapshot::Snapshot;
 
-/// A namespaced object.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct ObjectRef {
-    /// Namespace.
     pub namespace: String,
-    /// Name.
     pub name: String,
 }
 
 impl ObjectRef {
-    /// A reference to `namespace/name`.
     pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
         Self {
             namespace: namespace.into(),
@@ -37,7 +33,6 @@ impl ObjectRef {
         (!namespace.is_empty() && !name.is_empty()).then(|| Self::new(namespace, name))
     }
 
-    /// The reference of a claim.
     pub fn of_claim(claim: &ResourceClaim) -> Self {
         Self::new(
             claim.metadata.namespace.clone().unwrap_or_default(),
@@ -55,9 +50,7 @@ impl fmt::Display for ObjectRef {
 /// A pod that uses a claim.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 pub struct PodUse {
-    /// Namespace.
     pub namespace: String,
-    /// Name.
     pub name: String,
     /// `status.phase` (`Pending`, `Running`, …), empty when not reported yet.
     pub phase: String,
@@ -75,10 +68,8 @@ impl fmt::Display for PodUse {
 pub struct ReadyCondition {
     /// True when the condition's status is `True`.
     pub ready: bool,
-    /// Its reason.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
-    /// Its message.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -87,11 +78,9 @@ pub struct ReadyCondition {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DeviceUse {
-    /// The claim.
     pub claim: ObjectRef,
     /// The claim's request the device was allocated for.
     pub request: String,
-    /// Pods using the claim.
     pub pods: Vec<PodUse>,
     /// MIG UUID the plugin reported in `status.devices[].data` (see [`mig_uuid`]).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -109,7 +98,6 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// Joins the snapshot's claims and pods.
     pub fn build(snapshot: &Snapshot) -> Self {
         let mut pods_by_claim: BTreeMap<ObjectRef, Vec<PodUse>> = BTreeMap::new();
         let mut pods_by_name: BTreeMap<ObjectRef, PodUse> = BTreeMap::new();

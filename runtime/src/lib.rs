@@ -55,13 +55,10 @@ pub struct ProcessArgs {
 /// Errors of starting a process's plumbing.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// The log filter or the global subscriber could not be set up.
     #[error("setting up logging: {0}")]
     Logging(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// SIGTERM/SIGINT handlers could not be installed.
     #[error("installing signal handlers: {0}")]
     Signals(#[source] std::io::Error),
-    /// The HTTP endpoint could not be started.
     #[error("starting the HTTP endpoint: {0}")]
     Http(#[from] HttpError),
 }
@@ -154,19 +151,15 @@ pub fn shutdown_on_signals() -> Result<CancellationToken, std::io::Error> {
 /// Why no Kubernetes client could be made.
 #[derive(Debug, thiserror::Error)]
 pub enum KubeClientError {
-    /// The kubeconfig file could not be read or parsed.
     #[error("reading the kubeconfig {path}: {source}")]
     Kubeconfig {
-        /// File.
         path: std::path::PathBuf,
-        /// Cause.
         #[source]
         source: kube::config::KubeconfigError,
     },
     /// No usable configuration (neither in-cluster nor $KUBECONFIG).
     #[error("finding the cluster configuration: {0}")]
     Infer(#[from] kube::config::InferConfigError),
-    /// The client could not be built from the configuration.
     #[error("creating the Kubernetes client: {0}")]
     Client(#[from] kube::Error),
 }
@@ -200,29 +193,23 @@ pub async fn kube_config(kubeconfig: Option<&std::path::Path>) -> Result<kube::C
 pub struct Readiness(Arc<AtomicBool>);
 
 impl Readiness {
-    /// Sets the flag.
     pub fn set(&self, ready: bool) {
         self.0.store(ready, Ordering::Relaxed);
     }
 
-    /// Reads the flag.
     pub fn get(&self) -> bool {
         self.0.load(Ordering::Relaxed)
     }
 }
 
-/// Renders the metrics text on demand.
 type MetricsRenderer = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Errors of the HTTP endpoint.
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
-    /// Binding the address failed.
     #[error("binding {addr}: {source}")]
     Bind {
-        /// Address.
         addr: SocketAddr,
-        /// Cause.
         #[source]
         source: std::io::Error,
     },

@@ -1,17 +1,12 @@
-//! Catalog of MIG-capable GPU models: their GPU-instance profiles with real NVML profile IDs
-//! and index constants, placements, engines and memory.
+//! Catalog of MIG-capable GPU models: GPU-instance profiles with real NVML profile IDs and
+//! indexes, placements, engines and memory. At run time the truth is what NVML reports; the
+//! catalog drives the fake GPU, validation and the packing simulations.
 //!
-//! At run time the truth is what NVML reports; this catalog drives the fake GPU, validation
-//! and the packing simulations. Sources: NVIDIA's MIG user guide and published `nvidia-smi`
-//! output (see `shared/reference/mig-nvml.md`). Where the reference gives a range, an
-//! approximation or nothing, the value here is an estimate, and the model lists it in
-//! [`GpuModel::estimates`] (field by field and profile by profile), so tools such as
-//! `migdra-kubelet-plugin gpu-check` can tell a wrong estimate from a wrong fact.
-//!
-//! A model is identified by the product name NVML reports (`nvmlDeviceGetName`, see
-//! [`model_by_product_name`]) or its PCI device ID. Variants with different SM counts are
-//! separate entries: H100 SXM5 (`NVIDIA H100 80GB HBM3`, 0x2330, 132 SMs) and H100 PCIe
-//! (`NVIDIA H100 PCIe`, 0x2331, 114 SMs).
+//! Sources: NVIDIA's MIG user guide and published `nvidia-smi` output
+//! (`shared/reference/mig-nvml.md`). A value the reference does not pin down is an estimate,
+//! listed in [`GpuModel::estimates`], so `gpu-check` can tell a wrong estimate from a wrong
+//! fact. Models are found by NVML product name or PCI device ID; variants with different SM
+//! counts (H100 SXM5 and PCIe) are separate entries.
 
 mod tables;
 
@@ -34,19 +29,12 @@ pub enum DataSource {
 /// A per-profile field of the catalog that can be an estimate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ProfileField {
-    /// Possible placement starts.
     Placements,
-    /// Memory of one instance (MiB).
     MemoryMib,
-    /// Streaming multiprocessors.
     Multiprocessors,
-    /// Copy engines.
     CopyEngines,
-    /// Video decoders.
     Decoders,
-    /// JPEG decoders.
     JpegEngines,
-    /// Optical-flow accelerators.
     OfaEngines,
 }
 
@@ -68,7 +56,6 @@ impl ProfileField {
 /// Fields of some profiles whose values are estimates rather than documented numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Estimate {
-    /// The estimated fields.
     pub fields: &'static [ProfileField],
     /// GPU-instance profile IDs concerned; empty means every profile of the model.
     pub profile_ids: &'static [u32],
@@ -93,7 +80,6 @@ pub struct GpuModel {
     pub product_name: &'static str,
     /// PCI device IDs (vendor 0x10de) of the parts sharing this table.
     pub pci_device_ids: &'static [u16],
-    /// Architecture.
     pub architecture: Architecture,
     /// CUDA compute capability (major, minor).
     pub cuda_compute_capability: (u32, u32),

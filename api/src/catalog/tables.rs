@@ -21,17 +21,8 @@ const SM_AND_ENGINES: &[ProfileField] = &[
 
 /// One row of a profile table: index, ID, name, compute slices, memory slices, instance
 /// count, starts, SM, CE, DEC, ENC, JPEG, OFA, MiB.
-type Row = (
-    u32,
-    u32,
-    &'static str,
-    u32,
-    u32,
-    u32,
-    &'static [u32],
-    [u32; 6],
-    u64,
-);
+#[rustfmt::skip]
+type Row = (u32, u32, &'static str, u32, u32, u32, &'static [u32], [u32; 6], u64);
 
 fn profiles(rows: &[Row]) -> Vec<MigProfile> {
     rows.iter()
@@ -117,6 +108,30 @@ fn hopper_with_sms(names: [&'static str; 6], mib: [u64; 6], sms: [u32; 7]) -> Ve
     ])
 }
 
+#[rustfmt::skip]
+const A30_PROFILES: [Row; 5] = [
+    (GI_PROFILE_1_SLICE, 14, "1g.6gb", 1, 1, 4, &[0, 1, 2, 3], [14, 1, 1, 0, 0, 0], 5952),
+    (GI_PROFILE_2_SLICE, 5, "2g.12gb", 2, 2, 2, &[0, 2], [28, 2, 2, 0, 0, 0], 11968),
+    (GI_PROFILE_4_SLICE, 0, "4g.24gb", 4, 4, 1, ZERO, [56, 4, 4, 0, 1, 1], 24000),
+    (GI_PROFILE_1_SLICE_REV1, 21, "1g.6gb+me", 1, 1, 1, &[0, 1, 2, 3], [14, 1, 1, 0, 1, 1], 5952),
+    (GI_PROFILE_2_SLICE_REV1, 6, "2g.12gb+me", 2, 2, 1, &[0, 2], [28, 2, 2, 0, 1, 1], 11968),
+];
+
+/// What the Hopper models share; each sets the rest.
+const HOPPER: GpuModel = GpuModel {
+    key: "",
+    product_name: "",
+    pci_device_ids: &[],
+    architecture: Architecture::Hopper,
+    cuda_compute_capability: (9, 0),
+    memory_mib: 0,
+    multiprocessors: 132,
+    compute_slices: 7,
+    max_mig_devices: 7,
+    profiles: Vec::new(),
+    estimates: &[],
+};
+
 pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
     vec![
         GpuModel {
@@ -182,63 +197,7 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
             multiprocessors: 56,
             compute_slices: 4,
             max_mig_devices: 4,
-            profiles: profiles(&[
-                (
-                    GI_PROFILE_1_SLICE,
-                    14,
-                    "1g.6gb",
-                    1,
-                    1,
-                    4,
-                    &[0, 1, 2, 3],
-                    [14, 1, 1, 0, 0, 0],
-                    5952,
-                ),
-                (
-                    GI_PROFILE_2_SLICE,
-                    5,
-                    "2g.12gb",
-                    2,
-                    2,
-                    2,
-                    &[0, 2],
-                    [28, 2, 2, 0, 0, 0],
-                    11968,
-                ),
-                (
-                    GI_PROFILE_4_SLICE,
-                    0,
-                    "4g.24gb",
-                    4,
-                    4,
-                    1,
-                    ZERO,
-                    [56, 4, 4, 0, 1, 1],
-                    24000,
-                ),
-                (
-                    GI_PROFILE_1_SLICE_REV1,
-                    21,
-                    "1g.6gb+me",
-                    1,
-                    1,
-                    1,
-                    &[0, 1, 2, 3],
-                    [14, 1, 1, 0, 1, 1],
-                    5952,
-                ),
-                (
-                    GI_PROFILE_2_SLICE_REV1,
-                    6,
-                    "2g.12gb+me",
-                    2,
-                    2,
-                    1,
-                    &[0, 2],
-                    [28, 2, 2, 0, 1, 1],
-                    11968,
-                ),
-            ]),
+            profiles: profiles(&A30_PROFILES),
             estimates: &[
                 Estimate {
                     fields: &[ProfileField::MemoryMib],
@@ -258,28 +217,19 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
             // SXM5 and the H800s listed with it in mig-nvml.md §5; the PCIe card (0x2331)
             // has fewer SMs and is its own entry.
             pci_device_ids: &[0x2330, 0x2324, 0x2322],
-            architecture: Architecture::Hopper,
-            cuda_compute_capability: (9, 0),
             memory_mib: 81559,
-            multiprocessors: 132,
-            compute_slices: 7,
-            max_mig_devices: 7,
             profiles: hopper(
                 ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
                 [9984, 20096, 20096, 40448, 40448, 81152],
             ),
-            estimates: &[],
+            ..HOPPER
         },
         GpuModel {
             key: "H100-PCIE-80GB",
             product_name: "NVIDIA H100 PCIe",
             pci_device_ids: &[0x2331],
-            architecture: Architecture::Hopper,
-            cuda_compute_capability: (9, 0),
             memory_mib: 81559,
             multiprocessors: 114,
-            compute_slices: 7,
-            max_mig_devices: 7,
             profiles: hopper_with_sms(
                 ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
                 [9984, 20096, 20096, 40448, 40448, 81152],
@@ -304,17 +254,13 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                     why: "not in mig-nvml.md §5 for the PCIe card; assumed equal to H100 SXM5",
                 },
             ],
+            ..HOPPER
         },
         GpuModel {
             key: "H100-NVL-94GB",
             product_name: "NVIDIA H100 NVL",
             pci_device_ids: &[0x2321],
-            architecture: Architecture::Hopper,
-            cuda_compute_capability: (9, 0),
             memory_mib: 95830,
-            multiprocessors: 132,
-            compute_slices: 7,
-            max_mig_devices: 7,
             profiles: hopper(
                 ["1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
                 [11008, 22016, 22016, 47232, 47232, 94976],
@@ -324,35 +270,26 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                 profile_ids: &[9, 5, 0],
                 why: "mig-nvml.md §5 gives ranges by driver (3g/4g 46.1-46.4 GiB, 7g 92.6-93.1 GiB)",
             }],
+            ..HOPPER
         },
         GpuModel {
             key: "H100-96GB",
             product_name: "NVIDIA GH200 96GB HBM3",
             pci_device_ids: &[0x233D, 0x2342],
-            architecture: Architecture::Hopper,
-            cuda_compute_capability: (9, 0),
             memory_mib: 97871,
-            multiprocessors: 132,
-            compute_slices: 7,
-            max_mig_devices: 7,
             profiles: hopper(
                 ["1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"],
                 [11264, 23552, 23552, 47616, 47616, 95232],
             ),
             // Shared by H100 96GB and GH200 96GB; §5 gives every memory size, and SM and
             // engine counts "follow the H100 SXM pattern".
-            estimates: &[],
+            ..HOPPER
         },
         GpuModel {
             key: "H200-141GB",
             product_name: "NVIDIA H200",
             pci_device_ids: &[0x2335, 0x233B],
-            architecture: Architecture::Hopper,
-            cuda_compute_capability: (9, 0),
             memory_mib: 143771,
-            multiprocessors: 132,
-            compute_slices: 7,
-            max_mig_devices: 7,
             profiles: hopper(
                 ["1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
                 [16384, 33024, 33024, 71168, 71168, 142336],
@@ -374,17 +311,13 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                     why: "mig-nvml.md §5: larger-profile SM and engine counts unverified, assumed equal to H100",
                 },
             ],
+            ..HOPPER
         },
         GpuModel {
             key: "GH200-144GB",
             product_name: "NVIDIA GH200 144G HBM3e",
             pci_device_ids: &[0x2348],
-            architecture: Architecture::Hopper,
-            cuda_compute_capability: (9, 0),
             memory_mib: 146944,
-            multiprocessors: 132,
-            compute_slices: 7,
-            max_mig_devices: 7,
             profiles: hopper(
                 ["1g.18gb", "1g.36gb", "2g.36gb", "3g.72gb", "4g.72gb", "7g.144gb"],
                 [17920, 36096, 36096, 72192, 72192, 144384],
@@ -406,6 +339,7 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                     why: "mig-nvml.md §5: larger-profile SM and engine counts unverified, assumed equal to H100",
                 },
             ],
+            ..HOPPER
         },
         GpuModel {
             key: "B200",

@@ -24,7 +24,6 @@ pub struct Allocator<'a> {
 }
 
 impl<'a> Allocator<'a> {
-    /// Nothing allocated.
     pub fn new(plan: &'a PoolPlan) -> Self {
         Self {
             plan,

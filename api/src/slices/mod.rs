@@ -2,30 +2,25 @@
 //! pool (Kubernetes 1.35+ layout).
 //!
 //! * One counter set per MIG-offering GPU (`gpu-<minor>`): a counter per memory slice
-//!   (`memory-slice-<i>`, value 1) plus the engine and memory budgets (`multiprocessors`,
-//!   `copy-engines`, `decoders`, `encoders`, `jpeg-engines`, `ofa-engines`, `memory`), so
-//!   the scheduler enforces every NVML limit: overlapping placements, and budget limits such
-//!   as the single `+me` instance (one OFA engine).
-//! * One device per offered (GPU, profile, placement), consuming exactly the memory slices it
-//!   covers plus its engines and memory; one whole-GPU device per GPU consuming everything.
-//! * Counter sets live in counter-only slices (at most 8 sets each); devices fill device-only
-//!   slices (at most 64 each) in the published order, which is the scheduler's first-fit order.
-//! * Before rendering, the counters that can never refuse anything are dropped ([`prune`]):
-//!   the scheduler accepts exactly the same device sets, and checks fewer counters for them.
+//!   (`memory-slice-<i>`, value 1) plus the engine and memory budgets, so the scheduler
+//!   enforces every NVML limit: overlapping placements, and budgets such as the single `+me`
+//!   instance (one OFA engine).
+//! * One device per offered (GPU, profile, placement), consuming the memory slices it covers
+//!   plus its engines and memory; one whole-GPU device per GPU consuming everything.
+//! * Counter-only slices (at most 8 sets each), then device-only slices (at most 64 each) in
+//!   the published order, which is the scheduler's first-fit order. Counters that can never
+//!   refuse anything are dropped first ([`prune`]).
 //!
-//! A MIG device of a profile the policy shares ([`crate::policy::SharingSpec`]) is published
-//! with `allowMultipleAllocations: true` and a [`SHARES_CAPACITY`] capacity: the scheduler
-//! (DRAConsumableCapacity) lets several claims hold it while their shares fit, and charges its
-//! counters once, when the first claim takes it, so a shared partition blocks its memory
-//! slices exactly like an exclusive one. Its other capacities describe the instance and are
-//! not divided: each has the request policy "default 0, only 0", so a claim consumes none of
-//! them (the allocator would otherwise charge each claim the full value, and a second claim
-//! would never fit).
+//! A MIG device of a profile the policy shares is published with
+//! `allowMultipleAllocations: true` and a [`SHARES_CAPACITY`] capacity: the scheduler
+//! (DRAConsumableCapacity) lets several claims hold it while their shares fit and charges its
+//! counters once, so a shared partition blocks its memory slices like an exclusive one. Its
+//! other capacities have the request policy "default 0, only 0", or the allocator would charge
+//! each claim the full value and a second claim would never fit.
 //!
-//! Placements occupied by instances migdra did not create are left out, and their engines
-//! are subtracted from the budgets; so are unhealthy GPUs (or they are tainted, by policy).
-//! Devices that claims hold stay in the pool, tainted, even when no longer offered
-//! ([`retained`]).
+//! Placements occupied by instances migdra did not create are left out and their engines
+//! subtracted from the budgets; unhealthy GPUs are left out or tainted, by policy. Devices
+//! that claims hold stay in the pool, tainted, even when no longer offered ([`retained`]).
 
 pub mod allocator;
 pub mod order;
@@ -70,29 +65,18 @@ pub type Counters = BTreeMap<String, u64>;
 /// What a planned device is.
 #[derive(Clone, Debug, PartialEq)]
 pub enum PlannedKind {
-    /// A whole GPU.
     Gpu,
-    /// A MIG partition.
-    Mig {
-        /// Its profile.
-        profile: MigProfile,
-        /// Placement start.
-        start: u32,
-    },
+    Mig { profile: MigProfile, start: u32 },
 }
 
 /// A device of the pool before it is rendered: what ordering, simulation and rendering need.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlannedDevice {
-    /// Parent GPU's minor.
     pub gpu_minor: u32,
-    /// Device name.
     pub name: DeviceName,
-    /// What it is.
     pub kind: PlannedKind,
-    /// Counter set it consumes from (none for a GPU published without counters).
+    /// None for a GPU published without counters.
     pub counter_set: Option<String>,
-    /// What it consumes.
     pub consumes: Counters,
     /// Set when the parent GPU is unhealthy and the policy taints rather than omits.
     pub unhealthy: Option<String>,
@@ -107,19 +91,17 @@ pub struct PlannedDevice {
 /// The structure of a node's pool: counter sets and ordered devices.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PoolPlan {
-    /// Counter sets by name, in GPU order.
+    /// In GPU order.
     pub counter_sets: Vec<(String, Counters)>,
     /// Devices in published (first-fit) order.
     pub devices: Vec<PlannedDevice>,
 }
 
 impl PoolPlan {
-    /// Number of device slices this plan renders to.
     pub fn device_slices(&self) -> usize {
         self.devices.len().div_ceil(MAX_DEVICES_PER_SLICE)
     }
 
-    /// Number of counter slices this plan renders to.
     pub fn counter_slices(&self) -> usize {
         self.counter_sets.len().div_ceil(MAX_COUNTER_SETS_PER_SLICE)
     }
@@ -131,12 +113,10 @@ impl PoolPlan {
     }
 }
 
-/// The counter set name of a GPU.
 pub fn counter_set_name(minor: u32) -> String {
     format!("gpu-{minor}")
 }
 
-/// The memory-slice counter name.
 pub fn memory_slice_counter(i: u32) -> String {
     format!("memory-slice-{i}")
 }
@@ -207,6 +187,16 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
         if unhealthy.is_some() && policy.unhealthy_gpus == UnhealthyGpus::Omit {
             continue;
         }
+        let whole_gpu = |counter_set, consumes| PlannedDevice {
+            gpu_minor: gpu.minor,
+            name: DeviceName::Gpu { minor: gpu.minor },
+            kind: PlannedKind::Gpu,
+            counter_set,
+            consumes,
+            unhealthy: unhealthy.clone(),
+            not_offered: false,
+            shares: None,
+        };
         let mut devices = Vec::new();
         let offers_mig = gpu
             .mig
@@ -263,32 +253,14 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
             if whole_possible && policy.whole_gpus {
                 // The whole GPU takes every counter, so it excludes, and is excluded by, any
                 // partition.
-                devices.push(PlannedDevice {
-                    gpu_minor: gpu.minor,
-                    name: DeviceName::Gpu { minor: gpu.minor },
-                    kind: PlannedKind::Gpu,
-                    counter_set: Some(set.clone()),
-                    consumes: counters.clone(),
-                    unhealthy: unhealthy.clone(),
-                    not_offered: false,
-                    shares: None,
-                });
+                devices.push(whole_gpu(Some(set.clone()), counters.clone()));
             }
             if !devices.is_empty() {
                 plan.counter_sets.push((set, counters));
                 geometry_used = Some(geometry.clone());
             }
         } else if whole_possible && policy.whole_gpus {
-            devices.push(PlannedDevice {
-                gpu_minor: gpu.minor,
-                name: DeviceName::Gpu { minor: gpu.minor },
-                kind: PlannedKind::Gpu,
-                counter_set: None,
-                consumes: Counters::new(),
-                unhealthy: unhealthy.clone(),
-                not_offered: false,
-                shares: None,
-            });
+            devices.push(whole_gpu(None, Counters::new()));
         }
         per_gpu.push((gpu.minor, geometry_used, devices));
     }
@@ -316,11 +288,8 @@ pub fn published_plan(
 pub struct PoolIdentity<'a> {
     /// DRA driver name.
     pub driver: &'a str,
-    /// Node name.
     pub node: &'a str,
-    /// Pool name.
     pub pool: &'a str,
-    /// Pool generation.
     pub generation: i64,
     /// NVIDIA driver version, when known.
     pub driver_version: Option<&'a str>,

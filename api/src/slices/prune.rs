@@ -1,25 +1,17 @@
-//! Counters that can never refuse an allocation are left out of the published pool.
-//!
-//! The scheduler pays for every counter: for each node it filters, for each pod, its allocator
-//! converts every device of the pool (consumed counters included), checks every consumed
-//! counter against its set, and on each fit check walks every counter of every set of the
-//! pool. Many of a GPU's counters never decide anything, though. On an H100, no set of
-//! placements that the memory-slice counters allow exceeds the SM, copy-engine, decoder, JPEG
-//! or memory budgets, and memory slice 7 is never covered without slice 6; only the
-//! optical-flow engine (one `+me` instance at a time) adds a rule. Such counters are dropped
-//! from the set and from every device's consumption.
+//! Counters that can never refuse an allocation are left out of the published pool, because
+//! the scheduler checks every counter of every device on every fit check. On an H100, no set of
+//! placements the memory-slice counters allow exceeds the SM, copy-engine, decoder, JPEG or
+//! memory budgets; only the optical-flow engine (one `+me` instance at a time) adds a rule.
 //!
 //! A counter is dropped only when it is *redundant*: the largest amount of it that any device
 //! set accepted by the counters kept so far could consume is within its budget (an exact
-//! search over the GPU's devices, not an estimate). Every counter kept is checked as usual,
-//! and every counter dropped could not have refused a set the kept ones accept, so the
-//! scheduler allows exactly the same co-allocations as with the full set. Counter sets are
-//! charged per device (a shared device once, however many claims hold shares of it), which is
-//! the set semantics the search uses.
+//! search, not an estimate). So the scheduler allows exactly the same co-allocations as with
+//! the full set. Counter sets are charged per device (a shared device once), which is the set
+//! semantics the search uses.
 //!
-//! Counters are decided in a fixed order (smallest budget first, then by name with numbers
-//! compared as numbers), so the memory slices, which carry the placement rules, are kept first
-//! and the budgets they already imply are dropped. Identical GPUs of a node are decided once.
+//! Counters are decided smallest budget first, then by name with numbers compared as numbers,
+//! so the memory slices, which carry the placement rules, are kept first and the budgets they
+//! imply are dropped. Identical GPUs of a node are decided once.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -30,7 +22,7 @@ use super::{Counters, PoolPlan};
 pub struct Pruned {
     /// Counters dropped from all sets together.
     pub counters: usize,
-    /// Counter entries dropped from all devices' consumption together.
+    /// Entries dropped from all devices' consumption together.
     pub consumptions: usize,
 }
 

@@ -24,7 +24,6 @@ use crate::{device_name::DeviceName, inventory::GpuInventory};
 pub enum DropReason {
     /// Not a device name of this driver.
     NotOurs,
-    /// Its GPU is no longer in the inventory.
     GpuGone,
     /// Its GPU reports no MIG geometry any more.
     NoGeometry,
@@ -119,7 +118,7 @@ fn ensure_set(plan: &mut PoolPlan, gpu: &GpuInventory) -> Option<Counters> {
 fn keep(plan: &mut PoolPlan, gpu: &GpuInventory, device: DeviceName) -> Result<PlannedDevice, DropReason> {
     let unhealthy =
         (!gpu.health.healthy).then(|| gpu.health.reason.clone().unwrap_or_else(|| "unhealthy".into()));
-    match device {
+    let (kind, counter_set, consumes) = match device {
         DeviceName::Mig { profile, start, .. } => {
             let mig = gpu.mig.as_ref().ok_or(DropReason::NoGeometry)?;
             let profile = mig
@@ -136,33 +135,27 @@ fn keep(plan: &mut PoolPlan, gpu: &GpuInventory, device: DeviceName) -> Result<P
                 return Err(DropReason::BudgetExceeded);
             }
             ensure_set(plan, gpu);
-            Ok(PlannedDevice {
-                gpu_minor: gpu.minor,
-                name: device,
-                kind: PlannedKind::Mig { profile, start },
-                counter_set: Some(counter_set_name(gpu.minor)),
-                consumes,
-                unhealthy,
-                not_offered: true,
-                shares: None,
-            })
+            let set = Some(counter_set_name(gpu.minor));
+            (PlannedKind::Mig { profile, start }, set, consumes)
         }
         DeviceName::Gpu { .. } => {
             // With MIG geometry the whole GPU takes its entire counter set, which excludes any
             // partition; without, it never had counters.
             let counters = ensure_set(plan, gpu);
-            Ok(PlannedDevice {
-                gpu_minor: gpu.minor,
-                name: device,
-                kind: PlannedKind::Gpu,
-                counter_set: counters.as_ref().map(|_| counter_set_name(gpu.minor)),
-                consumes: counters.unwrap_or_default(),
-                unhealthy,
-                not_offered: true,
-                shares: None,
-            })
+            let set = counters.as_ref().map(|_| counter_set_name(gpu.minor));
+            (PlannedKind::Gpu, set, counters.unwrap_or_default())
         }
-    }
+    };
+    Ok(PlannedDevice {
+        gpu_minor: gpu.minor,
+        name: device,
+        kind,
+        counter_set,
+        consumes,
+        unhealthy,
+        not_offered: true,
+        shares: None,
+    })
 }
 
 #[cfg(test)]

@@ -13,29 +13,19 @@ use crate::device_name::is_dns_label;
 
 /// Limits of `resource.k8s.io/v1` (Kubernetes 1.35+).
 pub mod limits {
-    /// Devices per slice.
     pub const DEVICES_PER_SLICE: usize = 128;
     /// Devices per slice when any device has taints or consumes counters.
     pub const DEVICES_PER_SLICE_WITH_COUNTERS_OR_TAINTS: usize = 64;
-    /// Counter sets per slice.
     pub const COUNTER_SETS_PER_SLICE: usize = 8;
-    /// Counters per counter set.
     pub const COUNTERS_PER_SET: usize = 32;
-    /// Counter-consumption entries per device.
     pub const CONSUMPTIONS_PER_DEVICE: usize = 2;
-    /// Counters per consumption entry.
     pub const COUNTERS_PER_CONSUMPTION: usize = 32;
     /// Attributes plus capacities per device.
     pub const ATTRIBUTES_AND_CAPACITIES: usize = 32;
-    /// Length of string and version attribute values.
     pub const ATTRIBUTE_VALUE_LENGTH: usize = 64;
-    /// Taints per device.
     pub const TAINTS_PER_DEVICE: usize = 16;
-    /// Entries of a capacity request policy's `validValues`.
     pub const REQUEST_POLICY_VALID_VALUES: usize = 10;
-    /// Driver name length.
     pub const DRIVER_NAME_LENGTH: usize = 63;
-    /// Pool name length.
     pub const POOL_NAME_LENGTH: usize = 253;
     /// Identifier part of a qualified name.
     pub const IDENTIFIER_LENGTH: usize = 32;
@@ -46,94 +36,45 @@ pub mod limits {
 /// One way a pool breaks the rules. `slice` is the index in the pool.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PoolError {
-    /// No slices.
     #[error("a pool needs at least one slice")]
     Empty,
-    /// Driver name is not a DNS subdomain of at most 63 characters.
     #[error("driver name {0:?} is not a DNS subdomain of at most 63 characters")]
     DriverName(String),
-    /// Pool name invalid.
     #[error("pool name {0:?} must be DNS subdomains joined by '/', at most 253 characters")]
     PoolName(String),
-    /// Slices disagree on driver, pool, generation, count or node.
     #[error("slice {slice}: {field} differs from slice 0")]
-    Inconsistent {
-        /// Slice index.
-        slice: usize,
-        /// Field.
-        field: &'static str,
-    },
-    /// resourceSliceCount does not match.
+    Inconsistent { slice: usize, field: &'static str },
     #[error("resourceSliceCount is {declared}, but the pool has {actual} slices")]
-    SliceCount {
-        /// Declared.
-        declared: i64,
-        /// Actual.
-        actual: usize,
-    },
-    /// Negative generation.
+    SliceCount { declared: i64, actual: usize },
     #[error("pool generation {0} is negative")]
     Generation(i64),
-    /// A slice with both devices and counters, or neither.
     #[error("slice {slice}: a slice holds either devices or sharedCounters, not both")]
-    Mixed {
-        /// Slice index.
-        slice: usize,
-    },
-    /// No node selection.
+    Mixed { slice: usize },
     #[error(
         "slice {slice}: exactly one of nodeName, nodeSelector, allNodes or perDeviceNodeSelection must be set"
     )]
-    NodeSelection {
-        /// Slice index.
-        slice: usize,
-    },
-    /// Too many devices.
+    NodeSelection { slice: usize },
     #[error("slice {slice}: {count} devices exceed the limit of {limit}")]
     TooManyDevices {
-        /// Slice index.
         slice: usize,
-        /// Devices.
         count: usize,
-        /// Limit.
         limit: usize,
     },
-    /// Too many counter sets.
     #[error(
         "slice {slice}: {count} counter sets exceed the limit of {}",
         limits::COUNTER_SETS_PER_SLICE
     )]
-    TooManyCounterSets {
-        /// Slice index.
-        slice: usize,
-        /// Sets.
-        count: usize,
-    },
-    /// Counter-set name invalid or empty set.
+    TooManyCounterSets { slice: usize, count: usize },
     #[error("counter set {set:?}: {reason}")]
-    CounterSet {
-        /// Set name.
-        set: String,
-        /// What is wrong.
-        reason: String,
-    },
-    /// Counter set defined twice in the pool.
+    CounterSet { set: String, reason: String },
     #[error("counter set {0:?} is defined more than once in the pool")]
     DuplicateCounterSet(String),
-    /// Device name invalid.
     #[error("device name {0:?} is not a DNS label")]
     DeviceName(String),
-    /// Device defined twice in the pool.
     #[error("device {0:?} appears more than once in the pool")]
     DuplicateDevice(String),
-    /// Something wrong with one device.
     #[error("device {device:?}: {reason}")]
-    Device {
-        /// Device name.
-        device: String,
-        /// What is wrong.
-        reason: String,
-    },
+    Device { device: String, reason: String },
 }
 
 fn is_dns_subdomain(s: &str, max: usize) -> bool {
@@ -192,35 +133,19 @@ pub fn validate_pool(slices: &[ResourceSliceSpec]) -> Result<(), Vec<PoolError>>
     // Counter sets of the whole pool, for the cross-references below.
     let mut sets: BTreeMap<&str, BTreeMap<&str, u128>> = BTreeMap::new();
     for (i, slice) in slices.iter().enumerate() {
-        if slice.driver != first.driver {
-            errors.push(PoolError::Inconsistent {
-                slice: i,
-                field: "driver",
-            });
-        }
-        if slice.pool.name != pool.name {
-            errors.push(PoolError::Inconsistent {
-                slice: i,
-                field: "pool.name",
-            });
-        }
-        if slice.pool.generation != pool.generation {
-            errors.push(PoolError::Inconsistent {
-                slice: i,
-                field: "pool.generation",
-            });
-        }
-        if slice.pool.resource_slice_count != pool.resource_slice_count {
-            errors.push(PoolError::Inconsistent {
-                slice: i,
-                field: "pool.resourceSliceCount",
-            });
-        }
-        if slice.node_name != first.node_name {
-            errors.push(PoolError::Inconsistent {
-                slice: i,
-                field: "nodeName",
-            });
+        for (field, differs) in [
+            ("driver", slice.driver != first.driver),
+            ("pool.name", slice.pool.name != pool.name),
+            ("pool.generation", slice.pool.generation != pool.generation),
+            (
+                "pool.resourceSliceCount",
+                slice.pool.resource_slice_count != pool.resource_slice_count,
+            ),
+            ("nodeName", slice.node_name != first.node_name),
+        ] {
+            if differs {
+                errors.push(PoolError::Inconsistent { slice: i, field });
+            }
         }
         let selections = [
             slice.node_name.is_some(),

@@ -7,7 +7,6 @@ use std::io::IsTerminal;
 
 use serde::Serialize;
 
-/// Output formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
     /// Text for people.
@@ -21,10 +20,8 @@ pub enum Format {
 /// Why a view could not be serialised.
 #[derive(Debug, thiserror::Error)]
 pub enum RenderError {
-    /// JSON serialisation failed.
     #[error("writing JSON: {0}")]
     Json(#[from] serde_json::Error),
-    /// YAML serialisation failed.
     #[error("writing YAML: {0}")]
     Yaml(#[from] serde_saphyr::SerializeError),
 }
@@ -44,14 +41,12 @@ pub fn yaml<T: Serialize>(view: &T) -> Result<String, RenderError> {
 /// Whether text is coloured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Style {
-    /// Emit ANSI colours.
     pub color: bool,
 }
 
 /// The colours text uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Paint {
-    /// Headings.
     Bold,
     /// Secondary detail.
     Dim,
@@ -68,7 +63,6 @@ pub enum Paint {
 }
 
 impl Style {
-    /// No colours.
     pub const PLAIN: Style = Style { color: false };
 
     /// Colours only when standard output is a terminal, `--no-color` was not given and

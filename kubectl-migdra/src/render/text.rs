@@ -173,6 +173,10 @@ fn instance_text(out: &mut String, gpu: &GpuLayout, instance: &InstanceLayout, s
     );
 }
 
+fn or_dash(text: String) -> String {
+    if text.is_empty() { "-".into() } else { text }
+}
+
 fn slices_text(n: u32) -> String {
     if n == 1 {
         "1 slice".to_string()
@@ -269,16 +273,8 @@ pub fn claims(view: &ClaimsView, style: &Style) -> String {
                 c.name.clone(),
                 format!("{:?}", c.state),
                 c.node.clone().unwrap_or_else(|| "-".into()),
-                if devices.is_empty() {
-                    "-".into()
-                } else {
-                    devices.join(",")
-                },
-                if pods.is_empty() {
-                    "-".into()
-                } else {
-                    pods.join(", ")
-                },
+                or_dash(devices.join(",")),
+                or_dash(pods.join(", ")),
             ]
         })
         .collect();
@@ -312,15 +308,7 @@ pub fn claims(view: &ClaimsView, style: &Style) -> String {
             ClaimState::Prepared => Paint::Green,
             ClaimState::Failed => Paint::Red,
         };
-        let cells = [
-            row[0].as_str(),
-            row[1].as_str(),
-            row[2].as_str(),
-            row[3].as_str(),
-            row[4].as_str(),
-            row[5].as_str(),
-        ];
-        let _ = writeln!(out, "{}", line(cells, Some(paint)));
+        let _ = writeln!(out, "{}", line(row.each_ref().map(String::as_str), Some(paint)));
         if claim.state == ClaimState::Failed
             && let Some(message) = &claim.message
         {
