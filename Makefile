@@ -1,6 +1,6 @@
 # migdra — the two commands the README promises, plus their parts.
 #   make demo   local cluster with simulated GPUs, workloads, MIG layout, teardown
-#   make test   every test: unit, integration, fake CRI, chart, end-to-end
+#   make test   every test: unit, integration, fake CRI, chart, end-to-end (fake CRI and containerd)
 #   make lint   formatting and lints: Rust, the Go in e2e/upstream, shell scripts
 #   make fault-campaign TRIALS=1000 [SEED=1] [JOBS=8]
 #               the kubelet plugin's randomized fault campaign in benchmark mode (a table of
@@ -17,7 +17,7 @@
 # migdra-e2e` resolves the same features as the whole workspace, because every feature the e2e
 # crate turns on is also turned on by another member.
 
-.PHONY: test demo bench build unit go-test chart-test e2e lint lint-rust lint-go lint-shell crds check-crds fault-campaign
+.PHONY: test demo bench build unit go-test chart-test e2e e2e-containerd lint lint-rust lint-go lint-shell crds check-crds fault-campaign
 
 build:
 	cargo build --workspace --all-targets
@@ -34,7 +34,12 @@ chart-test:
 e2e: build
 	cargo test --workspace --test e2e
 
-test: unit go-test chart-test e2e
+# The e2e suite's containerd theme, on a cluster whose kubelet runs on containerd and runc built
+# from the Go module proxy (e2e/runtime/); on the fake CRI above those tests are ignored.
+e2e-containerd: build
+	MIGDRA_E2E_RUNTIME=containerd cargo test --workspace --test e2e -- containerd_
+
+test: unit go-test chart-test e2e e2e-containerd
 
 demo:
 	cargo build --workspace --bins

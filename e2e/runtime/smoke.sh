@@ -28,61 +28,22 @@ for t in unshare nsenter ip tar gzip sha256sum; do
 done
 case $run in /tmp/?*) ;; *) echo "smoke.sh: run dir must be under /tmp: $run" >&2; exit 1 ;; esac
 
-log() { echo "smoke.sh: $*" >&2; }
-
-# Our containerd and its shims: those processes whose command line names our run dir.
-our_pids() {
-  local p exe
-  for p in /proc/[0-9]*; do
-    exe=$(readlink "$p/exe" 2>/dev/null) || continue
-    case ${exe##*/} in containerd | containerd-shim-runc-v2) ;; *) continue ;; esac
-    grep -qF -- "$run/" < <(tr '\0' ' ' <"$p/cmdline" 2>/dev/null) && echo "${p#/proc/}"
-  done
-  return 0
-}
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$here/lib.sh"
+log() { rt_log "$@"; }
 
 cleanup() {
-  local pid i m d
-  # Containers left by a killed run: runc keeps them under its root, per namespace.
-  if [[ -n ${bin:-} && -d $run/runc ]]; then
-    for d in "$run"/runc/*/; do
-      [[ -d $d ]] || continue
-      for i in $("$bin/runc" --root "$d" list -q 2>/dev/null); do
-        "$bin/runc" --root "$d" delete --force "$i" >/dev/null 2>&1 || true
-      done
-    done
-  fi
-  # containerd first (it would restart nothing, but stops serving), then its shims.
-  for pid in $(our_pids); do
-    kill -TERM "$pid" 2>/dev/null || true
-  done
-  for _ in $(seq 50); do
-    [[ -z $(our_pids) ]] && break
-    sleep 0.2
-  done
-  for pid in $(our_pids); do
-    log "killing leftover pid $pid"
-    kill -KILL "$pid" 2>/dev/null || true
-  done
+  local real ctrl path d
+  # Containers left by a killed run, then containerd and its shims (found by our run dir).
+  rt_stop_runtime "${bin:-}/runc" "$run/runc" "$run/"
   # Unmount everything under the run dir, deepest first.
-  for _ in 1 2 3; do
-    m=$(awk -v r="$run/" 'index($5, r) == 1 {print $5}' /proc/self/mountinfo | sort -r)
-    [[ -z $m ]] && break
-    while read -r d; do
-      umount "$d" 2>/dev/null || umount -l "$d" 2>/dev/null || true
-    done <<<"$m"
-  done
-  if awk -v r="$run/" 'index($5, r) == 1 {f=1} END {exit !f}' /proc/self/mountinfo; then
-    log "mounts left under $run:"
-    awk -v r="$run/" 'index($5, r) == 1 {print $5}' /proc/self/mountinfo >&2
-    return 1
-  fi
+  real=$(realpath -m "$run")
+  rt_unmount_under "$real" || return 1
   # Our cgroups (empty once the containers are gone), under our own cgroup of each hierarchy.
   while IFS=: read -r _ ctrl path; do
     d=/sys/fs/cgroup/${ctrl#name=}
     [[ -z $ctrl ]] && d=/sys/fs/cgroup/unified
-    d=$d${path%/}/$cg
-    if [[ -d $d ]]; then find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true; fi
+    rt_rmdir_cgroup_tree "$d${path%/}/$cg"
   done </proc/self/cgroup
   if [[ -f $run/containerd.log ]]; then cp "$run/containerd.log" "${run%/}.containerd.log"; fi
   rm -rf --one-file-system "$run"
@@ -186,41 +147,9 @@ for p in 'io\.containerd\.snapshotter\.v1\s+overlayfs' 'io\.containerd\.grpc\.v1
 done
 
 # An OCI image layout tarball of a busybox-static root filesystem, written by hand.
-busybox=/bin/busybox
-if ! dpkg -s busybox-static >/dev/null 2>&1 && command -v apt-get >/dev/null; then
-  log "installing busybox-static"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static >&2
-fi
-grep -q 'not a dynamic' < <(LC_ALL=C ldd "$busybox" 2>&1) ||
-  { log "needs a static $busybox (Debian: busybox-static)"; exit 1; }
 rootfs=$run/image/rootfs
-mkdir -p "$rootfs"/{bin,dev,proc,sys,etc,tmp,root}
-cp "$busybox" "$rootfs/bin/busybox"
-for a in $("$busybox" --list); do
-  [[ $a == busybox ]] || ln -s busybox "$rootfs/bin/$a"
-done
-printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n' >"$rootfs/etc/passwd"
-printf 'root:x:0:\nnogroup:x:65534:\n' >"$rootfs/etc/group"
-oci=$run/image/oci
-mkdir -p "$oci/blobs/sha256"
-tar -C "$rootfs" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$run/image/layer.tar" .
-diff_id=$(sha256sum <"$run/image/layer.tar" | cut -d' ' -f1)
-gzip -n -c "$run/image/layer.tar" >"$run/image/layer.tar.gz"
-blob() { # file -> prints "sha256 size", and stores the file as a blob
-  local d s
-  d=$(sha256sum <"$1" | cut -d' ' -f1)
-  s=$(stat -c %s "$1")
-  mv "$1" "$oci/blobs/sha256/$d"
-  echo "$d $s"
-}
-read -r layer_d layer_s < <(blob "$run/image/layer.tar.gz")
-printf '%s' '{"architecture":"amd64","os":"linux","config":{"Env":["PATH=/bin"],"Cmd":["/bin/sh"],"WorkingDir":"/"},"rootfs":{"type":"layers","diff_ids":["sha256:'"$diff_id"'"]}}' >"$run/image/config.json"
-read -r config_d config_s < <(blob "$run/image/config.json")
-printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:'"$config_d"'","size":'"$config_s"'},"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"sha256:'"$layer_d"'","size":'"$layer_s"'}]}' >"$run/image/manifest.json"
-read -r manifest_d manifest_s < <(blob "$run/image/manifest.json")
-printf '%s' '{"imageLayoutVersion":"1.0.0"}' >"$oci/oci-layout"
-printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:'"$manifest_d"'","size":'"$manifest_s"',"platform":{"architecture":"amd64","os":"linux"},"annotations":{"io.containerd.image.name":"'"$image"'","org.opencontainers.image.ref.name":"smoke"}}]}' >"$oci/index.json"
-tar -C "$oci" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$run/image/busybox-oci.tar" .
+rt_busybox_rootfs "$rootfs"
+rt_oci_image "$rootfs" "$image" '{"Env":["PATH=/bin"],"Cmd":["/bin/sh"],"WorkingDir":"/"}' "$run/image/busybox-oci.tar"
 
 ctr images import --snapshotter overlayfs "$run/image/busybox-oci.tar" >&2
 ctr images ls >&2

@@ -5,7 +5,7 @@ use std::{path::Path, time::Duration};
 
 use anyhow::{Context, bail};
 use k8s_openapi::api::{
-    core::v1::{Event, Pod},
+    core::v1::{Event, Pod, PodCondition},
     resource::v1::{DeviceRequestAllocationResult, ResourceClaim, ResourceClaimTemplate},
 };
 use kube::{
@@ -202,6 +202,37 @@ pub async fn wait_phase(client: &Client, pod: &str, want: &str, timeout: Duratio
     .await;
     let last = phase(client, pod).await;
     result.with_context(|| format!("pod {pod} did not reach {want} (phase now {last:?})"))
+}
+
+/// Waits until the scheduler reports the pod unschedulable (`PodScheduled=False`, reason
+/// `Unschedulable`) and checks it is bound to no node: "the scheduler refused", as opposed to a
+/// pod that is scheduled but Pending because its prepare fails. Returns the condition.
+pub async fn wait_unschedulable(
+    client: &Client,
+    pod: &str,
+    timeout: Duration,
+) -> anyhow::Result<PodCondition> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let condition = wait_until(timeout, || async {
+        pods.get(pod)
+            .await
+            .ok()?
+            .status?
+            .conditions?
+            .into_iter()
+            .find(|c| {
+                c.type_ == "PodScheduled"
+                    && c.status == "False"
+                    && c.reason.as_deref() == Some("Unschedulable")
+            })
+    })
+    .await
+    .with_context(|| format!("pod {pod} never got PodScheduled=False reason Unschedulable"))?;
+    let bound = pods.get(pod).await?.spec.and_then(|s| s.node_name);
+    if let Some(node) = bound {
+        bail!("pod {pod} is bound to {node} although the scheduler reported it unschedulable");
+    }
+    Ok(condition)
 }
 
 /// The ResourceClaim generated for the pod's claim `gpu`.

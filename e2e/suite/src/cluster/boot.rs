@@ -1,7 +1,8 @@
 //! Booting the cluster: the upstream binaries (built or cached by `e2e/upstream/build.sh`),
 //! helm, the run directory and its credentials; etcd, kube-apiserver, the chart, the controller
-//! manager and scheduler; the simulated GPU host, the fake CRI and the kubelet. Ends by starting
-//! migdra (see [`super::migdra`]) and waiting until it published the node's pool.
+//! manager and scheduler; the simulated GPU host, the fake CRI (or containerd, see
+//! [`super::containerd`]) and the kubelet. Ends by starting migdra (see [`super::migdra`]) and
+//! waiting until it published the node's pool.
 
 use std::{
     collections::BTreeMap,
@@ -25,7 +26,7 @@ use migdra_fake_nvml::{
 
 use super::{
     ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, HOOK_PATH, Layout, NODE,
-    PLUGIN_ACCOUNT, free_port, kubeconfig_yaml, migdra::migdra_bin_dir, repo_root,
+    PLUGIN_ACCOUNT, Runtime, free_port, kubeconfig_yaml, migdra::migdra_bin_dir, repo_root,
     teardown::KUBELET_HOST_DIRS, wait_until, write,
 };
 
@@ -83,6 +84,10 @@ impl Cluster {
         let upstream_bin = script_output(&root.join("e2e/upstream/build.sh"))?;
         let helm = script_output(&root.join("charts/tests/helm.sh"))?;
         let migdra_bin = migdra_bin_dir()?;
+        let runtime = match config.runtime {
+            Some(runtime) => runtime,
+            None => Runtime::from_env()?,
+        };
         fs::create_dir_all(&config.runs_dir)?;
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?
@@ -104,20 +109,23 @@ impl Cluster {
             migdra_bin,
             helm,
             apiserver_port: free_port()?,
+            runtime,
             logs: run_dir.join("logs"),
         };
         // The fake CRI is rebuilt each run (seconds, thanks to Go's build cache).
-        let status = Command::new("go")
-            .args(["build", "-o"])
-            .arg(layout.run_dir.join("bin/fake-cri"))
-            .arg("./cmd/fake-cri")
-            .current_dir(root.join("e2e/upstream"))
-            .env("GOFLAGS", "-mod=mod")
-            .env("CGO_ENABLED", "0")
-            .status()
-            .context("building the fake CRI")?;
-        if !status.success() {
-            bail!("building the fake CRI failed");
+        if runtime == Runtime::FakeCri {
+            let status = Command::new("go")
+                .args(["build", "-o"])
+                .arg(layout.run_dir.join("bin/fake-cri"))
+                .arg("./cmd/fake-cri")
+                .current_dir(root.join("e2e/upstream"))
+                .env("GOFLAGS", "-mod=mod")
+                .env("CGO_ENABLED", "0")
+                .status()
+                .context("building the fake CRI")?;
+            if !status.success() {
+                bail!("building the fake CRI failed");
+            }
         }
         write(
             &layout.kubeconfig,
@@ -140,6 +148,7 @@ impl Cluster {
             plugin_kubeconfig: None,
             controller_heartbeat_timeout_seconds: config.controller_heartbeat_timeout_seconds,
             kubelet_anonymous_reads: config.kubelet_anonymous_reads,
+            kubelet_cgroup_root: None,
             torn_down: false,
         };
         if let Err(e) = cluster.boot(&config).await {
@@ -211,9 +220,17 @@ impl Cluster {
         )?;
         self.install_chart().await?;
         self.write_gpu_host(config)?;
-        self.start_fake_cri()?;
+        match l.runtime {
+            Runtime::FakeCri => self.start_fake_cri()?,
+            Runtime::Containerd => {
+                self.kubelet_cgroup_root = Some(self.start_containerd(&config.runs_dir)?);
+            }
+        }
         self.start_kubelet()?;
         self.wait_node_ready().await?;
+        if l.runtime == Runtime::Containerd {
+            self.publish_loopback_node_address().await?;
+        }
         self.wait_default_service_account().await?;
         self.controller_kubeconfig = Some(self.service_account_kubeconfig(CONTROLLER_ACCOUNT, false).await?);
         self.plugin_kubeconfig = Some(self.service_account_kubeconfig(PLUGIN_ACCOUNT, true).await?);
@@ -453,13 +470,20 @@ impl Cluster {
         let healthz = self.port("kubelet-healthz")?;
         let path = l.run_dir.join("kubelet-config.yaml");
         // Settings that keep the kubelet inside its own root dir and off the host's cgroups.
+        // On containerd, pods get real cgroups: the kubelet's QoS hierarchy (kubepods/…)
+        // under a cgroup root of the run's own; the apiserver reaches the kubelet (logs)
+        // without a client certificate, so reads are anonymous (the kubelet listens on
+        // loopback only).
+        let (cgroups, anonymous_reads) = match &self.kubelet_cgroup_root {
+            Some(root) => (format!("cgroupsPerQOS: true\ncgroupRoot: {root}\n"), true),
+            None => ("cgroupsPerQOS: false\n".to_string(), anonymous_reads),
+        };
         let text = format!(
             "apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 failCgroupV1: false
 cgroupDriver: cgroupfs
-cgroupsPerQOS: false
-enforceNodeAllocatable: []
+{cgroups}enforceNodeAllocatable: []
 failSwapOn: false
 address: 127.0.0.1
 port: {port}
@@ -481,7 +505,7 @@ nodeStatusUpdateFrequency: 2s
 syncFrequency: 5s
 fileCheckFrequency: 5s
 ",
-            cri = l.run_dir.join("cri.sock").display(),
+            cri = l.cri_socket().display(),
             logs = l.run_dir.join("pod-logs").display(),
         );
         write(&path, &text)?;

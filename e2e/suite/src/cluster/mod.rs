@@ -1,6 +1,7 @@
 //! A local cluster from upstream parts: etcd, kube-apiserver, kube-controller-manager,
-//! kube-scheduler and one kubelet (against the fake CRI runtime), plus migdra's controller and
-//! kubelet plugin as host processes with the fake NVML library simulating GPUs.
+//! kube-scheduler and one kubelet (against the fake CRI runtime, or on containerd and runc with
+//! `MIGDRA_E2E_RUNTIME=containerd`, see [`containerd`]), plus migdra's controller and kubelet
+//! plugin as host processes with the fake NVML library simulating GPUs.
 //!
 //! Everything lives in one run directory (kept after teardown, for its logs). [`Cluster::start`]
 //! boots the upstream parts ([`boot`]), then migdra's two processes with tokens of the chart's
@@ -10,9 +11,11 @@
 //! what they share: the names, the layout, the component table and the GPU state.
 
 mod boot;
+mod containerd;
 mod migdra;
 mod teardown;
 
+pub use containerd::{BUSYBOX_IMAGE, PAUSE_IMAGE, POD_SUBNET, RUNTIME_ENV, Runtime};
 pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS, SURGE_PLUGIN};
 
 use std::{
@@ -65,6 +68,9 @@ pub struct ClusterConfig {
     /// manager 20 QPS: its ResourceClaim controller creates each pod's claim and records it in
     /// the pod's status, so 20 QPS caps pods with a claim template at about 10/s).
     pub control_plane_api_qps: Option<u32>,
+    /// The container runtime under the kubelet; `None` reads [`RUNTIME_ENV`] (unset: the fake
+    /// CRI).
+    pub runtime: Option<Runtime>,
 }
 
 impl Default for ClusterConfig {
@@ -83,6 +89,7 @@ impl Default for ClusterConfig {
             controller_heartbeat_timeout_seconds: 20,
             kubelet_anonymous_reads: false,
             control_plane_api_qps: None,
+            runtime: None,
         }
     }
 }
@@ -120,6 +127,8 @@ pub struct Layout {
     pub plugin_state: PathBuf,
     /// API server port.
     pub apiserver_port: u16,
+    /// The container runtime under the kubelet.
+    pub runtime: Runtime,
     /// Real path of the logs directory.
     logs: PathBuf,
 }
@@ -151,6 +160,14 @@ impl Layout {
         self.run_dir.join("logs").join(format!("{component}.log"))
     }
 
+    /// The CRI socket the kubelet uses (the fake CRI's or containerd's).
+    pub fn cri_socket(&self) -> PathBuf {
+        match self.runtime {
+            Runtime::FakeCri => self.run_dir.join("cri.sock"),
+            Runtime::Containerd => containerd::containerd_socket(&self.run_dir),
+        }
+    }
+
     /// The logs directory by its real path (the short `/tmp` link goes away at teardown).
     pub fn logs_dir(&self) -> PathBuf {
         self.logs.clone()
@@ -170,6 +187,8 @@ pub struct Cluster {
     plugin_kubeconfig: Option<PathBuf>,
     controller_heartbeat_timeout_seconds: u64,
     kubelet_anonymous_reads: bool,
+    /// The kubelet's `cgroupRoot` (containerd only: pods get QoS cgroups under it).
+    kubelet_cgroup_root: Option<String>,
     torn_down: bool,
 }
 

@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::Cluster;
+use super::{Cluster, Runtime, containerd};
 
 /// Host directories the kubelet creates whatever its root dir is: the device-plugin socket
 /// directory and the container-log symlink directory are compiled-in paths. Teardown removes
@@ -57,6 +57,7 @@ impl Cluster {
             "migdra-kubelet-plugin",
             "migdra-controller",
             "kubelet",
+            "containerd",
             "fake-cri",
             "kube-scheduler",
             "kube-controller-manager",
@@ -70,6 +71,12 @@ impl Cluster {
             self.stop(name, Duration::from_secs(5));
         }
         let run_dir = fs::canonicalize(&self.layout.run_dir).unwrap_or_else(|_| self.layout.run_dir.clone());
+        if self.layout.runtime == Runtime::Containerd {
+            // The pods' containers, containerd's shims, its mounts and the pods' cgroups.
+            if let Err(e) = containerd::clean(&run_dir, Some(&self.layout.run_dir)) {
+                eprintln!("e2e: cleaning up containerd failed: {e:#}");
+            }
+        }
         unmount_under(&run_dir);
         unmount_under(&self.layout.run_dir);
         remove_log_symlinks_into(&[&run_dir, &self.layout.run_dir]);

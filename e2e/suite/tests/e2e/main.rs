@@ -33,6 +33,7 @@ mod allocation;
 mod chart;
 mod claim_status;
 mod compat;
+mod containerd;
 mod day2;
 mod faults;
 mod kubectl_plugin;
@@ -45,13 +46,13 @@ mod sharing;
 use std::{path::Path, sync::Arc, time::Instant};
 
 use libtest_mimic::{Arguments, Failed, Trial};
-use migdra_e2e::cluster::{Cluster, ClusterConfig};
+use migdra_e2e::cluster::{Cluster, ClusterConfig, Runtime};
 use tokio::sync::Mutex;
 
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 12] = [
+const SUITE: [&[Test]; 13] = [
     pool::TESTS,
     allocation::TESTS,
     claim_status::TESTS,
@@ -64,6 +65,7 @@ const SUITE: [&[Test]; 12] = [
     rolling_update::TESTS,
     day2::TESTS,
     kubectl_plugin::TESTS,
+    containerd::TESTS,
 ];
 
 type Shared = Arc<Mutex<Cluster>>;
@@ -73,10 +75,23 @@ fn main() {
     args.test_threads = Some(1); // one cluster, tests in order
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let tests: Vec<Test> = SUITE.concat();
+    // The containerd theme needs the cluster on containerd; on the fake CRI it is ignored.
+    let on_containerd = match Runtime::from_env() {
+        Ok(r) => r == Runtime::Containerd,
+        Err(e) => {
+            eprintln!("e2e: {e:#}");
+            std::process::exit(1);
+        }
+    };
+    let ignored = move |test: &Test| test.theme() == "containerd" && !on_containerd;
     if args.list {
         let trials = tests
             .iter()
-            .map(|test| Trial::test(test.name, || Ok(())).with_kind(test.theme()))
+            .map(|test| {
+                Trial::test(test.name, || Ok(()))
+                    .with_kind(test.theme())
+                    .with_ignored_flag(ignored(test))
+            })
             .collect();
         libtest_mimic::run(&args, trials).exit();
     }
@@ -100,6 +115,7 @@ fn main() {
         .into_iter()
         .map(|test| {
             let theme = test.theme();
+            let ignore = ignored(&test);
             let Test { name, run, .. } = test;
             let shared = shared.clone();
             let handle = handle.clone();
@@ -124,6 +140,7 @@ fn main() {
                 })
             })
             .with_kind(theme)
+            .with_ignored_flag(ignore)
         })
         .collect();
     let conclusion = libtest_mimic::run(&args, trials);

@@ -1,9 +1,9 @@
 //! Placement across claims: partitions pack a GPU, whole GPUs and partitions exclude each
 //! other, and a `firstAvailable` request falls back when its first choice does not fit.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::ensure;
+use anyhow::{Context, ensure};
 use migdra_e2e::{
     cluster::Cluster,
     workload::{self, Request, create_pod, create_template, on_gpu, profile_is, wait_phase},
@@ -40,14 +40,7 @@ async fn seven_1g_pods_pack_one_gpu_and_an_eighth_waits(cluster: &mut Cluster) -
     );
     create_pod(&c, "pack-8", "one-g", &["sleep", "3600"], true).await?;
     // The eighth cannot be scheduled while the seven run.
-    let deadline = Instant::now() + Duration::from_secs(8);
-    while Instant::now() < deadline {
-        ensure!(
-            workload::phase(&c, "pack-8").await.as_deref() == Some("Pending"),
-            "pack-8 left Pending early"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    workload::wait_unschedulable(&c, "pack-8", SHORT).await?;
     ensure!(
         workload::phase(&c, "pack-1").await.as_deref() == Some("Running"),
         "pack-1 finished too early for the check"
@@ -75,11 +68,9 @@ async fn whole_gpu_and_partitions_exclude_each_other(cluster: &mut Cluster) -> a
     create_pod(&c, "part-1", "part", &["sleep", "3600"], false).await?;
     wait_phase(&c, "part-1", "Running", SHORT).await?;
     create_pod(&c, "whole-1", "whole", &["sleep", "3600"], false).await?;
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    ensure!(
-        workload::phase(&c, "whole-1").await.as_deref() == Some("Pending"),
-        "whole GPU allocated next to a partition"
-    );
+    workload::wait_unschedulable(&c, "whole-1", SHORT)
+        .await
+        .context("whole GPU allocated next to a partition")?;
     workload::delete_pods(&c, &["part-1"]).await?;
     wait_phase(&c, "whole-1", "Running", Duration::from_secs(120)).await?;
     let gpu = cluster.gpus()?.gpus.into_iter().find(|g| g.minor == 1).unwrap();
@@ -112,11 +103,9 @@ async fn whole_gpu_and_partitions_exclude_each_other(cluster: &mut Cluster) -> a
     );
     check_driver_files(cluster, &record)?;
     create_pod(&c, "part-2", "part", &["sleep", "3600"], false).await?;
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    ensure!(
-        workload::phase(&c, "part-2").await.as_deref() == Some("Pending"),
-        "partition allocated on a GPU in use whole"
-    );
+    workload::wait_unschedulable(&c, "part-2", SHORT)
+        .await
+        .context("partition allocated on a GPU in use whole")?;
     workload::delete_pods(&c, &["whole-1"]).await?;
     wait_phase(&c, "part-2", "Running", Duration::from_secs(120)).await?;
     ensure!(

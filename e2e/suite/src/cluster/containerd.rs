@@ -1,0 +1,501 @@
+//! The opt-in real container runtime: with `MIGDRA_E2E_RUNTIME=containerd` the kubelet runs
+//! on containerd 2.x and runc (built by `e2e/runtime/build.sh`) instead of the fake CRI.
+//!
+//! Everything containerd keeps lives under `<run>/ctrd` (root, state, sockets, shim sockets,
+//! runc's root, the pods' network namespaces). containerd runs inside a network namespace made
+//! for the run (bind-mounted on `<run>/ctrd/netns/node`), so the CNI bridge and the pods'
+//! addresses never touch the host's; the kubelet stays in the host's namespace and talks to
+//! containerd over its unix socket. containerd also has a mount namespace of its own (a slave
+//! of the host's), so that its mounts vanish with it and the simulated host's
+//! `nvidia-cdi-hook` shows at its host path there; the kubelet root is a shared mount so that
+//! pod volumes reach it. The pods' cgroups live under a cgroup root of the run's own
+//! ([`Cluster::prepare_cgroup_root`]). Images are local: `e2e/runtime/images.sh` builds a pause
+//! (sandbox) image and a busybox image, imported here with `ctr`. Teardown, and the next run
+//! after a crash, go through `e2e/runtime/clean.sh` (shared with the runtime's smoke test).
+//!
+//! Not here yet: pods reaching the API server (it listens on loopback in the host's network
+//! namespace), `kubectl exec`/`attach`/`port-forward` (containerd's stream server listens on
+//! loopback in the node's namespace, which the kubelet cannot reach), and image pulls.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::Node;
+use kube::{
+    Api,
+    api::{Patch, PatchParams},
+};
+use serde_json::json;
+
+use super::{Cluster, HOOK_PATH, NODE, repo_root, write};
+
+/// The environment variable that selects the runtime: `containerd`, or unset/empty/`fake-cri`.
+pub const RUNTIME_ENV: &str = "MIGDRA_E2E_RUNTIME";
+/// The pod sandbox image (`e2e/runtime/pause/pause.c`), pinned in containerd's config.
+pub const PAUSE_IMAGE: &str = "migdra.dev/e2e/pause:e2e";
+/// Debian's static busybox, for test containers (`imagePullPolicy: Never`).
+pub const BUSYBOX_IMAGE: &str = "migdra.dev/e2e/busybox:e2e";
+/// The busybox image the shared workloads (`crate::workload`) name: [`BUSYBOX_IMAGE`] is
+/// tagged with it too, so their pods start on containerd without a pull.
+const WORKLOAD_IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.36";
+/// The pods' subnet on the node's bridge (inside the node's network namespace).
+pub const POD_SUBNET: &str = "10.88.0.0/24";
+/// containerd's namespace for the CRI.
+const CRI_NAMESPACE: &str = "k8s.io";
+
+/// The container runtime under the kubelet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Runtime {
+    /// The fake CRI (`e2e/upstream/cmd/fake-cri`): records containers, runs nothing.
+    #[default]
+    FakeCri,
+    /// containerd with runc: real containers.
+    Containerd,
+}
+
+impl Runtime {
+    /// The runtime [`RUNTIME_ENV`] selects.
+    pub fn from_env() -> anyhow::Result<Self> {
+        match std::env::var(RUNTIME_ENV) {
+            Err(std::env::VarError::NotPresent) => Ok(Self::FakeCri),
+            Ok(v) if v.is_empty() || v == "fake-cri" => Ok(Self::FakeCri),
+            Ok(v) if v == "containerd" => Ok(Self::Containerd),
+            Ok(v) => bail!("{RUNTIME_ENV}={v:?}: expected \"containerd\" or \"fake-cri\""),
+            Err(e) => bail!("{RUNTIME_ENV}: {e}"),
+        }
+    }
+}
+
+/// The containerd directory of a run dir.
+pub(super) fn ctrd_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("ctrd")
+}
+
+/// The unix socket of containerd (CRI runtime and image service) of a run dir.
+pub(super) fn containerd_socket(run_dir: &Path) -> PathBuf {
+    ctrd_dir(run_dir).join("containerd.sock")
+}
+
+/// The kubelet's cgroup root for a run: `migdra-e2e-<stamp>` under this process's memory
+/// cgroup (so the pods count against the memory limits the run itself has), the same path in
+/// every hierarchy, as the kubelet uses one name for all (where this process sits elsewhere
+/// in another hierarchy, the path's parents are made there: [`Cluster::prepare_cgroup_root`]).
+pub(super) fn cgroup_root_for(run_dir: &Path) -> anyhow::Result<String> {
+    let name = run_dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("run dir without a name")?;
+    let stamp = name.rsplit('-').next().unwrap_or(name);
+    let own = own_cgroup("memory")?;
+    Ok(format!("{}/migdra-e2e-{stamp}", own.trim_end_matches('/')))
+}
+
+/// This process's cgroup in the v1 hierarchy of `controller`.
+fn own_cgroup(controller: &str) -> anyhow::Result<String> {
+    let text = fs::read_to_string("/proc/self/cgroup")?;
+    text.lines()
+        .filter_map(|l| {
+            let mut parts = l.splitn(3, ':');
+            let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+            ctrls
+                .split(',')
+                .any(|c| c == controller)
+                .then(|| path.to_string())
+        })
+        .next()
+        .with_context(|| format!("no {controller} cgroup in /proc/self/cgroup"))
+}
+
+/// Mount points of the cgroup v1 hierarchies (from /proc/self/mountinfo).
+fn cgroup_v1_mounts() -> anyhow::Result<Vec<PathBuf>> {
+    let text = fs::read_to_string("/proc/self/mountinfo")?;
+    Ok(text
+        .lines()
+        .filter_map(|l| {
+            let (left, right) = l.split_once(" - ")?;
+            let mount = left.split_whitespace().nth(4)?;
+            (right.split_whitespace().next()? == "cgroup").then(|| PathBuf::from(mount))
+        })
+        .collect())
+}
+
+fn run_script(script: &str, args: &[&Path]) -> anyhow::Result<String> {
+    let path = repo_root().join("e2e/runtime").join(script);
+    let output = Command::new("bash")
+        .arg(&path)
+        .args(args)
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {}", path.display()))?;
+    if !output.status.success() {
+        bail!("{} failed with {}", path.display(), output.status);
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    Ok(text.lines().last().unwrap_or_default().trim().to_string())
+}
+
+/// Cleans up after the containerd of run dir `run_dir` (`clean.sh`): containers, containerd
+/// and its shims, mounts, cgroups. `alias` is the run dir's other path (the short link).
+pub(super) fn clean(run_dir: &Path, alias: Option<&Path>) -> anyhow::Result<()> {
+    let ctrd = ctrd_dir(run_dir);
+    if !ctrd.exists() || ctrd.join("cleaned").exists() {
+        return Ok(());
+    }
+    let alias = alias.map(ctrd_dir);
+    let mut args: Vec<&Path> = vec![&ctrd];
+    args.extend(alias.as_deref());
+    run_script("clean.sh", &args).map(drop)
+}
+
+/// Cleans up what earlier runs in `runs_dir` left when their launcher died before teardown
+/// (runs whose launcher still lives are left alone).
+pub(super) fn clean_leftovers(runs_dir: &Path, current: &Path) -> anyhow::Result<()> {
+    let Ok(entries) = fs::read_dir(runs_dir) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        let ctrd = ctrd_dir(&dir);
+        if dir == current || !ctrd.is_dir() || ctrd.join("cleaned").exists() {
+            continue;
+        }
+        let launcher = fs::read_to_string(ctrd.join("launcher.pid")).unwrap_or_default();
+        if !launcher.trim().is_empty() && Path::new("/proc").join(launcher.trim()).exists() {
+            continue;
+        }
+        let stamp = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("run-"))
+            .unwrap_or_default()
+            .to_string();
+        let short = PathBuf::from(format!("/tmp/migdra-e2e-{stamp}"));
+        eprintln!("e2e: cleaning up containerd leftovers of {}", dir.display());
+        clean(&dir, Some(&short))?;
+        if fs::read_link(&short).is_ok_and(|t| t == dir) {
+            let _ = fs::remove_file(&short);
+        }
+    }
+    Ok(())
+}
+
+impl Cluster {
+    /// Records 127.0.0.1 as the node's InternalIP, so that the API server finds the kubelet
+    /// for `kubectl logs`: the kubelet listens on loopback only and refuses a loopback
+    /// `--node-ip` ("failed to validate nodeIP: nodeIP can't be loopback address"), so it
+    /// publishes no address at all; since that check fails before it touches the addresses,
+    /// it leaves these alone.
+    pub(super) async fn publish_loopback_node_address(&self) -> anyhow::Result<()> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let patch = json!({"status": {"addresses": [
+            {"type": "InternalIP", "address": "127.0.0.1"},
+            {"type": "Hostname", "address": NODE},
+        ]}});
+        nodes
+            .patch_status(NODE, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .context("recording the node's loopback address")?;
+        Ok(())
+    }
+
+    /// Creates the kubelet's cgroup root ([`cgroup_root_for`]) in every cgroup v1 hierarchy,
+    /// recording the directories it made (`ctrd/cgroups-created`) for the cleanup; in the
+    /// cpuset hierarchy each new cgroup gets its parent's CPUs and memory nodes.
+    fn prepare_cgroup_root(&self) -> anyhow::Result<String> {
+        let ctrd = ctrd_dir(&self.layout.run_dir);
+        let root = cgroup_root_for(&fs::canonicalize(&self.layout.run_dir)?)?;
+        write(&ctrd.join("cgroup-root"), &root)?;
+        let mut created = String::new();
+        for mount in cgroup_v1_mounts()? {
+            let mut dir = mount.clone();
+            for part in root.trim_start_matches('/').split('/') {
+                let parent = dir.clone();
+                dir.push(part);
+                if dir.exists() {
+                    continue;
+                }
+                fs::create_dir(&dir).with_context(|| format!("creating cgroup {}", dir.display()))?;
+                created.push_str(&format!("{}\n", dir.display()));
+                write(&ctrd.join("cgroups-created"), &created)?;
+                for file in ["cpuset.cpus", "cpuset.mems"] {
+                    if let Ok(value) = fs::read_to_string(parent.join(file)) {
+                        fs::write(dir.join(file), value.trim())
+                            .with_context(|| format!("writing {}", dir.join(file).display()))?;
+                    }
+                }
+            }
+        }
+        Ok(root)
+    }
+
+    /// Starts containerd in a network namespace of its own, with the local images imported;
+    /// returns the kubelet's cgroup root.
+    pub(super) fn start_containerd(&mut self, runs_dir: &Path) -> anyhow::Result<String> {
+        let run = self.layout.run_dir.clone();
+        let real_run = fs::canonicalize(&run)?;
+        clean_leftovers(runs_dir, &real_run)?;
+        let bin = PathBuf::from(run_script("build.sh", &[])?);
+        let images = PathBuf::from(run_script("images.sh", &[])?);
+        let ctrd = ctrd_dir(&run);
+        for dir in [
+            "root",
+            "state",
+            "tmp",
+            "runc",
+            "s",
+            "opt",
+            "cni/net.d",
+            "cni/ipam",
+            "netns",
+        ] {
+            fs::create_dir_all(ctrd.join(dir))?;
+        }
+        write(&ctrd.join("launcher.pid"), &std::process::id().to_string())?;
+        let cgroup_root = self.prepare_cgroup_root()?;
+        write(
+            &ctrd.join("containerd.toml"),
+            &containerd_config(&ctrd, &bin, &self.layout.cdi_dir),
+        )?;
+        write(
+            &ctrd.join("cni/net.d/10-migdra-e2e.conflist"),
+            &cni_config(&ctrd.join("cni/ipam")),
+        )?;
+        // The node's network namespace: a file under the run dir, bind-mounted by unshare.
+        let netns = ctrd.join("netns/node");
+        fs::write(&netns, b"")?;
+        run_checked(
+            Command::new("unshare")
+                .arg(format!("--net={}", netns.display()))
+                .arg("true"),
+        )?;
+        run_checked(
+            Command::new("nsenter")
+                .arg(format!("--net={}", netns.display()))
+                .args(["ip", "link", "set", "lo", "up"]),
+        )?;
+        // The kubelet root becomes a shared mount (a bind mount on itself), so that the
+        // volumes the kubelet mounts there reach containerd's mount namespace (below).
+        let kubelet_root = fs::canonicalize(&self.layout.kubelet_root)?;
+        run_checked(
+            Command::new("mount")
+                .arg("--bind")
+                .arg(&kubelet_root)
+                .arg(&kubelet_root),
+        )?;
+        run_checked(Command::new("mount").arg("--make-shared").arg(&kubelet_root))?;
+        // containerd runs in a mount namespace of its own (a slave of the host's), where the
+        // simulated host's directory of nvidia-cdi-hook is overlaid on the host's, read-only:
+        // the runtime runs CDI hooks by their host path ([`HOOK_PATH`]), which exists only
+        // under the simulated host root. unshare, sh and nsenter all exec (nsenter forks
+        // only with --pid or --fork), so the component's pid is containerd's.
+        let hook_dir = Path::new(HOOK_PATH)
+            .parent()
+            .context("hook path without a directory")?;
+        let hook_lower = self.layout.host_root().join(hook_dir.strip_prefix("/")?);
+        let path = format!(
+            "PATH={}:{}",
+            bin.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let tmpdir = format!("TMPDIR={}", ctrd.join("tmp").display());
+        let net = format!("--net={}", netns.display());
+        let containerd = bin.join("containerd");
+        let config = ctrd.join("containerd.toml");
+        let utf8 = |p: &Path| p.to_str().map(str::to_string).context("non-UTF-8 path");
+        let args: Vec<String> = vec![
+            "--mount".into(),
+            "--propagation".into(),
+            "slave".into(),
+            "--".into(),
+            "sh".into(),
+            "-c".into(),
+            r#"mount -t overlay migdra-e2e-cdi-hook -o "lowerdir=$1:$2" "$2" && shift 2 && exec "$@""#.into(),
+            "sh".into(),
+            utf8(&hook_lower)?,
+            utf8(hook_dir)?,
+            "nsenter".into(),
+            net,
+            "env".into(),
+            path,
+            tmpdir,
+            utf8(&containerd)?,
+            "--config".into(),
+            utf8(&config)?,
+        ];
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.start_component("containerd", Path::new("unshare"), &args)?;
+        let ctr = |args: &[&str]| -> anyhow::Result<String> {
+            let output = Command::new(bin.join("ctr"))
+                .arg("--address")
+                .arg(containerd_socket(&run))
+                .args(["--namespace", CRI_NAMESPACE])
+                .args(args)
+                .output()
+                .context("running ctr")?;
+            if !output.status.success() {
+                bail!("ctr {args:?}: {}", String::from_utf8_lossy(&output.stderr).trim());
+            }
+            Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Err(e) = ctr(&["version"]) {
+            if !self.is_running("containerd") || Instant::now() > deadline {
+                return Err(e.context(format!(
+                    "containerd did not come up (log: {})",
+                    self.layout.log("containerd").display()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let plugins = ctr(&["plugins", "ls"])?;
+        for (kind, id) in [
+            ("io.containerd.snapshotter.v1", "overlayfs"),
+            ("io.containerd.grpc.v1", "cri"),
+            ("io.containerd.cri.v1", "runtime"),
+        ] {
+            let ok = plugins.lines().any(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.first() == Some(&kind) && f.get(1) == Some(&id) && f.last() == Some(&"ok")
+            });
+            if !ok {
+                bail!("containerd plugin {kind} {id} did not load:\n{plugins}");
+            }
+        }
+        let list = fs::read_to_string(images.join("images.txt"))?;
+        for line in list.lines() {
+            let (_, tarball) = line.split_once('\t').context("bad images.txt line")?;
+            ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])?;
+        }
+        ctr(&["images", "tag", "--force", BUSYBOX_IMAGE, WORKLOAD_IMAGE])?;
+        Ok(cgroup_root)
+    }
+}
+
+fn run_checked(command: &mut Command) -> anyhow::Result<()> {
+    let output = command.output().with_context(|| format!("running {command:?}"))?;
+    if !output.status.success() {
+        bail!(
+            "{command:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Whether this process has CAP_SYS_RESOURCE, which lowering a process's `oom_score_adj`
+/// (the kubelet asks -998 for pod sandboxes) takes; some sandboxes run root without it.
+fn has_cap_sys_resource() -> bool {
+    const CAP_SYS_RESOURCE: u32 = 24;
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let hex = s
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))?
+                .trim()
+                .to_string();
+            u64::from_str_radix(&hex, 16).ok()
+        })
+        .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
+}
+
+/// containerd's config (version 4, containerd 2.4's own): every path under `ctrd`; CDI specs
+/// from the cluster's CDI dir (where migdra's plugin writes them); the local pause image
+/// pinned as the sandbox image; runc with the cgroupfs driver; without CAP_SYS_RESOURCE, the
+/// OOM score adjustments the kubelet asks are clamped to containerd's own (runc would fail
+/// with "nsexec: failed to update /proc/self/oom_score_adj: Permission denied").
+fn containerd_config(ctrd: &Path, bin: &Path, cdi_dir: &Path) -> String {
+    let c = ctrd.display();
+    let b = bin.display();
+    format!(
+        r#"version = 4
+imports = []
+root = "{c}/root"
+state = "{c}/state"
+temp = "{c}/tmp"
+disabled_plugins = [
+  "io.containerd.nri.v1.nri",
+  "io.containerd.snapshotter.v1.blockfile",
+  "io.containerd.snapshotter.v1.devmapper",
+  "io.containerd.snapshotter.v1.erofs",
+  "io.containerd.snapshotter.v1.zfs",
+]
+
+[debug]
+  level = "info"
+
+[plugins.'io.containerd.server.v1.grpc']
+  address = "{c}/containerd.sock"
+[plugins.'io.containerd.server.v1.ttrpc']
+  address = "{c}/containerd.sock.ttrpc"
+[plugins.'io.containerd.server.v1.debug']
+  address = "{c}/debug.sock"
+[plugins.'io.containerd.server.v1.metrics']
+  address = ""
+[plugins.'io.containerd.shim.v1.manager']
+  socket_dir = "{c}/s"
+[plugins.'io.containerd.internal.v1.opt']
+  path = "{c}/opt"
+[plugins.'io.containerd.image-verifier.v1.bindir']
+  bin_dir = "{c}/opt/image-verifier/bin"
+[plugins.'io.containerd.grpc.v1.cri']
+  disable_tcp_service = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = "{pause}"
+[plugins.'io.containerd.cri.v1.runtime']
+  netns_mounts_under_state_dir = true
+  restrict_oom_score_adj = {restrict_oom}
+  cdi_spec_dirs = ["{cdi}"]
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["{b}"]
+    conf_dir = "{c}/cni/net.d"
+    max_conf_num = 1
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = "runc"
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        BinaryName = "{b}/runc"
+        Root = "{c}/runc"
+        SystemdCgroup = false
+"#,
+        pause = PAUSE_IMAGE,
+        cdi = cdi_dir.display(),
+        restrict_oom = !has_cap_sys_resource(),
+    )
+}
+
+/// The pod network: a bridge (in containerd's network namespace) with host-local addresses
+/// from [`POD_SUBNET`]; no masquerading (nothing leaves the node's namespace).
+fn cni_config(ipam_dir: &Path) -> String {
+    format!(
+        r#"{{
+  "cniVersion": "1.0.0",
+  "name": "migdra-e2e",
+  "plugins": [
+    {{
+      "type": "bridge",
+      "bridge": "migdra0",
+      "isGateway": true,
+      "ipMasq": false,
+      "ipam": {{
+        "type": "host-local",
+        "ranges": [[{{"subnet": "{POD_SUBNET}"}}]],
+        "dataDir": "{}"
+      }}
+    }}
+  ]
+}}
+"#,
+        ipam_dir.display()
+    )
+}

@@ -1,0 +1,179 @@
+//! The kubelet on a real runtime (`MIGDRA_E2E_RUNTIME=containerd`, see
+//! `migdra_e2e::cluster::Runtime`): pods made by the kubelet through containerd's CRI, run by
+//! runc from the local images, their logs read with `kubectl logs`; and a MIG claim's CDI spec,
+//! written by migdra's plugin, applied by containerd. On the fake CRI (the default) the harness
+//! marks them ignored; `make e2e-containerd` runs them on containerd.
+
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use kube::{Api, api::PostParams};
+use migdra_e2e::{
+    cluster::{BUSYBOX_IMAGE, Cluster, POD_SUBNET, Runtime, wait_until},
+    workload::{NAMESPACE, create_pod, create_template, delete_pods, profile_is, wait_phase},
+};
+use serde_json::json;
+
+use crate::support::{mig, settle};
+
+tests![
+    containerd_runs_a_plain_pod,
+    containerd_applies_a_mig_claims_cdi_spec
+];
+
+/// Fails unless the cluster runs on containerd (the harness ignores these tests otherwise).
+fn require_containerd(cluster: &Cluster) -> anyhow::Result<()> {
+    ensure!(
+        cluster.layout.runtime == Runtime::Containerd,
+        "the cluster runs on the fake CRI: run with MIGDRA_E2E_RUNTIME=containerd"
+    );
+    Ok(())
+}
+
+/// `kubectl logs` of a pod's container (through the API server and the kubelet).
+fn kubectl_logs(cluster: &Cluster, pod: &str, container: &str) -> anyhow::Result<String> {
+    let out = std::process::Command::new(cluster.layout.upstream_bin.join("kubectl"))
+        .arg(format!("--kubeconfig={}", cluster.layout.kubeconfig.display()))
+        .args(["logs", "--namespace", NAMESPACE, pod, "-c", container])
+        .output()
+        .context("running kubectl")?;
+    ensure!(
+        out.status.success(),
+        "kubectl logs {pod} failed: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The pod, once the kubelet reported its container finished: the container ID's runtime
+/// prefix and the pod's IP.
+async fn finished(cluster: &Cluster, pod: &str) -> anyhow::Result<(String, String)> {
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), NAMESPACE);
+    let status = pods.get(pod).await?.status.context("no pod status")?;
+    let container = status
+        .container_statuses
+        .as_deref()
+        .and_then(|s| s.first())
+        .context("no container status")?;
+    Ok((
+        container.container_id.clone().unwrap_or_default(),
+        status.pod_ip.clone().unwrap_or_default(),
+    ))
+}
+
+async fn containerd_runs_a_plain_pod(cluster: &mut Cluster) -> anyhow::Result<()> {
+    require_containerd(cluster)?;
+    let name = "ctrd-plain";
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app.kubernetes.io/part-of": "migdra-e2e"}},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "main",
+                "image": BUSYBOX_IMAGE,
+                "imagePullPolicy": "Never",
+                // `$$$$`: the kubelet expands `$(VAR)` in commands, and `$$` to `$`.
+                "command": ["sh", "-c", "echo migdra-e2e says hello; echo \"pid $$$$\"; cat /proc/self/cgroup; ip -4 -o addr show eth0"],
+            }],
+        }
+    }))?;
+    Api::<Pod>::namespaced(cluster.client.clone(), NAMESPACE)
+        .create(&PostParams::default(), &pod)
+        .await?;
+    wait_phase(&cluster.client, name, "Succeeded", Duration::from_secs(120)).await?;
+    let (container_id, pod_ip) = finished(cluster, name).await?;
+    ensure!(
+        container_id.starts_with("containerd://"),
+        "container ID {container_id:?} is not containerd's"
+    );
+    let subnet = POD_SUBNET.trim_end_matches(".0/24");
+    ensure!(
+        pod_ip.starts_with(&format!("{subnet}.")),
+        "pod IP {pod_ip:?} not in {POD_SUBNET}"
+    );
+    let logs = kubectl_logs(cluster, name, "main")?;
+    eprintln!("e2e: kubectl logs {name}:\n{logs}");
+    ensure!(logs.contains("migdra-e2e says hello"), "no greeting in the logs");
+    ensure!(
+        logs.contains("pid 1\n"),
+        "the container is not pid 1 of its own pid namespace"
+    );
+    ensure!(
+        logs.contains(&format!("inet {pod_ip}/24")),
+        "eth0 does not carry the pod IP {pod_ip}"
+    );
+    // The container's memory cgroup: under the kubelet's cgroup root, in its QoS hierarchy
+    // (a BestEffort pod).
+    let memory = logs
+        .lines()
+        .find(|l| l.contains(":memory:"))
+        .context("no memory cgroup in the logs")?;
+    ensure!(
+        memory.contains("/migdra-e2e-") && memory.contains("/kubepods/besteffort/pod"),
+        "the container's memory cgroup is not under the run's cgroup root: {memory}"
+    );
+    delete_pods(&cluster.client, &[name]).await?;
+    settle(cluster).await
+}
+
+async fn containerd_applies_a_mig_claims_cdi_spec(cluster: &mut Cluster) -> anyhow::Result<()> {
+    require_containerd(cluster)?;
+    let c = cluster.client.clone();
+    let name = "ctrd-mig";
+    create_template(&c, name, mig(&[profile_is("1g.10gb")]), None).await?;
+    create_pod(
+        &c,
+        name,
+        name,
+        &[
+            "sh",
+            "-c",
+            "ls -ln /dev/nvidia*; env | grep -E '^(NVIDIA|MIGDRA|CUDA)' | sort; ls /usr/lib/x86_64-linux-gnu 2>&1 | grep -i nvidia; mount | grep -iE 'nvidia|cuda'; echo end",
+        ],
+        true,
+    )
+    .await?;
+    let ended = wait_until(Duration::from_secs(120), || async {
+        let phase = workload_phase(cluster, name).await?;
+        matches!(phase.as_str(), "Succeeded" | "Failed").then_some(phase)
+    })
+    .await;
+    let events = migdra_e2e::workload::pod_events(&c, name)
+        .await
+        .unwrap_or_default();
+    for e in &events {
+        eprintln!(
+            "e2e: event {}: {}",
+            e.reason.as_deref().unwrap_or_default(),
+            e.message.as_deref().unwrap_or_default()
+        );
+    }
+    let phase = ended.context("the MIG pod did not finish")?;
+    let logs = kubectl_logs(cluster, name, "main")?;
+    eprintln!("e2e: kubectl logs {name} ({phase}):\n{logs}");
+    ensure!(phase == "Succeeded", "the MIG pod ended {phase}");
+    // The claim's CDI spec: the GPU's node, the control node, the UVM nodes and the MIG
+    // capability nodes, as character devices (created by runc from the spec's major/minor).
+    for node in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] {
+        ensure!(
+            logs.lines().any(|l| l.starts_with('c') && l.ends_with(node)),
+            "no character device {node} in the container"
+        );
+    }
+    ensure!(
+        logs.lines()
+            .any(|l| l.starts_with('c') && l.contains("nvidia-cap")),
+        "no MIG capability node in the container"
+    );
+    delete_pods(&c, &[name]).await?;
+    settle(cluster).await
+}
+
+async fn workload_phase(cluster: &Cluster, pod: &str) -> Option<String> {
+    migdra_e2e::workload::phase(&cluster.client, pod).await
+}
