@@ -188,6 +188,10 @@ pub struct Majors {
     pub caps: Option<u32>,
 }
 
+/// Mode of every spec file: claim specs carry the claim's environment (user values), and
+/// the container runtimes that read CDI specs (containerd, CRI-O) run as root.
+const SPEC_MODE: u32 = 0o600;
+
 /// Writes and removes per-claim CDI specs and writes the node-wide driver spec.
 #[derive(Clone, Debug)]
 pub struct CdiWriter {
@@ -368,7 +372,7 @@ impl CdiWriter {
         })?;
         let mut bytes = serde_json::to_vec_pretty(spec)?;
         bytes.push(b'\n');
-        write_atomically(path, &bytes, 0o644, durability).map_err(|source| CdiError::Write {
+        write_atomically(path, &bytes, SPEC_MODE, durability).map_err(|source| CdiError::Write {
             path: path.to_path_buf(),
             source,
         })
@@ -527,6 +531,8 @@ fn remove_file(path: PathBuf) -> Result<bool, CdiError> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
     use super::*;
 
     fn proc_root(dir: &Path) {
@@ -566,6 +572,8 @@ mod tests {
         let after_reboot = CdiWriter::new(&cdi, "gpu.migdra.dev", dir.path()).for_boot("boot-2");
         let path = after_reboot.write_claim_spec("uid-2", &[device()]).unwrap();
         assert_eq!(after_reboot.claim_spec_durability(), Durability::ThisBoot);
+        // The spec holds the claim's environment: readable by root only.
+        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
         let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
         assert_eq!(spec["annotations"]["gpu.migdra.dev/boot-id"], "boot-2");
         // Torn by a power loss; another driver's spec of the earlier boot; this driver's
