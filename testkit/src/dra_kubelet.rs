@@ -1,5 +1,5 @@
 //! Support for the dra-kubelet socket tests: a tiny scripted [`DraDriver`], short temp dirs, a server
-//! starter, tonic channels over unix sockets, and a raw HTTP/2 client that speaks exactly like
+//! starter, tonic channels over unix sockets, claims and a prepare call in the DRA protocol, and a raw HTTP/2 client that speaks exactly like
 //! the kubelet's grpc-go client (percent-encoded `:authority`, Huffman, dynamic table).
 
 use std::{
@@ -14,6 +14,7 @@ use dra_kubelet::{
     PreparedDevice, RegistrationState, UnprepareOutcome,
 };
 use loona_hpack::Decoder;
+use migdra_proto::dra::{v1, v1beta1};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::UnixStream,
@@ -95,6 +96,69 @@ pub fn short_tempdir() -> tempfile::TempDir {
         .expect("tempdir")
 }
 
+/// `claim(uid)` as the v1 DRA service takes it.
+pub fn v1_claim(uid: &str) -> v1::Claim {
+    let c = claim(uid);
+    v1::Claim {
+        namespace: c.namespace,
+        uid: c.uid,
+        name: c.name,
+    }
+}
+
+/// `claim(uid)` as the v1beta1 DRA service takes it.
+pub fn v1beta1_claim(uid: &str) -> v1beta1::Claim {
+    let c = claim(uid);
+    v1beta1::Claim {
+        namespace: c.namespace,
+        uid: c.uid,
+        name: c.name,
+    }
+}
+
+/// Prepares the claim `uid` through the v1 DRA service at `dra_socket`.
+pub async fn prepare_one(dra_socket: &Path, uid: &str) -> v1::NodePrepareResourcesResponse {
+    v1::dra_plugin_client::DraPluginClient::new(channel(dra_socket).await)
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![v1_claim(uid)],
+        })
+        .await
+        .expect("prepare")
+        .into_inner()
+}
+
+/// A server for `config` (shutdown grace 5 s) driving `driver`, with no health reports and
+/// nobody watching its registration.
+pub fn plugin_server<D: DraDriver>(mut config: PluginServerConfig, driver: Arc<D>) -> PluginServer<D> {
+    let (_health_tx, health) = watch::channel(Vec::new());
+    let (registration, _registration_rx) = watch::channel(RegistrationState::default());
+    config.shutdown_grace = Duration::from_secs(5);
+    PluginServer::new(config, driver, health, registration)
+}
+
+/// Serves `server`'s DRA socket, then registers it.
+pub async fn serve_registered<D: DraDriver>(
+    server: PluginServer<D>,
+    shutdown: CancellationToken,
+) -> PluginServing {
+    server
+        .serve_dra(shutdown)
+        .await
+        .expect("serve DRA")
+        .register()
+        .await
+        .expect("register")
+}
+
+/// Cancels `shutdown` and waits, within the guard, for `serving` to end cleanly.
+pub async fn shut_down(shutdown: &CancellationToken, serving: PluginServing) {
+    shutdown.cancel();
+    tokio::time::timeout(GUARD, serving.wait())
+        .await
+        .expect("shutdown finished")
+        .expect("clean shutdown");
+}
+
 /// A running plugin server with everything a test needs to drive and observe it.
 pub struct Harness {
     pub dir: tempfile::TempDir,
@@ -117,13 +181,8 @@ impl Harness {
         config.health_resend_interval = resend;
         config.shutdown_grace = Duration::from_secs(5);
         let shutdown = CancellationToken::new();
-        let serving = PluginServer::new(config, Arc::clone(&driver), health_rx, registration_tx)
-            .serve_dra(shutdown.clone())
-            .await
-            .expect("serve DRA")
-            .register()
-            .await
-            .expect("register");
+        let server = PluginServer::new(config, Arc::clone(&driver), health_rx, registration_tx);
+        let serving = serve_registered(server, shutdown.clone()).await;
         Self {
             dra_socket: serving.dra_socket().to_path_buf(),
             registration_socket: serving.registration_socket().to_path_buf(),
@@ -138,12 +197,7 @@ impl Harness {
 
     /// Cancels and waits for the sockets to be removed.
     pub async fn stop(&mut self) {
-        self.shutdown.cancel();
-        let serving = self.serving.take().expect("still serving");
-        tokio::time::timeout(GUARD, serving.wait())
-            .await
-            .expect("shutdown finished")
-            .expect("clean shutdown");
+        shut_down(&self.shutdown, self.serving.take().expect("still serving")).await;
     }
 }
 

@@ -98,6 +98,13 @@ async fn publish_fresh(h: &mut Harness, gpus: Vec<GpuInventory>) -> (Vec<Resourc
     (served.written, g)
 }
 
+/// `publish_fresh`, then the slice cache shows what the server stored.
+async fn publish_stored(h: &mut Harness, gpus: Vec<GpuInventory>) -> (Vec<ResourceSlice>, GpuNode) {
+    let (stored, g) = publish_fresh(h, gpus).await;
+    h.store_slices(&stored);
+    (stored, g)
+}
+
 #[tokio::test]
 async fn create_writes_every_slice_of_one_generation_then_the_status() {
     let mut h = Harness::new();
@@ -154,20 +161,11 @@ async fn resync_of_a_published_pool_writes_nothing() {
 #[tokio::test]
 async fn inventory_change_bumps_the_generation_rewrites_all_and_deletes_the_surplus() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(4)).await;
-    h.store_slices(&stored);
+    let (stored, g, count) = one_of_four_gpus_left(&mut h).await;
     let before = stored.len();
-    // One GPU left: fewer slices.
-    let mut g = g;
-    g.status.as_mut().unwrap().gpus = Some(h100s(1));
-    let (count, devices) = expected_pool(&h100s(1));
-    assert!(count < before);
+    let (_, devices) = expected_pool(&h100s(1));
     let scenario = Scenario::new()
-        .then_all((0..count).map(|i| {
-            let rv = stored[i].metadata.resource_version.clone().unwrap();
-            replace_slice(&name(i), Some(&rv), pool_slice(2, count))
-        }))
-        .then_all((count..before).map(|i| delete_slice(&name(i))))
+        .then_all(shrink(&stored, count, 2))
         .then(patch_status(move |body| {
             assert_eq!(condition(body), ("True", "Published"));
             assert_eq!(body["status"]["publication"]["generation"], 2);
@@ -179,6 +177,31 @@ async fn inventory_change_bumps_the_generation_rewrites_all_and_deletes_the_surp
     assert!(result.is_ok());
     assert_eq!(served.deleted, (count..before).map(name).collect::<Vec<_>>());
     assert!(served.written.iter().all(|s| s.spec.pool.generation == 2));
+}
+
+/// Publishes and caches a four-GPU pool; returns its slices, its GpuNode after the plugin
+/// reports one GPU left, and the slice count of that smaller pool.
+async fn one_of_four_gpus_left(h: &mut Harness) -> (Vec<ResourceSlice>, GpuNode, usize) {
+    let (stored, mut g) = publish_stored(h, h100s(4)).await;
+    g.status.as_mut().unwrap().gpus = Some(h100s(1));
+    let (count, _) = expected_pool(&h100s(1));
+    assert!(count < stored.len(), "one GPU left: fewer slices");
+    (stored, g, count)
+}
+
+/// The calls that shrink the pool `cached` to `count` slices at `generation`: the first
+/// `count` replaced at their cached versions, the rest deleted.
+fn shrink(cached: &[ResourceSlice], count: usize, generation: i64) -> Vec<Step> {
+    let replaced = cached[..count].iter().enumerate().map(|(i, s)| {
+        let rv = s
+            .metadata
+            .resource_version
+            .as_deref()
+            .expect("stored with a version");
+        replace_slice(&name(i), Some(rv), pool_slice(generation, count))
+    });
+    let deleted = (count..cached.len()).map(|i| delete_slice(&name(i)));
+    replaced.chain(deleted).collect()
 }
 
 /// The plugin's next heartbeat: a Lease renewal now.
@@ -204,8 +227,7 @@ async fn withdrawn_after_wipe(h: &mut Harness, g: &GpuNode) -> GpuNode {
 #[tokio::test]
 async fn a_kubelet_wipe_withdraws_the_pool_until_the_plugin_heartbeats_again() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     assert!(result.is_ok(), "in sync");
     // The kubelet deletes the node's slices (its plugin has been gone for 30 s). The last
@@ -257,8 +279,7 @@ async fn a_wipe_right_after_the_create_is_a_wipe_too() {
 #[tokio::test]
 async fn slices_missing_after_a_relist_count_as_a_wipe() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (_, g) = publish_stored(&mut h, h100s(1)).await;
     let (result, _) = h.reconcile(&g, Scenario::new()).await;
     assert!(result.is_ok(), "in sync");
     // The watch restarted and relisted: the slices are gone from the cache without any
@@ -270,18 +291,9 @@ async fn slices_missing_after_a_relist_count_as_a_wipe() {
 #[tokio::test]
 async fn the_controllers_own_deletes_are_no_wipe() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(4)).await;
-    h.store_slices(&stored);
-    let mut g = g;
-    g.status.as_mut().unwrap().gpus = Some(h100s(1));
-    let (count, _) = expected_pool(&h100s(1));
-    let before = stored.len();
+    let (stored, g, count) = one_of_four_gpus_left(&mut h).await;
     let scenario = Scenario::new()
-        .then_all((0..count).map(|i| {
-            let rv = stored[i].metadata.resource_version.clone().unwrap();
-            replace_slice(&name(i), Some(&rv), pool_slice(2, count))
-        }))
-        .then_all((count..before).map(|i| delete_slice(&name(i))))
+        .then_all(shrink(&stored, count, 2))
         .then(patch_status(|_| {}));
     let (result, served) = h.reconcile(&g, scenario).await;
     assert!(result.is_ok());
@@ -306,59 +318,67 @@ fn other_nodes(h: &mut Harness, count: usize, seconds: i64) {
     }
 }
 
+/// `node-a`'s heartbeat expires (last renewed two minutes ago) along with those of `stale`
+/// other nodes, while `live` other nodes keep heartbeating.
+fn expire_among(h: &mut Harness, stale: usize, live: usize) {
+    other_nodes(h, stale, 120);
+    other_nodes(h, live, 0);
+    h.put_lease(NODE, ago(120));
+}
+
+/// Checks the gauges of expired heartbeats and of withdrawals held back for a mass expiry.
+fn assert_expiries(h: &Harness, expired: usize, held: usize) {
+    let metrics = h.ctx.metrics.encode();
+    assert!(
+        metrics.contains(&format!("migdra_controller_heartbeat_withdrawals_held {held}")),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!("migdra_controller_expired_heartbeats {expired}")),
+        "{metrics}"
+    );
+}
+
+/// Reconciles `g` whose Lease the server confirms last renewed `lease_age` seconds ago: its
+/// pool of `slices` slices is withdrawn.
+async fn confirmed_and_withdrawn(h: &mut Harness, g: &GpuNode, lease_age: i64, slices: usize) {
+    let scenario = Scenario::new()
+        .then(get_lease(Some(ago(lease_age))))
+        .then_all(withdrawal(slices, "PluginNotReady"));
+    let (result, served) = h.reconcile(g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(served.deleted.len(), slices);
+}
+
+/// Reconciles `g` with nothing to call: its pool is kept, and looked at again within 10 s.
+async fn kept_for_a_recheck(h: &mut Harness, g: &GpuNode) -> Served {
+    let (result, served) = h.reconcile(g, Scenario::new()).await;
+    let recheck = requeue_secs(&result.unwrap()).expect("looked at again soon");
+    assert!(recheck <= 10, "{recheck}");
+    served
+}
+
 #[tokio::test]
 async fn most_heartbeats_expiring_at_once_withdraw_nothing() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     // node-a and three more nodes miss their heartbeats together, one node is fine: 4 of 5.
-    other_nodes(&mut h, 3, 120);
-    other_nodes(&mut h, 1, 0);
-    h.put_lease(NODE, ago(120));
-    let (result, _) = h.reconcile(&g, Scenario::new()).await;
-    let recheck = requeue_secs(&result.unwrap()).expect("looked at again soon");
-    assert!(recheck <= 10, "{recheck}");
-    let metrics = h.ctx.metrics.encode();
-    assert!(
-        metrics.contains("migdra_controller_heartbeat_withdrawals_held 1"),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains("migdra_controller_expired_heartbeats 4"),
-        "{metrics}"
-    );
+    expire_among(&mut h, 3, 1);
+    kept_for_a_recheck(&mut h, &g).await;
+    assert_expiries(&h, 4, 1);
 
     // An explicit "not registered" still withdraws.
-    let mut unregistered = g.clone();
-    unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
-    let scenario = Scenario::new().then_all(withdrawal(stored.len(), "PluginNotReady"));
-    let (result, _) = h.reconcile(&unregistered, scenario).await;
-    assert_eq!(result.unwrap(), Action::await_change());
+    unregistered_withdraws(&mut h, &g, stored.len()).await;
 }
 
 #[tokio::test]
 async fn a_few_expired_heartbeats_among_many_live_ones_withdraw() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     // node-a and two more are stale, four are fine: 3 of 7 is not a mass expiry.
-    other_nodes(&mut h, 2, 120);
-    other_nodes(&mut h, 4, 0);
-    h.put_lease(NODE, ago(120));
-    let scenario = Scenario::new()
-        .then(get_lease(Some(ago(120))))
-        .then_all(withdrawal(stored.len(), "PluginNotReady"));
-    let (result, _) = h.reconcile(&g, scenario).await;
-    assert_eq!(result.unwrap(), Action::await_change());
-    let metrics = h.ctx.metrics.encode();
-    assert!(
-        metrics.contains("migdra_controller_heartbeat_withdrawals_held 0"),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains("migdra_controller_expired_heartbeats 3"),
-        "{metrics}"
-    );
+    expire_among(&mut h, 2, 4);
+    confirmed_and_withdrawn(&mut h, &g, 120, stored.len()).await;
+    assert_expiries(&h, 3, 0);
 }
 
 /// `stale`: the plugin's Lease was last renewed two minutes ago, which the reconcile
@@ -369,8 +389,7 @@ async fn withdrawn_when(
     stale: bool,
 ) {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(2)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(&mut h, h100s(2)).await;
     let mut g = g;
     g.status.as_mut().unwrap().plugin = plugin;
     let reads = if stale {
@@ -422,8 +441,7 @@ async fn a_missing_plugin_status_withdraws_the_pool() {
 #[tokio::test]
 async fn a_deleted_node_withdraws_the_pool() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     h.delete_node(NODE);
     let scenario = Scenario::new().then_all(withdrawal(stored.len(), "NodeNotFound"));
     let (result, served) = h.reconcile(&g, scenario).await;
@@ -435,12 +453,7 @@ async fn a_deleted_node_withdraws_the_pool() {
 #[tokio::test]
 async fn a_conflict_fails_the_reconcile_and_the_retry_succeeds() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(4)).await;
-    h.store_slices(&stored);
-    let mut g = g;
-    g.status.as_mut().unwrap().gpus = Some(h100s(1));
-    let (count, _) = expected_pool(&h100s(1));
-    assert!(count < stored.len());
+    let (stored, g, count) = one_of_four_gpus_left(&mut h).await;
     let rv = |i: usize| stored[i].metadata.resource_version.clone().unwrap();
 
     // The second write loses a race: the reconcile fails, without event or status write.
@@ -471,17 +484,10 @@ async fn a_conflict_fails_the_reconcile_and_the_retry_succeeds() {
 
     // The watch delivers the first write; the retry writes a complete new generation.
     h.store_slices(&served.written);
-    let before = stored.len();
+    let mut cached = stored.clone();
+    cached[0] = served.written[0].clone();
     let scenario = Scenario::new()
-        .then_all((0..count).map(|i| {
-            let rv = if i == 0 {
-                served.written[0].metadata.resource_version.clone().unwrap()
-            } else {
-                rv(i)
-            };
-            replace_slice(&name(i), Some(&rv), pool_slice(3, count))
-        }))
-        .then_all((count..before).map(|i| delete_slice(&name(i))))
+        .then_all(shrink(&cached, count, 3))
         .then(patch_status(|body| {
             assert_eq!(condition(body), ("True", "Published"));
             assert_eq!(body["status"]["publication"]["generation"], 3);
@@ -490,24 +496,34 @@ async fn a_conflict_fails_the_reconcile_and_the_retry_succeeds() {
     assert!(result.is_ok());
 }
 
-#[tokio::test]
-async fn an_invalid_policy_is_reported_and_nothing_is_written() {
-    let mut h = Harness::new();
-    h.add_policy(MigPolicy::new(
+/// The MigPolicy "broken", naming a profile no GPU has.
+fn unknown_profile_policy() -> MigPolicy {
+    MigPolicy::new(
         "broken",
         MigPolicySpec {
             profiles: vec!["9x".into()],
             ..Default::default()
         },
-    ));
-    let g = gpunode(Some(live_plugin()), h100s(2));
-    let scenario = Scenario::new()
+    )
+}
+
+/// The calls of a refused policy: a status naming it, then an event.
+fn policy_refused() -> Scenario {
+    Scenario::new()
         .then(patch_status(|body| {
             assert_eq!(condition(body), ("False", "PolicyInvalid"));
             let text = body["status"]["conditions"][0]["message"].as_str().unwrap();
             assert!(text.contains("broken"), "{text}");
         }))
-        .then(event("PolicyInvalid"));
+        .then(event("PolicyInvalid"))
+}
+
+#[tokio::test]
+async fn an_invalid_policy_is_reported_and_nothing_is_written() {
+    let mut h = Harness::new();
+    h.add_policy(unknown_profile_policy());
+    let g = gpunode(Some(live_plugin()), h100s(2));
+    let scenario = policy_refused();
     let (result, served) = h.reconcile(&g, scenario).await;
     assert!(
         requeue_secs(&result.unwrap()).is_some(),
@@ -609,8 +625,7 @@ async fn dropped_fields_are_an_error_with_event_and_condition() {
 #[tokio::test]
 async fn a_gpunode_of_another_driver_gets_none_of_our_slices() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     let mut g = g;
     g.spec.driver = "gpu.example.com".into();
     // Our slices go; the foreign GpuNode's status is left alone.
@@ -631,8 +646,7 @@ fn device_names(written: &[ResourceSlice]) -> Vec<String> {
 #[tokio::test]
 async fn a_claimed_device_the_policy_stops_offering_stays_tainted_until_released() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     const HELD: &str = "gpu-0-mig-3g40gb-4";
     assert!(device_names(&stored).contains(&HELD.to_string()));
     h.claim("training", &[HELD]);
@@ -777,11 +791,21 @@ fn withdrawal(slices: usize, reason: &'static str) -> Vec<Step> {
     steps
 }
 
+/// Reconciles `g` with its plugin reporting itself not registered: the pool of `slices`
+/// slices is withdrawn at once, whatever holds back expiry.
+async fn unregistered_withdraws(h: &mut Harness, g: &GpuNode, slices: usize) -> Served {
+    let mut unregistered = g.clone();
+    unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
+    let scenario = Scenario::new().then_all(withdrawal(slices, "PluginNotReady"));
+    let (result, served) = h.reconcile(&unregistered, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    served
+}
+
 /// Publishes a one-GPU pool, caches its slices, and leaves the plugin's Lease last renewed
 /// `lease_age` seconds ago.
 async fn publish_leased(h: &mut Harness, lease_age: i64) -> (Vec<ResourceSlice>, GpuNode) {
-    let (stored, g) = publish_fresh(h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(h, h100s(1)).await;
     h.put_lease(NODE, ago(lease_age));
     (stored, g)
 }
@@ -857,8 +881,7 @@ async fn a_lease_that_stops_being_renewed_withdraws_the_pool() {
 #[tokio::test]
 async fn an_unchanged_pool_is_remembered_until_an_input_changes() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     // The publish left the memo the caches match once they show its writes; a full
     // computation over those caches finds the same inputs.
     let predicted = h.ctx.memos.get(NODE).expect("a publish leaves a memo");
@@ -946,24 +969,17 @@ async fn reconciliations_after_a_publish_reuse_its_memo_and_do_not_rewrite_its_s
 #[tokio::test]
 async fn expiry_withdraws_at_most_one_pool_per_interval() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     other_nodes(&mut h, 6, 0);
     // Another node's pool was just withdrawn for an expired heartbeat.
     assert!(h.ctx.heartbeats.allow_expiry_withdrawal());
     assert!(!h.ctx.heartbeats.allow_expiry_withdrawal(), "one per interval");
     // node-a's heartbeat expires too (1 of 7: no mass expiry): kept for now, looked at again.
     h.put_lease(NODE, ago(120));
-    let (result, _) = h.reconcile(&g, Scenario::new()).await;
-    let recheck = requeue_secs(&result.unwrap()).expect("looked at again soon");
-    assert!(recheck <= 10, "{recheck}");
+    kept_for_a_recheck(&mut h, &g).await;
     assert!(!h.ctx.heartbeats.is_live(NODE));
     // The limit holds back expiry only: an unregistered plugin is withdrawn at once.
-    let mut unregistered = g.clone();
-    unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
-    let scenario = Scenario::new().then_all(withdrawal(stored.len(), "PluginNotReady"));
-    let (result, _) = h.reconcile(&unregistered, scenario).await;
-    assert_eq!(result.unwrap(), Action::await_change());
+    unregistered_withdraws(&mut h, &g, stored.len()).await;
 }
 
 #[tokio::test]
@@ -1002,9 +1018,7 @@ async fn an_expiry_no_later_than_renewals_arrive_right_now_keeps_the_pool() {
     }
     assert_eq!(h.ctx.heartbeats.allowance(), Duration::from_secs(10));
     // Kept without a read (the server is loaded enough) and looked at again soon.
-    let (result, served) = h.reconcile(&g, Scenario::new()).await;
-    let recheck = requeue_secs(&result.unwrap()).expect("looked at again");
-    assert!(recheck <= 10, "{recheck}");
+    let served = kept_for_a_recheck(&mut h, &g).await;
     assert!(served.deleted.is_empty() && served.status_patches.is_empty());
     let metrics = h.ctx.metrics.encode();
     assert!(
@@ -1013,12 +1027,7 @@ async fn an_expiry_no_later_than_renewals_arrive_right_now_keeps_the_pool() {
     );
     // 40 s old is later than that: confirmed by the server and withdrawn.
     h.put_lease(NODE, ago(40));
-    let scenario = Scenario::new()
-        .then(get_lease(Some(ago(40))))
-        .then_all(withdrawal(stored.len(), "PluginNotReady"));
-    let (result, served) = h.reconcile(&g, scenario).await;
-    assert_eq!(result.unwrap(), Action::await_change());
-    assert_eq!(served.deleted.len(), stored.len());
+    confirmed_and_withdrawn(&mut h, &g, 40, stored.len()).await;
 }
 
 #[tokio::test]
@@ -1059,12 +1068,7 @@ async fn an_expiry_that_cannot_be_confirmed_keeps_the_pool() {
         "{metrics}"
     );
     // Retried with backoff; once the server answers, the expiry is confirmed and withdraws.
-    let scenario = Scenario::new()
-        .then(get_lease(Some(ago(120))))
-        .then_all(withdrawal(stored.len(), "PluginNotReady"));
-    let (result, served) = h.reconcile(&stale, scenario).await;
-    assert_eq!(result.unwrap(), Action::await_change());
-    assert_eq!(served.deleted.len(), stored.len());
+    confirmed_and_withdrawn(&mut h, &stale, 120, stored.len()).await;
     assert!(
         h.ctx
             .metrics
@@ -1073,13 +1077,17 @@ async fn an_expiry_that_cannot_be_confirmed_keeps_the_pool() {
     );
 }
 
-fn deferred_total(h: &Harness) -> String {
+/// Checks that `count` status writes have been deferred so far.
+fn assert_deferred(h: &Harness, count: usize) {
     let metrics = h.ctx.metrics.encode();
-    metrics
+    let total = metrics
         .lines()
         .find(|l| l.starts_with("migdra_controller_status_writes_deferred_total "))
-        .unwrap_or_else(|| panic!("no deferral counter in\n{metrics}"))
-        .to_string()
+        .unwrap_or_else(|| panic!("no deferral counter in\n{metrics}"));
+    assert_eq!(
+        total,
+        format!("migdra_controller_status_writes_deferred_total {count}")
+    );
 }
 
 /// Publishes `g`'s pool on a fresh node while others write slices: the slices are written
@@ -1105,10 +1113,7 @@ async fn a_published_status_waits_while_other_reconciliations_write_slices() {
     let (_, devices) = expected_pool(&gpus);
     let g = gpunode(Some(live_plugin()), gpus);
     let stored = publish_deferred(&mut h, &g).await;
-    assert_eq!(
-        deferred_total(&h),
-        "migdra_controller_status_writes_deferred_total 1"
-    );
+    assert_deferred(&h, 1);
     assert_eq!(
         h.ctx.status_deferral.slice_writers(),
         1,
@@ -1126,10 +1131,7 @@ async fn a_published_status_waits_while_other_reconciliations_write_slices() {
     assert!(recheck <= 2, "recheck after {recheck}s");
     assert!(served.status_patches.is_empty());
     assert_eq!(h.ctx.memos.get(NODE), Some(predicted), "the memo was used");
-    assert_eq!(
-        deferred_total(&h),
-        "migdra_controller_status_writes_deferred_total 2"
-    );
+    assert_deferred(&h, 2);
 
     // No one writes slices any more: the status goes out, once.
     drop(others);
@@ -1145,10 +1147,7 @@ async fn a_published_status_waits_while_other_reconciliations_write_slices() {
     // The cache still shows the GpuNode without it: written already, not again.
     let (result, served) = h.reconcile(&g, Scenario::new()).await;
     assert!(result.is_ok() && served.status_patches.is_empty());
-    assert_eq!(
-        deferred_total(&h),
-        "migdra_controller_status_writes_deferred_total 2"
-    );
+    assert_deferred(&h, 2);
 }
 
 #[tokio::test]
@@ -1169,10 +1168,7 @@ async fn a_deferred_status_is_written_after_the_bound_while_slices_are_still_wri
     let expiry = expiry_watched_in(&h, &result.unwrap());
     assert!((20..=25).contains(&expiry), "heartbeat expires in {expiry}s");
     assert_eq!(served.status_patches.len(), 1);
-    assert_eq!(
-        deferred_total(&h),
-        "migdra_controller_status_writes_deferred_total 1"
-    );
+    assert_deferred(&h, 1);
     assert_eq!(h.ctx.status_deferral.slice_writers(), 1);
 }
 
@@ -1182,56 +1178,32 @@ async fn a_zero_bound_never_defers() {
     let ctx = h.ctx.clone();
     let _others = ctx.status_deferral.writing_slices();
     publish_fresh(&mut h, h100s(1)).await;
-    assert_eq!(
-        deferred_total(&h),
-        "migdra_controller_status_writes_deferred_total 0"
-    );
+    assert_deferred(&h, 0);
 }
 
 #[tokio::test]
 async fn a_withdrawal_writes_its_status_at_once_while_slices_are_written() {
     let mut h = Harness::new();
-    let (stored, g) = publish_fresh(&mut h, h100s(1)).await;
-    h.store_slices(&stored);
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     let ctx = h.ctx.clone();
     let _others = ctx.status_deferral.writing_slices();
-    let mut unregistered = g.clone();
-    unregistered.status.as_mut().unwrap().plugin = Some(plugin(false, ago(0)));
-    let scenario = Scenario::new().then_all(withdrawal(stored.len(), "PluginNotReady"));
-    let (result, served) = h.reconcile(&unregistered, scenario).await;
-    assert_eq!(result.unwrap(), Action::await_change());
+    let served = unregistered_withdraws(&mut h, &g, stored.len()).await;
     assert_eq!(served.status_patches.len(), 1);
-    assert_eq!(
-        deferred_total(&h),
-        "migdra_controller_status_writes_deferred_total 0"
-    );
+    assert_deferred(&h, 0);
 }
 
 #[tokio::test]
 async fn a_refused_policy_writes_its_status_at_once_while_slices_are_written() {
     let mut h = Harness::new();
-    h.add_policy(MigPolicy::new(
-        "broken",
-        MigPolicySpec {
-            profiles: vec!["9x".into()],
-            ..Default::default()
-        },
-    ));
+    h.add_policy(unknown_profile_policy());
     let ctx = h.ctx.clone();
     let _others = ctx.status_deferral.writing_slices();
     let g = gpunode(Some(live_plugin()), h100s(1));
-    let scenario = Scenario::new()
-        .then(patch_status(|body| {
-            assert_eq!(condition(body), ("False", "PolicyInvalid"));
-        }))
-        .then(event("PolicyInvalid"));
+    let scenario = policy_refused();
     let (result, served) = h.reconcile(&g, scenario).await;
     assert!(requeue_secs(&result.unwrap()).is_some());
     assert!(served.written.is_empty());
-    assert_eq!(
-        deferred_total(&h),
-        "migdra_controller_status_writes_deferred_total 0"
-    );
+    assert_deferred(&h, 0);
 }
 
 #[tokio::test]
@@ -1245,10 +1217,7 @@ async fn a_status_waits_a_quiet_period_after_the_last_slice_write() {
     let g = gpunode(Some(live_plugin()), h100s(1));
     let stored = publish_deferred(&mut h, &g).await;
     h.store_slices(&stored);
-    assert_eq!(
-        deferred_total(&h),
-        "migdra_controller_status_writes_deferred_total 1"
-    );
+    assert_deferred(&h, 1);
     tokio::time::sleep(quiet + Duration::from_millis(100)).await;
     let scenario = Scenario::new().then(patch_status(|body| {
         assert_eq!(condition(body), ("True", "Published"));

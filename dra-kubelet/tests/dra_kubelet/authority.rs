@@ -13,7 +13,8 @@ use migdra_proto::{
 use prost::Message;
 
 use migdra_testkit::dra_kubelet::{
-    DRIVER, GET_INFO, Harness, RawClient, RawResponse, claim, device_for, percent_encoded,
+    DRIVER, GET_INFO, Harness, RawClient, RawResponse, claim, device_for, percent_encoded, v1_claim,
+    v1beta1_claim,
 };
 
 const DRA_V1: &str = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin";
@@ -26,32 +27,6 @@ fn decode_ok<M: Message + Default>(response: &RawResponse) -> M {
     assert_eq!(response.header(":status"), Some("200"), "{response:?}");
     assert_eq!(response.header("grpc-status"), Some("0"), "{response:?}");
     M::decode(response.message()).expect("response message")
-}
-
-fn v1_claims(uids: &[&str]) -> Vec<v1::Claim> {
-    uids.iter()
-        .map(|uid| {
-            let c = claim(uid);
-            v1::Claim {
-                namespace: c.namespace,
-                uid: c.uid,
-                name: c.name,
-            }
-        })
-        .collect()
-}
-
-fn v1beta1_claims(uids: &[&str]) -> Vec<v1beta1::Claim> {
-    uids.iter()
-        .map(|uid| {
-            let c = claim(uid);
-            v1beta1::Claim {
-                namespace: c.namespace,
-                uid: c.uid,
-                name: c.name,
-            }
-        })
-        .collect()
 }
 
 fn v1_device(uid: &str) -> v1::Device {
@@ -90,7 +65,7 @@ async fn prepare_and_unprepare_both_versions(h: &Harness, authority: &str) {
     let mut kubelet = RawClient::connect(&h.dra_socket).await;
 
     let request = v1::NodePrepareResourcesRequest {
-        claims: v1_claims(&["ok-1", "fail-2"]),
+        claims: ["ok-1", "fail-2"].map(v1_claim).to_vec(),
     };
     let prepared: v1::NodePrepareResourcesResponse = decode_ok(
         &kubelet
@@ -108,7 +83,7 @@ async fn prepare_and_unprepare_both_versions(h: &Harness, authority: &str) {
     assert_eq!(prepared.claims["fail-2"].error, "cannot do fail-2");
 
     let request = v1::NodeUnprepareResourcesRequest {
-        claims: v1_claims(&["ok-1", "missing-3"]),
+        claims: ["ok-1", "missing-3"].map(v1_claim).to_vec(),
     };
     let unprepared: v1::NodeUnprepareResourcesResponse = decode_ok(
         &kubelet
@@ -128,7 +103,7 @@ async fn prepare_and_unprepare_both_versions(h: &Harness, authority: &str) {
     );
 
     let request = v1beta1::NodePrepareResourcesRequest {
-        claims: v1beta1_claims(&["shared-4"]),
+        claims: vec![v1beta1_claim("shared-4")],
     };
     let prepared: v1beta1::NodePrepareResourcesResponse = decode_ok(
         &kubelet
@@ -148,7 +123,7 @@ async fn prepare_and_unprepare_both_versions(h: &Harness, authority: &str) {
     );
 
     let request = v1beta1::NodeUnprepareResourcesRequest {
-        claims: v1beta1_claims(&["fail-5"]),
+        claims: vec![v1beta1_claim("fail-5")],
     };
     let unprepared: v1beta1::NodeUnprepareResourcesResponse = decode_ok(
         &kubelet
@@ -269,7 +244,7 @@ async fn kubelet_registers_then_dials_the_announced_endpoint_by_its_path() {
     let endpoint = std::path::PathBuf::from(&info.endpoint);
     let mut kubelet = RawClient::connect(&endpoint).await;
     let request = v1::NodePrepareResourcesRequest {
-        claims: v1_claims(&["ok-1"]),
+        claims: vec![v1_claim("ok-1")],
     };
     let prepared: v1::NodePrepareResourcesResponse = decode_ok(
         &kubelet

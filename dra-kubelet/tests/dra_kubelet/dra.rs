@@ -3,25 +3,7 @@
 use std::time::Duration;
 
 use migdra_proto::dra::{v1, v1beta1};
-use migdra_testkit::dra_kubelet::{Harness, channel, claim, device_for};
-
-fn v1_claim(uid: &str) -> v1::Claim {
-    let c = claim(uid);
-    v1::Claim {
-        namespace: c.namespace,
-        uid: c.uid,
-        name: c.name,
-    }
-}
-
-fn v1beta1_claim(uid: &str) -> v1beta1::Claim {
-    let c = claim(uid);
-    v1beta1::Claim {
-        namespace: c.namespace,
-        uid: c.uid,
-        name: c.name,
-    }
-}
+use migdra_testkit::dra_kubelet::{Harness, channel, claim, device_for, v1_claim, v1beta1_claim};
 
 const UIDS: [&str; 5] = ["ok-1", "shared-2", "fail-3", "missing-4", "blank-5"];
 

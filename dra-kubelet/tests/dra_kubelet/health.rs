@@ -6,6 +6,7 @@ use dra_kubelet::DeviceHealthReport;
 use migdra_proto::health::{v1, v1alpha1};
 use migdra_testkit::dra_kubelet::{GUARD, Harness, channel};
 use tokio_stream::StreamExt;
+use tonic::{Streaming, transport::Channel};
 
 fn report(device: &str, healthy: Option<bool>, message: &str) -> DeviceHealthReport {
     DeviceHealthReport {
@@ -31,51 +32,58 @@ fn initial_devices() -> Vec<DeviceHealthReport> {
     ]
 }
 
-/// (device name, health, message length) per device, for comparing snapshots.
-fn summary_v1alpha1(response: &v1alpha1::NodeWatchResourcesResponse) -> Vec<(String, i32, usize)> {
-    response
-        .devices
-        .iter()
-        .map(|d| {
-            let id = d.device.as_ref().expect("device id");
-            assert_eq!(id.pool_name, "node-a");
-            (id.device_name.clone(), d.health, d.message.chars().count())
-        })
-        .collect()
+/// (device name, health, message length) per device of a v1 or v1alpha1 snapshot, for
+/// comparing snapshots. A macro: the two versions' messages are different types.
+macro_rules! summary {
+    ($response:expr) => {
+        $response
+            .devices
+            .iter()
+            .map(|d| {
+                let id = d.device.as_ref().expect("device id");
+                assert_eq!(id.pool_name, "node-a");
+                (id.device_name.clone(), d.health, d.message.chars().count())
+            })
+            .collect::<Vec<(String, i32, usize)>>()
+    };
 }
 
-fn summary_v1(response: &v1::NodeWatchResourcesResponse) -> Vec<(String, i32, usize)> {
-    response
-        .devices
-        .iter()
-        .map(|d| {
-            let id = d.device.as_ref().expect("device id");
-            assert_eq!(id.pool_name, "node-a");
-            (id.device_name.clone(), d.health, d.message.chars().count())
-        })
-        .collect()
+async fn watch_v1alpha1(channel: Channel) -> Streaming<v1alpha1::NodeWatchResourcesResponse> {
+    v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel)
+        .node_watch_resources(v1alpha1::NodeWatchResourcesRequest {})
+        .await
+        .expect("watch v1alpha1")
+        .into_inner()
+}
+
+async fn watch_v1(channel: Channel) -> Streaming<v1::NodeWatchResourcesResponse> {
+    v1::dra_resource_health_client::DraResourceHealthClient::new(channel)
+        .node_watch_resources(v1::NodeWatchResourcesRequest {})
+        .await
+        .expect("watch v1")
+        .into_inner()
+}
+
+/// The next snapshot on `stream`, within the guard.
+async fn next<T>(stream: &mut Streaming<T>) -> T {
+    tokio::time::timeout(GUARD, stream.next())
+        .await
+        .expect("in time")
+        .expect("item")
+        .expect("ok")
 }
 
 #[tokio::test]
 async fn v1alpha1_sends_full_list_at_once_and_on_change() {
     // A resend interval far beyond the test, so every message after the first is a change.
     let mut h = Harness::start(initial_devices(), Duration::from_secs(3600)).await;
-    let mut client =
-        v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel(&h.dra_socket).await);
+    let channel = channel(&h.dra_socket).await;
     let before = now();
-    let mut stream = client
-        .node_watch_resources(v1alpha1::NodeWatchResourcesRequest {})
-        .await
-        .expect("watch")
-        .into_inner();
+    let mut stream = watch_v1alpha1(channel).await;
 
-    let first = tokio::time::timeout(GUARD, stream.next())
-        .await
-        .expect("in time")
-        .expect("item")
-        .expect("ok");
+    let first = next(&mut stream).await;
     assert_eq!(
-        summary_v1alpha1(&first),
+        summary!(first),
         vec![
             ("dev-0".to_string(), v1alpha1::HealthStatus::Healthy as i32, 2),
             (
@@ -100,13 +108,9 @@ async fn v1alpha1_sends_full_list_at_once_and_on_change() {
         report("dev-0", Some(false), "XID 79"),
         report("dev-1", Some(true), ""),
     ]);
-    let second = tokio::time::timeout(GUARD, stream.next())
-        .await
-        .expect("in time")
-        .expect("item")
-        .expect("ok");
+    let second = next(&mut stream).await;
     assert_eq!(
-        summary_v1alpha1(&second),
+        summary!(second),
         vec![
             ("dev-0".to_string(), v1alpha1::HealthStatus::Unhealthy as i32, 6),
             ("dev-1".to_string(), v1alpha1::HealthStatus::Healthy as i32, 0),
@@ -119,21 +123,11 @@ async fn v1alpha1_sends_full_list_at_once_and_on_change() {
 #[tokio::test]
 async fn v1_sends_full_list_at_once_and_on_change() {
     let mut h = Harness::start(initial_devices(), Duration::from_secs(3600)).await;
-    let mut client =
-        v1::dra_resource_health_client::DraResourceHealthClient::new(channel(&h.dra_socket).await);
-    let mut stream = client
-        .node_watch_resources(v1::NodeWatchResourcesRequest {})
-        .await
-        .expect("watch")
-        .into_inner();
+    let mut stream = watch_v1(channel(&h.dra_socket).await).await;
 
-    let first = tokio::time::timeout(GUARD, stream.next())
-        .await
-        .expect("in time")
-        .expect("item")
-        .expect("ok");
+    let first = next(&mut stream).await;
     assert_eq!(
-        summary_v1(&first),
+        summary!(first),
         vec![
             ("dev-0".to_string(), v1::HealthStatus::Healthy as i32, 2),
             ("dev-1".to_string(), v1::HealthStatus::Unhealthy as i32, 1024),
@@ -142,21 +136,13 @@ async fn v1_sends_full_list_at_once_and_on_change() {
     );
 
     h.health.send_replace(Vec::new());
-    let second = tokio::time::timeout(GUARD, stream.next())
-        .await
-        .expect("in time")
-        .expect("item")
-        .expect("ok");
+    let second = next(&mut stream).await;
     assert!(second.devices.is_empty(), "an emptied list is sent too");
 
     h.health.send_replace(vec![report("dev-3", None, "")]);
-    let third = tokio::time::timeout(GUARD, stream.next())
-        .await
-        .expect("in time")
-        .expect("item")
-        .expect("ok");
+    let third = next(&mut stream).await;
     assert_eq!(
-        summary_v1(&third),
+        summary!(third),
         vec![("dev-3".to_string(), v1::HealthStatus::Unknown as i32, 0)]
     );
     h.stop().await;
@@ -166,16 +152,8 @@ async fn v1_sends_full_list_at_once_and_on_change() {
 async fn both_versions_resend_the_full_list_periodically() {
     let mut h = Harness::start(initial_devices(), Duration::from_millis(100)).await;
     let channel = channel(&h.dra_socket).await;
-    let mut alpha = v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel.clone())
-        .node_watch_resources(v1alpha1::NodeWatchResourcesRequest {})
-        .await
-        .expect("watch v1alpha1")
-        .into_inner();
-    let mut stable = v1::dra_resource_health_client::DraResourceHealthClient::new(channel)
-        .node_watch_resources(v1::NodeWatchResourcesRequest {})
-        .await
-        .expect("watch v1")
-        .into_inner();
+    let mut alpha = watch_v1alpha1(channel.clone()).await;
+    let mut stable = watch_v1(channel).await;
 
     // Without any change, each stream keeps delivering the complete list.
     let expected = vec![
@@ -184,22 +162,14 @@ async fn both_versions_resend_the_full_list_periodically() {
         ("dev-2".to_string(), 0, 19),
     ];
     for _ in 0..3 {
-        let a = tokio::time::timeout(GUARD, alpha.next())
-            .await
-            .expect("in time")
-            .expect("item")
-            .expect("ok");
-        assert_eq!(summary_v1alpha1(&a), expected);
+        let a = next(&mut alpha).await;
+        assert_eq!(summary!(a), expected);
         assert!(
             a.devices.iter().all(|d| d.health_check_timeout_seconds == 0),
             "kubelet default timeout"
         );
-        let b = tokio::time::timeout(GUARD, stable.next())
-            .await
-            .expect("in time")
-            .expect("item")
-            .expect("ok");
-        assert_eq!(summary_v1(&b), expected);
+        let b = next(&mut stable).await;
+        assert_eq!(summary!(b), expected);
     }
     h.stop().await;
 }
@@ -207,18 +177,8 @@ async fn both_versions_resend_the_full_list_periodically() {
 #[tokio::test]
 async fn streams_end_when_the_server_shuts_down() {
     let mut h = Harness::start(initial_devices(), Duration::from_secs(3600)).await;
-    let mut client =
-        v1::dra_resource_health_client::DraResourceHealthClient::new(channel(&h.dra_socket).await);
-    let mut stream = client
-        .node_watch_resources(v1::NodeWatchResourcesRequest {})
-        .await
-        .expect("watch")
-        .into_inner();
-    tokio::time::timeout(GUARD, stream.next())
-        .await
-        .expect("in time")
-        .expect("item")
-        .expect("ok");
+    let mut stream = watch_v1(channel(&h.dra_socket).await).await;
+    next(&mut stream).await;
 
     // An open stream must not hold up the shutdown (stop() fails after the guard otherwise).
     h.stop().await;

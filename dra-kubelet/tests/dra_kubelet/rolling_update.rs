@@ -1,15 +1,13 @@
 //! Rolling update: two plugin instances of one driver on one kubelet, each with its own socket
 //! names; stopping one removes only its sockets while the other keeps serving.
 
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{path::Path, sync::Arc};
 
-use dra_kubelet::{PluginServer, PluginServerConfig, PluginServing, RegistrationState, ServerError};
-use migdra_proto::{
-    dra::v1,
-    registration::{InfoRequest, registration_client::RegistrationClient},
+use dra_kubelet::{PluginServerConfig, PluginServing, ServerError};
+use migdra_proto::registration::{InfoRequest, registration_client::RegistrationClient};
+use migdra_testkit::dra_kubelet::{
+    DRIVER, ScriptedDriver, channel, plugin_server, prepare_one, serve_registered, short_tempdir,
 };
-use migdra_testkit::dra_kubelet::{DRIVER, ScriptedDriver, channel, claim, short_tempdir};
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 async fn serve(
@@ -18,17 +16,8 @@ async fn serve(
     shutdown: CancellationToken,
 ) -> (Arc<ScriptedDriver>, PluginServing) {
     let driver = Arc::new(ScriptedDriver::default());
-    let (_health_tx, health) = watch::channel(Vec::new());
-    let (registration, _registration_rx) = watch::channel(RegistrationState::default());
-    let mut config = PluginServerConfig::new(root, DRIVER).with_instance(instance);
-    config.shutdown_grace = Duration::from_secs(5);
-    let serving = PluginServer::new(config, Arc::clone(&driver), health, registration)
-        .serve_dra(shutdown)
-        .await
-        .expect("serve DRA")
-        .register()
-        .await
-        .expect("register");
+    let config = PluginServerConfig::new(root, DRIVER).with_instance(instance);
+    let serving = serve_registered(plugin_server(config, Arc::clone(&driver)), shutdown).await;
     (driver, serving)
 }
 
@@ -39,21 +28,6 @@ async fn announced_endpoint(registration_socket: &Path) -> String {
         .expect("GetInfo")
         .into_inner()
         .endpoint
-}
-
-async fn prepare_through(dra_socket: &Path, uid: &str) -> v1::NodePrepareResourcesResponse {
-    let c = claim(uid);
-    v1::dra_plugin_client::DraPluginClient::new(channel(dra_socket).await)
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![v1::Claim {
-                namespace: c.namespace,
-                uid: c.uid,
-                name: c.name,
-            }],
-        })
-        .await
-        .expect("prepare")
-        .into_inner()
 }
 
 #[test]
@@ -85,10 +59,8 @@ fn an_instance_name_makes_both_socket_names_unique_and_empty_keeps_the_fixed_one
 #[tokio::test]
 async fn an_instance_name_with_a_path_separator_is_refused() {
     let dir = short_tempdir();
-    let (_health_tx, health) = watch::channel(Vec::new());
-    let (registration, _rx) = watch::channel(RegistrationState::default());
     let config = PluginServerConfig::new(dir.path(), DRIVER).with_instance("../evil");
-    let result = PluginServer::new(config, Arc::new(ScriptedDriver::default()), health, registration)
+    let result = plugin_server(config, Arc::new(ScriptedDriver::default()))
         .serve_dra(CancellationToken::new())
         .await;
     match result {
@@ -120,12 +92,12 @@ async fn two_instances_serve_side_by_side_and_stopping_one_leaves_the_other() {
     assert_eq!(announced_endpoint(&old_reg).await, old_dra.to_string_lossy());
     assert_eq!(announced_endpoint(&new_reg).await, new_dra.to_string_lossy());
     assert!(
-        prepare_through(&old_dra, "ok-old").await.claims["ok-old"]
+        prepare_one(&old_dra, "ok-old").await.claims["ok-old"]
             .error
             .is_empty()
     );
     assert!(
-        prepare_through(&new_dra, "ok-new").await.claims["ok-new"]
+        prepare_one(&new_dra, "ok-new").await.claims["ok-new"]
             .error
             .is_empty()
     );
@@ -142,7 +114,7 @@ async fn two_instances_serve_side_by_side_and_stopping_one_leaves_the_other() {
     );
     assert_eq!(announced_endpoint(&new_reg).await, new_dra.to_string_lossy());
     assert!(
-        prepare_through(&new_dra, "ok-after").await.claims["ok-after"]
+        prepare_one(&new_dra, "ok-after").await.claims["ok-after"]
             .error
             .is_empty()
     );

@@ -3,38 +3,19 @@
 use std::{collections::HashMap, path::Path, sync::Arc, time::Duration};
 
 use dra_kubelet::{
-    ClaimRef, DraDriver, PluginServer, PluginServerConfig, PrepareOutcome, RegistrationState, ServerError,
-    SocketKind, UnprepareOutcome,
+    ClaimRef, DraDriver, PluginServer, PluginServerConfig, PrepareOutcome, ServerError, SocketKind,
+    UnprepareOutcome,
 };
-use migdra_proto::{
-    dra::v1,
-    registration::{InfoRequest, registration_client::RegistrationClient},
+use migdra_proto::registration::{InfoRequest, registration_client::RegistrationClient};
+use migdra_testkit::dra_kubelet::{
+    DRIVER, GUARD, ScriptedDriver, channel, plugin_server, prepare_one, serve_registered, short_tempdir,
+    shut_down,
 };
-use migdra_testkit::dra_kubelet::{DRIVER, GUARD, ScriptedDriver, channel, claim, short_tempdir};
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 fn server<D: DraDriver>(root: &Path, driver: Arc<D>) -> PluginServer<D> {
-    let (_health_tx, health) = watch::channel(Vec::new());
-    let (registration, _registration_rx) = watch::channel(RegistrationState::default());
-    let mut config = PluginServerConfig::new(root, DRIVER);
-    config.shutdown_grace = Duration::from_secs(5);
-    PluginServer::new(config, driver, health, registration)
-}
-
-async fn prepare_one(socket: &Path, uid: &str) -> v1::NodePrepareResourcesResponse {
-    let c = claim(uid);
-    v1::dra_plugin_client::DraPluginClient::new(channel(socket).await)
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![v1::Claim {
-                namespace: c.namespace,
-                uid: c.uid,
-                name: c.name,
-            }],
-        })
-        .await
-        .expect("prepare")
-        .into_inner()
+    plugin_server(PluginServerConfig::new(root, DRIVER), driver)
 }
 
 async fn plugin_name(socket: &Path) -> String {
@@ -81,11 +62,7 @@ async fn dra_socket_serves_before_the_registration_socket_exists() {
     let serving = dra.register().await.expect("register");
     assert!(registration_socket.exists());
     assert_eq!(plugin_name(&registration_socket).await, DRIVER);
-    shutdown.cancel();
-    tokio::time::timeout(GUARD, serving.wait())
-        .await
-        .expect("in time")
-        .expect("clean");
+    shut_down(&shutdown, serving).await;
 }
 
 #[tokio::test]
@@ -100,20 +77,14 @@ async fn stale_sockets_are_replaced() {
     }
 
     let shutdown = CancellationToken::new();
-    let serving = server(dir.path(), Arc::new(ScriptedDriver::default()))
-        .serve_dra(shutdown.clone())
-        .await
-        .expect("serve DRA over a stale socket")
-        .register()
-        .await
-        .expect("register over a stale socket");
+    let serving = serve_registered(
+        server(dir.path(), Arc::new(ScriptedDriver::default())),
+        shutdown.clone(),
+    )
+    .await;
     assert_eq!(prepare_one(serving.dra_socket(), "ok-1").await.claims.len(), 1);
     assert_eq!(plugin_name(serving.registration_socket()).await, DRIVER);
-    shutdown.cancel();
-    tokio::time::timeout(GUARD, serving.wait())
-        .await
-        .expect("in time")
-        .expect("clean");
+    shut_down(&shutdown, serving).await;
 }
 
 #[tokio::test]
@@ -167,13 +138,7 @@ async fn shutdown_deregisters_first_and_lets_in_flight_calls_finish() {
     let dir = short_tempdir();
     let driver = Arc::new(GateDriver::default());
     let shutdown = CancellationToken::new();
-    let serving = server(dir.path(), Arc::clone(&driver))
-        .serve_dra(shutdown.clone())
-        .await
-        .expect("serve DRA")
-        .register()
-        .await
-        .expect("register");
+    let serving = serve_registered(server(dir.path(), Arc::clone(&driver)), shutdown.clone()).await;
     let (dra_socket, registration_socket) = (
         serving.dra_socket().to_path_buf(),
         serving.registration_socket().to_path_buf(),
@@ -215,13 +180,11 @@ async fn shutdown_deregisters_first_and_lets_in_flight_calls_finish() {
 #[tokio::test]
 async fn dropping_the_server_removes_both_sockets() {
     let dir = short_tempdir();
-    let serving = server(dir.path(), Arc::new(ScriptedDriver::default()))
-        .serve_dra(CancellationToken::new())
-        .await
-        .expect("serve DRA")
-        .register()
-        .await
-        .expect("register");
+    let serving = serve_registered(
+        server(dir.path(), Arc::new(ScriptedDriver::default())),
+        CancellationToken::new(),
+    )
+    .await;
     let (dra_socket, registration_socket) = (
         serving.dra_socket().to_path_buf(),
         serving.registration_socket().to_path_buf(),
@@ -277,18 +240,12 @@ async fn unusable_paths_and_names_are_refused() {
     assert!(!long_root.exists(), "nothing created for an unusable path");
 
     for name in ["", "..", "a/b"] {
-        let (_health_tx, health) = watch::channel(Vec::new());
-        let (registration, _rx) = watch::channel(RegistrationState::default());
-        let error = PluginServer::new(
-            PluginServerConfig::new(dir.path(), name),
-            Arc::new(ScriptedDriver::default()),
-            health,
-            registration,
-        )
-        .serve_dra(CancellationToken::new())
-        .await
-        .err()
-        .expect("invalid name");
+        let config = PluginServerConfig::new(dir.path(), name);
+        let error = plugin_server(config, Arc::new(ScriptedDriver::default()))
+            .serve_dra(CancellationToken::new())
+            .await
+            .err()
+            .expect("invalid name");
         assert!(matches!(error, ServerError::InvalidDriverName(_)), "{error:?}");
     }
 }

@@ -12,7 +12,6 @@ use std::{
     },
 };
 
-use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
 use migdra_kubelet_plugin::driver::{Step, StepHook};
 use migdra_testkit::plugin::*;
 
@@ -31,19 +30,7 @@ fn crash_at(target: Step, occurrence: usize) -> (StepHook, Arc<AtomicUsize>) {
 }
 
 fn node() -> Node {
-    let node = Node::with_config(FakeConfig {
-        gpus: vec![
-            GpuConfig::new("H100-80GB", true),
-            GpuConfig::new("H100-80GB", true),
-        ],
-        // Someone else's instance: must never be touched.
-        instances: vec![InstanceConfig {
-            gpu: 0,
-            profile_id: 19,
-            start: 6,
-        }],
-        ..FakeConfig::default()
-    });
+    let node = Node::two_h100s_with_a_foreign_1g();
     node.claims.put(claim("uid-1", "c1", &DEVICES));
     node
 }

@@ -3,7 +3,6 @@
 //! GPU comes back (never a foreign one), and prepare on a lost GPU is a typed rejection.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
-use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
 use migdra_kubelet_plugin::{driver::ClaimFailure, plan::Rejection};
 use migdra_testkit::plugin::*;
 
@@ -15,18 +14,7 @@ const FOREIGN: (u32, u32) = (19, 6);
 /// Two H100s (so NVML still describes one while the other is lost); GPU 0 holds a foreign
 /// instance.
 fn node() -> Node {
-    let node = Node::with_config(FakeConfig {
-        gpus: vec![
-            GpuConfig::new("H100-80GB", true),
-            GpuConfig::new("H100-80GB", true),
-        ],
-        instances: vec![InstanceConfig {
-            gpu: 0,
-            profile_id: FOREIGN.0,
-            start: FOREIGN.1,
-        }],
-        ..FakeConfig::default()
-    });
+    let node = Node::two_h100s_with_a_foreign_1g();
     node.claims.put(claim("u1", "c1", &[("gpu", OURS)]));
     node
 }

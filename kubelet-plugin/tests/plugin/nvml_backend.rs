@@ -148,30 +148,20 @@ fn occupied_overlapping_and_invalid_placements_are_refused() {
     let host = host(&[("A100-80GB", true)]);
     let nvml = backend(&host);
     nvml.create_gpu_instance(0, P_3G, 4).unwrap();
-    assert_eq!(
-        kind(nvml.create_gpu_instance(0, P_3G, 4)),
-        NvmlErrorKind::InsufficientResources
-    );
-    assert_eq!(
-        kind(nvml.create_gpu_instance(0, P_2G, 4)),
-        NvmlErrorKind::InsufficientResources
-    );
-    assert_eq!(
-        kind(nvml.create_gpu_instance(0, P_1G, 6)),
-        NvmlErrorKind::InsufficientResources
-    );
-    assert_eq!(
-        kind(nvml.create_gpu_instance(0, P_7G, 0)),
-        NvmlErrorKind::InsufficientResources
-    );
-    assert_eq!(
-        kind(nvml.create_gpu_instance(0, P_3G, 2)),
-        NvmlErrorKind::InvalidArgument
-    );
-    assert_eq!(
-        kind(nvml.create_gpu_instance(0, 77, 0)),
-        NvmlErrorKind::InvalidArgument
-    );
+    for (profile, start, refusal) in [
+        (P_3G, 4, NvmlErrorKind::InsufficientResources),
+        (P_2G, 4, NvmlErrorKind::InsufficientResources),
+        (P_1G, 6, NvmlErrorKind::InsufficientResources),
+        (P_7G, 0, NvmlErrorKind::InsufficientResources),
+        (P_3G, 2, NvmlErrorKind::InvalidArgument),
+        (77, 0, NvmlErrorKind::InvalidArgument),
+    ] {
+        assert_eq!(
+            kind(nvml.create_gpu_instance(0, profile, start)),
+            refusal,
+            "profile {profile} at {start}"
+        );
+    }
     // 4g@0 + 3g@4 is a valid zero-waste layout.
     nvml.create_gpu_instance(0, P_4G, 0).unwrap();
     assert_eq!(host.read_state().unwrap().gpus[0].gpu_instances.len(), 2);

@@ -583,6 +583,41 @@ fn is_lease(path: &str) -> bool {
     path.contains("/leases/")
 }
 
+/// A status loop writing every `interval` to a mocked API server, and what drives it.
+struct MockedApi {
+    handle: mock::Handle<Request<Body>, Response<Body>>,
+    task: tokio::task::JoinHandle<()>,
+    stop: CancellationToken,
+    /// Kept open, so that the loop's claim events have somewhere to go.
+    _events: tokio::sync::mpsc::Receiver<ClaimEvent>,
+}
+
+fn mocked_api(gpus: &Gpus, interval: Duration) -> MockedApi {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let writer = writer(kube::Client::new(service, "default"), interval);
+    let (claim_events, _events) = ClaimEvents::channel();
+    let stop = CancellationToken::new();
+    let task = status_loop(gpus, Some(writer), interval, claim_events, &stop);
+    MockedApi {
+        handle,
+        task,
+        stop,
+        _events,
+    }
+}
+
+/// The next request the loop makes, within 10 s, as method, path and the way to answer it.
+async fn next_call(
+    handle: &mut mock::Handle<Request<Body>, Response<Body>>,
+    seen: &[(Method, String)],
+) -> (Method, String, mock::SendResponse<Response<Body>>) {
+    let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+        .await
+        .unwrap_or_else(|_| panic!("the heartbeat stopped after {seen:?}"))
+        .expect("mock closed");
+    (request.method().clone(), request.uri().path().to_string(), send)
+}
+
 fn is_gpunode_status(method: &Method, path: &str) -> bool {
     *method == Method::PATCH && path.ends_with(&format!("/gpunodes/{NODE}/status"))
 }
@@ -595,23 +630,15 @@ fn is_gpunode_status(method: &Method, path: &str) -> bool {
 async fn a_hung_lease_renewal_does_not_hold_the_next_beats() {
     let node = Node::new(&[("H100-80GB", true)]);
     let (driver, _) = node.start(None);
-    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
     let interval = Duration::from_millis(300);
-    let writer = writer(kube::Client::new(service, "default"), interval);
-    let (claim_events, _events) = ClaimEvents::channel();
-    let stop = CancellationToken::new();
-    let task = status_loop(driver.gpus(), Some(writer), interval, claim_events, &stop);
+    let mut api = mocked_api(driver.gpus(), interval);
 
     let mut hung = Vec::new();
     let mut seen: Vec<(Method, String)> = Vec::new();
     // Up to the third Lease request (no Lease request is ever answered): each one after the
     // first comes once the one before hit its bound of two intervals.
     while seen.iter().filter(|(_, p)| is_lease(p)).count() < 3 {
-        let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
-            .await
-            .unwrap_or_else(|_| panic!("the heartbeat stopped after {seen:?}"))
-            .expect("mock closed");
-        let (method, path) = (request.method().clone(), request.uri().path().to_string());
+        let (method, path, send) = next_call(&mut api.handle, &seen).await;
         seen.push((method, path.clone()));
         if is_lease(&path) {
             hung.push(send);
@@ -619,9 +646,9 @@ async fn a_hung_lease_renewal_does_not_hold_the_next_beats() {
         }
         send.send_response(json_response(&api_answer(&path)));
     }
-    stop.cancel();
+    api.stop.cancel();
     // The final "unregistered" write at shutdown fails at once against a closed mock.
-    drop((hung, handle));
+    drop((hung, api.handle));
     let first_lease = seen.iter().position(|(_, p)| is_lease(p)).unwrap();
     let first_status = seen.iter().position(|(m, p)| is_gpunode_status(m, p)).unwrap();
     // The Lease task starts once the GpuNode exists (the Node's UID is the Lease's owner).
@@ -638,7 +665,7 @@ async fn a_hung_lease_renewal_does_not_hold_the_next_beats() {
             .any(|(m, p)| is_gpunode_status(m, p)),
         "{seen:?}"
     );
-    let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+    let _ = tokio::time::timeout(Duration::from_secs(10), api.task).await;
 }
 
 /// An API server that answers writes more slowly than the heartbeat interval: a status write
@@ -649,22 +676,14 @@ async fn a_hung_lease_renewal_does_not_hold_the_next_beats() {
 async fn status_writes_slower_than_the_interval_do_not_re_create_the_gpunode() {
     let node = Node::new(&[("H100-80GB", true)]);
     let (driver, _) = node.start(None);
-    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
     let interval = Duration::from_millis(300);
-    let writer = writer(kube::Client::new(service, "default"), interval);
-    let (claim_events, _events) = ClaimEvents::channel();
-    let stop = CancellationToken::new();
-    let task = status_loop(driver.gpus(), Some(writer), interval, claim_events, &stop);
+    let mut api = mocked_api(driver.gpus(), interval);
 
     let mut unanswered = Vec::new();
     let mut seen: Vec<(Method, String)> = Vec::new();
     // Three status writes: the first two never answered, the third after 1.5 intervals.
     while seen.iter().filter(|(m, p)| is_gpunode_status(m, p)).count() < 3 {
-        let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
-            .await
-            .unwrap_or_else(|_| panic!("the heartbeat stopped after {seen:?}"))
-            .expect("mock closed");
-        let (method, path) = (request.method().clone(), request.uri().path().to_string());
+        let (method, path, send) = next_call(&mut api.handle, &seen).await;
         seen.push((method.clone(), path.clone()));
         if !is_gpunode_status(&method, &path) {
             send.send_response(json_response(&api_answer(&path)));
@@ -682,14 +701,14 @@ async fn status_writes_slower_than_the_interval_do_not_re_create_the_gpunode() {
     }
     // Four more intervals: the Lease is renewed, the status is not written again.
     let quiet_until = tokio::time::Instant::now() + interval * 4;
-    while let Ok(request) = tokio::time::timeout_at(quiet_until, handle.next_request()).await {
+    while let Ok(request) = tokio::time::timeout_at(quiet_until, api.handle.next_request()).await {
         let (request, send) = request.expect("mock closed");
         let (method, path) = (request.method().clone(), request.uri().path().to_string());
         seen.push((method, path.clone()));
         send.send_response(json_response(&api_answer(&path)));
     }
-    stop.cancel();
-    drop((unanswered, handle));
+    api.stop.cancel();
+    drop((unanswered, api.handle));
     let statuses = seen.iter().filter(|(m, p)| is_gpunode_status(m, p)).count();
     assert_eq!(statuses, 3, "the answered write was not repeated: {seen:?}");
     let first_status = seen.iter().position(|(m, p)| is_gpunode_status(m, p)).unwrap();
@@ -698,7 +717,7 @@ async fn status_writes_slower_than_the_interval_do_not_re_create_the_gpunode() {
         .filter(|(m, p)| *m == Method::PATCH && p.ends_with(&format!("/gpunodes/{NODE}")))
         .collect();
     assert!(recreated.is_empty(), "the GpuNode was written again: {seen:?}");
-    let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+    let _ = tokio::time::timeout(Duration::from_secs(10), api.task).await;
 }
 
 /// The Lease has a task of its own: an inventory refresh hanging in NVML holds the status
@@ -709,17 +728,14 @@ async fn a_hung_inventory_refresh_does_not_hold_the_lease_renewals() {
     let node = Node::new(&[("H100-80GB", true)]);
     let backend = Arc::new(GatedBackend::new(node.nvml()));
     let (driver, _) = node.start_over(backend.clone(), None, Metrics::new()).unwrap();
-    let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
     let interval = Duration::from_millis(200);
-    let writer = writer(kube::Client::new(service, "default"), interval);
-    let (claim_events, _events) = ClaimEvents::channel();
-    let stop = CancellationToken::new();
-    let task = status_loop(driver.gpus(), Some(writer), interval, claim_events, &stop);
+    let api = mocked_api(driver.gpus(), interval);
 
     // Every request as (method, path, body), recorded before it is answered.
     let seen = Arc::new(std::sync::Mutex::new(
         Vec::<(Method, String, serde_json::Value)>::new(),
     ));
+    let mut handle = api.handle;
     let server = {
         let seen = seen.clone();
         tokio::spawn(async move {
@@ -762,8 +778,8 @@ async fn a_hung_inventory_refresh_does_not_hold_the_lease_renewals() {
     }
 
     drop(gate);
-    stop.cancel();
-    tokio::time::timeout(Duration::from_secs(20), task)
+    api.stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), api.task)
         .await
         .expect("the status loop stopped")
         .unwrap();

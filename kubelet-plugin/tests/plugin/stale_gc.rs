@@ -206,24 +206,29 @@ async fn a_zero_interval_disables_the_collection() {
     assert_untouched(&node, &driver);
 }
 
+/// A node whose claim c1 (u1) a second plugin instance began to prepare and died at, after
+/// recording the device; returns the node and the instance that keeps serving.
+async fn half_prepared_by_a_dead_instance() -> (Node, TestDriver) {
+    let node = Node::new(&[("H100-80GB", true)]);
+    node.claims.put(claim("u1", "c1", &[("gpu", DEVICE)]));
+    let (driver, _) = node.start(None);
+    let hook: StepHook = Arc::new(|_uid, step| {
+        if step == Step::DeviceRecorded {
+            panic!("injected crash after the device was recorded");
+        }
+    });
+    let (old, _) = node.start(Some(hook));
+    assert!(prepare_one(&old, "u1", "c1").await.is_err());
+    (node, driver)
+}
+
 /// A plugin instance that dies mid-prepare while another one
 /// serves (a rolling update) leaves a half-prepared record that no recovery will see. Once
 /// its claim is gone no kubelet retries it either, so the collection rolls it back, instance
 /// included; it can tell that nothing is preparing it, since every prepare holds the node lock.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_half_prepared_record_of_a_deleted_claim_is_rolled_back() {
-    let node = Node::new(&[("H100-80GB", true)]);
-    node.claims.put(claim("u1", "c1", &[("gpu", DEVICE)]));
-    let (driver, _) = node.start(None);
-    {
-        let hook: StepHook = Arc::new(|_uid, step| {
-            if step == Step::DeviceRecorded {
-                panic!("injected crash after the device was recorded");
-            }
-        });
-        let (old, _) = node.start(Some(hook));
-        assert!(prepare_one(&old, "u1", "c1").await.is_err());
-    }
+    let (node, driver) = half_prepared_by_a_dead_instance().await;
     assert_eq!(node.instances(0).len(), 1, "the dead instance left its instance");
     node.claims.remove("default", "c1");
 
@@ -236,18 +241,7 @@ async fn a_half_prepared_record_of_a_deleted_claim_is_rolled_back() {
 /// A half-prepared record whose claim still exists is the kubelet's to retry: left alone.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_half_prepared_record_of_a_live_claim_is_left_to_the_kubelet() {
-    let node = Node::new(&[("H100-80GB", true)]);
-    node.claims.put(claim("u1", "c1", &[("gpu", DEVICE)]));
-    let (driver, _) = node.start(None);
-    {
-        let hook: StepHook = Arc::new(|_uid, step| {
-            if step == Step::DeviceRecorded {
-                panic!("injected crash after the device was recorded");
-            }
-        });
-        let (old, _) = node.start(Some(hook));
-        assert!(prepare_one(&old, "u1", "c1").await.is_err());
-    }
+    let (node, driver) = half_prepared_by_a_dead_instance().await;
     let round = driver.collect_stale_claims().await;
     assert!(round.released.is_empty(), "{round:?}");
     assert_eq!(node.instances(0).len(), 1);

@@ -5,7 +5,7 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use dra_kubelet::{DraDriver, PrepareOutcome, UnprepareOutcome};
 use migdra_fake_nvml::{
-    config::FakeConfig,
+    config::{FakeConfig, GpuConfig, InstanceConfig},
     driver_root::{DriverRootOptions, create_driver_root},
     testing::FakeGpuHost,
 };
@@ -38,6 +38,23 @@ impl Node {
 
     pub fn with_config(config: FakeConfig) -> Self {
         Self::from_host(FakeGpuHost::new(config).unwrap())
+    }
+
+    /// Two H100s, GPU 0 holding someone else's 1g.10gb (profile 19) at start 6: an instance
+    /// the driver must never touch.
+    pub fn two_h100s_with_a_foreign_1g() -> Self {
+        Self::with_config(FakeConfig {
+            gpus: vec![
+                GpuConfig::new("H100-80GB", true),
+                GpuConfig::new("H100-80GB", true),
+            ],
+            instances: vec![InstanceConfig {
+                gpu: 0,
+                profile_id: 19,
+                start: 6,
+            }],
+            ..FakeConfig::default()
+        })
     }
 
     fn from_host(host: FakeGpuHost) -> Self {
