@@ -318,12 +318,7 @@ pub fn heartbeat_lease_name(node: &str, driver: &str) -> String {
         return name;
     }
     let hash = format!("{:016x}", fnv1a_64(node.as_bytes()));
-    let mut keep = MAX_OBJECT_NAME
-        .saturating_sub(driver.len() + 1 + hash.len() + 1)
-        .min(node.len());
-    while !node.is_char_boundary(keep) {
-        keep -= 1;
-    }
+    let keep = node.floor_char_boundary(MAX_OBJECT_NAME.saturating_sub(driver.len() + 1 + hash.len() + 1));
     // A name part may neither end in '-' nor be followed by '-' after a '.'.
     match node[..keep].trim_end_matches(['-', '.']) {
         "" => format!("{hash}.{driver}"),

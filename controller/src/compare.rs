@@ -1,28 +1,22 @@
 //! The pure diff between the slices a pool should have and the slices it has.
 //!
-//! The controller caches only the *metadata* of its slices (the specs of every node's pool
-//! would take gigabytes on a large cluster). Every slice it writes carries two
-//! annotations: [`SPEC_HASH_ANNOTATION`], a hash of the canonical form of the spec it wrote,
-//! and [`GENERATION_ANNOTATION`], the pool generation. A desired slice is unchanged when the
-//! cached slice of the same name at the pool's generation carries the desired spec's hash.
-//! A slice without them (one the controller did not write) counts as new, so the pool is
-//! rewritten at a new generation. (A spec edited by hand behind the controller's back is not
-//! noticed until the pool changes; the controller is the slices' only writer.)
+//! The controller caches only its slices' *metadata* (every pool's specs would take gigabytes
+//! on a large cluster). Every slice it writes carries [`SPEC_HASH_ANNOTATION`], the hash of
+//! the canonical spec it wrote, and [`GENERATION_ANNOTATION`], the pool generation. A desired
+//! slice is unchanged when the cached slice of its name at the pool's generation carries its
+//! hash; a slice without them counts as new, so the pool is rewritten at a new generation. (A
+//! spec edited by hand goes unnoticed until the pool changes: the controller is the only
+//! writer.)
 //!
 //! The canonical form ([`normalize_spec`]) makes semantically equal specs hash alike
-//! ([`spec_hash`]); a written slice is checked against the API server's answer by that
-//! hash:
+//! ([`spec_hash`]), so a written slice is checked against the API server's answer by hash:
+//! `pool.generation` and a device taint's `timeAdded` (the API server fills it in) are
+//! ignored; absent and empty lists and maps are equal, and absent and `false` booleans;
+//! quantities compare by value (`40960Mi` comes back as `40Gi`, `1000` as `1k`).
 //!
-//! * `pool.generation` is ignored (it only changes because something else did);
-//! * absent and empty lists and maps are equal (the API server drops empty ones);
-//! * absent and `false` booleans are equal;
-//! * quantities are compared by value (the API server rewrites `40960Mi` as `40Gi` and
-//!   `1000` as `1k`);
-//! * a device taint's `timeAdded` is ignored (the API server fills it in).
-//!
-//! The metadata the controller sets (its node label and the Node owner reference) must be
-//! present; anything others add is ignored. When the generation is bumped follows the
-//! upstream slice controller (see [`diff_pool`]).
+//! The metadata the controller sets (node label, Node owner reference) must be present;
+//! anything others add is ignored. Generation bumps follow the upstream slice controller
+//! (see [`diff_pool`]).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -94,10 +88,9 @@ pub struct PoolDiff {
     pub writes: Vec<SliceWrite>,
     /// Slices to delete.
     pub deletes: Vec<SliceDelete>,
-    /// Delete before writing. With a new generation the writes go first, so the new
-    /// generation is complete before anything of the old one disappears; when the generation
-    /// is kept, obsolete slices go first (as the upstream slice controller does), so the
-    /// single rewritten slice never sits next to leftovers of the same generation.
+    /// Delete before writing. With a new generation the writes go first, so it is complete before
+    /// the old one disappears; a kept generation deletes obsolete slices first (as upstream does),
+    /// so the one rewritten slice never sits next to leftovers of its generation.
     pub deletes_first: bool,
 }
 
@@ -108,25 +101,21 @@ impl PoolDiff {
 }
 
 /// Compares `desired` (in pool order, generation not yet set) with the cached metadata of the
-/// `current` slices, and plans the writes, bumping the pool generation exactly when the
-/// upstream ResourceSlice controller (`k8s.io/dynamic-resource-allocation/resourceslice`)
-/// would:
+/// `current` slices and plans the writes, bumping the generation exactly when the upstream
+/// ResourceSlice controller (`k8s.io/dynamic-resource-allocation/resourceslice`) would:
 ///
-/// * current slices below the highest current generation are obsolete, and so are slices
-///   whose names the pool no longer has; obsolete slices are deleted, which alone bumps
-///   nothing;
-/// * a desired slice without a current one at the highest generation is new (so is one the
-///   controller did not annotate);
-/// * when nothing is new and at most one slice's spec changed (its hash differs), the
-///   generation is kept and only the changed slice is rewritten (one update is atomic: the
-///   scheduler never sees a mix); otherwise the generation goes one above both the highest
-///   current generation and `published_generation` (the last one recorded in the GpuNode
-///   status, which outlives withdrawn slices), and every desired slice is written with it.
+/// * slices below the highest current generation, or with names the pool no longer has,
+///   are obsolete and deleted, which alone bumps nothing;
+/// * a desired slice without an (annotated) current one at the highest generation is new;
+/// * when nothing is new and at most one slice's hash changed, the generation is kept and
+///   only that slice is rewritten (one update is atomic: the scheduler never sees a mix);
+///   otherwise the generation goes one above both the highest current one and
+///   `published_generation` (from the GpuNode status, which outlives withdrawn slices), and
+///   every desired slice is written with it.
 ///
-/// A slice whose spec matches but whose controller-set metadata (node label, owner
-/// reference) is missing is rewritten too, without counting as a change: the scheduler does
-/// not read metadata. Every write carries the hash and generation annotations. Device taint
-/// times are not in the cache: see [`keep_taint_times`].
+/// A slice whose spec matches but lacks controller-set metadata is rewritten without
+/// counting as a change (the scheduler does not read metadata). Every write carries both
+/// annotations. Device taint times are not in the cache: see [`keep_taint_times`].
 pub fn diff_pool(
     desired: Vec<ResourceSlice>,
     current: &[Arc<SliceMeta>],

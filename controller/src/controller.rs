@@ -1,28 +1,27 @@
 //! The kube-runtime Controller over GpuNodes and its watches:
 //!
 //! * GpuNodes (the primary resource): every change reconciles that node;
-//! * Node metadata: a label or UID change, or a deletion, reconciles the GpuNode of the same
-//!   name (label changes can change the MigPolicy that applies);
+//! * Node metadata: a label or UID change, or a deletion, reconciles the same-named GpuNode
+//!   (labels select the MigPolicy);
 //! * MigPolicies: any change reconciles every GpuNode;
-//! * the metadata of this driver's ResourceSlices (field selector `spec.driver=<driver>`,
-//!   metadata only: the diff compares the spec hash annotation, see [`crate::compare`]): a
-//!   change reconciles the GpuNode of the slice's node (label or owner reference) — which is
-//!   how a kubelet wipe is noticed at once;
+//! * this driver's ResourceSlices (field selector `spec.driver=<driver>`, metadata only: the
+//!   diff compares the spec hash annotation, see [`crate::compare`]): a change reconciles the
+//!   slice's node, which is how a kubelet wipe is noticed at once;
 //! * ResourceClaims (cut down to this driver's allocation results): a change of what a claim
 //!   holds reconciles the nodes of the pools it names, before and after (a device in use
 //!   stays in its pool until released);
 //! * the plugins' heartbeat Leases in the controller's namespace (label
-//!   `gpu.migdra.dev/heartbeat=<driver>`, the node in `spec.holderIdentity`): a renewal
-//!   reconciles the node only when the controller does not consider it live (the expiry
-//!   watch re-checks a live one), so a steady heartbeat costs a cache update;
-//! * the expiry watch: every [`EXPIRY_SCAN`], the live nodes whose heartbeat expiry has
-//!   passed are looked at in the caches; only those not renewed since are reconciled (see
-//!   [`crate::liveness::HeartbeatTracker::take_expired`]). A timer per live node would
-//!   reconcile every node once per heartbeat, to find nothing to do.
+//!   `gpu.migdra.dev/heartbeat=<driver>`, node in `spec.holderIdentity`): a renewal
+//!   reconciles a node only when it is not considered live, so a steady heartbeat costs a
+//!   cache update;
+//! * the expiry watch: every [`EXPIRY_SCAN`], live nodes whose heartbeat expired in the caches
+//!   and were not renewed since are reconciled
+//!   ([`crate::liveness::HeartbeatTracker::take_expired`]); a timer per node would reconcile
+//!   every node each beat to find nothing to do.
 //!
-//! Each watch also fills the cache the reconciler reads, stripped of what it never reads
-//! (managed fields; the GpuNode's foreign annotations). A sweeper deletes this driver's
-//! slices on nodes that have no GpuNode any more.
+//! Each watch also fills the reconciler's cache, stripped of what it never reads (managed
+//! fields, the GpuNode's foreign annotations). A sweeper deletes this driver's slices on
+//! nodes without a GpuNode.
 
 use std::{
     collections::{HashMap, HashSet},

@@ -1,31 +1,24 @@
 //! What the controller expects its slice cache to show after its own writes, and which of
 //! its slices disappeared without it.
 //!
-//! The slice cache lags behind the controller's writes. A reconcile triggered between a
-//! write and its watch event would see a half-updated pool, call it changed and bump the
-//! generation again, forever. So every write records an expectation (this slice at least at
-//! this resourceVersion, or this slice gone), and a node's pool is only diffed once the cache
-//! meets all of them, at reconcile time or through watch events as they stream in (which also
-//! covers a slice created and deleted again before the reconcile ran). Expectations expire
-//! after a TTL so a lost event cannot block a node forever.
+//! The slice cache lags behind the controller's writes; a reconcile between a write and its
+//! watch event would see a half-updated pool and bump the generation again, forever. So every
+//! write records an expectation (this slice at least at this resourceVersion, or gone), and a
+//! pool is diffed only once the cache meets all of them, checked at reconcile time and as
+//! watch events stream in (which covers a slice created and deleted before the reconcile).
+//! Expectations expire after a TTL so a lost event cannot block a node forever: three times
+//! the longest write-to-event delay of the last one to two minutes, within 15 s and 120 s,
+//! because a saturated API server delivers events later than any fixed TTL, and writing
+//! again through a cache that lags only fails with conflicts.
 //!
-//! The TTL follows the watch: three times the longest write-to-event delay of the last one to
-//! two minutes, within the floor (15 s) and 120 s. A saturated API server can deliver events
-//! later than any fixed TTL, and a controller trusting a cache that does not show its own
-//! writes yet writes those slices again and fails with conflicts.
-//!
-//! Ownership: per node, the slices the controller published and has not deleted itself. A
-//! deletion is the controller's own when it recorded the slice as expected absent *before*
-//! sending the delete. An owned slice that goes away otherwise (a watch delete event, or
-//! missing from the cache at reconcile time: a relist hides the event) was wiped by someone
-//! else, in practice the kubelet, which deletes a driver's node-local slices when its plugin
-//! has been disconnected for 30 s and when the kubelet starts. The time the wipe was observed
-//! is kept until the plugin heartbeats after it (see [`crate::liveness`]).
-//!
-//! A slice the controller wrote but the cache has never shown is not missing, only not seen
-//! yet: the watch can lag by more than the TTL, and counting those as wiped would withdraw
-//! healthy pools. Only a slice the cache has shown, and then no longer shows, is a wipe found
-//! at reconcile time.
+//! Ownership: per node, the slices the controller published and has not deleted itself (it
+//! records a slice as expected absent *before* sending the delete). An owned slice that goes
+//! away otherwise (a delete event, or missing from the cache at reconcile time after a
+//! relist) was wiped by someone else: in practice the kubelet, which deletes a driver's
+//! node-local slices 30 s after its plugin disconnects and when it starts. The wipe time is
+//! kept until the plugin heartbeats after it (see [`crate::liveness`]). A slice the cache has
+//! never shown is only not seen yet (the watch can lag past the TTL); only one shown and then
+//! gone is a wipe.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -294,12 +287,10 @@ impl Expectations {
         }
     }
 
-    /// When the node's owned slices were last seen wiped by someone else, if that has not
-    /// been answered by [`Self::wipe_answered`]. Call once the cache is trusted
-    /// ([`Self::pending`] is `None`): owned slices the cache has shown and that are missing
-    /// from `cached` are a wipe observed now (the watch relisted and showed no delete event);
-    /// slices written but never shown yet are not (the watch lags). Returns the time and how
-    /// many slices this call newly found missing.
+    /// When the node's owned slices were last seen wiped by someone else, unless answered by
+    /// [`Self::wipe_answered`], and how many slices this call newly found missing. Call once the
+    /// cache is trusted ([`Self::pending`] is `None`): owned slices it has shown and `cached` lacks
+    /// are a wipe observed now (a relist hid the delete event); slices never shown are not.
     pub fn wiped(&self, node: &str, cached: &[Arc<SliceMeta>]) -> (Option<Timestamp>, usize) {
         let mut guard = self.lock();
         let state = &mut *guard;

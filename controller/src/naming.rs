@@ -56,11 +56,8 @@ pub fn slice_name(node: &str, driver: &str, index: usize, slice_count: usize) ->
     let hash = &hash[..HASH_LENGTH];
     // `<prefix>-<hash><suffix>`; the prefix must end in an alphanumeric character.
     let room = MAX_NAME_LENGTH.saturating_sub(suffix.len() + HASH_LENGTH + 1);
-    let mut end = room.min(node.len());
-    while end > 0 && !node.is_char_boundary(end) {
-        end -= 1;
-    }
-    let prefix = node[..end].trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
+    let prefix =
+        node[..node.floor_char_boundary(room)].trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
     if prefix.is_empty() {
         format!("{hash}{suffix}")
     } else {

@@ -86,7 +86,6 @@ struct NodeView<'a> {
     ctx: &'a Context,
     gpunode: &'a GpuNode,
     name: String,
-    /// The node's cached slices.
     cached: Vec<Arc<SliceMeta>>,
     /// The publication the server has: the controller's last status write while the cache
     /// still shows the GpuNode as it was before it, else the cached status.

@@ -94,7 +94,6 @@ pub fn desired_status(
     }
 }
 
-/// The current `Published` condition.
 pub fn current_condition(status: Option<&GpuNodeStatus>) -> Option<&Condition> {
     status?
         .conditions
@@ -128,13 +127,11 @@ struct Written {
     status: DesiredStatus,
 }
 
-/// The last status the controller wrote to each GpuNode. A reconciliation that follows its
-/// own write closely (the slice events of the pool it just wrote trigger one) often still sees
-/// the GpuNode as it was before that write, and would write the same status again: a full
-/// server-side apply of a large object for nothing. The ledger lets it skip exactly that case:
-/// the cached GpuNode is the very version the last write went over, and the status wanted is
-/// the one written. Any other version (the cache caught up, or someone else wrote) is compared
-/// as usual.
+/// The last status the controller wrote to each GpuNode. A reconciliation right after its own
+/// write (triggered by the slice events of that write) often still sees the GpuNode before
+/// it and would apply the same large status again. The ledger skips exactly that case: the
+/// cached GpuNode is the version the last write went over and the wanted status is the one
+/// written. Any other version is compared as usual.
 #[derive(Debug, Default)]
 pub struct StatusLedger(Mutex<HashMap<String, Written>>);
 
@@ -196,7 +193,6 @@ pub enum StatusUpdate {
     /// Not written now: the caller deferred the change. The GpuNode keeps the version it has
     /// (this one).
     Deferred(Option<String>),
-    /// The GpuNode is gone.
     Gone,
 }
 
@@ -269,11 +265,7 @@ pub async fn update(
 
 /// `s` cut to at most `max` bytes, on a character boundary.
 pub(crate) fn truncate(s: &str, max: usize) -> String {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
+    s[..s.floor_char_boundary(max)].to_string()
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use std::{
     collections::BTreeMap,
     fs,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, PoisonError},
+    sync::{Arc, Mutex},
 };
 
 use serde::Serialize;
@@ -310,11 +310,10 @@ impl CdiWriter {
             .collect()
     }
 
-    /// Checks that the node can run CUDA containers with driver `driver_version` (the
-    /// control device nodes exist, the driver's libraries are found) and makes sure the
-    /// node-wide driver spec describes that version's files: discovery runs again when the
-    /// version changed (or the last one failed) and the spec is rewritten when the files
-    /// changed or the spec file is gone. Called before anything is created for a claim.
+    /// Checks that the node can run CUDA containers with driver `driver_version` (control device
+    /// nodes, driver libraries) and that the driver spec describes that version's files:
+    /// rediscovering after a version change or failure, rewriting when the files changed or the
+    /// spec is gone. Called before anything is created for a claim.
     pub fn ensure_driver_spec(&self, driver_version: &str) -> Result<(), CdiError> {
         let Some(driver) = &self.driver else {
             return Ok(());
@@ -329,9 +328,7 @@ impl CdiWriter {
             hook_path: setup.hook_path.clone(),
             arch: LibraryArch::HOST,
         };
-        // Poisoning only means another thread panicked mid-discovery; the cache is still
-        // a valid (possibly empty) cache.
-        let mut guard = driver.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut guard = crate::lock(&driver.cache);
         let (cache, written) = &mut *guard;
         let files = cache.get(&inputs)?;
         let path = self.driver_spec_path();
@@ -389,7 +386,6 @@ impl CdiWriter {
             .join(format!("{}-{CDI_CLASS}_{claim_uid}.json", self.vendor))
     }
 
-    /// Reads the character-device majors.
     pub fn majors(&self) -> Result<Majors, CdiError> {
         let path = self.proc_root.join("devices");
         let text = fs::read_to_string(&path).map_err(|source| CdiError::Read {
@@ -480,7 +476,6 @@ impl CdiWriter {
         Ok(nodes)
     }
 
-    /// Writes a claim's spec.
     pub fn write_claim_spec(&self, claim_uid: &str, devices: &[ClaimDevice]) -> Result<PathBuf, CdiError> {
         let majors = self.majors()?;
         let devices = devices

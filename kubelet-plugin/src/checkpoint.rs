@@ -43,11 +43,9 @@ pub enum ClaimState {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", tag = "type")]
 pub enum DeviceKind {
-    /// A whole GPU.
     Gpu,
     /// A MIG instance. The placement is recorded before creation; the IDs and UUID after.
     Mig {
-        /// GPU-instance profile ID.
         profile_id: u32,
         start: u32,
         size: u32,
@@ -90,10 +88,9 @@ impl DeviceRecord {
         self.share_id.is_some()
     }
 
-    /// True when both are shares of the same shared device (the same device of the same GPU),
-    /// hence of one MIG instance. The instance lives while any record it is true for exists:
-    /// each holder is one record, so the count changes with exactly one atomic checkpoint write
-    /// and cannot drift from the holders after a crash.
+    /// True when both are shares of the same shared device (same device of the same GPU), hence
+    /// of one MIG instance, which lives while any such record exists: each holder is one record, so
+    /// the count changes by one atomic checkpoint write and cannot drift after a crash.
     pub fn same_shared_instance(&self, other: &DeviceRecord) -> bool {
         self.is_share()
             && other.is_share()
@@ -287,11 +284,10 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// Re-reads the file when its bytes differ from what this process last read or wrote
-    /// (another plugin instance changed it); returns whether the content was replaced. Call it
-    /// under the node lock before acting on records, and always before writing. Bytes, unlike
-    /// file metadata (inode reuse, coarse mtime), compare exactly. An unusable file is an error
-    /// and is not moved aside: the other instance may be writing it right now.
+    /// Re-reads the file when its bytes differ from what this process last read or wrote (another
+    /// plugin instance changed it; bytes, unlike inode or mtime, compare exactly); returns whether
+    /// the content was replaced. Call it under the node lock before acting on records and before
+    /// writing. An unusable file is an error, not moved aside: the other instance may be writing it.
     pub fn reload_if_changed(&mut self) -> Result<bool, CheckpointError> {
         let bytes = read_consistent(&self.path).map_err(|source| CheckpointError::Io {
             path: self.path.clone(),

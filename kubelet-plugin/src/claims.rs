@@ -5,7 +5,7 @@
 
 use std::future::Future;
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
 use kube::{
     Api, Client,
     api::{Patch, PatchParams},
@@ -237,6 +237,19 @@ pub fn allocated_devices(
         });
     }
     Ok(devices)
+}
+
+/// The allocation results of `driver` in `claim`.
+pub fn driver_results<'a>(
+    claim: &'a ResourceClaim,
+    driver: &'a str,
+) -> impl Iterator<Item = &'a DeviceRequestAllocationResult> {
+    let status = claim.status.as_ref();
+    let allocated = status.and_then(|s| s.allocation.as_ref()?.devices.as_ref()?.results.as_ref());
+    allocated
+        .into_iter()
+        .flatten()
+        .filter(move |r| r.driver == driver)
 }
 
 /// The base request name (`<request>` of `<request>/<subrequest>`), which is what the kubelet

@@ -1,18 +1,16 @@
 //! Kubernetes events about ResourceClaims: what went wrong with a user's claim on this node,
-//! recorded on the claim itself (`kubectl describe resourceclaim`, and `kubectl get events
-//! --field-selector regarding.name=<claim>`), with a stable CamelCase reason.
+//! recorded on the claim (`kubectl describe resourceclaim`) with a stable CamelCase reason.
 //!
-//! The driver and the status loop only queue events ([`ClaimEvents::send`], never blocking,
-//! never under a lock: a full queue drops the event with a log line); one task
-//! ([`publish_claim_events`]) writes them through kube's [`Recorder`], which turns a repeat of
-//! the same event (same claim, reason and note, within minutes) into a count on the first one
-//! instead of a new object, so a kubelet retrying a failing prepare does not flood the API
-//! server. The reasons are those of [`crate::driver::ClaimFailure::reason`] (the failure
-//! label of `migdra_kubelet_plugin_claim_failures_total`), so an alert by reason and the
-//! claim's events speak the same words; `GpuUnhealthy` goes to the claims using a GPU that
-//! became unhealthy, `RecoveryPending`/`RecoveryCompleted` to a claim whose interrupted
-//! operation could not be repaired yet / was repaired. The node-level events stay on the
-//! GpuNode too ([`crate::node_status`]).
+//! The driver and the status loop only queue events ([`ClaimEvents::send`]: never blocking,
+//! never under a lock; a full queue drops the event with a log line). One task
+//! ([`publish_claim_events`]) writes them through kube's [`Recorder`], which counts a repeat
+//! (same claim, reason and note, within minutes) on the first event, so a kubelet retrying a
+//! failing prepare does not flood the API server. Reasons are those of
+//! [`crate::driver::ClaimFailure::reason`] (the failure label of
+//! `migdra_kubelet_plugin_claim_failures_total`), so alerts and events speak the same words;
+//! plus `GpuUnhealthy` for claims on a GPU that became unhealthy and
+//! `RecoveryPending`/`RecoveryCompleted` for an interrupted operation not yet / now repaired.
+//! Node-level events go to the GpuNode ([`crate::node_status`]).
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -136,11 +134,7 @@ impl ClaimEvent {
 /// Cuts a note to the API server's limit, at a character boundary.
 fn truncate_note(mut note: String) -> String {
     if note.len() > NOTE_LIMIT {
-        let mut end = NOTE_LIMIT - 3;
-        while !note.is_char_boundary(end) {
-            end -= 1;
-        }
-        note.truncate(end);
+        note.truncate(note.floor_char_boundary(NOTE_LIMIT - 3));
         note.push_str("...");
     }
     note

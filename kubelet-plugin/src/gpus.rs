@@ -19,9 +19,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     marker::PhantomData,
-    sync::{
-        Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
-    },
+    sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard},
     time::Duration,
 };
 
@@ -34,6 +32,7 @@ use migdra_api::{
 use crate::{
     checkpoint::{ClaimRecord, DeviceKind},
     journal::Journal,
+    lock,
     metrics::Metrics,
     nvml::{BackendError, GpuBackend, GpuDescription, GpuInstanceRecord, NvmlErrorKind},
     orphans::LostGpuOrphans,
@@ -42,12 +41,7 @@ use crate::{
 };
 use dra_kubelet::DeviceHealthReport;
 
-// A panic while one of these is held leaves no half-written data behind (durable state is in
-// files written atomically), so a poisoned lock is safe to keep using.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
+// Poisoning is ignored, as in [`crate::lock`].
 fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
     lock.read().unwrap_or_else(PoisonError::into_inner)
 }
@@ -274,13 +268,12 @@ impl Gpus {
         self.inner.orphans.get()
     }
 
-    /// Destroys the instances teardown left on `gpu` while it was lost, now that it answers
-    /// again: exactly those (same profile, placement and GPU-instance ID where recorded),
-    /// never another. One that is gone is forgotten; one that cannot be destroyed now stays
-    /// listed for the next pass. Called under the GPU's lock and the node lock.
-    /// An orphan whose placement a recorded claim holds is forgotten instead: the instance
-    /// there is that claim's (the orphan's own was gone before the claim could be prepared
-    /// there; an orphan recorded before its instance had an ID would otherwise match it).
+    /// Destroys the instances teardown left on `gpu` while it was lost, now that it answers again:
+    /// exactly those (same profile, placement and GPU-instance ID where recorded). One that is gone
+    /// is forgotten; one that cannot be destroyed stays listed for the next pass. An orphan whose
+    /// placement a recorded claim holds is forgotten too: the instance there is the claim's (an
+    /// orphan recorded before its instance had an ID would otherwise match it). Called under the
+    /// GPU's lock and the node lock.
     fn destroy_orphans(
         &self,
         orphans: &LostGpuOrphans,
@@ -402,10 +395,9 @@ impl Gpus {
     /// for the GpuNode: geometry, instances (ours or foreign) and health.
     pub fn inventory(&self) -> Result<Vec<GpuInventory>, BackendError> {
         let mut discovered = self.inner.backend.discover()?;
-        // Instances left on lost GPUs are destroyed only with the node lock (no other plugin
-        // instance is working on the node), taken before any GPU lock and only if free at once.
-        // Under it the journal is re-read, since another instance may have prepared a claim
-        // at an orphan's placement meanwhile (see `destroy_orphans`).
+        // Instances left on lost GPUs are destroyed only under the node lock (no other plugin
+        // instance is working), taken before any GPU lock and only if free at once; the journal is
+        // re-read under it, as another instance may have prepared a claim at an orphan's placement.
         let orphans = self.orphans().filter(|o| !o.is_empty()).and_then(|o| {
             let node = match NodeLock::acquire(o.state_dir(), Duration::ZERO) {
                 Ok(node) => node,
@@ -422,11 +414,10 @@ impl Gpus {
                 }
             }
         });
-        // GPUs known from earlier that NVML no longer describes are kept, so they show up as
-        // unhealthy (their probe fails) instead of silently vanishing. A GPU that NVML
-        // renumbered (a MIG-mode change may change the minor, §12) is the same GPU: it moves
-        // to its new minor instead of leaving a ghost at the old one. A mode change happens
-        // only on a GPU without instances, so no recorded claim refers to the old minor.
+        // GPUs NVML no longer describes are kept, so they show as unhealthy (their probe fails)
+        // instead of vanishing. A GPU NVML renumbered (a MIG-mode change may change the minor, §12)
+        // moves to its new minor; mode changes happen only without instances, so no record refers to
+        // the old one.
         let mut renumbered = Vec::new();
         for (minor, gpu) in read(&self.inner.table).iter() {
             let known = read(&gpu.description).clone();

@@ -1,25 +1,24 @@
 //! The journal: the one way the plugin reads and writes its [`Checkpoint`].
 //!
-//! It owns the checkpoint's mutex and names the transitions of a claim's record, so the
-//! protocol is spelled out in one place: **record, act, record**. A claim's intent is written
-//! before the GPU is touched ([`Journal::start_prepare`], [`Journal::start_unprepare`]), each
-//! created instance is written as soon as it exists ([`Journal::record_devices`]), and the
-//! outcome afterwards ([`Journal::complete_prepare`], [`Journal::forget`]). After a crash the
-//! journal therefore describes every instance the plugin may have created.
+//! It owns the checkpoint's mutex and names a claim record's transitions, so the protocol,
+//! **record, act, record**, is in one place: the intent is written before the GPU is touched
+//! ([`Journal::start_prepare`], [`Journal::start_unprepare`]), each instance as soon as it
+//! exists ([`Journal::record_devices`]), the outcome afterwards ([`Journal::complete_prepare`],
+//! [`Journal::forget`]). After a crash the journal describes every instance the plugin may
+//! have created.
 //!
-//! The mutex is a leaf: it is held only inside these methods, never while another lock is
-//! taken or the GPU is touched.
+//! The mutex is a leaf: held only inside these methods, never while another lock is taken or
+//! the GPU is touched.
 //!
-//! During a rolling update two plugin instances share the file. The copy in memory is then
-//! only a cache: the driver calls [`Journal::reload_if_changed`] right after taking the node
-//! lock (so every record it acts on or writes is the latest), the idempotent prepare answer
-//! re-reads before answering, and the read-only view [`Journal::claims`] re-reads too. A re-read compares the file's bytes with the last ones this process read or
-//! wrote, and parses only when they differ.
+//! During a rolling update two plugin instances share the file, so the copy in memory is a
+//! cache: the driver calls [`Journal::reload_if_changed`] right after taking the node lock,
+//! and the idempotent prepare answer and [`Journal::claims`] re-read too. A re-read parses
+//! only when the file's bytes differ from the last ones this process read or wrote.
 
 use std::{
     collections::BTreeMap,
     path::Path,
-    sync::{Mutex, MutexGuard, PoisonError},
+    sync::{Mutex, MutexGuard},
 };
 
 use crate::checkpoint::{Checkpoint, CheckpointError, ClaimRecord, ClaimState, DeviceRecord, LoadOutcome};
@@ -38,9 +37,8 @@ impl Journal {
     }
 
     fn lock(&self) -> MutexGuard<'_, Checkpoint> {
-        // The checkpoint in memory only changes together with a successful file write, so a
-        // panic elsewhere while this was held leaves nothing half-done: keep using it.
-        self.checkpoint.lock().unwrap_or_else(PoisonError::into_inner)
+        // The copy in memory changes only with a successful file write: nothing half-done.
+        crate::lock(&self.checkpoint)
     }
 
     /// Re-reads the checkpoint when another plugin instance on the node changed the file (see

@@ -57,6 +57,12 @@ const JOIN_REGISTRATION_WAIT: Duration = Duration::from_secs(60);
 /// How often claim status writes that failed are retried.
 const CLAIM_STATUS_RETRY_INTERVAL: Duration = Duration::from_secs(30);
 
+/// Locks `mutex`, ignoring poisoning: a panic leaves nothing half-written behind (durable
+/// state is in files written atomically; the rest is caches and flags).
+pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The driver as the plugin runs it: claims come from the API server.
 type PluginDriver = Driver<KubeClaims>;
 
@@ -320,10 +326,9 @@ async fn wait_for_registration(
 }
 
 /// A stopping plugin normally reports itself unregistered, so the controller withdraws the
-/// node's pool at once. In a rolling update another instance is still registered and keeps
-/// serving: then this one just stops reporting (aborting the status task also stops its
-/// Lease renewals; the other's heartbeat continues), or the pool would vanish for a
-/// heartbeat interval.
+/// pool at once. In a rolling update another instance is still registered and serving: then
+/// this one just stops reporting (aborting the status task stops its Lease renewals too), or
+/// the pool would vanish for a heartbeat interval.
 async fn stop_status_loop(
     peer_config: &PluginServerConfig,
     status_task: JoinHandle<()>,

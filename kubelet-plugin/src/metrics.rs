@@ -10,7 +10,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -27,6 +27,7 @@ use prometheus_client::{
 
 use crate::{
     checkpoint::{ClaimRecord, DeviceKind},
+    lock,
     nvml::timing::NvmlClock,
 };
 
@@ -82,11 +83,6 @@ impl GaugeSet {
         }
         *present = next;
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The maps only cache label values; a panic elsewhere leaves them usable.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn count(n: usize) -> i64 {

@@ -1,24 +1,21 @@
 //! Instances left on a lost GPU: what teardown could not destroy because the GPU was gone.
 //!
-//! When a GPU is lost (`NVML_ERROR_GPU_IS_LOST`: fallen off the bus, or mid driver reset)
-//! its claims must still unprepare, or their pods never terminate. Teardown then treats the
-//! GPU's instances as gone, but writes each one it could not destroy here first
-//! ([`LostGpuOrphans::add`], before the claim is forgotten), because a GPU can come back
-//! with its instances still configured. When the inventory sees the GPU healthy again it
-//! destroys exactly these instances (same GPU UUID, profile, placement and, where known,
-//! GPU-instance ID) and nothing else; instances no record and no orphan describes stay
-//! foreign and untouched.
+//! A lost GPU's (`NVML_ERROR_GPU_IS_LOST`) claims must still unprepare, or their pods never
+//! terminate. Teardown then treats its instances as gone, but first lists each one here
+//! ([`LostGpuOrphans::add`], before the claim is forgotten), because a GPU can come back with
+//! its instances still configured. When the inventory sees the GPU healthy again it destroys
+//! exactly these (same GPU UUID, profile, placement and, where known, GPU-instance ID);
+//! instances no record or orphan describes stay foreign and untouched.
 //!
-//! The list is `<state dir>/lost-gpu-orphans.json`, written atomically like the checkpoint,
-//! and belongs to one boot (instances never survive a reboot). It is changed only under the
-//! node lock (and the lock of the GPU concerned). Two plugin instances share it during a
-//! rolling update, so the file, not this process's copy, is the list: every read and every
-//! change starts from the file as it is now, and a change made under the node lock cannot
+//! The list is `<state dir>/lost-gpu-orphans.json`, written atomically and belonging to one
+//! boot (instances never survive a reboot), and changed only under the node lock (and the
+//! GPU's lock). Two plugin instances share it during a rolling update, so every read and
+//! change starts from the file as it is now, and a change under the node lock cannot
 //! overwrite what the other instance added.
 
 use std::{
     path::{Path, PathBuf},
-    sync::{Mutex, MutexGuard, PoisonError},
+    sync::{Mutex, MutexGuard},
 };
 
 use serde::{Deserialize, Serialize};
@@ -117,7 +114,7 @@ impl LostGpuOrphans {
     /// The list as the file has it now (another plugin instance may have changed it). When
     /// the file cannot be read the last list this process knew stands.
     fn lock(&self) -> MutexGuard<'_, Loaded> {
-        let mut list = self.list.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut list = crate::lock(&self.list);
         match read_bytes(&self.path) {
             Ok(bytes) => list.follow(&self.path, &self.boot_id, bytes),
             Err(e) => {

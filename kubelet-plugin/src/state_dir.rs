@@ -59,20 +59,16 @@ pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32, durability: Durabi
     Ok(())
 }
 
-/// Replaces the content of `path` for readers of this boot, without creating or deleting a
-/// file: the bytes are written into a scratch file next to it (`.<name>.next`, kept between
-/// writes), and the two names are swapped atomically (`renameat2` with `RENAME_EXCHANGE`). A
-/// reader that opens `path` sees the old content or the new one, whole; so does a crash at any
-/// point. Not fsynced: for files of one boot only ([`Durability::ThisBoot`]).
+/// Replaces the content of `path` for readers of this boot without creating or deleting a
+/// file: the bytes go into a scratch file next to it (`.<name>.next`, kept between writes)
+/// and the names are swapped atomically (`renameat2` with `RENAME_EXCHANGE`), so a reader,
+/// or a crash, sees the old content or the new one, whole. Not fsynced: for
+/// [`Durability::ThisBoot`] files only. Unlike [`write_atomically`] it costs no inode
+/// allocation, deletion or ext4 `auto_da_alloc` writeback (see docs/benchmarks.md).
 ///
-/// Why not [`write_atomically`]: on ext4 a new file renamed over an old one costs an inode
-/// allocation and a deletion and starts writeback (`auto_da_alloc`); overwriting blocks
-/// already allocated does none of that (see docs/benchmarks.md).
-///
-/// Writers serialize on `.<name>.lock`, and [`read_consistent`] readers take it shared,
-/// because the scratch file's inode is the previous version: a reader holding it open while
-/// the next write reuses it would see that write. A missing `path`, or a file system without
-/// the exchange, falls back to [`write_atomically`].
+/// Writers serialize on `.<name>.lock` and [`read_consistent`] readers take it shared: the
+/// scratch inode is the previous version, which a reader may still hold open. A missing
+/// `path`, or a file system without the exchange, falls back to [`write_atomically`].
 pub fn replace_by_exchange(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
 
@@ -167,7 +163,6 @@ pub struct StateFileError {
     pub source: std::io::Error,
 }
 
-/// Reads the kernel's boot ID.
 pub fn read_boot_id(path: &Path) -> Result<String, StateFileError> {
     fs::read_to_string(path)
         .map(|s| s.trim().to_string())

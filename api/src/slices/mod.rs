@@ -513,11 +513,7 @@ fn share_capacity(capacity: &mut BTreeMap<String, DeviceCapacity>, shares: u32) 
 }
 
 fn truncate(s: &str, max: usize) -> String {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
+    s[..s.floor_char_boundary(max)].to_string()
 }
 
 /// The pool identity the slice model's tests render node-a's pool with.

@@ -99,11 +99,10 @@ impl HeartbeatTracker {
     }
 
     /// How much later than its timeout a heartbeat may be before its expiry withdraws the
-    /// pool: the 99th percentile of how late renewals arrived in the last one to two minutes
-    /// (at least [`MIN_DELAY_SAMPLES`] of them, else none), at most
-    /// [`MAX_HEARTBEAT_ALLOWANCE`]. Behind a saturated API server every plugin's renewals land
-    /// seconds late, and a beat that is late by what is normal right now is a slow control
-    /// plane, not a dead plugin (see docs/benchmarks.md).
+    /// pool: the 99th percentile of renewal lateness over the last one to two minutes (none
+    /// with fewer than [`MIN_DELAY_SAMPLES`]), at most [`MAX_HEARTBEAT_ALLOWANCE`]. Behind a
+    /// saturated API server every renewal lands seconds late; a beat late by what is normal
+    /// right now means a slow control plane, not a dead plugin (see docs/benchmarks.md).
     pub fn allowance(&self) -> Duration {
         lock(&self.delays)
             .quantile(Instant::now(), 0.99, MIN_DELAY_SAMPLES)
@@ -204,11 +203,10 @@ impl HeartbeatTracker {
     }
 
     /// Whether a pool may be withdrawn for heartbeat expiry alone now; true uses up the
-    /// allowance. At most one per [`ControllerConfig::expiry_withdrawal_interval`], like the
-    /// node lifecycle controller's eviction rate: heartbeats that go stale one after another
-    /// while the API server struggles (each too few for the mass-expiry rule) then cost at
-    /// most a few pools. A plugin that really died still loses its pool: the kubelet wipes its
-    /// slices 30 s after its connection drops, and a wipe withdraws without limit.
+    /// allowance. At most one per [`ControllerConfig::expiry_withdrawal_interval`] (like the
+    /// node lifecycle controller's eviction rate), so heartbeats going stale one by one while
+    /// the API server struggles cost at most a few pools. A dead plugin still loses its pool
+    /// to the kubelet's wipe 30 s after its connection drops, which withdraws without limit.
     pub fn allow_expiry_withdrawal(&self) -> bool {
         self.expiry_allowance(true)
     }

@@ -51,15 +51,14 @@ pub(super) async fn judge(view: &NodeView<'_>) -> Result<Liveness, Error> {
     Ok(state)
 }
 
-/// What a heartbeat expiry seen in the cache (last beat `cached_last`, after which `timeout`
-/// applied) really is. The cache is only as fresh as the watch, and a watch behind an
-/// overloaded API server makes every heartbeat look older than it is; so before a pool is
-/// withdrawn for expiry alone, a quorum read of the node's Lease decides
-/// ([`crate::liveness::HeartbeatTracker::fresh_lease_beat`]). When the rate limit would hold
-/// the pool anyway, or the beat is no later than renewals arrive right now
-/// ([`crate::liveness::HeartbeatTracker::allowance`]), no read is made. A failed read keeps
-/// the pool (an error: retried with backoff); the kubelet still wipes the slices of a plugin
-/// that really died. `judge` gives the liveness for a heartbeat at a time.
+/// What a heartbeat expiry seen in the cache (last beat `cached_last`, then `timeout`) really
+/// is. A watch behind an overloaded API server makes every heartbeat look older, so before a
+/// pool is withdrawn for expiry alone a quorum read of the Lease decides
+/// ([`crate::liveness::HeartbeatTracker::fresh_lease_beat`]); no read is made when the rate
+/// limit would hold the pool anyway or the beat is no later than renewals arrive right now
+/// ([`crate::liveness::HeartbeatTracker::allowance`]). A failed read keeps the pool (an error,
+/// retried with backoff); the kubelet still wipes a dead plugin's slices. `judge` gives the
+/// liveness for a heartbeat at a time.
 async fn confirm_expiry(
     view: &NodeView<'_>,
     (cached_last, timeout): (Timestamp, Duration),

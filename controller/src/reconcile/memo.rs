@@ -25,7 +25,6 @@ pub struct Memo {
     pub inventory: [u8; 16],
     /// [`PoolInputs::hash`], the inventory hash included.
     pub inputs: [u8; 16],
-    /// The publication the status shows.
     pub publication: PublicationStatus,
     /// The `Published` condition's message.
     pub message: String,

@@ -84,7 +84,6 @@ fn inventory(view: &NodeView<'_>, memo: Option<&Memo>) -> [u8; 16] {
 /// What a publication left behind.
 struct Publication {
     status: PublicationStatus,
-    /// The pool's slice names.
     names: Vec<String>,
     /// The slices written, with the resourceVersions the server gave them; `None` when the
     /// pool was up to date.
@@ -189,11 +188,9 @@ async fn record(
     if let Some(written) = written
         && let Some(after) = cache_after_publish(&names, &written, &view.cached)
     {
-        // The pool was just written: the reconciliations its own slice and status events
-        // trigger will see exactly these inputs once the caches caught up, so they need no
-        // planning either (if anything else changed, the hash differs and they do the work).
-        // A deferred status leaves the GpuNode as cached: they see the generation it shows
-        // now, and the memo takes them straight to the status write.
+        // The pool was just written: the reconciliations its own events trigger see exactly these
+        // inputs once the caches catch up, so they skip planning too (anything else changed, the hash
+        // differs). A deferred status leaves the GpuNode as cached, with the generation it shows now.
         let generation_after = match update {
             StatusUpdate::Deferred(_) => view.published_generation(),
             _ => Some(status.generation),

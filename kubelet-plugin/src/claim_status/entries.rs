@@ -17,7 +17,10 @@ use migdra_api::device_name::DeviceName;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::checkpoint::{DeviceKind, DeviceRecord};
+use crate::{
+    checkpoint::{DeviceKind, DeviceRecord},
+    claims::driver_results,
+};
 
 pub const READY_CONDITION: &str = "Ready";
 /// The API's limits on an entry's serialized `data` and on a condition message.
@@ -171,13 +174,7 @@ impl StatusContext {
     /// What `claim` says for `driver`'s entries.
     pub fn from_claim(claim: &ResourceClaim, driver: &str, now: Time) -> Self {
         let status = claim.status.as_ref();
-        let share_ids = status
-            .and_then(|s| s.allocation.as_ref())
-            .and_then(|a| a.devices.as_ref())
-            .and_then(|d| d.results.as_ref())
-            .into_iter()
-            .flatten()
-            .filter(|r| r.driver == driver)
+        let share_ids = driver_results(claim, driver)
             .filter_map(|r| {
                 let share = r.share_id.clone()?;
                 Some(((r.request.clone(), r.pool.clone(), r.device.clone()), share))
@@ -299,13 +296,7 @@ fn describe(details: &DeviceDetails) -> (&'static str, String) {
 }
 
 fn truncate(text: &mut String, max: usize) {
-    if text.len() > max {
-        let mut end = max;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        text.truncate(end);
-    }
+    text.truncate(text.floor_char_boundary(max));
 }
 
 /// The partial ResourceClaim applied to the `status` subresource. The UID makes the API

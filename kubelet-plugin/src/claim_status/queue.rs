@@ -1,17 +1,16 @@
 //! The write queue: the desired status of each claim not written yet, the background writer
 //! that writes it one claim at a time, and the periodic retry of failed writes.
 
-use std::{
-    collections::BTreeMap,
-    sync::{Mutex, PoisonError},
-    time::Duration,
-};
+use std::{collections::BTreeMap, sync::Mutex, time::Duration};
 
 use dra_kubelet::ClaimRef;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::entries::{StatusContext, StatusDevice, apply_object, now, status_entries};
-use crate::{claims::ClaimSource, metrics::Metrics};
+use crate::{
+    claims::{ClaimSource, driver_results},
+    metrics::Metrics,
+};
 
 /// How long one status write may take before it counts as failed (and is retried later), so
 /// a slow API server does not hold up the writes queued behind it for long.
@@ -117,12 +116,10 @@ impl Queue {
     }
 }
 
-/// Writes this driver's `status.devices` entries, in the background, from the desired status
-/// of each claim (ready with its devices, or cleared), and keeps the writes that failed for a
-/// retry. The kubelet's calls only queue ([`ClaimStatusWriter::queue_write`]); one writer at a
-/// time ([`ClaimStatusWriter::write_queued`], or a retry pass) does the I/O, so for one claim
-/// the writes land in the order they were asked for, and a newer request replaces an older one
-/// not written yet (latest wins).
+/// Writes this driver's `status.devices` entries in the background from each claim's desired
+/// status (ready with its devices, or cleared), keeping failed writes for a retry. The kubelet's
+/// calls only queue ([`ClaimStatusWriter::queue_write`]); one writer at a time does the I/O, so
+/// a claim's writes land in order and a newer request replaces one not yet written.
 pub struct ClaimStatusWriter {
     driver: String,
     field_manager: String,
@@ -168,7 +165,7 @@ impl ClaimStatusWriter {
     }
 
     fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::lock(&self.queue)
     }
 
     /// Counts what a write of `operation` did.
@@ -223,13 +220,11 @@ impl ClaimStatusWriter {
         self.metrics.claim_status_pending(queue.waiting_for_retry());
     }
 
-    /// The background writer: writes queued statuses, one at a time, until none is left
-    /// (then returns; [`ClaimStatusWriter::queue_write`] asks for a new one). Never fails: a
-    /// failed write is logged, counted and kept for the retry pass, and so is everything else
-    /// queued at that moment (the API server just failed; the next try is the retry pass).
-    /// A ready status of a recorded claim is dropped, not written, once `still_prepared` says
-    /// the claim is no longer prepared here (another plugin instance, during a rolling update,
-    /// unprepared it after this one answered the prepare, and cleared or will clear it).
+    /// The background writer: writes queued statuses one at a time until none is left
+    /// ([`ClaimStatusWriter::queue_write`] asks for a new one then). Never fails: a failed write,
+    /// and everything else queued at that moment, is logged, counted and kept for the retry pass.
+    /// A recorded claim's ready status is dropped once `still_prepared` says it is no longer
+    /// prepared here (another plugin instance unprepared it after this one answered the prepare).
     pub async fn write_queued<C: ClaimSource>(&self, claims: &C, still_prepared: impl Fn(&str) -> bool) {
         loop {
             let _one_at_a_time = self.writes.lock().await;
@@ -406,16 +401,7 @@ impl ClaimStatusWriter {
 
 /// Whether the claim's allocation still has every device (driver, pool, device, request).
 fn allocates(claim: &ResourceClaim, driver: &str, devices: &[StatusDevice]) -> bool {
-    let results: Vec<_> = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_ref())
-        .into_iter()
-        .flatten()
-        .filter(|r| r.driver == driver)
-        .collect();
+    let results: Vec<_> = driver_results(claim, driver).collect();
     devices.iter().all(|d| {
         results
             .iter()

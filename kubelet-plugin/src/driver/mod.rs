@@ -1,46 +1,40 @@
 //! The prepare/unprepare state machine behind the kubelet's DRA calls.
 //!
-//! - `prepare.rs`: per claim, GET and validate the claim (no lock held, nothing created);
-//!   then, under the node lock and the claim's GPU locks, check that the node can run CUDA
-//!   containers ([`crate::cdi::CdiWriter::ensure_driver_spec`]), plan ([`crate::plan`]),
-//!   record `PrepareStarted` with the planned placements, switch MIG mode where the plan says
-//!   so, create each GPU instance and its full compute instance, write the CDI spec, record
-//!   `PrepareCompleted`. Any failure after the first record tears down what was created and
-//!   forgets the claim. Then, outside every lock, the claim's `status.devices` entries are
-//!   queued ([`crate::claim_status`]; a failure never fails the prepare). An `adminAccess`
-//!   claim (whole GPUs only) gets its CDI spec and status and nothing else.
-//! - `unprepare.rs`: record `UnprepareStarted`, destroy compute then GPU instances, remove
-//!   the CDI spec, forget the claim, then clear its status entries. Already gone is success.
-//!   Its teardown is also the rollback of a failed or interrupted prepare.
-//! - `recovery.rs`: at start, half-prepared claims are rolled back, half-unprepared ones
-//!   finished and missing CDI specs rewritten. A record that cannot be repaired does not stop
-//!   the start: its GPUs are unhealthy and refuse prepares, and a background loop retries it.
-//!   On a lost GPU (`GPU_IS_LOST`) the instances count as gone, so pods terminate; they are
-//!   listed in [`crate::orphans`] and destroyed when the GPU is back.
+//! - `prepare.rs`: GET and validate the claim with no lock held; then, under the node lock and
+//!   the claim's GPU locks, check the node can run CUDA containers, plan ([`crate::plan`]),
+//!   record `PrepareStarted` with the planned placements, switch MIG mode if planned, create
+//!   the instances, write the CDI spec, record `PrepareCompleted`. A failure after the first
+//!   record tears down what was created. The claim's `status.devices` entries are queued
+//!   outside every lock ([`crate::claim_status`]; never fails the prepare). An `adminAccess`
+//!   claim (whole GPUs only) gets its CDI spec and status only.
+//! - `unprepare.rs`: record `UnprepareStarted`, destroy compute then GPU instances, remove the
+//!   CDI spec, forget the claim, clear its status entries; already gone is success. It is
+//!   also the rollback of a failed or interrupted prepare.
+//! - `recovery.rs`: at start, roll back half-prepared claims, finish half-unprepared ones,
+//!   rewrite missing CDI specs. An unrepairable record makes its GPUs unhealthy and refuse
+//!   prepares while a background loop retries it. On a lost GPU the instances count as gone
+//!   (so pods terminate) and are listed in [`crate::orphans`] until the GPU is back.
 //! - `stale_gc.rs`: records whose ResourceClaim is gone are torn down the same way.
 //!
-//! Every instance the journal does not describe belongs to someone else and is never
-//! touched. Because the record is written before the GPU is touched ([`crate::journal`]), a
-//! crash between any two steps is repaired from the checkpoint alone.
+//! Instances the journal does not describe are someone else's and never touched. The record
+//! is written before the GPU is touched ([`crate::journal`]), so a crash between any two steps
+//! is repaired from the checkpoint alone.
 //!
-//! Shared devices: several claims hold one MIG instance, each with its own record of it
-//! (same IDs, its own share ID). The first share's prepare creates the instance; a later one
-//! finds a prepared holder under the GPU lock and records the holder's IDs instead
-//! ([`crate::plan`]); a teardown destroys the instance only when no other record holds it.
-//! The set of holder records is the reference count: every change to it is one atomic
-//! checkpoint write, so a crash never leaves it wrong.
+//! Shared devices: each claim holding a MIG instance has its own record of it (same IDs, own
+//! share ID). The first share's prepare creates the instance, later ones record the prepared
+//! holder's IDs ([`crate::plan`]), and teardown destroys it only when no other record holds
+//! it. The holder records are the reference count, changed by atomic checkpoint writes.
 //!
 //! # Lock order
 //!
-//! The node lock ([`NodeLock`], a file lock shared with other plugin instances on the node;
-//! taking it re-reads the checkpoint another instance may have changed), then the locks of
-//! the GPUs a claim touches ([`GpuLocks`], all at once, in minor order), then, briefly, the
-//! journal's mutex. Types enforce the order: GPU locks exist only as a [`GpuLocks`] made by
-//! [`NodeLock::lock_gpus`] and borrowing the node lock, every step that plans, creates or
+//! The node lock ([`NodeLock`], a file lock shared with other plugin instances; taking it
+//! re-reads the checkpoint), then the claim's GPU locks ([`GpuLocks`], all at once, in minor
+//! order), then briefly the journal's mutex. Types enforce it: GPU locks exist only as a
+//! [`GpuLocks`] borrowed from [`NodeLock::lock_gpus`], every step that plans, creates or
 //! destroys takes a `&GpuLocks`, and the journal's mutex never leaves
 //! [`crate::journal::Journal`]. Claims of one kubelet call run in parallel under one node
-//! lock. The status loop's inventory ([`Gpus::inventory`]) takes one GPU lock at a time and
-//! never the node lock, so it keeps reporting while another plugin instance works.
+//! lock. The inventory ([`Gpus::inventory`]) takes one GPU lock at a time and never the node
+//! lock, so it keeps reporting while another plugin instance works.
 
 mod prepare;
 mod recovery;
@@ -219,10 +213,9 @@ impl<C> Clone for Driver<C> {
 }
 
 impl<C: ClaimSource> Driver<C> {
-    /// Opens the checkpoint, discovers the GPUs and repairs whatever a previous run left half
-    /// done. Instances that no record describes are left alone. Records that cannot be
-    /// repaired now do not fail the start: they are in [`RecoveryReport::pending`], for
-    /// [`Driver::run_repair_loop`].
+    /// Opens the checkpoint, discovers the GPUs and repairs what a previous run left half done;
+    /// instances no record describes are left alone. Records not repairable now do not fail the
+    /// start: they are in [`RecoveryReport::pending`], for [`Driver::run_repair_loop`].
     pub fn start(
         config: DriverConfig,
         backend: Arc<dyn GpuBackend>,
@@ -309,10 +302,9 @@ impl<C: ClaimSource> Driver<C> {
         self.inner.journal.claims()
     }
 
-    /// Takes the node lock and then brings the journal up to date with the checkpoint file:
-    /// during a rolling update another plugin instance may have prepared or unprepared claims
-    /// since this one last held the lock. Every path that reads records to act on them, or
-    /// writes them, goes through here first.
+    /// Takes the node lock and brings the journal up to date with the file (another plugin
+    /// instance may have changed claims meanwhile). Every path that acts on or writes records goes
+    /// through here first.
     fn node_lock(&self) -> Result<NodeLock, NodeAccessError> {
         let node = NodeLock::acquire(&self.inner.config.state_dir, self.inner.config.lock_timeout)
             .map_err(|e| NodeAccessError::Lock(Arc::new(e)))?;
@@ -335,11 +327,10 @@ impl<C: ClaimSource> Driver<C> {
         (self.inner.hook)(uid, step);
     }
 
-    /// Runs `work` for each claim under the node lock, on blocking threads, the claims in
-    /// parallel (each takes the locks of its own GPUs), with `nvml` installed on each thread
-    /// so the NVML time of the call adds up there. Returns one outcome per claim, each
-    /// logged and counted. A claim whose thread panicked gets no outcome; the gRPC layer
-    /// reports it as failed.
+    /// Runs `work` for each claim under the node lock on blocking threads, claims in parallel
+    /// (each takes its own GPUs' locks), with `nvml` installed on each thread to sum the call's NVML
+    /// time. Returns one logged and counted outcome per claim; a claim whose thread panicked gets
+    /// none, and the gRPC layer reports it as failed.
     async fn run_claims<I, T>(
         &self,
         operation: &'static str,

@@ -135,10 +135,9 @@ impl<C: ClaimSource> Driver<C> {
     }
 
     /// Prepares an `adminAccess` claim (whole GPUs, checked by [`plan::admin_access`]): a CDI
-    /// spec with each GPU's device nodes, plus the MIG monitor capability on a GPU in MIG mode
-    /// so the agent sees every instance. Nothing else: no plan, no checkpoint record (so the
-    /// claim blocks no other claim and is not counted as prepared), no MIG-mode switch, no
-    /// instance. Unprepare removes the spec. Blocking.
+    /// spec with each GPU's device nodes, plus the MIG monitor capability on a GPU in MIG mode so
+    /// the agent sees every instance. No plan, record (so it blocks no claim and is not counted as
+    /// prepared), MIG-mode switch or instance. Unprepare removes the spec. Blocking.
     fn prepare_admin_access(
         &self,
         node: &NodeLock,
@@ -184,9 +183,8 @@ impl<C: ClaimSource> Driver<C> {
     }
 
     /// Asks for `claim`'s status to become `desired` and makes sure a background writer
-    /// ([`crate::claim_status::ClaimStatusWriter::write_queued`]) runs to write it. It is
-    /// not awaited by anyone: at shutdown it is dropped with the runtime, and what it did not
-    /// write is written at the next start (every prepared claim's status is queued then).
+    /// ([`crate::claim_status::ClaimStatusWriter::write_queued`]) runs. Nobody awaits it: at
+    /// shutdown it drops with the runtime, and the next start queues every prepared claim's status.
     pub(super) fn queue_claim_status(
         &self,
         claim: &ClaimRef,
@@ -238,9 +236,8 @@ impl<C: ClaimSource> Driver<C> {
             .await
     }
 
-    /// Queues a status write for every claim the checkpoint holds as prepared (a previous run
-    /// may have stopped before writing it, or predate status writes); the next retry pass
-    /// writes them. GPU indexes come from `inventory`.
+    /// Queues a status write for every claim the checkpoint holds as prepared (a previous run may
+    /// have stopped before writing it) for the next retry pass. GPU indexes come from `inventory`.
     pub fn queue_recorded_claim_status(&self, inventory: &[migdra_api::inventory::GpuInventory]) {
         let index = |minor: u32| inventory.iter().find(|g| g.minor == minor).map(|g| g.index);
         for (uid, record) in self.inner.journal.claims() {

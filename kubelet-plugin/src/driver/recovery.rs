@@ -169,10 +169,9 @@ impl<C: ClaimSource> Driver<C> {
         Ok(report)
     }
 
-    /// Repairs one record, as startup recovery and the background repair do: rolls back a
-    /// half-prepared claim, finishes a half-unprepared one, rewrites a completed claim's
-    /// missing CDI spec; under `node` and the record's GPU locks. On success the record's
-    /// pending repair (if any) ends. On failure the record is left as it was. Blocking.
+    /// Repairs one record, under `node` and its GPU locks: rolls back a half-prepared claim,
+    /// finishes a half-unprepared one, rewrites a completed claim's missing CDI spec. Success ends
+    /// the record's pending repair; failure leaves the record as it was. Blocking.
     pub fn repair_record(
         &self,
         node: &NodeLock,

@@ -19,7 +19,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{ClaimFailure, Driver, RecoveryEvent};
-use crate::{checkpoint::ClaimRecord, claims::ClaimSource};
+use crate::{
+    checkpoint::ClaimRecord,
+    claims::{ClaimSource, driver_results},
+};
 
 /// How long one claim's GET may take before the claim is kept (a timeout is not "gone").
 const GET_TIMEOUT: Duration = Duration::from_secs(10);
@@ -102,17 +105,7 @@ pub fn stale_cause(uid: &str, found: Option<&ResourceClaim>, driver: &str, pool:
             current_uid: current_uid.to_string(),
         });
     }
-    let allocated_here = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .is_some_and(|d| {
-            d.results
-                .iter()
-                .flatten()
-                .any(|r| r.driver == driver && r.pool == pool)
-        });
+    let allocated_here = driver_results(claim, driver).any(|r| r.pool == pool);
     (!allocated_here).then_some(StaleCause::NotAllocatedHere)
 }
 

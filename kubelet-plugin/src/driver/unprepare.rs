@@ -50,10 +50,9 @@ impl<C: ClaimSource> Driver<C> {
         outcomes
     }
 
-    /// Unprepares one claim by UID; `Ok(true)` when there was something of it here (a record,
-    /// or the CDI spec of an `adminAccess` claim, which has no record). Unknown claims succeed
-    /// (the kubelet may ask for claims it never prepared here, or again after success).
-    /// Blocking.
+    /// Unprepares one claim by UID; `Ok(true)` when there was something of it here (a record, or
+    /// an `adminAccess` claim's CDI spec). Unknown claims succeed (the kubelet may ask for claims it
+    /// never prepared here, or again after success). Blocking.
     fn unprepare_claim(&self, node: &NodeLock, uid: &str) -> Result<bool, ClaimFailure> {
         let Some(record) = self.inner.journal.get(uid) else {
             // An adminAccess claim left nothing but its spec.
@@ -72,11 +71,10 @@ impl<C: ClaimSource> Driver<C> {
         }
     }
 
-    /// Removes everything a recorded claim has, in any state: records `UnprepareStarted` for
-    /// a prepared claim (a half-prepared one is rolled back without), destroys the instances
-    /// the record describes (only those: matched by placement, and by ID where recorded; a
-    /// shared instance only when no other claim's record holds it), removes the CDI spec and
-    /// forgets the claim.
+    /// Removes everything a recorded claim has, in any state: records `UnprepareStarted` for a
+    /// prepared claim (a half-prepared one is rolled back without), destroys the record's instances
+    /// (matched by placement, and by ID where recorded; a shared one only when no other record
+    /// holds it), removes the CDI spec and forgets the claim.
     pub(super) fn tear_down(
         &self,
         locks: &GpuLocks<'_>,

@@ -386,11 +386,10 @@ fn validate_version(version: &str) -> Result<(), DriverFilesError> {
 
 /// Discovers the driver's container files under `inputs.driver_root`.
 ///
-/// Libraries come from the root's `etc/ld.so.cache` when it has one (see
-/// [`super::ldcache`]); when it has none, or it does not name libcuda and libnvidia-ml of
-/// the version, also from [`fallback_library_dirs`]. Missing
-/// `libcuda.so.<version>` or `libnvidia-ml.so.<version>` is an error; missing utilities,
-/// firmware, sockets or hook are not (logged at debug).
+/// Libraries come from the root's `etc/ld.so.cache` ([`super::ldcache`]), and also from
+/// [`fallback_library_dirs`] when there is none or it lacks libcuda and libnvidia-ml of the
+/// version. Missing `libcuda.so.<version>` or `libnvidia-ml.so.<version>` is an error; missing
+/// utilities, firmware, sockets or hook are not (logged at debug).
 pub fn discover(inputs: &DiscoveryInputs) -> Result<DriverFiles, DriverFilesError> {
     let version = inputs.driver_version.as_str();
     validate_version(version)?;

@@ -47,7 +47,6 @@ pub struct ContainerEdits {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Mount {
-    /// Source on the host.
     pub host_path: String,
     pub container_path: String,
     pub options: Vec<String>,

@@ -1,23 +1,21 @@
 //! The NVIDIA driver's user-space files a CUDA container needs, and the CDI container edits
 //! that hand them over.
 //!
-//! A container started by plain runc/crun through CDI (how DRA delivers devices) gets only
-//! what the CDI spec names. Device nodes alone do not run CUDA: the container also needs the
-//! driver's libraries (`libcuda.so`, `libnvidia-ml.so`, …) of exactly the version the kernel
-//! module runs, its utilities (`nvidia-smi`, …), the GSP firmware and the daemons' sockets,
-//! bind-mounted read-only from the driver root, plus the soname links and linker cache that
-//! make the libraries loadable (made inside the container by NVIDIA's `nvidia-cdi-hook`).
+//! A container started through CDI (how DRA delivers devices) gets only what the CDI spec
+//! names, and device nodes alone do not run CUDA: it also needs the driver's libraries of
+//! exactly the kernel module's version, its utilities, the GSP firmware and the daemons'
+//! sockets, bind-mounted read-only from the driver root, plus the soname links and linker
+//! cache that make the libraries loadable (made in the container by `nvidia-cdi-hook`).
 //!
-//! Data flow: [`discover`] reads the driver root (the linker cache [`ldcache`], directory
-//! listings, symbolic links — all resolved inside the root, never against this process's own
-//! `/`) into a [`DriverFiles`]; [`container_edits`] turns that, without touching the
-//! filesystem, into the mounts, hooks and environment of a CDI `containerEdits` object that
-//! goes into every claim device's spec. [`DriverFilesCache`] keeps the last discovery and
-//! repeats it when the inputs (above all the driver version NVML reports) change.
+//! [`discover`] reads the driver root (linker cache [`ldcache`], listings, symbolic links,
+//! all resolved inside the root, never against this process's `/`) into a [`DriverFiles`];
+//! [`container_edits`] turns that, without I/O, into the mounts, hooks and environment of the
+//! `containerEdits` every claim device's spec gets. [`DriverFilesCache`] repeats discovery
+//! when its inputs (above all the NVML driver version) change.
 //! [`check_required_device_nodes`] checks the control device nodes CUDA opens.
 //!
 //! What is looked for follows what NVIDIA's container toolkit injects (facts, not code):
-//! every library named `*.so.<driver version>` (and the legacy `libnvidia-nvvm70.so.*`), the
+//! every `*.so.<driver version>` library (and the legacy `libnvidia-nvvm70.so.*`), the
 //! utilities in PATH-like directories, `nvidia/<version>/gsp*.bin` in the kernel's firmware
 //! directories, and the persistenced, fabric manager and MPS sockets.
 
@@ -167,12 +165,9 @@ pub fn read_kernel_release(proc_root: &Path) -> Result<String, DriverFilesError>
     Ok(text.trim().to_string())
 }
 
-/// The last discovery, repeated when its inputs change.
-///
-/// The key is the whole [`DiscoveryInputs`], so a new driver version (after a driver
-/// upgrade the kernel module, and so NVML, reports another version and the old files are
-/// gone), another root or another hook path each trigger a new discovery. Failed
-/// discoveries are not kept: the next call tries again.
+/// The last discovery, repeated when its inputs change: the whole [`DiscoveryInputs`] is the
+/// key, so a new driver version (whose old files are gone), root or hook path rediscovers.
+/// Failed discoveries are not kept: the next call tries again.
 #[derive(Debug, Default)]
 pub struct DriverFilesCache {
     last: Option<(DiscoveryInputs, Arc<DriverFiles>)>,

@@ -237,7 +237,6 @@ pub struct DriverFilesSummary {
     pub soname_links: usize,
     /// `nvidia-cdi-hook`, when found.
     pub hook: Option<String>,
-    /// Host paths of the libraries.
     pub library_paths: Vec<String>,
 }
 

@@ -27,9 +27,9 @@ pub use writer::NodeStatusWriter;
 pub const FIELD_MANAGER: &str = "migdra-kubelet-plugin";
 
 /// How long one heartbeat-path write (the GpuNode, its status, a Lease renewal) may take: two
-/// intervals. Unbounded, one call hanging on an overloaded API server would hold every later
-/// beat; bounded by one interval, every write is cancelled once the server answers more
-/// slowly than that. A write answered late is a heartbeat; a cancelled one is not.
+/// intervals. Unbounded, one hanging call would hold every later beat; bounded by one, every
+/// write is cancelled once the server is that slow. A late write is a heartbeat; a cancelled
+/// one is not.
 fn write_bound(interval: Duration) -> Duration {
     interval.saturating_mul(2)
 }

@@ -11,12 +11,7 @@
 //! missing from the loaded library.
 #![allow(unsafe_code)]
 
-use std::{
-    collections::HashMap,
-    path::Path,
-    ptr,
-    sync::{Mutex, MutexGuard, PoisonError},
-};
+use std::{collections::HashMap, path::Path, ptr, sync::Mutex};
 
 use migdra_api::{
     catalog,
@@ -44,6 +39,7 @@ use super::{
     BackendError, ComputeInstanceRecord, CreatedComputeInstance, GpuBackend, GpuDescription,
     GpuInstanceRecord, MigDescription, MigModeChange, NvmlErrorKind, timing,
 };
+use crate::lock;
 
 /// NVML_ERROR_INSUFFICIENT_RESOURCES, which nvml-wrapper 0.13 has no variant for.
 const INSUFFICIENT_RESOURCES: u32 = 23;
@@ -121,10 +117,6 @@ fn failure(operation: impl Into<String>, kind: NvmlErrorKind, message: impl Into
         kind,
         message: message.into(),
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Skippable answers when walking profile indexes: the model lacks the profile, or the
@@ -273,16 +265,13 @@ impl NvmlBackend {
         Ok(placements)
     }
 
-    /// Every GPU-instance profile of a MIG-capable GPU, in index order, with real IDs and
-    /// possible placements.
+    /// Every GPU-instance profile of a MIG-capable GPU, in index order, with real IDs and possible
+    /// placements. A profile whose info or placements cannot be read is skipped with a warning, not
+    /// taking the other profiles with it.
     ///
-    /// A profile whose info or placements cannot be read is skipped with a warning: one
-    /// failing profile must not take the GPU's other profiles with it.
-    ///
-    /// Names come from one source that does not depend on MIG mode (§12: the versioned info
-    /// that carries the driver's name needs MIG on, and drivers' names drift): the catalog's
-    /// name for the profile ID on a GPU the catalog knows by PCI device ID, else the name
-    /// derived from the v1 info as go-nvlib does.
+    /// Names do not depend on MIG mode (§12: the versioned info with the driver's name needs MIG
+    /// on, and drivers' names drift): the catalog's name for the profile on a model it knows by PCI
+    /// device ID, else the name go-nvlib derives from the v1 info.
     fn discover_profiles(&self, gpu: u32, device: &Device<'_>, memory_bytes: u64) -> Vec<MigProfile> {
         let known_model = device
             .pci_info()

@@ -11,7 +11,7 @@
 
 use std::{
     cell::RefCell,
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
@@ -63,7 +63,7 @@ impl NvmlClock {
     }
 
     fn calls_mut(&self) -> MutexGuard<'_, Vec<NvmlCall>> {
-        self.calls.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::lock(&self.calls)
     }
 
     /// The calls recorded so far, in the order they ended.
