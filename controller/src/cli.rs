@@ -35,7 +35,8 @@ pub struct Args {
     #[arg(long, env = "LEASE_DURATION_SECONDS", default_value_t = 15,
           value_parser = clap::value_parser!(u64).range(2..))]
     pub lease_duration_seconds: u64,
-    /// Seconds without a plugin heartbeat after which the node's pool is withdrawn; a plugin
+    /// Seconds without a plugin heartbeat (measured from when the controller observed the last
+    /// renewal, not from the node's renewTime) after which the node's pool is withdrawn; a plugin
     /// heartbeating less often gets 1.5 of its intervals. The kubelet deletes a driver's
     /// slices 30 s after its plugin disconnects, so keep this below 30 (minus a second or two
     /// for the reconcile) and above the plugin's interval (15 s by default) plus the latency
@@ -45,8 +46,9 @@ pub struct Args {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub heartbeat_timeout_seconds: u64,
     /// Fraction (0 < f <= 1) of registered plugins whose heartbeats must expire at the same
-    /// time (and at least 3 of them) for the controller to blame the control plane rather
-    /// than the plugins: it then withdraws no pool on heartbeat expiry alone (an unregistered
+    /// time (and at least 3 of them, or all of them however few) for the controller to blame
+    /// the control plane rather than the plugins: it then withdraws no pool on heartbeat
+    /// expiry alone (an unregistered
     /// plugin or a kubelet wipe still withdraws), logs a warning and sets the metric
     /// migdra_controller_heartbeat_withdrawals_held. 1 disables the rule.
     #[arg(long, env = "MASS_EXPIRY_THRESHOLD", default_value_t = crate::liveness::DEFAULT_MASS_EXPIRY_THRESHOLD,

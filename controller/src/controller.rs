@@ -26,14 +26,11 @@
 use std::{
     collections::{HashMap, HashSet},
     sync::Arc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use futures::{Stream, StreamExt, future};
-use k8s_openapi::{
-    api::{coordination::v1::Lease, core::v1::Node, resource::v1::ResourceClaim},
-    jiff::Timestamp,
-};
+use k8s_openapi::api::{coordination::v1::Lease, core::v1::Node, resource::v1::ResourceClaim};
 use kube::{
     Api, Client, ResourceExt,
     core::PartialObjectMeta,
@@ -54,7 +51,7 @@ use crate::{
     compare::{PoolDiff, SliceDelete, SliceMeta},
     context::{Context, ControllerConfig, Stores},
     error::Error,
-    liveness::{LeaseBeat, lease_node},
+    liveness::lease_node,
     metrics::Metrics,
     naming::slice_node,
     reconcile::{error_policy, reconcile},
@@ -334,13 +331,14 @@ fn claim_triggers(
         .flat_map(move |event| gpunode_refs(claim_changes.admit(&event, &claim_driver)))
 }
 
-/// The heartbeat Lease watch: the renewals of nodes the controller does not consider live.
+/// The heartbeat Lease watch: notes when each renewal is observed (see [`crate::liveness`]),
+/// and triggers the nodes the controller does not consider live.
 fn lease_triggers(
     client: &Client,
     ctx: &Arc<Context>,
     writer: Writer<Lease>,
 ) -> impl Stream<Item = ObjectRef<GpuNode>> + use<> {
-    let (delay_ctx, lease_ctx) = (ctx.clone(), ctx.clone());
+    let (observe_ctx, lease_ctx) = (ctx.clone(), ctx.clone());
     watcher(
         Api::<Lease>::namespaced(client.clone(), &ctx.config.heartbeat_namespace),
         lease_watch_config(&ctx.config.driver),
@@ -349,12 +347,13 @@ fn lease_triggers(
     .modify(|lease| lease.metadata.managed_fields = None)
     .reflect(writer)
     .inspect(move |event| {
-        // Renewals as they happen, not the initial list (or a relist), whose renewals are
-        // up to an interval old by nature.
-        if let Ok(watcher::Event::Apply(lease)) = event
-            && let Some(beat) = LeaseBeat::of(lease)
-        {
-            delay_ctx.heartbeats.record_delay(beat.renewed);
+        // Liveness runs on when the controller observes renewals, not on their renewTime.
+        let heartbeats = &observe_ctx.heartbeats;
+        match event {
+            Ok(watcher::Event::Apply(lease)) => heartbeats.observe(lease, Instant::now()),
+            Ok(watcher::Event::InitApply(lease)) => heartbeats.observe_listed(lease, Instant::now()),
+            Ok(watcher::Event::Delete(lease)) => heartbeats.forget(lease),
+            _ => {}
         }
     })
     .touched_objects()
@@ -374,7 +373,7 @@ fn expiry_triggers(ctx: &Arc<Context>) -> impl Stream<Item = ObjectRef<GpuNode>>
     scans.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     futures::stream::unfold((scans, ctx.clone()), |(mut scans, ctx)| async move {
         scans.tick().await;
-        Some((ctx.heartbeats.take_expired(Timestamp::now()), (scans, ctx)))
+        Some((ctx.heartbeats.take_expired(Instant::now()), (scans, ctx)))
     })
     .flat_map(gpunode_refs)
 }
@@ -382,7 +381,7 @@ fn expiry_triggers(ctx: &Arc<Context>) -> impl Stream<Item = ObjectRef<GpuNode>>
 /// Logs when every cache has its initial list (the first reconciliations wait for it): a
 /// cold start's milestone.
 async fn log_when_synced(ctx: Arc<Context>, shutdown: CancellationToken) {
-    let began = std::time::Instant::now();
+    let began = Instant::now();
     tokio::select! {
         _ = shutdown.cancelled() => {}
         ready = ctx.wait_ready() => match ready {

@@ -26,7 +26,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::jiff::Timestamp;
 use kube::{ResourceExt, runtime::watcher};
 
 use crate::{
@@ -75,8 +74,9 @@ struct State {
     owned: ByNode,
     /// Per node, the owned slices whose write the cache has not shown yet.
     unseen: ByNode,
-    /// When someone else was last seen deleting an owned slice of the node.
-    wiped: HashMap<String, Timestamp>,
+    /// When someone else was last seen deleting an owned slice of the node (the controller's
+    /// monotonic clock, as the heartbeat observations it is compared with).
+    wiped: HashMap<String, Instant>,
 }
 
 impl State {
@@ -227,7 +227,7 @@ impl Expectations {
         let ours = matches!(pending, Some((Expected::Absent, _)));
         let wiped = deleted && !ours && state.owned.get_mut(node).is_some_and(|owned| owned.remove(&name));
         if wiped {
-            state.wiped.insert(node.to_string(), Timestamp::now());
+            state.wiped.insert(node.to_string(), Instant::now());
         }
         let Some((expected, at)) = pending else {
             return wiped;
@@ -291,7 +291,7 @@ impl Expectations {
     /// [`Self::wipe_answered`], and how many slices this call newly found missing. Call once the
     /// cache is trusted ([`Self::pending`] is `None`): owned slices it has shown and `cached` lacks
     /// are a wipe observed now (a relist hid the delete event); slices never shown are not.
-    pub fn wiped(&self, node: &str, cached: &[Arc<SliceMeta>]) -> (Option<Timestamp>, usize) {
+    pub fn wiped(&self, node: &str, cached: &[Arc<SliceMeta>]) -> (Option<Instant>, usize) {
         let mut guard = self.lock();
         let state = &mut *guard;
         let mut missing = 0;
@@ -305,14 +305,14 @@ impl Expectations {
             missing = before - owned.len();
         }
         if missing > 0 {
-            state.wiped.insert(node.to_string(), Timestamp::now());
+            state.wiped.insert(node.to_string(), Instant::now());
         }
         (state.wiped.get(node).copied(), missing)
     }
 
     /// Forgets the wipe of `node` observed at `at` (the plugin has heartbeated since). A
     /// newer wipe observed meanwhile is kept.
-    pub fn wipe_answered(&self, node: &str, at: Timestamp) {
+    pub fn wipe_answered(&self, node: &str, at: Instant) {
         let mut state = self.lock();
         if state.wiped.get(node) == Some(&at) {
             state.wiped.remove(node);
@@ -403,14 +403,14 @@ mod tests {
         assert_eq!(e.wiped("n", &cached), (None, 0));
 
         // Someone else deletes a: a wipe, observed now.
-        let before = Timestamp::now();
+        let before = Instant::now();
         assert_eq!(e.observe(&watcher::Event::Delete(slice("a", "10"))), 1);
         let (at, newly) = e.wiped("n", &[]);
         let at = at.expect("a wipe");
         assert!(at >= before);
         assert_eq!(newly, 0, "already counted by the event");
         // Answered by a heartbeat after it: forgotten; a stale answer is ignored.
-        e.wipe_answered("n", before - k8s_openapi::jiff::SignedDuration::from_secs(1));
+        e.wipe_answered("n", before - Duration::from_secs(1));
         assert_eq!(e.wiped("n", &[]).0, Some(at));
         e.wipe_answered("n", at);
         assert_eq!(e.wiped("n", &[]).0, None);

@@ -1,6 +1,7 @@
-//! What the control plane's recent speed was: the longest slice watch lag, and how late
-//! plugin heartbeats reach the API server. Both are kept over two consecutive windows, so an
-//! observation counts for one to two [`WINDOW`]s and then is forgotten.
+//! What the control plane's recent speed was: the longest slice watch lag, and how much later
+//! than the one before it each plugin heartbeat renewal reaches the controller. Both are kept
+//! over two consecutive windows, so an observation counts for one to two [`WINDOW`]s and then
+//! is forgotten.
 
 use std::time::{Duration, Instant};
 

@@ -108,8 +108,9 @@ metrics! {
     heartbeat_allowance: FloatGauge = FloatGauge::default(),
         "heartbeat_allowance_seconds",
         "How much later than its timeout a heartbeat may be before its expiry withdraws a \
-         pool: the 99th percentile of how late Lease renewals arrived in the last one to two \
-         minutes (0 on a healthy control plane)";
+         pool: the 99th percentile of how much later than the renewal before it each Lease \
+         renewal reached the controller in the last one to two minutes (a fraction of a second \
+         on a healthy control plane)";
     expiries_excused: Counter = Counter::default(),
         "heartbeat_expiries_excused",
         "Heartbeat expiries that withdrew no pool because the beat was no later than renewals \

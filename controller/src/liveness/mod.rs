@@ -2,8 +2,9 @@
 //! `GpuNode`, the renewals of its heartbeat Lease, and what the kubelet did to the node's
 //! slices. [`tracker`] holds the controller's heartbeat state; this module the rules.
 //!
-//! A plugin is live while it reports itself registered with the kubelet, its heartbeat Lease
-//! is fresh, and it has renewed the Lease since the kubelet last wiped the node's slices.
+//! A plugin is live while it reports itself registered with the kubelet, the controller has
+//! seen its heartbeat Lease renewed recently, and it has renewed the Lease since the kubelet
+//! last wiped the node's slices.
 //!
 //! The heartbeat. The plugin renews a Lease in the controller's namespace (named by
 //! [`migdra_api::inventory::heartbeat_lease_name`], its node in `spec.holderIdentity`) every
@@ -12,36 +13,45 @@
 //! where a GpuNode write carries the whole inventory: the plugin writes its GpuNode only when
 //! something in it changes.
 //!
+//! Clocks. `spec.renewTime` is the node's clock, which may be minutes off the controller's.
+//! So, as the node lifecycle controller does with node Leases, liveness never compares it
+//! with the controller's clock: what counts is *when the controller observed* a renewal (a
+//! later `renewTime` or `resourceVersion` than the last one seen), on its own monotonic clock
+//! ([`Heartbeat`]). A Lease first seen after the controller starts counts as observed then,
+//! so a restarted controller gives every plugin a full timeout.
+//!
 //! Timing. The kubelet deletes a driver's node-local slices 30 s after the plugin's connection
 //! drops (and all of them when it starts). A pool republished after that wipe advertises
 //! devices nobody can prepare, so:
 //!
-//! * the heartbeat expires `max(timeout, leaseDurationSeconds)` after the last renewal; the
-//!   default timeout (25 s) withdraws a dead plugin's pool before the kubelet's 30 s wipe,
-//!   while tolerating one beat up to 10 s late;
-//! * a wipe the controller did not cause marks the plugin gone until it renews *after* the
-//!   wipe was observed ([`GoneReason::SlicesWiped`]): a dead plugin never does, a plugin that
-//!   re-registers with a restarted kubelet does so at once. (Renewal times are the node's
-//!   clock, the wipe time the controller's: clocks are assumed synchronised; a node clock
-//!   behind by a few seconds only delays the return to the next beat);
-//! * when more than a threshold fraction of all heartbeats expire at the same time, the
-//!   likelier cause is a slow or partitioned control plane: expiry alone then withdraws
-//!   nothing ([`HeartbeatCensus::mass_expiry`], [`Liveness::Held`]), like the node lifecycle
-//!   controller's unhealthy-zone rule. "Not registered" and a kubelet wipe still withdraw;
+//! * the heartbeat expires `max(timeout, leaseDurationSeconds)` after the last renewal was
+//!   observed; the default timeout (25 s) withdraws a dead plugin's pool before the kubelet's
+//!   30 s wipe, while tolerating one beat up to 10 s late;
+//! * a wipe the controller did not cause marks the plugin gone until a renewal is observed
+//!   *after* the wipe was ([`GoneReason::SlicesWiped`]; both instants on the controller's
+//!   clock): a dead plugin never renews, a plugin that re-registers with a restarted kubelet
+//!   does so at once;
+//! * when more than a threshold fraction of all heartbeats (and at least
+//!   [`MASS_EXPIRY_MIN_NODES`]) expire at the same time, the likelier cause is a slow or
+//!   partitioned control plane: expiry alone then withdraws nothing
+//!   ([`HeartbeatCensus::mass_expiry`], [`Liveness::Held`]), like the node lifecycle
+//!   controller's unhealthy-zone rule. "Not registered" and a kubelet wipe still withdraw. On
+//!   one or two nodes an expiry is not held: there, a dead plugin and a silent control plane
+//!   look alike, and a dead plugin's pool must go before the kubelet's wipe;
 //! * the cache is only as fresh as the watch: a single expiry is confirmed with a quorum
-//!   read of the Lease before the pool goes (see `reconcile::heartbeat`).
+//!   read of the Lease before the pool goes, and a newer renewal that read shows counts as
+//!   observed then (see `reconcile::heartbeat`).
 
 pub mod tracker;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use k8s_openapi::{
-    api::coordination::v1::Lease,
-    jiff::{SignedDuration, Timestamp},
-};
+use k8s_openapi::{api::coordination::v1::Lease, jiff::Timestamp};
 use migdra_api::inventory::{PluginStatus, heartbeat_lease_name};
 
 pub use tracker::HeartbeatTracker;
+
+use crate::expectations::version_at_least;
 
 /// Below the kubelet's 30 s wipe.
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(25);
@@ -50,17 +60,21 @@ pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(25);
 /// controller blames the control plane instead (the node lifecycle controller's 0.55).
 pub const DEFAULT_MASS_EXPIRY_THRESHOLD: f64 = 0.55;
 
-/// Fewest expired heartbeats that count as a mass expiry (the node lifecycle controller also
-/// needs more than two unready nodes): one or two dead plugins are just dead plugins.
+/// Fewest expired heartbeats that count as a mass expiry while some heartbeats are still
+/// observed (the node lifecycle controller also needs more than two unready nodes): one or
+/// two dead plugins among live ones are just dead plugins.
 pub const MASS_EXPIRY_MIN_NODES: usize = 3;
 
-/// A renewal of a node's heartbeat Lease.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A renewal of a node's heartbeat Lease, as the Lease records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaseBeat {
-    /// `spec.renewTime`.
+    /// `spec.renewTime`, on the node's clock: shown in messages and compared only with the
+    /// same node's other renewals.
     pub renewed: Timestamp,
     /// `spec.leaseDurationSeconds`: how long the plugin vouches for this renewal.
     pub duration: Duration,
+    /// `metadata.resourceVersion`.
+    pub version: Option<String>,
 }
 
 impl LeaseBeat {
@@ -72,21 +86,52 @@ impl LeaseBeat {
             .lease_duration_seconds
             .and_then(|s| u64::try_from(s).ok())
             .map_or(Duration::ZERO, Duration::from_secs);
-        Some(Self { renewed, duration })
+        let version = lease.metadata.resource_version.clone();
+        Some(Self {
+            renewed,
+            duration,
+            version,
+        })
     }
 
+    /// True when this is a later renewal than `earlier`: a later `renewTime`, or a later
+    /// `resourceVersion` (so a node clock stepped back still renews, and a lagging watch
+    /// delivering an older renewal does not).
+    pub fn renews(&self, earlier: &Self) -> bool {
+        self.renewed > earlier.renewed
+            || match (&self.version, &earlier.version) {
+                (Some(this), Some(before)) => this != before && version_at_least(Some(this), before),
+                _ => false,
+            }
+    }
+}
+
+/// A renewal and when the controller first observed it (its own monotonic clock).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Heartbeat {
+    pub beat: LeaseBeat,
+    pub observed: Instant,
+}
+
+impl Heartbeat {
     /// The timeout that applies to this renewal: at least `timeout`, and at least the
     /// Lease's duration, so a plugin configured with a slow heartbeat is not declared dead
     /// between two punctual beats.
     pub fn timeout(&self, timeout: Duration) -> Duration {
-        timeout.max(self.duration)
+        timeout.max(self.beat.duration)
     }
 
     /// When this renewal goes stale.
-    pub fn expires(&self, timeout: Duration) -> Timestamp {
-        let span = SignedDuration::try_from(self.timeout(timeout)).unwrap_or(SignedDuration::MAX);
-        self.renewed.checked_add(span).unwrap_or(Timestamp::MAX)
+    pub fn expires(&self, timeout: Duration) -> Instant {
+        later(self.observed, self.timeout(timeout))
     }
+}
+
+/// `at + by`, or as far after `at` as an `Instant` goes when that overflows.
+pub fn later(at: Instant, by: Duration) -> Instant {
+    at.checked_add(by)
+        .or_else(|| at.checked_add(Duration::from_secs(u64::from(u32::MAX))))
+        .unwrap_or(at)
 }
 
 /// The node a heartbeat Lease of `driver` belongs to: its `spec.holderIdentity`, provided the
@@ -102,9 +147,9 @@ pub fn lease_node<'a>(lease: &'a Lease, driver: &str) -> Option<&'a str> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Liveness {
     /// The plugin is live until `expires` unless it heartbeats again.
-    Live { expires: Timestamp },
-    /// The heartbeat (last renewed at `last`) expired, but so did too many others at once to
-    /// blame the plugin: the pool stays as published.
+    Live { expires: Instant },
+    /// The heartbeat (last renewed at `last`, the node's clock) expired, but so did too many
+    /// others at once to blame the plugin: the pool stays as published.
     Held { last: Timestamp },
     /// The plugin is gone: its pool must be withdrawn.
     Gone(GoneReason),
@@ -120,10 +165,11 @@ pub enum GoneReason {
     NotRegistered { error: Option<String> },
     /// The plugin has no heartbeat Lease (none yet, or it was deleted).
     NoHeartbeat,
-    /// Someone else (the kubelet) deleted the node's slices (observed `at`), and the plugin
-    /// has not heartbeated since `last`.
-    SlicesWiped { at: Timestamp, last: Timestamp },
-    /// The last heartbeat is older than the `timeout` that applied.
+    /// Someone else (the kubelet) deleted the node's slices, and no renewal has been observed
+    /// since; `last` is the last renewal's `renewTime`.
+    SlicesWiped { last: Timestamp },
+    /// No renewal observed for the `timeout` that applied; `last` is the last one's
+    /// `renewTime`.
     HeartbeatExpired { last: Timestamp, timeout: Duration },
 }
 
@@ -139,29 +185,31 @@ impl GoneReason {
                 format!("the kubelet plugin is not registered with the kubelet: {e}")
             }
             Self::NoHeartbeat => "the kubelet plugin has no heartbeat Lease".to_string(),
-            Self::SlicesWiped { at, last } => format!(
+            Self::SlicesWiped { last } => format!(
                 "the node's ResourceSlices were deleted by someone else (the kubelet does so when \
-                 the plugin disconnects or the kubelet restarts) at {at}; the last heartbeat \
-                 ({last}) is older, so the pool stays withdrawn until the plugin heartbeats again"
+                 the plugin disconnects or the kubelet restarts), and no heartbeat has arrived \
+                 since (the last one says {last}), so the pool stays withdrawn until the plugin \
+                 heartbeats again"
             ),
             Self::HeartbeatExpired { last, timeout } => format!(
-                "the kubelet plugin's last heartbeat ({last}) is older than {}s",
+                "the kubelet plugin's last heartbeat (renewTime {last}, the node's clock) is older \
+                 than {}s by the time the controller observed it",
                 timeout.as_secs()
             ),
         }
     }
 }
 
-/// Decides whether the plugin described by `plugin`, heartbeating through `lease`, is live at
+/// Decides whether the plugin described by `plugin`, heartbeating `heartbeat`, is live at
 /// `now`. `wiped_at` is when the controller last saw the node's slices deleted by someone
 /// else, if that is still unanswered; `mass_expiry` says whether heartbeats are expiring en
 /// masse ([`HeartbeatCensus::mass_expiry`]).
 pub fn liveness(
     plugin: Option<&PluginStatus>,
-    lease: Option<&LeaseBeat>,
-    now: Timestamp,
+    heartbeat: Option<&Heartbeat>,
+    now: Instant,
     timeout: Duration,
-    wiped_at: Option<Timestamp>,
+    wiped_at: Option<Instant>,
     mass_expiry: bool,
 ) -> Liveness {
     let Some(plugin) = plugin else {
@@ -172,16 +220,14 @@ pub fn liveness(
             error: plugin.registration_error.clone(),
         });
     }
-    let Some(lease) = lease else {
+    let Some(heartbeat) = heartbeat else {
         return Liveness::Gone(GoneReason::NoHeartbeat);
     };
-    let last = lease.renewed;
-    if let Some(at) = wiped_at
-        && last <= at
-    {
-        return Liveness::Gone(GoneReason::SlicesWiped { at, last });
+    let last = heartbeat.beat.renewed;
+    if wiped_at.is_some_and(|at| heartbeat.observed <= at) {
+        return Liveness::Gone(GoneReason::SlicesWiped { last });
     }
-    let expires = lease.expires(timeout);
+    let expires = heartbeat.expires(timeout);
     if now < expires {
         Liveness::Live { expires }
     } else if mass_expiry {
@@ -189,7 +235,7 @@ pub fn liveness(
     } else {
         Liveness::Gone(GoneReason::HeartbeatExpired {
             last,
-            timeout: lease.timeout(timeout),
+            timeout: heartbeat.timeout(timeout),
         })
     }
 }
@@ -205,37 +251,42 @@ pub struct HeartbeatCensus {
 }
 
 impl HeartbeatCensus {
-    /// Counts `plugins` (one entry per GpuNode of this driver, with its Lease) at `now`.
+    /// Counts `plugins` (one entry per GpuNode of this driver, with its heartbeat) at `now`.
     pub fn take<'a>(
-        plugins: impl IntoIterator<Item = (Option<&'a PluginStatus>, Option<LeaseBeat>)>,
-        now: Timestamp,
+        plugins: impl IntoIterator<Item = (Option<&'a PluginStatus>, Option<Heartbeat>)>,
+        now: Instant,
         timeout: Duration,
     ) -> Self {
         let mut census = Self::default();
-        for (plugin, lease) in plugins {
+        for (plugin, heartbeat) in plugins {
             if !plugin.is_some_and(|p| p.registered) {
                 continue;
             }
             census.registered += 1;
-            if lease.is_none_or(|lease| now >= lease.expires(timeout)) {
+            if heartbeat.is_none_or(|h| now >= h.expires(timeout)) {
                 census.expired += 1;
             }
         }
         census
     }
 
-    /// True when more than `threshold` of the registered plugins (and at least
-    /// [`MASS_EXPIRY_MIN_NODES`]) have expired heartbeats.
+    /// True when the registered plugins' heartbeats expire en masse: more than `threshold`
+    /// of them, and at least [`MASS_EXPIRY_MIN_NODES`]. A threshold of 1 disables the rule.
     pub fn mass_expiry(&self, threshold: f64) -> bool {
-        self.expired >= MASS_EXPIRY_MIN_NODES && self.expired as f64 > threshold * self.registered as f64
+        threshold < 1.0
+            && self.expired >= MASS_EXPIRY_MIN_NODES
+            && self.expired as f64 > threshold * self.registered as f64
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::LazyLock;
+
     use k8s_openapi::{
         api::coordination::v1::LeaseSpec,
         apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time},
+        jiff::SignedDuration,
     };
     use migdra_api::inventory::DEFAULT_DRIVER_NAME;
 
@@ -243,6 +294,9 @@ mod tests {
 
     /// The kubelet deletes a driver's node-local slices this long after its plugin disconnects.
     const KUBELET_WIPE_DELAY: Duration = Duration::from_secs(30);
+
+    /// The controller's clock at the start of every test's story.
+    static START: LazyLock<Instant> = LazyLock::new(Instant::now);
 
     fn plugin(registered: bool) -> PluginStatus {
         PluginStatus {
@@ -254,36 +308,46 @@ mod tests {
         }
     }
 
+    /// A time on a node's clock.
     fn ts(s: i64) -> Timestamp {
         Timestamp::from_second(1_700_000_000 + s).unwrap()
     }
 
-    /// A renewal at `renewed` of a plugin beating every 15 s (a 23 s Lease).
-    fn lease(renewed: Timestamp) -> LeaseBeat {
-        LeaseBeat {
-            renewed,
-            duration: Duration::from_secs(23),
+    /// An instant `s` seconds into the story, on the controller's clock.
+    fn at(s: u64) -> Instant {
+        *START + Duration::from_secs(s)
+    }
+
+    /// A renewal of a plugin beating every 15 s (a 23 s Lease), stamped `renewed` by the
+    /// node and observed by the controller at `observed`.
+    fn beat(renewed: Timestamp, observed: Instant) -> Heartbeat {
+        Heartbeat {
+            beat: LeaseBeat {
+                renewed,
+                duration: Duration::from_secs(23),
+                version: None,
+            },
+            observed,
         }
     }
 
-    fn live(renewed: Timestamp, now: Timestamp, timeout: Duration) -> Liveness {
-        liveness(
-            Some(&plugin(true)),
-            Some(&lease(renewed)),
-            now,
-            timeout,
-            None,
-            false,
-        )
+    /// A renewal observed `s` seconds into the story, on a node whose clock agrees.
+    fn synced(s: u64) -> Heartbeat {
+        beat(ts(s as i64), at(s))
+    }
+
+    fn live(heartbeat: &Heartbeat, now: Instant, timeout: Duration) -> Liveness {
+        liveness(Some(&plugin(true)), Some(heartbeat), now, timeout, None, false)
     }
 
     #[test]
     fn live_until_the_timeout() {
         let timeout = Duration::from_secs(25);
-        assert_eq!(live(ts(0), ts(10), timeout), Liveness::Live { expires: ts(25) });
-        assert_eq!(live(ts(0), ts(24), timeout), Liveness::Live { expires: ts(25) });
+        let h = synced(0);
+        assert_eq!(live(&h, at(10), timeout), Liveness::Live { expires: at(25) });
+        assert_eq!(live(&h, at(24), timeout), Liveness::Live { expires: at(25) });
         assert!(matches!(
-            live(ts(0), ts(25), timeout),
+            live(&h, at(25), timeout),
             Liveness::Gone(GoneReason::HeartbeatExpired { timeout: t, .. }) if t == timeout
         ));
     }
@@ -293,15 +357,15 @@ mod tests {
         // A plugin dies right after a beat on the default 15 s interval: its pool must be
         // gone before the kubelet deletes the slices 30 s after the disconnect, and a beat
         // that is a few seconds late must not withdraw it.
-        let timeout = lease(ts(0)).timeout(DEFAULT_HEARTBEAT_TIMEOUT);
+        let timeout = synced(0).timeout(DEFAULT_HEARTBEAT_TIMEOUT);
         assert!(timeout < KUBELET_WIPE_DELAY, "{timeout:?}");
         assert!(timeout > Duration::from_secs(15 + 5), "{timeout:?}");
         assert!(matches!(
-            live(ts(0), ts(20), DEFAULT_HEARTBEAT_TIMEOUT),
+            live(&synced(0), at(20), DEFAULT_HEARTBEAT_TIMEOUT),
             Liveness::Live { .. }
         ));
         assert!(matches!(
-            live(ts(0), ts(29), DEFAULT_HEARTBEAT_TIMEOUT),
+            live(&synced(0), at(29), DEFAULT_HEARTBEAT_TIMEOUT),
             Liveness::Gone(GoneReason::HeartbeatExpired { .. })
         ));
     }
@@ -309,24 +373,17 @@ mod tests {
     #[test]
     fn slow_heartbeats_stretch_the_timeout() {
         // A plugin beating every 60 s vouches for 90 s.
-        let slow = LeaseBeat {
-            renewed: ts(0),
-            duration: Duration::from_secs(90),
-        };
+        let mut slow = synced(0);
+        slow.beat.duration = Duration::from_secs(90);
         let timeout = Duration::from_secs(25);
         assert_eq!(slow.timeout(timeout), Duration::from_secs(90));
+        let mut fast = slow.clone();
+        fast.beat.duration = Duration::from_secs(5);
+        assert_eq!(fast.timeout(timeout), timeout);
+        let at_ = |now| liveness(Some(&plugin(true)), Some(&slow), now, timeout, None, false);
+        assert_eq!(at_(at(89)), Liveness::Live { expires: at(90) });
         assert_eq!(
-            LeaseBeat {
-                duration: Duration::from_secs(5),
-                ..slow
-            }
-            .timeout(timeout),
-            timeout
-        );
-        let at = |now| liveness(Some(&plugin(true)), Some(&slow), now, timeout, None, false);
-        assert_eq!(at(ts(89)), Liveness::Live { expires: ts(90) });
-        assert_eq!(
-            at(ts(90)),
+            at_(at(90)),
             Liveness::Gone(GoneReason::HeartbeatExpired {
                 last: ts(0),
                 timeout: Duration::from_secs(90)
@@ -335,16 +392,34 @@ mod tests {
     }
 
     #[test]
+    fn node_clock_skew_neither_shortens_nor_stretches_a_heartbeat() {
+        let timeout = Duration::from_secs(25);
+        let minute = SignedDuration::from_secs(60);
+        for skew in [-minute, minute] {
+            // Renewals stamped a minute off the controller's clock, observed as they arrive:
+            // live for the whole timeout after each observation, whatever the stamp says.
+            let h = beat(ts(100) + skew, at(100));
+            assert_eq!(live(&h, at(124), timeout), Liveness::Live { expires: at(125) });
+            // A plugin whose clock runs ahead stops renewing: gone the timeout after the last
+            // renewal was observed, though its stamp is still in the controller's future.
+            assert!(matches!(
+                live(&h, at(125), timeout),
+                Liveness::Gone(GoneReason::HeartbeatExpired { last, .. }) if last == ts(100) + skew
+            ));
+        }
+    }
+
+    #[test]
     fn unregistered_silent_or_leaseless_plugins_are_gone() {
         let timeout = Duration::from_secs(60);
         assert_eq!(
-            liveness(None, Some(&lease(ts(0))), ts(0), timeout, None, false),
+            liveness(None, Some(&synced(0)), at(0), timeout, None, false),
             Liveness::Gone(GoneReason::NoStatus)
         );
         let gone = liveness(
             Some(&plugin(false)),
-            Some(&lease(ts(0))),
-            ts(1),
+            Some(&synced(0)),
+            at(1),
             timeout,
             None,
             false,
@@ -361,67 +436,58 @@ mod tests {
         assert!(reason.message().contains("socket gone"));
         // Registered but without a Lease: gone, even while heartbeats expire en masse.
         assert_eq!(
-            liveness(Some(&plugin(true)), None, ts(1), timeout, None, true),
+            liveness(Some(&plugin(true)), None, at(1), timeout, None, true),
             Liveness::Gone(GoneReason::NoHeartbeat)
         );
     }
 
     #[test]
-    fn a_wipe_holds_until_a_renewal_after_it() {
+    fn a_wipe_holds_until_a_renewal_observed_after_it() {
         let timeout = Duration::from_secs(25);
         let p = plugin(true);
-        // The renewal is fresh, but older than the wipe: gone.
+        let judge =
+            |h: &Heartbeat, now, wiped, hold| liveness(Some(&p), Some(h), now, timeout, Some(wiped), hold);
+        // The renewal is fresh, but observed before the wipe: gone.
         assert_eq!(
-            liveness(
-                Some(&p),
-                Some(&lease(ts(100))),
-                ts(106),
-                timeout,
-                Some(ts(105)),
-                false
-            ),
-            Liveness::Gone(GoneReason::SlicesWiped {
-                at: ts(105),
-                last: ts(100)
-            })
+            judge(&synced(100), at(106), at(105), false),
+            Liveness::Gone(GoneReason::SlicesWiped { last: ts(100) })
         );
-        // A renewal at the very instant of the wipe does not prove the plugin outlived it.
+        // A renewal observed at the very instant of the wipe does not prove the plugin
+        // outlived it.
         assert!(matches!(
-            liveness(
-                Some(&p),
-                Some(&lease(ts(105))),
-                ts(106),
-                timeout,
-                Some(ts(105)),
-                false
-            ),
+            judge(&synced(105), at(106), at(105), false),
             Liveness::Gone(GoneReason::SlicesWiped { .. })
         ));
         // The plugin re-registered and renewed after the wipe: live again.
         assert_eq!(
-            liveness(
-                Some(&p),
-                Some(&lease(ts(106))),
-                ts(107),
-                timeout,
-                Some(ts(105)),
-                false
-            ),
-            Liveness::Live { expires: ts(131) }
+            judge(&synced(106), at(107), at(105), false),
+            Liveness::Live { expires: at(131) }
         );
+        // Only the observation counts: a renewal stamped a minute ahead, observed before the
+        // wipe, does not answer it; one stamped a minute behind, observed after, does.
+        let ahead = beat(ts(160), at(100));
+        assert!(matches!(
+            judge(&ahead, at(106), at(105), false),
+            Liveness::Gone(GoneReason::SlicesWiped { .. })
+        ));
+        let behind = beat(ts(46), at(106));
+        assert!(matches!(
+            judge(&behind, at(107), at(105), false),
+            Liveness::Live { .. }
+        ));
         // A wipe withdraws even while heartbeats are expiring en masse.
         assert!(matches!(
-            liveness(Some(&p), Some(&lease(ts(0))), ts(100), timeout, Some(ts(1)), true),
+            judge(&synced(0), at(100), at(1), true),
             Liveness::Gone(GoneReason::SlicesWiped { .. })
         ));
         // And "not registered" wins over everything.
         assert!(matches!(
             liveness(
                 Some(&plugin(false)),
-                Some(&lease(ts(3))),
-                ts(4),
+                Some(&synced(3)),
+                at(4),
                 timeout,
-                Some(ts(1)),
+                Some(at(1)),
                 true
             ),
             Liveness::Gone(GoneReason::NotRegistered { .. })
@@ -433,11 +499,11 @@ mod tests {
         let timeout = Duration::from_secs(25);
         let p = plugin(true);
         assert_eq!(
-            liveness(Some(&p), Some(&lease(ts(0))), ts(60), timeout, None, true),
+            liveness(Some(&p), Some(&synced(0)), at(60), timeout, None, true),
             Liveness::Held { last: ts(0) }
         );
         assert!(matches!(
-            liveness(Some(&p), Some(&lease(ts(0))), ts(10), timeout, None, true),
+            liveness(Some(&p), Some(&synced(0)), at(10), timeout, None, true),
             Liveness::Live { .. }
         ));
     }
@@ -447,13 +513,10 @@ mod tests {
         let timeout = Duration::from_secs(25);
         let (registered, unregistered) = (plugin(true), plugin(false));
         let census = |stale: usize, fresh: usize| {
-            let plugins = std::iter::repeat_n((Some(&registered), Some(lease(ts(50)))), stale)
-                .chain(std::iter::repeat_n(
-                    (Some(&registered), Some(lease(ts(90)))),
-                    fresh,
-                ))
-                .chain([(Some(&unregistered), Some(lease(ts(0)))), (None, None)]);
-            HeartbeatCensus::take(plugins, ts(100), timeout)
+            let plugins = std::iter::repeat_n((Some(&registered), Some(synced(50))), stale)
+                .chain(std::iter::repeat_n((Some(&registered), Some(synced(90))), fresh))
+                .chain([(Some(&unregistered), Some(synced(0))), (None, None)]);
+            HeartbeatCensus::take(plugins, at(100), timeout)
         };
         assert_eq!(
             census(3, 2),
@@ -466,19 +529,43 @@ mod tests {
         assert!(census(3, 2).mass_expiry(0.55));
         // 3 of 6 (50 %) is not.
         assert!(!census(3, 3).mass_expiry(0.55));
-        // Two dead plugins are two dead plugins, even when they are all there is.
+        // One or two dead plugins among live ones are dead plugins.
+        assert!(!census(1, 1).mass_expiry(0.55));
+        assert!(!census(2, 1).mass_expiry(0.55));
+        // On one or two nodes even every heartbeat expiring is not held: a dead plugin there
+        // must lose its pool before the kubelet's wipe. Three of three is held.
+        assert!(!census(1, 0).mass_expiry(0.55));
         assert!(!census(2, 0).mass_expiry(0.55));
         assert!(census(3, 0).mass_expiry(0.55));
+        // Nothing registered, nothing expired: nothing to hold.
+        assert!(!census(0, 0).mass_expiry(0.55));
         // A threshold of 1 disables the rule.
         assert!(!census(10, 0).mass_expiry(1.0));
+        assert!(!census(1, 0).mass_expiry(1.0));
         // A registered plugin without a Lease has no fresh heartbeat.
         assert_eq!(
-            HeartbeatCensus::take([(Some(&registered), None)], ts(100), timeout),
+            HeartbeatCensus::take([(Some(&registered), None)], at(100), timeout),
             HeartbeatCensus {
                 registered: 1,
                 expired: 1
             }
         );
+    }
+
+    #[test]
+    fn a_later_renew_time_or_resource_version_is_a_renewal() {
+        let lease = |renewed: i64, version: Option<&str>| LeaseBeat {
+            renewed: ts(renewed),
+            duration: Duration::from_secs(23),
+            version: version.map(Into::into),
+        };
+        assert!(lease(15, None).renews(&lease(0, None)));
+        assert!(!lease(0, None).renews(&lease(0, None)));
+        // An older renewal a lagging watch delivers late renews nothing.
+        assert!(!lease(0, Some("5")).renews(&lease(15, Some("7"))));
+        // The node's clock stepped back, the write is still newer.
+        assert!(lease(-30, Some("8")).renews(&lease(15, Some("7"))));
+        assert!(!lease(15, Some("7")).renews(&lease(15, Some("7"))));
     }
 
     fn lease_object(name: &str, holder: Option<&str>) -> Lease {
@@ -501,7 +588,7 @@ mod tests {
         let driver = DEFAULT_DRIVER_NAME;
         let short = lease_object("node-a.gpu.migdra.dev", Some("node-a"));
         assert_eq!(lease_node(&short, driver), Some("node-a"));
-        assert_eq!(LeaseBeat::of(&short), Some(lease(ts(7))));
+        assert_eq!(LeaseBeat::of(&short), Some(beat(ts(7), at(0)).beat));
         // A node name too long for `<node>.<driver>`: the Lease name is cut and hashed, the
         // holder identity carries the whole name.
         let long_node = format!("{}.example.com", "n".repeat(240));

@@ -1,6 +1,6 @@
-//! The controller's heartbeat state: the Lease cache, which nodes it found live and until
-//! when, the heartbeat census, the rate limit on expiry withdrawals and how late renewals
-//! arrive right now.
+//! The controller's heartbeat state: the Lease cache, when it observed each node's last
+//! renewal, which nodes it found live and until when, the heartbeat census, the rate limit on
+//! expiry withdrawals and how late renewals arrive right now.
 
 use std::{
     collections::HashMap,
@@ -11,14 +11,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::{api::coordination::v1::Lease, jiff::Timestamp};
+use k8s_openapi::api::coordination::v1::Lease;
 use kube::{
     Api, Client,
     runtime::reflector::{ObjectRef, Store},
 };
 use migdra_api::inventory::{GpuNode, heartbeat_lease_name};
 
-use super::{HeartbeatCensus, LeaseBeat, lease_node};
+use super::{Heartbeat, HeartbeatCensus, LeaseBeat, lease_node};
 use crate::{
     context::{ControllerConfig, Stores},
     error::Error,
@@ -36,8 +36,7 @@ pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// kubelet's wipe 30 s after its connection drops, whatever this is.
 pub const MAX_HEARTBEAT_ALLOWANCE: Duration = Duration::from_secs(120);
 
-/// How many recent renewal delays the allowance needs: fewer say nothing about the control
-/// plane (and let no single node's clock decide).
+/// How many recent renewals the allowance needs: fewer say nothing about the control plane.
 pub const MIN_DELAY_SAMPLES: u64 = 20;
 
 /// The heartbeat state every reconciliation shares.
@@ -54,12 +53,15 @@ pub struct HeartbeatTracker {
     /// The last census, when it was taken and whether it holds expiry back.
     census: Mutex<Option<(Instant, HeartbeatCensus, bool)>>,
     last_expiry_withdrawal: Mutex<Option<Instant>>,
-    /// How late Lease renewals reached the controller recently (see [`Self::allowance`]).
-    delays: Mutex<RecentDelays>,
+    /// Per node, the last renewal observed and when.
+    observed: Mutex<HashMap<String, Heartbeat>>,
+    /// How much later than the one before it each recent renewal reached the controller (see
+    /// [`Self::allowance`]).
+    lateness: Mutex<RecentDelays>,
     /// Nodes whose last reconciliation found the plugin live, with the heartbeat expiry it
     /// saw: a Lease renewal of theirs needs no reconciliation (the expiry watch re-checks
     /// them, see [`Self::take_expired`]), one of any other node does.
-    live: Mutex<HashMap<String, Timestamp>>,
+    live: Mutex<HashMap<String, Instant>>,
 }
 
 impl HeartbeatTracker {
@@ -73,43 +75,92 @@ impl HeartbeatTracker {
             holding: AtomicBool::new(false),
             census: Mutex::new(None),
             last_expiry_withdrawal: Mutex::new(None),
-            delays: Mutex::new(RecentDelays::new(Instant::now())),
+            observed: Mutex::new(HashMap::new()),
+            lateness: Mutex::new(RecentDelays::new(Instant::now())),
             live: Mutex::new(HashMap::new()),
         }
     }
 
-    /// The last renewal of `node`'s heartbeat Lease, if it has one.
-    pub fn lease_beat(&self, node: &str) -> Option<LeaseBeat> {
+    /// `node`'s heartbeat: the last renewal of its Lease and when the controller observed it.
+    /// A Lease the controller has not observed yet (the first look after a start) counts as
+    /// observed now.
+    pub fn heartbeat(&self, node: &str) -> Option<Heartbeat> {
         let name = heartbeat_lease_name(node, &self.config.driver);
         let lease = self
             .leases
             .get(&ObjectRef::new(&name).within(&self.config.heartbeat_namespace))?;
-        LeaseBeat::of(&lease).filter(|_| lease_node(&lease, &self.config.driver) == Some(node))
+        let beat = LeaseBeat::of(&lease).filter(|_| lease_node(&lease, &self.config.driver) == Some(node))?;
+        Some(self.note(node, beat, Instant::now(), false))
     }
 
-    /// Records how late a Lease renewal made at `renewed` (the plugin's clock) arrives in a
-    /// watch event now: the API server's time to accept the write plus the watch's time to
-    /// deliver it (plus any clock skew, which the quantile keeps a few nodes' from deciding).
-    pub fn record_delay(&self, renewed: Timestamp) {
-        let delay = Timestamp::now()
-            .duration_since(renewed)
-            .try_into()
-            .unwrap_or(Duration::ZERO);
-        lock(&self.delays).record(Instant::now(), delay);
+    /// Notes a Lease a watch event delivered `at`: a renewal, if it is later than the last
+    /// one observed, which also measures how late it arrived ([`Self::allowance`]).
+    pub fn observe(&self, lease: &Lease, at: Instant) {
+        self.observe_lease(lease, at, true);
+    }
+
+    /// [`Self::observe`] for a Lease from a list (the watch's start or a relist), whose
+    /// arrival says nothing about how fast renewals travel.
+    pub fn observe_listed(&self, lease: &Lease, at: Instant) {
+        self.observe_lease(lease, at, false);
+    }
+
+    /// Forgets a deleted Lease's renewals.
+    pub fn forget(&self, lease: &Lease) {
+        if let Some(node) = lease_node(lease, &self.config.driver) {
+            lock(&self.observed).remove(node);
+        }
+    }
+
+    fn observe_lease(&self, lease: &Lease, at: Instant, measure: bool) {
+        if let Some(node) = lease_node(lease, &self.config.driver)
+            && let Some(beat) = LeaseBeat::of(lease)
+        {
+            self.note(node, beat, at, measure);
+        }
+    }
+
+    /// Records `beat` of `node`, seen `at`, if it renews the last one observed; returns the
+    /// heartbeat that holds now. With `measure`, a renewal's lateness is recorded: how much
+    /// longer the controller waited for it than the node took between the two renewals (both
+    /// intervals on one clock each, so no clock skew enters it; a constant delay cancels out,
+    /// as it does for liveness).
+    fn note(&self, node: &str, beat: LeaseBeat, at: Instant, measure: bool) -> Heartbeat {
+        let mut observed = lock(&self.observed);
+        let Some(last) = observed.get_mut(node) else {
+            let heartbeat = Heartbeat { beat, observed: at };
+            observed.insert(node.to_string(), heartbeat.clone());
+            return heartbeat;
+        };
+        if !beat.renews(&last.beat) {
+            return last.clone();
+        }
+        if measure
+            && let Ok(sent_apart) = Duration::try_from(beat.renewed.duration_since(last.beat.renewed))
+            && !sent_apart.is_zero()
+        {
+            let lateness = at
+                .saturating_duration_since(last.observed)
+                .saturating_sub(sent_apart);
+            lock(&self.lateness).record(Instant::now(), lateness);
+        }
+        *last = Heartbeat { beat, observed: at };
+        last.clone()
     }
 
     /// How much later than its timeout a heartbeat may be before its expiry withdraws the
     /// pool: the 99th percentile of renewal lateness over the last one to two minutes (none
     /// with fewer than [`MIN_DELAY_SAMPLES`]), at most [`MAX_HEARTBEAT_ALLOWANCE`]. Behind a
-    /// saturated API server every renewal lands seconds late; a beat late by what is normal
-    /// right now means a slow control plane, not a dead plugin (see docs/benchmarks.md).
+    /// saturated API server renewals are delayed by varying amounts, so the gaps between them
+    /// stretch; a beat late by what is normal right now means a slow control plane, not a dead
+    /// plugin (see docs/benchmarks.md).
     pub fn allowance(&self) -> Duration {
-        lock(&self.delays)
+        lock(&self.lateness)
             .quantile(Instant::now(), 0.99, MIN_DELAY_SAMPLES)
             .map_or(Duration::ZERO, |d| d.min(MAX_HEARTBEAT_ALLOWANCE))
     }
 
-    pub fn set_live(&self, node: &str, expires: Timestamp) {
+    pub fn set_live(&self, node: &str, expires: Instant) {
         lock(&self.live).insert(node.to_string(), expires);
     }
 
@@ -123,7 +174,7 @@ impl HeartbeatTracker {
     }
 
     /// The heartbeat expiry `node` is next looked at, while it counts as live.
-    pub fn live_until(&self, node: &str) -> Option<Timestamp> {
+    pub fn live_until(&self, node: &str) -> Option<Instant> {
         lock(&self.live).get(node).copied()
     }
 
@@ -131,7 +182,7 @@ impl HeartbeatTracker {
     /// decide what the expiry means. They stop counting as live, so a late renewal of theirs
     /// triggers a reconciliation too. A live node whose Lease was renewed since is moved to
     /// its new expiry: a steady heartbeat costs a comparison, not a reconciliation.
-    pub fn take_expired(&self, now: Timestamp) -> Vec<String> {
+    pub fn take_expired(&self, now: Instant) -> Vec<String> {
         let mut live = lock(&self.live);
         let mut expired = Vec::new();
         for (node, expires) in live.iter_mut() {
@@ -139,8 +190,8 @@ impl HeartbeatTracker {
                 continue;
             }
             let renewed = self
-                .lease_beat(node)
-                .map(|lease| lease.expires(self.config.heartbeat_timeout))
+                .heartbeat(node)
+                .map(|heartbeat| heartbeat.expires(self.config.heartbeat_timeout))
                 .filter(|renewed| now < *renewed);
             match renewed {
                 Some(renewed) => *expires = renewed,
@@ -156,7 +207,7 @@ impl HeartbeatTracker {
     /// The heartbeats of every GpuNode of this driver at `now` (reused for
     /// [`ControllerConfig::census_ttl`]), and whether heartbeat expiry is held back; records
     /// that in the metrics and the log.
-    pub fn census(&self, now: Timestamp) -> (HeartbeatCensus, bool) {
+    pub fn census(&self, now: Instant) -> (HeartbeatCensus, bool) {
         let mut cached = lock(&self.census);
         if let Some((at, census, hold)) = *cached
             && at.elapsed() < self.config.census_ttl
@@ -171,8 +222,8 @@ impl HeartbeatTracker {
                 .map(|g| {
                     let plugin = g.status.as_ref().and_then(|s| s.plugin.as_ref());
                     let name = g.metadata.name.as_deref().unwrap_or_default();
-                    let lease = plugin.and_then(|_| self.lease_beat(name));
-                    (plugin, lease)
+                    let heartbeat = plugin.and_then(|_| self.heartbeat(name));
+                    (plugin, heartbeat)
                 }),
             now,
             self.config.heartbeat_timeout,
@@ -234,10 +285,11 @@ impl HeartbeatTracker {
         }
     }
 
-    /// `node`'s heartbeat as the API server has it now (a quorum read of its Lease, not the
-    /// cache, which a lagging watch shows older than it is). A missing Lease is `None`; no
-    /// answer within [`CONFIRM_TIMEOUT`] is an error.
-    pub async fn fresh_lease_beat(&self, node: &str) -> Result<Option<LeaseBeat>, Error> {
+    /// `node`'s heartbeat with its Lease as the API server has it now (a quorum read, not the
+    /// cache, which a lagging watch shows older than it is): a renewal later than the last
+    /// observed counts as observed now. A missing Lease is `None`; no answer within
+    /// [`CONFIRM_TIMEOUT`] is an error.
+    pub async fn fresh_heartbeat(&self, node: &str) -> Result<Option<Heartbeat>, Error> {
         let unconfirmed = |reason: String| Error::HeartbeatUnconfirmed {
             node: node.to_string(),
             object: "Lease",
@@ -248,7 +300,8 @@ impl HeartbeatTracker {
             Ok(Ok(lease)) => Ok(lease
                 .filter(|lease| lease_node(lease, &self.config.driver) == Some(node))
                 .as_ref()
-                .and_then(LeaseBeat::of)),
+                .and_then(LeaseBeat::of)
+                .map(|beat| self.note(node, beat, Instant::now(), false))),
             Ok(Err(e)) => Err(unconfirmed(e.to_string())),
             Err(_) => Err(unconfirmed(format!(
                 "no answer within {}s",

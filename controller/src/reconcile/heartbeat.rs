@@ -2,14 +2,12 @@
 //! heartbeat expiry seen in the cache confirmed against the API server before it counts, and
 //! what that means for the node's bookkeeping (live set, metrics, answered wipes).
 
-use std::time::Duration;
-
-use k8s_openapi::jiff::Timestamp;
+use std::time::Instant;
 
 use super::NodeView;
 use crate::{
     error::Error,
-    liveness::{GoneReason, LeaseBeat, Liveness, liveness},
+    liveness::{GoneReason, Heartbeat, Liveness, later, liveness},
 };
 
 /// Judges the liveness of `view`'s plugin and records it.
@@ -19,26 +17,33 @@ pub(super) async fn judge(view: &NodeView<'_>) -> Result<Liveness, Error> {
     if newly_missing > 0 {
         ctx.metrics.slices_wiped(newly_missing);
     }
-    let now = Timestamp::now();
+    let now = Instant::now();
     let plugin = view.gpunode.status.as_ref().and_then(|s| s.plugin.as_ref());
-    let lease = ctx.heartbeats.lease_beat(node);
+    let heartbeat = ctx.heartbeats.heartbeat(node);
     let (_, hold) = ctx.heartbeats.census(now);
-    let judge = |lease: Option<&LeaseBeat>, now| {
-        liveness(plugin, lease, now, ctx.config.heartbeat_timeout, wiped_at, hold)
+    let judge = |heartbeat: Option<&Heartbeat>, now| {
+        liveness(
+            plugin,
+            heartbeat,
+            now,
+            ctx.config.heartbeat_timeout,
+            wiped_at,
+            hold,
+        )
     };
-    let state = match judge(lease.as_ref(), now) {
+    let state = match (judge(heartbeat.as_ref(), now), &heartbeat) {
         // Expiry alone is checked against the API server and rate-limited; a pool already
         // withdrawn needs neither.
-        Liveness::Gone(GoneReason::HeartbeatExpired { last, timeout }) if !view.cached.is_empty() => {
-            confirm_expiry(view, (last, timeout), judge).await?
+        (Liveness::Gone(GoneReason::HeartbeatExpired { .. }), Some(cached)) if !view.cached.is_empty() => {
+            confirm_expiry(view, cached, judge).await?
         }
-        state => state,
+        (state, _) => state,
     };
     if let Liveness::Live { expires } = state {
         ctx.heartbeats.set_live(node, expires);
         ctx.metrics.set_plugin_live(node, true);
         if let Some(at) = wiped_at {
-            tracing::info!(%at, "the plugin heartbeated after its slices were wiped; republishing");
+            tracing::info!("the plugin heartbeated after its slices were wiped; republishing");
             ctx.expectations.wipe_answered(node, at);
         }
     } else {
@@ -51,28 +56,31 @@ pub(super) async fn judge(view: &NodeView<'_>) -> Result<Liveness, Error> {
     Ok(state)
 }
 
-/// What a heartbeat expiry seen in the cache (last beat `cached_last`, then `timeout`) really
-/// is. A watch behind an overloaded API server makes every heartbeat look older, so before a
-/// pool is withdrawn for expiry alone a quorum read of the Lease decides
-/// ([`crate::liveness::HeartbeatTracker::fresh_lease_beat`]); no read is made when the rate
-/// limit would hold the pool anyway or the beat is no later than renewals arrive right now
+/// What a heartbeat expiry seen in the cache (the `cached` heartbeat) really is. A watch
+/// behind an overloaded API server delivers renewals late, so before a pool is withdrawn for
+/// expiry alone a quorum read of the Lease decides
+/// ([`crate::liveness::HeartbeatTracker::fresh_heartbeat`]; a later renewal it shows counts as
+/// observed now); no read is made when the rate limit would hold the pool anyway or the beat
+/// is no later than renewals arrive right now
 /// ([`crate::liveness::HeartbeatTracker::allowance`]). A failed read keeps the pool (an error,
 /// retried with backoff); the kubelet still wipes a dead plugin's slices. `judge` gives the
-/// liveness for a heartbeat at a time.
+/// liveness for a heartbeat at an instant.
 async fn confirm_expiry(
     view: &NodeView<'_>,
-    (cached_last, timeout): (Timestamp, Duration),
-    judge: impl Fn(Option<&LeaseBeat>, Timestamp) -> Liveness,
+    cached: &Heartbeat,
+    judge: impl Fn(Option<&Heartbeat>, Instant) -> Liveness,
 ) -> Result<Liveness, Error> {
     let (ctx, heartbeats) = (view.ctx, &view.ctx.heartbeats);
+    let cached_last = cached.beat.renewed;
     let allowance = heartbeats.allowance();
-    let excused_until = cached_last + timeout + allowance;
-    if Timestamp::now() < excused_until {
+    let excused_until = later(cached.expires(ctx.config.heartbeat_timeout), allowance);
+    let now = Instant::now();
+    if now < excused_until {
         ctx.metrics.heartbeat_expiry_excused();
         tracing::info!(
             last = %cached_last,
             allowance_seconds = allowance.as_secs_f64(),
-            until = %excused_until,
+            excused_for_seconds = excused_until.duration_since(now).as_secs_f64(),
             "heartbeat expired, but renewals reach the controller this late right now (the \
              control plane is slow): keeping the pool"
         );
@@ -81,7 +89,7 @@ async fn confirm_expiry(
     if !heartbeats.expiry_withdrawal_due() {
         return Ok(held_by_rate_limit(cached_last));
     }
-    let lease = match heartbeats.fresh_lease_beat(&view.name).await {
+    let fresh_heartbeat = match heartbeats.fresh_heartbeat(&view.name).await {
         Ok(fresh) => fresh,
         Err(e) => {
             ctx.metrics.heartbeat_expiry_checked("failed");
@@ -89,7 +97,7 @@ async fn confirm_expiry(
             return Err(e);
         }
     };
-    let fresh = judge(lease.as_ref(), Timestamp::now());
+    let fresh = judge(fresh_heartbeat.as_ref(), Instant::now());
     ctx.metrics
         .heartbeat_expiry_checked(if matches!(fresh, Liveness::Live { .. }) {
             "refuted"
@@ -103,12 +111,10 @@ async fn confirm_expiry(
             Ok(held_by_rate_limit(last))
         }
         Liveness::Live { .. } => {
-            let fresh_last = lease.map_or(Timestamp::UNIX_EPOCH, |l| l.renewed);
             tracing::warn!(
                 cached_last = %cached_last,
-                fresh_last = %fresh_last,
-                lag_seconds = fresh_last.duration_since(cached_last).as_secs_f64(),
-                "the cache showed an expired heartbeat, the API server a live one: the \
+                fresh_last = ?fresh_heartbeat.map(|h| h.beat.renewed),
+                "the cache showed an expired heartbeat, the API server a later renewal: the \
                  controller's watch lags; keeping the pool"
             );
             Ok(fresh)
@@ -120,7 +126,7 @@ async fn confirm_expiry(
 
 /// An expiry the withdrawal rate limit holds back (see
 /// [`crate::liveness::HeartbeatTracker::allow_expiry_withdrawal`]).
-fn held_by_rate_limit(last: Timestamp) -> Liveness {
+fn held_by_rate_limit(last: k8s_openapi::jiff::Timestamp) -> Liveness {
     tracing::info!(%last, "heartbeat expired, but another pool was withdrawn for expiry moments ago: keeping this one for now");
     Liveness::Held { last }
 }

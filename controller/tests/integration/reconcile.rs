@@ -3,10 +3,16 @@
 //! conflict, an invalid policy, an API server that drops fields, and status writes deferred
 //! while other reconciliations write slices.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use http::StatusCode;
-use k8s_openapi::{api::resource::v1::ResourceSlice, jiff::Timestamp};
+use k8s_openapi::{
+    api::resource::v1::ResourceSlice,
+    jiff::{SignedDuration, Timestamp},
+};
 use kube::runtime::controller::Action;
 use migdra_api::{
     inventory::{GpuInventory, GpuNode},
@@ -43,7 +49,7 @@ fn expiry_watched_in(h: &Harness, action: &Action) -> i64 {
         .heartbeats
         .live_until(NODE)
         .expect("a live node is watched for expiry");
-    until.duration_since(Timestamp::now()).as_secs()
+    until.saturating_duration_since(Instant::now()).as_secs() as i64
 }
 
 /// A check that a written slice belongs to the pool at `generation` with `count` slices.
@@ -339,11 +345,17 @@ fn assert_expiries(h: &Harness, expired: usize, held: usize) {
     );
 }
 
-/// Reconciles `g` whose Lease the server confirms last renewed `lease_age` seconds ago: its
-/// pool of `slices` slices is withdrawn.
-async fn confirmed_and_withdrawn(h: &mut Harness, g: &GpuNode, lease_age: i64, slices: usize) {
+/// node-a's Lease as the cache has it, which the server confirms (no later renewal).
+fn unchanged_lease(h: &Harness) -> Step {
+    let cached = h.ctx.heartbeats.heartbeat(NODE).expect("a cached Lease");
+    get_lease(Some(cached.beat.renewed))
+}
+
+/// Reconciles `g` whose expired Lease the server confirms: its pool of `slices` slices is
+/// withdrawn.
+async fn confirmed_and_withdrawn(h: &mut Harness, g: &GpuNode, slices: usize) {
     let scenario = Scenario::new()
-        .then(get_lease(Some(ago(lease_age))))
+        .then(unchanged_lease(h))
         .then_all(withdrawal(slices, "PluginNotReady"));
     let (result, served) = h.reconcile(g, scenario).await;
     assert_eq!(result.unwrap(), Action::await_change());
@@ -377,7 +389,7 @@ async fn a_few_expired_heartbeats_among_many_live_ones_withdraw() {
     let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     // node-a and two more are stale, four are fine: 3 of 7 is not a mass expiry.
     expire_among(&mut h, 2, 4);
-    confirmed_and_withdrawn(&mut h, &g, 120, stored.len()).await;
+    confirmed_and_withdrawn(&mut h, &g, stored.len()).await;
     assert_expiries(&h, 3, 0);
 }
 
@@ -393,8 +405,10 @@ async fn withdrawn_when(
     let mut g = g;
     g.status.as_mut().unwrap().plugin = plugin;
     let reads = if stale {
+        // One other node heartbeats: node-a's expiry is not every heartbeat's.
+        other_nodes(&mut h, 1, 0);
         h.put_lease(NODE, ago(120));
-        vec![get_lease(Some(ago(120)))]
+        vec![unchanged_lease(&h)]
     } else {
         Vec::new()
     };
@@ -803,9 +817,11 @@ async fn unregistered_withdraws(h: &mut Harness, g: &GpuNode, slices: usize) -> 
 }
 
 /// Publishes a one-GPU pool, caches its slices, and leaves the plugin's Lease last renewed
-/// `lease_age` seconds ago.
+/// `lease_age` seconds ago, while one other node heartbeats (so node-a's expiry is not every
+/// heartbeat's, which would hold it).
 async fn publish_leased(h: &mut Harness, lease_age: i64) -> (Vec<ResourceSlice>, GpuNode) {
     let (stored, g) = publish_stored(h, h100s(1)).await;
+    other_nodes(h, 1, 0);
     h.put_lease(NODE, ago(lease_age));
     (stored, g)
 }
@@ -830,13 +846,12 @@ async fn the_expiry_watch_hands_over_only_heartbeats_not_renewed_since() {
     expiry_watched_in(&h, &result.unwrap());
     let first = h.ctx.heartbeats.live_until(NODE).unwrap();
     assert!(
-        h.ctx.heartbeats.take_expired(Timestamp::now()).is_empty(),
+        h.ctx.heartbeats.take_expired(Instant::now()).is_empty(),
         "not expired yet"
     );
 
     // Renewed before the expiry: moved to the renewal's expiry without a reconciliation.
-    let renewed = ago(0);
-    h.put_lease(NODE, renewed);
+    let renewed = h.put_lease(NODE, ago(0));
     assert!(h.ctx.heartbeats.take_expired(first).is_empty());
     let second = h.ctx.heartbeats.live_until(NODE).unwrap();
     assert_eq!(second, renewed + Duration::from_secs(25));
@@ -863,7 +878,7 @@ async fn a_lease_that_stops_being_renewed_withdraws_the_pool() {
     let mut h = Harness::new();
     let (stored, g) = publish_leased(&mut h, 40).await;
     let scenario = Scenario::new()
-        .then(get_lease(Some(ago(40))))
+        .then(unchanged_lease(&h))
         .then_all((0..stored.len()).map(|i| delete_slice(&name(i))))
         .then(patch_status(|body| {
             assert_eq!(condition(body), ("False", "PluginNotReady"));
@@ -1008,14 +1023,12 @@ async fn an_expiry_the_api_server_refutes_keeps_the_pool() {
 
 #[tokio::test]
 async fn an_expiry_no_later_than_renewals_arrive_right_now_keeps_the_pool() {
-    // Behind a saturated API server, renewals arrive 9 s after the plugins sent them (the
-    // 99th percentile's bucket: 10 s). A Lease last renewed 30 s ago is 5 s past its 25 s
-    // timeout: that is the control plane, not a dead plugin.
+    // Behind a saturated API server, renewals arrive 9 s later than the renewal before them
+    // did (the 99th percentile's bucket: 10 s). A Lease last renewed 30 s ago is 5 s past its
+    // 25 s timeout: that is the control plane, not a dead plugin.
     let mut h = Harness::new();
     let (stored, g) = publish_leased(&mut h, 30).await;
-    for _ in 0..40 {
-        h.ctx.heartbeats.record_delay(ago(9));
-    }
+    late_renewals(&mut h, 40, Duration::from_secs(9), SignedDuration::ZERO);
     assert_eq!(h.ctx.heartbeats.allowance(), Duration::from_secs(10));
     // Kept without a read (the server is loaded enough) and looked at again soon.
     let served = kept_for_a_recheck(&mut h, &g).await;
@@ -1027,25 +1040,114 @@ async fn an_expiry_no_later_than_renewals_arrive_right_now_keeps_the_pool() {
     );
     // 40 s old is later than that: confirmed by the server and withdrawn.
     h.put_lease(NODE, ago(40));
-    confirmed_and_withdrawn(&mut h, &g, 40, stored.len()).await;
+    confirmed_and_withdrawn(&mut h, &g, stored.len()).await;
 }
 
 #[tokio::test]
 async fn a_few_late_renewals_give_no_allowance() {
-    // Fewer renewals than the allowance needs (one node's skewed clock, say): none.
-    let h = Harness::new();
-    for _ in 0..5 {
-        h.ctx.heartbeats.record_delay(ago(60));
-    }
+    // Fewer late renewals than the allowance needs: none.
+    let mut h = Harness::new();
+    late_renewals(&mut h, 5, Duration::from_secs(60), SignedDuration::ZERO);
     assert_eq!(h.ctx.heartbeats.allowance(), Duration::ZERO);
     // Enough of them, far later than any cap: the cap.
-    for _ in 0..40 {
-        h.ctx.heartbeats.record_delay(ago(600));
-    }
+    late_renewals(&mut h, 40, Duration::from_secs(600), SignedDuration::ZERO);
     assert_eq!(
         h.ctx.heartbeats.allowance(),
         migdra_controller::liveness::tracker::MAX_HEARTBEAT_ALLOWANCE
     );
+}
+
+/// Two renewals each of `nodes` other nodes, 15 s apart on the node's clock (which is off the
+/// controller's by `skew`), the second reaching the controller `late` later than the first
+/// did (the second arrives a second ago).
+fn late_renewals(h: &mut Harness, nodes: usize, late: Duration, skew: SignedDuration) {
+    let interval = Duration::from_secs(15);
+    for i in 0..nodes {
+        let name = format!("node-late-{}-{i}", late.as_secs());
+        let renewed = Timestamp::now() + skew;
+        let second = Duration::from_secs(1);
+        h.put_lease_observed(&name, renewed - interval, before_now(second + interval + late));
+        h.put_lease_observed(&name, renewed, before_now(second));
+    }
+}
+
+/// Puts a Lease of node-a renewed every 15 s by a node whose clock is `skew` off the
+/// controller's, each renewal observed as it was made: the last one a second ago.
+fn skewed_renewals(h: &mut Harness, skew: SignedDuration) {
+    for beat in [31, 16, 1] {
+        let age = Duration::from_secs(beat);
+        h.put_lease_observed(NODE, Timestamp::now() + skew - age, before_now(age));
+    }
+}
+
+#[tokio::test]
+async fn renewals_stamped_by_a_skewed_node_clock_keep_the_pool() {
+    for skew in [SignedDuration::from_secs(-60), SignedDuration::from_secs(60)] {
+        let mut h = Harness::new();
+        let (_, g) = publish_stored(&mut h, h100s(1)).await;
+        skewed_renewals(&mut h, skew);
+        // Live for the timeout after the last renewal observed, nothing to write.
+        let (result, served) = h.reconcile(&g, Scenario::new()).await;
+        let expiry = expiry_watched_in(&h, &result.unwrap());
+        assert!(
+            (22..=24).contains(&expiry),
+            "skew {skew}: heartbeat expires in {expiry}s"
+        );
+        assert!(served.written.is_empty() && served.status_patches.is_empty());
+        assert!(h.ctx.heartbeats.is_live(NODE));
+    }
+}
+
+#[tokio::test]
+async fn a_skewed_ahead_lease_that_stops_being_renewed_withdraws_the_pool() {
+    // The node's clock runs a minute ahead: its last renewal, observed 40 s ago, is stamped
+    // 20 s in the controller's future. Expired 25 s after that observation all the same, and
+    // the server has nothing later.
+    let mut h = Harness::new();
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
+    other_nodes(&mut h, 1, 0);
+    let stamp = ago(40) + SignedDuration::from_secs(60);
+    h.put_lease_observed(NODE, stamp, before_now(Duration::from_secs(40)));
+    let scenario = Scenario::new()
+        .then(get_lease(Some(stamp)))
+        .then_all(withdrawal(stored.len(), "PluginNotReady"));
+    let (result, served) = h.reconcile(&g, scenario).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(served.deleted.len(), stored.len());
+    assert!(!h.ctx.heartbeats.is_live(NODE));
+}
+
+#[tokio::test]
+async fn skewed_node_clocks_give_no_allowance_to_other_nodes() {
+    // Plenty of renewals from nodes a minute behind and a minute ahead, arriving on time.
+    let mut h = Harness::new();
+    for skew in [SignedDuration::from_secs(-60), SignedDuration::from_secs(60)] {
+        late_renewals(&mut h, 30, Duration::ZERO, skew);
+    }
+    assert!(
+        h.ctx.heartbeats.allowance() <= Duration::from_millis(100),
+        "no more than punctual renewals give"
+    );
+    // node-a's heartbeat, 5 s past its timeout, is not excused: confirmed and withdrawn.
+    let (stored, g) = publish_leased(&mut h, 30).await;
+    confirmed_and_withdrawn(&mut h, &g, stored.len()).await;
+    assert!(
+        h.ctx
+            .metrics
+            .encode()
+            .contains("migdra_controller_heartbeat_expiries_excused_total 0")
+    );
+}
+
+#[tokio::test]
+async fn a_single_nodes_silent_heartbeat_withdraws_its_pool() {
+    // The only registered plugin's Lease stops changing: on one node that is not held as a
+    // mass expiry; the confirmed expiry withdraws the pool before the kubelet's wipe would.
+    let mut h = Harness::new();
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
+    h.put_lease(NODE, ago(120));
+    confirmed_and_withdrawn(&mut h, &g, stored.len()).await;
+    assert_expiries(&h, 1, 0);
 }
 
 #[tokio::test]
@@ -1053,7 +1155,7 @@ async fn an_expiry_that_cannot_be_confirmed_keeps_the_pool() {
     let mut h = Harness::new();
     let (stored, stale) = publish_leased(&mut h, 120).await;
     let failing = answering(
-        get_lease(Some(ago(120))),
+        unchanged_lease(&h),
         Answer::Fail(StatusCode::INTERNAL_SERVER_ERROR, "InternalError"),
     );
     // No delete, no status write, no event: an overloaded API server is not loaded further.
@@ -1068,7 +1170,7 @@ async fn an_expiry_that_cannot_be_confirmed_keeps_the_pool() {
         "{metrics}"
     );
     // Retried with backoff; once the server answers, the expiry is confirmed and withdraws.
-    confirmed_and_withdrawn(&mut h, &stale, 120, stored.len()).await;
+    confirmed_and_withdrawn(&mut h, &stale, stored.len()).await;
     assert!(
         h.ctx
             .metrics

@@ -1,7 +1,10 @@
 //! A [`Context`] over caches the test fills by hand, with a scripted API server behind its
 //! client: [`Harness::reconcile`] runs one reconciliation against a [`Scenario`].
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use http::{Request, Response};
 use k8s_openapi::{
@@ -53,6 +56,13 @@ pub fn config() -> ControllerConfig {
     }
 }
 
+/// The controller's clock `age` ago.
+pub fn before_now(age: Duration) -> Instant {
+    Instant::now()
+        .checked_sub(age)
+        .expect("the monotonic clock goes back that far")
+}
+
 /// A Context over stores the test fills by hand, and the mock API behind its client.
 pub struct Harness {
     pub ctx: Arc<Context>,
@@ -64,6 +74,8 @@ pub struct Harness {
     pub leases: Writer<Lease>,
     handle: Option<Handle>,
     rv: u64,
+    /// Lease writes so far: the resourceVersion of the next one.
+    lease_writes: u64,
 }
 
 impl Default for Harness {
@@ -117,6 +129,7 @@ impl Harness {
             leases,
             handle: Some(handle),
             rv: 100,
+            lease_writes: 0,
         };
         h.add_node(NODE, &[("gpu", "h100")]);
         h.put_lease(NODE, Timestamp::now());
@@ -201,10 +214,25 @@ impl Harness {
             .apply_watcher_event(&watcher::Event::Delete(gpunode.clone()));
     }
 
-    /// Puts `node`'s heartbeat Lease, renewed at `renewed`, into the Lease cache.
-    pub fn put_lease(&mut self, node: &str, renewed: Timestamp) {
+    /// Puts `node`'s heartbeat Lease, renewed at `renewed`, into the Lease cache, as the watch
+    /// delivers it on a node whose clock agrees with the controller's: observed `renewed`
+    /// ago (now, for a time in the future). Returns the instant of the observation.
+    pub fn put_lease(&mut self, node: &str, renewed: Timestamp) -> Instant {
+        let age = Duration::try_from(Timestamp::now().duration_since(renewed)).unwrap_or(Duration::ZERO);
+        self.put_lease_observed(node, renewed, before_now(age))
+    }
+
+    /// Puts `node`'s heartbeat Lease, stamped `renewed` by the node's clock, into the Lease
+    /// cache as a watch event the controller received at `observed`: a write of its own (a
+    /// new resourceVersion), whatever the stamp. Returns `observed`.
+    pub fn put_lease_observed(&mut self, node: &str, renewed: Timestamp, observed: Instant) -> Instant {
+        let mut lease = lease(node, renewed);
+        self.lease_writes += 1;
+        lease.metadata.resource_version = Some(self.lease_writes.to_string());
         self.leases
-            .apply_watcher_event(&watcher::Event::Apply(lease(node, renewed)));
+            .apply_watcher_event(&watcher::Event::Apply(lease.clone()));
+        self.ctx.heartbeats.observe(&lease, observed);
+        observed
     }
 
     pub fn add_policy(&mut self, policy: MigPolicy) {
