@@ -115,6 +115,50 @@ impl ClaimRecord {
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
+
+    /// Whether the record was made for `allocation` (the claim's current devices of this driver
+    /// and pool): the same request, pool, device and share for each, and no `adminAccess`
+    /// device (those leave no record). A claim deallocated and allocated again under the same
+    /// UID while its unprepare was missed has a record that answers for nothing.
+    pub fn made_for<'a>(&self, allocation: impl IntoIterator<Item = AllocationEntry<'a>>) -> bool {
+        let mut current = Vec::new();
+        for entry in allocation {
+            if entry.admin_access {
+                return false;
+            }
+            current.push((entry.request, entry.pool, entry.device, entry.share_id));
+        }
+        let mut recorded: Vec<_> = self
+            .devices
+            .iter()
+            .map(|d| {
+                (
+                    d.request.as_str(),
+                    d.pool.as_str(),
+                    d.device.as_str(),
+                    d.share_id.as_deref(),
+                )
+            })
+            .collect();
+        current.sort_unstable();
+        recorded.sort_unstable();
+        current == recorded
+    }
+
+    /// The recorded device names, in order.
+    pub fn device_names(&self) -> Vec<String> {
+        self.devices.iter().map(|d| d.device.clone()).collect()
+    }
+}
+
+/// One device of a claim's allocation, as [`ClaimRecord::made_for`] compares it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocationEntry<'a> {
+    pub request: &'a str,
+    pub pool: &'a str,
+    pub device: &'a str,
+    pub share_id: Option<&'a str>,
+    pub admin_access: bool,
 }
 
 /// The checkpoint's content.
@@ -480,6 +524,41 @@ mod tests {
         assert!(!shared.devices[0].same_shared_instance(&exclusive));
         other.gpu_minor = 1;
         assert!(!shared.devices[0].same_shared_instance(&other));
+    }
+
+    #[test]
+    fn a_record_is_made_for_its_own_allocation_only() {
+        let record = record(ClaimState::PrepareCompleted);
+        let entry = AllocationEntry {
+            request: "gpu",
+            pool: "node/gpu.migdra.dev",
+            device: "gpu-0-mig-3g40gb-4",
+            share_id: None,
+            admin_access: false,
+        };
+        assert!(record.made_for([entry]));
+        let other_device = AllocationEntry {
+            device: "gpu-0-mig-3g40gb-0",
+            ..entry
+        };
+        assert!(!record.made_for([other_device]));
+        assert!(!record.made_for([entry, other_device]), "a device more");
+        assert!(!record.made_for([]), "a device less");
+        let other_request = AllocationEntry {
+            request: "other",
+            ..entry
+        };
+        assert!(!record.made_for([other_request]));
+        let shared = AllocationEntry {
+            share_id: Some("share-a"),
+            ..entry
+        };
+        assert!(!record.made_for([shared]));
+        let admin = AllocationEntry {
+            admin_access: true,
+            ..entry
+        };
+        assert!(!record.made_for([admin]));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 use std::future::Future;
 
+use crate::checkpoint::AllocationEntry;
 use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
 use kube::{
     Api, Client,
@@ -158,6 +159,30 @@ pub struct AllocatedDevice {
     /// Allocated with `adminAccess`: access to a device that may be in use by others, for
     /// monitoring; nothing is created or reserved for it.
     pub admin_access: bool,
+}
+
+impl<'a> From<&'a AllocatedDevice> for AllocationEntry<'a> {
+    fn from(device: &'a AllocatedDevice) -> Self {
+        Self {
+            request: &device.request,
+            pool: &device.pool,
+            device: &device.device,
+            share_id: device.share_id.as_deref(),
+            admin_access: device.admin_access,
+        }
+    }
+}
+
+impl<'a> From<&'a DeviceRequestAllocationResult> for AllocationEntry<'a> {
+    fn from(result: &'a DeviceRequestAllocationResult) -> Self {
+        Self {
+            request: &result.request,
+            pool: &result.pool,
+            device: &result.device,
+            share_id: result.share_id.as_deref(),
+            admin_access: result.admin_access == Some(true),
+        }
+    }
 }
 
 /// Extracts this driver's devices from a claim, validating that the claim is the one the

@@ -8,7 +8,8 @@
 //! failing prepare does not flood the API server. Reasons are those of
 //! [`crate::driver::ClaimFailure::reason`] (the failure label of
 //! `migdra_kubelet_plugin_claim_failures_total`), so alerts and events speak the same words;
-//! plus `GpuUnhealthy` for claims on a GPU that became unhealthy and
+//! plus `GpuUnhealthy` for claims on a GPU that became unhealthy, `Reallocated` for a claim
+//! whose earlier devices were released because it was allocated others under the same UID, and
 //! `RecoveryPending`/`RecoveryCompleted` for an interrupted operation not yet / now repaired.
 //! Node-level events go to the GpuNode ([`crate::node_status`]).
 
@@ -57,6 +58,22 @@ impl ClaimEvent {
             reason: failure.reason(),
             action,
             note: truncate_note(format!("{operation} failed on this node: {failure}")),
+        }
+    }
+
+    /// The Normal event for a claim allocated other devices under the same UID while its
+    /// unprepare was missed: the `released` devices were released before the `prepared` ones.
+    pub fn reallocated(claim: &ClaimRef, released: &[String], prepared: &[String]) -> Self {
+        Self {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            uid: claim.uid.clone(),
+            type_: EventType::Normal,
+            reason: "Reallocated",
+            action: "PrepareResourceClaim",
+            note: truncate_note(format!(
+                "the claim was allocated other devices since it was prepared on this node: released {released:?}, prepared {prepared:?}"
+            )),
         }
     }
 

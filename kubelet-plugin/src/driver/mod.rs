@@ -1,7 +1,9 @@
 //! The prepare/unprepare state machine behind the kubelet's DRA calls.
 //!
-//! - `prepare.rs`: GET and validate the claim with no lock held; then, under the node lock and
-//!   the claim's GPU locks, check the node can run CUDA containers, plan ([`crate::plan`]),
+//! - `prepare.rs`: GET and validate the claim with no lock held (a record answers only for
+//!   the allocation it was made for: one of other devices under the same UID is released like
+//!   an unprepare first, with a `Reallocated` event); then, under the node lock and the
+//!   claim's GPU locks, check the node can run CUDA containers, plan ([`crate::plan`]),
 //!   record `PrepareStarted` with the planned placements, switch MIG mode if planned, create
 //!   the instances, write the CDI spec, record `PrepareCompleted`. A failure after the first
 //!   record tears down what was created. The claim's `status.devices` entries are queued
@@ -14,7 +16,8 @@
 //!   rewrite missing CDI specs. An unrepairable record makes its GPUs unhealthy and refuse
 //!   prepares while a background loop retries it. On a lost GPU the instances count as gone
 //!   (so pods terminate) and are listed in [`crate::orphans`] until the GPU is back.
-//! - `stale_gc.rs`: records whose ResourceClaim is gone are torn down the same way.
+//! - `stale_gc.rs`: records whose ResourceClaim is gone, or now has other devices, are torn
+//!   down the same way.
 //!
 //! Instances the journal does not describe are someone else's and never touched. The record
 //! is written before the GPU is touched ([`crate::journal`]), so a crash between any two steps

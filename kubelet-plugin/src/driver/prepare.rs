@@ -12,9 +12,10 @@ use tokio_util::sync::CancellationToken;
 use super::{ClaimFailure, Driver, PrepareResult, Step};
 use crate::{
     cdi::ClaimDevice,
-    checkpoint::{ClaimRecord, ClaimState, DeviceKind, DeviceRecord},
+    checkpoint::{AllocationEntry, ClaimRecord, ClaimState, DeviceKind, DeviceRecord},
     claim_status::{self, DesiredStatus, StatusContext, StatusDevice, StatusRetryRound},
     claims::{self, AllocatedDevice, ClaimError, ClaimSource},
+    events::ClaimEvent,
     gpus::GpuLocks,
     nvml::{MigModeChange, NvmlErrorKind, timing::NvmlClock},
     plan::{self, Rejection},
@@ -39,40 +40,66 @@ impl<C: ClaimSource> Driver<C> {
                 false
             }
         };
-        for claim in claims {
-            // Idempotency without an API call: a completed claim is answered from the record.
-            match fresh.then(|| self.inner.journal.completed(&claim.uid)).flatten() {
-                Some(record) => {
-                    self.inner.metrics.claim("prepare", true);
-                    outcomes.insert(claim.uid.clone(), Ok(self.prepared_devices(&claim.uid, &record)));
-                }
-                None => pending.push(claim),
-            }
-        }
         let fetching = Instant::now();
-        let fetched = futures::future::join_all(pending.into_iter().map(|claim| async move {
+        let fetched = futures::future::join_all(claims.into_iter().map(|claim| async move {
             let devices = self.fetch_allocation(&claim).await;
             (claim, devices)
         }))
         .await;
         let api_wait = fetching.elapsed();
+        for (claim, fetched) in fetched {
+            // Idempotency without the node lock: a completed claim is answered from its record
+            // unless the claim now has other devices. An unreadable claim proves no change.
+            let record = fresh.then(|| self.inner.journal.completed(&claim.uid)).flatten();
+            let answers = |record: &ClaimRecord| match &fetched {
+                Ok((devices, _)) => record.made_for(devices.iter().map(AllocationEntry::from)),
+                Err(_) => true,
+            };
+            match record {
+                Some(record) if answers(&record) => {
+                    self.inner.metrics.claim("prepare", true);
+                    outcomes.insert(claim.uid.clone(), Ok(self.prepared_devices(&claim.uid, &record)));
+                }
+                _ => pending.push((claim, fetched)),
+            }
+        }
 
         let prepared = self
-            .run_claims("prepare", &nvml, fetched, |driver, node, claim, fetched| {
+            .run_claims("prepare", &nvml, pending, |driver, node, claim, fetched| {
                 let (devices, context) = fetched?;
-                let (devices, status, recorded) = if plan::admin_access(&devices)? {
-                    let (devices, status) = driver.prepare_admin_access(node, claim, &devices)?;
-                    (devices, status, false)
-                } else {
-                    let devices = driver.prepare_allocated(node, claim, devices)?;
-                    (devices, driver.recorded_status_devices(node, &claim.uid), true)
+                let admin_access = plan::admin_access(&devices)?;
+                let (locks, earlier) = driver.release_earlier_allocation(node, claim, &devices)?;
+                let reallocated = match &earlier {
+                    Earlier::Released(released) => Some((
+                        released.clone(),
+                        devices.iter().map(|d| d.device.clone()).collect(),
+                    )),
+                    _ => None,
+                };
+                let (prepared, status, recorded) = match earlier {
+                    Earlier::Prepared(record) => {
+                        drop(locks);
+                        let status = driver.recorded_status_devices(node, &claim.uid);
+                        (driver.prepared_devices(&claim.uid, &record), status, true)
+                    }
+                    _ if admin_access => {
+                        let (prepared, status) = driver.prepare_admin_access(&locks, claim, &devices)?;
+                        (prepared, status, false)
+                    }
+                    _ => {
+                        let prepared = driver.prepare_allocated(&locks, claim, devices)?;
+                        // The status reads the GPUs' indexes under their locks again.
+                        drop(locks);
+                        (prepared, driver.recorded_status_devices(node, &claim.uid), true)
+                    }
                 };
                 Ok(Prepared {
                     claim: claim.clone(),
-                    devices,
+                    devices: prepared,
                     status,
                     recorded,
                     context,
+                    reallocated,
                 })
             })
             .await;
@@ -80,6 +107,11 @@ impl<C: ClaimSource> Driver<C> {
         // handed to the background writer; the kubelet's answer does not wait for it.
         for (uid, outcome) in prepared {
             let outcome = outcome.map(|done| {
+                if let Some((released, prepared)) = &done.reallocated
+                    && let Some(events) = self.inner.events.get()
+                {
+                    events.send(ClaimEvent::reallocated(&done.claim, released, prepared));
+                }
                 let desired = DesiredStatus::Ready {
                     devices: done.status,
                     recorded: done.recorded,
@@ -140,12 +172,11 @@ impl<C: ClaimSource> Driver<C> {
     /// prepared), MIG-mode switch or instance. Unprepare removes the spec. Blocking.
     fn prepare_admin_access(
         &self,
-        node: &NodeLock,
+        locks: &GpuLocks<'_>,
         claim: &ClaimRef,
         devices: &[AllocatedDevice],
     ) -> Result<(Vec<PreparedDevice>, Vec<StatusDevice>), ClaimFailure> {
-        // Only to read the GPUs' descriptions consistently; nothing on them changes.
-        let locks = node.lock_gpus(&self.inner.gpus, devices.iter().map(|d| d.name.minor()));
+        // The locks only read the GPUs' descriptions consistently; nothing on them changes.
         self.ensure_driver_spec()?;
         let mut cdi_devices = Vec::with_capacity(devices.len());
         let mut status = Vec::with_capacity(devices.len());
@@ -286,29 +317,55 @@ impl<C: ClaimSource> Driver<C> {
         }
     }
 
-    /// Prepares one claim whose allocation was already read and validated. Blocking.
+    /// Locks the GPUs of `devices` and of the claim's record, and releases a record that does
+    /// not answer for `devices` the way an unprepare does: one left half done, or one made for
+    /// an earlier allocation (the claim was deallocated and allocated again under the same UID
+    /// while its unprepare was missed), so its placements are free for the new devices. Each
+    /// step of the release is recorded, so a crash in it is repaired like an unprepare's and
+    /// the kubelet's retry finds no record. Blocking.
+    fn release_earlier_allocation<'n>(
+        &self,
+        node: &'n NodeLock,
+        claim: &ClaimRef,
+        devices: &[AllocatedDevice],
+    ) -> Result<(GpuLocks<'n>, Earlier), ClaimFailure> {
+        let record = self.inner.journal.get(&claim.uid);
+        let recorded_minors = record.iter().flat_map(|r| r.devices.iter().map(|d| d.gpu_minor));
+        let minors = devices.iter().map(|d| d.name.minor()).chain(recorded_minors);
+        let locks = node.lock_gpus(&self.inner.gpus, minors);
+        // Re-read under the locks: a concurrent call may have finished it meanwhile.
+        let Some(record) = self.inner.journal.get(&claim.uid) else {
+            return Ok((locks, Earlier::None));
+        };
+        let same = record.made_for(devices.iter().map(AllocationEntry::from));
+        if same && record.state == ClaimState::PrepareCompleted {
+            return Ok((locks, Earlier::Prepared(record)));
+        }
+        if !same {
+            let now: Vec<&str> = devices.iter().map(|d| d.device.as_str()).collect();
+            tracing::warn!(claim = %record.key(), uid = %claim.uid, recorded = ?record.device_names(), allocated = ?now, "the claim was allocated other devices under the same UID; releasing the recorded ones first");
+        } else if record.state == ClaimState::PrepareStarted {
+            tracing::info!(claim = %record.key(), "rolling back an earlier, interrupted prepare");
+        } else {
+            tracing::info!(claim = %record.key(), "finishing an earlier, interrupted unprepare before preparing");
+        }
+        self.tear_down(&locks, &claim.uid, &record)?;
+        let earlier = if same {
+            Earlier::None
+        } else {
+            Earlier::Released(record.device_names())
+        };
+        Ok((locks, earlier))
+    }
+
+    /// Prepares one claim whose allocation was already read and validated, with its GPUs
+    /// locked and no record of it left. Blocking.
     fn prepare_allocated(
         &self,
-        node: &NodeLock,
+        locks: &GpuLocks<'_>,
         claim: &ClaimRef,
         devices: Vec<AllocatedDevice>,
     ) -> Result<Vec<PreparedDevice>, ClaimFailure> {
-        let locks = node.lock_gpus(&self.inner.gpus, devices.iter().map(|d| d.name.minor()));
-        // Re-check under the locks: a concurrent call may have finished it meanwhile.
-        match self.inner.journal.get(&claim.uid) {
-            Some(record) if record.state == ClaimState::PrepareCompleted => {
-                return Ok(self.prepared_devices(&claim.uid, &record));
-            }
-            Some(record) => {
-                if record.state == ClaimState::PrepareStarted {
-                    tracing::info!(claim = %record.key(), "rolling back an earlier, interrupted prepare");
-                } else {
-                    tracing::info!(claim = %record.key(), "finishing an earlier, interrupted unprepare before preparing");
-                }
-                self.tear_down(&locks, &claim.uid, &record)?;
-            }
-            None => {}
-        }
         // A GPU with another claim's record that recovery could not repair is off limits: what
         // is on it is not known to be what the journal says.
         for device in &devices {
@@ -349,12 +406,12 @@ impl<C: ClaimSource> Driver<C> {
                 .journal
                 .start_prepare(&claim.uid, &claim.namespace, &claim.name, plan.devices)?;
         self.step(&claim.uid, Step::PrepareRecorded);
-        match self.create_all(&locks, &claim.uid, &mut record, plan.mig_mode_changes) {
+        match self.create_all(locks, &claim.uid, &mut record, plan.mig_mode_changes) {
             Ok(()) => Ok(self.prepared_devices(&claim.uid, &record)),
             Err(failure) => {
                 tracing::warn!(claim = %record.key(), error = %failure, "prepare failed; rolling back");
                 let latest = self.inner.journal.get(&claim.uid).unwrap_or(record);
-                match self.tear_down(&locks, &claim.uid, &latest) {
+                match self.tear_down(locks, &claim.uid, &latest) {
                     Ok(()) => Err(failure),
                     Err(rollback) => Err(ClaimFailure::RollbackFailed(
                         Box::new(failure),
@@ -511,6 +568,19 @@ struct Prepared {
     status: Vec<StatusDevice>,
     recorded: bool,
     context: StatusContext,
+    /// The device names released and prepared when the claim was allocated other devices
+    /// under the same UID.
+    reallocated: Option<(Vec<String>, Vec<String>)>,
+}
+
+/// What [`Driver::release_earlier_allocation`] found of a claim's record.
+enum Earlier {
+    /// No record, or one left half done for the same devices, now released.
+    None,
+    /// Completed for exactly the claim's current devices.
+    Prepared(ClaimRecord),
+    /// Made for other devices (these names), now released.
+    Released(Vec<String>),
 }
 
 fn device_uuid(device: &DeviceRecord) -> String {

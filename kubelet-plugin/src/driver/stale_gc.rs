@@ -3,8 +3,10 @@
 //! A claim deleted while the plugin was down, or one a kubelet never unprepared, would keep
 //! its MIG instance (and block that placement) forever. At start, after recovery, and then
 //! every interval, each recorded claim is looked up with no lock held. It is stale only when
-//! the API answers clearly: not found, another UID (replaced), or an allocation that no
-//! longer names this driver and pool; an error or a timeout proves nothing. A stale claim is
+//! the API answers clearly: not found, another UID (replaced), an allocation that no longer
+//! names this driver and pool, or one with other devices than the record's (the claim was
+//! deallocated and allocated again under the same UID while its unprepare was missed); an
+//! error or a timeout proves nothing. A stale claim is
 //! torn down like the kubelet's unprepare, under the node lock and its GPU locks, after the
 //! record is read again there. A prepare holds the node lock from its first record to its
 //! last, so a half-prepared record seen under it is one whose prepare died; its claim being
@@ -20,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{ClaimFailure, Driver, RecoveryEvent};
 use crate::{
-    checkpoint::ClaimRecord,
+    checkpoint::{AllocationEntry, ClaimRecord},
     claims::{ClaimSource, driver_results},
 };
 
@@ -36,6 +38,8 @@ pub enum StaleCause {
     Replaced { current_uid: String },
     /// The claim exists but its allocation no longer names this driver and pool.
     NotAllocatedHere,
+    /// The claim is allocated here, but other devices than the record's.
+    Reallocated,
 }
 
 impl StaleCause {
@@ -45,6 +49,7 @@ impl StaleCause {
             Self::NotFound => "ClaimNotFound",
             Self::Replaced { .. } => "ClaimReplaced",
             Self::NotAllocatedHere => "NotAllocatedHere",
+            Self::Reallocated => "Reallocated",
         }
     }
 
@@ -55,6 +60,9 @@ impl StaleCause {
                 format!("the ResourceClaim was replaced (it now has UID {current_uid})")
             }
             Self::NotAllocatedHere => "the ResourceClaim is no longer allocated from this node's pool".into(),
+            Self::Reallocated => {
+                "the ResourceClaim was allocated other devices since they were prepared".into()
+            }
         }
     }
 }
@@ -95,7 +103,13 @@ impl RecoveryEvent {
 }
 
 /// Whether `found` (the API server's answer for `record`'s claim) makes the record stale.
-pub fn stale_cause(uid: &str, found: Option<&ResourceClaim>, driver: &str, pool: &str) -> Option<StaleCause> {
+pub fn stale_cause(
+    uid: &str,
+    record: &ClaimRecord,
+    found: Option<&ResourceClaim>,
+    driver: &str,
+    pool: &str,
+) -> Option<StaleCause> {
     let Some(claim) = found else {
         return Some(StaleCause::NotFound);
     };
@@ -105,8 +119,13 @@ pub fn stale_cause(uid: &str, found: Option<&ResourceClaim>, driver: &str, pool:
             current_uid: current_uid.to_string(),
         });
     }
-    let allocated_here = driver_results(claim, driver).any(|r| r.pool == pool);
-    (!allocated_here).then_some(StaleCause::NotAllocatedHere)
+    let mut here = driver_results(claim, driver)
+        .filter(|r| r.pool == pool)
+        .peekable();
+    if here.peek().is_none() {
+        return Some(StaleCause::NotAllocatedHere);
+    }
+    (!record.made_for(here.map(AllocationEntry::from))).then_some(StaleCause::Reallocated)
 }
 
 impl<C: ClaimSource> Driver<C> {
@@ -116,11 +135,14 @@ impl<C: ClaimSource> Driver<C> {
         let mut stale = Vec::new();
         for (uid, record) in self.recorded_claims() {
             match self.look_up(&uid, &record).await {
-                Ok(Some(cause)) => stale.push(ReleasedClaim {
-                    uid,
-                    claim: record.key(),
-                    cause,
-                }),
+                Ok(Some(cause)) => stale.push((
+                    ReleasedClaim {
+                        uid,
+                        claim: record.key(),
+                        cause,
+                    },
+                    record,
+                )),
                 Ok(None) => {}
                 Err(error) => {
                     tracing::debug!(claim = %record.key(), %uid, %error, "cannot tell whether the claim still exists; keeping it");
@@ -128,10 +150,11 @@ impl<C: ClaimSource> Driver<C> {
                 }
             }
         }
-        for released in stale {
+        for (released, judged) in stale {
             let driver = self.clone();
-            let uid = released.uid.clone();
-            let outcome = tokio::task::spawn_blocking(move || driver.release_stale(&uid)).await;
+            let (uid, cause) = (released.uid.clone(), released.cause.clone());
+            let outcome =
+                tokio::task::spawn_blocking(move || driver.release_stale(&uid, &cause, &judged)).await;
             match outcome {
                 Ok(Ok(true)) => {
                     tracing::info!(claim = %released.claim, uid = %released.uid, cause = ?released.cause, "released a stale claim");
@@ -156,6 +179,7 @@ impl<C: ClaimSource> Driver<C> {
             Ok(Err(e)) => Err(e.to_string()),
             Ok(Ok(found)) => Ok(stale_cause(
                 uid,
+                record,
                 found.as_ref(),
                 &self.inner.config.driver_name,
                 self.pool(),
@@ -165,12 +189,22 @@ impl<C: ClaimSource> Driver<C> {
 
     /// Tears down a stale claim under the node lock and its GPU locks, unless the record is
     /// gone by then (a half-prepared one included: under the node lock no prepare is running).
+    /// A claim stale for its devices (`Reallocated`) is kept when its record is no longer the
+    /// `judged` one: the kubelet's prepare released it and prepared the new devices meanwhile.
     /// Returns whether it was torn down. Blocking.
-    fn release_stale(&self, uid: &str) -> Result<bool, ClaimFailure> {
+    fn release_stale(
+        &self,
+        uid: &str,
+        cause: &StaleCause,
+        judged: &ClaimRecord,
+    ) -> Result<bool, ClaimFailure> {
         let node = self.node_lock()?;
         let Some(record) = self.inner.journal.get(uid) else {
             return Ok(false);
         };
+        if *cause == StaleCause::Reallocated && judged.devices != record.devices {
+            return Ok(false);
+        }
         let locks = self.lock_record_gpus(&node, &record);
         match self.inner.journal.get(uid) {
             Some(record) => self.tear_down(&locks, uid, &record).map(|()| true),

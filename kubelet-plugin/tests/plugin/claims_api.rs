@@ -234,7 +234,7 @@ async fn prepare_reads_each_claim_and_rejects_the_wrong_ones() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn prepared_claims_and_unprepare_need_no_api_calls() {
+async fn a_prepared_claim_is_answered_from_its_record_and_unprepare_needs_no_api_calls() {
     let node = Node::new(&[("H100-80GB", true)]);
     let (driver, handle) = start_with_mock_api(&node);
     let good = serde_json::to_value(claim("uid-1", "c1", &[("gpu", "gpu-0-mig-3g40gb-4")])).unwrap();
@@ -244,8 +244,12 @@ async fn prepared_claims_and_unprepare_need_no_api_calls() {
     let first = driver.prepare(vec![claim_ref("uid-1", "c1")]).await;
     let (handle, _) = server.await.unwrap();
     assert!(first["uid-1"].is_ok());
-    // Answered from the checkpoint: the claim may even be gone from the API by now.
+    // Answered from the checkpoint after one GET (a record answers only for the allocation
+    // it was made for): the claim may even be gone from the API by now, which proves no
+    // other allocation; nothing is written.
+    let server = tokio::spawn(serve_claims_and_status(handle, vec![("c1", None)], 0));
     let again = driver.prepare(vec![claim_ref("uid-1", "c1")]).await;
+    let (handle, _) = server.await.unwrap();
     assert_eq!(again["uid-1"], first["uid-1"]);
     // Unprepare carries only namespace, UID and name and reads nothing from the API; it
     // removes the status entries of the claim it had prepared (and writes nothing for the

@@ -282,3 +282,60 @@ async fn a_wiped_cdi_directory_is_rebuilt_at_start() {
     unprepare_one(&driver, "uid-1", "c1").await.unwrap();
     foreign_only(&node);
 }
+
+/// What [`DEVICES`] becomes when the claim is allocated again under the same UID: on GPU 0 a
+/// placement that overlaps the earlier 3g at 0, so it exists only once that one is released.
+const REALLOCATED: [(&str, &str); 2] = [("a", "gpu-1-mig-3g40gb-4"), ("b", "gpu-0-mig-2g20gb-2")];
+
+fn reallocated_prepared(node: &Node) {
+    let gpu0: Vec<_> = node.instances(0).iter().map(|i| (i.0, i.1)).collect();
+    assert_eq!(gpu0.len(), 2, "the foreign 1g and the new 2g: {gpu0:?}");
+    assert!(gpu0.contains(&(19, 6)) && gpu0.contains(&(14, 2)), "{gpu0:?}");
+    let gpu1: Vec<_> = node.instances(1).iter().map(|i| (i.0, i.1)).collect();
+    assert_eq!(gpu1, [(9, 4)]);
+    let spec = node.cdi_spec("uid-1").to_string();
+    assert!(
+        REALLOCATED.iter().all(|(_, d)| spec.contains(d)) && !DEVICES.iter().any(|(_, d)| spec.contains(d)),
+        "{spec}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crash_while_a_reallocated_claim_swaps_its_devices_converges() {
+    // The release of the earlier devices is an unprepare, then the new devices' prepare.
+    let points = UNPREPARE_POINTS.iter().chain(PREPARE_POINTS.iter());
+    for &(step, n) in points {
+        for recovery_crash in [None, Some((Step::GpuInstanceDestroyed, 1))] {
+            let node = node();
+            {
+                let (driver, _) = node.start(None);
+                prepare_one(&driver, "uid-1", "c1").await.unwrap();
+            }
+            node.claims.put(claim("uid-1", "c1", &REALLOCATED));
+            {
+                let (hook, seen) = crash_at(step, n);
+                let (driver, _) = node.start(Some(hook));
+                let outcome = prepare_one(&driver, "uid-1", "c1").await;
+                assert!(outcome.is_err(), "{step:?}#{n}: the crash must fail the call");
+                assert!(seen.load(Ordering::SeqCst) >= n, "{step:?}#{n} was never reached");
+            }
+            let (driver, _) = restart(&node, recovery_crash);
+            // Recovery finished the release or rolled the new prepare back; either way no
+            // record of the earlier devices is left.
+            for record in driver.recorded_claims().values() {
+                assert_eq!(
+                    record.device_names(),
+                    REALLOCATED.map(|(_, d)| d.to_string()),
+                    "{step:?}#{n}"
+                );
+            }
+            // The kubelet retries prepare, later unprepares: both converge.
+            let devices = prepare_one(&driver, "uid-1", "c1").await.unwrap();
+            assert_eq!(devices.len(), 2, "{step:?}#{n}");
+            reallocated_prepared(&node);
+            unprepare_one(&driver, "uid-1", "c1").await.unwrap();
+            foreign_only(&node);
+            assert!(driver.recorded_claims().is_empty());
+        }
+    }
+}

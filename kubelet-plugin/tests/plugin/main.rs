@@ -13,6 +13,7 @@ mod lost_gpu;
 mod nvml_backend;
 mod observability;
 mod real_gpus;
+mod reallocation;
 mod recovery;
 mod rolling_update;
 mod sharing;

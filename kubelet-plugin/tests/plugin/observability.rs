@@ -535,17 +535,29 @@ async fn a_slow_claim_get_is_not_counted_as_the_drivers_own_work() {
         "the 200 ms GET is not the driver's own work: {own}"
     );
 
-    // Answered from the checkpoint: no GET, so all of the time outside NVML is its own.
+    // Answered from the checkpoint after the GET shows the same allocation: the second
+    // call's own time is its time outside NVML minus that GET.
     prepare_one(&driver, "uid-1", "train").await.unwrap();
     let text = metrics.encode();
     assert_eq!(sample(&text, &series("call_own_duration_seconds", "count")), 2.0);
     let own_both = sample(&text, &series("call_own_duration_seconds", "sum"));
     let outside_both = sample(&text, &series("call_outside_nvml_duration_seconds", "sum"));
+    let get_both = sample(&text, "migdra_kubelet_plugin_claim_read_duration_seconds_sum");
     assert!(
-        ((outside_both - outside) - (own_both - own)).abs() < 1e-4,
-        "the second call's own time is its time outside NVML: {} vs {}",
+        get_both - get >= get_delay.as_secs_f64(),
+        "the second GET took the delay"
+    );
+    assert!(
+        ((outside_both - outside) - (get_both - get) - (own_both - own)).abs() < 0.01,
+        "the second call's own time is its time outside NVML minus its GET: own {}, outside {}, GET {}",
         own_both - own,
-        outside_both - outside
+        outside_both - outside,
+        get_both - get
+    );
+    assert!(
+        own_both - own < get_delay.as_secs_f64(),
+        "the second call's GET is not its own work: {}",
+        own_both - own
     );
 }
 
