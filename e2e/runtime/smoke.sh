@@ -71,61 +71,11 @@ trap 'exit 130' INT TERM
 mkdir -p "$run"/{root,state,runc,fifo,tmp,opt,cni/net.d,cdiroot/cdi,image}
 sock=$run/containerd.sock
 
-# Config version 4 is containerd 2.4's own (it still reads version 3, migrating it
-# with a warning). CDI is always on in the CRI plugin since 2.4 (no enable_cdi key);
-# its spec dirs are set here. imports = [] keeps /etc/containerd/conf.d out.
-cat >"$run/containerd.toml" <<EOF
-version = 4
-imports = []
-root = "$run/root"
-state = "$run/state"
-temp = "$run/tmp"
-disabled_plugins = [
-  "io.containerd.nri.v1.nri",
-  "io.containerd.snapshotter.v1.blockfile",
-  "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.snapshotter.v1.erofs",
-  "io.containerd.snapshotter.v1.zfs",
-]
-
-[debug]
-  level = "info"
-
-[plugins.'io.containerd.server.v1.grpc']
-  address = "$sock"
-[plugins.'io.containerd.server.v1.ttrpc']
-  address = "$sock.ttrpc"
-[plugins.'io.containerd.server.v1.debug']
-  address = "$run/debug.sock"
-[plugins.'io.containerd.server.v1.metrics']
-  address = ""
-[plugins.'io.containerd.shim.v1.manager']
-  socket_dir = "$run/s"
-[plugins.'io.containerd.internal.v1.opt']
-  path = "$run/opt"
-[plugins.'io.containerd.image-verifier.v1.bindir']
-  bin_dir = "$run/opt/image-verifier/bin"
-[plugins.'io.containerd.grpc.v1.cri']
-  disable_tcp_service = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-[plugins.'io.containerd.cri.v1.images']
-  snapshotter = "overlayfs"
-[plugins.'io.containerd.cri.v1.runtime']
-  netns_mounts_under_state_dir = true
-  cdi_spec_dirs = ["$run/cdiroot/cdi"]
-  [plugins.'io.containerd.cri.v1.runtime'.cni]
-    bin_dirs = ["$bin"]
-    conf_dir = "$run/cni/net.d"
-  [plugins.'io.containerd.cri.v1.runtime'.containerd]
-    default_runtime_name = "runc"
-    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
-        BinaryName = "$bin/runc"
-        Root = "$run/runc"
-        SystemdCgroup = false
-EOF
+# The config e2e/runtime/containerd.toml shares with the e2e cluster; ctr needs no sandbox
+# image and this process may keep its OOM score adjustments.
+sed -e "s|@RUN@|$run|g" -e "s|@BIN@|$bin|g" -e "s|@CDI_DIR@|$run/cdiroot/cdi|g" \
+  -e "s|@SANDBOX_IMAGE@|migdra.dev/e2e/pause:e2e|g" -e "s|@RESTRICT_OOM_SCORE_ADJ@|false|g" \
+  "$here/containerd.toml" >"$run/containerd.toml"
 
 log "starting containerd (log: $run/containerd.log)"
 PATH=$bin:$PATH TMPDIR=$run/tmp "$bin/containerd" --config "$run/containerd.toml" \

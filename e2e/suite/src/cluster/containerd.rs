@@ -404,74 +404,18 @@ fn has_cap_sys_resource() -> bool {
         .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
 }
 
-/// containerd's config (version 4, containerd 2.4's own): every path under `ctrd`; CDI specs
+/// containerd's config (`e2e/runtime/containerd.toml`, shared with smoke.sh): every path under `ctrd`; CDI specs
 /// from the cluster's CDI dir (where migdra's plugin writes them); the local pause image
 /// pinned as the sandbox image; runc with the cgroupfs driver; without CAP_SYS_RESOURCE, the
 /// OOM score adjustments the kubelet asks are clamped to containerd's own (runc would fail
 /// with "nsexec: failed to update /proc/self/oom_score_adj: Permission denied").
 fn containerd_config(ctrd: &Path, bin: &Path, cdi_dir: &Path) -> String {
-    let c = ctrd.display();
-    let b = bin.display();
-    format!(
-        r#"version = 4
-imports = []
-root = "{c}/root"
-state = "{c}/state"
-temp = "{c}/tmp"
-disabled_plugins = [
-  "io.containerd.nri.v1.nri",
-  "io.containerd.snapshotter.v1.blockfile",
-  "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.snapshotter.v1.erofs",
-  "io.containerd.snapshotter.v1.zfs",
-]
-
-[debug]
-  level = "info"
-
-[plugins.'io.containerd.server.v1.grpc']
-  address = "{c}/containerd.sock"
-[plugins.'io.containerd.server.v1.ttrpc']
-  address = "{c}/containerd.sock.ttrpc"
-[plugins.'io.containerd.server.v1.debug']
-  address = "{c}/debug.sock"
-[plugins.'io.containerd.server.v1.metrics']
-  address = ""
-[plugins.'io.containerd.shim.v1.manager']
-  socket_dir = "{c}/s"
-[plugins.'io.containerd.internal.v1.opt']
-  path = "{c}/opt"
-[plugins.'io.containerd.image-verifier.v1.bindir']
-  bin_dir = "{c}/opt/image-verifier/bin"
-[plugins.'io.containerd.grpc.v1.cri']
-  disable_tcp_service = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-[plugins.'io.containerd.cri.v1.images']
-  snapshotter = "overlayfs"
-  [plugins.'io.containerd.cri.v1.images'.pinned_images]
-    sandbox = "{pause}"
-[plugins.'io.containerd.cri.v1.runtime']
-  netns_mounts_under_state_dir = true
-  restrict_oom_score_adj = {restrict_oom}
-  cdi_spec_dirs = ["{cdi}"]
-  [plugins.'io.containerd.cri.v1.runtime'.cni]
-    bin_dirs = ["{b}"]
-    conf_dir = "{c}/cni/net.d"
-    max_conf_num = 1
-  [plugins.'io.containerd.cri.v1.runtime'.containerd]
-    default_runtime_name = "runc"
-    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
-        BinaryName = "{b}/runc"
-        Root = "{c}/runc"
-        SystemdCgroup = false
-"#,
-        pause = PAUSE_IMAGE,
-        cdi = cdi_dir.display(),
-        restrict_oom = !has_cap_sys_resource(),
-    )
+    include_str!("../../../runtime/containerd.toml")
+        .replace("@RUN@", &ctrd.display().to_string())
+        .replace("@BIN@", &bin.display().to_string())
+        .replace("@CDI_DIR@", &cdi_dir.display().to_string())
+        .replace("@SANDBOX_IMAGE@", PAUSE_IMAGE)
+        .replace("@RESTRICT_OOM_SCORE_ADJ@", &(!has_cap_sys_resource()).to_string())
 }
 
 /// The pod network: a bridge (in containerd's network namespace) with host-local addresses
