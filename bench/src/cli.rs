@@ -133,7 +133,7 @@ pub enum PluginIdentity {
     /// API Priority and Fairness classifies it by the chart's FlowSchemas.
     ServiceAccount,
     /// The bench's admin client, shared: exempt from API Priority and Fairness and from the
-    /// admission policy (how the bench measured before 2026-12-02, late).
+    /// admission policy, so it understates how late renewals get on a busy API server.
     Admin,
 }
 
