@@ -152,6 +152,7 @@ def test_plugin_env_follows_values(case):
     assert "GPUNODE_HEARTBEAT_INTERVAL_SECONDS" not in env
     assert env["HEALTH_RESEND_INTERVAL_SECONDS"] == str(p["healthResendIntervalSeconds"])
     assert env["LOCK_TIMEOUT_SECONDS"] == str(p["lockTimeoutSeconds"])
+    assert env["NVML_CALL_TIMEOUT_SECONDS"] == str(p["nvmlCallTimeoutSeconds"])
     assert env["STALE_CLAIM_GC_INTERVAL_SECONDS"] == str(p["staleClaimGcIntervalSeconds"])
     assert env["HTTP_ADDRESS"].endswith(f":{p['httpPort']}")
     assert env["GRPC_HEALTH_ADDRESS"].endswith(f":{p['grpcHealthPort']}")
@@ -169,8 +170,10 @@ def test_plugin_grpc_probes(case):
     _, pod = plugin_pod(rendered)
     c = container(pod)
     port = values["kubeletPlugin"]["grpcHealthPort"]
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["grpc"] == {"port": port}, probe
+    # Readiness asks for NVML answering on the node (the plugin's READINESS_SERVICE).
+    assert c["readinessProbe"]["grpc"] == {"port": port, "service": "ready"}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": values["kubeletPlugin"]["httpPort"], "grpc-health": port}
 

@@ -185,6 +185,7 @@ async fn main() -> anyhow::Result<()> {
         state_dir,
         boot_id: "bench".into(),
         lock_timeout: Duration::from_secs(5),
+        nvml_call_timeout: Duration::from_secs(20),
     };
     let backend = Arc::new(NvmlBackend::new(Some(&host.lib_path()))?);
     let cdi = CdiWriter::new(cdi_dir, "gpu.migdra.dev", host.proc_root());

@@ -73,6 +73,11 @@ pub struct Args {
     /// Seconds a call waits for the node lock held by another plugin instance.
     #[arg(long, env = "LOCK_TIMEOUT_SECONDS", default_value_t = 30)]
     pub lock_timeout_seconds: u64,
+    /// Seconds one NVML call may take; a call still running then fails its claim with "NVML is
+    /// not answering" and marks its GPU unhealthy until it returns (a node-wide call, or all
+    /// GPUs: the node stops being offered). Keep it well inside the kubelet's 45 s per call.
+    #[arg(long, env = "NVML_CALL_TIMEOUT_SECONDS", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    pub nvml_call_timeout_seconds: u64,
     /// Seconds between passes that release recorded claims whose ResourceClaim is gone (0
     /// disables them; a pass also runs at start).
     #[arg(long, env = "STALE_CLAIM_GC_INTERVAL_SECONDS", default_value_t = 300)]
@@ -151,6 +156,10 @@ impl Args {
 
     pub fn lock_timeout(&self) -> Duration {
         Duration::from_secs(self.lock_timeout_seconds)
+    }
+
+    pub fn nvml_call_timeout(&self) -> Duration {
+        Duration::from_secs(self.nvml_call_timeout_seconds)
     }
 
     /// Zero means disabled.
@@ -325,6 +334,7 @@ mod tests {
             ("heartbeat-namespace", "POD_NAMESPACE"),
             ("health-resend-interval-seconds", "HEALTH_RESEND_INTERVAL_SECONDS"),
             ("lock-timeout-seconds", "LOCK_TIMEOUT_SECONDS"),
+            ("nvml-call-timeout-seconds", "NVML_CALL_TIMEOUT_SECONDS"),
             (
                 "stale-claim-gc-interval-seconds",
                 "STALE_CLAIM_GC_INTERVAL_SECONDS",

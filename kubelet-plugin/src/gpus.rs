@@ -19,7 +19,10 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     marker::PhantomData,
-    sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard},
+    sync::{
+        Arc, Condvar, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -34,10 +37,10 @@ use crate::{
     journal::Journal,
     lock,
     metrics::Metrics,
-    nvml::{BackendError, GpuBackend, GpuDescription, GpuInstanceRecord, NvmlErrorKind},
+    nvml::{BackendError, GpuBackend, GpuDescription, GpuInstanceRecord, NvmlErrorKind, bounded::NvmlCalls},
     orphans::LostGpuOrphans,
     plan::{GpuView, mode_switchable},
-    state_dir::NodeLock,
+    state_dir::{NodeGate, NodeLock},
 };
 use dra_kubelet::DeviceHealthReport;
 
@@ -52,6 +55,9 @@ fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
 
 struct Gpu {
     description: RwLock<GpuDescription>,
+    /// Counts changes the driver made to the GPU under its lock (a MIG mode switch): a
+    /// description discovered while one happened is stale and must not replace the table's.
+    changes: AtomicU64,
     /// The operation lock: a flag and a condition variable rather than a `Mutex<()>`, because
     /// its guard ([`HeldGpu`]) must own the GPU entry it locks.
     busy: Mutex<bool>,
@@ -62,6 +68,7 @@ impl Gpu {
     fn new(description: GpuDescription) -> Arc<Self> {
         Arc::new(Self {
             description: RwLock::new(description),
+            changes: AtomicU64::new(0),
             busy: Mutex::new(false),
             released: Condvar::new(),
         })
@@ -94,10 +101,10 @@ impl Drop for HeldGpu {
 /// Taken after the node lock and released before it:
 ///
 /// ```no_run
-/// # use std::{path::Path, time::Duration};
-/// # use migdra_kubelet_plugin::{gpus::Gpus, state_dir::NodeLock};
-/// fn in_order(gpus: &Gpus, dir: &Path) {
-///     let node = NodeLock::acquire(dir, Duration::ZERO).unwrap();
+/// # use std::time::Duration;
+/// # use migdra_kubelet_plugin::{gpus::Gpus, state_dir::NodeGate};
+/// fn in_order(gpus: &Gpus, gate: &NodeGate) {
+///     let node = gate.acquire(Duration::ZERO).unwrap();
 ///     let locks = node.lock_gpus(gpus, [0, 1]);
 ///     drop(locks);
 ///     drop(node);
@@ -107,10 +114,10 @@ impl Drop for HeldGpu {
 /// Keeping GPU locks past the node lock does not compile:
 ///
 /// ```compile_fail,E0505
-/// # use std::{path::Path, time::Duration};
-/// # use migdra_kubelet_plugin::{gpus::Gpus, state_dir::NodeLock};
-/// fn out_of_order(gpus: &Gpus, dir: &Path) {
-///     let node = NodeLock::acquire(dir, Duration::ZERO).unwrap();
+/// # use std::time::Duration;
+/// # use migdra_kubelet_plugin::{gpus::Gpus, state_dir::NodeGate};
+/// fn out_of_order(gpus: &Gpus, gate: &NodeGate) {
+///     let node = gate.acquire(Duration::ZERO).unwrap();
 ///     let locks = node.lock_gpus(gpus, [0, 1]);
 ///     drop(node);
 ///     drop(locks);
@@ -148,11 +155,12 @@ impl GpuLocks<'_> {
 
     /// Records that a locked GPU's MIG mode is now `enabled`.
     pub fn set_mig_mode(&self, minor: u32, enabled: bool) {
-        if let Some(gpu) = self.held.get(&minor)
-            && let Some(mig) = write(&gpu.0.description).mig.as_mut()
-        {
-            mig.enabled = enabled;
-            mig.pending_enabled = enabled;
+        if let Some(gpu) = self.held.get(&minor) {
+            gpu.0.changes.fetch_add(1, Ordering::SeqCst);
+            if let Some(mig) = write(&gpu.0.description).mig.as_mut() {
+                mig.enabled = enabled;
+                mig.pending_enabled = enabled;
+            }
         }
     }
 
@@ -187,6 +195,10 @@ impl GpuLocks<'_> {
 
 struct Inner {
     backend: Arc<dyn GpuBackend>,
+    /// The backend's calls in flight, to tell a GPU (or the node) NVML does not answer.
+    calls: NvmlCalls,
+    /// This plugin instance's way to the node lock.
+    node_gate: NodeGate,
     pool: String,
     journal: Arc<Journal>,
     metrics: Metrics,
@@ -229,9 +241,40 @@ impl Gpus {
         &self.inner.backend
     }
 
-    /// Discovers the GPUs. `journal` says which instances are migdra's (for the inventory).
+    pub fn nvml_calls(&self) -> &NvmlCalls {
+        &self.inner.calls
+    }
+
+    /// This plugin instance's way to the node lock.
+    pub fn node_gate(&self) -> &NodeGate {
+        &self.inner.node_gate
+    }
+
+    /// Why NVML answers nothing on this node, if it does not: a node-wide call is overdue, or
+    /// every GPU has an overdue call. Such a node is not offered (its heartbeat pauses).
+    pub fn nvml_stuck(&self) -> Option<String> {
+        let indices: Vec<u32> = read(&self.inner.table)
+            .values()
+            .map(|gpu| read(&gpu.description).index)
+            .collect();
+        self.inner.calls.node_stuck(indices)
+    }
+
+    /// Why NVML does not answer on GPU `minor`, if it has an overdue call.
+    pub fn nvml_stuck_on(&self, minor: u32) -> Option<String> {
+        let index = read(&self.get(minor)?.description).index;
+        self.inner
+            .calls
+            .overdue_in(crate::nvml::bounded::CallScope::Gpu(index))
+            .map(|call| call.reason())
+    }
+
+    /// Discovers the GPUs through `backend`, whose calls in flight `calls` tracks. `journal`
+    /// says which instances are migdra's (for the inventory).
     pub fn discover(
         backend: Arc<dyn GpuBackend>,
+        calls: NvmlCalls,
+        node_gate: NodeGate,
         pool: String,
         journal: Arc<Journal>,
         metrics: Metrics,
@@ -244,6 +287,8 @@ impl Gpus {
         Ok(Self {
             inner: Arc::new(Inner {
                 backend,
+                calls,
+                node_gate,
                 pool,
                 journal,
                 metrics,
@@ -394,12 +439,16 @@ impl Gpus {
     /// Re-discovers the GPUs (a rescan, so added or reset GPUs are noticed) and describes them
     /// for the GpuNode: geometry, instances (ours or foreign) and health.
     pub fn inventory(&self) -> Result<Vec<GpuInventory>, BackendError> {
+        let changes_before: BTreeMap<u32, u64> = read(&self.inner.table)
+            .iter()
+            .map(|(minor, gpu)| (*minor, gpu.changes.load(Ordering::SeqCst)))
+            .collect();
         let mut discovered = self.inner.backend.discover()?;
         // Instances left on lost GPUs are destroyed only under the node lock (no other plugin
         // instance is working), taken before any GPU lock and only if free at once; the journal is
         // re-read under it, as another instance may have prepared a claim at an orphan's placement.
         let orphans = self.orphans().filter(|o| !o.is_empty()).and_then(|o| {
-            let node = match NodeLock::acquire(o.state_dir(), Duration::ZERO) {
+            let node = match self.inner.node_gate.acquire(Duration::ZERO) {
                 Ok(node) => node,
                 Err(e) => {
                     tracing::debug!(error = %e, "node lock busy; instances left on lost GPUs are destroyed at a later pass");
@@ -444,7 +493,14 @@ impl Gpus {
                 .clone();
             // Under the GPU lock, so an instance being created is always already recorded.
             let _held = gpu.acquire();
-            *write(&gpu.description) = description.clone();
+            let description =
+                if changes_before.get(&description.minor) == Some(&gpu.changes.load(Ordering::SeqCst)) {
+                    *write(&gpu.description) = description.clone();
+                    description
+                } else {
+                    // The driver switched the mode after the rescan began: the table is newer.
+                    read(&gpu.description).clone()
+                };
             let records = self.inner.journal.claims();
             let probe = self.inner.backend.probe_health(description.index).err();
             let probe = probe.map(|e| e.to_string());

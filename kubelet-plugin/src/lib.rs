@@ -119,12 +119,18 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     // one, its heartbeat would report the node's plugin unregistered over the other's and
     // the controller would withdraw the pool. So the status loop starts once registered.
     let joining = !peer_config.live_peer_registrations().await.is_empty();
+    let driver_gpus = driver.gpus().clone();
     let server = PluginServer::new(server_config, Arc::new(driver), health, registration_tx);
     let serving = serve_kubelet(server, &shutdown).await?;
     ready.set(true);
     grpc_health
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
+    tasks.push(tokio::spawn(report_readiness(
+        grpc_health,
+        driver_gpus,
+        shutdown.clone(),
+    )));
     tracing::info!("serving the kubelet");
     if joining {
         wait_for_registration(registration, &shutdown).await;
@@ -148,9 +154,11 @@ async fn serve_grpc_health(
     shutdown: &CancellationToken,
 ) -> (tonic_health::server::HealthReporter, JoinHandle<()>) {
     let (reporter, service) = tonic_health::server::health_reporter();
-    reporter
-        .set_service_status("", tonic_health::ServingStatus::NotServing)
-        .await;
+    for service in ["", READINESS_SERVICE] {
+        reporter
+            .set_service_status(service, tonic_health::ServingStatus::NotServing)
+            .await;
+    }
     let shutdown = shutdown.clone();
     let addr = args.grpc_health_address;
     let task = tokio::spawn(async move {
@@ -163,6 +171,30 @@ async fn serve_grpc_health(
         }
     });
     (reporter, task)
+}
+
+/// The gRPC health service the readiness probe asks for: SERVING while NVML answers on this
+/// node, NOT_SERVING while it answers nothing ([`gpus::Gpus::nvml_stuck`]). Liveness asks for
+/// the process (service `""`): restarting a plugin stuck in the kernel frees nothing.
+pub const READINESS_SERVICE: &str = "ready";
+
+async fn report_readiness(
+    reporter: tonic_health::server::HealthReporter,
+    gpus: gpus::Gpus,
+    shutdown: CancellationToken,
+) {
+    let mut changes = gpus.nvml_calls().subscribe();
+    loop {
+        let status = match gpus.nvml_stuck() {
+            None => tonic_health::ServingStatus::Serving,
+            Some(_) => tonic_health::ServingStatus::NotServing,
+        };
+        reporter.set_service_status(READINESS_SERVICE, status).await;
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+        }
+    }
 }
 
 /// Loads NVML and starts the driver, which repairs what a previous run left half done.
@@ -184,6 +216,7 @@ async fn start_driver(
         state_dir: args.resolved_state_dir(),
         boot_id,
         lock_timeout: args.lock_timeout(),
+        nvml_call_timeout: args.nvml_call_timeout(),
     };
     let kernel_release = driver_files::read_kernel_release(&args.proc_root).unwrap_or_else(|e| {
         tracing::warn!(error = %e, "kernel release unknown; firmware is looked for in the version-independent directories only");
@@ -245,6 +278,11 @@ fn spawn_background(
         recovery_tx.clone(),
         shutdown.clone(),
     )));
+    // An NVML call that was overdue may still have done its work when it returns: what it
+    // left half done is repaired then.
+    tasks.push(tokio::spawn(
+        driver.clone().run_overdue_reconcile(shutdown.clone()),
+    ));
     // Claims deleted while nobody unprepared them release their instances; the first pass
     // runs now, after recovery.
     tasks.push(tokio::spawn(driver.clone().run_stale_claim_gc(

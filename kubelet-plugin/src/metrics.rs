@@ -177,6 +177,15 @@ metrics! {
         "nvml_call_duration_seconds",
         "Wall time of one NVML backend call made for a kubelet call, by backend function",
         Family::new_with_constructor(|| Histogram::new(NVML_BUCKETS));
+    nvml_calls_overdue: Family<Words<1>, Counter> =
+        "nvml_calls_overdue",
+        "NVML calls that did not return within the call timeout (their GPU, or the node for a \
+         node-wide call, is unhealthy until they do), by backend function",
+        Family::default();
+    nvml_calls_stuck: Gauge =
+        "nvml_calls_stuck",
+        "NVML calls past the call timeout that have not returned yet",
+        Gauge::default();
     recoveries: Family<Words<1>, Counter> =
         "recoveries", "Repairs of interrupted operations at start", Family::default();
     repair_attempts: Family<Words<1>, Counter> =
@@ -312,6 +321,19 @@ impl Metrics {
     /// Sets how many records wait for repair.
     pub fn pending_repairs(&self, n: usize) {
         self.pending_repairs.set(count(n));
+    }
+
+    /// Counts an NVML call that ran past the call timeout; `stuck` are those not returned yet.
+    pub fn nvml_call_overdue(&self, function: &'static str, stuck: usize) {
+        self.nvml_calls_overdue
+            .get_or_create(&[("function", function)])
+            .inc();
+        self.nvml_call_stuck(stuck);
+    }
+
+    /// Sets how many overdue NVML calls have not returned yet.
+    pub fn nvml_call_stuck(&self, stuck: usize) {
+        self.nvml_calls_stuck.set(count(stuck));
     }
 
     /// Counts one stale claim released (`reason`: a [`crate::driver::StaleCause::reason`]).

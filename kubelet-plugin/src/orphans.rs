@@ -55,7 +55,6 @@ struct OrphanFile {
 /// The persisted list of instances left on lost GPUs.
 #[derive(Debug)]
 pub struct LostGpuOrphans {
-    state_dir: PathBuf,
     path: PathBuf,
     boot_id: String,
     list: Mutex<Loaded>,
@@ -99,16 +98,10 @@ impl LostGpuOrphans {
         let mut list = Loaded::default();
         list.follow(&path, boot_id, read_bytes(&path)?);
         Ok(Self {
-            state_dir: state_dir.to_path_buf(),
             path,
             boot_id: boot_id.to_string(),
             list: Mutex::new(list),
         })
-    }
-
-    /// The state directory (holds the node lock).
-    pub fn state_dir(&self) -> &Path {
-        &self.state_dir
     }
 
     /// The list as the file has it now (another plugin instance may have changed it). When

@@ -3,17 +3,16 @@
 //!
 //! The node lock ([`NodeLock`]) is a file lock in the state directory, so two plugin
 //! instances on one node (a rolling update) never operate at the same time; threads of one
-//! process queue for it in memory and are woken at once when it is released. Holding its guard
-//! is what lets the driver lock GPUs (see [`crate::gpus::GpuLocks`]).
+//! process share it or queue for it in memory and are woken at once when it is released.
+//! Holding its guard is what lets the driver lock GPUs (see [`crate::gpus::GpuLocks`]).
 
 use std::{
-    collections::HashMap,
     fs::{self, File},
     io::Write,
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     sync::{
-        Arc, Condvar, Mutex, OnceLock, PoisonError,
+        Arc, Condvar, Mutex, PoisonError,
         atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant},
@@ -181,101 +180,203 @@ pub enum NodeLockError {
     Held { path: PathBuf },
 }
 
-/// The node-wide lock: held while prepare, unprepare or recovery run. Dropping it releases
-/// the file lock, then lets the next waiter of this process in (also when a thread unwinds).
+/// The node-wide lock: held while prepare, unprepare or recovery run, so that two plugin
+/// instances never work on the node at the same time. Within this process the kubelet's calls
+/// share it ([`NodeGate::acquire_shared`]): they exclude each other only through the GPU locks,
+/// so a call stuck in NVML on one GPU never holds up another GPU's claims. Maintenance (startup
+/// recovery, repairs, stale-claim release) takes it alone ([`NodeGate::acquire`]). Dropping the
+/// last holder releases the file lock, then wakes the waiters (also when a thread unwinds).
 #[derive(Debug)]
 pub struct NodeLock {
-    // Field order is drop order: the file lock is released before the gate opens, so the
-    // waiter the gate wakes finds the file free.
-    _file: File,
-    _gate: GateTicket,
+    _ticket: GateTicket,
 }
 
-/// The in-process queue in front of a node lock file: waiters of this process sleep on a
-/// condition variable instead of polling the file lock, which only another process (a second
-/// plugin instance during a rolling update) still needs.
+/// How a holder shares the node lock with the other threads of this process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Access {
+    Shared,
+    Exclusive,
+}
+
+/// The in-process side of a node lock file: who holds it in this process, and the file lock
+/// held on their behalf while anyone does. Waiters sleep on a condition variable instead of
+/// polling the file lock, which only another process (a second plugin instance during a
+/// rolling update) still needs.
 #[derive(Debug, Default)]
 struct Gate {
-    held: Mutex<bool>,
-    released: Condvar,
+    state: Mutex<GateState>,
+    changed: Condvar,
 }
 
-/// This process's turn at one node lock; dropping it wakes the next waiter.
+#[derive(Debug, Default)]
+struct GateState {
+    shared: usize,
+    exclusive: bool,
+    /// Exclusive waiters; shared holders do not join while one waits, so maintenance is never
+    /// starved by a steady stream of kubelet calls.
+    exclusive_waiting: usize,
+    /// A thread is taking the file lock for this process.
+    taking_file: bool,
+    /// The file lock, held while `shared > 0 || exclusive`.
+    file: Option<File>,
+}
+
+impl GateState {
+    fn admits(&self, access: Access) -> bool {
+        if self.taking_file || self.exclusive {
+            return false;
+        }
+        match access {
+            Access::Shared => self.exclusive_waiting == 0,
+            Access::Exclusive => self.shared == 0,
+        }
+    }
+}
+
+/// This process's hold on one node lock; dropping it releases the file lock with the last
+/// holder and wakes the waiters.
 #[derive(Debug)]
 struct GateTicket {
     gate: Arc<Gate>,
+    access: Access,
 }
 
 impl Drop for GateTicket {
     fn drop(&mut self) {
-        *self.gate.held.lock().unwrap_or_else(PoisonError::into_inner) = false;
-        self.gate.released.notify_one();
+        let mut state = self.gate.state.lock().unwrap_or_else(PoisonError::into_inner);
+        match self.access {
+            Access::Shared => state.shared = state.shared.saturating_sub(1),
+            Access::Exclusive => state.exclusive = false,
+        }
+        if state.shared == 0 && !state.exclusive {
+            // The file lock goes before anyone is woken, so the next holder finds it free.
+            state.file = None;
+        }
+        drop(state);
+        self.gate.changed.notify_all();
     }
 }
 
 impl Gate {
-    /// The gate of the lock file at `path` (one per path in this process).
-    fn of(path: &Path) -> Arc<Self> {
-        static GATES: OnceLock<Mutex<HashMap<PathBuf, Arc<Gate>>>> = OnceLock::new();
-        let mut gates = GATES
-            .get_or_init(Mutex::default)
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        gates.entry(path.to_path_buf()).or_default().clone()
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Waits until no other thread of this process holds the lock, or `deadline` passes.
-    fn enter(self: Arc<Self>, deadline: Instant) -> Option<GateTicket> {
-        let held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        let wait = deadline.saturating_duration_since(Instant::now());
-        // The flag is only a boolean, so a holder that panicked leaves it consistent.
-        let (mut held, _) = self
-            .released
-            .wait_timeout_while(held, wait, |held| *held)
-            .unwrap_or_else(PoisonError::into_inner);
-        if *held {
-            return None;
+    /// Waits until this process admits `access`, then takes the file lock unless this process
+    /// holds it already; gives up at `deadline`.
+    fn enter(
+        self: Arc<Self>,
+        path: &Path,
+        access: Access,
+        deadline: Instant,
+    ) -> Result<GateTicket, NodeLockError> {
+        let mut state = self.lock_state();
+        if access == Access::Exclusive {
+            state.exclusive_waiting += 1;
         }
-        *held = true;
-        drop(held);
-        Some(GateTicket { gate: self })
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let (waited, _) = self
+            .changed
+            .wait_timeout_while(state, wait, |state| !state.admits(access))
+            .unwrap_or_else(PoisonError::into_inner);
+        state = waited;
+        if access == Access::Exclusive {
+            state.exclusive_waiting -= 1;
+        }
+        if !state.admits(access) {
+            drop(state);
+            // A shared waiter held back by this exclusive waiter may go now.
+            self.changed.notify_all();
+            return Err(NodeLockError::Held {
+                path: path.to_path_buf(),
+            });
+        }
+        if state.file.is_none() {
+            state.taking_file = true;
+            drop(state);
+            let taken = take_file_lock(path, deadline);
+            state = self.lock_state();
+            state.taking_file = false;
+            match taken {
+                Ok(file) => state.file = Some(file),
+                Err(e) => {
+                    drop(state);
+                    self.changed.notify_all();
+                    return Err(e);
+                }
+            }
+        }
+        match access {
+            Access::Shared => state.shared += 1,
+            Access::Exclusive => state.exclusive = true,
+        }
+        drop(state);
+        Ok(GateTicket { gate: self, access })
     }
 }
 
-impl NodeLock {
-    /// Takes `<state_dir>/plugin.lock`, waiting up to `timeout`. Against another process the
-    /// file lock is polled, because std's file locks have no timed wait.
-    pub fn acquire(state_dir: &Path, timeout: Duration) -> Result<Self, NodeLockError> {
-        let path = state_dir.join(NODE_LOCK_FILE);
-        let io = |source| StateFileError {
-            path: path.clone(),
-            source,
-        };
-        let deadline = Instant::now() + timeout;
-        let gate = Gate::of(&path)
-            .enter(deadline)
-            .ok_or_else(|| NodeLockError::Held { path: path.clone() })?;
-        let file = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(io)?;
-        loop {
-            match file.try_lock() {
-                Ok(()) => {
-                    return Ok(Self {
-                        _file: file,
-                        _gate: gate,
-                    });
-                }
-                Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
-                    std::thread::sleep(OTHER_PROCESS_POLL);
-                }
-                Err(std::fs::TryLockError::WouldBlock) => return Err(NodeLockError::Held { path }),
-                Err(std::fs::TryLockError::Error(e)) => return Err(io(e).into()),
+/// Takes the lock file's file lock, polling until `deadline` (std's file locks have no timed
+/// wait).
+fn take_file_lock(path: &Path, deadline: Instant) -> Result<File, NodeLockError> {
+    let io = |source| StateFileError {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(io)?;
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(file),
+            Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(OTHER_PROCESS_POLL);
             }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(NodeLockError::Held {
+                    path: path.to_path_buf(),
+                });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(e).into()),
         }
+    }
+}
+
+/// One plugin instance's way to the node lock of a state directory: its threads share the
+/// gate, and another instance (another process, or another gate in tests) is kept out by the
+/// file lock. Cheap to clone; clones share the gate.
+#[derive(Clone, Debug)]
+pub struct NodeGate {
+    path: PathBuf,
+    gate: Arc<Gate>,
+}
+
+impl NodeGate {
+    /// The gate of `<state_dir>/plugin.lock`.
+    pub fn new(state_dir: &Path) -> Self {
+        Self {
+            path: state_dir.join(NODE_LOCK_FILE),
+            gate: Arc::default(),
+        }
+    }
+
+    /// Takes the node lock alone, waiting up to `timeout`.
+    pub fn acquire(&self, timeout: Duration) -> Result<NodeLock, NodeLockError> {
+        self.enter(Access::Exclusive, timeout)
+    }
+
+    /// Takes the node lock together with the other shared holders of this instance, waiting up
+    /// to `timeout`.
+    pub fn acquire_shared(&self, timeout: Duration) -> Result<NodeLock, NodeLockError> {
+        self.enter(Access::Shared, timeout)
+    }
+
+    fn enter(&self, access: Access, timeout: Duration) -> Result<NodeLock, NodeLockError> {
+        let deadline = Instant::now() + timeout;
+        let ticket = self.gate.clone().enter(&self.path, access, deadline)?;
+        Ok(NodeLock { _ticket: ticket })
     }
 }
 
@@ -391,21 +492,23 @@ mod tests {
     #[test]
     fn a_held_node_lock_times_out() {
         let dir = tempfile::tempdir().unwrap();
-        let held = NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
-        let err = NodeLock::acquire(dir.path(), Duration::from_millis(100)).unwrap_err();
+        let gate = NodeGate::new(dir.path());
+        let held = gate.acquire(Duration::ZERO).unwrap();
+        let err = gate.acquire(Duration::from_millis(100)).unwrap_err();
         assert!(matches!(err, NodeLockError::Held { .. }), "{err}");
         drop(held);
-        NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+        gate.acquire(Duration::ZERO).unwrap();
     }
 
     #[test]
     fn a_waiter_of_this_process_gets_the_lock_when_the_holder_lets_go() {
         let dir = tempfile::tempdir().unwrap();
+        let gate = NodeGate::new(dir.path());
         let order = Mutex::new(Vec::new());
         std::thread::scope(|s| {
-            let held = NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+            let held = gate.acquire(Duration::ZERO).unwrap();
             let waiter = s.spawn(|| {
-                let lock = NodeLock::acquire(dir.path(), Duration::from_secs(30)).unwrap();
+                let lock = gate.acquire(Duration::from_secs(30)).unwrap();
                 order.lock().unwrap().push("waiter");
                 drop(lock);
             });
@@ -416,21 +519,107 @@ mod tests {
             waiter.join().unwrap();
         });
         assert_eq!(*order.lock().unwrap(), ["holder", "waiter"]);
-        NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+        gate.acquire(Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn shared_holders_overlap_and_an_exclusive_one_waits_for_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = NodeGate::new(dir.path());
+        let first = gate.acquire_shared(Duration::ZERO).unwrap();
+        // A second kubelet call does not wait for the first.
+        let second = gate.acquire_shared(Duration::ZERO).unwrap();
+        let err = gate.acquire(Duration::from_millis(50)).unwrap_err();
+        assert!(matches!(err, NodeLockError::Held { .. }), "{err}");
+        drop(first);
+        let err = gate.acquire(Duration::from_millis(50)).unwrap_err();
+        assert!(
+            matches!(err, NodeLockError::Held { .. }),
+            "one shared holder is left: {err}"
+        );
+        drop(second);
+        let exclusive = gate.acquire(Duration::ZERO).unwrap();
+        let err = gate.acquire_shared(Duration::from_millis(50)).unwrap_err();
+        assert!(matches!(err, NodeLockError::Held { .. }), "{err}");
+        drop(exclusive);
+        gate.acquire_shared(Duration::ZERO).unwrap();
+    }
+
+    #[test]
+    fn a_waiting_exclusive_holder_goes_before_later_shared_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = NodeGate::new(dir.path());
+        let order = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            let shared = gate.acquire_shared(Duration::ZERO).unwrap();
+            let exclusive = s.spawn(|| {
+                let lock = gate.acquire(Duration::from_secs(30)).unwrap();
+                order.lock().unwrap().push("exclusive");
+                drop(lock);
+            });
+            // Until the exclusive waiter has queued, a shared one still joins; after, it waits.
+            let queued = Instant::now() + Duration::from_secs(30);
+            while gate.acquire_shared(Duration::ZERO).is_ok() {
+                assert!(Instant::now() < queued, "the exclusive waiter never queued");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let later = s.spawn(|| {
+                let lock = gate.acquire_shared(Duration::from_secs(30)).unwrap();
+                order.lock().unwrap().push("shared");
+                drop(lock);
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            drop(shared);
+            exclusive.join().unwrap();
+            later.join().unwrap();
+        });
+        assert_eq!(*order.lock().unwrap(), ["exclusive", "shared"]);
+    }
+
+    #[test]
+    fn shared_holders_keep_another_process_out_until_the_last_lets_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = NodeGate::new(dir.path());
+        let path = dir.path().join(NODE_LOCK_FILE);
+        let first = gate.acquire_shared(Duration::ZERO).unwrap();
+        let second = gate.acquire_shared(Duration::ZERO).unwrap();
+        // Another open file description stands for another process.
+        let other = File::options().write(true).open(&path).unwrap();
+        drop(first);
+        assert!(other.try_lock().is_err(), "released with a shared holder left");
+        drop(second);
+        other.try_lock().unwrap();
+    }
+
+    #[test]
+    fn two_instances_exclude_each_other_even_when_sharing() {
+        // Two gates on one directory stand for two plugin instances (a rolling update).
+        let dir = tempfile::tempdir().unwrap();
+        let (old, new) = (NodeGate::new(dir.path()), NodeGate::new(dir.path()));
+        let held = old.acquire_shared(Duration::ZERO).unwrap();
+        let err = new.acquire_shared(Duration::from_millis(120)).unwrap_err();
+        assert!(matches!(err, NodeLockError::Held { .. }), "{err}");
+        drop(held);
+        let taken = new.acquire_shared(Duration::ZERO).unwrap();
+        let err = old.acquire(Duration::from_millis(120)).unwrap_err();
+        assert!(matches!(err, NodeLockError::Held { .. }), "{err}");
+        drop(taken);
+        old.acquire(Duration::ZERO).unwrap();
     }
 
     #[test]
     fn a_holder_that_panics_releases_the_lock() {
         let dir = tempfile::tempdir().unwrap();
+        let gate = NodeGate::new(dir.path());
         let crashed = std::thread::scope(|s| {
             s.spawn(|| {
-                let _lock = NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+                let _lock = gate.acquire(Duration::ZERO).unwrap();
                 panic!("a step failed while holding the node lock");
             })
             .join()
         });
         assert!(crashed.is_err());
-        NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+        gate.acquire(Duration::ZERO).unwrap();
     }
 
     #[test]
@@ -438,6 +627,7 @@ mod tests {
         // Another open file description stands for another process: its flock conflicts,
         // and it never passed this process's gate.
         let dir = tempfile::tempdir().unwrap();
+        let gate = NodeGate::new(dir.path());
         let other = File::options()
             .create(true)
             .truncate(false)
@@ -445,9 +635,9 @@ mod tests {
             .open(dir.path().join(NODE_LOCK_FILE))
             .unwrap();
         other.lock().unwrap();
-        let err = NodeLock::acquire(dir.path(), Duration::from_millis(120)).unwrap_err();
+        let err = gate.acquire(Duration::from_millis(120)).unwrap_err();
         assert!(matches!(err, NodeLockError::Held { .. }), "{err}");
         other.unlock().unwrap();
-        NodeLock::acquire(dir.path(), Duration::ZERO).unwrap();
+        gate.acquire(Duration::ZERO).unwrap();
     }
 }

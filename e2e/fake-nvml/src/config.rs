@@ -194,7 +194,8 @@ pub struct FaultConfig {
     /// NVML return code to fail with (none: the call goes through after the latency).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<u32>,
-    /// Delay before the call, in milliseconds.
+    /// Delay before the call, in milliseconds. A call already waiting ends its wait early
+    /// when the fault is removed from the state or its latency lowered (a hang a test ends).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub latency_ms: Option<u64>,
     /// How many calls the fault hits (absent: every call).

@@ -146,6 +146,16 @@ pub struct FaultState {
     pub hits: u32,
 }
 
+impl FaultState {
+    /// Whether the fault concerns a call of `function` on `gpu` about `profile` (however often
+    /// it has fired).
+    pub fn matches(&self, function: &str, gpu: Option<u32>, profile: Option<u32>) -> bool {
+        (self.fault.function == function || self.fault.function == "*")
+            && (self.fault.gpu.is_none() || self.fault.gpu == gpu)
+            && (self.fault.profile.is_none() || self.fault.profile == profile)
+    }
+}
+
 impl FakeState {
     /// Builds the initial state from a configuration: GPUs in order, then the configured
     /// pre-existing instances (each with its full compute instance).

@@ -16,6 +16,8 @@
 //!   rewrite missing CDI specs. An unrepairable record makes its GPUs unhealthy and refuse
 //!   prepares while a background loop retries it. On a lost GPU the instances count as gone
 //!   (so pods terminate) and are listed in [`crate::orphans`] until the GPU is back.
+//! - `overdue.rs`: once an NVML call that ran past the timeout returns, records it left half
+//!   done are repaired as at start.
 //! - `stale_gc.rs`: records whose ResourceClaim is gone, or now has other devices, are torn
 //!   down the same way.
 //!
@@ -31,14 +33,17 @@
 //! # Lock order
 //!
 //! The node lock ([`NodeLock`], a file lock shared with other plugin instances; taking it
-//! re-reads the checkpoint), then the claim's GPU locks ([`GpuLocks`], all at once, in minor
-//! order), then briefly the journal's mutex. Types enforce it: GPU locks exist only as a
-//! [`GpuLocks`] borrowed from [`NodeLock::lock_gpus`], every step that plans, creates or
-//! destroys takes a `&GpuLocks`, and the journal's mutex never leaves
-//! [`crate::journal::Journal`]. Claims of one kubelet call run in parallel under one node
-//! lock. The inventory ([`Gpus::inventory`]) takes one GPU lock at a time and never the node
-//! lock, so it keeps reporting while another plugin instance works.
+//! re-reads the checkpoint; kubelet calls share it, maintenance takes it alone), then the
+//! claim's GPU locks ([`GpuLocks`], all at once, in minor order), then briefly the journal's
+//! mutex. Types enforce it: GPU locks exist only as a [`GpuLocks`] borrowed from
+//! [`NodeLock::lock_gpus`], every step that plans, creates or destroys takes a `&GpuLocks`, and
+//! the journal's mutex never leaves [`crate::journal::Journal`]. Claims of one kubelet call, and
+//! concurrent kubelet calls, run in parallel: only GPU locks keep them apart, so an NVML call
+//! stuck on one GPU holds no other GPU's claims. The inventory ([`Gpus::inventory`]) takes one
+//! GPU lock at a time and never the node lock, so it keeps reporting while another plugin
+//! instance works.
 
+mod overdue;
 mod prepare;
 mod recovery;
 mod stale_gc;
@@ -63,10 +68,14 @@ use crate::{
     gpus::{GpuLocks, Gpus},
     journal::Journal,
     metrics::Metrics,
-    nvml::{BackendError, GpuBackend, timing::NvmlClock},
+    nvml::{
+        BackendError, GpuBackend, NvmlErrorKind,
+        bounded::{BoundedBackend, NvmlCalls},
+        timing::NvmlClock,
+    },
     orphans::LostGpuOrphans,
     plan::{PlanError, Rejection},
-    state_dir::{NodeLock, NodeLockError},
+    state_dir::{NodeGate, NodeLock, NodeLockError},
 };
 use dra_kubelet::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome};
 
@@ -106,6 +115,9 @@ pub struct DriverConfig {
     pub boot_id: String,
     /// How long a call waits for the node lock (another plugin instance) before failing.
     pub lock_timeout: Duration,
+    /// How long one NVML call may take before its GPU counts as not answering
+    /// ([`crate::nvml::bounded`]).
+    pub nvml_call_timeout: Duration,
 }
 
 /// Driver failures that are not per-claim.
@@ -174,6 +186,7 @@ impl ClaimFailure {
         match self {
             Self::Claim(e) => e.reason(),
             Self::Rejected(r) => r.reason(),
+            Self::Backend(e) if e.kind == NvmlErrorKind::NotAnswering => "NvmlNotAnswering",
             Self::Backend(_) => "NvmlError",
             Self::Checkpoint(_) => "CheckpointError",
             Self::Cdi(_) => "CdiError",
@@ -235,7 +248,11 @@ impl<C: ClaimSource> Driver<C> {
         let journal = Arc::new(journal);
         let pool = inventory::pool_name(&config.node_name, &config.driver_name);
         let orphans = Arc::new(LostGpuOrphans::open(&config.state_dir, &config.boot_id)?);
-        let gpus = Gpus::discover(backend, pool, journal.clone(), metrics.clone())?.with_orphans(orphans);
+        let calls = NvmlCalls::new(config.nvml_call_timeout);
+        let backend = Arc::new(BoundedBackend::new(backend, calls.clone(), metrics.clone()));
+        let node_gate = NodeGate::new(&config.state_dir);
+        let gpus = Gpus::discover(backend, calls, node_gate, pool, journal.clone(), metrics.clone())?
+            .with_orphans(orphans);
         let status = ClaimStatusWriter::new(&config.driver_name, metrics.clone());
         let driver = Self {
             inner: Arc::new(Inner {
@@ -305,11 +322,25 @@ impl<C: ClaimSource> Driver<C> {
         self.inner.journal.claims()
     }
 
-    /// Takes the node lock and brings the journal up to date with the file (another plugin
-    /// instance may have changed claims meanwhile). Every path that acts on or writes records goes
-    /// through here first.
+    /// Takes the node lock alone (maintenance: recovery, repairs, stale claims) and brings the
+    /// journal up to date with the file (another plugin instance may have changed claims
+    /// meanwhile). Every path that acts on or writes records goes through here or
+    /// [`Self::node_lock_shared`] first.
     fn node_lock(&self) -> Result<NodeLock, NodeAccessError> {
-        let node = NodeLock::acquire(&self.inner.config.state_dir, self.inner.config.lock_timeout)
+        self.take_node_lock(NodeGate::acquire)
+    }
+
+    /// Takes the node lock together with this process's other kubelet calls, which exclude each
+    /// other only through GPU locks.
+    fn node_lock_shared(&self) -> Result<NodeLock, NodeAccessError> {
+        self.take_node_lock(NodeGate::acquire_shared)
+    }
+
+    fn take_node_lock(
+        &self,
+        acquire: fn(&NodeGate, Duration) -> Result<NodeLock, crate::state_dir::NodeLockError>,
+    ) -> Result<NodeLock, NodeAccessError> {
+        let node = acquire(self.inner.gpus.node_gate(), self.inner.config.lock_timeout)
             .map_err(|e| NodeAccessError::Lock(Arc::new(e)))?;
         if self
             .inner
@@ -330,8 +361,8 @@ impl<C: ClaimSource> Driver<C> {
         (self.inner.hook)(uid, step);
     }
 
-    /// Runs `work` for each claim under the node lock on blocking threads, claims in parallel
-    /// (each takes its own GPUs' locks), with `nvml` installed on each thread to sum the call's NVML
+    /// Runs `work` for each claim under the shared node lock on blocking threads, claims in
+    /// parallel (each takes its own GPUs' locks), with `nvml` installed on each thread to sum the call's NVML
     /// time. Returns one logged and counted outcome per claim; a claim whose thread panicked gets
     /// none, and the gRPC layer reports it as failed.
     async fn run_claims<I, T>(
@@ -349,7 +380,7 @@ impl<C: ClaimSource> Driver<C> {
         let nvml = nvml.clone();
         let task = tokio::task::spawn_blocking(move || {
             let _clock = nvml.install();
-            let node = driver.node_lock();
+            let node = driver.node_lock_shared();
             let run = |claim: ClaimRef, item: I| {
                 let outcome = match &node {
                     Err(e) => Err(ClaimFailure::from(e.clone())),

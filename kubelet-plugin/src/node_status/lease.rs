@@ -5,7 +5,9 @@
 //! ([`LeaseTask::renew_now`]: a registration change, so a plugin re-registered after the
 //! kubelet wiped its slices gets its pool back without waiting for the next beat). A renewal
 //! refused by an answer that can change on its own is tried again within the beat (see
-//! [`RenewalRetry`]).
+//! [`RenewalRetry`]). While NVML answers nothing on the node ([`Gpus::nvml_stuck`]) the
+//! renewals pause, so the controller withdraws the pool as for a dead plugin, and resume at
+//! once when it answers again.
 
 use std::{sync::Arc, time::Duration};
 
@@ -20,10 +22,11 @@ use kube::{
 };
 use migdra_api::inventory::{HEARTBEAT_LEASE_LABEL, RenewalRetry, heartbeat_lease_name};
 use serde_json::json;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{FIELD_MANAGER, bounded, write_bound};
+use crate::gpus::Gpus;
 
 /// This node's heartbeat Lease: where it lives and what it says.
 #[derive(Clone)]
@@ -133,8 +136,13 @@ pub(super) struct LeaseTask {
 
 impl LeaseTask {
     /// Starts renewing `lease`, owned by `owner`, every heartbeat interval, until `shutdown`
-    /// or until this is dropped or stopped.
-    pub(super) fn start(lease: HeartbeatLease, owner: OwnerReference, shutdown: &CancellationToken) -> Self {
+    /// or until this is dropped or stopped; paused while NVML answers nothing on `gpus`.
+    pub(super) fn start(
+        lease: HeartbeatLease,
+        owner: OwnerReference,
+        gpus: Option<Gpus>,
+        shutdown: &CancellationToken,
+    ) -> Self {
         let stop = shutdown.child_token();
         let renew_now = Arc::new(Notify::new());
         let node_uid = owner.uid.clone();
@@ -143,7 +151,12 @@ impl LeaseTask {
             owner,
             exists: false,
         };
-        let task = tokio::spawn(renew_every_interval(renewer, renew_now.clone(), stop.clone()));
+        let task = tokio::spawn(renew_every_interval(
+            renewer,
+            renew_now.clone(),
+            gpus,
+            stop.clone(),
+        ));
         Self {
             node_uid,
             renew_now,
@@ -172,8 +185,15 @@ impl LeaseTask {
 /// (429 from API Priority and Fairness, 5xx, no connection) is tried again, with a fresh
 /// `renewTime`, after a [`RenewalRetry`] delay, while that comes before the next beat: one
 /// refused renewal would otherwise let the heartbeat expire.
-async fn renew_every_interval(mut renewer: Renewer, renew_now: Arc<Notify>, stop: CancellationToken) {
+async fn renew_every_interval(
+    mut renewer: Renewer,
+    renew_now: Arc<Notify>,
+    gpus: Option<Gpus>,
+    stop: CancellationToken,
+) {
     let interval = renewer.lease.interval;
+    let mut nvml_changes = gpus.as_ref().map(|g| g.nvml_calls().subscribe());
+    let mut paused = false;
     let mut timer = tokio::time::interval(interval);
     // After a renewal that hit its bound, the next one goes at once, then on the beat again.
     timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -186,8 +206,21 @@ async fn renew_every_interval(mut renewer: Renewer, renew_now: Arc<Notify>, stop
             beat = timer.tick() => next_beat = beat + interval,
             _ = renew_now.notified() => {}
             _ = sleep_until_some(retry_at) => {}
+            _ = changed_if_some(&mut nvml_changes) => {}
         }
         retry_at = None;
+        match gpus.as_ref().and_then(Gpus::nvml_stuck) {
+            Some(reason) => {
+                if !std::mem::replace(&mut paused, true) {
+                    tracing::error!(%reason, "NVML answers nothing on this node: the heartbeat pauses, so the controller stops offering its GPUs");
+                }
+                continue;
+            }
+            None if std::mem::take(&mut paused) => {
+                tracing::info!("NVML answers again: the heartbeat resumes");
+            }
+            None => {}
+        }
         let outcome = tokio::select! {
             _ = stop.cancelled() => break,
             outcome = bounded(write_bound(interval), "renewing the heartbeat Lease", renewer.renew()) => outcome,
@@ -230,6 +263,19 @@ async fn renew_every_interval(mut renewer: Renewer, renew_now: Arc<Notify>, stop
 pub fn heartbeat_client(mut config: kube::Config) -> Result<Client, kube::Error> {
     config.default_retry = false;
     Client::try_from(config)
+}
+
+/// Waits for a change on `changes`; forever when there is none to watch (or it closed).
+async fn changed_if_some(changes: &mut Option<watch::Receiver<u64>>) {
+    match changes {
+        Some(receiver) => {
+            if receiver.changed().await.is_err() {
+                *changes = None;
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
+    }
 }
 
 async fn sleep_until_some(at: Option<tokio::time::Instant>) {
@@ -411,7 +457,7 @@ mod tests {
         let (client, mut handle) = mock_client();
         let interval = Duration::from_secs(15);
         let shutdown = CancellationToken::new();
-        let task = LeaseTask::start(lease(client, "node-a", interval), owner(), &shutdown);
+        let task = LeaseTask::start(lease(client, "node-a", interval), owner(), None, &shutdown);
 
         let start = tokio::time::Instant::now();
         answer(&mut handle, 200, lease_json()).await;
@@ -444,7 +490,7 @@ mod tests {
             exists: true,
         };
         let stop = CancellationToken::new();
-        let task = tokio::spawn(renew_every_interval(renewer, Arc::default(), stop.clone()));
+        let task = tokio::spawn(renew_every_interval(renewer, Arc::default(), None, stop.clone()));
         let renew_time = |body: &serde_json::Value| body["spec"]["renewTime"].as_str().map(str::to_string);
 
         // Beat 1: refused by flow control twice, then renewed, all before beat 2.

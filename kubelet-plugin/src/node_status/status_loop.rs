@@ -1,5 +1,6 @@
 //! The status loop: refreshes the inventory and device health every heartbeat interval, and
-//! at once when the kubelet's registration state changes; writes the GpuNode status when
+//! at once when the kubelet's registration state changes or an NVML call becomes overdue or
+//! returns; writes the GpuNode status when
 //! something in it changed, records events for GPU health changes and startup repairs, and
 //! starts the heartbeat Lease's renewal task once the GpuNode exists.
 
@@ -68,6 +69,7 @@ impl StatusLoop {
         let mut repairs_seen = BTreeMap::new();
         let mut last_written: Option<WrittenStatus> = None;
         let mut lease: Option<LeaseTask> = None;
+        let mut nvml_changes = gpus.nvml_calls().subscribe();
         loop {
             let beat_started = tokio::time::Instant::now();
             let inventory = refresh(&gpus).await;
@@ -125,7 +127,12 @@ impl StatusLoop {
                 if object_ready && lease.as_ref().is_none_or(|l| l.node_uid != owner.uid) {
                     // The Lease's owner is the Node: started once its UID is known, and
                     // restarted (re-applying the Lease) if the Node turned out replaced.
-                    lease = Some(LeaseTask::start(writer.lease().clone(), owner, &shutdown));
+                    lease = Some(LeaseTask::start(
+                        writer.lease().clone(),
+                        owner,
+                        Some(gpus.clone()),
+                        &shutdown,
+                    ));
                 }
                 if object_ready {
                     if let Some(note) = recovery_note.take() {
@@ -183,6 +190,8 @@ impl StatusLoop {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(interval) => {}
+                // A call became overdue or returned: GPU health changes now.
+                _ = nvml_changes.changed() => {}
                 changed = registration.changed(), if registration_open => {
                     // A closed channel means the registration server is gone; from then on the
                     // timer alone drives the refreshes.

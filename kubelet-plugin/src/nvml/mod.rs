@@ -5,8 +5,10 @@
 //! (`e2e/fake-nvml`); there is no Rust-level mock of NVML. The driver and the GPU table hold it
 //! as an `Arc<dyn GpuBackend>` so a test can wrap it to hold a call (an NVML call that hangs).
 //! Every backend call's wall time is measured ([`timing`]) and attributed to the kubelet call
-//! it was made for.
+//! it was made for, and bounded ([`bounded`]): a call NVML does not answer in time fails, and
+//! marks its GPU unhealthy until it returns.
 
+pub mod bounded;
 mod nvml_backend;
 pub mod timing;
 
@@ -94,6 +96,9 @@ pub enum NvmlErrorKind {
     InUse,
     /// Occupied, overlapping or over budget.
     InsufficientResources,
+    /// The call did not return within the call timeout, or another call on the same GPU has
+    /// not ([`bounded`]); not an NVML return code.
+    NotAnswering,
     /// Any other failure, including a missing library or symbol.
     Other,
 }

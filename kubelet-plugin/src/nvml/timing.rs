@@ -72,6 +72,12 @@ impl NvmlClock {
     }
 }
 
+/// The clock installed on this thread, if any: a call run on another thread on this one's
+/// behalf installs it there.
+pub fn current_clock() -> Option<NvmlClock> {
+    CURRENT.with(|c| c.borrow().clone())
+}
+
 /// Runs one NVML backend call, adding its wall time to this thread's clock (if any). A timed
 /// call inside another is part of the outer one and not counted again.
 pub fn timed<T>(function: &'static str, call: impl FnOnce() -> T) -> T {

@@ -4,6 +4,8 @@
 //! (they are written in the background, in order per claim) and retries failed writes. And `adminAccess` on a whole GPU: device nodes, nothing created or reserved.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] functions
 
+use std::sync::Arc;
+
 use migdra_kubelet_plugin::{driver::ClaimFailure, metrics::Metrics, plan::Rejection};
 use serde_json::json;
 
@@ -619,4 +621,46 @@ async fn a_queued_ready_write_of_a_claim_another_instance_unprepared_is_dropped(
     assert!(ours(&node.claims.device_status("a")).is_empty());
     assert_eq!(ours(&node.claims.device_status("x")).len(), 1);
     assert!(old.claim_status_pending().is_empty());
+}
+
+/// An inventory that read the GPUs before a prepare switched MIG mode on must not report (or
+/// leave behind) the old mode: an adminAccess claim after it still gets the monitor capability.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_inventory_begun_before_a_mode_switch_does_not_undo_it() {
+    let node = Node::new(&[("H100-80GB", false)]);
+    node.claims
+        .put(claim("uid-work", "work", &[("gpu", "gpu-0-mig-3g40gb-0")]));
+    node.claims
+        .put(admin_claim("uid-watch", "watch", &[("monitor", "gpu-0")]));
+    let backend = Arc::new(GatedBackend::new(node.nvml()));
+    let (driver, _) = node.start_over(backend.clone(), None, Metrics::new()).unwrap();
+    let gate = backend.close_after_discovery();
+    let inventory = tokio::task::spawn_blocking({
+        let gpus = driver.gpus().clone();
+        move || gpus.inventory()
+    });
+    wait_until("the inventory read MIG off and waits", || backend.waiting() == 1).await;
+    // The prepare switches MIG on while the inventory holds its answer.
+    prepare_one(&driver, "uid-work", "work").await.unwrap();
+    assert!(node.host.read_state().unwrap().gpus[0].mig_enabled);
+    drop(gate);
+    let inventory = inventory.await.unwrap().unwrap();
+    assert_eq!(
+        inventory[0].mig.as_ref().map(|m| m.enabled),
+        Some(true),
+        "{inventory:?}"
+    );
+
+    prepare_one(&driver, "uid-watch", "watch").await.unwrap();
+    let spec = node.cdi_spec("uid-watch");
+    let paths: Vec<&str> = spec["devices"][0]["containerEdits"]["deviceNodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["path"].as_str().unwrap())
+        .collect();
+    assert!(
+        paths.contains(&"/dev/nvidia-caps/nvidia-cap2"),
+        "no monitor capability: {paths:?}"
+    );
 }

@@ -125,6 +125,7 @@ fn start_with_mock_api(node: &Node) -> (Driver<KubeClaims>, Handle) {
         state_dir: node.state_dir(),
         boot_id: "boot-1".into(),
         lock_timeout: Duration::from_secs(2),
+        nvml_call_timeout: Duration::from_secs(20),
     };
     let backend = NvmlBackend::new(Some(&node.host.lib_path())).unwrap();
     let claims = KubeClaims::new(client);

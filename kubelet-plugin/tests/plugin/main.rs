@@ -9,6 +9,7 @@ mod driver;
 mod driver_files;
 mod fault_campaign;
 mod gpu_check;
+mod hung_nvml;
 mod lost_gpu;
 mod nvml_backend;
 mod observability;

@@ -801,3 +801,50 @@ async fn a_hung_inventory_refresh_does_not_hold_the_lease_renewals() {
     assert!(is_gpunode_status(method, path), "{seen:?}");
     assert_eq!(last["status"]["plugin"]["registered"], false, "{last}");
 }
+
+/// NVML answering nothing on the node (here its discovery hangs past the call timeout) pauses
+/// the heartbeat, so the controller stops offering the node; once NVML answers, the Lease is
+/// renewed again at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_where_nvml_answers_nothing_stops_renewing_its_lease() {
+    let mut node = Node::new(&[("H100-80GB", true)]);
+    node.nvml_call_timeout = Duration::from_secs(1);
+    let backend = Arc::new(GatedBackend::new(node.nvml()));
+    let (driver, _) = node.start_over(backend.clone(), None, Metrics::new()).unwrap();
+    let interval = Duration::from_millis(200);
+    let api = mocked_api(driver.gpus(), interval);
+    let leases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut handle = api.handle;
+    let server = {
+        let leases = leases.clone();
+        tokio::spawn(async move {
+            while let Some((request, send)) = handle.next_request().await {
+                let path = request.uri().path().to_string();
+                if *request.method() == Method::PATCH && is_lease(&path) {
+                    leases.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                send.send_response(json_response(&api_answer(&path)));
+            }
+        })
+    };
+    let renewals = || leases.load(std::sync::atomic::Ordering::SeqCst);
+    wait_until("the Lease is renewed", || renewals() >= 2).await;
+
+    let gate = backend.close();
+    wait_until("NVML counts as answering nothing", || {
+        driver.gpus().nvml_stuck().is_some()
+    })
+    .await;
+    let paused_at = renewals();
+    // Ten beats with no renewal (one may have been in flight when the call became overdue).
+    tokio::time::sleep(interval * 10).await;
+    assert!(renewals() <= paused_at + 1, "renewed while NVML answered nothing");
+
+    drop(gate);
+    wait_until("NVML answers again", || driver.gpus().nvml_stuck().is_none()).await;
+    let resumed_from = renewals();
+    wait_until("the Lease is renewed again", || renewals() > resumed_from).await;
+    api.stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(20), api.task).await;
+    server.abort();
+}

@@ -2,7 +2,7 @@
 
 use std::sync::{
     Mutex,
-    atomic::{AtomicUsize, Ordering},
+    atomic::{AtomicBool, AtomicUsize, Ordering},
 };
 
 use migdra_kubelet_plugin::nvml::{
@@ -21,6 +21,9 @@ pub struct GatedBackend {
     closed: Mutex<bool>,
     opened: std::sync::Condvar,
     waiting: AtomicUsize,
+    /// The gate is after NVML's answer instead of before the call: a discovery that has read
+    /// the GPUs and not yet reported them.
+    after_discovery: AtomicBool,
 }
 
 impl GatedBackend {
@@ -30,11 +33,20 @@ impl GatedBackend {
             closed: Mutex::new(false),
             opened: std::sync::Condvar::new(),
             waiting: AtomicUsize::new(0),
+            after_discovery: AtomicBool::new(false),
         }
     }
 
     /// Makes `discover` calls wait until the guard is dropped.
     pub fn close(&self) -> GateClosed<'_> {
+        self.after_discovery.store(false, Ordering::SeqCst);
+        *self.closed.lock().unwrap() = true;
+        GateClosed(self)
+    }
+
+    /// Makes `discover` calls wait, with NVML's answer in hand, until the guard is dropped.
+    pub fn close_after_discovery(&self) -> GateClosed<'_> {
+        self.after_discovery.store(true, Ordering::SeqCst);
         *self.closed.lock().unwrap() = true;
         GateClosed(self)
     }
@@ -72,6 +84,11 @@ impl GpuBackend for GatedBackend {
     }
 
     fn discover(&self) -> Result<Vec<GpuDescription>, BackendError> {
+        if self.after_discovery.load(Ordering::SeqCst) {
+            let discovered = self.inner.discover();
+            self.pass();
+            return discovered;
+        }
         self.pass();
         self.inner.discover()
     }

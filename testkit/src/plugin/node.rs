@@ -29,6 +29,8 @@ pub struct Node {
     pub dir: tempfile::TempDir,
     pub claims: StaticClaims,
     pub boot_id: String,
+    /// The drivers' NVML call timeout.
+    pub nvml_call_timeout: Duration,
 }
 
 impl Node {
@@ -63,6 +65,7 @@ impl Node {
             dir: tempfile::tempdir().unwrap(),
             claims: StaticClaims::default(),
             boot_id: "boot-1".into(),
+            nvml_call_timeout: Duration::from_secs(20),
         };
         // A driver installation of the version the fake NVML reports, the control device
         // nodes (existence is all that is checked) and the hook on the "host".
@@ -169,6 +172,7 @@ impl Node {
             state_dir: self.state_dir(),
             boot_id: self.boot_id.clone(),
             lock_timeout: Duration::from_secs(2),
+            nvml_call_timeout: self.nvml_call_timeout,
         };
         Driver::start(config, backend, self.claims.clone(), self.cdi(), hook, metrics)
     }

@@ -44,17 +44,40 @@ fn fire_faults(
     let mut latency = 0;
     let mut error = None;
     for f in &mut state.faults {
-        let matches = (f.fault.function == function || f.fault.function == "*")
-            && (f.fault.gpu.is_none() || f.fault.gpu == gpu)
-            && (f.fault.profile.is_none() || f.fault.profile == profile)
-            && f.fault.times.is_none_or(|t| f.hits < t);
-        if matches {
+        if f.matches(function, gpu, profile) && f.fault.times.is_none_or(|t| f.hits < t) {
             f.hits += 1;
             latency += f.fault.latency_ms.unwrap_or(0);
             error = error.or(f.fault.error);
         }
     }
     (latency, error)
+}
+
+/// The latency the faults matching a call add now (hits not counted): a call already delayed
+/// ends its wait early when its fault is removed or shortened, so a test can hold a call for
+/// minutes and let it go when it has seen what it wanted.
+fn latency_now(state: &FakeState, function: &str, gpu: Option<u32>, profile: Option<u32>) -> u64 {
+    state
+        .faults
+        .iter()
+        .filter(|f| f.matches(function, gpu, profile))
+        .map(|f| f.fault.latency_ms.unwrap_or(0))
+        .sum()
+}
+
+/// How often a delayed call looks whether its fault is still there.
+const DELAY_POLL: Duration = Duration::from_millis(50);
+
+/// Waits `latency` ms, or until the faults matching the call ask for no more than has passed.
+fn delay(path: &std::path::Path, latency: u64, function: &str, gpu: Option<u32>, profile: Option<u32>) {
+    let started = std::time::Instant::now();
+    let mut wanted = Duration::from_millis(latency);
+    while started.elapsed() < wanted {
+        std::thread::sleep(DELAY_POLL.min(wanted.saturating_sub(started.elapsed())));
+        if let Ok(state) = crate::state::read_state(path) {
+            wanted = wanted.min(Duration::from_millis(latency_now(&state, function, gpu, profile)));
+        }
+    }
 }
 
 enum Step<T> {
@@ -91,7 +114,7 @@ pub(super) fn call_about<T>(
     match step {
         Step::Done(result) => result,
         Step::Delayed(latency, error) => {
-            std::thread::sleep(Duration::from_millis(latency));
+            delay(&path, latency, function, gpu, profile);
             if let Some(code) = error {
                 return Err(code);
             }

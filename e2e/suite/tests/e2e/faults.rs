@@ -15,7 +15,8 @@ use migdra_fake_nvml::config::FaultConfig;
 use serde_json::json;
 
 use crate::support::{
-    SHORT, device_health, gpu_uuid, mig, published_on, settle, slices, taint_keys, total_instances,
+    SHORT, device_health, gpu_uuid, gpunode_events, instances, mig, published_on, settle, slices, taint_keys,
+    total_instances,
 };
 
 tests![
@@ -23,6 +24,7 @@ tests![
     plugin_killed_mid_prepare_converges,
     bad_opaque_config_is_reported_and_creates_nothing,
     lost_gpu_turns_unhealthy_and_leaves_the_pool,
+    hung_nvml_on_one_gpu_leaves_the_others_serving,
 ];
 
 async fn kubelet_restart_republishes_slices_and_keeps_pods(cluster: &mut Cluster) -> anyhow::Result<()> {
@@ -230,5 +232,100 @@ async fn lost_gpu_turns_unhealthy_and_leaves_the_pool(cluster: &mut Cluster) -> 
     })
     .await
     .context("the recovered GPU was not published again")?;
+    settle(cluster).await
+}
+
+/// GPU 0's driver hangs in the kernel: creating a GPU instance there does not return for ten
+/// minutes. The pod on GPU 0 waits with "NVML is not answering", GPU 0 leaves the pool, and
+/// pods on GPU 1 still start and end; once the call returns, the first pod starts too.
+async fn hung_nvml_on_one_gpu_leaves_the_others_serving(cluster: &mut Cluster) -> anyhow::Result<()> {
+    let c = cluster.client.clone();
+    let (hung_uuid, other_uuid) = (gpu_uuid(cluster, 0), gpu_uuid(cluster, 1));
+    let hung_at = u32::try_from(cluster.state_index_of_minor(0)?)?;
+    cluster.update_gpus(|s| {
+        s.faults.push(migdra_fake_nvml::state::FaultState {
+            fault: FaultConfig::latency("nvmlDeviceCreateGpuInstanceWithPlacement", 600_000).on_gpu(hung_at),
+            hits: 0,
+        })
+    })?;
+    let held = || -> anyhow::Result<u32> { Ok(cluster.gpus()?.faults.iter().map(|f| f.hits).sum()) };
+    create_template(
+        &c,
+        "on-hung",
+        mig(&[profile_is("1g.10gb"), on_gpu(&hung_uuid)]),
+        None,
+    )
+    .await?;
+    create_template(
+        &c,
+        "on-other",
+        mig(&[profile_is("1g.10gb"), on_gpu(&other_uuid)]),
+        None,
+    )
+    .await?;
+    create_pod(&c, "hung", "on-hung", &["sleep", "3600"], false).await?;
+    wait_until(SHORT, || async { (held().ok()? >= 1).then_some(()) })
+        .await
+        .context("the create on GPU 0 was never called")?;
+
+    // A pod on GPU 1 starts and ends while GPU 0's create is still held.
+    create_pod(&c, "other", "on-other", &["sleep", "3600"], false).await?;
+    wait_phase(&c, "other", "Running", SHORT).await?;
+    ensure!(
+        instances(cluster, 1).len() == 1,
+        "GPU 1: {:?}",
+        instances(cluster, 1)
+    );
+    ensure!(
+        held()? >= 1 && !cluster.gpus()?.faults.is_empty(),
+        "the hang ended early"
+    );
+    workload::delete_pods(&c, &["other"]).await?;
+    wait_until(SHORT, || async { instances(cluster, 1).is_empty().then_some(()) })
+        .await
+        .context("GPU 1's instance stayed after its pod ended")?;
+
+    // The hung pod waits, told why; GPU 0 turns unhealthy and leaves the pool.
+    let told = wait_until(Duration::from_secs(120), || async {
+        let events = workload::pod_events(&c, "hung").await.ok()?;
+        events
+            .into_iter()
+            .filter_map(|e| e.message)
+            .find(|m| m.contains("NVML is not answering"))
+    })
+    .await
+    .context("the hung pod was never told that NVML is not answering")?;
+    ensure!(
+        workload::phase(&c, "hung").await.as_deref() != Some("Running"),
+        "the pod on the hung GPU runs: {told}"
+    );
+    wait_until(Duration::from_secs(60), || async {
+        (published_on(cluster, 0).await == Some(0)).then_some(())
+    })
+    .await
+    .context("the hung GPU's devices were not withdrawn")?;
+    ensure!(
+        published_on(cluster, 1).await.unwrap_or(0) > 0,
+        "GPU 1 left the pool with GPU 0"
+    );
+    let unhealthy = gpunode_events(cluster, "GpuUnhealthy").await?;
+    ensure!(
+        unhealthy.iter().any(|m| m.contains("NVML is not answering")),
+        "GpuUnhealthy events: {unhealthy:?}"
+    );
+
+    // The call returns: the late instance is reconciled and the pod starts with one instance.
+    cluster.update_gpus(|s| s.faults.clear())?;
+    wait_phase(&c, "hung", "Running", Duration::from_secs(180)).await?;
+    ensure!(
+        instances(cluster, 0).len() == 1,
+        "GPU 0: {:?}",
+        instances(cluster, 0)
+    );
+    wait_until(Duration::from_secs(60), || async {
+        (published_on(cluster, 0).await > Some(0)).then_some(())
+    })
+    .await
+    .context("GPU 0 was not published again")?;
     settle(cluster).await
 }

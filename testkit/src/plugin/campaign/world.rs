@@ -336,6 +336,7 @@ impl World {
             state_dir: self.node.state_dir(),
             boot_id: self.node.boot_id.clone(),
             lock_timeout: Duration::from_secs(2),
+            nvml_call_timeout: Duration::from_secs(20),
         };
         let (api, cdi) = (self.api.clone(), self.node.cdi());
         let started = tokio::task::spawn_blocking(move || {
