@@ -39,6 +39,7 @@
 //! lock. The inventory ([`Gpus::inventory`]) takes one GPU lock at a time and never the node
 //! lock, so it keeps reporting while another plugin instance works.
 
+mod lost_records;
 mod prepare;
 mod recovery;
 mod stale_gc;
@@ -49,6 +50,7 @@ use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 use migdra_api::inventory;
 
 pub use self::{
+    lost_records::OwnershipReport,
     prepare::uuid_variable,
     recovery::{Backoff, RecoveryEvent, RecoveryReport, Repair, RepairRound},
     stale_gc::{ReleasedClaim, StaleCause, StaleGcRound, stale_cause},
@@ -117,6 +119,8 @@ pub enum DriverError {
     Backend(#[from] BackendError),
     #[error(transparent)]
     NodeAccess(#[from] NodeAccessError),
+    #[error("background task failed: {0}")]
+    Task(String),
 }
 
 /// Why the node could not be taken for an operation. Shared by every claim of a kubelet call
@@ -200,6 +204,9 @@ struct Inner<C> {
     metrics: Metrics,
     events: std::sync::OnceLock<ClaimEvents>,
     status: ClaimStatusWriter,
+    /// The checkpoint was unreadable or missing at start: records of this boot may be lost
+    /// ([`Driver::recover_lost_records`]).
+    records_lost: bool,
 }
 
 /// The driver. Cheap to clone; clones share state.
@@ -227,11 +234,14 @@ impl<C: ClaimSource> Driver<C> {
         hook: Option<StepHook>,
         metrics: Metrics,
     ) -> Result<(Self, RecoveryReport), DriverError> {
-        let (journal, outcome) = Journal::open(&config.state_dir, &config.boot_id)?;
+        let (journal, outcome) = Journal::open(&config.state_dir, &config.boot_id, metrics.clone())?;
         let cdi = cdi.for_boot(&config.boot_id);
         if let LoadOutcome::PreviousBoot { old_boot_id } = &outcome {
             tracing::info!(%old_boot_id, "checkpoint is from a previous boot; MIG instances do not survive a reboot, starting empty");
         }
+        // A missing checkpoint is lost too when this boot's claims left CDI specs (a wiped state
+        // directory); on a fresh node the evidence is simply empty.
+        let records_lost = matches!(outcome, LoadOutcome::Fresh) || outcome.records_lost();
         let journal = Arc::new(journal);
         let pool = inventory::pool_name(&config.node_name, &config.driver_name);
         let orphans = Arc::new(LostGpuOrphans::open(&config.state_dir, &config.boot_id)?);
@@ -248,6 +258,7 @@ impl<C: ClaimSource> Driver<C> {
                 status,
                 metrics,
                 events: std::sync::OnceLock::new(),
+                records_lost,
             }),
         };
         // Discovered once at start; a failure is not fatal (the plugin keeps serving and
@@ -287,6 +298,12 @@ impl<C: ClaimSource> Driver<C> {
         if self.inner.events.set(events).is_err() {
             tracing::debug!("claim events were already set up");
         }
+    }
+
+    /// Whether the checkpoint was unreadable or missing at start (see
+    /// [`Driver::recover_lost_records`]).
+    pub fn records_lost(&self) -> bool {
+        self.inner.records_lost
     }
 
     pub fn pool(&self) -> &str {
