@@ -24,6 +24,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use dra_kubelet::ClaimRef;
 use serde::Serialize;
 
 use crate::{
@@ -156,6 +157,16 @@ pub struct ClaimDevice {
     pub env: BTreeMap<String, String>,
 }
 
+/// A claim spec as read back from the spec directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WrittenClaimSpec {
+    pub uid: String,
+    /// `(namespace, name)` of the claim, when the spec names them.
+    pub claim: Option<(String, String)>,
+    /// Each device's name in the pool and its environment.
+    pub devices: Vec<(String, BTreeMap<String, String>)>,
+}
+
 /// Where the node's driver installation is and what the node-wide spec needs to find it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DriverSetup {
@@ -240,13 +251,9 @@ impl CdiWriter {
         format!("{}/boot-id", self.vendor)
     }
 
-    /// Removes every claim spec of this vendor in the spec directory that does not name this
-    /// writer's boot: another boot's, or a torn one. Returns the removed specs' claim UIDs.
-    /// Nothing without a boot ([`Self::for_boot`]).
-    pub fn remove_specs_of_other_boots(&self) -> Result<Vec<String>, CdiError> {
-        let Some(boot_id) = &self.boot_id else {
-            return Ok(Vec::new());
-        };
+    /// Every claim spec file of this vendor in the spec directory: claim UID, path and content
+    /// (`None` when unreadable or torn).
+    fn claim_spec_files(&self) -> Result<Vec<(String, PathBuf, Option<serde_json::Value>)>, CdiError> {
         let entries = match fs::read_dir(&self.spec_dir) {
             Ok(entries) => entries,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -258,28 +265,82 @@ impl CdiWriter {
             }
         };
         let prefix = format!("{}-{CDI_CLASS}_", self.vendor);
-        let mut removed = Vec::new();
+        let mut files = Vec::new();
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let Some(uid) = name.strip_prefix(&prefix).and_then(|n| n.strip_suffix(".json")) else {
                 continue;
             };
-            // `None` when torn.
-            let written_for = fs::read(entry.path())
+            let spec = fs::read(entry.path())
                 .ok()
-                .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
-                .and_then(|spec| {
-                    spec.pointer("/annotations")?
-                        .get(self.boot_annotation())?
-                        .as_str()
-                        .map(str::to_string)
-                });
-            if written_for.as_ref() != Some(boot_id) && remove_file(entry.path())? {
-                removed.push(uid.to_string());
+                .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok());
+            files.push((uid.to_string(), entry.path(), spec));
+        }
+        files.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(files)
+    }
+
+    fn annotation<'a>(&self, spec: &'a serde_json::Value, key: &str) -> Option<&'a str> {
+        spec.pointer("/annotations")?
+            .get(format!("{}/{key}", self.vendor))?
+            .as_str()
+    }
+
+    /// Removes every claim spec of this vendor in the spec directory that does not name this
+    /// writer's boot: another boot's, or a torn one. Returns the removed specs' claim UIDs.
+    /// Nothing without a boot ([`Self::for_boot`]).
+    pub fn remove_specs_of_other_boots(&self) -> Result<Vec<String>, CdiError> {
+        let Some(boot_id) = &self.boot_id else {
+            return Ok(Vec::new());
+        };
+        let mut removed = Vec::new();
+        for (uid, path, spec) in self.claim_spec_files()? {
+            let written_for = spec.as_ref().and_then(|s| self.annotation(s, "boot-id"));
+            if written_for != Some(boot_id.as_str()) && remove_file(path)? {
+                removed.push(uid);
             }
         }
-        removed.sort();
         Ok(removed)
+    }
+
+    /// The claim specs written in this writer's boot, as read back (torn ones and those of
+    /// other boots are skipped): what survives of the claims prepared on this boot when the
+    /// checkpoint is lost.
+    pub fn claim_specs_of_this_boot(&self) -> Result<Vec<WrittenClaimSpec>, CdiError> {
+        let Some(boot_id) = &self.boot_id else {
+            return Ok(Vec::new());
+        };
+        let mut specs = Vec::new();
+        for (uid, _, spec) in self.claim_spec_files()? {
+            let Some(spec) = spec.filter(|s| self.annotation(s, "boot-id") == Some(boot_id.as_str())) else {
+                continue;
+            };
+            let claim = self
+                .annotation(&spec, "claim-namespace")
+                .zip(self.annotation(&spec, "claim-name"))
+                .map(|(ns, name)| (ns.to_string(), name.to_string()));
+            let device_prefix = format!("{uid}-");
+            let devices = spec
+                .get("devices")
+                .and_then(|d| d.as_array())
+                .into_iter()
+                .flatten()
+                .filter_map(|device| {
+                    let name = device.get("name")?.as_str()?.strip_prefix(&device_prefix)?;
+                    let env = device
+                        .pointer("/containerEdits/env")
+                        .and_then(|e| e.as_array())
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|v| v.as_str()?.split_once('='))
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect();
+                    Some((name.to_string(), env))
+                })
+                .collect();
+            specs.push(WrittenClaimSpec { uid, claim, devices });
+        }
+        Ok(specs)
     }
 
     /// Hands every claim device the driver's files through the node-wide driver spec. A
@@ -476,7 +537,10 @@ impl CdiWriter {
         Ok(nodes)
     }
 
-    pub fn write_claim_spec(&self, claim_uid: &str, devices: &[ClaimDevice]) -> Result<PathBuf, CdiError> {
+    /// Writes a claim's spec, naming the claim (UID, namespace and name) and the boot in its
+    /// annotations.
+    pub fn write_claim_spec(&self, claim: &ClaimRef, devices: &[ClaimDevice]) -> Result<PathBuf, CdiError> {
+        let claim_uid = claim.uid.as_str();
         let majors = self.majors()?;
         let devices = devices
             .iter()
@@ -490,7 +554,14 @@ impl CdiWriter {
                 })
             })
             .collect::<Result<_, CdiError>>()?;
-        let mut annotations = BTreeMap::from([(format!("{}/claim-uid", self.vendor), claim_uid.to_string())]);
+        let mut annotations = BTreeMap::from([
+            (format!("{}/claim-uid", self.vendor), claim_uid.to_string()),
+            (
+                format!("{}/claim-namespace", self.vendor),
+                claim.namespace.clone(),
+            ),
+            (format!("{}/claim-name", self.vendor), claim.name.clone()),
+        ]);
         if let Some(boot) = &self.boot_id {
             annotations.insert(self.boot_annotation(), boot.clone());
         }
@@ -530,6 +601,14 @@ mod tests {
 
     use super::*;
 
+    fn claim(uid: &str) -> ClaimRef {
+        ClaimRef {
+            namespace: "ns".into(),
+            uid: uid.into(),
+            name: format!("claim-{uid}"),
+        }
+    }
+
     fn proc_root(dir: &Path) {
         fs::write(
             dir.join("devices"),
@@ -563,9 +642,13 @@ mod tests {
             env: BTreeMap::new(),
         };
         let before_reboot = CdiWriter::new(&cdi, "gpu.migdra.dev", dir.path()).for_boot("boot-1");
-        before_reboot.write_claim_spec("uid-1", &[device()]).unwrap();
+        before_reboot
+            .write_claim_spec(&claim("uid-1"), &[device()])
+            .unwrap();
         let after_reboot = CdiWriter::new(&cdi, "gpu.migdra.dev", dir.path()).for_boot("boot-2");
-        let path = after_reboot.write_claim_spec("uid-2", &[device()]).unwrap();
+        let path = after_reboot
+            .write_claim_spec(&claim("uid-2"), &[device()])
+            .unwrap();
         assert_eq!(after_reboot.claim_spec_durability(), Durability::ThisBoot);
         // The spec holds the claim's environment: readable by root only.
         assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
@@ -586,6 +669,14 @@ mod tests {
             after_reboot.remove_specs_of_other_boots().unwrap(),
             ["uid-1", "uid-3"]
         );
+        let specs = after_reboot.claim_specs_of_this_boot().unwrap();
+        let expected = WrittenClaimSpec {
+            uid: "uid-2".into(),
+            claim: Some(("ns".into(), "claim-uid-2".into())),
+            devices: vec![("gpu-1-mig-3g40gb-4".into(), BTreeMap::new())],
+        };
+        assert_eq!(specs, [expected]);
+        assert!(before_reboot.claim_specs_of_this_boot().unwrap().is_empty());
         let mut left: Vec<String> = fs::read_dir(&cdi)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -601,7 +692,7 @@ mod tests {
         );
         // A writer without a boot syncs its specs and removes nothing.
         let unbooted = CdiWriter::new(&cdi, "gpu.migdra.dev", dir.path());
-        unbooted.write_claim_spec("uid-6", &[device()]).unwrap();
+        unbooted.write_claim_spec(&claim("uid-6"), &[device()]).unwrap();
         assert_eq!(unbooted.claim_spec_durability(), Durability::AcrossReboots);
         assert!(unbooted.remove_specs_of_other_boots().unwrap().is_empty());
     }
@@ -618,7 +709,7 @@ mod tests {
             mig_monitor: false,
             env: BTreeMap::from([("MIGDRA_DEVICE_UUID_GPU_1_MIG_3G40GB_4".into(), "MIG-abc".into())]),
         };
-        let path = writer.write_claim_spec("uid-1", &[device]).unwrap();
+        let path = writer.write_claim_spec(&claim("uid-1"), &[device]).unwrap();
         assert!(path.ends_with("gpu.migdra.dev-claim_uid-1.json"));
         let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
         assert_eq!(spec["kind"], "gpu.migdra.dev/claim");
@@ -668,7 +759,7 @@ mod tests {
         };
         // Without the driver's monitor capability file the spec is refused, not made smaller.
         let err = writer
-            .write_claim_spec("uid-m", std::slice::from_ref(&device))
+            .write_claim_spec(&claim("uid-m"), std::slice::from_ref(&device))
             .unwrap_err();
         assert!(err.to_string().contains("mig/monitor"), "{err}");
         fs::create_dir_all(dir.path().join("driver/nvidia/capabilities/mig")).unwrap();
@@ -677,7 +768,7 @@ mod tests {
             "DeviceFileMinor: 2\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
         )
         .unwrap();
-        let path = writer.write_claim_spec("uid-m", &[device]).unwrap();
+        let path = writer.write_claim_spec(&claim("uid-m"), &[device]).unwrap();
         let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
         let nodes = spec["devices"][0]["containerEdits"]["deviceNodes"]
             .as_array()
@@ -705,7 +796,7 @@ mod tests {
             mig_monitor: false,
             env: BTreeMap::new(),
         };
-        let err = writer.write_claim_spec("uid-2", &[device]).unwrap_err();
+        let err = writer.write_claim_spec(&claim("uid-2"), &[device]).unwrap_err();
         assert!(err.to_string().contains("gi9"), "{err}");
         assert!(!writer.has_claim_spec("uid-2"));
     }
@@ -727,7 +818,7 @@ mod tests {
             mig_monitor: false,
             env: BTreeMap::new(),
         };
-        let err = writer.write_claim_spec("uid-3", &[device]).unwrap_err();
+        let err = writer.write_claim_spec(&claim("uid-3"), &[device]).unwrap_err();
         assert!(
             err.to_string()
                 .contains("the nvidia-uvm kernel module is not loaded"),

@@ -188,6 +188,13 @@ pub enum CheckpointError {
         #[source]
         source: std::io::Error,
     },
+    /// A state file could not be replaced: what it records did not change.
+    #[error("cannot write {path} (is the state directory read-only or full?): {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     /// The file is not a checkpoint, or its checksum does not match.
     #[error("checkpoint {path} is corrupt: {reason}")]
     Corrupt { path: PathBuf, reason: String },
@@ -204,8 +211,21 @@ pub enum LoadOutcome {
     Loaded,
     /// The file belonged to an earlier boot and was discarded.
     PreviousBoot { old_boot_id: String },
-    /// The file was corrupt; it was moved aside to this path and an empty checkpoint used.
-    CorruptMovedAside(PathBuf),
+    /// The file could not be used (corrupt, or a format newer than this binary's): an empty
+    /// checkpoint is used, and the file was moved aside to `moved_aside` (`None` when that
+    /// failed, a read-only state directory). The records it held are lost; what they described
+    /// is recovered from what survives ([`crate::driver::OwnershipReport`]).
+    Unreadable {
+        reason: String,
+        moved_aside: Option<PathBuf>,
+    },
+}
+
+impl LoadOutcome {
+    /// Whether records of this boot may have been lost.
+    pub fn records_lost(&self) -> bool {
+        matches!(self, Self::Unreadable { .. })
+    }
 }
 
 /// The checkpoint file.
@@ -221,7 +241,9 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Opens `<dir>/checkpoint.json` for boot `boot_id`, creating the directory (0700).
-    /// A checkpoint from another boot, or a corrupt one, yields an empty checkpoint.
+    /// A checkpoint from another boot, or an unreadable one, yields an empty checkpoint. Nothing
+    /// is written here (the first record replaces the file), so a read-only state directory
+    /// opens too.
     pub fn open(dir: &Path, boot_id: &str) -> Result<(Self, LoadOutcome), CheckpointError> {
         fs::DirBuilder::new()
             .recursive(true)
@@ -249,7 +271,9 @@ impl Checkpoint {
             }
             Err(source) => return Err(CheckpointError::Io { path, source }),
         };
-        let outcome = match decode(&bytes) {
+        // The bytes stay what this process "read" while they are still on disk, so a re-read
+        // sees no change until someone writes the file.
+        let (outcome, on_disk) = match decode(&bytes) {
             Ok(data) if data.boot_id == boot_id => {
                 let checkpoint = Self {
                     path,
@@ -258,25 +282,39 @@ impl Checkpoint {
                 };
                 return Ok((checkpoint, LoadOutcome::Loaded));
             }
-            Ok(data) => LoadOutcome::PreviousBoot {
-                old_boot_id: data.boot_id,
-            },
+            Ok(data) => {
+                let outcome = LoadOutcome::PreviousBoot {
+                    old_boot_id: data.boot_id,
+                };
+                (outcome, Some(bytes))
+            }
             Err(reason) => {
-                let aside = dir.join(format!("checkpoint.json.corrupt-{}", std::process::id()));
-                fs::rename(&path, &aside).map_err(|source| CheckpointError::Io {
-                    path: path.clone(),
-                    source,
-                })?;
-                tracing::error!(path = %path.display(), %reason, aside = %aside.display(), "checkpoint is corrupt; starting empty");
-                LoadOutcome::CorruptMovedAside(aside)
+                let aside = dir.join(format!("checkpoint.json.unreadable-{}", std::process::id()));
+                match fs::rename(&path, &aside) {
+                    Ok(()) => {
+                        tracing::error!(path = %path.display(), %reason, aside = %aside.display(), "checkpoint is unreadable; moved it aside, starting empty");
+                        let outcome = LoadOutcome::Unreadable {
+                            reason,
+                            moved_aside: Some(aside),
+                        };
+                        (outcome, None)
+                    }
+                    Err(e) => {
+                        tracing::error!(path = %path.display(), %reason, error = %e, "checkpoint is unreadable and cannot be moved aside; starting empty, the first record replaces it");
+                        let outcome = LoadOutcome::Unreadable {
+                            reason,
+                            moved_aside: None,
+                        };
+                        (outcome, Some(bytes))
+                    }
+                }
             }
         };
-        let mut checkpoint = Self {
+        let checkpoint = Self {
             path,
             data: empty,
-            on_disk: None,
+            on_disk,
         };
-        checkpoint.persist()?;
         Ok((checkpoint, outcome))
     }
 
@@ -320,7 +358,7 @@ impl Checkpoint {
 
     fn persist(&mut self) -> Result<(), CheckpointError> {
         let bytes = encode(&self.data)?;
-        replace_by_exchange(&self.path, &bytes, 0o600).map_err(|source| CheckpointError::Io {
+        replace_by_exchange(&self.path, &bytes, 0o600).map_err(|source| CheckpointError::Write {
             path: self.path.clone(),
             source,
         })?;
@@ -473,11 +511,34 @@ mod tests {
             .replace("PrepareStarted", "PrepareCompleted");
         fs::write(&cp.path, text).unwrap();
         let (cp2, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
-        let LoadOutcome::CorruptMovedAside(aside) = outcome else {
-            panic!("expected corrupt, got {outcome:?}")
+        let LoadOutcome::Unreadable {
+            moved_aside: Some(aside),
+            ..
+        } = outcome
+        else {
+            panic!("expected unreadable, got {outcome:?}")
         };
         assert!(aside.exists());
         assert!(cp2.data().claims.is_empty());
+    }
+
+    #[test]
+    fn a_newer_format_is_unreadable_and_opening_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = r#"{"version":99,"bootId":"boot-a","claims":{}}"#;
+        let file = format!(r#"{{"checksum":"{}","data":{data}}}"#, checksum(data.as_bytes()));
+        fs::write(dir.path().join("checkpoint.json"), file).unwrap();
+        let (_, outcome) = Checkpoint::open(dir.path(), "boot-a").unwrap();
+        let LoadOutcome::Unreadable { reason, moved_aside } = &outcome else {
+            panic!("expected unreadable, got {outcome:?}")
+        };
+        assert!(reason.contains("version 99 is newer"), "{reason}");
+        assert!(moved_aside.is_some());
+        assert!(outcome.records_lost());
+        assert!(
+            !dir.path().join("checkpoint.json").exists(),
+            "no empty checkpoint is written at open"
+        );
     }
 
     #[test]

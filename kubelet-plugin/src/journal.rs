@@ -21,24 +21,51 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
-use crate::checkpoint::{Checkpoint, CheckpointError, ClaimRecord, ClaimState, DeviceRecord, LoadOutcome};
+use crate::{
+    checkpoint::{Checkpoint, CheckpointError, ClaimRecord, ClaimState, DeviceRecord, LoadOutcome},
+    metrics::Metrics,
+};
 
-#[derive(Debug)]
 pub struct Journal {
     checkpoint: Mutex<Checkpoint>,
+    /// Counts failed writes.
+    metrics: Metrics,
+}
+
+impl std::fmt::Debug for Journal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Journal")
+            .field("checkpoint", &self.checkpoint)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Journal {
-    /// Opens the checkpoint in `dir` for boot `boot_id` (see [`Checkpoint::open`]).
-    pub fn open(dir: &Path, boot_id: &str) -> Result<(Self, LoadOutcome), CheckpointError> {
+    /// Opens the checkpoint in `dir` for boot `boot_id` (see [`Checkpoint::open`]); failed
+    /// writes are counted in `metrics`.
+    pub fn open(dir: &Path, boot_id: &str, metrics: Metrics) -> Result<(Self, LoadOutcome), CheckpointError> {
         let (checkpoint, outcome) = Checkpoint::open(dir, boot_id)?;
         let checkpoint = Mutex::new(checkpoint);
-        Ok((Self { checkpoint }, outcome))
+        Ok((Self { checkpoint, metrics }, outcome))
     }
 
     fn lock(&self) -> MutexGuard<'_, Checkpoint> {
         // The copy in memory changes only with a successful file write: nothing half-done.
         crate::lock(&self.checkpoint)
+    }
+
+    /// Writes `record` as the claim's, counting a failed write.
+    fn put(&self, uid: &str, record: ClaimRecord) -> Result<(), CheckpointError> {
+        let result = self.lock().put(uid, record);
+        self.count(result)
+    }
+
+    fn count(&self, result: Result<(), CheckpointError>) -> Result<(), CheckpointError> {
+        if let Err(e) = &result {
+            tracing::error!(error = %e, "the checkpoint write failed");
+            self.metrics.state_write_failed("checkpoint");
+        }
+        result
     }
 
     /// Re-reads the checkpoint when another plugin instance on the node changed the file (see
@@ -107,19 +134,19 @@ impl Journal {
             state: ClaimState::PrepareStarted,
             devices,
         };
-        self.lock().put(uid, record.clone())?;
+        self.put(uid, record.clone())?;
         Ok(record)
     }
 
     /// Records what a half-prepared claim created so far (IDs and UUIDs of its instances).
     pub fn record_devices(&self, uid: &str, record: &ClaimRecord) -> Result<(), CheckpointError> {
-        self.lock().put(uid, record.clone())
+        self.put(uid, record.clone())
     }
 
     /// Records that everything of the claim exists.
     pub fn complete_prepare(&self, uid: &str, record: &mut ClaimRecord) -> Result<(), CheckpointError> {
         record.state = ClaimState::PrepareCompleted;
-        self.lock().put(uid, record.clone())
+        self.put(uid, record.clone())
     }
 
     /// Records the intent to unprepare a prepared claim, before anything is destroyed.
@@ -131,13 +158,20 @@ impl Journal {
         }
         let mut started = record.clone();
         started.state = ClaimState::UnprepareStarted;
-        self.lock().put(uid, started)?;
+        self.put(uid, started)?;
         Ok(true)
     }
 
     /// Forgets a claim whose instances are gone.
     pub fn forget(&self, uid: &str) -> Result<(), CheckpointError> {
-        self.lock().remove(uid)
+        let result = self.lock().remove(uid);
+        self.count(result)
+    }
+
+    /// Records a claim whose record was lost as it is found now (see
+    /// [`crate::driver::OwnershipReport`]): prepared, or being unprepared.
+    pub fn restore(&self, uid: &str, record: &ClaimRecord) -> Result<(), CheckpointError> {
+        self.put(uid, record.clone())
     }
 }
 
@@ -162,7 +196,7 @@ mod tests {
     #[test]
     fn the_holders_of_a_shared_device_are_the_other_records_of_its_shares() {
         let dir = tempfile::tempdir().unwrap();
-        let (journal, _) = Journal::open(dir.path(), "boot").unwrap();
+        let (journal, _) = Journal::open(dir.path(), "boot", Metrics::new()).unwrap();
         let share = |id: &str| DeviceRecord {
             device: "gpu-0-mig-1g10gb-6".into(),
             share_id: Some(id.into()),
@@ -196,7 +230,7 @@ mod tests {
     #[test]
     fn a_claim_moves_through_the_protocol_and_each_step_is_durable() {
         let dir = tempfile::tempdir().unwrap();
-        let (journal, _) = Journal::open(dir.path(), "boot").unwrap();
+        let (journal, _) = Journal::open(dir.path(), "boot", Metrics::new()).unwrap();
         let mut record = journal.start_prepare("u", "ns", "c", vec![device()]).unwrap();
         assert_eq!(record.state, ClaimState::PrepareStarted);
         assert!(journal.completed("u").is_none());
@@ -205,7 +239,7 @@ mod tests {
             "a half-prepared claim is rolled back, not unprepared"
         );
         journal.complete_prepare("u", &mut record).unwrap();
-        let (reopened, _) = Journal::open(dir.path(), "boot").unwrap();
+        let (reopened, _) = Journal::open(dir.path(), "boot", Metrics::new()).unwrap();
         assert_eq!(reopened.completed("u"), Some(record.clone()));
         assert!(journal.start_unprepare("u", &record).unwrap());
         let unpreparing = journal.get("u").unwrap();
@@ -215,7 +249,7 @@ mod tests {
         assert!(journal.others("u").is_empty());
         journal.forget("u").unwrap();
         assert!(journal.claims().is_empty());
-        let (reopened, _) = Journal::open(dir.path(), "boot").unwrap();
+        let (reopened, _) = Journal::open(dir.path(), "boot", Metrics::new()).unwrap();
         assert!(reopened.get("u").is_none());
     }
 }

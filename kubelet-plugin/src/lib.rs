@@ -26,12 +26,14 @@ pub mod metrics;
 pub mod node_status;
 pub mod nvml;
 pub mod orphans;
+pub mod ownership;
 pub mod plan;
 pub mod state_dir;
 
 use std::{sync::Arc, time::Duration};
 
 use anyhow::Context as _;
+use migdra_api::inventory::{GpuInventory, GpuNode};
 use migdra_runtime::Process;
 use tokio::{
     sync::{mpsc, watch},
@@ -53,6 +55,9 @@ use dra_kubelet::{PluginServer, PluginServerConfig, PluginServing, RegistrationS
 /// How long an instance joining a running one (a rolling update) waits for the kubelet's
 /// registration before it reports status regardless.
 const JOIN_REGISTRATION_WAIT: Duration = Duration::from_secs(60);
+
+/// How long the start waits for this node's GpuNode when recovering a lost checkpoint.
+const PUBLISHED_INVENTORY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often claim status writes that failed are retried.
 const CLAIM_STATUS_RETRY_INTERVAL: Duration = Duration::from_secs(30);
@@ -86,7 +91,14 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     let kube_config = migdra_runtime::kube_config(args.process.kubeconfig.as_deref()).await?;
     let client =
         kube::Client::try_from(kube_config.clone()).map_err(migdra_runtime::KubeClientError::from)?;
-    let (driver, report) = start_driver(&args, KubeClaims::new(client.clone()), metrics).await?;
+    let (driver, mut report) = start_driver(&args, KubeClaims::new(client.clone()), metrics).await?;
+    if driver.records_lost() {
+        let published = published_inventory(&client, &args.node_name).await;
+        report.lost_records = driver
+            .recover_lost_records(&published)
+            .await
+            .context("recovering the records of a lost checkpoint")?;
+    }
     let mut tasks = vec![http_task, grpc_health_task];
     let (claim_events, recovery_events) =
         spawn_background(&args, &driver, &report, client.clone(), &shutdown, &mut tasks);
@@ -243,6 +255,23 @@ async fn start_driver(
     Ok((driver, report))
 }
 
+/// The GPU inventory this node's GpuNode status holds (what the plugin last published): empty
+/// when there is none or it cannot be read, which leaves the CDI specs as the only evidence.
+async fn published_inventory(client: &kube::Client, node: &str) -> Vec<GpuInventory> {
+    let api: kube::Api<GpuNode> = kube::Api::all(client.clone());
+    match tokio::time::timeout(PUBLISHED_INVENTORY_TIMEOUT, api.get_opt(node)).await {
+        Ok(Ok(found)) => found.and_then(|n| n.status?.gpus).unwrap_or_default(),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "cannot read this node's GpuNode; recovering from the CDI specs alone");
+            Vec::new()
+        }
+        Err(_) => {
+            tracing::warn!("reading this node's GpuNode timed out; recovering from the CDI specs alone");
+            Vec::new()
+        }
+    }
+}
+
 /// Spawns into `tasks` what runs beside the kubelet's calls: the task that writes claim events,
 /// the repair of what recovery left pending, the stale-claim GC and the claim status retries.
 /// Returns where claim events go and what the repairs report, for the status loop.
@@ -272,6 +301,9 @@ fn spawn_background(
     let (recovery_tx, recovery_rx) = mpsc::unbounded_channel();
     if let Some(event) = RecoveryEvent::pending(report) {
         let _ = recovery_tx.send(event);
+    }
+    if let Some(lost) = report.lost_records.as_ref().filter(|l| l.acted()) {
+        let _ = recovery_tx.send(RecoveryEvent::lost_checkpoint(lost));
     }
     tasks.push(tokio::spawn(driver.clone().run_repair_loop(
         Backoff::default(),

@@ -208,6 +208,18 @@ metrics! {
         "claim_status_pending",
         "ResourceClaim status writes that failed (or were deferred after a failure) and wait for the periodic retry; writes queued for the background writer are not counted",
         Gauge::default();
+    state_write_failures: Family<Words<1>, Counter> =
+        "state_write_failures",
+        "Writes of a state file that failed (file: checkpoint or lost_gpu_orphans); the claim \
+         whose progress it recorded failed with the error",
+        Family::default();
+    lost_record_instances: Family<Words<1>, Counter> =
+        "lost_record_instances",
+        "MIG instances judged at start because the checkpoint was unreadable, by verdict: kept \
+         (a claim allocated here still owns it), destroyed (migdra's, no claim owns it), \
+         foreign (no sign of migdra, untouched), undecided (the claim could not be read; \
+         untouched), failed (the verdict could not be carried out)",
+        Family::default();
     prepared_claims: Gauge = "prepared_claims", "Claims currently recorded in the checkpoint", Gauge::default();
     mig_instances: Family<Words<1>, Gauge> =
         "mig_instances", "MIG GPU instances on the node, by creator", Family::default();
@@ -334,6 +346,18 @@ impl Metrics {
     /// Sets how many overdue NVML calls have not returned yet.
     pub fn nvml_call_stuck(&self, stuck: usize) {
         self.nvml_calls_stuck.set(count(stuck));
+    }
+
+    /// Counts one failed write of a state file (`file`: `checkpoint` or `lost_gpu_orphans`).
+    pub fn state_write_failed(&self, file: &'static str) {
+        self.state_write_failures.get_or_create(&[("file", file)]).inc();
+    }
+
+    /// Counts one instance judged after the checkpoint was lost (`verdict`: see the help).
+    pub fn lost_record_instance(&self, verdict: &'static str) {
+        self.lost_record_instances
+            .get_or_create(&[("verdict", verdict)])
+            .inc();
     }
 
     /// Counts one stale claim released (`reason`: a [`crate::driver::StaleCause::reason`]).

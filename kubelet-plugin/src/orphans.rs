@@ -166,8 +166,12 @@ impl LostGpuOrphans {
         };
         let mut bytes = serde_json::to_vec(&file)?;
         bytes.push(b'\n');
-        write_atomically(&self.path, &bytes, 0o600, Durability::AcrossReboots)
-            .map_err(|e| io_error(&self.path, e))?;
+        write_atomically(&self.path, &bytes, 0o600, Durability::AcrossReboots).map_err(|source| {
+            CheckpointError::Write {
+                path: self.path.clone(),
+                source,
+            }
+        })?;
         list.orphans = file.orphans;
         list.on_disk = Some(bytes);
         Ok(())

@@ -104,10 +104,18 @@ pub fn replace_by_exchange(path: &Path, bytes: &[u8], mode: u32) -> std::io::Res
 }
 
 /// Reads `path` (`None` when it does not exist) holding the lock of [`replace_by_exchange`]
-/// shared, so no writer reuses the inode while it is read.
+/// shared, so no writer reuses the inode while it is read. Where the lock file neither exists
+/// nor can be made (a read-only state directory), nobody can write the file either, so it is
+/// read without the lock.
 pub fn read_consistent(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
-    let lock = exchange_lock(path)?;
-    lock.lock_shared()?;
+    let _lock = match exchange_lock(path) {
+        Ok(lock) => {
+            lock.lock_shared()?;
+            Some(lock)
+        }
+        Err(e) if cannot_write(&e) => None,
+        Err(e) => return Err(e),
+    };
     match fs::read(path) {
         Ok(bytes) => Ok(Some(bytes)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -122,13 +130,30 @@ fn sibling(path: &Path, suffix: &str) -> PathBuf {
 }
 
 fn exchange_lock(path: &Path) -> std::io::Result<File> {
+    open_lock_file(&sibling(path, "lock"))
+}
+
+/// Opens a lock file, creating it (0600) only when it is missing: a file lock needs no write
+/// access, so an existing one opens read-only, also in a read-only state directory.
+fn open_lock_file(path: &Path) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
-    File::options()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .open(sibling(path, "lock"))
+    match File::open(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => File::options()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(path),
+        other => other,
+    }
+}
+
+/// Whether `e` says the file system refuses writes here (read-only, or not ours to write).
+fn cannot_write(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::ReadOnlyFilesystem | std::io::ErrorKind::PermissionDenied
+    )
 }
 
 #[allow(unsafe_code)]
@@ -322,12 +347,16 @@ fn take_file_lock(path: &Path, deadline: Instant) -> Result<File, NodeLockError>
         path: path.to_path_buf(),
         source,
     };
-    let file = File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .map_err(io)?;
+    let file = match open_lock_file(path) {
+        Ok(file) => file,
+        // Every instance on a read-only state directory finds the lock file missing and locks
+        // the directory instead, so they still exclude each other.
+        Err(e) if cannot_write(&e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot create the node lock file; locking the state directory instead");
+            File::open(path.parent().unwrap_or_else(|| Path::new("."))).map_err(io)?
+        }
+        Err(e) => return Err(io(e).into()),
+    };
     loop {
         match file.try_lock() {
             Ok(()) => return Ok(file),

@@ -43,6 +43,7 @@
 //! GPU lock at a time and never the node lock, so it keeps reporting while another plugin
 //! instance works.
 
+mod lost_records;
 mod overdue;
 mod prepare;
 mod recovery;
@@ -54,6 +55,7 @@ use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 use migdra_api::inventory;
 
 pub use self::{
+    lost_records::OwnershipReport,
     prepare::uuid_variable,
     recovery::{Backoff, RecoveryEvent, RecoveryReport, Repair, RepairRound},
     stale_gc::{ReleasedClaim, StaleCause, StaleGcRound, stale_cause},
@@ -129,6 +131,8 @@ pub enum DriverError {
     Backend(#[from] BackendError),
     #[error(transparent)]
     NodeAccess(#[from] NodeAccessError),
+    #[error("background task failed: {0}")]
+    Task(String),
 }
 
 /// Why the node could not be taken for an operation. Shared by every claim of a kubelet call
@@ -213,6 +217,9 @@ struct Inner<C> {
     metrics: Metrics,
     events: std::sync::OnceLock<ClaimEvents>,
     status: ClaimStatusWriter,
+    /// The checkpoint was unreadable or missing at start: records of this boot may be lost
+    /// ([`Driver::recover_lost_records`]).
+    records_lost: bool,
 }
 
 /// The driver. Cheap to clone; clones share state.
@@ -240,11 +247,14 @@ impl<C: ClaimSource> Driver<C> {
         hook: Option<StepHook>,
         metrics: Metrics,
     ) -> Result<(Self, RecoveryReport), DriverError> {
-        let (journal, outcome) = Journal::open(&config.state_dir, &config.boot_id)?;
+        let (journal, outcome) = Journal::open(&config.state_dir, &config.boot_id, metrics.clone())?;
         let cdi = cdi.for_boot(&config.boot_id);
         if let LoadOutcome::PreviousBoot { old_boot_id } = &outcome {
             tracing::info!(%old_boot_id, "checkpoint is from a previous boot; MIG instances do not survive a reboot, starting empty");
         }
+        // A missing checkpoint is lost too when this boot's claims left CDI specs (a wiped state
+        // directory); on a fresh node the evidence is simply empty.
+        let records_lost = matches!(outcome, LoadOutcome::Fresh) || outcome.records_lost();
         let journal = Arc::new(journal);
         let pool = inventory::pool_name(&config.node_name, &config.driver_name);
         let orphans = Arc::new(LostGpuOrphans::open(&config.state_dir, &config.boot_id)?);
@@ -265,6 +275,7 @@ impl<C: ClaimSource> Driver<C> {
                 status,
                 metrics,
                 events: std::sync::OnceLock::new(),
+                records_lost,
             }),
         };
         // Discovered once at start; a failure is not fatal (the plugin keeps serving and
@@ -304,6 +315,12 @@ impl<C: ClaimSource> Driver<C> {
         if self.inner.events.set(events).is_err() {
             tracing::debug!("claim events were already set up");
         }
+    }
+
+    /// Whether the checkpoint was unreadable or missing at start (see
+    /// [`Driver::recover_lost_records`]).
+    pub fn records_lost(&self) -> bool {
+        self.inner.records_lost
     }
 
     pub fn pool(&self) -> &str {

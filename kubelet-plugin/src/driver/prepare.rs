@@ -204,7 +204,7 @@ impl<C: ClaimSource> Driver<C> {
                 minor,
             ));
         }
-        self.inner.cdi.write_claim_spec(&claim.uid, &cdi_devices)?;
+        self.inner.cdi.write_claim_spec(claim, &cdi_devices)?;
         tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, devices = devices.len(), "prepared for monitoring (adminAccess): nothing created, changed or reserved");
         let prepared = devices
             .iter()
@@ -498,18 +498,19 @@ impl<C: ClaimSource> Driver<C> {
             self.step(uid, Step::DeviceRecorded);
             tracing::info!(claim = %record.key(), device = %record.devices[i].device, gpu_instance = gi, compute_instance = ci.id, mig_uuid = %ci.mig_uuid, "created MIG instance");
         }
-        self.write_cdi(uid, &record.devices)?;
+        self.write_cdi(uid, record)?;
         self.step(uid, Step::CdiWritten);
         self.inner.journal.complete_prepare(uid, record)?;
         self.step(uid, Step::PrepareCompleted);
         Ok(())
     }
 
-    /// Writes a claim's CDI spec from its device records. Each device's environment is its
+    /// Writes a claim's CDI spec from its record. Each device's environment is its
     /// configured variables plus its own UUID variable ([`uuid_variable`]): no two devices
     /// set the same variable, so a container with several devices gets all of them.
-    pub(super) fn write_cdi(&self, uid: &str, devices: &[DeviceRecord]) -> Result<(), ClaimFailure> {
-        let cdi_devices: Vec<ClaimDevice> = devices
+    pub(super) fn write_cdi(&self, uid: &str, record: &ClaimRecord) -> Result<(), ClaimFailure> {
+        let cdi_devices: Vec<ClaimDevice> = record
+            .devices
             .iter()
             .map(|d| {
                 let mut env = d.env.clone();
@@ -531,7 +532,12 @@ impl<C: ClaimSource> Driver<C> {
                 }
             })
             .collect();
-        self.inner.cdi.write_claim_spec(uid, &cdi_devices)?;
+        let claim = ClaimRef {
+            namespace: record.namespace.clone(),
+            uid: uid.to_string(),
+            name: record.name.clone(),
+        };
+        self.inner.cdi.write_claim_spec(&claim, &cdi_devices)?;
         Ok(())
     }
 

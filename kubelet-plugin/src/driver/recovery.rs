@@ -37,6 +37,8 @@ pub struct RecoveryReport {
     /// Records that could not be repaired at start: kept as they were and retried in the
     /// background.
     pub pending: Vec<PendingRepair>,
+    /// What the recovery of a lost checkpoint did ([`Driver::recover_lost_records`]).
+    pub lost_records: Option<super::OwnershipReport>,
 }
 
 impl RecoveryReport {
@@ -205,8 +207,7 @@ impl<C: ClaimSource> Driver<C> {
                 // /var/run/cdi is a tmpfs on many hosts; the instances are still there, so
                 // the spec is rebuilt from the record rather than re-preparing.
                 self.inner.metrics.recovery("rewrite_cdi");
-                self.write_cdi(uid, &record.devices)
-                    .map(|()| Repair::CdiRewritten)
+                self.write_cdi(uid, &record).map(|()| Repair::CdiRewritten)
             }
             ClaimState::PrepareCompleted => Ok(Repair::Nothing),
         };

@@ -27,7 +27,7 @@ use crate::{
 };
 
 /// How long one claim's GET may take before the claim is kept (a timeout is not "gone").
-const GET_TIMEOUT: Duration = Duration::from_secs(10);
+pub(super) const GET_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why a recorded claim is stale.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use std::{
 
 use super::{ClaimFailure, Driver, Step, UnprepareResult};
 use crate::{
-    checkpoint::{ClaimRecord, ClaimState, DeviceKind},
+    checkpoint::{CheckpointError, ClaimRecord, ClaimState, DeviceKind},
     claim_status::{self, DesiredStatus, StatusContext},
     claims::ClaimSource,
     gpus::GpuLocks,
@@ -81,10 +81,25 @@ impl<C: ClaimSource> Driver<C> {
         uid: &str,
         record: &ClaimRecord,
     ) -> Result<(), ClaimFailure> {
-        if self.inner.journal.start_unprepare(uid, record)? {
-            self.step(uid, Step::UnprepareRecorded);
-        }
+        // The record describes the instances either way: one that cannot say "unpreparing" (a
+        // read-only or full state directory) still lets the GPU be freed. The CDI spec then
+        // stays with the prepared record, which recovery leaves alone, and the claim fails with
+        // the write error; a retry, once the file can be written, finds the instances gone and
+        // finishes.
+        let recorded = match self.inner.journal.start_unprepare(uid, record) {
+            Ok(true) => {
+                self.step(uid, Step::UnprepareRecorded);
+                Ok(())
+            }
+            Ok(false) => Ok(()),
+            Err(e @ CheckpointError::Write { .. }) => {
+                tracing::error!(claim = %record.key(), %uid, error = %e, "cannot record the unprepare; destroying the instances anyway");
+                Err(e)
+            }
+            Err(e) => return Err(e.into()),
+        };
         self.destroy_instances(locks, uid, record)?;
+        recorded?;
         self.inner.cdi.remove_claim_spec(uid)?;
         self.step(uid, Step::CdiRemoved);
         self.inner.journal.forget(uid)?;
@@ -115,7 +130,9 @@ impl<C: ClaimSource> Driver<C> {
         let result = self.destroy_reachable_instances(locks, uid, record, &mut orphans);
         if !orphans.is_empty() {
             match self.inner.gpus.orphans() {
-                Some(list) => list.add(orphans)?,
+                Some(list) => list.add(orphans).inspect_err(|_| {
+                    self.inner.metrics.state_write_failed("lost_gpu_orphans");
+                })?,
                 None => {
                     tracing::warn!(claim = %record.key(), "instances on a lost GPU are not tracked; they stay if it comes back")
                 }
