@@ -14,6 +14,8 @@ import pytest
 
 from conftest import NAMESPACE, TESTS
 from test_admission import evaluate_policy, plugin_request
+from test_admission_claim_status import claim, entry, on_node
+from test_admission_claim_status import write as claim_status_write
 
 MATRIX = TESTS / "rbac_matrix.txt"
 NODE = "gpu-node-1"
@@ -44,7 +46,7 @@ def parse_matrix(path: Path = MATRIX) -> list[Row]:
         subject, verb, resource, sub, ns, name, expected, check = fields
         assert subject in ("plugin", "controller"), number
         assert expected in ("yes", "no"), number
-        assert check in ("can-i", "admission", "claim-status"), number
+        assert check in ("can-i", "admission", "claim-status", "claim-status-policy"), number
         plural, _, group = resource.partition(".")
         rows.append(
             Row(
@@ -138,6 +140,8 @@ def test_matrix_covers_the_required_checks():
     assert has("plugin", "list", "secrets", False)
     assert has("plugin", "patch", "resourceclaims.resource.k8s.io", True, "claim-status", name=NODE, sub="status")
     assert has("plugin", "patch", "resourceclaims.resource.k8s.io", False, "claim-status", name="other-node", sub="status")
+    for node, expected in ((NODE, True), ("other-node", False)):
+        assert has("plugin", "patch", "resourceclaims.resource.k8s.io", expected, "claim-status-policy", name=node, sub="status")
     assert has("controller", "create", "resourceslices.resource.k8s.io", True)
     assert has("controller", "patch", "gpunodes.gpu.migdra.dev", True, sub="status")
     assert has("controller", "get", "secrets", False)
@@ -184,6 +188,20 @@ def test_matrix_claim_status(default, default_values, row):
     auth = Authorizer(default.docs)
     sa = sa_name(default, "kubelet-plugin")
     allowed = device_status_write_allowed(auth, sa, row, token_node=NODE, driver=default_values["driverName"])
+    assert allowed is row.expected, row
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.check == "claim-status-policy"], ids=lambda r: f"line{r.line}")
+def test_matrix_claim_status_policy(default, default_values, row):
+    """Without the 1.36+ checks: RBAC allows the write, the admission policy decides."""
+    assert row.subject == "plugin" and row.subresource == "status"
+    auth = Authorizer(default.docs)
+    sa = sa_name(default, "kubelet-plugin")
+    assert auth.allowed(sa, replace(row, name="")), f"RBAC must allow {row} for the check to mean anything"
+    driver = default_values["driverName"]
+    old = claim(on_node(row.name))
+    new = claim(on_node(row.name), [entry(NODE, driver=driver)])
+    allowed, _ = claim_status_write(default, NODE, old, new)
     assert allowed is row.expected, row
 
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, render
 
 
 def plugin_pod(rendered):
@@ -163,6 +163,20 @@ def test_ipv6_bind_address(custom):
     env = env_of(container(pod))
     assert env["GRPC_HEALTH_ADDRESS"]["value"] == "[::]:50051"
     assert env["HTTP_ADDRESS"]["value"] == "[::]:9091"
+
+
+@pytest.mark.parametrize(
+    ("address", "http"), [("127.0.0.1", "127.0.0.1:8080"), ("::1", "[::1]:8080")], ids=["ipv4", "ipv6"]
+)
+def test_plugin_metrics_can_be_kept_off_the_network(address, http):
+    rendered = render(sets=[f"kubeletPlugin.metricsBindAddress={address}"])
+    _, pod = plugin_pod(rendered)
+    env = {k: v.get("value") for k, v in env_of(container(pod)).items()}
+    assert env["HTTP_ADDRESS"] == http
+    # The probes' server stays where the kubelet reaches it; the controller is unaffected.
+    assert env["GRPC_HEALTH_ADDRESS"] == "0.0.0.0:51515"
+    controller = rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e.get("value") for e in controller["env"]}["HTTP_ADDRESS"] == "0.0.0.0:8080"
 
 
 def test_plugin_grpc_probes(case):

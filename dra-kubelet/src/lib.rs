@@ -62,7 +62,9 @@ mod sockets;
 
 use std::{collections::HashMap, future::Future};
 
-pub use sockets::{DraServing, PluginServer, PluginServerConfig, PluginServing, ServerError, SocketKind};
+pub use sockets::{
+    DraServing, PluginServer, PluginServerConfig, PluginServing, SOCKET_MODE, ServerError, SocketKind,
+};
 
 /// A claim as the kubelet names it in NodePrepareResources / NodeUnprepareResources.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

@@ -11,6 +11,7 @@
 
 use std::{
     io,
+    os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
@@ -32,6 +33,14 @@ use crate::{
 
 /// `sun_path` holds 108 bytes including the terminating NUL.
 pub const MAX_SOCKET_PATH: usize = 107;
+
+/// Mode of both socket files: only their owner (the plugin's user, root in the chart) and root,
+/// which the kubelet runs as, may connect; the process umask plays no part.
+pub const SOCKET_MODE: u32 = 0o600;
+
+/// Connections the kernel queues before the server accepts them (the kubelet opens one per
+/// plugin).
+const LISTEN_BACKLOG: u32 = 128;
 
 /// How long a shutdown waits for in-flight calls by default before dropping them.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -83,6 +92,13 @@ pub enum ServerError {
     Bind {
         kind: SocketKind,
         path: PathBuf,
+        source: io::Error,
+    },
+    #[error("cannot set mode {mode:o} on the {kind} socket {path}: {source}")]
+    SetMode {
+        kind: SocketKind,
+        path: PathBuf,
+        mode: u32,
         source: io::Error,
     },
     #[error("the {kind} gRPC server on {path} failed: {source}")]
@@ -537,7 +553,8 @@ async fn remove_dead_sockets(own: &Path, is_plugin_socket: impl Fn(&str) -> bool
     }
 }
 
-/// Creates the socket's directory, removes a stale socket file and binds.
+/// Creates the socket's directory, removes a stale socket file, binds, sets [`SOCKET_MODE`]
+/// and listens.
 async fn bind_socket(kind: SocketKind, path: &Path) -> Result<UnixListener, ServerError> {
     let len = path.as_os_str().len();
     if len > MAX_SOCKET_PATH {
@@ -567,9 +584,22 @@ async fn bind_socket(kind: SocketKind, path: &Path) -> Result<UnixListener, Serv
             });
         }
     }
-    UnixListener::bind(path).map_err(|source| ServerError::Bind {
+    let bind_error = |source| ServerError::Bind {
         kind,
         path: path.to_path_buf(),
         source,
-    })
+    };
+    // Bound but not yet listening: a connect is refused until the mode is set, so nobody
+    // connects under the umask's mode.
+    let socket = tokio::net::UnixSocket::new_stream().map_err(bind_error)?;
+    socket.bind(path).map_err(bind_error)?;
+    tokio::fs::set_permissions(path, std::fs::Permissions::from_mode(SOCKET_MODE))
+        .await
+        .map_err(|source| ServerError::SetMode {
+            kind,
+            path: path.to_path_buf(),
+            mode: SOCKET_MODE,
+            source,
+        })?;
+    socket.listen(LISTEN_BACKLOG).map_err(bind_error)
 }

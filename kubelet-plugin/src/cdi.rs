@@ -835,6 +835,9 @@ mod tests {
         let root = dir.path().join("driver-root");
         fs::create_dir_all(&root).unwrap();
         migdra_fake_nvml::driver_root::create_driver_root(&root, version, &Default::default()).unwrap();
+        // A host running an MPS control daemon: its pipe directory never reaches a spec.
+        fs::create_dir_all(root.join("tmp/nvidia-mps")).unwrap();
+        fs::write(root.join("tmp/nvidia-mps/control"), b"").unwrap();
         let dev = dir.path().join("dev");
         fs::create_dir_all(&dev).unwrap();
         for name in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
@@ -864,7 +867,16 @@ mod tests {
         assert_eq!(inode(&path), first, "unchanged inputs: not rewritten");
         fs::remove_file(&path).unwrap();
         writer.ensure_driver_spec(version).unwrap();
-        let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(!text.contains("nvidia-mps"), "{text}");
+        let spec: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert!(
+            !spec["devices"][0]["containerEdits"]["mounts"]
+                .as_array()
+                .unwrap()
+                .is_empty(),
+            "the driver's files are mounted"
+        );
         assert_eq!(spec["kind"], "gpu.migdra.dev/driver");
         assert_eq!(spec["devices"][0]["name"], DRIVER_DEVICE);
         assert!(

@@ -82,7 +82,7 @@ Host-side listen address "<bindAddress>:<port>" (IPv6 literals get brackets). Ca
 (dict "ctx" $ "port" 8080).
 */}}
 {{- define "migdra.listenAddress" -}}
-{{- $host := .ctx.Values.metrics.bindAddress }}
+{{- $host := default .ctx.Values.metrics.bindAddress .host }}
 {{- if contains ":" $host }}
 {{- printf "[%s]:%d" $host (int .port) }}
 {{- else }}

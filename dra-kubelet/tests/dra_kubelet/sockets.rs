@@ -87,6 +87,46 @@ async fn stale_sockets_are_replaced() {
     shut_down(&shutdown, serving).await;
 }
 
+/// The permission bits of `path`.
+fn mode(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).expect("stat").permissions().mode() & 0o7777
+}
+
+#[tokio::test]
+async fn both_sockets_get_their_mode_not_the_umasks_nor_the_stale_ones() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = short_tempdir();
+    let config = PluginServerConfig::new(dir.path(), DRIVER);
+    // A stale socket anyone could connect to: the new one must not inherit that.
+    let stale = config.dra_socket();
+    std::fs::create_dir_all(stale.parent().expect("dir")).expect("mkdir");
+    drop(std::os::unix::net::UnixListener::bind(&stale).expect("bind"));
+    std::fs::set_permissions(&stale, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+
+    let shutdown = CancellationToken::new();
+    let serving = serve_registered(
+        server(dir.path(), Arc::new(ScriptedDriver::default())),
+        shutdown.clone(),
+    )
+    .await;
+    assert_eq!(
+        dra_kubelet::SOCKET_MODE,
+        0o600,
+        "owner only: the kubelet runs as root"
+    );
+    for socket in [serving.dra_socket(), serving.registration_socket()] {
+        assert_eq!(mode(socket), dra_kubelet::SOCKET_MODE, "{}", socket.display());
+    }
+    // The kubelet (root, like this test) still connects to both.
+    assert_eq!(
+        prepare_one(serving.dra_socket(), "ok-1").await.claims["ok-1"].error,
+        ""
+    );
+    assert_eq!(plugin_name(serving.registration_socket()).await, DRIVER);
+    shut_down(&shutdown, serving).await;
+}
+
 #[tokio::test]
 async fn run_serves_until_cancelled_then_removes_both_sockets() {
     let dir = short_tempdir();

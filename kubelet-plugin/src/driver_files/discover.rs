@@ -35,7 +35,10 @@ const BINARIES: &[&str] = &[
 ];
 
 /// IPC endpoints (in the driver root): for each, the candidates in order; the first that
-/// exists is mounted.
+/// exists is mounted. The host's MPS pipe directory (`/tmp/nvidia-mps`) is deliberately not
+/// one of them: every container would share the host's MPS daemon through it, a channel
+/// between tenants, and migdra offers no MPS sharing a claim could ask for. A container may
+/// still run an MPS daemon of its own, for its own processes (the utilities are mounted).
 pub const IPC_PATHS: &[&[&str]] = &[
     &[
         "/run/nvidia-persistenced/socket",
@@ -45,7 +48,6 @@ pub const IPC_PATHS: &[&[&str]] = &[
         "/run/nvidia-fabricmanager/socket",
         "/var/run/nvidia-fabricmanager/socket",
     ],
-    &["/tmp/nvidia-mps"],
 ];
 
 /// Libraries that must exist: without them no CUDA (or NVML) program runs.

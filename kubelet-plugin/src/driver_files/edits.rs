@@ -21,7 +21,7 @@ use super::DriverFiles;
 
 /// Mount options of libraries, utilities and firmware.
 pub const FILE_MOUNT_OPTIONS: &[&str] = &["ro", "nosuid", "nodev", "rbind", "rprivate"];
-/// Mount options of sockets and the MPS directory (writable: clients connect).
+/// Mount options of daemon sockets (writable: clients connect).
 pub const IPC_MOUNT_OPTIONS: &[&str] = &["nosuid", "nodev", "rbind", "rprivate", "noexec"];
 /// `argv[0]` of hook invocations when the hook path has no file name (otherwise its file
 /// name is).

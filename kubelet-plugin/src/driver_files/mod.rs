@@ -17,7 +17,9 @@
 //! What is looked for follows what NVIDIA's container toolkit injects (facts, not code):
 //! every `*.so.<driver version>` library (and the legacy `libnvidia-nvvm70.so.*`), the
 //! utilities in PATH-like directories, `nvidia/<version>/gsp*.bin` in the kernel's firmware
-//! directories, and the persistenced, fabric manager and MPS sockets.
+//! directories, and the persistenced and fabric manager sockets. Not the MPS daemon's pipe
+//! directory: migdra offers no MPS, and that directory would connect every container on the
+//! node to one MPS daemon.
 
 mod device_nodes;
 mod discover;
@@ -101,7 +103,7 @@ pub struct DriverFiles {
     pub binaries: Vec<DriverFile>,
     /// GSP firmware.
     pub firmware: Vec<DriverFile>,
-    /// Daemon sockets and the MPS directory that exist.
+    /// Daemon sockets that exist (persistenced, fabric manager).
     pub ipc: Vec<DriverFile>,
     /// Soname (and `libcuda.so`) links to make in the container.
     pub soname_links: Vec<SonameLink>,

@@ -648,17 +648,47 @@ fn ipc_endpoints_take_the_first_candidate_that_exists() {
     fs::write(root.join("var/run/nvidia-persistenced/socket"), "").unwrap();
     fs::create_dir_all(root.join("var/run/nvidia-fabricmanager")).unwrap();
     fs::write(root.join("var/run/nvidia-fabricmanager/socket"), "").unwrap();
-    fs::create_dir_all(root.join("tmp/nvidia-mps")).unwrap();
     let files = discover(&inputs(root, VERSION)).unwrap();
     assert_eq!(
         container_paths(&files.ipc),
         [
             "/run/nvidia-persistenced/socket",
-            "/tmp/nvidia-mps",
             "/var/run/nvidia-fabricmanager/socket",
         ]
     );
     assert_eq!(Some(files.ipc[0].host_path.clone()), layout.persistenced_socket);
+}
+
+/// Where the host's MPS control daemon keeps its pipes (and where MPS clients look).
+const MPS_PIPE_DIR: &str = "tmp/nvidia-mps";
+
+#[test]
+fn the_hosts_mps_pipe_directory_is_never_handed_to_containers() {
+    let (dir, _) = fake_root(&DriverRootOptions {
+        persistenced_socket: true,
+        ..DriverRootOptions::default()
+    });
+    let root = dir.path();
+    // A running MPS control daemon: its pipe directory with a pipe and its log directory.
+    fs::create_dir_all(root.join(MPS_PIPE_DIR)).unwrap();
+    fs::write(root.join(MPS_PIPE_DIR).join("control"), "").unwrap();
+    fs::create_dir_all(root.join("var/log/nvidia-mps")).unwrap();
+    let files = discover(&inputs(root, VERSION)).unwrap();
+    let edits = container_edits(&files);
+    assert!(!edits.mounts.is_empty(), "the driver's files are mounted");
+    let mps: Vec<&Mount> = edits
+        .mounts
+        .iter()
+        .filter(|m| m.container_path.contains("nvidia-mps") || m.host_path.contains("nvidia-mps"))
+        .collect();
+    assert!(mps.is_empty(), "MPS mounts: {mps:?}");
+    // The other daemon socket still is, writable.
+    let socket = edits
+        .mounts
+        .iter()
+        .find(|m| m.container_path == "/run/nvidia-persistenced/socket")
+        .expect("the persistenced socket is mounted");
+    assert!(!socket.options.iter().any(|o| o == "ro"), "{socket:?}");
 }
 
 #[test]

@@ -1,11 +1,17 @@
 //! The Helm chart under a real API server: every rendered object and example passes a
 //! server-side dry run, and the RBAC matrix holds for the chart's ServiceAccounts (including
 //! real writes with the plugin's node-bound token: its own node's GpuNode and claim status
-//! only), and API Priority and Fairness puts migdra's requests where the chart's FlowSchemas
+//! only, the latter also by the admission policy alone, as on Kubernetes 1.35), and API
+//! Priority and Fairness puts migdra's requests where the chart's FlowSchemas
 //! say.
 
+use std::time::Duration;
+
 use anyhow::{Context, bail, ensure};
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::{
+    rbac::v1::{ClusterRole, ClusterRoleBinding},
+    resource::v1::ResourceClaim,
+};
 use kube::{
     Api,
     api::{Patch, PatchParams, PostParams},
@@ -19,6 +25,7 @@ use serde_json::json;
 tests![
     chart_objects_pass_server_side_dry_run,
     rbac_matrix_holds_against_the_api_server,
+    admission_policy_pins_claim_status_writes_without_the_136_checks,
     migdra_requests_land_in_the_charts_priority_levels
 ];
 
@@ -106,79 +113,287 @@ async fn chart_objects_pass_server_side_dry_run(cluster: &mut Cluster) -> anyhow
     Ok(())
 }
 
-/// Claim-status rows: for each, the admin creates a claim allocated on the row's node (as the
-/// scheduler would: results from that node's pool, a nodeSelector naming it), and the plugin,
-/// with its token bound to this node, server-side applies a status.devices entry of its
-/// driver (dry run). The API server's associated-node check decides. Returns the rows checked.
+/// The claim-status probes' namespace.
+const PROBE_NAMESPACE: &str = "default";
+/// Another DRA driver, whose entries the plugin must leave alone.
+const OTHER_DRIVER: &str = "net.example.com";
+/// Name of the temporary ClusterRole(Binding) of [`lift_136_checks`].
+const LIFTED: &str = "migdra-e2e-plugin-without-136-checks";
+
+/// Creates the claim `name` in [`PROBE_NAMESPACE`] and allocates it as the scheduler would on
+/// `node` (a nodeSelector naming the node), with device gpu-0 of each `(driver, pool node)`
+/// of `results`: the API server accepts `status.devices` entries only of allocated devices.
+async fn allocated_probe(
+    admin: &Api<ResourceClaim>,
+    name: &str,
+    node: &str,
+    results: &[(&str, &str)],
+) -> anyhow::Result<()> {
+    let requests: Vec<_> = (0..results.len())
+        .map(|i| json!({"name": format!("r{i}"), "exactly": {"deviceClassName": "gpu.migdra.dev"}}))
+        .collect();
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": requests}},
+    }))?;
+    admin.create(&PostParams::default(), &claim).await?;
+    let results: Vec<_> = results
+        .iter()
+        .enumerate()
+        .map(|(i, (driver, pool_node))| {
+            json!({"request": format!("r{i}"), "driver": driver, "pool": pool_name(pool_node, driver), "device": "gpu-0"})
+        })
+        .collect();
+    let allocation = json!({"status": {"allocation": {
+        "devices": {"results": results},
+        "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [node]}
+        ]}]},
+    }}});
+    admin
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(allocation))
+        .await
+        .context("allocating the probe claim")?;
+    Ok(())
+}
+
+/// A `status.devices` entry of `driver` for device gpu-0 of `node`'s pool.
+fn device_entry(node: &str, driver: &str) -> serde_json::Value {
+    json!({
+        "driver": driver, "pool": pool_name(node, driver), "device": "gpu-0",
+        "data": {"type": "gpu", "uuid": "GPU-probe"},
+    })
+}
+
+/// What the plugin's token may do to the status of the probe claim `name`: a server-side
+/// apply (dry run) of `status` with the plugin's field manager, as the plugin writes. The
+/// probe claim is deleted afterwards.
+async fn plugin_status_write(
+    admin: &Api<ResourceClaim>,
+    plugin: &Api<ResourceClaim>,
+    name: &str,
+    status: serde_json::Value,
+) -> anyhow::Result<Result<(), Box<kube::core::Status>>> {
+    let object = json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": PROBE_NAMESPACE},
+        "status": status,
+    });
+    let params = PatchParams {
+        dry_run: true,
+        ..PatchParams::apply(&format!("{DRIVER}/kubelet-plugin")).force()
+    };
+    let result = plugin.patch_status(name, &params, &Patch::Apply(object)).await;
+    admin.delete(name, &Default::default()).await?;
+    match result {
+        Ok(_) => Ok(Ok(())),
+        Err(kube::Error::Api(e)) if e.code == 403 || e.code == 422 => Ok(Err(e)),
+        Err(e) => bail!("plugin status write on {name}: {e}"),
+    }
+}
+
+/// Grants the plugin's ServiceAccount what a 1.36+ API server checks for a claim status write
+/// beyond RBAC on resourceclaims/status (arbitrary-node access to every driver's entries, and
+/// resourceclaims/binding), so that its writes reach admission as on Kubernetes 1.35, where
+/// only the chart's admission policy stands in the way. [`revoke_136_checks`] undoes it.
+async fn lift_136_checks(cluster: &Cluster) -> anyhow::Result<()> {
+    let roles: Api<ClusterRole> = Api::all(cluster.client.clone());
+    let bindings: Api<ClusterRoleBinding> = Api::all(cluster.client.clone());
+    let role: ClusterRole = serde_json::from_value(json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": LIFTED},
+        "rules": [
+            {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/driver"],
+             "verbs": ["arbitrary-node:patch"]},
+            {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/binding"], "verbs": ["patch"]},
+        ],
+    }))?;
+    let binding: ClusterRoleBinding = serde_json::from_value(json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": LIFTED},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": LIFTED},
+        "subjects": [{"kind": "ServiceAccount", "name": PLUGIN_ACCOUNT, "namespace": CHART_NAMESPACE}],
+    }))?;
+    roles.create(&PostParams::default(), &role).await?;
+    bindings.create(&PostParams::default(), &binding).await?;
+    // The authorizer sees new bindings through its informers: wait until it answers yes.
+    let user = format!("--as=system:serviceaccount:{CHART_NAMESPACE}:{PLUGIN_ACCOUNT}");
+    for (verb, resource, sub) in [
+        (
+            "arbitrary-node:patch",
+            format!("resourceclaims/{OTHER_DRIVER}"),
+            "driver",
+        ),
+        ("patch", "resourceclaims".to_string(), "binding"),
+    ] {
+        wait_until(Duration::from_secs(30), || async {
+            let sub = format!("--subresource={sub}");
+            let namespace = format!("--namespace={PROBE_NAMESPACE}");
+            let out = kubectl(
+                cluster,
+                &["auth", "can-i", verb, &resource, &sub, &namespace, &user],
+            )
+            .ok()?;
+            (String::from_utf8_lossy(&out.stdout).trim() == "yes").then_some(())
+        })
+        .await
+        .with_context(|| format!("the grant of {verb} {resource}/{sub} did not take effect"))?;
+    }
+    Ok(())
+}
+
+async fn revoke_136_checks(cluster: &Cluster) -> anyhow::Result<()> {
+    Api::<ClusterRoleBinding>::all(cluster.client.clone())
+        .delete(LIFTED, &Default::default())
+        .await?;
+    Api::<ClusterRole>::all(cluster.client.clone())
+        .delete(LIFTED, &Default::default())
+        .await?;
+    Ok(())
+}
+
+/// Claim-status rows: for each, the admin creates a claim allocated on the row's node, and
+/// the plugin, with its token bound to this node, server-side applies a status.devices entry
+/// of its driver (dry run). For `claim-status` the API server's associated-node check decides;
+/// for `claim-status-policy` the 1.36+ checks are lifted ([`lift_136_checks`]) and the chart's
+/// admission policy decides. Returns the rows checked.
 async fn check_claim_status_rows(
     cluster: &Cluster,
     rows: &[Row],
     failures: &mut Vec<String>,
 ) -> anyhow::Result<usize> {
-    let admin: Api<ResourceClaim> = Api::namespaced(cluster.client.clone(), "default");
-    let plugin: Api<ResourceClaim> = Api::namespaced(cluster.plugin_client().await?, "default");
+    let mut checked = check_claim_status_kind(cluster, rows, "claim-status", failures).await?;
+    lift_136_checks(cluster).await?;
+    let policy_rows = check_claim_status_kind(cluster, rows, "claim-status-policy", failures).await;
+    revoke_136_checks(cluster).await?;
+    checked += policy_rows?;
+    Ok(checked)
+}
+
+async fn check_claim_status_kind(
+    cluster: &Cluster,
+    rows: &[Row],
+    check: &str,
+    failures: &mut Vec<String>,
+) -> anyhow::Result<usize> {
+    let admin: Api<ResourceClaim> = Api::namespaced(cluster.client.clone(), PROBE_NAMESPACE);
+    let plugin: Api<ResourceClaim> = Api::namespaced(cluster.plugin_client().await?, PROBE_NAMESPACE);
+    // What a refusal names: the API server's check, or the admission policy.
+    let refused_by = if check == "claim-status" {
+        "status.devices"
+    } else {
+        "ValidatingAdmissionPolicy"
+    };
     let mut checked = 0;
-    for row in rows.iter().filter(|r| r.check == "claim-status") {
+    for row in rows.iter().filter(|r| r.check == check) {
         let node = row
             .name
             .clone()
             .context("claim-status rows name the claim's node")?;
         ensure!(
             row.verb == "patch" && row.subresource.as_deref() == Some("status"),
-            "unsupported claim-status row"
+            "unsupported {check} row"
         );
         let name = format!("rbac-probe-{node}");
-        let claim: ResourceClaim = serde_json::from_value(json!({
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-            "metadata": {"name": name},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.migdra.dev"}}]}},
-        }))?;
-        admin.create(&PostParams::default(), &claim).await?;
-        let allocation = json!({"status": {"allocation": {
-            "devices": {"results": [{"request": "gpu", "driver": DRIVER, "pool": pool_name(&node, DRIVER), "device": "gpu-0"}]},
-            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
-                {"key": "metadata.name", "operator": "In", "values": [node]}
-            ]}]},
-        }}});
-        admin
-            .patch_status(&name, &PatchParams::default(), &Patch::Merge(allocation))
-            .await
-            .context("allocating the probe claim")?;
-        let entry = json!({
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-            "metadata": {"name": name, "namespace": "default"},
-            "status": {"devices": [{
-                "driver": DRIVER, "pool": pool_name(&node, DRIVER), "device": "gpu-0",
-                "data": {"type": "gpu", "uuid": "GPU-probe"},
-            }]},
-        });
-        let params = PatchParams {
-            dry_run: true,
-            ..PatchParams::apply(&format!("{DRIVER}/kubelet-plugin")).force()
-        };
-        let result = plugin.patch_status(&name, &params, &Patch::Apply(entry)).await;
-        admin.delete(&name, &Default::default()).await?;
-        let allowed = match &result {
-            Ok(_) => true,
-            Err(kube::Error::Api(e)) if e.code == 403 || e.code == 422 => {
+        allocated_probe(&admin, &name, &node, &[(DRIVER, node.as_str())]).await?;
+        let status = json!({"devices": [device_entry(&node, DRIVER)]});
+        let allowed = match plugin_status_write(&admin, &plugin, &name, status).await? {
+            Ok(()) => true,
+            Err(e) => {
                 ensure!(
-                    e.message.contains("status.devices"),
-                    "refused for another reason: {}",
+                    e.message.contains(refused_by),
+                    "{check}: refused for another reason: {}",
                     e.message
                 );
                 false
             }
-            Err(e) => bail!("status write on a claim allocated on {node}: {e}"),
         };
         if allowed != row.expected {
             failures.push(format!(
-                "plugin status.devices write on a claim allocated on {node}: allowed={allowed}, expected {}",
+                "{check}: plugin status.devices write on a claim allocated on {node}: allowed={allowed}, expected {}",
                 row.expected
             ));
         }
         checked += 1;
     }
     Ok(checked)
+}
+
+/// With the 1.36+ checks lifted (as on Kubernetes 1.35), the chart's admission policy alone
+/// keeps the plugin of this node to its own entries of claims allocated here: it refuses a
+/// claim of another node, another node's pool, another driver's entry and the reservations,
+/// naming the policy, and lets the plugin's own write through.
+async fn admission_policy_pins_claim_status_writes_without_the_136_checks(
+    cluster: &mut Cluster,
+) -> anyhow::Result<()> {
+    lift_136_checks(cluster).await?;
+    let result = claim_status_policy_cases(cluster).await;
+    revoke_136_checks(cluster).await?;
+    result
+}
+
+async fn claim_status_policy_cases(cluster: &Cluster) -> anyhow::Result<()> {
+    let admin: Api<ResourceClaim> = Api::namespaced(cluster.client.clone(), PROBE_NAMESPACE);
+    let plugin: Api<ResourceClaim> = Api::namespaced(cluster.plugin_client().await?, PROBE_NAMESPACE);
+    let other = "other-node";
+    let reservation =
+        json!([{"resource": "pods", "name": "p", "uid": "00000000-0000-0000-0000-000000000001"}]);
+    // (the claim's node, its allocated (driver, pool node)s, what the plugin writes, the
+    // refusal expected). The API server itself refuses entries of devices not allocated.
+    let own = [(DRIVER, NODE)];
+    let cases = [
+        // A claim allocated on another node, even with a device of this node's pool.
+        (
+            other,
+            &own[..],
+            json!({"devices": [device_entry(NODE, DRIVER)]}),
+            Some("allocated to node other-node"),
+        ),
+        (
+            other,
+            &[(DRIVER, other)][..],
+            json!({"devices": [device_entry(other, DRIVER)]}),
+            Some("may only change the status.devices entries"),
+        ),
+        (
+            NODE,
+            &[(DRIVER, NODE), (OTHER_DRIVER, NODE)][..],
+            json!({"devices": [device_entry(NODE, OTHER_DRIVER)]}),
+            Some("may only change the status.devices entries"),
+        ),
+        (
+            NODE,
+            &own[..],
+            json!({"reservedFor": reservation}),
+            Some("status.reservedFor"),
+        ),
+        (
+            NODE,
+            &own[..],
+            json!({"devices": [device_entry(NODE, DRIVER)]}),
+            None,
+        ),
+    ];
+    for (i, (node, results, status, refusal)) in cases.into_iter().enumerate() {
+        let name = format!("policy-probe-{i}");
+        allocated_probe(&admin, &name, node, results).await?;
+        let what = format!("case {i}: claim on {node}, status {status}");
+        match (
+            plugin_status_write(&admin, &plugin, &name, status).await?,
+            refusal,
+        ) {
+            (Ok(()), None) => {}
+            (Ok(()), Some(_)) => bail!("{what}: allowed"),
+            (Err(e), None) => bail!("{what}: refused: {}", e.message),
+            (Err(e), Some(expected)) => ensure!(
+                e.message.contains("ValidatingAdmissionPolicy") && e.message.contains(expected),
+                "{what}: refused, but not by the policy with {expected:?}: {}",
+                e.message
+            ),
+        }
+    }
+    Ok(())
 }
 
 /// One row of charts/tests/rbac_matrix.txt.
