@@ -38,7 +38,7 @@ fn main() {
             let gpus: Vec<_> = (0..GPUS).map(|m| model.inventory(m, mig)).collect();
             let full = plan_pool(&gpus, &EffectivePolicy::default());
             let mut plan = full.clone();
-            prune_counters(&mut plan);
+            prune_counters(&mut plan, &[]);
             let id = PoolIdentity {
                 driver: "gpu.migdra.dev",
                 node: "node",
