@@ -147,6 +147,7 @@ impl Cluster {
         if self.is_running(KUEUE) {
             return Ok(());
         }
+        self.kill(KUEUE); // reaps it, when it died
         let dist = script_output(&repo_root().join("e2e/kueue/build.sh"))?;
         let dir = self.layout.run_dir.join("kueue");
         let cert_dir = dir.join("webhook-certs");
