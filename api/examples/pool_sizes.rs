@@ -2,7 +2,8 @@
 //! under the default policy, MIG mode on (and, for Ampere, MIG off), with each pool validated.
 //! Counters are shown before and after the never-binding ones are left out
 //! (`migdra_api::slices::prune`): per counter set, and summed over every device's consumption
-//! (what the scheduler checks for each device it considers).
+//! (what the scheduler checks for each device it considers); the last column is that sum with
+//! the `memory` counter kept for quotas (`--keep-memory-counter`).
 //!
 //! Run: `cargo run -p migdra-api --example pool_sizes`
 
@@ -10,7 +11,8 @@ use migdra_api::{
     catalog,
     policy::EffectivePolicy,
     slices::{
-        PoolIdentity, PoolPlan, plan_pool, prune::prune_counters, render_pool, validate::validate_pool,
+        MEMORY_COUNTER, PoolIdentity, PoolPlan, plan_pool, prune::prune_counters, render_pool,
+        validate::validate_pool,
     },
 };
 
@@ -25,8 +27,16 @@ fn consumed(plan: &PoolPlan) -> usize {
 fn main() {
     const GPUS: u32 = 8;
     println!(
-        "{:<16} {:>6} {:>8} {:>8} {:>13} {:>15} {:>7} {:>6}",
-        "model", "mode", "devices", "per GPU", "counters/set", "consumed/node", "slices", "valid"
+        "{:<16} {:>6} {:>8} {:>8} {:>13} {:>15} {:>7} {:>6} {:>13}",
+        "model",
+        "mode",
+        "devices",
+        "per GPU",
+        "counters/set",
+        "consumed/node",
+        "slices",
+        "valid",
+        "with memory"
     );
     for model in catalog::models() {
         let modes: &[bool] = if model.architecture.mig_mode_switchable() {
@@ -38,7 +48,9 @@ fn main() {
             let gpus: Vec<_> = (0..GPUS).map(|m| model.inventory(m, mig)).collect();
             let full = plan_pool(&gpus, &EffectivePolicy::default());
             let mut plan = full.clone();
-            prune_counters(&mut plan);
+            prune_counters(&mut plan, &[]);
+            let mut with_memory = full.clone();
+            prune_counters(&mut with_memory, &[MEMORY_COUNTER]);
             let id = PoolIdentity {
                 driver: "gpu.migdra.dev",
                 node: "node",
@@ -49,7 +61,7 @@ fn main() {
             let slices = render_pool(&id, &gpus, &plan);
             let valid = validate_pool(&slices).is_ok();
             println!(
-                "{:<16} {:>6} {:>8} {:>8} {:>13} {:>15} {:>7} {:>6}",
+                "{:<16} {:>6} {:>8} {:>8} {:>13} {:>15} {:>7} {:>6} {:>13}",
                 model.key,
                 if mig { "MIG" } else { "whole" },
                 plan.devices.len(),
@@ -57,7 +69,8 @@ fn main() {
                 format!("{} -> {}", counters_per_set(&full), counters_per_set(&plan)),
                 format!("{} -> {}", consumed(&full), consumed(&plan)),
                 slices.len(),
-                valid
+                valid,
+                consumed(&with_memory)
             );
         }
     }

@@ -174,6 +174,10 @@ pub struct EffectivePolicy {
     /// Shared profiles (empty: nothing is shared).
     pub shared_profiles: Vec<ProfileMatcher>,
     pub shares: u32,
+    /// Publish the `memory` counter although it never refuses an allocation, for quota
+    /// systems that charge claims by it (Kueue's counter-based quota). Cluster-wide, from the
+    /// controller's `--keep-memory-counter`; no MigPolicy sets it.
+    pub keep_memory_counter: bool,
 }
 
 impl Default for EffectivePolicy {
@@ -188,6 +192,7 @@ impl Default for EffectivePolicy {
             unhealthy_gpus: UnhealthyGpus::default(),
             shared_profiles: Vec::new(),
             shares: DEFAULT_SHARES,
+            keep_memory_counter: false,
         }
     }
 }
@@ -274,6 +279,7 @@ impl MigPolicy {
             unhealthy_gpus: self.spec.unhealthy_gpus.unwrap_or(defaults.unhealthy_gpus),
             shared_profiles: parse(&sharing.profiles)?,
             shares,
+            keep_memory_counter: defaults.keep_memory_counter,
         })
     }
 }

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import REPO, render
+from conftest import CHART, REPO, render
 
 
 def plugin_pod(rendered):
@@ -256,11 +256,19 @@ def test_controller_env_follows_values(case):
     assert env["LEADER_ELECT"] == str(c["leaderElection"]["enabled"]).lower()
     assert env["LEASE_DURATION_SECONDS"] == str(c["leaderElection"]["leaseDurationSeconds"])
     assert env["HEARTBEAT_TIMEOUT_SECONDS"] == str(values["heartbeat"]["timeoutSeconds"])
+    assert env["KEEP_MEMORY_COUNTER"] == str(c["keepMemoryCounter"]).lower()
     assert env["HTTP_ADDRESS"].endswith(f":{c['httpPort']}")
     assert env["LOG_FORMAT"] == values["logging"]["format"]
     assert env["LOG_LEVEL"] == values["logging"]["level"]
     for extra in c["extraEnv"]:
         assert env[extra["name"]] == extra["value"]
+
+
+def test_the_kueue_values_example_keeps_the_memory_counter():
+    rendered = render([CHART / "examples" / "values-kueue.yaml"])
+    _, pod = controller_pod(rendered)
+    env = {k: v.get("value") for k, v in env_of(container(pod)).items()}
+    assert env["KEEP_MEMORY_COUNTER"] == "true"
 
 
 def test_controller_probes_and_metrics_port(case):

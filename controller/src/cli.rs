@@ -60,6 +60,13 @@ pub struct Args {
     #[arg(long, env = "MAX_CONCURRENT_RECONCILES", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub max_concurrent_reconciles: u16,
+    /// Publish each GPU's `memory` counter (MiB), which never refuses an allocation the memory
+    /// slices allow and is otherwise left out, so that a quota can charge claims by GPU memory
+    /// (Kueue's counter-based quota on partitionable devices). Costs the scheduler one more
+    /// counter per device in every fit check.
+    #[arg(long, env = "KEEP_MEMORY_COUNTER", default_value_t = false, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub keep_memory_counter: bool,
     /// Logging, the HTTP endpoint, threads and the kubeconfig.
     #[command(flatten)]
     pub process: ProcessArgs,
@@ -128,6 +135,7 @@ mod tests {
         assert_eq!(a.heartbeat_timeout(), crate::liveness::DEFAULT_HEARTBEAT_TIMEOUT);
         assert_eq!(a.mass_expiry_threshold, 0.55);
         assert_eq!(a.max_concurrent_reconciles, 16);
+        assert!(!a.keep_memory_counter);
         assert_eq!(a.process.worker_threads, 2);
         assert!(Args::try_parse_from(["migdra-controller", "--worker-threads", "0"]).is_err());
         assert_eq!(a.process.http_address, "0.0.0.0:8080".parse().unwrap());
@@ -157,6 +165,12 @@ mod tests {
         let a = Args::try_parse_from(["migdra-controller", "print-crds"]).unwrap();
         assert!(matches!(a.command, Some(Command::PrintCrds)));
         assert!(Args::try_parse_from(["migdra-controller", "--lease-duration-seconds", "1"]).is_err());
+        assert!(
+            Args::try_parse_from(["migdra-controller", "--keep-memory-counter"])
+                .unwrap()
+                .keep_memory_counter
+        );
+        assert!(Args::try_parse_from(["migdra-controller", "--keep-memory-counter=maybe"]).is_err());
         let a = Args::try_parse_from(["migdra-controller", "--mass-expiry-threshold", "0.8"]).unwrap();
         assert_eq!(a.mass_expiry_threshold, 0.8);
         for bad in ["0", "1.5", "-0.2", "half"] {

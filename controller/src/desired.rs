@@ -52,14 +52,17 @@ pub struct NodeRef<'a> {
 
 /// Computes the pool of a node whose plugin is live. `allocated` names the devices of this
 /// pool that claims hold: each stays in the pool, tainted if no longer offered.
+/// `keep_memory_counter` publishes the `memory` counter for quotas whatever the policy.
 pub fn desired_pool<'p>(
     gpunode: &GpuNode,
     node: NodeRef<'_>,
     policies: impl IntoIterator<Item = &'p MigPolicy>,
     driver: &str,
+    keep_memory_counter: bool,
     allocated: &BTreeSet<String>,
 ) -> Result<DesiredPool, DesiredError> {
-    let policy = policy_for_node(policies, node.labels).map_err(DesiredError::Policy)?;
+    let mut policy = policy_for_node(policies, node.labels).map_err(DesiredError::Policy)?;
+    policy.keep_memory_counter = keep_memory_counter;
     let status = gpunode.status.as_ref();
     let gpus = status.and_then(|s| s.gpus.as_deref()).unwrap_or_default();
     let driver_version = status
@@ -156,7 +159,7 @@ mod tests {
             uid: Some("uid-a"),
             labels: &labels,
         };
-        let pool = desired_pool(&gpunode(2), node, [], "gpu.migdra.dev", &BTreeSet::new()).unwrap();
+        let pool = desired_pool(&gpunode(2), node, [], "gpu.migdra.dev", false, &BTreeSet::new()).unwrap();
         assert_eq!(pool.pool, "node-a/gpu.migdra.dev");
         assert_eq!(pool.gpus, 2);
         assert!(pool.devices > 2);
@@ -182,6 +185,66 @@ mod tests {
     }
 
     #[test]
+    fn the_memory_counter_is_published_only_when_kept_whatever_the_policy() {
+        let labels = BTreeMap::new();
+        let node = NodeRef {
+            name: "node-a",
+            uid: None,
+            labels: &labels,
+        };
+        let only_1g = MigPolicy::new(
+            "only-1g",
+            MigPolicySpec {
+                profiles: vec!["1g.10gb".into()],
+                ..Default::default()
+            },
+        );
+        let memory_in = |pool: &DesiredPool| -> (usize, usize) {
+            let sets = pool
+                .slices
+                .iter()
+                .flat_map(|s| s.spec.shared_counters.iter().flatten())
+                .filter(|set| set.counters.contains_key("memory"))
+                .count();
+            let devices = pool
+                .slices
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .filter(|d| {
+                    d.consumes_counters
+                        .iter()
+                        .flatten()
+                        .any(|c| c.counters.contains_key("memory"))
+                })
+                .count();
+            (sets, devices)
+        };
+        for policies in [vec![], vec![&only_1g]] {
+            let bare = desired_pool(
+                &gpunode(2),
+                node,
+                policies.clone(),
+                "gpu.migdra.dev",
+                false,
+                &BTreeSet::new(),
+            )
+            .unwrap();
+            assert_eq!(memory_in(&bare), (0, 0));
+            let kept = desired_pool(
+                &gpunode(2),
+                node,
+                policies,
+                "gpu.migdra.dev",
+                true,
+                &BTreeSet::new(),
+            )
+            .unwrap();
+            assert_eq!(kept.devices, bare.devices);
+            assert_eq!(memory_in(&kept), (2, kept.devices as usize));
+        }
+    }
+
+    #[test]
     fn policy_errors_and_policy_names_come_through() {
         let labels = BTreeMap::new();
         let node = NodeRef {
@@ -197,12 +260,27 @@ mod tests {
             },
         );
         assert!(matches!(
-            desired_pool(&gpunode(1), node, [&bad], "gpu.migdra.dev", &BTreeSet::new()),
+            desired_pool(
+                &gpunode(1),
+                node,
+                [&bad],
+                "gpu.migdra.dev",
+                false,
+                &BTreeSet::new()
+            ),
             Err(DesiredError::Policy(_))
         ));
         bad.spec.profiles = vec!["7g".into()];
         bad.spec.whole_gpus = Some(false);
-        let pool = desired_pool(&gpunode(1), node, [&bad], "gpu.migdra.dev", &BTreeSet::new()).unwrap();
+        let pool = desired_pool(
+            &gpunode(1),
+            node,
+            [&bad],
+            "gpu.migdra.dev",
+            false,
+            &BTreeSet::new(),
+        )
+        .unwrap();
         assert_eq!(pool.policy.as_deref(), Some("bad"));
         assert_eq!(pool.devices, 1, "one 7g placement on one GPU");
         assert!(pool.slices[0].metadata.owner_references.is_none());
@@ -225,9 +303,16 @@ mod tests {
             },
         );
         let allocated = BTreeSet::from(["gpu-0-mig-3g40gb-4".to_string()]);
-        let without =
-            desired_pool(&gpunode(1), node, [&only_1g], "gpu.migdra.dev", &BTreeSet::new()).unwrap();
-        let with = desired_pool(&gpunode(1), node, [&only_1g], "gpu.migdra.dev", &allocated).unwrap();
+        let without = desired_pool(
+            &gpunode(1),
+            node,
+            [&only_1g],
+            "gpu.migdra.dev",
+            false,
+            &BTreeSet::new(),
+        )
+        .unwrap();
+        let with = desired_pool(&gpunode(1), node, [&only_1g], "gpu.migdra.dev", false, &allocated).unwrap();
         assert_eq!(with.devices, without.devices + 1);
         assert_eq!(with.retention.kept, ["gpu-0-mig-3g40gb-4"]);
         let device = with
@@ -282,7 +367,15 @@ mod tests {
                 .flat_map(|s| s.spec.devices.iter().flatten().cloned())
                 .collect()
         };
-        let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", &BTreeSet::new()).unwrap();
+        let pool = desired_pool(
+            &gpunode(1),
+            node,
+            [&shared],
+            "gpu.migdra.dev",
+            false,
+            &BTreeSet::new(),
+        )
+        .unwrap();
         let all = devices(&pool);
         let is_shared =
             |d: &k8s_openapi::api::resource::v1::Device| d.allow_multiple_allocations == Some(true);
@@ -322,7 +415,7 @@ mod tests {
         let pool_name = "node-a/gpu.migdra.dev";
         for holders in [vec![&a, &b], vec![&b]] {
             let held = crate::claims::allocated_devices(holders.iter().copied(), "gpu.migdra.dev", pool_name);
-            let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", &held).unwrap();
+            let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", false, &held).unwrap();
             assert_eq!(
                 pool.retention.kept,
                 ["gpu-0-mig-1g10gb-6"],
@@ -336,7 +429,7 @@ mod tests {
             assert!(kept.taints.is_some() && kept.consumes_counters.is_some());
         }
         let held = crate::claims::allocated_devices([], "gpu.migdra.dev", pool_name);
-        let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", &held).unwrap();
+        let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", false, &held).unwrap();
         assert!(
             devices(&pool).iter().all(|d| d.name != "gpu-0-mig-1g10gb-6"),
             "released by both: gone"
@@ -351,7 +444,7 @@ mod tests {
             uid: None,
             labels: &labels,
         };
-        let err = desired_pool(&gpunode(1), node, [], "Not_A_Driver", &BTreeSet::new()).unwrap_err();
+        let err = desired_pool(&gpunode(1), node, [], "Not_A_Driver", false, &BTreeSet::new()).unwrap_err();
         let DesiredError::Invalid(problems) = err else {
             panic!("expected an invalid pool")
         };

@@ -93,6 +93,7 @@ async fn run_controller(
 ) -> Result<()> {
     let config = context::ControllerConfig {
         driver: args.driver_name.clone(),
+        keep_memory_counter: args.keep_memory_counter,
         heartbeat_timeout: args.heartbeat_timeout(),
         mass_expiry_threshold: args.mass_expiry_threshold,
         identity: identity.clone(),

@@ -271,7 +271,8 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
 /// The plan a node publishes: [`plan_pool`], then every device in `allocated` (device names
 /// of this pool that claims hold) that the plan no longer offers kept, tainted
 /// ([`retained::retain_allocated`]), then the counters that can never refuse anything left out
-/// ([`prune::prune_counters`]; last, so that it sees every device the pool will hold).
+/// ([`prune::prune_counters`]; last, so that it sees every device the pool will hold), except
+/// `memory` when the policy keeps it for quotas.
 pub fn published_plan(
     gpus: &[GpuInventory],
     policy: &EffectivePolicy,
@@ -279,7 +280,12 @@ pub fn published_plan(
 ) -> (PoolPlan, retained::Retention) {
     let mut plan = plan_pool(gpus, policy);
     let retention = retained::retain_allocated(&mut plan, gpus, allocated);
-    prune::prune_counters(&mut plan);
+    let keep: &[&str] = if policy.keep_memory_counter {
+        &[MEMORY_COUNTER]
+    } else {
+        &[]
+    };
+    prune::prune_counters(&mut plan, keep);
     (plan, retention)
 }
 

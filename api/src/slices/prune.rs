@@ -27,9 +27,11 @@ pub struct Pruned {
 }
 
 /// Drops every counter of `plan` that cannot refuse any device set the remaining counters
-/// accept (see the module documentation). A device left consuming nothing publishes no
-/// consumption, and a set left with no counter is removed.
-pub fn prune_counters(plan: &mut PoolPlan) -> Pruned {
+/// accept (see the module documentation), except those named in `keep`, which something other
+/// than the scheduler reads (a quota charging claims by GPU memory). A kept redundant counter
+/// refuses nothing the others accept, so keeping it changes no co-allocation. A device left
+/// consuming nothing publishes no consumption, and a set left with no counter is removed.
+pub fn prune_counters(plan: &mut PoolPlan, keep: &[&str]) -> Pruned {
     let mut decided: HashMap<Signature, BTreeSet<String>> = HashMap::new();
     let mut pruned = Pruned::default();
     let mut kept_by_set: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
@@ -41,10 +43,15 @@ pub fn prune_counters(plan: &mut PoolPlan) -> Pruned {
             .map(|d| &d.consumes)
             .collect();
         let signature = Signature::of(counters, &consumers);
-        let kept = decided
+        let mut kept = decided
             .entry(signature)
             .or_insert_with(|| necessary_counters(counters, &consumers))
             .clone();
+        kept.extend(
+            keep.iter()
+                .filter(|name| counters.contains_key(**name))
+                .map(|name| (*name).to_string()),
+        );
         kept_by_set.insert(set.clone(), kept);
     }
     for (set, counters) in &mut plan.counter_sets {
@@ -222,8 +229,9 @@ mod tests {
         inventory::{GpuInventory, InstanceOwner, MigInstance},
         policy::{EffectivePolicy, ProfileMatcher},
         slices::{
+            MEMORY_COUNTER, PlannedKind,
             allocator::Allocator,
-            plan_pool, render_pool,
+            plan_pool, published_plan, render_pool,
             retained::retain_allocated,
             test_pool_identity,
             validate::{PoolError, validate_pool},
@@ -300,7 +308,7 @@ mod tests {
             let gpus = vec![model.inventory(0, true)];
             let full = plan_pool(&gpus, &EffectivePolicy::default());
             let mut pruned = full.clone();
-            let dropped = prune_counters(&mut pruned);
+            let dropped = prune_counters(&mut pruned, &[]);
             assert_same_sets(&full, &pruned, model.key);
             assert_eq!(full.devices.len(), pruned.devices.len(), "{}", model.key);
             assert!(
@@ -318,7 +326,7 @@ mod tests {
         let gpus: Vec<GpuInventory> = (0..8).map(|m| model.inventory(m, true)).collect();
         let mut plan = plan_pool(&gpus, &EffectivePolicy::default());
         let full_entries: usize = plan.devices.iter().map(|d| d.consumes.len()).sum();
-        let dropped = prune_counters(&mut plan);
+        let dropped = prune_counters(&mut plan, &[]);
         let expected: BTreeSet<String> = (0..7)
             .map(|s| format!("memory-slice-{s}"))
             .chain(["ofa-engines".to_string()])
@@ -354,7 +362,7 @@ mod tests {
         };
         let mut plan = plan_pool(&gpus, &policy);
         assert_eq!(plan.devices.len(), 1);
-        prune_counters(&mut plan);
+        prune_counters(&mut plan, &[]);
         assert!(plan.counter_sets.is_empty());
         assert_eq!(plan.devices[0].counter_set, None);
         assert!(plan.devices[0].consumes.is_empty());
@@ -371,6 +379,145 @@ mod tests {
         );
     }
 
+    /// A one-GPU pool from the property tests' inputs: the model, foreign instances, the
+    /// offered and shared profiles, whole GPUs, and devices claims hold (kept even when not
+    /// offered), before any pruning.
+    fn arbitrary_pool(
+        model: usize,
+        foreign: &[usize],
+        offered: &[bool],
+        shared: &[bool],
+        whole: bool,
+        held: &[usize],
+    ) -> (&'static str, Vec<GpuInventory>, PoolPlan) {
+        let models = catalog::models();
+        let model = &models[model % models.len()];
+        let geometry = model.geometry();
+        let placements: Vec<_> = geometry.all_placements().collect();
+        let mut gpu = model.inventory(0, true);
+        let mut blocked = BTreeSet::new();
+        for f in foreign {
+            let (profile, start) = placements[f % placements.len()];
+            let range: BTreeSet<u32> = profile.memory_range(start).collect();
+            if !range.is_disjoint(&blocked) {
+                continue;
+            }
+            blocked.extend(range);
+            if let Some(mig) = gpu.mig.as_mut() {
+                let id = u32::try_from(mig.instances.len()).unwrap_or(0) + 1;
+                mig.instances.push(MigInstance {
+                    profile: Some(profile.name),
+                    placement: Placement {
+                        profile_id: profile.gi_profile_id,
+                        start,
+                    },
+                    gpu_instance_id: id,
+                    owner: InstanceOwner::Foreign,
+                    ..MigInstance::default()
+                });
+            }
+        }
+        let mut names: Vec<String> = geometry.profiles.iter().map(|p| p.name.to_string()).collect();
+        names.sort();
+        names.dedup();
+        let pick = |flags: &[bool]| -> Vec<ProfileMatcher> {
+            names
+                .iter()
+                .zip(flags.iter().cycle())
+                .filter(|(_, on)| **on)
+                .filter_map(|(n, _)| ProfileMatcher::parse(n).ok())
+                .collect()
+        };
+        let mut profiles = pick(offered);
+        if profiles.is_empty() {
+            profiles = pick(&[true]);
+        }
+        let policy = EffectivePolicy {
+            profiles,
+            shared_profiles: pick(shared),
+            whole_gpus: whole,
+            ..EffectivePolicy::default()
+        };
+        let gpus = vec![gpu];
+        let mut full = plan_pool(&gpus, &policy);
+        // Claims may hold placements the policy does not offer (they stay, tainted).
+        let held: BTreeSet<String> = held
+            .iter()
+            .map(|h| {
+                let (profile, start) = placements[h % placements.len()];
+                crate::device_name::DeviceName::Mig {
+                    minor: 0,
+                    profile: profile.name,
+                    start,
+                }
+                .to_string()
+            })
+            .collect();
+        retain_allocated(&mut full, &gpus, &held);
+        (model.key, gpus, full)
+    }
+
+    #[test]
+    fn an_h100_keeping_memory_publishes_each_devices_memory_and_the_gpus_budget() {
+        let model = catalog::model("H100-80GB").expect("H100 in the catalog");
+        let gpus: Vec<GpuInventory> = (0..2).map(|m| model.inventory(m, true)).collect();
+        let full = plan_pool(&gpus, &EffectivePolicy::default());
+        let mut plan = full.clone();
+        prune_counters(&mut plan, &[MEMORY_COUNTER]);
+        let budget = model.geometry().budget.memory_mib;
+        for (set, counters) in &plan.counter_sets {
+            assert_eq!(counters.get(MEMORY_COUNTER), Some(&budget), "{set}");
+        }
+        for device in &plan.devices {
+            let expected = match &device.kind {
+                PlannedKind::Mig { profile, .. } => profile.memory_mib,
+                PlannedKind::Gpu => budget,
+            };
+            assert_eq!(
+                device.consumes.get(MEMORY_COUNTER),
+                Some(&expected),
+                "{}",
+                device.name
+            );
+        }
+        // Everything else is pruned as without the memory counter.
+        let mut without = full.clone();
+        prune_counters(&mut without, &[]);
+        for ((_, with), (_, bare)) in plan.counter_sets.iter().zip(&without.counter_sets) {
+            let mut with = with.clone();
+            with.remove(MEMORY_COUNTER);
+            assert_eq!(&with, bare);
+        }
+    }
+
+    #[test]
+    fn keeping_a_counter_the_pool_does_not_have_adds_nothing() {
+        let model = catalog::model("A100-SXM4-40GB").expect("A100 in the catalog");
+        let gpus = vec![model.inventory(0, true)];
+        let full = plan_pool(&gpus, &EffectivePolicy::default());
+        let mut kept = full.clone();
+        prune_counters(&mut kept, &["no-such-counter"]);
+        let mut bare = full;
+        prune_counters(&mut bare, &[]);
+        assert_eq!(kept, bare);
+    }
+
+    #[test]
+    fn published_plan_keeps_memory_only_when_the_policy_asks() {
+        let model = catalog::model("H100-80GB").expect("H100 in the catalog");
+        let gpus = vec![model.inventory(0, true)];
+        let has_memory = |plan: &PoolPlan| counter_names(plan).contains(MEMORY_COUNTER);
+        let (plan, _) = published_plan(&gpus, &EffectivePolicy::default(), &BTreeSet::new());
+        assert!(!has_memory(&plan));
+        let keeping = EffectivePolicy {
+            keep_memory_counter: true,
+            ..EffectivePolicy::default()
+        };
+        let (plan, _) = published_plan(&gpus, &keeping, &BTreeSet::new());
+        assert!(has_memory(&plan));
+        assert_eq!(validation(&gpus, &plan), Ok(()));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         /// Whatever the model, the foreign instances, the offered and shared profiles and the
@@ -385,66 +532,44 @@ mod tests {
             whole in any::<bool>(),
             held in proptest::collection::vec(0usize..64, 0..3),
         ) {
-            let models = catalog::models();
-            let model = &models[model % models.len()];
-            let geometry = model.geometry();
-            let placements: Vec<_> = geometry.all_placements().collect();
-            let mut gpu = model.inventory(0, true);
-            let mut blocked = BTreeSet::new();
-            for f in &foreign {
-                let (profile, start) = placements[f % placements.len()];
-                let range: BTreeSet<u32> = profile.memory_range(start).collect();
-                if !range.is_disjoint(&blocked) {
-                    continue;
-                }
-                blocked.extend(range);
-                if let Some(mig) = gpu.mig.as_mut() {
-                    let id = u32::try_from(mig.instances.len()).unwrap_or(0) + 1;
-                    mig.instances.push(MigInstance {
-                        profile: Some(profile.name),
-                        placement: Placement { profile_id: profile.gi_profile_id, start },
-                        gpu_instance_id: id,
-                        owner: InstanceOwner::Foreign,
-                        ..MigInstance::default()
-                    });
-                }
-            }
-            let mut names: Vec<String> = geometry.profiles.iter().map(|p| p.name.to_string()).collect();
-            names.sort();
-            names.dedup();
-            let pick = |flags: &[bool]| -> Vec<ProfileMatcher> {
-                names
-                    .iter()
-                    .zip(flags.iter().cycle())
-                    .filter(|(_, on)| **on)
-                    .filter_map(|(n, _)| ProfileMatcher::parse(n).ok())
-                    .collect()
-            };
-            let mut profiles = pick(&offered);
-            if profiles.is_empty() {
-                profiles = pick(&[true]);
-            }
-            let policy = EffectivePolicy {
-                profiles,
-                shared_profiles: pick(&shared),
-                whole_gpus: whole,
-                ..EffectivePolicy::default()
-            };
-            let gpus = vec![gpu];
-            let mut full = plan_pool(&gpus, &policy);
-            // Claims may hold placements the policy does not offer (they stay, tainted).
-            let held: BTreeSet<String> = held
-                .iter()
-                .map(|h| {
-                    let (profile, start) = placements[h % placements.len()];
-                    crate::device_name::DeviceName::Mig { minor: 0, profile: profile.name, start }.to_string()
-                })
-                .collect();
-            retain_allocated(&mut full, &gpus, &held);
+            let (key, gpus, full) = arbitrary_pool(model, &foreign, &offered, &shared, whole, &held);
             let mut pruned = full.clone();
-            prune_counters(&mut pruned);
-            assert_same_sets(&full, &pruned, model.key);
+            prune_counters(&mut pruned, &[]);
+            assert_same_sets(&full, &pruned, key);
             prop_assert_eq!(validation(&gpus, &pruned), Ok(()));
+        }
+
+        /// The same pools with `memory` kept for a quota: exactly the device sets the full pool
+        /// and the pool pruned without it accept, valid, and every device that consumed memory
+        /// still consumes the same amount from a set that still holds the same budget.
+        #[test]
+        fn keeping_memory_never_changes_what_the_scheduler_may_co_allocate(
+            model in 0usize..64,
+            foreign in proptest::collection::vec(0usize..64, 0..3),
+            offered in proptest::collection::vec(any::<bool>(), 8),
+            shared in proptest::collection::vec(any::<bool>(), 8),
+            whole in any::<bool>(),
+            held in proptest::collection::vec(0usize..64, 0..3),
+        ) {
+            let (key, gpus, full) = arbitrary_pool(model, &foreign, &offered, &shared, whole, &held);
+            let mut kept = full.clone();
+            prune_counters(&mut kept, &[MEMORY_COUNTER]);
+            let mut pruned = full.clone();
+            prune_counters(&mut pruned, &[]);
+            assert_same_sets(&full, &kept, key);
+            assert_same_sets(&pruned, &kept, key);
+            prop_assert_eq!(validation(&gpus, &kept), Ok(()));
+            for (before, after) in full.devices.iter().zip(&kept.devices) {
+                prop_assert_eq!(
+                    before.consumes.get(MEMORY_COUNTER),
+                    after.consumes.get(MEMORY_COUNTER),
+                    "{}", before.name
+                );
+            }
+            for (set, counters) in &full.counter_sets {
+                let budget = kept.counter_sets.iter().find(|(s, _)| s == set).and_then(|(_, c)| c.get(MEMORY_COUNTER));
+                prop_assert_eq!(budget, counters.get(MEMORY_COUNTER), "{}", set);
+            }
         }
     }
 }

@@ -5,6 +5,7 @@ use std::{path::Path, time::Duration};
 
 use anyhow::{Context, bail};
 use k8s_openapi::api::{
+    batch::v1::Job,
     core::v1::{Event, Pod, PodCondition},
     resource::v1::{DeviceRequestAllocationResult, ResourceClaim, ResourceClaimTemplate},
 };
@@ -296,12 +297,26 @@ pub async fn delete_pods(client: &Client, pods: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Deletes every test pod and claim template.
+/// The label every test object carries.
+pub const TEST_LABEL: &str = "app.kubernetes.io/part-of=migdra-e2e";
+
+/// Deletes every test Job (first: the Job controller would recreate their pods), pod and
+/// claim template.
 pub async fn delete_all(client: &Client) -> anyhow::Result<()> {
+    let jobs: Api<Job> = Api::namespaced(client.clone(), NAMESPACE);
+    jobs.delete_collection(
+        &DeleteParams::background(),
+        &ListParams::default().labels(TEST_LABEL),
+    )
+    .await?;
+    wait_until(Duration::from_secs(60), || async {
+        let left = jobs.list(&ListParams::default().labels(TEST_LABEL)).await.ok()?;
+        left.items.is_empty().then_some(())
+    })
+    .await
+    .context("test Jobs were not deleted")?;
     let api: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
-    let pods = api
-        .list(&ListParams::default().labels("app.kubernetes.io/part-of=migdra-e2e"))
-        .await?;
+    let pods = api.list(&ListParams::default().labels(TEST_LABEL)).await?;
     let names: Vec<String> = pods
         .items
         .iter()

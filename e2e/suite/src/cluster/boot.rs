@@ -47,7 +47,7 @@ const CHART_VALUES: [&str; 5] = [
 const FEATURE_GATES: &str = "DRAPartitionableDevices=true,DRADeviceTaints=true,DRAPrioritizedList=true";
 
 /// Runs a build script and returns the last line it printed (the directory it reports).
-fn script_output(script: &Path) -> anyhow::Result<PathBuf> {
+pub(super) fn script_output(script: &Path) -> anyhow::Result<PathBuf> {
     let output = Command::new("bash")
         .arg(script)
         .stderr(Stdio::inherit())
@@ -147,6 +147,7 @@ impl Cluster {
             controller_kubeconfig: None,
             plugin_kubeconfig: None,
             controller_heartbeat_timeout_seconds: config.controller_heartbeat_timeout_seconds,
+            controller_keep_memory_counter: false,
             kubelet_anonymous_reads: config.kubelet_anonymous_reads,
             kubelet_cgroup_root: None,
             torn_down: false,

@@ -156,6 +156,7 @@ impl Cluster {
                     self.controller_heartbeat_timeout_seconds
                 ),
                 "--log-level=info,migdra_controller=debug",
+                &format!("--keep-memory-counter={}", self.controller_keep_memory_counter),
             ],
         )
     }

@@ -12,10 +12,12 @@
 
 mod boot;
 mod containerd;
+mod kueue;
 mod migdra;
 mod teardown;
 
 pub use containerd::{BUSYBOX_IMAGE, PAUSE_IMAGE, POD_SUBNET, RUNTIME_ENV, Runtime};
+pub use kueue::{GPU_MEMORY, KUEUE, KUEUE_API_VERSION, KUEUE_NAMESPACE, kueue_api, kueue_resource};
 pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS, SURGE_PLUGIN};
 
 use std::{
@@ -186,6 +188,8 @@ pub struct Cluster {
     controller_kubeconfig: Option<PathBuf>,
     plugin_kubeconfig: Option<PathBuf>,
     controller_heartbeat_timeout_seconds: u64,
+    /// Whether the controller runs with `--keep-memory-counter` ([`Cluster::set_keep_memory_counter`]).
+    controller_keep_memory_counter: bool,
     kubelet_anonymous_reads: bool,
     /// The kubelet's `cgroupRoot` (containerd only: pods get QoS cgroups under it).
     kubelet_cgroup_root: Option<String>,

@@ -54,6 +54,7 @@ impl Cluster {
         }
         self.torn_down = true;
         for name in [
+            super::KUEUE,
             "migdra-kubelet-plugin",
             "migdra-controller",
             "kubelet",

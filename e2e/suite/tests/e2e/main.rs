@@ -37,6 +37,7 @@ mod containerd;
 mod day2;
 mod faults;
 mod kubectl_plugin;
+mod kueue;
 mod observability;
 mod placement;
 mod pool;
@@ -52,7 +53,7 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 13] = [
+const SUITE: [&[Test]; 14] = [
     pool::TESTS,
     allocation::TESTS,
     claim_status::TESTS,
@@ -65,6 +66,7 @@ const SUITE: [&[Test]; 13] = [
     rolling_update::TESTS,
     day2::TESTS,
     kubectl_plugin::TESTS,
+    kueue::TESTS,
     containerd::TESTS,
 ];
 
