@@ -178,6 +178,7 @@ impl HeartbeatTracker {
         let mut witnesses = lock(&self.witnesses);
         match witnesses.get_mut(node) {
             None => {
+                tracing::debug!(node, "first kubelet Lease renewal observed");
                 let witness = Witness { last: at, since: at };
                 witnesses.insert(node.to_string(), (beat, witness));
             }
@@ -186,7 +187,14 @@ impl HeartbeatTracker {
                     Duration::ZERO => DEFAULT_NODE_LEASE_DURATION,
                     duration => duration,
                 };
-                if at.saturating_duration_since(witness.last) > duration / 2 {
+                let gap = at.saturating_duration_since(witness.last);
+                if gap > duration / 2 {
+                    tracing::debug!(
+                        node,
+                        gap_seconds = gap.as_secs_f64(),
+                        "the node's kubelet Lease renews again after a gap: its plugin's \
+                         heartbeat timeout restarts"
+                    );
                     witness.since = at;
                 }
                 witness.last = witness.last.max(at);
