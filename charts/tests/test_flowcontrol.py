@@ -88,7 +88,8 @@ def expected_level(row: Row) -> str:
     heartbeat = row.group == "coordination.k8s.io" and row.verb in ("get", "create", "patch")
     if row.subject == "plugin" and (heartbeat or row.group == "gpu.migdra.dev"):
         return "node-high"
-    if row.subject == "controller" and row.group == "coordination.k8s.io" and row.verb in ("get", "create", "update", "patch"):
+    leader_lease = row.group == "coordination.k8s.io" and row.namespace != "kube-node-lease"
+    if row.subject == "controller" and leader_lease and row.verb in ("get", "create", "update", "patch"):
         return "leader-election"
     return "workload-high"
 

@@ -146,6 +146,7 @@ def test_matrix_covers_the_required_checks():
     assert has("controller", "patch", "gpunodes.gpu.migdra.dev", True, sub="status")
     assert has("controller", "get", "secrets", False)
     assert has("controller", "create", "pods", False)
+    assert has("controller", "watch", "leases.coordination.k8s.io", True)
 
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r.check == "can-i"], ids=lambda r: f"line{r.line}")
@@ -286,13 +287,14 @@ def test_exact_rule_sets(default):
         ("", "nodes", "watch"),
     }
     roles = {r["metadata"]["name"].rsplit("-controller-", 1)[-1].rsplit("-kubelet-plugin-", 1)[-1]: r for r in default.all("Role")}
-    assert sorted(roles) == ["heartbeat", "heartbeats", "leader-election"]
-    for role in roles.values():
-        assert role["metadata"]["namespace"] == NAMESPACE
+    assert sorted(roles) == ["heartbeat", "heartbeats", "leader-election", "node-leases"]
+    for name, role in roles.items():
+        assert role["metadata"]["namespace"] == ("kube-node-lease" if name == "node-leases" else NAMESPACE)
     leases = lambda *verbs: {("coordination.k8s.io", "leases", v) for v in verbs}  # noqa: E731
     assert flatten(roles["leader-election"]) == leases("get", "create", "update", "patch")
     assert flatten(roles["heartbeats"]) == leases("get", "list", "watch")
     assert flatten(roles["heartbeat"]) == leases("get", "create", "patch")
+    assert flatten(roles["node-leases"]) == leases("get", "list", "watch")
 
 
 def test_bindings_point_at_the_workload_service_accounts(case):
@@ -312,4 +314,4 @@ def test_custom_service_account_name(custom):
     assert custom.one("Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "custom-controller"
     roles = [r["metadata"]["name"] for r in custom.all("Role")]
     assert not any(n.endswith("leader-election") for n in roles), "leader election is off in values-custom.yaml"
-    assert len(roles) == 2, "only the heartbeat Lease access of the controller and the plugin"
+    assert len(roles) == 3, "only the heartbeat Lease access of the controller and the plugin, and the node Leases"

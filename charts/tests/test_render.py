@@ -89,7 +89,10 @@ def test_namespaced_objects_use_the_release_namespace(case):
         kind = doc["kind"]
         assert kind in namespaced | cluster, f"unexpected kind {kind}"
         if kind in namespaced:
-            assert doc["metadata"].get("namespace") == NAMESPACE, doc["metadata"]
+            # Except the controller's read access to the kubelets' node Leases.
+            node_leases = kind in ("Role", "RoleBinding") and doc["metadata"]["name"].endswith("-node-leases")
+            expected = "kube-node-lease" if node_leases else NAMESPACE
+            assert doc["metadata"].get("namespace") == expected, doc["metadata"]
         else:
             assert "namespace" not in doc["metadata"], doc["metadata"]
 
@@ -200,10 +203,12 @@ def test_single_replica_without_leader_election_renders():
         run_helm(*template_args(sets=["controller.replicas=1", "controller.leaderElection.enabled=false"])).stdout
     )
     roles = sorted(r["metadata"]["name"] for r in rendered.all("Role"))
-    assert roles == ["migdra-controller-heartbeats", "migdra-kubelet-plugin-heartbeat"], (
-        "without leader election only the heartbeat Lease access"
-    )
-    assert len(rendered.all("RoleBinding")) == 2
+    assert roles == [
+        "migdra-controller-heartbeats",
+        "migdra-controller-node-leases",
+        "migdra-kubelet-plugin-heartbeat",
+    ], "without leader election only the heartbeat and node Lease access"
+    assert len(rendered.all("RoleBinding")) == 3
     assert not rendered.all("PodDisruptionBudget")
     env = {e["name"]: e.get("value") for e in rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["LEADER_ELECT"] == "false"

@@ -46,11 +46,12 @@ pub struct Args {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub heartbeat_timeout_seconds: u64,
     /// Fraction (0 < f <= 1) of registered plugins whose heartbeats must expire at the same
-    /// time (and at least 3 of them, or all of them however few) for the controller to blame
-    /// the control plane rather than the plugins: it then withdraws no pool on heartbeat
-    /// expiry alone (an unregistered
+    /// time (and at least 3 of them) for the controller to blame the control plane rather
+    /// than the plugins: it then withdraws no pool on heartbeat expiry alone (an unregistered
     /// plugin or a kubelet wipe still withdraws), logs a warning and sets the metric
-    /// migdra_controller_heartbeat_withdrawals_held. 1 disables the rule.
+    /// migdra_controller_heartbeat_withdrawals_held. 1 disables the rule. On any number of
+    /// nodes, an expiry while the node's kubelet Lease is not seen renewing either withdraws
+    /// nothing.
     #[arg(long, env = "MASS_EXPIRY_THRESHOLD", default_value_t = crate::liveness::DEFAULT_MASS_EXPIRY_THRESHOLD,
           value_parser = parse_fraction)]
     pub mass_expiry_threshold: f64,

@@ -14,6 +14,9 @@
 //!   `gpu.migdra.dev/heartbeat=<driver>`, node in `spec.holderIdentity`): a renewal
 //!   reconciles a node only when it is not considered live, so a steady heartbeat costs a
 //!   cache update;
+//! * the kubelets' node Leases in `kube-node-lease`, the witnesses of liveness (see
+//!   [`crate::liveness`]): only noted, no cache, no reconciliation (a held node is looked at
+//!   again on its own); without access to them every node goes without a witness;
 //! * the expiry watch: every [`EXPIRY_SCAN`], live nodes whose heartbeat expired in the caches
 //!   and were not renewed since are reconciled
 //!   ([`crate::liveness::HeartbeatTracker::take_expired`]); a timer per node would reconcile
@@ -51,7 +54,7 @@ use crate::{
     compare::{PoolDiff, SliceDelete, SliceMeta},
     context::{Context, ControllerConfig, Stores},
     error::Error,
-    liveness::lease_node,
+    liveness::{NODE_LEASE_NAMESPACE, lease_node},
     metrics::Metrics,
     naming::slice_node,
     reconcile::{error_policy, reconcile},
@@ -215,6 +218,9 @@ pub async fn run(
     let sweeper = sweep(ctx.clone(), shutdown.clone());
     tracing::info!(driver = %driver, "controller running");
     let synced = log_when_synced(ctx.clone(), shutdown.clone());
+    let witnesses = observe_node_leases(&client, &ctx)
+        .take_until(shutdown.clone().cancelled_owned())
+        .for_each(|()| future::ready(()));
     let controller = controller.run(reconcile, error_policy, ctx).for_each(|result| {
         match result {
             Ok((object, _)) => tracing::trace!(node = %object.name, "reconciled"),
@@ -225,7 +231,7 @@ pub async fn run(
         }
         future::ready(())
     });
-    futures::join!(controller, sweeper, synced);
+    futures::join!(controller, sweeper, synced, witnesses);
     tracing::info!("controller stopped");
     Ok(())
 }
@@ -364,6 +370,32 @@ fn lease_triggers(
                 .filter(|node| !lease_ctx.heartbeats.is_live(node))
                 .map(ObjectRef::<GpuNode>::new),
         )
+    })
+}
+
+/// The watch of the kubelets' node Leases: notes each renewal as the node's witness, and
+/// forgets the nodes whose Lease a relist no longer shows.
+fn observe_node_leases(client: &Client, ctx: &Arc<Context>) -> impl Stream<Item = ()> + use<> {
+    let ctx = ctx.clone();
+    let mut listed = HashSet::new();
+    watcher(
+        Api::<Lease>::namespaced(client.clone(), NODE_LEASE_NAMESPACE),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .filter_map(warn_on_error("kubelet node Lease"))
+    .map(move |event| {
+        let heartbeats = &ctx.heartbeats;
+        match event {
+            watcher::Event::Apply(lease) => heartbeats.observe_node_lease(&lease, Instant::now()),
+            watcher::Event::InitApply(lease) => {
+                heartbeats.observe_node_lease(&lease, Instant::now());
+                listed.insert(lease.name_any());
+            }
+            watcher::Event::Delete(lease) => heartbeats.forget_node_lease(&lease.name_any()),
+            watcher::Event::Init => listed.clear(),
+            watcher::Event::InitDone => heartbeats.retain_node_leases(|node| listed.contains(node)),
+        }
     })
 }
 

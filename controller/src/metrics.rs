@@ -115,6 +115,11 @@ metrics! {
         "heartbeat_expiries_excused",
         "Heartbeat expiries that withdrew no pool because the beat was no later than renewals \
          arrive right now (heartbeat_allowance_seconds)";
+    expiries_unwitnessed: Counter = Counter::default(),
+        "heartbeat_expiries_unwitnessed",
+        "Heartbeat expiries that withdrew no pool because the node's kubelet Lease was not \
+         observed renewing since the plugin's renewal fell due either (the controller could \
+         not see the node); one per look at the node";
 }
 
 impl Default for Metrics {
@@ -210,6 +215,10 @@ impl Metrics {
         self.expiries_excused.inc();
     }
 
+    pub fn heartbeat_expiry_unwitnessed(&self) {
+        self.expiries_unwitnessed.inc();
+    }
+
     /// Records the heartbeat census: expired heartbeats, and whether withdrawals are held.
     pub fn set_heartbeat_census(&self, expired: usize, held: bool) {
         self.expired_heartbeats.set(count(expired));
@@ -278,6 +287,7 @@ mod tests {
         m.set_slice_watch_lag(Duration::from_millis(7500), Duration::from_millis(22500));
         m.set_heartbeat_allowance(Duration::from_secs(8));
         m.heartbeat_expiry_excused();
+        m.heartbeat_expiry_unwitnessed();
         drop(m.reconcile_timer());
         let text = m.encode();
         for needle in [
@@ -302,6 +312,7 @@ mod tests {
             "migdra_controller_expectation_ttl_seconds 22.5",
             "migdra_controller_heartbeat_allowance_seconds 8.0",
             "migdra_controller_heartbeat_expiries_excused_total 1",
+            "migdra_controller_heartbeat_expiries_unwitnessed_total 1",
             "migdra_controller_reconcile_duration_seconds_count 1",
         ] {
             assert!(text.contains(needle), "{needle} missing from\n{text}");

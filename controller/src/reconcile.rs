@@ -4,8 +4,8 @@
 //! * Node gone → withdraw the pool (delete its slices), `Published=False NodeNotFound`.
 //! * Plugin not live (see [`crate::liveness`]) → withdraw, `Published=False PluginNotReady`;
 //!   the plugin's next heartbeat brings the node back. Heartbeat expiry is held back while
-//!   most (or all) heartbeats expire at once, withdraws only once a fresh read of the Lease
-//!   confirms it, and at most one pool per 10 s.
+//!   the node's kubelet Lease was not seen renewing either, or most heartbeats expire at once,
+//!   withdraws only once a fresh read of the Lease confirms it, and at most one pool per 10 s.
 //! * Plugin live → policy, plan (keeping the devices claims hold), render, validate; an
 //!   invalid policy or pool is reported (event + condition) and nothing is written; otherwise
 //!   only a real change is written, with a new generation when the upstream slice controller

@@ -31,13 +31,21 @@
 //!   *after* the wipe was ([`GoneReason::SlicesWiped`]; both instants on the controller's
 //!   clock): a dead plugin never renews, a plugin that re-registers with a restarted kubelet
 //!   does so at once;
+//! * a heartbeat expiry counts only when the controller saw the node go on without the
+//!   plugin: the node's kubelet Lease ([`NODE_LEASE_NAMESPACE`], named after the node, renewed
+//!   by the kubelet every 10 s) is the witness. An expiry is *witnessed* when the controller
+//!   observed the kubelet Lease renew after the plugin's next renewal fell due ([`Witness`]);
+//!   an unwitnessed one means the controller's view of the node stopped (an API server
+//!   outage, a lagging watch, the controller cut off) and withdraws nothing
+//!   ([`Liveness::Held`]), on any number of nodes. When observations of the node resume after
+//!   a gap, the heartbeat's timeout restarts from the first fresh one, so the time the
+//!   controller could not see costs no plugin its pool. A node without a kubelet Lease has no
+//!   witness: its expiry counts as witnessed;
 //! * when more than a threshold fraction of all heartbeats (and at least
 //!   [`MASS_EXPIRY_MIN_NODES`]) expire at the same time, the likelier cause is a slow or
 //!   partitioned control plane: expiry alone then withdraws nothing
 //!   ([`HeartbeatCensus::mass_expiry`], [`Liveness::Held`]), like the node lifecycle
-//!   controller's unhealthy-zone rule. "Not registered" and a kubelet wipe still withdraw. On
-//!   one or two nodes an expiry is not held: there, a dead plugin and a silent control plane
-//!   look alike, and a dead plugin's pool must go before the kubelet's wipe;
+//!   controller's unhealthy-zone rule. "Not registered" and a kubelet wipe still withdraw;
 //! * the cache is only as fresh as the watch: a single expiry is confirmed with a quorum
 //!   read of the Lease before the pool goes, and a newer renewal that read shows counts as
 //!   observed then (see `reconcile::heartbeat`).
@@ -64,6 +72,13 @@ pub const DEFAULT_MASS_EXPIRY_THRESHOLD: f64 = 0.55;
 /// observed (the node lifecycle controller also needs more than two unready nodes): one or
 /// two dead plugins among live ones are just dead plugins.
 pub const MASS_EXPIRY_MIN_NODES: usize = 3;
+
+/// Namespace of the kubelets' node Leases, each named after its node: the witnesses.
+pub const NODE_LEASE_NAMESPACE: &str = "kube-node-lease";
+
+/// The kubelet's node Lease duration when the Lease does not say (the kubelet's default; it
+/// renews every quarter of it).
+pub const DEFAULT_NODE_LEASE_DURATION: Duration = Duration::from_secs(40);
 
 /// A renewal of a node's heartbeat Lease, as the Lease records it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,11 +121,14 @@ impl LeaseBeat {
     }
 }
 
-/// A renewal and when the controller first observed it (its own monotonic clock).
+/// A renewal and when the controller first observed it (its own monotonic clock), with the
+/// node's witness.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Heartbeat {
     pub beat: LeaseBeat,
     pub observed: Instant,
+    /// The node's kubelet Lease as the controller observes it; `None` when the node has none.
+    pub witness: Option<Witness>,
 }
 
 impl Heartbeat {
@@ -121,10 +139,41 @@ impl Heartbeat {
         timeout.max(self.beat.duration)
     }
 
+    /// When the timeout starts: when the renewal was observed, or when observations of the
+    /// node resumed after a gap, whichever is later.
+    pub fn since(&self) -> Instant {
+        self.witness.map_or(self.observed, |w| w.since.max(self.observed))
+    }
+
     /// When this renewal goes stale.
     pub fn expires(&self, timeout: Duration) -> Instant {
-        later(self.observed, self.timeout(timeout))
+        later(self.since(), self.timeout(timeout))
     }
+
+    /// When the plugin's next renewal falls due: a beat interval after [`Self::since`] (the
+    /// plugin's Lease lasts 1.5 intervals).
+    pub fn next_due(&self) -> Instant {
+        later(self.since(), self.beat.duration.mul_f64(2.0 / 3.0))
+    }
+
+    /// True when the controller observed the node's kubelet Lease renew after the plugin's
+    /// next renewal fell due, so the plugin's silence is the plugin's, not the controller's
+    /// view of the node stopping. Without a witness, true.
+    pub fn silence_witnessed(&self) -> bool {
+        self.witness.is_none_or(|w| w.last >= self.next_due())
+    }
+}
+
+/// A node's kubelet Lease, as the controller observes it: renewals observed one after
+/// another, no two further apart than half its duration (the kubelet renews every quarter),
+/// form an unbroken run; a longer gap means the controller could not see the node for a
+/// while, and a new run starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Witness {
+    /// When the controller observed the last renewal.
+    pub last: Instant,
+    /// When it observed the first renewal of the current run.
+    pub since: Instant,
 }
 
 /// `at + by`, or as far after `at` as an `Instant` goes when that overflows.
@@ -148,8 +197,9 @@ pub fn lease_node<'a>(lease: &'a Lease, driver: &str) -> Option<&'a str> {
 pub enum Liveness {
     /// The plugin is live until `expires` unless it heartbeats again.
     Live { expires: Instant },
-    /// The heartbeat (last renewed at `last`, the node's clock) expired, but so did too many
-    /// others at once to blame the plugin: the pool stays as published.
+    /// The heartbeat (last renewed at `last`, the node's clock) expired, but the expiry is
+    /// not the plugin's to blame (unwitnessed, too many others at once, or not confirmed yet):
+    /// the pool stays as published.
     Held { last: Timestamp },
     /// The plugin is gone: its pool must be withdrawn.
     Gone(GoneReason),
@@ -203,7 +253,8 @@ impl GoneReason {
 /// Decides whether the plugin described by `plugin`, heartbeating `heartbeat`, is live at
 /// `now`. `wiped_at` is when the controller last saw the node's slices deleted by someone
 /// else, if that is still unanswered; `mass_expiry` says whether heartbeats are expiring en
-/// masse ([`HeartbeatCensus::mass_expiry`]).
+/// masse ([`HeartbeatCensus::mass_expiry`]). An expiry is held unless its silence was
+/// witnessed ([`Heartbeat::silence_witnessed`]).
 pub fn liveness(
     plugin: Option<&PluginStatus>,
     heartbeat: Option<&Heartbeat>,
@@ -230,7 +281,7 @@ pub fn liveness(
     let expires = heartbeat.expires(timeout);
     if now < expires {
         Liveness::Live { expires }
-    } else if mass_expiry {
+    } else if mass_expiry || !heartbeat.silence_witnessed() {
         Liveness::Held { last }
     } else {
         Liveness::Gone(GoneReason::HeartbeatExpired {
@@ -328,6 +379,7 @@ mod tests {
                 version: None,
             },
             observed,
+            witness: None,
         }
     }
 
@@ -508,6 +560,98 @@ mod tests {
         ));
     }
 
+    /// `h` with a node whose kubelet renewed from `since` to `last` (seconds into the story).
+    fn witnessed(mut h: Heartbeat, since: u64, last: u64) -> Heartbeat {
+        h.witness = Some(Witness {
+            last: at(last),
+            since: at(since),
+        });
+        h
+    }
+
+    #[test]
+    fn an_expiry_counts_only_when_the_kubelet_renewed_after_the_plugins_renewal_fell_due() {
+        let timeout = Duration::from_secs(25);
+        // The plugin beats every 15 s (a 23 s Lease): its renewal after the one observed at
+        // 100 falls due at 115.33.
+        let h = synced(100);
+        assert_eq!(h.next_due(), at(100) + Duration::from_secs(23).mul_f64(2.0 / 3.0));
+        // The kubelet was seen renewing at 120: the plugin's silence was witnessed, and its
+        // expiry withdraws on one node as before.
+        assert!(matches!(
+            live(&witnessed(h.clone(), 0, 120), at(125), timeout),
+            Liveness::Gone(GoneReason::HeartbeatExpired { .. })
+        ));
+        // The kubelet was last seen at 110, before the renewal fell due: the controller's view
+        // of the node stopped, not (only) the plugin. Held, as long as nothing new is seen.
+        for now in [125, 200, 1000] {
+            assert_eq!(
+                live(&witnessed(h.clone(), 0, 110), at(now), timeout),
+                Liveness::Held { last: ts(100) }
+            );
+        }
+        // Not expired yet: live, witness or not.
+        assert!(matches!(
+            live(&witnessed(h.clone(), 0, 110), at(124), timeout),
+            Liveness::Live { .. }
+        ));
+        // An unwitnessed expiry still yields to "not registered" and a wipe.
+        assert!(matches!(
+            liveness(
+                Some(&plugin(false)),
+                Some(&witnessed(h.clone(), 0, 110)),
+                at(200),
+                timeout,
+                None,
+                false
+            ),
+            Liveness::Gone(GoneReason::NotRegistered { .. })
+        ));
+        assert!(matches!(
+            liveness(
+                Some(&plugin(true)),
+                Some(&witnessed(h, 0, 110)),
+                at(200),
+                timeout,
+                Some(at(150)),
+                false
+            ),
+            Liveness::Gone(GoneReason::SlicesWiped { .. })
+        ));
+    }
+
+    #[test]
+    fn a_new_run_of_kubelet_renewals_restarts_the_timeout() {
+        let timeout = Duration::from_secs(25);
+        // The plugin's last renewal was observed at 100; the controller saw nothing of the
+        // node from 110 until the kubelet's renewal at 300.
+        let resumed = witnessed(synced(100), 300, 300);
+        assert_eq!(resumed.since(), at(300));
+        assert_eq!(
+            live(&resumed, at(310), timeout),
+            Liveness::Live { expires: at(325) }
+        );
+        // 25 s after that, with the kubelet renewing: gone.
+        assert!(matches!(
+            live(&witnessed(synced(100), 300, 320), at(325), timeout),
+            Liveness::Gone(GoneReason::HeartbeatExpired { .. })
+        ));
+        // A run that began before the renewal changes nothing; nor does the wipe rule, which
+        // compares when the renewal itself was observed.
+        assert_eq!(witnessed(synced(100), 0, 120).since(), at(100));
+        assert!(matches!(
+            liveness(
+                Some(&plugin(true)),
+                Some(&resumed),
+                at(310),
+                timeout,
+                Some(at(150)),
+                false
+            ),
+            Liveness::Gone(GoneReason::SlicesWiped { .. })
+        ));
+    }
+
     #[test]
     fn census_counts_registered_plugins_and_their_expired_heartbeats() {
         let timeout = Duration::from_secs(25);
@@ -532,8 +676,9 @@ mod tests {
         // One or two dead plugins among live ones are dead plugins.
         assert!(!census(1, 1).mass_expiry(0.55));
         assert!(!census(2, 1).mass_expiry(0.55));
-        // On one or two nodes even every heartbeat expiring is not held: a dead plugin there
-        // must lose its pool before the kubelet's wipe. Three of three is held.
+        // On one or two nodes even every heartbeat expiring is no mass expiry (the node's
+        // kubelet Lease tells a dead plugin from a silent control plane there). Three of three
+        // is one.
         assert!(!census(1, 0).mass_expiry(0.55));
         assert!(!census(2, 0).mass_expiry(0.55));
         assert!(census(3, 0).mass_expiry(0.55));

@@ -1,6 +1,7 @@
 //! The controller's heartbeat state: the Lease cache, when it observed each node's last
-//! renewal, which nodes it found live and until when, the heartbeat census, the rate limit on
-//! expiry withdrawals and how late renewals arrive right now.
+//! renewal and its kubelet Lease's (the witness), which nodes it found live and until when,
+//! the heartbeat census, the rate limit on expiry withdrawals and how late renewals arrive
+//! right now.
 
 use std::{
     collections::HashMap,
@@ -18,7 +19,7 @@ use kube::{
 };
 use migdra_api::inventory::{GpuNode, heartbeat_lease_name};
 
-use super::{Heartbeat, HeartbeatCensus, LeaseBeat, lease_node};
+use super::{DEFAULT_NODE_LEASE_DURATION, Heartbeat, HeartbeatCensus, LeaseBeat, Witness, lease_node};
 use crate::{
     context::{ControllerConfig, Stores},
     error::Error,
@@ -39,6 +40,13 @@ pub const MAX_HEARTBEAT_ALLOWANCE: Duration = Duration::from_secs(120);
 /// How many recent renewals the allowance needs: fewer say nothing about the control plane.
 pub const MIN_DELAY_SAMPLES: u64 = 20;
 
+/// A renewal of a plugin's Lease and when the controller first observed it.
+#[derive(Clone, Debug)]
+struct Renewal {
+    beat: LeaseBeat,
+    observed: Instant,
+}
+
 /// The heartbeat state every reconciliation shares.
 pub struct HeartbeatTracker {
     config: ControllerConfig,
@@ -54,7 +62,9 @@ pub struct HeartbeatTracker {
     census: Mutex<Option<(Instant, HeartbeatCensus, bool)>>,
     last_expiry_withdrawal: Mutex<Option<Instant>>,
     /// Per node, the last renewal observed and when.
-    observed: Mutex<HashMap<String, Heartbeat>>,
+    observed: Mutex<HashMap<String, Renewal>>,
+    /// Per node, its kubelet Lease's last renewal and the run of renewals it belongs to.
+    witnesses: Mutex<HashMap<String, (LeaseBeat, Witness)>>,
     /// How much later than the one before it each recent renewal reached the controller (see
     /// [`Self::allowance`]).
     lateness: Mutex<RecentDelays>,
@@ -76,6 +86,7 @@ impl HeartbeatTracker {
             census: Mutex::new(None),
             last_expiry_withdrawal: Mutex::new(None),
             observed: Mutex::new(HashMap::new()),
+            witnesses: Mutex::new(HashMap::new()),
             lateness: Mutex::new(RecentDelays::new(Instant::now())),
             live: Mutex::new(HashMap::new()),
         }
@@ -127,25 +138,85 @@ impl HeartbeatTracker {
     /// as it does for liveness).
     fn note(&self, node: &str, beat: LeaseBeat, at: Instant, measure: bool) -> Heartbeat {
         let mut observed = lock(&self.observed);
-        let Some(last) = observed.get_mut(node) else {
-            let heartbeat = Heartbeat { beat, observed: at };
-            observed.insert(node.to_string(), heartbeat.clone());
-            return heartbeat;
+        let renewal = match observed.get_mut(node) {
+            None => {
+                let renewal = Renewal { beat, observed: at };
+                observed.insert(node.to_string(), renewal.clone());
+                renewal
+            }
+            Some(last) if !beat.renews(&last.beat) => last.clone(),
+            Some(last) => {
+                if measure
+                    && let Ok(sent_apart) = Duration::try_from(beat.renewed.duration_since(last.beat.renewed))
+                    && !sent_apart.is_zero()
+                {
+                    let lateness = at
+                        .saturating_duration_since(last.observed)
+                        .saturating_sub(sent_apart);
+                    lock(&self.lateness).record(Instant::now(), lateness);
+                }
+                *last = Renewal { beat, observed: at };
+                last.clone()
+            }
         };
-        if !beat.renews(&last.beat) {
-            return last.clone();
+        drop(observed);
+        Heartbeat {
+            beat: renewal.beat,
+            observed: renewal.observed,
+            witness: self.witness(node),
         }
-        if measure
-            && let Ok(sent_apart) = Duration::try_from(beat.renewed.duration_since(last.beat.renewed))
-            && !sent_apart.is_zero()
-        {
-            let lateness = at
-                .saturating_duration_since(last.observed)
-                .saturating_sub(sent_apart);
-            lock(&self.lateness).record(Instant::now(), lateness);
+    }
+
+    /// Notes a kubelet Lease (in [`super::NODE_LEASE_NAMESPACE`], named after its node) a
+    /// watch delivered `at`: a renewal later than the last one observed extends the node's
+    /// run of renewals, or starts a new one when it comes more than half the Lease's duration
+    /// after the last (see [`Witness`]).
+    pub fn observe_node_lease(&self, lease: &Lease, at: Instant) {
+        let (Some(node), Some(beat)) = (lease.metadata.name.as_deref(), LeaseBeat::of(lease)) else {
+            return;
+        };
+        let mut witnesses = lock(&self.witnesses);
+        match witnesses.get_mut(node) {
+            None => {
+                tracing::debug!(node, "first kubelet Lease renewal observed");
+                let witness = Witness { last: at, since: at };
+                witnesses.insert(node.to_string(), (beat, witness));
+            }
+            Some((last_beat, witness)) if beat.renews(last_beat) => {
+                let duration = match beat.duration {
+                    Duration::ZERO => DEFAULT_NODE_LEASE_DURATION,
+                    duration => duration,
+                };
+                let gap = at.saturating_duration_since(witness.last);
+                if gap > duration / 2 {
+                    tracing::debug!(
+                        node,
+                        gap_seconds = gap.as_secs_f64(),
+                        "the node's kubelet Lease renews again after a gap: its plugin's \
+                         heartbeat timeout restarts"
+                    );
+                    witness.since = at;
+                }
+                witness.last = witness.last.max(at);
+                *last_beat = beat;
+            }
+            Some(_) => {}
         }
-        *last = Heartbeat { beat, observed: at };
-        last.clone()
+    }
+
+    /// Forgets `node`'s kubelet Lease (deleted): the node has no witness until a new one is
+    /// observed.
+    pub fn forget_node_lease(&self, node: &str) {
+        lock(&self.witnesses).remove(node);
+    }
+
+    /// Keeps the kubelet Leases of the nodes `keep` names (those a relist still shows).
+    pub fn retain_node_leases(&self, keep: impl Fn(&str) -> bool) {
+        lock(&self.witnesses).retain(|node, _| keep(node));
+    }
+
+    fn witness(&self, node: &str) -> Option<Witness> {
+        lock(&self.witnesses).get(node).map(|(_, witness)| *witness)
     }
 
     /// How much later than its timeout a heartbeat may be before its expiry withdraws the

@@ -49,8 +49,20 @@ pub(super) async fn judge(view: &NodeView<'_>) -> Result<Liveness, Error> {
     } else {
         ctx.heartbeats.set_not_live(node);
         ctx.metrics.set_plugin_live(node, false);
-        if let Liveness::Held { last } = state {
-            tracing::debug!(%last, "heartbeat expired, but expiry withdrawals are held back: keeping the pool");
+        match (&state, &heartbeat) {
+            (Liveness::Held { last }, Some(heartbeat)) if !heartbeat.silence_witnessed() => {
+                ctx.metrics.heartbeat_expiry_unwitnessed();
+                tracing::debug!(
+                    %last,
+                    "heartbeat expired, but the node's kubelet Lease was not observed renewing \
+                     since the plugin's renewal fell due either (the controller's view of the \
+                     node stopped, not the plugin): keeping the pool"
+                );
+            }
+            (Liveness::Held { last }, _) => {
+                tracing::debug!(%last, "heartbeat expired, but expiry withdrawals are held back: keeping the pool");
+            }
+            _ => {}
         }
     }
     Ok(state)

@@ -1,7 +1,7 @@
 //! The whole controller (watches, caches, reconciler) against a fake API server: it lists
 //! and watches GpuNodes, Node metadata, MigPolicies, ResourceClaims, only its own driver's
-//! slices and heartbeat Leases, and publishes the pool of a live node from what the lists
-//! returned.
+//! slices and heartbeat Leases, the kubelets' node Leases, and publishes the pool of a live
+//! node from what the lists returned.
 
 use std::{
     sync::{Arc, Mutex},
@@ -13,7 +13,7 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use migdra_api::{policy::EffectivePolicy, slices::published_plan};
 use migdra_controller::{context::ControllerConfig, controller, metrics::Metrics};
 use migdra_testkit::controller::{
-    NAMESPACE, NODE, NODE_UID, ago, config, gpunode, h100s, lease, plugin,
+    NAMESPACE, NODE, NODE_UID, ago, config, gpunode, h100s, lease, node_lease, plugin,
     router::{Call, Reply, serve, status},
 };
 use serde_json::{Value, json};
@@ -62,6 +62,11 @@ fn handle(call: &Call, written: &Mutex<Vec<ResourceSlice>>, gpunode: &Value) -> 
                 vec![serde_json::to_value(lease(NODE, ago(2))).unwrap()],
             )
         }
+        (&Method::GET, "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases") => list(
+            "LeaseList",
+            "coordination.k8s.io/v1",
+            vec![serde_json::to_value(node_lease(NODE, ago(4), 9)).unwrap()],
+        ),
         (&Method::POST, "/apis/resource.k8s.io/v1/resourceslices") => {
             let mut stored = call.body.clone();
             let mut w = written.lock().unwrap();
@@ -144,6 +149,7 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
         "/apis/gpu.migdra.dev/v1alpha1/migpolicies",
         "/apis/resource.k8s.io/v1/resourceclaims",
         "/apis/coordination.k8s.io/v1/namespaces/migdra-system/leases",
+        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
     ] {
         assert!(
             calls.iter().any(|c| c.path == path && c.is_watch()),
@@ -151,7 +157,8 @@ async fn the_controller_watches_its_inputs_and_publishes_a_live_node() {
         );
     }
 
-    let lease_reads: Vec<&Call> = calls.iter().filter(|c| c.path.ends_with("/leases")).collect();
+    let heartbeat_leases = format!("/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases");
+    let lease_reads: Vec<&Call> = calls.iter().filter(|c| c.path == heartbeat_leases).collect();
     for c in lease_reads {
         assert!(
             c.query

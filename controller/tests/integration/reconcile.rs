@@ -1141,13 +1141,210 @@ async fn skewed_node_clocks_give_no_allowance_to_other_nodes() {
 
 #[tokio::test]
 async fn a_single_nodes_silent_heartbeat_withdraws_its_pool() {
-    // The only registered plugin's Lease stops changing: on one node that is not held as a
-    // mass expiry; the confirmed expiry withdraws the pool before the kubelet's wipe would.
+    // The only registered plugin's Lease stops changing, on a node without a kubelet Lease
+    // (no witness): not held as a mass expiry; the confirmed expiry withdraws the pool before
+    // the kubelet's wipe would.
     let mut h = Harness::new();
     let (stored, g) = publish_stored(&mut h, h100s(1)).await;
     h.put_lease(NODE, ago(120));
     confirmed_and_withdrawn(&mut h, &g, stored.len()).await;
     assert_expiries(&h, 1, 0);
+}
+
+/// A GpuNode of another registered plugin, `node`, whose Lease was last renewed `age` seconds
+/// ago; returns it.
+fn other_node(h: &mut Harness, node: &str, age: i64) -> GpuNode {
+    let mut other = gpunode(Some(live_plugin()), h100s(1));
+    other.metadata.name = Some(node.into());
+    other.spec.node_name = node.into();
+    h.put_gpunode(&other);
+    h.put_lease(node, ago(age));
+    other
+}
+
+/// The API server went silent two minutes ago: on each of `nodes` the kubelet renewed its
+/// node Lease every 10 s until 125 s ago and the plugin its heartbeat until 120 s ago, and the
+/// controller has observed nothing since.
+fn silent_since_two_minutes(h: &mut Harness, nodes: &[&str]) {
+    for node in nodes {
+        h.renew_node_lease_between(node, Duration::from_secs(305), Duration::from_secs(125));
+        h.put_lease(node, ago(120));
+    }
+}
+
+/// Checks how often an expiry was held because the node's kubelet went quiet too.
+fn assert_unwitnessed(h: &Harness, count: usize) {
+    let metrics = h.ctx.metrics.encode();
+    assert!(
+        metrics.contains(&format!(
+            "migdra_controller_heartbeat_expiries_unwitnessed_total {count}"
+        )),
+        "{metrics}"
+    );
+}
+
+/// Reconciles `g`, whose plugin the controller has not seen renew since observations of the
+/// node resumed `resumed` ago: live with a full timeout from then, nothing written.
+async fn live_again_without_writes(h: &mut Harness, g: &GpuNode, resumed: Duration) {
+    let (result, served) = h.reconcile(g, Scenario::new()).await;
+    let expiry = expiry_watched_in(h, &result.unwrap());
+    let left = HEARTBEAT_TIMEOUT.saturating_sub(resumed).as_secs() as i64;
+    assert!(
+        (left - 2..=left).contains(&expiry),
+        "heartbeat expires in {expiry}s, {left}s expected"
+    );
+    assert!(served.written.is_empty() && served.deleted.is_empty() && served.status_patches.is_empty());
+    assert!(h.ctx.heartbeats.is_live(NODE));
+}
+
+#[tokio::test]
+async fn a_silent_api_server_withdraws_nothing_on_one_node_and_republishes_nothing_after() {
+    let mut h = Harness::new();
+    let (_, g) = publish_stored(&mut h, h100s(1)).await;
+    // Neither the plugin's Lease nor the kubelet's was observed renewing for two minutes: the
+    // controller cannot tell a dead plugin from its own view of the node stopping. Kept,
+    // without a read, and looked at again soon.
+    silent_since_two_minutes(&mut h, &[NODE]);
+    kept_for_a_recheck(&mut h, &g).await;
+    assert_expiries(&h, 1, 0);
+    assert_unwitnessed(&h, 1);
+    assert!(!h.ctx.heartbeats.is_live(NODE));
+
+    // Observations flow again, the kubelet's renewal first: the plugin gets a full timeout
+    // from that observation, not one long spent while the controller saw nothing.
+    h.renew_node_lease(NODE, Duration::ZERO);
+    live_again_without_writes(&mut h, &g, Duration::ZERO).await;
+    // Its next renewal keeps it so: the pool was never withdrawn, so nothing is republished.
+    heartbeat(&mut h);
+    let (result, served) = h.reconcile(&g, Scenario::new()).await;
+    expiry_watched_in(&h, &result.unwrap());
+    assert!(served.written.is_empty() && served.status_patches.is_empty());
+    assert_unwitnessed(&h, 1);
+}
+
+#[tokio::test]
+async fn a_silent_api_server_withdraws_nothing_on_two_nodes_and_republishes_nothing_after() {
+    let mut h = Harness::new();
+    let (_, g) = publish_stored(&mut h, h100s(1)).await;
+    other_node(&mut h, "node-b", 0);
+    silent_since_two_minutes(&mut h, &[NODE, "node-b"]);
+    // Both heartbeats expired, neither witnessed: two of two is no mass expiry, and neither
+    // pool goes.
+    kept_for_a_recheck(&mut h, &g).await;
+    assert_expiries(&h, 2, 0);
+    assert_unwitnessed(&h, 1);
+
+    // Back: both kubelets' renewals arrive 3 s ago, the plugins' not yet.
+    for node in [NODE, "node-b"] {
+        h.renew_node_lease(node, Duration::from_secs(3));
+    }
+    live_again_without_writes(&mut h, &g, Duration::from_secs(3)).await;
+    assert_expiries(&h, 0, 0);
+}
+
+#[tokio::test]
+async fn a_dead_plugin_on_a_single_node_whose_kubelet_renews_is_withdrawn_in_the_usual_time() {
+    let mut h = Harness::new();
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
+    // The kubelet renews its node Lease every 10 s throughout; the plugin's last renewal was
+    // observed 20 s ago: live for the rest of its 25 s timeout.
+    h.renew_node_lease_between(NODE, Duration::from_secs(300), Duration::ZERO);
+    h.put_lease(NODE, ago(20));
+    let (result, _) = h.reconcile(&g, Scenario::new()).await;
+    let expiry = expiry_watched_in(&h, &result.unwrap());
+    assert!((3..=5).contains(&expiry), "heartbeat expires in {expiry}s");
+    // 26 s without a renewal while the kubelet kept renewing: the plugin is dead, confirmed
+    // and withdrawn, on one node.
+    h.put_lease(NODE, ago(26));
+    confirmed_and_withdrawn(&mut h, &g, stored.len()).await;
+    assert_expiries(&h, 1, 0);
+    assert_unwitnessed(&h, 0);
+}
+
+#[tokio::test]
+async fn after_a_silence_the_timeout_restarts_from_the_first_fresh_observation() {
+    // Silent from 125 s ago until the kubelet's renewals were observed again 40 s ago, every
+    // 10 s since; the plugin's last renewal was observed before the silence. Its timeout ran
+    // from 40 s ago: 15 s past it while the kubelet renewed, the plugin is dead.
+    let mut h = Harness::new();
+    let (stored, g) = publish_stored(&mut h, h100s(1)).await;
+    silent_since_two_minutes(&mut h, &[NODE]);
+    h.renew_node_lease_between(NODE, Duration::from_secs(40), Duration::ZERO);
+    confirmed_and_withdrawn(&mut h, &g, stored.len()).await;
+    assert_unwitnessed(&h, 0);
+    // Observed again only 20 s ago: 5 s of its timeout left.
+    let mut h = Harness::new();
+    let (_, g) = publish_stored(&mut h, h100s(1)).await;
+    silent_since_two_minutes(&mut h, &[NODE]);
+    h.renew_node_lease_between(NODE, Duration::from_secs(20), Duration::ZERO);
+    live_again_without_writes(&mut h, &g, Duration::from_secs(20)).await;
+}
+
+#[tokio::test]
+async fn after_a_silence_on_many_nodes_the_late_plugins_are_not_withdrawn_one_by_one() {
+    let mut h = Harness::new();
+    let (_, g) = publish_stored(&mut h, h100s(1)).await;
+    let others = ["node-b", "node-c", "node-d"];
+    for node in others {
+        other_node(&mut h, node, 0);
+    }
+    silent_since_two_minutes(&mut h, &[NODE, "node-b", "node-c", "node-d"]);
+    kept_for_a_recheck(&mut h, &g).await;
+    assert_expiries(&h, 4, 1);
+    // Back: every kubelet renewed 2 s ago and the other three plugins too; node-a's plugin
+    // has not yet. One stale heartbeat of four is no mass expiry, but node-a's timeout
+    // restarted with its kubelet's fresh renewal: nothing is withdrawn.
+    for node in [NODE, "node-b", "node-c", "node-d"] {
+        h.renew_node_lease(node, Duration::from_secs(2));
+    }
+    for node in others {
+        h.put_lease(node, ago(2));
+    }
+    live_again_without_writes(&mut h, &g, Duration::from_secs(2)).await;
+    assert_expiries(&h, 0, 0);
+}
+
+#[tokio::test]
+async fn kubelet_renewals_more_than_half_their_lease_apart_start_a_new_run() {
+    let mut h = Harness::new();
+    let witness = |h: &Harness| h.ctx.heartbeats.heartbeat(NODE).unwrap().witness.unwrap();
+    assert_eq!(
+        h.ctx.heartbeats.heartbeat(NODE).unwrap().witness,
+        None,
+        "no kubelet Lease yet"
+    );
+    let first = h.renew_node_lease(NODE, Duration::from_secs(100));
+    // Every 10 s, and once 19 s after the last (less than half the 40 s Lease): one run.
+    h.renew_node_lease_between(NODE, Duration::from_secs(90), Duration::from_secs(60));
+    let late = h.renew_node_lease(NODE, Duration::from_secs(41));
+    assert_eq!(witness(&h).since, first);
+    assert_eq!(witness(&h).last, late);
+    // 21 s later: the controller could not see the node in between; a new run.
+    let resumed = h.renew_node_lease(NODE, Duration::from_secs(20));
+    assert_eq!((witness(&h).since, witness(&h).last), (resumed, resumed));
+    // An older state of the Lease (a lagging watch) is no renewal.
+    let lease = node_lease(NODE, ago(60), 1);
+    h.ctx.heartbeats.observe_node_lease(&lease, Instant::now());
+    assert_eq!(witness(&h).last, resumed);
+    // Deleted, or missing from a relist: no witness.
+    h.ctx.heartbeats.retain_node_leases(|node| node != NODE);
+    assert_eq!(h.ctx.heartbeats.heartbeat(NODE).unwrap().witness, None);
+}
+
+#[tokio::test]
+async fn mass_expiry_holds_whatever_the_kubelets_say() {
+    // The kubelets of all five nodes renew; four plugins stopped: still a mass expiry, held.
+    let mut h = Harness::new();
+    let (_, g) = publish_stored(&mut h, h100s(1)).await;
+    expire_among(&mut h, 3, 1);
+    for i in 0..3 {
+        let node = format!("node-other-120-{i}");
+        h.renew_node_lease_between(&node, Duration::from_secs(300), Duration::ZERO);
+    }
+    h.renew_node_lease_between(NODE, Duration::from_secs(300), Duration::ZERO);
+    kept_for_a_recheck(&mut h, &g).await;
+    assert_expiries(&h, 4, 1);
+    assert_unwitnessed(&h, 0);
 }
 
 #[tokio::test]

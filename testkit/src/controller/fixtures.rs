@@ -88,3 +88,22 @@ pub fn lease(node: &str, renewed: Timestamp) -> Lease {
         }),
     }
 }
+
+/// The kubelet's node Lease of `node` in `kube-node-lease`, renewed at `renewed` (the
+/// kubelet's default 40 s duration: it renews every 10 s), at `resource_version`.
+pub fn node_lease(node: &str, renewed: Timestamp, resource_version: u64) -> Lease {
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(node.into()),
+            namespace: Some("kube-node-lease".into()),
+            resource_version: Some(resource_version.to_string()),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(node.into()),
+            lease_duration_seconds: Some(40),
+            renew_time: Some(MicroTime(renewed)),
+            ..Default::default()
+        }),
+    }
+}

@@ -33,7 +33,7 @@ use migdra_controller::{
 };
 use tower_test::mock;
 
-use super::{DRIVER, HEARTBEAT_TIMEOUT, NAMESPACE, NODE, POOL, Scenario, Served, lease};
+use super::{DRIVER, HEARTBEAT_TIMEOUT, NAMESPACE, NODE, POOL, Scenario, Served, lease, node_lease};
 
 pub(super) type Handle = mock::Handle<Request<Body>, Response<Body>>;
 
@@ -234,6 +234,31 @@ impl Harness {
             .apply_watcher_event(&watcher::Event::Apply(lease.clone()));
         self.ctx.heartbeats.observe(&lease, observed);
         observed
+    }
+
+    /// Delivers a renewal of `node`'s kubelet Lease as the `kube-node-lease` watch does,
+    /// received `age` ago on a node whose clock agrees. Returns the instant of the
+    /// observation.
+    pub fn renew_node_lease(&mut self, node: &str, age: Duration) -> Instant {
+        let observed = before_now(age);
+        let renewed = Timestamp::now() - age;
+        self.lease_writes += 1;
+        let lease = node_lease(node, renewed, self.lease_writes);
+        self.ctx.heartbeats.observe_node_lease(&lease, observed);
+        observed
+    }
+
+    /// [`Self::renew_node_lease`] every 10 s (the kubelet's interval), from `from` ago to `to`
+    /// ago.
+    pub fn renew_node_lease_between(&mut self, node: &str, from: Duration, to: Duration) {
+        let mut age = from;
+        while age >= to {
+            self.renew_node_lease(node, age);
+            match age.checked_sub(Duration::from_secs(10)) {
+                Some(next) => age = next,
+                None => break,
+            }
+        }
     }
 
     pub fn add_policy(&mut self, policy: MigPolicy) {
