@@ -111,6 +111,10 @@ pub struct Args {
     /// Measures to run (default: all).
     #[arg(long, env = "BENCH_ONLY", value_enum, value_delimiter = ',')]
     pub only: Vec<Measure>,
+    /// Runs the controller with `--keep-memory-counter` (the GPU-memory counter a Kueue quota
+    /// counts is published), to measure what it costs the scheduler.
+    #[arg(long, env = "BENCH_KEEP_MEMORY_COUNTER")]
+    pub keep_memory_counter: bool,
     /// A label for this run in the result file (e.g. `before`, `after`).
     #[arg(long, env = "BENCH_LABEL", default_value = "")]
     pub label: String,

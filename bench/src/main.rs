@@ -114,6 +114,12 @@ async fn main() -> anyhow::Result<()> {
         ..ClusterConfig::default()
     };
     let mut cluster = Cluster::start(config).await.context("starting the e2e cluster")?;
+    if args.keep_memory_counter {
+        cluster
+            .set_keep_memory_counter(true)
+            .await
+            .context("restarting the controller with --keep-memory-counter")?;
+    }
     let versions = versions(&cluster);
     // Ctrl-C or SIGTERM ends the run early; the cluster is torn down either way.
     let result = tokio::select! {
@@ -172,6 +178,10 @@ async fn main() -> anyhow::Result<()> {
                 "kube-scheduler and kube-controller-manager running throughout".into()
             },
             format!("label: {}", if args.label.is_empty() { "—" } else { &args.label }),
+            format!(
+                "controller publishes the memory counter (--keep-memory-counter): {}",
+                args.keep_memory_counter
+            ),
             format!("cluster logs: {}", logs.display()),
         ],
     };

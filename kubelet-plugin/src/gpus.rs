@@ -260,6 +260,30 @@ impl Gpus {
         self.inner.calls.node_stuck(indices)
     }
 
+    /// Whether the table has GPU `minor`.
+    pub fn knows(&self, minor: u32) -> bool {
+        read(&self.inner.table).contains_key(&minor)
+    }
+
+    /// Adds the GPUs NVML describes now that the table lacks (lost or unreadable when the
+    /// plugin started); known GPUs are left to the inventory, which updates them under their
+    /// locks.
+    pub fn learn_new_gpus(&self) -> Result<(), BackendError> {
+        let discovered = self.inner.backend.discover()?;
+        let mut table = write(&self.inner.table);
+        let known_uuids: BTreeSet<String> = table
+            .values()
+            .map(|g| read(&g.description).uuid.clone())
+            .collect();
+        for description in discovered {
+            if !table.contains_key(&description.minor) && !known_uuids.contains(&description.uuid) {
+                tracing::info!(gpu = description.minor, uuid = %description.uuid, "found a GPU this plugin did not know");
+                table.insert(description.minor, Gpu::new(description));
+            }
+        }
+        Ok(())
+    }
+
     /// Why NVML does not answer on GPU `minor`, if it has an overdue call.
     pub fn nvml_stuck_on(&self, minor: u32) -> Option<String> {
         let index = read(&self.get(minor)?.description).index;

@@ -331,7 +331,17 @@ impl<C: ClaimSource> Driver<C> {
     ) -> Result<(GpuLocks<'n>, Earlier), ClaimFailure> {
         let record = self.inner.journal.get(&claim.uid);
         let recorded_minors = record.iter().flat_map(|r| r.devices.iter().map(|d| d.gpu_minor));
-        let minors = devices.iter().map(|d| d.name.minor()).chain(recorded_minors);
+        let minors: Vec<u32> = devices
+            .iter()
+            .map(|d| d.name.minor())
+            .chain(recorded_minors)
+            .collect();
+        // A GPU lost (or not yet answering) when the plugin started is unknown until a rescan.
+        if minors.iter().any(|m| !self.inner.gpus.knows(*m))
+            && let Err(e) = self.inner.gpus.learn_new_gpus()
+        {
+            tracing::warn!(error = %e, "rescanning for GPUs this plugin does not know yet failed");
+        }
         let locks = node.lock_gpus(&self.inner.gpus, minors);
         // Re-read under the locks: a concurrent call may have finished it meanwhile.
         let Some(record) = self.inner.journal.get(&claim.uid) else {

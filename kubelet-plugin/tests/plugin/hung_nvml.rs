@@ -52,7 +52,7 @@ fn node(timeout: Duration) -> Node {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hung_create_fails_its_claim_alone_and_is_repaired_when_it_returns() {
-    let node = node(Duration::from_secs(10));
+    let node = node(Duration::from_secs(15));
     let (driver, _) = node.start(None);
     hang(&node, CREATE_GI, 0);
 
@@ -160,7 +160,11 @@ async fn calls_overdue_on_every_gpu_mean_the_node_answers_nothing() {
     assert!(inventory.iter().all(|g| !g.health.healthy), "{inventory:?}");
 
     release(&node);
-    wait_until("the creates returned", || driver.gpus().nvml_stuck().is_none()).await;
+    wait_until("both creates returned", || {
+        driver.gpus().nvml_calls().overdue().is_empty()
+    })
+    .await;
+    assert_eq!(driver.gpus().nvml_stuck(), None);
     driver.reconcile_after_overdue().unwrap();
     assert_eq!(node.total_instances(), 0);
     let inventory = driver.gpus().inventory().unwrap();

@@ -323,3 +323,24 @@ async fn an_orphan_is_destroyed_even_when_a_rescan_misdescribes_its_gpu() {
     );
     assert!(orphans(&driver).is_empty());
 }
+
+/// A GPU that was lost when the plugin started is unknown to it; once the GPU is back, a claim
+/// on it is prepared without waiting for the next inventory.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gpu_lost_when_the_plugin_started_serves_claims_once_it_is_back() {
+    let node = Node::new(&[("H100-80GB", true), ("H100-80GB", true)]);
+    node.claims
+        .put(claim("u2", "c2", &[("gpu", "gpu-1-mig-1g10gb-0")]));
+    node.host.update_state(|s| s.gpus[1].lost = true).unwrap();
+    let (driver, _) = node.start(None);
+    let refused = prepare_typed(&driver, "u2", "c2").await.unwrap_err();
+    assert!(
+        matches!(refused, ClaimFailure::Rejected(Rejection::NoSuchGpu { .. })),
+        "{refused}"
+    );
+    node.host.update_state(|s| s.gpus[1].lost = false).unwrap();
+    prepare_typed(&driver, "u2", "c2")
+        .await
+        .expect("prepared once the GPU is back");
+    assert_eq!(node.instances(1).len(), 1);
+}
