@@ -477,6 +477,59 @@ impl CdiWriter {
     }
 
     pub fn write_claim_spec(&self, claim_uid: &str, devices: &[ClaimDevice]) -> Result<PathBuf, CdiError> {
+        self.write_spec_of(claim_uid, None, devices)
+    }
+
+    /// Writes the spec of a claim the checkpoint does not record (`adminAccess`), naming the
+    /// claim (`namespace/name`) in an annotation (`<vendor>/claim`) so that stale-claim
+    /// collection can find the spec of one deleted without an unprepare
+    /// ([`Self::unrecorded_claim_specs`]).
+    pub fn write_unrecorded_claim_spec(
+        &self,
+        claim_uid: &str,
+        claim: &str,
+        devices: &[ClaimDevice],
+    ) -> Result<PathBuf, CdiError> {
+        self.write_spec_of(claim_uid, Some(claim), devices)
+    }
+
+    /// The specs written by [`Self::write_unrecorded_claim_spec`]: (claim UID, `namespace/name`).
+    /// Unreadable ones are skipped (a torn spec is of an earlier boot, removed at start).
+    pub fn unrecorded_claim_specs(&self) -> Vec<(String, String)> {
+        let Ok(entries) = fs::read_dir(&self.spec_dir) else {
+            return Vec::new();
+        };
+        let prefix = format!("{}-{CDI_CLASS}_", self.vendor);
+        let annotation = self.claim_annotation();
+        let mut specs: Vec<(String, String)> = entries
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let uid = name.strip_prefix(&prefix)?.strip_suffix(".json")?.to_string();
+                let bytes = fs::read(entry.path()).ok()?;
+                let spec: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+                let claim = spec
+                    .pointer("/annotations")?
+                    .get(&annotation)?
+                    .as_str()?
+                    .to_string();
+                Some((uid, claim))
+            })
+            .collect();
+        specs.sort();
+        specs
+    }
+
+    fn claim_annotation(&self) -> String {
+        format!("{}/claim", self.vendor)
+    }
+
+    fn write_spec_of(
+        &self,
+        claim_uid: &str,
+        claim: Option<&str>,
+        devices: &[ClaimDevice],
+    ) -> Result<PathBuf, CdiError> {
         let majors = self.majors()?;
         let devices = devices
             .iter()
@@ -493,6 +546,9 @@ impl CdiWriter {
         let mut annotations = BTreeMap::from([(format!("{}/claim-uid", self.vendor), claim_uid.to_string())]);
         if let Some(boot) = &self.boot_id {
             annotations.insert(self.boot_annotation(), boot.clone());
+        }
+        if let Some(claim) = claim {
+            annotations.insert(self.claim_annotation(), claim.to_string());
         }
         let spec = Spec {
             cdi_version: CDI_VERSION,

@@ -204,7 +204,10 @@ impl<C: ClaimSource> Driver<C> {
                 minor,
             ));
         }
-        self.inner.cdi.write_claim_spec(&claim.uid, &cdi_devices)?;
+        let key = format!("{}/{}", claim.namespace, claim.name);
+        self.inner
+            .cdi
+            .write_unrecorded_claim_spec(&claim.uid, &key, &cdi_devices)?;
         tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, devices = devices.len(), "prepared for monitoring (adminAccess): nothing created, changed or reserved");
         let prepared = devices
             .iter()
@@ -423,15 +426,23 @@ impl<C: ClaimSource> Driver<C> {
     }
 
     /// Switches a locked GPU's MIG mode and refreshes its description.
-    fn switch_mig_mode(&self, locks: &GpuLocks<'_>, minor: u32, enabled: bool) -> Result<(), ClaimFailure> {
+    fn switch_mig_mode(
+        &self,
+        locks: &GpuLocks<'_>,
+        uid: &str,
+        minor: u32,
+        enabled: bool,
+    ) -> Result<(), ClaimFailure> {
         let index = locks.index(minor).ok_or(Rejection::GpuGone { minor })?;
         tracing::info!(gpu = minor, enabled, "switching MIG mode");
         match self.backend().set_mig_mode(index, enabled)? {
             MigModeChange::Applied => {
                 locks.set_mig_mode(minor, enabled);
+                self.step(uid, Step::MigModeSwitched);
                 Ok(())
             }
             MigModeChange::PendingReset => {
+                self.step(uid, Step::MigModeChangePending);
                 // Withdraw the pending change, so a later reset does not switch a GPU that no
                 // claim asked for any more; the claim is refused either way.
                 match self.backend().set_mig_mode(index, !enabled) {
@@ -459,7 +470,7 @@ impl<C: ClaimSource> Driver<C> {
             let minor = device.gpu_minor;
             // A GPU's mode is switched when its first device is reached.
             if let Some(enabled) = mig_mode_changes.remove(&minor) {
-                self.switch_mig_mode(locks, minor, enabled)?;
+                self.switch_mig_mode(locks, uid, minor, enabled)?;
             }
             let DeviceKind::Mig {
                 profile_id,

@@ -115,7 +115,10 @@ impl<C: ClaimSource> Driver<C> {
         let result = self.destroy_reachable_instances(locks, uid, record, &mut orphans);
         if !orphans.is_empty() {
             match self.inner.gpus.orphans() {
-                Some(list) => list.add(orphans)?,
+                Some(list) => {
+                    list.add(orphans)?;
+                    self.step(uid, Step::OrphansListed);
+                }
                 None => {
                     tracing::warn!(claim = %record.key(), "instances on a lost GPU are not tracked; they stay if it comes back")
                 }
