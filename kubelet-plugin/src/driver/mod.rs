@@ -101,6 +101,15 @@ pub enum Step {
     ClaimForgotten,
 }
 
+/// Names the claim's device in a failed NVML call's message (the call names only the GPU and
+/// what it did, which the pod's event does not connect to the claim).
+fn on_device(device: &str) -> impl FnOnce(BackendError) -> BackendError + '_ {
+    move |mut e| {
+        e.operation = format!("device {device}: {}", e.operation);
+        e
+    }
+}
+
 /// Called at every [`Step`] with the claim UID. Production passes a no-op.
 pub type StepHook = Arc<dyn Fn(&str, Step) + Send + Sync>;
 
