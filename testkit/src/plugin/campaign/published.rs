@@ -3,8 +3,8 @@
 //! status, comes back out of it as the controller reads it, becomes the node's ResourceSlices
 //! through migdra-api ([`published_plan`], [`render_pool`]) with the devices claims hold kept
 //! counted, and each device is chosen among the published, untainted devices whose counters
-//! still fit ([`Allocator`], the scheduler's rules), at random rather than first fit so that
-//! trials spread over the pool. What the plugin reports decides what it is asked to prepare.
+//! still fit ([`Allocator`], the scheduler's rules; an `adminAccess` device must fit too but
+//! takes nothing), at random rather than first fit so that trials spread over the pool. What the plugin reports decides what it is asked to prepare.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -106,9 +106,9 @@ pub fn allocate(
                 wanted
                     && offered.contains(&name)
                     && !uncounted.contains(&d.gpu_minor)
-                    && !chosen.iter().any(|c| c.device == name || c.gpu == d.gpu_minor && kind == ClaimKind::AdminAccess)
-                    // adminAccess reserves nothing, so it needs no room.
-                    && (kind == ClaimKind::AdminAccess || allocator.fits(*i))
+                    && !chosen.iter().any(|c| c.device == name)
+                    // The scheduler checks counters for adminAccess too; it only takes none.
+                    && allocator.fits(*i)
             })
             .collect();
         if candidates.is_empty() {

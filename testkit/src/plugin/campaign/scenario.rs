@@ -4,7 +4,8 @@
 //! would under migdra's counters: never two overlapping allocations on one GPU (a whole GPU
 //! overlaps everything on it, shares of one device overlap nothing but each other's
 //! neighbours), never one over a foreign instance, at most `instanceCount` of a profile per
-//! GPU, at most [`SHARES`] claims per shared device; `adminAccess` reserves nothing.
+//! GPU, at most [`SHARES`] claims per shared device; `adminAccess` needs the whole GPU's
+//! counters free but reserves nothing.
 //! Trials without the oracle allocate from the published pool instead (`published.rs`).
 
 use std::collections::BTreeMap;
@@ -327,7 +328,9 @@ impl Scheduler {
                     }
                 }
                 ClaimKind::AdminAccess => {
-                    if !chosen.iter().any(|p| p.gpu == gpu) {
+                    // The scheduler checks the whole GPU's counters for adminAccess too: only
+                    // while nothing else holds part of it (a watched GPU stays open to others).
+                    if self.gpu_free(gpu, chosen) && !chosen.iter().any(|p| p.gpu == gpu) {
                         return Some(Placement::whole(gpu, Usage::Admin));
                     }
                 }
