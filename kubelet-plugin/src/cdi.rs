@@ -343,6 +343,22 @@ impl CdiWriter {
         Ok(specs)
     }
 
+    /// The claim specs of this boot with the claim they name, as (claim UID, `namespace/name`):
+    /// how stale-claim collection finds the spec of an `adminAccess` claim (which has no
+    /// record) deleted without an unprepare. Unreadable ones are skipped.
+    pub fn named_claim_specs(&self) -> Vec<(String, String)> {
+        match self.claim_specs_of_this_boot() {
+            Ok(specs) => specs
+                .into_iter()
+                .filter_map(|s| s.claim.map(|(namespace, name)| (s.uid, format!("{namespace}/{name}"))))
+                .collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list the claim CDI specs");
+                Vec::new()
+            }
+        }
+    }
+
     /// Hands every claim device the driver's files through the node-wide driver spec. A
     /// writer without it writes claim specs with device nodes only (benchmarks, tests of
     /// the state machine); the plugin always sets it.

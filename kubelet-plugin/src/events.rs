@@ -222,7 +222,10 @@ mod tests {
 
     #[test]
     fn a_failed_prepare_is_a_warning_on_the_claim_with_the_failure_reason() {
-        let failure = ClaimFailure::Rejected(Rejection::MigModeChangePending { minor: 2 });
+        let failure = ClaimFailure::Rejected(Rejection::MigModeChangePending {
+            device: "gpu-2-mig-1g5gb-0".into(),
+            minor: 2,
+        });
         let event = ClaimEvent::failed("prepare", &claim(), &failure);
         assert_eq!(event.reason, "MigModeChangePending");
         assert_eq!(event.action, "PrepareResourceClaim");

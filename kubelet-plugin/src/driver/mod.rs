@@ -86,6 +86,10 @@ use dra_kubelet::{ClaimRef, DraDriver, PrepareOutcome, UnprepareOutcome};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Step {
     PrepareRecorded,
+    /// A GPU's MIG mode was switched for the claim (before its first device is created).
+    MigModeSwitched,
+    /// NVML left a MIG-mode switch pending a GPU reset; the change is not yet withdrawn.
+    MigModeChangePending,
     /// A share joined the MIG instance its other holders recorded (the record, written at
     /// `PrepareRecorded`, already carries the instance's IDs).
     ShareJoined,
@@ -98,11 +102,23 @@ pub enum Step {
     UnprepareRecorded,
     ComputeInstanceDestroyed,
     GpuInstanceDestroyed,
+    /// Instances on a lost GPU were listed for destruction on its return (the claim is not
+    /// forgotten yet).
+    OrphansListed,
     /// A share was let go without destroying the instance, which other claims still hold.
     ShareReleased,
     CdiRemoved,
     /// The claim is gone from the checkpoint.
     ClaimForgotten,
+}
+
+/// Names the claim's device in a failed NVML call's message (the call names only the GPU and
+/// what it did, which the pod's event does not connect to the claim).
+fn on_device(device: &str) -> impl FnOnce(BackendError) -> BackendError + '_ {
+    move |mut e| {
+        e.operation = format!("device {device}: {}", e.operation);
+        e
+    }
 }
 
 /// Called at every [`Step`] with the claim UID. Production passes a no-op.

@@ -9,7 +9,7 @@ use std::{
 
 use tokio_util::sync::CancellationToken;
 
-use super::{ClaimFailure, Driver, PrepareResult, Step};
+use super::{ClaimFailure, Driver, PrepareResult, Step, on_device};
 use crate::{
     cdi::ClaimDevice,
     checkpoint::{AllocationEntry, ClaimRecord, ClaimState, DeviceKind, DeviceRecord},
@@ -433,15 +433,28 @@ impl<C: ClaimSource> Driver<C> {
     }
 
     /// Switches a locked GPU's MIG mode and refreshes its description.
-    fn switch_mig_mode(&self, locks: &GpuLocks<'_>, minor: u32, enabled: bool) -> Result<(), ClaimFailure> {
+    fn switch_mig_mode(
+        &self,
+        locks: &GpuLocks<'_>,
+        uid: &str,
+        device: &str,
+        minor: u32,
+        enabled: bool,
+    ) -> Result<(), ClaimFailure> {
         let index = locks.index(minor).ok_or(Rejection::GpuGone { minor })?;
         tracing::info!(gpu = minor, enabled, "switching MIG mode");
-        match self.backend().set_mig_mode(index, enabled)? {
+        match self
+            .backend()
+            .set_mig_mode(index, enabled)
+            .map_err(on_device(device))?
+        {
             MigModeChange::Applied => {
                 locks.set_mig_mode(minor, enabled);
+                self.step(uid, Step::MigModeSwitched);
                 Ok(())
             }
             MigModeChange::PendingReset => {
+                self.step(uid, Step::MigModeChangePending);
                 // Withdraw the pending change, so a later reset does not switch a GPU that no
                 // claim asked for any more; the claim is refused either way.
                 match self.backend().set_mig_mode(index, !enabled) {
@@ -450,7 +463,11 @@ impl<C: ClaimSource> Driver<C> {
                         tracing::warn!(gpu = minor, error = %e, "could not withdraw the pending MIG-mode change")
                     }
                 }
-                Err(Rejection::MigModeChangePending { minor }.into())
+                Err(Rejection::MigModeChangePending {
+                    device: device.to_string(),
+                    minor,
+                }
+                .into())
             }
         }
     }
@@ -469,7 +486,7 @@ impl<C: ClaimSource> Driver<C> {
             let minor = device.gpu_minor;
             // A GPU's mode is switched when its first device is reached.
             if let Some(enabled) = mig_mode_changes.remove(&minor) {
-                self.switch_mig_mode(locks, minor, enabled)?;
+                self.switch_mig_mode(locks, uid, &device.device, minor, enabled)?;
             }
             let DeviceKind::Mig {
                 profile_id,
@@ -489,9 +506,16 @@ impl<C: ClaimSource> Driver<C> {
                 continue;
             }
             let index = locks.index(minor).ok_or(Rejection::GpuGone { minor })?;
-            let gi = self.backend().create_gpu_instance(index, profile_id, start)?;
+            let named = &record.devices[i].device;
+            let gi = self
+                .backend()
+                .create_gpu_instance(index, profile_id, start)
+                .map_err(on_device(named))?;
             self.step(uid, Step::GpuInstanceCreated);
-            let ci = self.backend().create_full_compute_instance(index, gi)?;
+            let ci = self
+                .backend()
+                .create_full_compute_instance(index, gi)
+                .map_err(on_device(named))?;
             self.step(uid, Step::ComputeInstanceCreated);
             if let DeviceKind::Mig {
                 gpu_instance,

@@ -11,7 +11,8 @@
 //! record is read again there. A prepare holds the node lock from its first record to its
 //! last, so a half-prepared record seen under it is one whose prepare died; its claim being
 //! gone, no kubelet will retry it, so it is rolled back. Each release is counted and becomes
-//! a `StaleClaimReleased` event on the GpuNode.
+//! a `StaleClaimReleased` event on the GpuNode. An `adminAccess` claim has no record, only a
+//! CDI spec naming it; a pass removes the specs of those gone or replaced the same way.
 
 use std::time::Duration;
 
@@ -150,6 +151,7 @@ impl<C: ClaimSource> Driver<C> {
                 }
             }
         }
+        self.collect_unrecorded_specs(&mut round).await;
         for (released, judged) in stale {
             let driver = self.clone();
             let (uid, cause) = (released.uid.clone(), released.cause.clone());
@@ -170,6 +172,57 @@ impl<C: ClaimSource> Driver<C> {
             }
         }
         round
+    }
+
+    /// Removes the CDI specs of `adminAccess` claims (which have no record) that are gone or
+    /// replaced: their pods were deleted without an unprepare.
+    async fn collect_unrecorded_specs(&self, round: &mut StaleGcRound) {
+        for (uid, claim) in self.inner.cdi.named_claim_specs() {
+            if self.inner.journal.get(&uid).is_some() {
+                continue;
+            }
+            let Some((namespace, name)) = claim.split_once('/') else {
+                continue;
+            };
+            let cause = match tokio::time::timeout(GET_TIMEOUT, self.inner.claims.get(namespace, name)).await
+            {
+                Ok(Ok(None)) => StaleCause::NotFound,
+                Ok(Ok(Some(found))) => match found.metadata.uid {
+                    Some(current_uid) if current_uid != uid => StaleCause::Replaced { current_uid },
+                    _ => continue,
+                },
+                Ok(Err(_)) | Err(_) => {
+                    round.unknown.push(uid);
+                    continue;
+                }
+            };
+            let driver = self.clone();
+            let spec_uid = uid.clone();
+            let removed = tokio::task::spawn_blocking(move || driver.remove_unrecorded_spec(&spec_uid)).await;
+            match removed {
+                Ok(Ok(true)) => {
+                    tracing::info!(%claim, %uid, ?cause, "removed the CDI spec of a stale adminAccess claim");
+                    self.inner.metrics.stale_claim_released(cause.reason());
+                    round.released.push(ReleasedClaim { uid, claim, cause });
+                }
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(%claim, %uid, error = %e, "removing the CDI spec of a stale adminAccess claim failed; retrying at the next pass")
+                }
+                Err(e) => tracing::error!(error = %e, "stale CDI spec removal task failed"),
+            }
+        }
+    }
+
+    /// Removes the spec of a claim with no record, under the node lock (an unprepare of the
+    /// claim may be removing it too). Blocking.
+    fn remove_unrecorded_spec(&self, uid: &str) -> Result<bool, ClaimFailure> {
+        let _node = self.node_lock()?;
+        if self.inner.journal.get(uid).is_some() || !self.inner.cdi.has_claim_spec(uid) {
+            return Ok(false);
+        }
+        self.inner.cdi.remove_claim_spec(uid)?;
+        Ok(true)
     }
 
     async fn look_up(&self, uid: &str, record: &ClaimRecord) -> Result<Option<StaleCause>, String> {

@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{ClaimFailure, Driver, Step, UnprepareResult};
+use super::{ClaimFailure, Driver, Step, UnprepareResult, on_device};
 use crate::{
     checkpoint::{CheckpointError, ClaimRecord, ClaimState, DeviceKind},
     claim_status::{self, DesiredStatus, StatusContext},
@@ -130,9 +130,12 @@ impl<C: ClaimSource> Driver<C> {
         let result = self.destroy_reachable_instances(locks, uid, record, &mut orphans);
         if !orphans.is_empty() {
             match self.inner.gpus.orphans() {
-                Some(list) => list.add(orphans).inspect_err(|_| {
-                    self.inner.metrics.state_write_failed("lost_gpu_orphans");
-                })?,
+                Some(list) => {
+                    list.add(orphans).inspect_err(|_| {
+                        self.inner.metrics.state_write_failed("lost_gpu_orphans");
+                    })?;
+                    self.step(uid, Step::OrphansListed);
+                }
                 None => {
                     tracing::warn!(claim = %record.key(), "instances on a lost GPU are not tracked; they stay if it comes back")
                 }
@@ -190,14 +193,18 @@ impl<C: ClaimSource> Driver<C> {
                 }
                 // NOT_SUPPORTED means "gone" only when MIG mode is off (every instance went
                 // with it); with MIG on the instance may still exist, so the claim stays.
-                Err(e) if e.kind == NvmlErrorKind::NotSupported => match self.backend().mig_enabled(index)? {
-                    Some(true) => return Err(e.into()),
+                Err(e) if e.kind == NvmlErrorKind::NotSupported => match self
+                    .backend()
+                    .mig_enabled(index)
+                    .map_err(on_device(&device.device))?
+                {
+                    Some(true) => return Err(on_device(&device.device)(e).into()),
                     Some(false) | None => {
                         tracing::debug!(device = %device.device, "MIG mode is off; the instance is gone");
                         continue;
                     }
                 },
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(on_device(&device.device)(e).into()),
             };
             let ours = instances.iter().find(|gi| {
                 gi.profile_id == *profile_id
@@ -217,14 +224,18 @@ impl<C: ClaimSource> Driver<C> {
                         gone_with_gpu = true;
                         break;
                     }
-                    Err(e) if e.kind != NvmlErrorKind::NotFound => return Err(e.into()),
+                    Err(e) if e.kind != NvmlErrorKind::NotFound => {
+                        return Err(on_device(&device.device)(e).into());
+                    }
                     _ => self.step(uid, Step::ComputeInstanceDestroyed),
                 }
             }
             if !gone_with_gpu {
                 match self.backend().destroy_gpu_instance(index, gi.id) {
                     Err(e) if lost(&e) => gone_with_gpu = true,
-                    Err(e) if e.kind != NvmlErrorKind::NotFound => return Err(e.into()),
+                    Err(e) if e.kind != NvmlErrorKind::NotFound => {
+                        return Err(on_device(&device.device)(e).into());
+                    }
                     _ => self.step(uid, Step::GpuInstanceDestroyed),
                 }
             }

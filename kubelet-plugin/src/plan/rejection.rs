@@ -105,9 +105,9 @@ pub enum Rejection {
     ForeignInstances { minor: u32, count: usize },
     /// The MIG-mode switch waited for a GPU reset the driver could not do; it was withdrawn.
     #[error(
-        "switching MIG mode on GPU {minor} needs a GPU reset the driver could not do (processes hold the GPU, or it is passed through to a VM); the change was withdrawn"
+        "device {device}: switching MIG mode on GPU {minor} needs a GPU reset the driver could not do (processes hold the GPU, or it is passed through to a VM); the change was withdrawn"
     )]
-    MigModeChangePending { minor: u32 },
+    MigModeChangePending { device: String, minor: u32 },
     /// The GPU vanished between planning and creation.
     #[error("GPU {minor} disappeared")]
     GpuGone { minor: u32 },

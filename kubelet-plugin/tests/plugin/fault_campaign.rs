@@ -42,6 +42,18 @@ async fn a_seeded_fault_campaign_leaks_nothing_and_every_claim_converges() {
         "no injected NVML error was hit: {:?}",
         report.faults
     );
+    for kind in [
+        "MIG claim",
+        "shared MIG claim",
+        "whole GPU claim",
+        "adminAccess claim",
+    ] {
+        assert!(
+            report.observed.get(kind).copied().unwrap_or(0) > 0,
+            "no {kind} ran: {:?}",
+            report.observed
+        );
+    }
     assert!(
         report.failed.is_empty(),
         "{}\n{}",

@@ -377,7 +377,7 @@ async fn ampere_mode_switches_are_left_to_nvml() {
         matches!(
             err,
             migdra_kubelet_plugin::driver::ClaimFailure::Rejected(
-                migdra_kubelet_plugin::plan::Rejection::MigModeChangePending { minor: 2 }
+                migdra_kubelet_plugin::plan::Rejection::MigModeChangePending { minor: 2, .. }
             )
         ),
         "{err}"

@@ -249,3 +249,56 @@ async fn a_half_prepared_record_of_a_live_claim_is_left_to_the_kubelet() {
     prepare_one(&driver, "u1", "c1").await.unwrap();
     assert_untouched(&node, &driver);
 }
+
+/// An `adminAccess` claim has no record, only its CDI spec: when its pod is deleted without an
+/// unprepare, the pass removes the spec once the claim is gone or replaced, and keeps it while
+/// the claim exists or cannot be asked about.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deleted_admin_access_claims_spec_is_removed_at_the_next_pass() {
+    let node = Node::new(&[("H100-80GB", true), ("H100-80GB", true)]);
+    let (driver, _) = node.start(None);
+    node.claims
+        .put(admin_claim("ua", "watch-a", &[("monitor", "gpu-0")]));
+    node.claims
+        .put(admin_claim("ub", "watch-b", &[("monitor", "gpu-1")]));
+    prepare_one(&driver, "ua", "watch-a").await.unwrap();
+    prepare_one(&driver, "ub", "watch-b").await.unwrap();
+    assert!(driver.recorded_claims().is_empty(), "adminAccess records nothing");
+
+    node.claims.set_unreachable(true);
+    node.claims.remove("default", "watch-a");
+    let round = driver.collect_stale_claims().await;
+    assert!(round.released.is_empty(), "{round:?}");
+    assert_eq!(round.unknown, ["ua", "ub"]);
+    assert!(
+        node.cdi().spec_path("ua").exists(),
+        "kept while the API cannot be asked"
+    );
+
+    node.claims.set_unreachable(false);
+    let round = driver.collect_stale_claims().await;
+    assert_eq!(round.released.len(), 1, "{round:?}");
+    assert_eq!(round.released[0].uid, "ua");
+    assert_eq!(round.released[0].claim, "default/watch-a");
+    assert_eq!(round.released[0].cause, StaleCause::NotFound);
+    assert!(
+        !node.cdi().spec_path("ua").exists(),
+        "the gone claim's spec was removed"
+    );
+    assert!(
+        node.cdi().spec_path("ub").exists(),
+        "the existing claim's spec stays"
+    );
+
+    // Replaced under the same name: the old UID's spec goes.
+    node.claims
+        .put(admin_claim("ub-2", "watch-b", &[("monitor", "gpu-1")]));
+    let round = driver.collect_stale_claims().await;
+    assert_eq!(
+        round.released.iter().map(|r| r.cause.clone()).collect::<Vec<_>>(),
+        [StaleCause::Replaced {
+            current_uid: "ub-2".into()
+        }]
+    );
+    assert!(node.cdi_specs().is_empty());
+}

@@ -25,8 +25,8 @@ use migdra_e2e::{
 };
 
 use crate::support::{
-    SHORT, bound_node, gpu_uuid, gpunode_events, instances, mig, plain_log, published_devices, registrations,
-    settle, slices, wait_registered, wait_unschedulable,
+    SHORT, bound_node, controller_sample, gpu_uuid, gpunode_events, instances, mig, plain_log,
+    published_devices, registrations, settle, slices, wait_registered, wait_unschedulable,
 };
 
 tests![
@@ -64,8 +64,27 @@ fn heartbeat_withdrawals(cluster: &Cluster) -> usize {
         .count()
 }
 
-/// The plugin is SIGKILLed and stays down: its pool must be gone before the kubelet's 30 s
-/// wipe (the controller's heartbeat timeout, 20 s on this cluster), stay gone while nobody
+/// The controller's slice deletions and the deletions it saw someone else make (the
+/// kubelet's wipe of a dead plugin's slices), from its metrics.
+async fn slice_deletions(cluster: &Cluster) -> anyhow::Result<(f64, f64)> {
+    let deletes = controller_sample(
+        cluster,
+        "migdra_controller_slice_writes",
+        r#"migdra_controller_slice_writes_total{operation="delete"}"#,
+    )
+    .await?;
+    let wipes = controller_sample(
+        cluster,
+        "migdra_controller_slice_wipes",
+        "migdra_controller_slice_wipes_total",
+    )
+    .await?;
+    Ok((deletes, wipes))
+}
+
+/// The plugin is SIGKILLed and stays down: its pool must be withdrawn by the controller before
+/// the kubelet's 30 s wipe (the controller's heartbeat timeout, 20 s on this cluster; its
+/// metrics show it deleted the slices and nobody else did), stay gone while nobody
 /// can prepare, and pods created meanwhile wait in the scheduler instead of being bound to a
 /// node whose devices cannot be prepared. Once the plugin is back they run.
 async fn killed_plugin_withdraws_the_pool_and_pods_wait_for_it(cluster: &mut Cluster) -> anyhow::Result<()> {
@@ -73,6 +92,7 @@ async fn killed_plugin_withdraws_the_pool_and_pods_wait_for_it(cluster: &mut Clu
     ensure!(!slices(cluster).await?.is_empty(), "the pool is not published");
     create_template(&c, "while-down", mig(&[profile_is("1g.10gb")]), None).await?;
     let withdrawn_before = heartbeat_withdrawals(cluster);
+    let (deletes_before, wipes_before) = slice_deletions(cluster).await?;
 
     cluster.kill(PLUGIN);
     let killed = Instant::now();
@@ -117,6 +137,17 @@ async fn killed_plugin_withdraws_the_pool_and_pods_wait_for_it(cluster: &mut Clu
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+    // The controller deleted the slices itself, and the kubelet's wipe (past by now) found none
+    // left: a deletion by anyone else would count as a wipe.
+    let (deletes, wipes) = slice_deletions(cluster).await?;
+    ensure!(
+        deletes > deletes_before,
+        "the controller deleted no slice ({deletes_before} deletions before the kill, {deletes} after)"
+    );
+    ensure!(
+        wipes == wipes_before,
+        "someone other than the controller deleted the pool's slices ({wipes_before} wiped before the kill, {wipes} after): the kubelet's wipe came first"
+    );
 
     cluster.start_plugin()?;
     let restarted = Instant::now();

@@ -23,9 +23,8 @@ use migdra_e2e::{
     cluster::{Cluster, NODE, repo_root, wait_until},
     workload::{self, create_pod, create_template, profile_is, wait_phase},
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::{SHORT, mig, settle};
+use crate::support::{SHORT, mig, scrape, settle};
 
 tests![metrics_and_gpunode_status_show_each_instance_with_its_pod];
 
@@ -48,30 +47,6 @@ async fn claim_events(cluster: &Cluster, claim: &str) -> anyhow::Result<Vec<Even
 /// The checked-in list of metric names (sample names: counters with `_total`, histograms
 /// with `_bucket`/`_sum`/`_count`).
 const NAMES_FILE: &str = "charts/tests/metric_names.txt";
-
-/// GETs `/metrics` from a component's loopback endpoint (HTTP/1.0: the server closes after
-/// the response, so reading to the end is the whole body).
-async fn scrape(cluster: &Cluster, endpoint: &str) -> anyhow::Result<String> {
-    let port = cluster
-        .endpoint_port(endpoint)
-        .with_context(|| format!("{endpoint} has no port: not started?"))?;
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .await?;
-    let mut response = String::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut response))
-        .await
-        .context("scrape timed out")??;
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .context("no HTTP header in the response")?;
-    ensure!(
-        head.starts_with("HTTP/1.") && head.contains(" 200 "),
-        "{endpoint}: {head}"
-    );
-    Ok(body.to_string())
-}
 
 /// The sample names of every family an OpenMetrics text declares (from its `# TYPE` lines, so
 /// a family without series yet is listed too).

@@ -13,13 +13,16 @@ use std::{
 };
 
 use anyhow::{Context, ensure};
-use kube::Client;
+use kube::{Api, Client};
+use migdra_api::inventory::GpuNode;
 use migdra_e2e::{
-    cluster::{Cluster, DRIVER, PLUGIN, SURGE_PLUGIN, wait_until},
+    cluster::{Cluster, DRIVER, NODE, PLUGIN, SURGE_PLUGIN, wait_until},
     workload::{self, create_pod, create_template, profile_is, wait_phase},
 };
 
-use crate::support::{SHORT, mig, plain_log, registrations, settle, total_instances, wait_registered};
+use crate::support::{
+    SHORT, controller_sample, mig, plain_log, registrations, settle, total_instances, wait_registered,
+};
 
 tests![plugin_rolling_update_keeps_claims_flowing];
 
@@ -170,7 +173,8 @@ async fn roll(
     let fixed = sockets(&root, None);
     let surge = sockets(&root, Some("surge-1"));
     one_more_cycle(churned, churn).await?;
-    let withdrawn_before = withdrawals(cluster);
+    let published_before = published_since(cluster).await?;
+    let wipes_before = slice_wipes(cluster).await?;
 
     // The new instance starts next to the old one; both serve.
     let before = registrations(cluster, SURGE_PLUGIN);
@@ -217,12 +221,49 @@ async fn roll(
     ensure!(fixed.iter().all(|s| s.exists()), "the plugin's sockets stay");
     cycle_served_by(cluster, PLUGIN, churned, churn).await?;
     // A hand-over, not an outage: the stopping instance saw the other registered and did not
-    // report the node's plugin unregistered, so the pool stayed published throughout.
+    // report the node's plugin unregistered, so the pool stayed published throughout. A
+    // withdrawal sets the GpuNode's Published condition False, and the republication True
+    // again with a new transition time; nobody else deleted the slices either.
+    let published_now = published_since(cluster).await?;
     ensure!(
-        withdrawals(cluster) == withdrawn_before,
-        "the controller withdrew the pool during the rolling update"
+        published_now == published_before,
+        "the controller withdrew the pool during the rolling update: Published since {published_before:?} before it, since {published_now:?} after"
+    );
+    let wipes = slice_wipes(cluster).await?;
+    ensure!(
+        wipes == wipes_before,
+        "the pool's slices were wiped during the rolling update ({wipes_before} wipes before, {wipes} after)"
     );
     Ok(())
+}
+
+/// When the node's GpuNode last became Published (its `Published` condition's transition
+/// time); an error unless the condition is there and True.
+async fn published_since(cluster: &Cluster) -> anyhow::Result<String> {
+    let gpunodes: Api<GpuNode> = Api::all(cluster.client.clone());
+    let gpunode = gpunodes.get(NODE).await?;
+    let condition = gpunode
+        .status
+        .and_then(|s| s.conditions)
+        .into_iter()
+        .flatten()
+        .find(|c| c.type_ == "Published")
+        .context("the GpuNode has no Published condition")?;
+    ensure!(
+        condition.status == "True",
+        "the pool is not published: {condition:?}"
+    );
+    Ok(condition.last_transition_time.0.to_string())
+}
+
+/// Slice deletions the controller saw someone else make (a kubelet's wipe).
+async fn slice_wipes(cluster: &Cluster) -> anyhow::Result<f64> {
+    controller_sample(
+        cluster,
+        "migdra_controller_slice_wipes",
+        "migdra_controller_slice_wipes_total",
+    )
+    .await
 }
 
 /// After a failed roll: the suite's tests after this one expect the one plugin instance they
@@ -236,13 +277,6 @@ async fn restore_plugins(cluster: &mut Cluster) -> anyhow::Result<()> {
         wait_registered(cluster, PLUGIN, before).await?;
     }
     cluster.wait_published(SHORT).await
-}
-
-/// How often the controller's log says it withdrew the node's pool.
-fn withdrawals(cluster: &Cluster) -> usize {
-    std::fs::read_to_string(cluster.layout.log("migdra-controller"))
-        .map(|log| log.matches("withdrawing the pool").count())
-        .unwrap_or(0)
 }
 
 /// The DRA and registration socket of an instance.

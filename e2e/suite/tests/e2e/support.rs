@@ -288,3 +288,46 @@ pub(crate) async fn wait_registered(cluster: &Cluster, component: &str, before: 
     .await
     .with_context(|| format!("the kubelet did not register {component}"))
 }
+
+/// GETs `/metrics` from a component's loopback endpoint (HTTP/1.0: the server closes after
+/// the response, so reading to the end is the whole body).
+pub(crate) async fn scrape(cluster: &Cluster, endpoint: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let port = cluster
+        .endpoint_port(endpoint)
+        .with_context(|| format!("{endpoint} has no port: not started?"))?;
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .await?;
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut response))
+        .await
+        .context("scrape timed out")??;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .context("no HTTP header in the response")?;
+    ensure!(
+        head.starts_with("HTTP/1.") && head.contains(" 200 "),
+        "{endpoint}: {head}"
+    );
+    Ok(body.to_string())
+}
+
+/// The value of sample `sample` of the controller's metric family `family` (e.g. family
+/// `migdra_controller_slice_writes`, sample
+/// `migdra_controller_slice_writes_total{operation="delete"}`); 0 while the family has no such
+/// series yet. An error when the controller does not declare the family, so an assertion on
+/// it cannot pass with the metric gone.
+pub(crate) async fn controller_sample(cluster: &Cluster, family: &str, sample: &str) -> anyhow::Result<f64> {
+    let text = scrape(cluster, "controller-http").await?;
+    ensure!(
+        text.lines().any(|l| l.starts_with(&format!("# TYPE {family} "))),
+        "the controller exposes no metric {family}"
+    );
+    let value = text.lines().find_map(|line| {
+        let (name, value) = line.rsplit_once(' ')?;
+        (name == sample).then(|| value.parse::<f64>().ok()).flatten()
+    });
+    Ok(value.unwrap_or(0.0))
+}

@@ -6,7 +6,13 @@
 //!   the same creation serial and the same compute instances);
 //! - no two instances overlap on a GPU;
 //! - no leaked instance: every instance not foreign is described by exactly one completed
-//!   record of a claim whose pod runs (none at all once every pod is gone);
+//!   record of a claim whose pod runs, or by one per share when it is a shared device's (none
+//!   at all once every pod is gone), and all running holders of a shared device record the
+//!   same instance, so it was destroyed only with its last holder;
+//! - a whole GPU's record finds MIG off and no instance on it, a MIG record finds MIG on;
+//!   no GPU's MIG mode is left pending a reset;
+//! - an `adminAccess` claim has a CDI spec while its pod runs and never a record (it creates
+//!   and reserves nothing: anything it created would be a leaked instance);
 //! - every record is completed, belongs to a running pod's claim, lists exactly the allocated
 //!   devices, and each of its devices exists in NVML with the recorded IDs and MIG UUID;
 //! - the CDI directory holds exactly one spec per completed record, handing out the MIG UUIDs
@@ -18,14 +24,22 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use migdra_fake_nvml::FakeState;
 use migdra_kubelet_plugin::{
-    checkpoint::{CheckpointData, ClaimState, DeviceKind},
+    checkpoint::{CheckpointData, ClaimRecord, ClaimState, DeviceKind},
     orphans::ORPHANS_FILE,
 };
 
 use super::{
-    kubelet::{Phase, Pod},
+    kubelet::{Phase, Pod, PodClaim},
+    scenario::SHARES,
     world::{Violation, World, lock},
 };
+
+/// A record holding an instance.
+struct Holder {
+    claim: String,
+    device: String,
+    share: bool,
+}
 
 /// An instance that existed before the plugin: (GPU index, creation serial) and its
 /// compute instances' UUIDs.
@@ -46,21 +60,37 @@ pub fn foreign_instances(state: &FakeState) -> Foreign {
         .collect()
 }
 
-fn read_checkpoint(world: &World) -> Result<CheckpointData, String> {
+/// The claims the checkpoint holds for this boot (none when there is no file yet, or it is
+/// of an earlier boot: the plugin starts empty from either).
+fn read_checkpoint(world: &World) -> Result<BTreeMap<String, ClaimRecord>, String> {
     let path = world.node.state_dir().join("checkpoint.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
     let file: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    serde_json::from_value(file["data"].clone()).map_err(|e| format!("{}: data: {e}", path.display()))
+    let data: CheckpointData =
+        serde_json::from_value(file["data"].clone()).map_err(|e| format!("{}: data: {e}", path.display()))?;
+    Ok(if data.boot_id == *lock(&world.boot_id) {
+        data.claims
+    } else {
+        BTreeMap::new()
+    })
 }
 
+/// The orphan list of this boot (a list of an earlier boot is void).
 fn read_orphans(world: &World) -> Vec<serde_json::Value> {
     let path = world.node.state_dir().join(ORPHANS_FILE);
-    std::fs::read_to_string(&path)
+    let file = std::fs::read_to_string(&path)
         .ok()
         .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-        .and_then(|v| v["orphans"].as_array().cloned())
-        .unwrap_or_default()
+        .unwrap_or_default();
+    if file["bootId"].as_str() != Some(lock(&world.boot_id).as_str()) {
+        return Vec::new();
+    }
+    file["orphans"].as_array().cloned().unwrap_or_default()
 }
 
 /// The MIG UUIDs a CDI spec hands out (its `MIGDRA_DEVICE_UUID_*` variables).
@@ -96,7 +126,7 @@ pub fn check(world: &World, foreign: &Foreign, pods: &[std::sync::Arc<Pod>], sta
             return out;
         }
     };
-    let checkpoint = match read_checkpoint(world) {
+    let claims = match read_checkpoint(world) {
         Ok(c) => c,
         Err(e) => {
             violation("checkpoint unreadable", e);
@@ -144,22 +174,56 @@ pub fn check(world: &World, foreign: &Foreign, pods: &[std::sync::Arc<Pod>], sta
         }
     }
 
-    // The claims that should be prepared.
-    let running: BTreeMap<&str, &super::kubelet::PodClaim> = pods
+    // MIG mode: never left pending a reset.
+    for gpu in &state.gpus {
+        if gpu.mig_pending != gpu.mig_enabled {
+            violation(
+                "MIG mode left pending",
+                format!(
+                    "GPU {}: MIG {} with {} pending",
+                    gpu.index,
+                    if gpu.mig_enabled { "on" } else { "off" },
+                    if gpu.mig_pending { "on" } else { "off" }
+                ),
+            );
+        }
+    }
+
+    // The claims that should be prepared (an adminAccess claim has a CDI spec and no record).
+    let running_all: BTreeMap<&str, &PodClaim> = pods
         .iter()
         .filter(|p| p.phase() == Phase::Running)
         .flat_map(|p| p.claims.iter().map(|c| (c.uid.as_str(), c)))
+        .collect();
+    let running: BTreeMap<&str, &PodClaim> = running_all
+        .iter()
+        .filter(|(_, c)| !c.is_admin())
+        .map(|(u, c)| (*u, *c))
+        .collect();
+    let admin: BTreeSet<&str> = pods
+        .iter()
+        .flat_map(|p| p.claims.iter().filter(|c| c.is_admin()).map(|c| c.uid.as_str()))
         .collect();
 
     // Records against NVML and the pods.
     let gpu_by_uuid: BTreeMap<&str, &migdra_fake_nvml::GpuState> =
         state.gpus.iter().map(|g| (g.uuid.as_str(), g)).collect();
-    let mut described: BTreeMap<(u32, u32), String> = BTreeMap::new();
-    for (uid, record) in &checkpoint.claims {
+    let mut described: BTreeMap<(u32, u32), Vec<Holder>> = BTreeMap::new();
+    for (uid, record) in &claims {
         if record.state != ClaimState::PrepareCompleted {
             violation(
                 "unfinished record",
                 format!("claim {} ({uid}) is {:?}", record.key(), record.state),
+            );
+        }
+        if admin.contains(uid.as_str()) {
+            violation(
+                "adminAccess claim recorded",
+                format!(
+                    "claim {} ({uid}) reserves devices: {:?}",
+                    record.key(),
+                    record.device_names()
+                ),
             );
         }
         match running.get(uid.as_str()) {
@@ -184,6 +248,13 @@ pub fn check(world: &World, foreign: &Foreign, pods: &[std::sync::Arc<Pod>], sta
             }
         }
         for device in &record.devices {
+            let Some(gpu) = gpu_by_uuid.get(device.gpu_uuid.as_str()) else {
+                violation(
+                    "record without instance",
+                    format!("{}: unknown GPU {}", device.device, device.gpu_uuid),
+                );
+                continue;
+            };
             let DeviceKind::Mig {
                 profile_id,
                 start,
@@ -192,15 +263,33 @@ pub fn check(world: &World, foreign: &Foreign, pods: &[std::sync::Arc<Pod>], sta
                 ..
             } = &device.kind
             else {
+                // A whole GPU: MIG off and nothing on it.
+                if gpu.mig_enabled || !gpu.gpu_instances.is_empty() {
+                    violation(
+                        "whole GPU not whole",
+                        format!(
+                            "claim {} has GPU {} whole, but MIG is {} with {} instance(s)",
+                            record.key(),
+                            gpu.index,
+                            if gpu.mig_enabled { "on" } else { "off" },
+                            gpu.gpu_instances.len()
+                        ),
+                    );
+                }
                 continue;
             };
-            let Some(gpu) = gpu_by_uuid.get(device.gpu_uuid.as_str()) else {
+            if !gpu.mig_enabled {
                 violation(
                     "record without instance",
-                    format!("{}: unknown GPU {}", device.device, device.gpu_uuid),
+                    format!(
+                        "claim {} device {}: MIG is off on GPU {}",
+                        record.key(),
+                        device.device,
+                        gpu.index
+                    ),
                 );
                 continue;
-            };
+            }
             let found = gpu.gpu_instances.iter().find(|gi| {
                 gi.profile_id == *profile_id && gi.start == *start && Some(gi.id) == *gpu_instance
             });
@@ -225,20 +314,45 @@ pub fn check(world: &World, foreign: &Foreign, pods: &[std::sync::Arc<Pod>], sta
                             ),
                         );
                     }
-                    if let Some(other) = described.insert((gpu.index, gi.id), record.key()) {
-                        violation(
-                            "instance recorded twice",
-                            format!(
-                                "GPU {} instance {}: claims {other} and {}",
-                                gpu.index,
-                                gi.id,
-                                record.key()
-                            ),
-                        );
-                    }
+                    described.entry((gpu.index, gi.id)).or_default().push(Holder {
+                        claim: record.key(),
+                        device: device.device.clone(),
+                        share: device.is_share(),
+                    });
                 }
             }
         }
+    }
+
+    // An instance has one record, or one per share of the one shared device it is: the last
+    // holder's teardown is the one that destroys it.
+    for ((gpu, gi), holders) in &described {
+        let one_shared_device = holders.iter().all(|h| h.share && h.device == holders[0].device);
+        if holders.len() > 1 && !one_shared_device || holders.len() > SHARES as usize {
+            violation(
+                "instance recorded twice",
+                format!(
+                    "GPU {gpu} instance {gi}: {:?}",
+                    holders
+                        .iter()
+                        .map(|h| format!("claim {} device {} (share: {})", h.claim, h.device, h.share))
+                        .collect::<Vec<_>>()
+                ),
+            );
+        }
+    }
+    // Every running holder of a shared device holds the same instance.
+    let mut shared: BTreeMap<&str, BTreeSet<(u32, u32)>> = BTreeMap::new();
+    for (key, holders) in &described {
+        for h in holders.iter().filter(|h| h.share) {
+            shared.entry(h.device.as_str()).or_default().insert(*key);
+        }
+    }
+    for (device, instances) in shared.iter().filter(|(_, i)| i.len() > 1) {
+        violation(
+            "shared device split",
+            format!("the holders of {device} record different instances: {instances:?}"),
+        );
     }
 
     // Leaks: instances neither foreign nor described by a record.
@@ -259,7 +373,7 @@ pub fn check(world: &World, foreign: &Foreign, pods: &[std::sync::Arc<Pod>], sta
 
     // Convergence: every running pod's claims are recorded as prepared.
     for (uid, claim) in &running {
-        if !checkpoint.claims.contains_key(*uid) {
+        if !claims.contains_key(*uid) {
             violation(
                 "claim did not converge",
                 format!("{} ({uid}) is running but not recorded", claim.name),
@@ -286,7 +400,7 @@ pub fn check(world: &World, foreign: &Foreign, pods: &[std::sync::Arc<Pod>], sta
     let cdi = world.node.cdi();
     let specs: BTreeSet<std::path::PathBuf> = world.node.cdi_specs().into_iter().collect();
     let mut expected = BTreeSet::new();
-    for (uid, record) in &checkpoint.claims {
+    for (uid, record) in &claims {
         if record.state != ClaimState::PrepareCompleted {
             continue;
         }
@@ -318,6 +432,16 @@ pub fn check(world: &World, foreign: &Foreign, pods: &[std::sync::Arc<Pod>], sta
                 ),
             );
         }
+    }
+    for (uid, claim) in running_all.iter().filter(|(_, c)| c.is_admin()) {
+        let path = cdi.spec_path(uid);
+        if !path.exists() {
+            violation(
+                "adminAccess claim without CDI spec",
+                format!("{} ({uid}) is running", claim.name),
+            );
+        }
+        expected.insert(path);
     }
     for path in specs.difference(&expected) {
         violation("CDI spec without record", path.display().to_string());

@@ -22,7 +22,7 @@ use tokio::sync::Notify;
 
 use super::{
     rng::Rng,
-    scenario::Placement,
+    scenario::{ClaimKind, Placement, Usage},
     world::{Call, World, lock},
 };
 use crate::plugin::{DRIVER, POOL};
@@ -32,17 +32,28 @@ use crate::plugin::{DRIVER, POOL};
 pub struct PodClaim {
     pub uid: String,
     pub name: String,
+    pub kind: ClaimKind,
     pub placements: Vec<Placement>,
 }
 
 impl PodClaim {
-    /// The ResourceClaim as the scheduler left it: allocated from this node's pool.
+    /// The ResourceClaim as the scheduler left it: allocated from this node's pool (a share
+    /// with its share ID, an `adminAccess` device marked so).
     pub fn object(&self) -> k8s_openapi::api::resource::v1::ResourceClaim {
         let results: Vec<_> = self
             .placements
             .iter()
             .enumerate()
-            .map(|(i, p)| json!({"request": format!("gpu{i}"), "driver": DRIVER, "pool": POOL, "device": p.device}))
+            .map(|(i, p)| {
+                let mut result =
+                    json!({"request": format!("gpu{i}"), "driver": DRIVER, "pool": POOL, "device": p.device});
+                match &p.usage {
+                    Usage::Share(id) => result["shareID"] = json!(id),
+                    Usage::Admin => result["adminAccess"] = json!(true),
+                    Usage::Exclusive | Usage::Whole => {}
+                }
+                result
+            })
             .collect();
         serde_json::from_value(json!({
             "apiVersion": "resource.k8s.io/v1",
@@ -52,6 +63,10 @@ impl PodClaim {
             "status": {"allocation": {"devices": {"results": results, "config": []}}},
         }))
         .unwrap_or_else(|e| panic!("claim {}: {e}", self.name))
+    }
+
+    pub fn is_admin(&self) -> bool {
+        self.kind == ClaimKind::AdminAccess
     }
 }
 
@@ -85,6 +100,9 @@ pub struct Pod {
     pub deleted: AtomicBool,
     /// Deleted without the kubelet ever unpreparing (it lost the pod).
     pub forgotten: AtomicBool,
+    /// The node rebooted: a running pod's containers are gone, and the kubelet prepares its
+    /// claims again before restarting them.
+    pub rebooted: AtomicBool,
     pub wake: Notify,
     pub status: Mutex<PodStatus>,
 }
@@ -99,6 +117,7 @@ impl Pod {
             claims,
             deleted: AtomicBool::new(false),
             forgotten: AtomicBool::new(false),
+            rebooted: AtomicBool::new(false),
             wake: Notify::new(),
             status: Mutex::new(PodStatus {
                 phase: Phase::Preparing,
@@ -116,6 +135,12 @@ impl Pod {
 
     pub fn delete(&self) {
         self.deleted.store(true, Ordering::SeqCst);
+        self.wake.notify_one();
+    }
+
+    /// The node rebooted under the pod.
+    pub fn reboot(&self) {
+        self.rebooted.store(true, Ordering::SeqCst);
         self.wake.notify_one();
     }
 
@@ -161,31 +186,30 @@ impl Pod {
     }
 }
 
-/// True when a failure message says what failed: it is not empty and names the claim, one of
-/// its devices, or the thing that failed (a GPU, the driver, NVML, the node lock, the
-/// checkpoint, CDI, the API server).
-pub fn clear_message(message: &str, claim: &PodClaim) -> bool {
-    const CAUSES: [&str; 9] = [
-        "GPU",
-        "driver",
-        "NVML",
-        "node lock",
-        "checkpoint",
-        "CDI",
-        "ResourceClaim",
-        "MIG",
-        "instance",
-    ];
+/// True when a failure message says what failed: it is not empty and names the claim (its
+/// name or UID) or one of its devices, or the cause the campaign put there: the text of an
+/// NVML error it injected (or a lost GPU's, or a busy GPU's), or the node lock another call
+/// holds (`causes`, see [`super::world::Shared::causes`]).
+pub fn clear_message(message: &str, claim: &PodClaim, causes: &[String]) -> bool {
     !message.trim().is_empty()
         && (message.contains(&claim.name)
             || message.contains(&claim.uid)
-            || claim.placements.iter().any(|p| message.contains(&p.device))
-            || CAUSES.iter().any(|c| message.contains(c)))
+            || claim.placements.iter().any(|p| names_device(message, &p.device))
+            || causes.iter().any(|c| message.contains(c.as_str())))
+}
+
+/// Whether `message` names `device` itself (`gpu-1` is not named by `gpu-12`, nor by
+/// `gpu-1-mig-…`).
+fn names_device(message: &str, device: &str) -> bool {
+    message.match_indices(device).any(|(at, _)| {
+        let next = message[at + device.len()..].chars().next();
+        !next.is_some_and(|c| c.is_ascii_alphanumeric() || c == '-')
+    })
 }
 
 fn check_failure(world: &World, pod: &Pod, claim: &PodClaim, operation: &str, failure: &ClaimFailure) {
     let message = failure.to_string();
-    if !clear_message(&message, claim) {
+    if !clear_message(&message, claim, &world.shared.causes()) {
         world.shared.violation(
             "unclear failure message",
             format!(
@@ -219,63 +243,27 @@ fn log_call<T>(world: &World, pod: &Pod, operation: &str, call: &Call<T>) {
 
 /// Runs a pod to its end.
 pub async fn run_pod(world: Arc<World>, pod: Arc<Pod>, mut rng: Rng) {
-    let refs = pod.refs();
-    let mut backoff = Backoff::default();
-    // Prepare until it works, or until the pod is deleted.
     loop {
-        if pod.deleted.load(Ordering::SeqCst) {
-            break;
-        }
-        if !pod.attempt(&world) {
+        if !prepare_pod(&world, &pod, &mut rng).await {
             return;
         }
-        let call = world.prepare(&refs).await;
-        log_call(&world, &pod, "prepare", &call);
-        if let Call::Answered(outcomes) = call {
-            let mut all = true;
-            for claim in &pod.claims {
-                match outcomes.get(&claim.uid) {
-                    Some(Ok(devices)) => {
-                        let mut got: Vec<&str> = devices.iter().map(|d| d.device_name.as_str()).collect();
-                        let mut want: Vec<&str> =
-                            claim.placements.iter().map(|p| p.device.as_str()).collect();
-                        got.sort_unstable();
-                        want.sort_unstable();
-                        if got != want {
-                            world.shared.violation(
-                                "prepared devices differ from the allocation",
-                                format!("{}: prepared {got:?}, allocated {want:?}", claim.name),
-                            );
-                        }
-                    }
-                    Some(Err(failure)) => {
-                        all = false;
-                        check_failure(&world, &pod, claim, "prepare", failure);
-                    }
-                    None => {
-                        all = false;
-                        world.shared.violation(
-                            "no outcome",
-                            format!("prepare answered without an outcome for {}", claim.name),
-                        );
-                    }
-                }
-            }
-            if all {
-                pod.set_phase(Phase::Running);
-                world.shared.log(format!("pod {} running", pod.id));
+        // Run until deleted, or prepare again after a reboot.
+        loop {
+            let woken = pod.wake.notified();
+            if pod.deleted.load(Ordering::SeqCst) || pod.rebooted.load(Ordering::SeqCst) {
                 break;
             }
+            woken.await;
         }
-        backoff.wait(&mut rng).await;
-    }
-    // Run until deleted.
-    while !pod.deleted.load(Ordering::SeqCst) {
-        let woken = pod.wake.notified();
         if pod.deleted.load(Ordering::SeqCst) {
             break;
         }
-        woken.await;
+        if pod.rebooted.swap(false, Ordering::SeqCst) {
+            pod.set_phase(Phase::Preparing);
+            world
+                .shared
+                .log(format!("pod {} prepares again after the reboot", pod.id));
+        }
     }
     if pod.forgotten.load(Ordering::SeqCst) {
         // The campaign removed (or replaced) its claims already.
@@ -283,6 +271,7 @@ pub async fn run_pod(world: Arc<World>, pod: Arc<Pod>, mut rng: Rng) {
         return;
     }
     pod.set_phase(Phase::Unpreparing);
+    let refs = pod.refs();
     let mut backoff = Backoff::default();
     loop {
         if !pod.attempt(&world) {
@@ -317,6 +306,69 @@ pub async fn run_pod(world: Arc<World>, pod: Arc<Pod>, mut rng: Rng) {
     world.delete_claims(&pod);
     pod.set_phase(Phase::Gone);
     world.shared.log(format!("pod {} unprepared and gone", pod.id));
+}
+
+/// Prepares the pod's claims until it works (true: the pod runs) or the pod is deleted (true:
+/// it goes on to its unprepare) or gives up (false).
+async fn prepare_pod(world: &World, pod: &Pod, rng: &mut Rng) -> bool {
+    let refs = pod.refs();
+    let mut backoff = Backoff::default();
+    loop {
+        if pod.deleted.load(Ordering::SeqCst) {
+            return true;
+        }
+        if !pod.attempt(world) {
+            return false;
+        }
+        let call = world.prepare(&refs).await;
+        log_call(world, pod, "prepare", &call);
+        if let Call::Answered(outcomes) = call {
+            let mut all = true;
+            for claim in &pod.claims {
+                match outcomes.get(&claim.uid) {
+                    Some(Ok(devices)) => check_prepared(world, claim, devices),
+                    Some(Err(failure)) => {
+                        all = false;
+                        check_failure(world, pod, claim, "prepare", failure);
+                    }
+                    None => {
+                        all = false;
+                        world.shared.violation(
+                            "no outcome",
+                            format!("prepare answered without an outcome for {}", claim.name),
+                        );
+                    }
+                }
+            }
+            if all {
+                pod.set_phase(Phase::Running);
+                world.shared.log(format!("pod {} running", pod.id));
+                return true;
+            }
+        }
+        backoff.wait(rng).await;
+    }
+}
+
+/// The prepared devices must be the allocated ones, each share with its own share ID.
+fn check_prepared(world: &World, claim: &PodClaim, devices: &[dra_kubelet::PreparedDevice]) {
+    let mut got: Vec<(&str, Option<&str>)> = devices
+        .iter()
+        .map(|d| (d.device_name.as_str(), d.share_id.as_deref()))
+        .collect();
+    let mut want: Vec<(&str, Option<&str>)> = claim
+        .placements
+        .iter()
+        .map(|p| (p.device.as_str(), p.share_id()))
+        .collect();
+    got.sort_unstable();
+    want.sort_unstable();
+    if got != want {
+        world.shared.violation(
+            "prepared devices differ from the allocation",
+            format!("{}: prepared {got:?}, allocated {want:?}", claim.name),
+        );
+    }
 }
 
 /// The kubelet's retry back-off (its pod workers back off exponentially too), jittered.

@@ -3,14 +3,22 @@
 //! injected, then check that nothing leaked and every claim converged.
 //!
 //! A trial ([`trial`]) builds a node of 8 simulated GPUs ([`scenario`]: H100, A100 and A30
-//! boards, some with an instance someone else created), runs up to 64 claims through
-//! kubelet-style pods ([`kubelet`]: concurrent prepares and unprepares, retried on failure,
-//! calls abandoned at a deadline), and interleaves faults: crashes at random steps of
-//! prepare, unprepare, recovery, stale-claim collection and background repair ([`world`]),
-//! every NVML error code on every NVML call the plugin makes ([`nvml_calls`]), slow NVML
-//! calls, GPUs lost and returning, claim GETs that fail or time out, plugin restarts, two
-//! plugin instances overlapping, and claims deleted or replaced without an unprepare. Once
-//! the faults are cleared and the pods have settled, [`invariants`] checks the node.
+//! boards, some with MIG off, some with an instance someone else created), runs up to 64
+//! claims of every kind (exclusive MIG devices, shares of shared MIG devices, whole GPUs,
+//! `adminAccess`) through kubelet-style pods ([`kubelet`]: concurrent prepares and unprepares,
+//! retried on failure, calls abandoned at a deadline), and interleaves faults: crashes at
+//! random steps of prepare (the MIG-mode switch included), unprepare (the orphan-list write
+//! included), recovery, stale-claim collection and background repair ([`world`]), every NVML
+//! error code on every NVML call the plugin makes ([`nvml_calls`]) and more on the MIG-mode
+//! switch, a process holding a GPU (so a switch stays pending), slow NVML calls, GPUs lost
+//! and returning, claim GETs that fail or time out, plugin restarts, two plugin instances
+//! overlapping, claims deleted or replaced without an unprepare, and reboots that leave
+//! files half written. Most trials allocate with an oracle scheduler; every third one from
+//! the pool published for the plugin's own inventory ([`published`]). Once the faults are
+//! cleared and the pods have settled, [`invariants`] checks the node.
+//!
+//! NVML calls that never return are not injected yet; hang trials plug in at
+//! `trial::WEIGHTED`.
 //!
 //! The plugin test binary runs a bounded campaign (`fault_campaign.rs`); the example
 //! `fault_campaign` runs any number of trials and prints the [`report`] table
@@ -19,6 +27,7 @@
 pub mod invariants;
 pub mod kubelet;
 pub mod nvml_calls;
+pub mod published;
 pub mod report;
 pub mod rng;
 pub mod scenario;

@@ -1,6 +1,7 @@
 //! Which NVML calls the plugin makes, and every error code NVML defines: the campaign injects
 //! each code on each call. The calls are not listed by hand: a probe run with the fake's call
-//! log on walks the plugin through start, prepare (one and two devices), the status
+//! log on walks the plugin through start, prepare (one and two devices, a MIG-mode switch
+//! on and off, a whole GPU, adminAccess), the status
 //! inventory, stale-claim collection, unprepare, a lost GPU and its return, and a restart,
 //! and records every NVML function that was called.
 
@@ -9,7 +10,7 @@ use std::{collections::BTreeMap, sync::OnceLock};
 use migdra_fake_nvml::config::{FakeConfig, GpuConfig, InstanceConfig};
 
 use super::scenario::{device_name, profiles};
-use crate::plugin::{Node, claim, prepare_one, unprepare_one};
+use crate::plugin::{Node, admin_claim, claim, prepare_one, unprepare_one};
 
 /// Every NVML error code (`nvmlReturn_t` but SUCCESS), with its name.
 pub const ERROR_CODES: [(u32, &str); 31] = [
@@ -146,9 +147,14 @@ impl NvmlCalls {
 }
 
 async fn probe() -> NvmlCalls {
-    let models = ["H100-80GB", "A100-SXM4-40GB", "A30-24GB"];
+    let models = ["H100-80GB", "A100-SXM4-40GB", "A30-24GB", "H100-80GB"];
     let node = Node::with_config(FakeConfig {
-        gpus: models.iter().map(|m| GpuConfig::new(m, true)).collect(),
+        // GPU 3 starts with MIG off: a MIG claim switches it on, a whole-GPU claim off.
+        gpus: models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| GpuConfig::new(m, i != 3))
+            .collect(),
         instances: vec![InstanceConfig {
             gpu: 0,
             profile_id: 19,
@@ -171,6 +177,27 @@ async fn probe() -> NvmlCalls {
         let (driver, _) = node.start(None);
         prepare_one(&driver, "u1", "c1").await.expect("probe: prepare c1");
         prepare_one(&driver, "u2", "c2").await.expect("probe: prepare c2");
+        node.claims.put(claim("u3", "c3", &[("gpu", &device(3, 0))]));
+        prepare_one(&driver, "u3", "c3")
+            .await
+            .expect("probe: prepare c3 (MIG switched on)");
+        unprepare_one(&driver, "u3", "c3")
+            .await
+            .expect("probe: unprepare c3");
+        node.claims.put(claim("u4", "c4", &[("gpu", "gpu-3")]));
+        prepare_one(&driver, "u4", "c4")
+            .await
+            .expect("probe: prepare c4 (MIG switched off)");
+        node.claims.put(admin_claim("u5", "c5", &[("gpu", "gpu-1")]));
+        prepare_one(&driver, "u5", "c5")
+            .await
+            .expect("probe: prepare c5 (adminAccess)");
+        unprepare_one(&driver, "u5", "c5")
+            .await
+            .expect("probe: unprepare c5");
+        unprepare_one(&driver, "u4", "c4")
+            .await
+            .expect("probe: unprepare c4");
         driver.gpus().inventory().expect("probe: inventory");
         node.claims.remove("default", "c1");
         driver.collect_stale_claims().await;

@@ -15,14 +15,21 @@ use std::{
 
 use migdra_fake_nvml::{FaultState, config::FaultConfig};
 
+use migdra_kubelet_plugin::orphans::ORPHANS_FILE;
+
 use super::{
     invariants::{self, foreign_instances},
     kubelet::{Phase, Pod, PodClaim, run_pod},
-    nvml_calls::NvmlCalls,
+    nvml_calls::{ERROR_CODES, NvmlCalls},
+    published,
     rng::Rng,
-    scenario::{GPUS, Scenario, Scheduler},
+    scenario::{ClaimKind, GPUS, Placement, Scenario, Scheduler},
     world::{Tally, Violation, World, lock},
 };
+
+const SET_MIG_MODE: &str = "nvmlDeviceSetMigMode";
+const IN_USE: u32 = 19;
+const GPU_IS_LOST: u32 = 15;
 use crate::plugin::Node;
 
 /// Most claims a trial creates.
@@ -60,10 +67,17 @@ enum Event {
     StaleGc,
     Repair,
     Inventory,
+    MigModeError,
+    ClientHoldsGpu,
+    ClientLeavesGpu,
+    Reboot,
 }
 
-/// Events but the NVML errors, with their weights.
-const WEIGHTED: [(Event, u64); 15] = [
+/// Events but the NVML errors, with their weights. NVML calls that never return are not
+/// among them yet: hang trials plug in here (an event that makes an NVML call block, and the
+/// expectation that the plugin's call time bound answers the kubelet anyway) once the plugin
+/// bounds its NVML calls.
+const WEIGHTED: [(Event, u64); 19] = [
     (Event::CreatePod, 16),
     (Event::DeletePod, 9),
     (Event::ForgetPod, 3),
@@ -79,6 +93,10 @@ const WEIGHTED: [(Event, u64); 15] = [
     (Event::StaleGc, 4),
     (Event::Repair, 3),
     (Event::Inventory, 4),
+    (Event::MigModeError, 2),
+    (Event::ClientHoldsGpu, 2),
+    (Event::ClientLeavesGpu, 2),
+    (Event::Reboot, 1),
 ];
 
 fn schedule(rng: &mut Rng) -> Vec<Event> {
@@ -113,6 +131,13 @@ struct Trial {
     claims: usize,
     nvml_errors: usize,
     lost: Vec<u32>,
+    /// Devices are chosen from the pool published for the plugin's inventory, not by the
+    /// oracle scheduler.
+    published: bool,
+    /// The last inventory the plugin reported (what the controller last published from).
+    inventory: Option<Vec<migdra_api::inventory::GpuInventory>>,
+    /// Instances that existed before the plugin (none after a reboot).
+    foreign: invariants::Foreign,
 }
 
 /// Runs the trial of `seed`.
@@ -123,9 +148,17 @@ pub async fn run_trial(seed: u64, calls: &NvmlCalls) -> TrialOutcome {
     let node = Node::with_config(scenario.fake_config());
     let foreign = foreign_instances(&node.host.read_state().expect("read the fake's state"));
     let world = Arc::new(World::new(node, Scheduler::new(&scenario)));
+    // Every third trial allocates from the published pool instead of the oracle.
+    let published = seed.is_multiple_of(3);
     world.shared.log(format!(
-        "seed {seed}: GPUs {:?}; foreign instances {:?}",
+        "seed {seed}: GPUs {:?}, MIG on {:?}, allocation from {}; foreign instances {:?}",
         scenario.models,
+        scenario.mig_on,
+        if published {
+            "the published pool"
+        } else {
+            "the oracle"
+        },
         scenario
             .foreign
             .iter()
@@ -142,11 +175,14 @@ pub async fn run_trial(seed: u64, calls: &NvmlCalls) -> TrialOutcome {
         claims: 0,
         nvml_errors: 0,
         lost: Vec::new(),
+        published,
+        inventory: None,
+        foreign,
     };
     let events = schedule(&mut rng);
     trial.ensure_plugin().await;
     for _ in 0..rng.range(4, 10) {
-        trial.create_pod();
+        trial.create_pod().await;
     }
     for event in events {
         trial.apply(event).await;
@@ -156,7 +192,7 @@ pub async fn run_trial(seed: u64, calls: &NvmlCalls) -> TrialOutcome {
             trial.ensure_plugin().await;
         }
     }
-    let violations = trial.settle(&foreign).await;
+    let violations = trial.settle().await;
     for v in &violations {
         world.shared.log(format!("VIOLATION {}: {}", v.kind, v.detail));
     }
@@ -205,7 +241,44 @@ impl Trial {
         }
     }
 
-    fn create_pod(&mut self) {
+    /// The plugin's inventory now (what its status loop would write into the GpuNode), or the
+    /// last one it reported when it cannot answer.
+    async fn inventory(&mut self) -> Option<Vec<migdra_api::inventory::GpuInventory>> {
+        if let Some(instance) = self.world.kubelet_target() {
+            let driver = instance.driver.clone();
+            if let Ok(Ok(inventory)) = tokio::task::spawn_blocking(move || driver.gpus().inventory()).await {
+                self.inventory = Some(inventory);
+            }
+        }
+        self.inventory.clone()
+    }
+
+    /// Devices for a new claim: from the published pool or the oracle.
+    async fn allocate(&mut self, uid: &str, kind: ClaimKind, devices: usize) -> Option<Vec<Placement>> {
+        if self.published {
+            let inventory = self.inventory().await?;
+            let mut scheduler = lock(&self.world.scheduler);
+            return match published::allocate(&inventory, scheduler.allocated(), &mut self.rng, kind, devices)
+            {
+                Ok(Some(placements)) => {
+                    scheduler.record(uid, placements.clone());
+                    Some(placements)
+                }
+                Ok(None) => None,
+                Err(e) => {
+                    drop(scheduler);
+                    self.log(format!("the published pool cannot be built: {e}"));
+                    None
+                }
+            };
+        }
+        let state = self.world.node.host.read_state().expect("read the fake's state");
+        let mut scheduler = lock(&self.world.scheduler);
+        let occupied = scheduler.unexplained(&state);
+        scheduler.allocate(&mut self.rng, uid, kind, devices, &self.lost, &occupied)
+    }
+
+    async fn create_pod(&mut self) {
         if self.claims >= MAX_CLAIMS {
             return;
         }
@@ -215,19 +288,21 @@ impl Trial {
         for _ in 0..count.min(MAX_CLAIMS - self.claims) {
             let n = self.claims;
             let uid = format!("uid-{}-{n}", self.seed);
-            let devices = if self.rng.percent(20) { 2 } else { 1 };
-            let state = self.world.node.host.read_state().expect("read the fake's state");
-            let mut scheduler = lock(&self.world.scheduler);
-            let occupied = scheduler.unexplained(&state);
-            let placements = scheduler.allocate(&mut self.rng, &uid, devices, &self.lost, &occupied);
-            drop(scheduler);
-            let Some(placements) = placements else {
+            let kind = ClaimKind::pick(&mut self.rng);
+            let devices = match kind {
+                ClaimKind::WholeGpu => 1,
+                _ if self.rng.percent(20) => 2,
+                _ => 1,
+            };
+            let Some(placements) = self.allocate(&uid, kind, devices).await else {
                 continue;
             };
             self.claims += 1;
+            self.world.shared.observe(&format!("{} claim", kind.name()));
             let claim = PodClaim {
                 uid,
                 name: format!("c{n}"),
+                kind,
                 placements,
             };
             self.world.api.put(claim.object());
@@ -242,6 +317,7 @@ impl Trial {
                 .iter()
                 .map(|c| (
                     c.name.as_str(),
+                    c.kind.name(),
                     c.placements.iter().map(|p| p.device.as_str()).collect::<Vec<_>>()
                 ))
                 .collect::<Vec<_>>()
@@ -250,6 +326,18 @@ impl Trial {
         self.pods.push(pod.clone());
         self.tasks
             .push(tokio::spawn(run_pod(self.world.clone(), pod, self.rng.fork())));
+    }
+
+    /// Files a reboot may leave half written: the checkpoint, the orphan list, claims' CDI
+    /// specs (each with some chance).
+    fn torn_files(&mut self) -> Vec<std::path::PathBuf> {
+        let state = self.world.node.state_dir();
+        let mut candidates = vec![state.join("checkpoint.json"), state.join(ORPHANS_FILE)];
+        candidates.extend(self.world.node.cdi_specs());
+        candidates
+            .into_iter()
+            .filter(|path| path.exists() && self.rng.percent(40))
+            .collect()
     }
 
     /// A pod that has not been deleted yet, preferring running ones.
@@ -283,7 +371,7 @@ impl Trial {
 
     async fn apply(&mut self, event: Event) {
         match event {
-            Event::CreatePod => self.create_pod(),
+            Event::CreatePod => self.create_pod().await,
             Event::DeletePod => {
                 if let Some(pod) = self.live_pod() {
                     self.log(format!("pod {} deleted", pod.id));
@@ -322,6 +410,7 @@ impl Trial {
                     fault.gpu, fault.times
                 ));
                 self.fault("NVML error injected");
+                self.world.shared.nvml_cause(code);
                 self.add_fault(fault);
             }
             Event::NvmlLatency => {
@@ -338,6 +427,7 @@ impl Trial {
                     self.lost.push(gpu);
                     self.log(format!("GPU {gpu} lost"));
                     self.fault("GPU lost");
+                    self.world.shared.nvml_cause(GPU_IS_LOST);
                     self.set_lost(gpu, true);
                 }
             }
@@ -403,10 +493,61 @@ impl Trial {
                         .log(format!("instance {} stopped (rolling update done)", old.state.id));
                 }
             }
+            Event::MigModeError => {
+                let (code, name) = *self.rng.pick(&ERROR_CODES);
+                let mut fault = FaultConfig::error(SET_MIG_MODE, code).times(self.rng.range(1, 3) as u32);
+                if self.rng.percent(50) {
+                    fault = fault.on_gpu(self.rng.below(u64::from(GPUS)) as u32);
+                }
+                self.log(format!(
+                    "NVML fault: {SET_MIG_MODE} -> {name} ({code}), gpu {:?}, {:?} times",
+                    fault.gpu, fault.times
+                ));
+                self.fault("MIG-mode switch fault injected");
+                self.world.shared.nvml_cause(code);
+                self.add_fault(fault);
+            }
+            Event::ClientHoldsGpu => {
+                let gpu = self.rng.below(u64::from(GPUS)) as u32;
+                self.log(format!("a process holds GPU {gpu}"));
+                self.fault("a process holds a GPU (MIG-mode switches stay pending)");
+                self.world.shared.nvml_cause(IN_USE);
+                self.set_client(Some(gpu));
+            }
+            Event::ClientLeavesGpu => self.set_client(None),
+            Event::Reboot => {
+                let torn = self.torn_files();
+                self.log(format!("the node reboots; torn files: {torn:?}"));
+                self.fault("node reboot");
+                if !torn.is_empty() {
+                    self.fault("file torn by a reboot");
+                }
+                self.world.reboot(&torn).await;
+                self.lost.clear();
+                // Instances do not survive a reboot, foreign ones neither.
+                self.foreign.clear();
+                for pod in &self.pods {
+                    pod.reboot();
+                }
+                self.ensure_plugin().await;
+            }
             Event::StaleGc => self.background(Background::StaleGc),
             Event::Repair => self.background(Background::Repair),
             Event::Inventory => self.background(Background::Inventory),
         }
+    }
+
+    /// A process holds GPU `gpu` (`None`: every GPU is let go).
+    fn set_client(&self, gpu: Option<u32>) {
+        self.world
+            .node
+            .host
+            .update_state(|s| {
+                for g in &mut s.gpus {
+                    g.client_holds_gpu = Some(g.index) == gpu;
+                }
+            })
+            .expect("set a process on a GPU");
     }
 
     fn set_lost(&self, gpu: u32, lost: bool) {
@@ -429,7 +570,8 @@ impl Trial {
     }
 
     /// Clears every fault, lets the pods finish, and checks the invariants.
-    async fn settle(&mut self, foreign: &invariants::Foreign) -> Vec<Violation> {
+    async fn settle(&mut self) -> Vec<Violation> {
+        let foreign = &self.foreign.clone();
         let world = self.world.clone();
         world.settling.store(true, Ordering::SeqCst);
         world.shared.log("settling: faults cleared, GPUs back".into());
@@ -439,6 +581,7 @@ impl Trial {
             .update_state(|s| {
                 for gpu in &mut s.gpus {
                     gpu.lost = false;
+                    gpu.client_holds_gpu = false;
                 }
                 std::mem::take(&mut s.faults)
             })

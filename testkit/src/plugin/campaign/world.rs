@@ -81,6 +81,9 @@ pub struct Shared {
     /// The operation in flight per claim UID, with how many calls run it (to tell which
     /// operation a crash interrupted); a call the kubelet abandoned counts until it ends.
     pub in_flight: Mutex<HashMap<String, (&'static str, usize)>>,
+    /// What a failure message may name as its cause instead of the claim: the texts of the
+    /// NVML errors the trial caused, and the node lock.
+    causes: Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl Default for Shared {
@@ -91,6 +94,9 @@ impl Default for Shared {
             violations: Mutex::default(),
             log: Mutex::default(),
             in_flight: Mutex::default(),
+            causes: Mutex::new(std::collections::BTreeSet::from([
+                "holds the node lock".to_string()
+            ])),
         }
     }
 }
@@ -113,6 +119,28 @@ impl Shared {
     pub fn observe(&self, what: &str) {
         lock(&self.tally).observe(what);
     }
+
+    /// The trial made NVML answer `code` somewhere: a message may name that as the cause.
+    pub fn nvml_cause(&self, code: u32) {
+        lock(&self.causes).insert(nvml_error_text(code));
+    }
+
+    pub fn causes(&self) -> Vec<String> {
+        lock(&self.causes).iter().cloned().collect()
+    }
+}
+
+/// How the plugin words NVML error `code` in its messages (the NVML binding's text; the
+/// plugin says what INSUFFICIENT_RESOURCES means itself).
+pub fn nvml_error_text(code: u32) -> String {
+    const INSUFFICIENT_RESOURCES: u32 = 23;
+    if code == INSUFFICIENT_RESOURCES {
+        return "insufficient resources".into();
+    }
+    nvml_wrapper::error::nvml_try(code)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default()
 }
 
 /// Faults of the claim GETs, consumed one GET at a time.
@@ -297,13 +325,15 @@ pub struct World {
     pub settling: AtomicBool,
     pub starts: AtomicU64,
     pub scheduler: Mutex<Scheduler>,
+    /// The node's boot ID (a reboot changes it).
+    pub boot_id: Mutex<String>,
+    pub reboots: AtomicU64,
 }
 
 impl World {
     pub fn new(node: Node, scheduler: Scheduler) -> Self {
         let shared = Arc::new(Shared::default());
         Self {
-            node,
             api: ApiClaims::new(shared.clone()),
             shared,
             plugins: Mutex::default(),
@@ -311,7 +341,10 @@ impl World {
             pending: Mutex::default(),
             settling: AtomicBool::new(false),
             starts: AtomicU64::new(0),
+            boot_id: Mutex::new(node.boot_id.clone()),
+            reboots: AtomicU64::new(0),
             scheduler: Mutex::new(scheduler),
+            node,
         }
     }
 
@@ -334,7 +367,7 @@ impl World {
             driver_name: DRIVER.into(),
             node_name: NODE.into(),
             state_dir: self.node.state_dir(),
-            boot_id: self.node.boot_id.clone(),
+            boot_id: lock(&self.boot_id).clone(),
             lock_timeout: Duration::from_secs(2),
             nvml_call_timeout: Duration::from_secs(20),
         };
@@ -506,6 +539,35 @@ impl World {
             }
             lock(&self.scheduler).release(&claim.uid);
         }
+    }
+
+    /// The node reboots: every plugin instance dies where it is (its calls and passes end at
+    /// their next step, and all of them end before the GPUs reset, as nothing of the old boot
+    /// runs after it), NVML comes back without instances (Hopper and later with MIG off,
+    /// Ampere with its pending mode applied, lost GPUs back), the boot ID changes, and the
+    /// files in `torn` are left half written, as a write the reboot overtook can be. Pods
+    /// are told by the caller.
+    pub async fn reboot(&self, torn: &[std::path::PathBuf]) {
+        let instances = std::mem::take(&mut *lock(&self.plugins));
+        for instance in &instances {
+            instance.state.dead.store(true, Ordering::SeqCst);
+        }
+        self.quiesce().await;
+        while !lock(&self.shared.in_flight).is_empty() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.quiesce().await;
+        for path in torn {
+            if let Ok(bytes) = std::fs::read(path) {
+                let _ = std::fs::write(path, &bytes[..bytes.len() / 2]);
+            }
+        }
+        self.node
+            .host
+            .update_state(|s| s.reload_driver())
+            .expect("reboot the fake's GPUs");
+        let n = self.reboots.fetch_add(1, Ordering::SeqCst) + 1;
+        *lock(&self.boot_id) = format!("{}-after-reboot-{n}", self.node.boot_id);
     }
 
     /// Waits for every abandoned call and background pass.
