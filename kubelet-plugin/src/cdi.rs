@@ -350,7 +350,10 @@ impl CdiWriter {
         match self.claim_specs_of_this_boot() {
             Ok(specs) => specs
                 .into_iter()
-                .filter_map(|s| s.claim.map(|(namespace, name)| (s.uid, format!("{namespace}/{name}"))))
+                .filter_map(|s| {
+                    s.claim
+                        .map(|(namespace, name)| (s.uid, format!("{namespace}/{name}")))
+                })
                 .collect(),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot list the claim CDI specs");

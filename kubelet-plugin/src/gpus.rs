@@ -538,14 +538,23 @@ impl Gpus {
                 .into_iter()
                 .chain(pending.map(|p| format!("recovery of claim {} pending: {}", p.claim, p.error)))
                 .collect();
+            // Instances that cannot be listed may occupy any placement: the GPU is reported
+            // unhealthy so none of its free-looking placements is offered.
+            let (instances, listing) = match self.occupied(&description) {
+                Ok(instances) => (instances, None),
+                Err(e) => {
+                    tracing::warn!(gpu = description.minor, error = %e, "listing GPU instances failed");
+                    (
+                        Vec::new(),
+                        Some(format!("its MIG instances cannot be listed: {e}")),
+                    )
+                }
+            };
+            let reasons: Vec<String> = reasons.into_iter().chain(listing).collect();
             let health = GpuHealth {
                 healthy: reasons.is_empty(),
                 reason: (!reasons.is_empty()).then(|| reasons.join("; ")),
             };
-            let instances = self.occupied(&description).unwrap_or_else(|e| {
-                tracing::warn!(gpu = description.minor, error = %e, "listing GPU instances failed");
-                Vec::new()
-            });
             let switchable = mode_switchable(&description);
             inventory.push(gpu_inventory(
                 &description,

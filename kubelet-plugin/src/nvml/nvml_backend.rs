@@ -203,20 +203,19 @@ impl NvmlBackend {
     /// Whether the GPU's MIG partitions may be managed here: not in a vGPU guest or on a
     /// vGPU/vSGA hypervisor host (there the GPU is offered whole only). Bare metal and
     /// pass-through VMs manage MIG themselves; a driver without the call is bare metal.
-    fn manages_mig(&self, gpu: u32, device: &Device<'_>) -> bool {
+    /// An unreadable mode is an error, not "no MIG": a MIG-capable GPU described without MIG
+    /// would be handed out whole with its MIG mode (and instances) still on.
+    fn manages_mig(&self, gpu: u32, device: &Device<'_>) -> Result<bool, NvmlError> {
         match device.virtualization_mode() {
-            Ok(GpuVirtualizationMode::Bare | GpuVirtualizationMode::PassThrough) => true,
+            Ok(GpuVirtualizationMode::Bare | GpuVirtualizationMode::PassThrough) => Ok(true),
             Ok(mode) => {
                 tracing::info!(gpu, ?mode, "GPU is virtualised; offered whole only, without MIG");
-                false
+                Ok(false)
             }
             Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_) | NvmlError::FunctionNotFound) => {
-                true
+                Ok(true)
             }
-            Err(e) => {
-                tracing::warn!(gpu, error = %e, "virtualization mode unreadable; offered whole only, without MIG");
-                false
-            }
+            Err(e) => Err(e),
         }
     }
 
@@ -349,8 +348,12 @@ impl NvmlBackend {
         let numa_node = device.numa_node_id().ok().map(i64::from);
         let architecture = self.architecture(&device).ok().flatten();
         let cuda_compute_capability = device.cuda_compute_capability().ok().map(|c| (c.major, c.minor));
+        let manages_mig = || {
+            self.manages_mig(index, &device)
+                .map_err(|e| error(op("virtualization mode"), &e))
+        };
         let mig = match device.mig_mode() {
-            Ok(_) if !self.manages_mig(index, &device) => None,
+            Ok(_) if !manages_mig()? => None,
             Ok(mode) => Some(MigDescription {
                 enabled: mode.current != 0,
                 pending_enabled: mode.pending != 0,
