@@ -71,13 +71,14 @@ enum Event {
     ClientHoldsGpu,
     ClientLeavesGpu,
     Reboot,
+    NvmlHang,
+    NvmlHangEnds,
 }
 
-/// Events but the NVML errors, with their weights. NVML calls that never return are not
-/// among them yet: hang trials plug in here (an event that makes an NVML call block, and the
-/// expectation that the plugin's call time bound answers the kubelet anyway) once the plugin
-/// bounds its NVML calls.
-const WEIGHTED: [(Event, u64); 19] = [
+/// Events but the NVML errors, with their weights. A hang makes one NVML call on one GPU block
+/// for minutes, until a later event (or the settling) ends it: the plugin's call time bound
+/// answers the kubelet meanwhile, and what the call did is reconciled once it returns.
+const WEIGHTED: [(Event, u64); 21] = [
     (Event::CreatePod, 16),
     (Event::DeletePod, 9),
     (Event::ForgetPod, 3),
@@ -97,7 +98,12 @@ const WEIGHTED: [(Event, u64); 19] = [
     (Event::ClientHoldsGpu, 2),
     (Event::ClientLeavesGpu, 2),
     (Event::Reboot, 1),
+    (Event::NvmlHang, 2),
+    (Event::NvmlHangEnds, 2),
 ];
+
+/// A hung call's latency: longer than any trial, so only removing the fault ends it.
+const HANG_MS: u64 = 600_000;
 
 fn schedule(rng: &mut Rng) -> Vec<Event> {
     let total: u64 = WEIGHTED.iter().map(|(_, w)| w).sum();
@@ -421,6 +427,32 @@ impl Trial {
                 let times = self.rng.range(1, 4) as u32;
                 self.add_fault(FaultConfig::latency(&function, ms).times(times));
             }
+            Event::NvmlHang => {
+                let function = self.rng.pick(&self.calls.functions).clone();
+                let gpu = self.rng.below(u64::from(GPUS)) as u32;
+                self.log(format!("NVML hang: {function} on GPU {gpu}"));
+                self.fault("NVML call hung");
+                self.world.shared.cause("NVML is not answering");
+                self.add_fault(FaultConfig::latency(&function, HANG_MS).on_gpu(gpu).times(1));
+            }
+            Event::NvmlHangEnds => {
+                let ended = self
+                    .world
+                    .node
+                    .host
+                    .update_state(|s| {
+                        let at = s
+                            .faults
+                            .iter()
+                            .position(|f| f.fault.latency_ms == Some(HANG_MS))?;
+                        Some(s.faults.remove(at).fault.function)
+                    })
+                    .expect("end a hang");
+                if let Some(function) = ended {
+                    self.log(format!("NVML hang of {function} ended"));
+                    self.fault("NVML hang ended");
+                }
+            }
             Event::LoseGpu => {
                 let gpu = self.rng.below(u64::from(GPUS)) as u32;
                 if !self.lost.contains(&gpu) {
@@ -665,6 +697,7 @@ impl Trial {
         };
         for kind in [
             Background::Repair,
+            Background::OverdueReconcile,
             Background::Inventory,
             Background::StaleGc,
             Background::Inventory,
@@ -691,6 +724,7 @@ enum Background {
     StaleGc,
     Repair,
     Inventory,
+    OverdueReconcile,
 }
 
 impl Background {
@@ -699,6 +733,7 @@ impl Background {
             Self::StaleGc => "stale GC",
             Self::Repair => "background repair",
             Self::Inventory => "status inventory",
+            Self::OverdueReconcile => "reconcile after overdue NVML calls",
         }
     }
 }
@@ -716,6 +751,9 @@ async fn run_background(instance: Arc<super::world::Instance>, kind: Background)
         }
         Background::Inventory => {
             let _ = tokio::task::spawn_blocking(move || driver.gpus().inventory()).await;
+        }
+        Background::OverdueReconcile => {
+            let _ = tokio::task::spawn_blocking(move || driver.reconcile_after_overdue()).await;
         }
     }
     *lock(&instance.state.background) = None;

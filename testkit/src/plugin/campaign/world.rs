@@ -125,6 +125,11 @@ impl Shared {
         lock(&self.causes).insert(nvml_error_text(code));
     }
 
+    /// A cause a failure message may name instead of the claim.
+    pub fn cause(&self, text: &str) {
+        lock(&self.causes).insert(text.to_string());
+    }
+
     pub fn causes(&self) -> Vec<String> {
         lock(&self.causes).iter().cloned().collect()
     }
@@ -369,7 +374,8 @@ impl World {
             state_dir: self.node.state_dir(),
             boot_id: lock(&self.boot_id).clone(),
             lock_timeout: Duration::from_secs(2),
-            nvml_call_timeout: Duration::from_secs(20),
+            // Short, so a hung call answers well within a trial.
+            nvml_call_timeout: Duration::from_secs(2),
         };
         let (api, cdi) = (self.api.clone(), self.node.cdi());
         let started = tokio::task::spawn_blocking(move || {
