@@ -322,6 +322,7 @@ def test_every_alert_is_tested_firing_quiet_and_pending(custom):
         "MigdraUnprepareFailures",
         "MigdraForeignInstancesAppeared",
         "MigdraRecoveryPending",
+        "MigdraNvmlNotAnswering",
         "MigdraPoolNotPublished",
         "MigdraHeartbeatWithdrawalsHeld",
         "MigdraSlicesWiped",
