@@ -58,10 +58,9 @@ def plugin_request(
     }
 
 
-def evaluate_policy(rendered, request: dict, object_name: str) -> tuple[bool, list[str]]:
-    """(allowed, denial messages) of the rendered policy for one GpuNode write."""
-    policy = gpunode_policy(rendered)
-    spec = policy["spec"]
+def run_policy(spec: dict, request: dict, activation: dict) -> tuple[bool, list[str]]:
+    """(allowed, denial messages) of a ValidatingAdmissionPolicy `spec` for `request`, with
+    `activation` holding `object` (and `oldObject`) as the API server would bind them."""
     resource = request["resource"]["resource"] + (f"/{request['subResource']}" if request["subResource"] else "")
     matched = any(
         request["resource"]["group"] in rule["apiGroups"]
@@ -71,13 +70,11 @@ def evaluate_policy(rendered, request: dict, object_name: str) -> tuple[bool, li
     )
     if not matched:
         return True, []
-    group = request["resource"]["group"]
-    obj = {"apiVersion": f"{group}/{request['resource']['version']}", "metadata": {"name": object_name}}
-    activation = {"request": request, "object": obj}
+    activation = {"request": request, **activation}
     for condition in spec.get("matchConditions", []):
         if not bool(cel(condition["expression"], activation)):
             return True, []
-    variables = {}
+    variables: dict = {}
     for var in spec.get("variables", []):
         variables[var["name"]] = cel(var["expression"], {**activation, "variables": variables})
     activation["variables"] = variables
@@ -89,6 +86,13 @@ def evaluate_policy(rendered, request: dict, object_name: str) -> tuple[bool, li
             else:
                 messages.append(validation["message"])
     return not messages, messages
+
+
+def evaluate_policy(rendered, request: dict, object_name: str) -> tuple[bool, list[str]]:
+    """(allowed, denial messages) of the rendered policy for one GpuNode write."""
+    group = request["resource"]["group"]
+    obj = {"apiVersion": f"{group}/{request['resource']['version']}", "metadata": {"name": object_name}}
+    return run_policy(gpunode_policy(rendered)["spec"], request, {"object": obj})
 
 
 def test_policy_targets_gpunodes_status_and_leases(default):

@@ -15,7 +15,7 @@ import copy
 import pytest
 
 from conftest import NAMESPACE, render
-from test_admission import NODE_KEY, cel, plugin_username
+from test_admission import NODE_KEY, plugin_username, run_policy
 
 POLICY_SUFFIX = "-kubelet-plugin-own-claims"
 CLAIMS = {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"}
@@ -73,32 +73,7 @@ def status_request(rendered, token_node: str | None, username=None, extra=None) 
 
 def evaluate(rendered, request: dict, old: dict, new: dict) -> tuple[bool, list[str]]:
     """(allowed, denial messages) of the rendered policy for one claim status write."""
-    spec = claim_policy(rendered)["spec"]
-    resource = request["resource"]["resource"] + (f"/{request['subResource']}" if request["subResource"] else "")
-    matched = any(
-        request["resource"]["group"] in rule["apiGroups"]
-        and resource in rule["resources"]
-        and request["operation"] in rule["operations"]
-        for rule in spec["matchConstraints"]["resourceRules"]
-    )
-    if not matched:
-        return True, []
-    activation = {"request": request, "object": new, "oldObject": old}
-    for condition in spec.get("matchConditions", []):
-        if not bool(cel(condition["expression"], activation)):
-            return True, []
-    variables: dict = {}
-    for var in spec["variables"]:
-        variables[var["name"]] = cel(var["expression"], {**activation, "variables": variables})
-    activation["variables"] = variables
-    messages = []
-    for validation in spec["validations"]:
-        if not bool(cel(validation["expression"], activation)):
-            if "messageExpression" in validation:
-                messages.append(str(cel(validation["messageExpression"], activation)))
-            else:
-                messages.append(validation["message"])
-    return not messages, messages
+    return run_policy(claim_policy(rendered)["spec"], request, {"object": new, "oldObject": old})
 
 
 def write(rendered, token_node, old, new, **kwargs):

@@ -577,7 +577,7 @@ mod tests {
         let h = synced(100);
         assert_eq!(h.next_due(), at(100) + Duration::from_secs(23).mul_f64(2.0 / 3.0));
         // The kubelet was seen renewing at 120: the plugin's silence was witnessed, and its
-        // expiry withdraws on one node as before.
+        // expiry withdraws the pool, on one node too.
         assert!(matches!(
             live(&witnessed(h.clone(), 0, 120), at(125), timeout),
             Liveness::Gone(GoneReason::HeartbeatExpired { .. })
