@@ -47,6 +47,11 @@ pub struct FakeState {
     /// default: counting writes the state on every call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call_log: Option<BTreeMap<String, u64>>,
+    /// How often the driver was reloaded (a reboot, [`FakeState::reload_driver`]). A call held
+    /// by a latency fault across a reload returns without acting: on a node the reboot ends it
+    /// with its process.
+    #[serde(default)]
+    pub driver_loads: u64,
 }
 
 /// One GPU.
@@ -227,6 +232,7 @@ impl FakeState {
                 })
                 .collect(),
             call_log: None,
+            driver_loads: 0,
         };
         for instance in &config.instances {
             state
@@ -288,6 +294,7 @@ impl FakeState {
     /// Simulates a driver reload or reboot: instances are gone; Ampere applies its pending
     /// mode (it persists), Hopper and later lose MIG mode.
     pub fn reload_driver(&mut self) {
+        self.driver_loads += 1;
         for g in &mut self.gpus {
             let switchable = g
                 .fake_model()

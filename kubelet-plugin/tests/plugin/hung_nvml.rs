@@ -251,3 +251,27 @@ async fn a_failed_create_is_not_watched() {
         "a create that returned an error leaves nothing to watch"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_create_held_across_a_reboot_creates_nothing() {
+    // Ampere keeps MIG mode across the reload, so the create could still succeed after it.
+    let mut node = Node::new(&[("A100-80GB", true)]);
+    node.nvml_call_timeout = Duration::from_secs(1);
+    node.claims
+        .put(claim("ua", "a", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    let (driver, _) = node.start(None);
+    hang(&node, CREATE_GI, 0);
+    prepare_typed(&driver, "ua", "a")
+        .await
+        .expect_err("the create hangs past the bound");
+    assert_eq!(driver.gpus().nvml_calls().overdue().len(), 1);
+    // The node reboots while the call is inside the driver; on a node the reboot ends the
+    // call with its process, so it must not act on the new boot's GPUs when let go.
+    node.host.update_state(|s| s.reload_driver()).unwrap();
+    release(&node);
+    wait_until("the held call returned", || {
+        driver.gpus().nvml_calls().overdue().is_empty()
+    })
+    .await;
+    assert!(node.instances(0).is_empty(), "{:?}", node.instances(0));
+}
