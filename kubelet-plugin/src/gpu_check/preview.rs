@@ -8,6 +8,7 @@ use std::{collections::BTreeMap, path::Path};
 
 use migdra_api::{
     device_name::DeviceName,
+    geometry::MigProfile,
     inventory::GpuHealth,
     policy::EffectivePolicy,
     slices::{PlannedKind, plan_pool, published_plan},
@@ -134,6 +135,37 @@ pub fn fill_device_names(rows: &mut [ProfileRow], published: &PublishedReport) {
             .filter(|d| d.profile_id == Some(row.id))
             .map(|d| d.name.clone())
             .collect();
+    }
+}
+
+/// The maximal layouts of a GPU ([`super::layouts::maximal_layouts`]) and which of them the
+/// published counters let the scheduler allocate; full mode then asks NVML.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LayoutsPreview {
+    pub maximal: usize,
+    pub counters_accept: usize,
+    /// `layout: why`, for those the counters refuse (e.g. two `+me` instances on a GPU with
+    /// one OFA engine).
+    pub counters_refuse: Vec<String>,
+}
+
+pub fn layouts(gpu: &GpuDescription, profiles: &[MigProfile]) -> LayoutsPreview {
+    let counters = super::layouts::CounterModel::new(gpu);
+    let all = super::layouts::maximal_layouts(profiles);
+    let counters_refuse: Vec<String> = all
+        .iter()
+        .filter_map(|l| {
+            counters
+                .accepts(l)
+                .err()
+                .map(|why| format!("{}: {why}", super::layouts::label(l)))
+        })
+        .collect();
+    LayoutsPreview {
+        maximal: all.len(),
+        counters_accept: all.len() - counters_refuse.len(),
+        counters_refuse,
     }
 }
 
@@ -305,6 +337,7 @@ mod tests {
             uuid: m.uuid(3),
             product_name: m.product_name.into(),
             pci_bus_id: None,
+            pci_device_id: m.pci_device_ids.first().copied(),
             numa_node: None,
             memory_mib: m.memory_mib,
             architecture: Some(m.architecture),
