@@ -161,7 +161,7 @@ mod tests {
 
     #[test]
     fn the_counters_accept_what_they_publish_and_refuse_what_they_do_not() {
-        let model = catalog::model("A30").unwrap();
+        let model = catalog::model("A30-24GB").unwrap();
         let gpu = crate::nvml::GpuDescription {
             index: 0,
             minor: 0,

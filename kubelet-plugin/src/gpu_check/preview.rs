@@ -382,6 +382,7 @@ mod tests {
             multiprocessors: 60,
             placements: vec![0, 4],
             device_names: Vec::new(),
+            nvml_name: None,
             catalog: super::super::report::RowStatus::Match,
         }];
         fill_device_names(&mut rows, &p);
