@@ -374,13 +374,25 @@ mod tests {
         let three_g = c.rows.iter().find(|r| r.id == 9).unwrap();
         assert_eq!(three_g.nvml_name.as_deref(), Some("3g.40gb-x"));
         // Only the name that differs from the derived one is reported.
-        let renamed: Vec<_> = c.findings.iter().filter(|f| f.message.contains("is named")).collect();
+        let renamed: Vec<_> = c
+            .findings
+            .iter()
+            .filter(|f| f.message.contains("is named"))
+            .collect();
         assert_eq!(renamed.len(), 1, "{renamed:?}");
-        assert!(renamed[0].message.contains("\"3g.40gb-x\" by NVML and published as \"3g.40gb\""));
+        assert!(
+            renamed[0]
+                .message
+                .contains("\"3g.40gb-x\" by NVML and published as \"3g.40gb\"")
+        );
 
         // Without MIG on, NVML gives no names: said so.
         let c = compare_with_catalog(&gpu, catalog::models(), &no_names());
-        assert!(c.findings.iter().any(|f| f.message.contains("only readable with MIG mode on")));
+        assert!(
+            c.findings
+                .iter()
+                .any(|f| f.message.contains("only readable with MIG mode on"))
+        );
     }
 
     #[test]

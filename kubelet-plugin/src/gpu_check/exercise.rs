@@ -1,8 +1,10 @@
-//! Full mode: on an idle GPU, creates every GPU-instance profile at every placement, one at a
-//! time, through [`GpuBackend`] (as the plugin's prepare does: GI at the placement, then the
-//! full CI), checks what migdra relies on (the placement NVML reports, the `MIG-` UUID, the
-//! capability files and device nodes a CDI spec is built from), destroys it, and times each
-//! NVML call. The MIG mode found is restored at the end, also after failures.
+//! Full mode, on a GPU no other process uses ([`ensure_idle`]): creates every GPU-instance
+//! profile at every placement, one at a time, through [`GpuBackend`] (as the plugin's prepare
+//! does: GI at the placement, then the full CI), checks what migdra relies on (the placement
+//! NVML reports, the `MIG-` UUID, the capability files and device nodes a CDI spec is built
+//! from) and destroys it; then creates every maximal layout side by side and compares NVML's
+//! verdict with the published counters'; times each NVML call. MIG mode is changed only with
+//! the round-trip flag, and the mode found is restored at the end, also after failures.
 
 use std::{
     collections::BTreeMap,
@@ -123,13 +125,20 @@ pub fn device_file_holders(proc_root: &Path, minor: u32) -> Vec<String> {
 pub fn ensure_idle(backend: &NvmlBackend, gpu: &GpuDescription, users: &GpuUsers) -> Result<(), CheckError> {
     let refuse = |why: String| CheckError::Refused {
         gpu: gpu.index,
-        reason: format!("{why}; full mode creates and destroys instances; {SAFE_RUN_ADVICE} (--read-only changes nothing and is safe on a GPU in use)"),
+        reason: format!(
+            "{why}; full mode creates and destroys instances; {SAFE_RUN_ADVICE} (--read-only changes nothing and is safe on a GPU in use)"
+        ),
     };
     if !users.is_empty() {
-        return Err(refuse(format!("other processes use the GPU: {}", users.describe())));
+        return Err(refuse(format!(
+            "other processes use the GPU: {}",
+            users.describe()
+        )));
     }
     if let Some(e) = &users.nvml_error {
-        return Err(refuse(format!("NVML cannot say which processes use the GPU ({e})")));
+        return Err(refuse(format!(
+            "NVML cannot say which processes use the GPU ({e})"
+        )));
     }
     let instances = super::preview::existing_instances(backend, gpu)?;
     if instances.is_empty() {
@@ -377,7 +386,9 @@ fn exercise_layouts(
         let mut nvml_refused = None;
         for m in &layout {
             let id = m.profile.gi_profile_id;
-            match timings.time("create GI", || backend.create_gpu_instance(gpu.index, id, m.start)) {
+            match timings.time("create GI", || {
+                backend.create_gpu_instance(gpu.index, id, m.start)
+            }) {
                 Ok(gi) => created.push(gi),
                 Err(e) => {
                     nvml_refused = Some(format!("{}: {e}", m.label()));
@@ -443,7 +454,9 @@ fn mig_mode_round_trip(
             )));
         }
         Err(e) => {
-            findings.push(Finding::mismatch(format!("{label}: disabling MIG mode failed: {e}")));
+            findings.push(Finding::mismatch(format!(
+                "{label}: disabling MIG mode failed: {e}"
+            )));
             return "round trip failed: could not be disabled, left on".into();
         }
     }

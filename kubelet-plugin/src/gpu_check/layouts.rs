@@ -56,7 +56,11 @@ fn fits(layout: &[Member<'_>], new: Member<'_>) -> bool {
 pub fn maximal_layouts(profiles: &[MigProfile]) -> Vec<Layout<'_>> {
     let candidates: Vec<Member<'_>> = profiles
         .iter()
-        .flat_map(|p| p.placements.iter().map(move |&start| Member { start, profile: p }))
+        .flat_map(|p| {
+            p.placements
+                .iter()
+                .map(move |&start| Member { start, profile: p })
+        })
         .collect();
     let mut out = Vec::new();
     let mut stack = vec![(0, Vec::new())];
@@ -135,7 +139,10 @@ mod tests {
 
     fn labels(key: &str) -> Vec<String> {
         let model = catalog::model(key).unwrap();
-        maximal_layouts(&model.profiles).iter().map(|l| label(l)).collect()
+        maximal_layouts(&model.profiles)
+            .iter()
+            .map(|l| label(l))
+            .collect()
     }
 
     #[test]
@@ -146,7 +153,10 @@ mod tests {
             "4g.40gb@0 + 3g.40gb@4",
             "1g.10gb@0 + 1g.10gb@1 + 1g.10gb@2 + 1g.10gb@3 + 1g.10gb@4 + 1g.10gb@5 + 1g.10gb@6",
         ] {
-            assert!(all.iter().any(|l| l == expected), "{expected} missing from {all:#?}");
+            assert!(
+                all.iter().any(|l| l == expected),
+                "{expected} missing from {all:#?}"
+            );
         }
         // Not maximal: a 1g fits next to the 4g.
         assert!(!all.iter().any(|l| l == "4g.40gb@0"));
@@ -185,9 +195,11 @@ mod tests {
         let refused: Vec<_> = layouts.iter().filter(|l| counters.accepts(l).is_err()).collect();
         // A30: one OFA engine, so the two +me profiles never share the GPU.
         assert!(
-            refused
+            refused.iter().all(|l| l
                 .iter()
-                .all(|l| l.iter().filter(|m| m.profile.name.to_string().contains("+me")).count() >= 2),
+                .filter(|m| m.profile.name.to_string().contains("+me"))
+                .count()
+                >= 2),
             "{:?}",
             refused.iter().map(|l| label(l)).collect::<Vec<_>>()
         );
@@ -195,7 +207,12 @@ mod tests {
             gi_profile_id: 99,
             ..model.profiles[0].clone()
         };
-        let err = counters.accepts(&[Member { start: 0, profile: &bogus }]).unwrap_err();
+        let err = counters
+            .accepts(&[Member {
+                start: 0,
+                profile: &bogus,
+            }])
+            .unwrap_err();
         assert!(err.contains("is not published"), "{err}");
     }
 }

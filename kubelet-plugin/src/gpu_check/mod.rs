@@ -204,7 +204,8 @@ pub fn check(backend: &NvmlBackend, options: &CheckOptions) -> Result<GpuCheckRe
     for (gpu, users) in gpus.iter().zip(users) {
         let instances = preview::existing_instances(backend, gpu);
         let mut gpu_report = report::GpuReport::new(gpu);
-        let comparison = compare::compare_with_catalog(gpu, options.catalog, &nvml_profile_names(backend, gpu, options));
+        let comparison =
+            compare::compare_with_catalog(gpu, options.catalog, &nvml_profile_names(backend, gpu, options));
         gpu_report.catalog_model = comparison.model.map(|m| m.key.to_string());
         gpu_report.catalog_source = comparison.model.map(|m| report::source_name(m.source()));
         gpu_report.findings.extend(comparison.findings);

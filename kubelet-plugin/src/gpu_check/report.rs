@@ -400,8 +400,12 @@ fn render_exercise(out: &mut String, ex: &ExerciseReport) {
             out,
             "      {}: NVML {}, counters {}",
             l.layout,
-            l.nvml_refused.as_deref().map_or("accept".into(), |e| format!("refuse ({e})")),
-            l.counters_refused.as_deref().map_or("accept".into(), |e| format!("refuse ({e})"))
+            l.nvml_refused
+                .as_deref()
+                .map_or("accept".into(), |e| format!("refuse ({e})")),
+            l.counters_refused
+                .as_deref()
+                .map_or("accept".into(), |e| format!("refuse ({e})"))
         );
     }
     for t in &ex.timings {

@@ -37,8 +37,7 @@ use nvml_wrapper::{
 use nvml_wrapper_sys::bindings::{
     nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t, nvmlDevice_t,
     nvmlDeviceArchitecture_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
-    nvmlGpuInstanceProfileInfo_v2_t,
-    nvmlMemory_t,
+    nvmlGpuInstanceProfileInfo_v2_t, nvmlMemory_t,
 };
 
 use super::{
@@ -352,7 +351,9 @@ impl NvmlBackend {
         let memory_bytes = self.memory_total(&device).map_err(|e| error(op("memory"), &e))?;
         let pci = device.pci_info().ok();
         let pci_bus_id = pci.as_ref().map(|p| normalize_bus_id(&p.bus_id));
-        let pci_device_id = pci.as_ref().and_then(|p| u16::try_from(p.pci_device_id >> 16).ok());
+        let pci_device_id = pci
+            .as_ref()
+            .and_then(|p| u16::try_from(p.pci_device_id >> 16).ok());
         let numa_node = device.numa_node_id().ok().map(i64::from);
         let architecture = self.architecture(&device).ok().flatten();
         let cuda_compute_capability = device.cuda_compute_capability().ok().map(|c| (c.major, c.minor));
@@ -652,7 +653,9 @@ impl NvmlBackend {
     pub fn running_processes(&self, gpu: u32) -> Result<Vec<GpuProcess>, BackendError> {
         let device = self.device(gpu)?;
         let op = |kind: &str| format!("list the running {kind} processes of GPU {gpu}");
-        let compute = device.running_compute_processes().map_err(|e| error(op("compute"), &e))?;
+        let compute = device
+            .running_compute_processes()
+            .map_err(|e| error(op("compute"), &e))?;
         let graphics = device
             .running_graphics_processes()
             .map_err(|e| error(op("graphics"), &e))?;
@@ -676,7 +679,9 @@ impl NvmlBackend {
     /// the catalog does not know.
     pub fn gpu_instance_profile_names(&self, gpu: u32) -> Result<BTreeMap<u32, String>, BackendError> {
         let device = self.device(gpu)?;
-        let op = |index: u32| format!("read the versioned info of GPU-instance profile index {index} of GPU {gpu}");
+        let op = |index: u32| {
+            format!("read the versioned info of GPU-instance profile index {index} of GPU {gpu}")
+        };
         let f = sym!(self, nvmlDeviceGetGpuInstanceProfileInfoV).map_err(|e| error(op(0), &e))?;
         let version = u32::try_from(std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>())
             .map_or(0, |size| size | (2 << 24));

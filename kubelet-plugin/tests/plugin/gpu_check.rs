@@ -99,9 +99,16 @@ fn placements_of(key: &str) -> usize {
 /// GPU state sets, creates, destroys, resets or clears).
 fn mutating_calls(node: &CheckedHost) -> Vec<String> {
     let log = node.host.read_state().unwrap().call_log.expect("call log on");
-    assert!(log.contains_key("nvmlDeviceGetMigMode"), "the log records calls: {log:?}");
+    assert!(
+        log.contains_key("nvmlDeviceGetMigMode"),
+        "the log records calls: {log:?}"
+    );
     log.into_keys()
-        .filter(|f| ["Set", "Create", "Destroy", "Reset", "Clear"].iter().any(|w| f.contains(w)))
+        .filter(|f| {
+            ["Set", "Create", "Destroy", "Reset", "Clear"]
+                .iter()
+                .any(|w| f.contains(w))
+        })
         .collect()
 }
 
@@ -126,7 +133,11 @@ fn read_only_passes_on_h100_and_a100_and_changes_nothing() {
         before,
         "read-only changes no fake state"
     );
-    assert_eq!(mutating_calls(&node), Vec::<String>::new(), "no mutating NVML call");
+    assert_eq!(
+        mutating_calls(&node),
+        Vec::<String>::new(),
+        "no mutating NVML call"
+    );
 
     assert!(mismatches(&report).is_empty(), "{:?}", mismatches(&report));
     assert_eq!(report.exit_code(), EXIT_OK);
@@ -262,13 +273,18 @@ fn an_unknown_pci_device_id_is_derived_from_nvml_not_failed() {
     assert_eq!(gpu.pci_device_id.as_deref(), Some("0x2999"));
     assert!(
         gpu.findings.iter().any(|f| f.severity == Severity::Warning
-            && f.message.contains("unknown model, derived from NVML: PCI device ID 0x2999")),
+            && f.message
+                .contains("unknown model, derived from NVML: PCI device ID 0x2999")),
         "{:?}",
         gpu.findings
     );
     // Every profile NVML reports, published and named from NVML's slices and memory.
     assert_eq!(gpu.profiles.len(), 7);
-    assert!(gpu.profiles.iter().all(|p| p.catalog == RowStatus::DerivedFromNvml));
+    assert!(
+        gpu.profiles
+            .iter()
+            .all(|p| p.catalog == RowStatus::DerivedFromNvml)
+    );
     let three_g = gpu.profiles.iter().find(|p| p.id == 9).unwrap();
     assert_eq!(three_g.name, "3g.40gb");
     assert_eq!(three_g.nvml_name.as_deref(), Some("3g.40gb.new"));
@@ -276,11 +292,10 @@ fn an_unknown_pci_device_id_is_derived_from_nvml_not_failed() {
     assert_eq!(three_g.device_names.len(), 2);
     let seven_g = gpu.profiles.iter().find(|p| p.id == 0).unwrap();
     assert_eq!(seven_g.nvml_name.as_deref(), Some("7g.80gb"));
-    assert!(
-        gpu.findings
-            .iter()
-            .any(|f| f.message.contains("\"3g.40gb.new\" by NVML and published as \"3g.40gb\""))
-    );
+    assert!(gpu.findings.iter().any(|f| {
+        f.message
+            .contains("\"3g.40gb.new\" by NVML and published as \"3g.40gb\"")
+    }));
     let table = report.render_table();
     assert!(table.contains("unknown model, derived from NVML"), "{table}");
     assert!(table.contains("from NVML"), "{table}");
@@ -401,7 +416,9 @@ fn full_mode_creates_every_placement_and_layout_and_round_trips_mig_mode_when_as
         assert!(ex.layouts.iter().all(|l| l.agree()), "{:?}", ex.layouts);
         for shape in ["4g", "3g", "2g"] {
             assert!(
-                ex.layouts.iter().any(|l| l.layout.contains(shape) && l.nvml_refused.is_none()),
+                ex.layouts
+                    .iter()
+                    .any(|l| l.layout.contains(shape) && l.nvml_refused.is_none()),
                 "a layout with a {shape}"
             );
         }
@@ -483,22 +500,28 @@ fn a_layout_nvml_refuses_and_the_counters_accept_is_a_mismatch() {
     let ex = report.gpus[0].exercise.as_ref().unwrap();
     let refused: Vec<_> = ex.layouts.iter().filter(|l| !l.agree()).collect();
     assert!(!refused.is_empty());
-    assert!(refused.iter().all(|l| l.layout.starts_with("4g.40gb@0")), "{refused:?}");
     assert!(
-        refused
-            .iter()
-            .all(|l| l.nvml_refused.as_deref().unwrap().starts_with("4g.40gb@0: ") && l.counters_refused.is_none())
+        refused.iter().all(|l| l.layout.starts_with("4g.40gb@0")),
+        "{refused:?}"
     );
+    assert!(refused.iter().all(
+        |l| l.nvml_refused.as_deref().unwrap().starts_with("4g.40gb@0: ") && l.counters_refused.is_none()
+    ));
     let m = mismatches(&report);
     assert!(
-        m.iter().any(|l| l.contains("NVML refuses layout 4g.40gb@0 + 3g.40gb@4")
-            && l.contains("which migdra's counters accept")),
+        m.iter()
+            .any(|l| l.contains("NVML refuses layout 4g.40gb@0 + 3g.40gb@4")
+                && l.contains("which migdra's counters accept")),
         "{m:?}"
     );
     // Every other layout still ran, and nothing is left on the GPU.
     assert!(ex.layouts.iter().filter(|l| l.agree()).count() > 10);
     assert!(node.host.read_state().unwrap().gpus[0].gpu_instances.is_empty());
-    assert!(report.render_table().contains("NVML refuse (4g.40gb@0"), "{}", report.render_table());
+    assert!(
+        report.render_table().contains("NVML refuse (4g.40gb@0"),
+        "{}",
+        report.render_table()
+    );
 }
 
 #[test]
@@ -608,12 +631,14 @@ fn full_mode_refuses_a_gpu_a_process_uses_and_says_how_to_run_safely() {
     let node = CheckedHost::with_gpus(&[("H100-80GB", true), ("H100-80GB", true)]);
     node.host
         .update_state(|s| {
-            s.gpus[1].running_processes.push(migdra_fake_nvml::state::RunningProcess {
-                pid: 4242,
-                graphics: false,
-                used_memory_bytes: 1 << 30,
-                mig_instance: None,
-            })
+            s.gpus[1]
+                .running_processes
+                .push(migdra_fake_nvml::state::RunningProcess {
+                    pid: 4242,
+                    graphics: false,
+                    used_memory_bytes: 1 << 30,
+                    mig_instance: None,
+                })
         })
         .unwrap();
     log_calls(&node);
@@ -623,14 +648,25 @@ fn full_mode_refuses_a_gpu_a_process_uses_and_says_how_to_run_safely() {
     assert!(text.contains("NVML lists 4242 (compute)"), "{text}");
     assert!(text.contains("kubectl debug node/"), "{text}");
     assert!(text.contains("cordon"), "{text}");
-    assert!(text.contains("never `kubectl exec` into the running plugin pod"), "{text}");
-    assert_eq!(mutating_calls(&node), Vec::<String>::new(), "refused before any change");
+    assert!(
+        text.contains("never `kubectl exec` into the running plugin pod"),
+        "{text}"
+    );
+    assert_eq!(
+        mutating_calls(&node),
+        Vec::<String>::new(),
+        "refused before any change"
+    );
 
     // Read-only runs and shows who uses the GPU.
     let report = node.check(&node.options(true)).unwrap();
     let users = report.gpus[1].users.as_ref().unwrap();
     assert_eq!(users.nvml_processes, ["4242 (compute)"]);
-    assert!(report.render_table().contains("in use: NVML lists 4242 (compute)"));
+    assert!(
+        report
+            .render_table()
+            .contains("in use: NVML lists 4242 (compute)")
+    );
     assert!(report.gpus[0].users.as_ref().unwrap().is_empty());
 }
 
@@ -645,7 +681,8 @@ fn full_mode_refuses_a_gpu_whose_device_file_another_process_holds() {
     std::fs::write(process.join("comm"), "nv-hostengine\n").unwrap();
     let err = node.check(&node.options(false)).expect_err("refused");
     assert!(
-        err.to_string().contains("the device file is open in 777 (nv-hostengine)"),
+        err.to_string()
+            .contains("the device file is open in 777 (nv-hostengine)"),
         "{err}"
     );
     // Another GPU's device file is no reason to refuse this one.
