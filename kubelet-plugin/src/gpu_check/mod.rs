@@ -199,6 +199,11 @@ pub fn check(backend: &NvmlBackend, options: &CheckOptions) -> Result<GpuCheckRe
         for (gpu, users) in gpus.iter().zip(&users).filter(|(g, _)| g.mig.is_some()) {
             exercise::ensure_idle(backend, gpu, users)?;
         }
+        report.notes.push(format!(
+            "other GPU users are seen through NVML's process lists and the device files open \
+             under {}; an NVML client in a PID namespace that proc root does not show is not seen",
+            options.proc_root.display()
+        ));
     }
 
     for (gpu, users) in gpus.iter().zip(users) {
@@ -219,7 +224,7 @@ pub fn check(backend: &NvmlBackend, options: &CheckOptions) -> Result<GpuCheckRe
         gpu_report.users = Some(users);
         match &instances {
             Ok(instances) => {
-                let published = preview::published(gpu, instances);
+                let published = preview::published(gpu, instances, &driver_version);
                 preview::fill_device_names(&mut gpu_report.profiles, &published);
                 gpu_report.findings.extend(published.findings.iter().cloned());
                 gpu_report.published = Some(published);

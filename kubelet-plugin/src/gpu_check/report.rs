@@ -320,6 +320,22 @@ fn render_gpu(out: &mut String, gpu: &GpuReport) {
             published.counters_left_out.len()
         );
     }
+    if let Some(published) = &gpu.published {
+        // The attributes of the whole GPU and of its first partition; JSON has every device's.
+        let whole = published.devices.iter().find(|d| d.profile_id.is_none());
+        let partition = published.devices.iter().find(|d| d.profile_id.is_some());
+        for d in whole.into_iter().chain(partition) {
+            let attributes = d.attributes.iter().map(|(k, v)| format!("{k}={v}"));
+            let capacity = d.capacity.iter().map(|(k, v)| format!("{k}={v}"));
+            let _ = writeln!(
+                out,
+                "  attributes of {}: {}; capacity: {}",
+                d.name,
+                attributes.collect::<Vec<_>>().join(" "),
+                capacity.collect::<Vec<_>>().join(" ")
+            );
+        }
+    }
     if let Some(caps) = &gpu.capabilities {
         let _ = writeln!(
             out,

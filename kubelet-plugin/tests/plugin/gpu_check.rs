@@ -165,6 +165,17 @@ fn read_only_passes_on_h100_and_a100_and_changes_nothing() {
             .filter(|d| d.profile_id.is_some())
             .count();
         assert_eq!(partitions, placements_of(key), "GPU {}", gpu.index);
+        // Each with the attributes and capacity its ResourceSlice entry carries.
+        for d in &published.devices {
+            assert_eq!(d.attributes["productName"], model.product_name, "{}", d.name);
+            let uuid = if d.profile_id.is_some() {
+                "parentUUID"
+            } else {
+                "uuid"
+            };
+            assert_eq!(d.attributes[uuid], gpu.uuid, "{}", d.name);
+            assert!(d.capacity.contains_key("memory"), "{}", d.name);
+        }
         let whole = published
             .devices
             .iter()
@@ -376,6 +387,11 @@ fn full_mode_creates_every_placement_and_layout_and_round_trips_mig_mode_when_as
         .expect("full mode runs on idle GPUs");
     assert!(mismatches(&report).is_empty(), "{:?}", mismatches(&report));
     assert_eq!(report.mode, "full");
+    assert!(
+        report.notes.iter().any(|n| n.contains("PID namespace")),
+        "{:?}",
+        report.notes
+    );
 
     let state = node.host.read_state().unwrap();
     assert!(
