@@ -274,7 +274,9 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
         },
         GpuModel {
             key: "H100-96GB",
-            product_name: "NVIDIA GH200 96GB HBM3",
+            // The name NVML reports for GH200 (96 GB HBM3 next to 480 GB LPDDR5X); models are
+            // found by PCI device ID, so the H100 96GB sharing the table needs no name here.
+            product_name: "NVIDIA GH200 480GB",
             pci_device_ids: &[0x233D, 0x2342],
             memory_mib: 97871,
             profiles: hopper(

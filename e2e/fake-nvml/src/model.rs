@@ -508,8 +508,8 @@ static MODELS: &[FakeModel] = &[
     ),
     model!(
         "H100-96GB",
-        "NVIDIA GH200 96GB HBM3",
-        0x233D,
+        "NVIDIA GH200 480GB",
+        0x2342,
         ARCH_HOPPER,
         (9, 0),
         97871,

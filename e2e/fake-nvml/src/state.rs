@@ -83,6 +83,10 @@ pub struct GpuState {
     /// creation answer IN_USE.
     #[serde(default)]
     pub client_holds_gpu: bool,
+    /// Processes with a context on the GPU, as `nvmlDeviceGet{Compute,Graphics}RunningProcesses`
+    /// list them (tests add them to the state).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub running_processes: Vec<RunningProcess>,
     /// The GPU fell off the bus: every call concerning it answers GPU_IS_LOST.
     #[serde(default)]
     pub lost: bool,
@@ -95,6 +99,20 @@ pub struct GpuState {
     /// GPU instances.
     #[serde(default)]
     pub gpu_instances: Vec<GpuInstanceState>,
+}
+
+/// A process using a GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunningProcess {
+    pub pid: u32,
+    /// A graphics context (listed by the graphics call) rather than a compute one.
+    #[serde(default)]
+    pub graphics: bool,
+    pub used_memory_bytes: u64,
+    /// GPU and compute instance it runs in (MIG mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_instance: Option<(u32, u32)>,
 }
 
 /// One GPU instance.
@@ -207,6 +225,7 @@ impl FakeState {
                     mig_enabled: enabled,
                     mig_pending: enabled,
                     client_holds_gpu: false,
+                    running_processes: Vec::new(),
                     lost: false,
                     auto_placement: gpu.auto_placement.clone(),
                     quirks: gpu.quirks.clone(),

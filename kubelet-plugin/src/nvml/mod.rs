@@ -13,7 +13,7 @@ mod nvml_backend;
 pub mod timing;
 
 use migdra_api::geometry::{Architecture, MigProfile};
-pub use nvml_backend::NvmlBackend;
+pub use nvml_backend::{GpuProcess, NvmlBackend};
 
 /// A GPU as discovered through NVML.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,6 +26,8 @@ pub struct GpuDescription {
     pub product_name: String,
     /// Kubernetes spelling (`0000:3b:00.0`).
     pub pci_bus_id: Option<String>,
+    /// PCI device ID (vendor 0x10de), which identifies the model in the catalog.
+    pub pci_device_id: Option<u16>,
     pub numa_node: Option<i64>,
     pub memory_mib: u64,
     /// `None` when it is not one migdra knows.
