@@ -26,8 +26,13 @@ use migdra_fake_nvml::{
 
 use super::{
     ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, HOOK_PATH, Layout, NODE,
-    PLUGIN_ACCOUNT, Runtime, free_port, kubeconfig_yaml, migdra::migdra_bin_dir, repo_root,
-    teardown::KUBELET_HOST_DIRS, wait_until, write,
+    PLUGIN_ACCOUNT, Runtime,
+    containerd::{SERVICE_CLUSTER_IP_RANGE, node_netns},
+    free_port, kubeconfig_yaml,
+    migdra::migdra_bin_dir,
+    repo_root,
+    teardown::KUBELET_HOST_DIRS,
+    wait_until, write,
 };
 
 /// Token of the kubelet (system:node:<NODE>).
@@ -225,6 +230,7 @@ impl Cluster {
             Runtime::FakeCri => self.start_fake_cri()?,
             Runtime::Containerd => {
                 self.kubelet_cgroup_root = Some(self.start_containerd(&config.runs_dir)?);
+                self.start_relays()?;
             }
         }
         self.start_kubelet()?;
@@ -313,7 +319,7 @@ impl Cluster {
                     l.run_dir.join("sa.key").display()
                 ),
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                "--service-cluster-ip-range=10.96.0.0/16",
+                &format!("--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}"),
                 "--endpoint-reconciler-type=none",
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--allow-privileged=true",
@@ -518,19 +524,32 @@ fileCheckFrequency: 5s
     pub fn start_kubelet(&mut self) -> anyhow::Result<()> {
         let config = self.write_kubelet_config(self.kubelet_anonymous_reads)?;
         let l = self.layout.clone();
-        self.start_component(
-            "kubelet",
-            &l.upstream_bin.join("kubelet"),
-            &[
-                &format!("--config={}", config.display()),
-                &format!("--kubeconfig={}", l.run_dir.join("kubelet.kubeconfig").display()),
-                &format!("--root-dir={}", l.kubelet_root.display()),
-                &format!("--cert-dir={}", l.kubelet_root.join("pki").display()),
-                &format!("--hostname-override={NODE}"),
-                "--node-ip=127.0.0.1",
-                "-v=2",
-            ],
-        )
+        let kubelet = l.upstream_bin.join("kubelet");
+        // On containerd the kubelet runs in the node's network namespace (nsenter execs it).
+        let (bin, netns) = match l.runtime {
+            Runtime::FakeCri => (kubelet.clone(), Vec::new()),
+            Runtime::Containerd => (
+                PathBuf::from("nsenter"),
+                vec![
+                    format!("--net={}", node_netns(&l.run_dir).display()),
+                    kubelet.display().to_string(),
+                ],
+            ),
+        };
+        let args: Vec<String> = netns
+            .into_iter()
+            .chain([
+                format!("--config={}", config.display()),
+                format!("--kubeconfig={}", l.run_dir.join("kubelet.kubeconfig").display()),
+                format!("--root-dir={}", l.kubelet_root.display()),
+                format!("--cert-dir={}", l.kubelet_root.join("pki").display()),
+                format!("--hostname-override={NODE}"),
+                "--node-ip=127.0.0.1".into(),
+                "-v=2".into(),
+            ])
+            .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.start_component("kubelet", &bin, &args)
     }
 
     /// Restarts the kubelet (it deletes the node's ResourceSlices when it starts).
