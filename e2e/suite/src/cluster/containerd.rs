@@ -140,6 +140,11 @@ fn cgroup_v1_mounts() -> anyhow::Result<Vec<PathBuf>> {
         .collect())
 }
 
+/// Runs a script of `e2e/runtime` that prints a directory last, and returns that directory.
+pub(super) fn run_script_dir(script: &str) -> anyhow::Result<String> {
+    run_script(script, &[])
+}
+
 fn run_script(script: &str, args: &[&Path]) -> anyhow::Result<String> {
     let path = repo_root().join("e2e/runtime").join(script);
     let output = Command::new("bash")
@@ -249,9 +254,13 @@ impl Cluster {
         Ok(root)
     }
 
-    /// Starts containerd in a network namespace of its own, with the local images imported;
-    /// returns the kubelet's cgroup root.
-    pub(super) fn start_containerd(&mut self, runs_dir: &Path) -> anyhow::Result<String> {
+    /// Starts containerd in a network namespace of its own, with the local images and
+    /// `extra_images` (name, tarball) imported; returns the kubelet's cgroup root.
+    pub(super) fn start_containerd(
+        &mut self,
+        runs_dir: &Path,
+        extra_images: &[(String, String)],
+    ) -> anyhow::Result<String> {
         let run = self.layout.run_dir.clone();
         let real_run = fs::canonicalize(&run)?;
         clean_leftovers(runs_dir, &real_run)?;
@@ -312,7 +321,10 @@ impl Cluster {
         // containerd runs in a mount namespace of its own (a slave of the host's), where the
         // simulated host's directory of nvidia-cdi-hook is overlaid on the host's, read-only:
         // the runtime runs CDI hooks by their host path ([`HOOK_PATH`]), which exists only
-        // under the simulated host root. unshare, sh and nsenter all exec (nsenter forks
+        // under the simulated host root. Its mounts are made shared too (and stay slaves of
+        // the host's), as a real node's are: runc refuses `mountPropagation: HostToContainer`
+        // (the chart's driver root and /dev) from a private mount, which the host's / may be.
+        // unshare, sh and nsenter all exec (nsenter forks
         // only with --pid or --fork), so the component's pid is containerd's.
         let hook_dir = Path::new(HOOK_PATH)
             .parent()
@@ -335,7 +347,7 @@ impl Cluster {
             "--".into(),
             "sh".into(),
             "-c".into(),
-            r#"mount -t overlay migdra-e2e-cdi-hook -o "lowerdir=$1:$2" "$2" && shift 2 && exec "$@""#.into(),
+            r#"mount --make-rshared / && mount -t overlay migdra-e2e-cdi-hook -o "lowerdir=$1:$2" "$2" && shift 2 && exec "$@""#.into(),
             "sh".into(),
             utf8(&hook_lower)?,
             utf8(hook_dir)?,
@@ -391,6 +403,10 @@ impl Cluster {
         for line in list.lines() {
             let (_, tarball) = line.split_once('\t').context("bad images.txt line")?;
             ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])?;
+        }
+        for (name, tarball) in extra_images {
+            ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])
+                .with_context(|| format!("importing {name}"))?;
         }
         ctr(&["images", "tag", "--force", BUSYBOX_IMAGE, WORKLOAD_IMAGE])?;
         Ok(cgroup_root)
