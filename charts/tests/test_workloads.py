@@ -62,7 +62,9 @@ def test_plugin_mounts_cdi_dev_and_driver_root(case):
     assert mounts[cdi]["mountPath"] == cdi and not mounts[cdi].get("readOnly")
     assert env["CDI_ROOT"]["value"] == cdi
 
-    assert mounts["/dev"]["mountPath"] == "/dev"
+    dev = values["devRoot"].rstrip("/")
+    assert mounts[dev]["mountPath"] == dev, "device nodes at the same path inside"
+    assert env["DEV_ROOT"]["value"] == dev
 
     driver_root = values["nvidiaDriverRoot"]
     m = mounts[driver_root]
@@ -72,8 +74,30 @@ def test_plugin_mounts_cdi_dev_and_driver_root(case):
     assert nvml.endswith("libnvidia-ml.so.1")
 
 
+def test_plugin_extra_volumes_follow_values(case):
+    rendered, values = case
+    _, pod = plugin_pod(rendered)
+    c = container(pod)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    for extra in values["kubeletPlugin"]["extraVolumes"]:
+        assert volumes[extra["name"]] == extra
+    for extra in values["kubeletPlugin"]["extraVolumeMounts"]:
+        assert mounts[extra["name"]] == extra
+    assert len(volumes) == len(pod["volumes"]), "volume names are unique"
+
+
+@pytest.mark.parametrize("bad", ["devRoot=dev", "kubeletPlugin.extraVolumes.name=x"])
+def test_device_root_and_extra_volumes_schema_rejects(bad):
+    from conftest import run_helm, template_args
+
+    proc = run_helm(*template_args(sets=[bad]), check=False)
+    assert proc.returncode != 0 and "schema" in proc.stderr.lower(), proc.stderr
+
+
 def test_plugin_gets_the_driver_files_settings(case):
-    """Driver root (host path and where the plugin sees it), /dev and the hook's host dir."""
+    """Driver root (host path and where the plugin sees it), the device root and the hook's
+    host dir."""
     rendered, values = case
     _, pod = plugin_pod(rendered)
     c = container(pod)
@@ -83,7 +107,7 @@ def test_plugin_gets_the_driver_files_settings(case):
     driver_root = values["nvidiaDriverRoot"]
     assert env["DRIVER_ROOT"]["value"] == driver_root, "CDI mounts name host paths"
     assert env["DRIVER_ROOT_MOUNT"]["value"] == mounts[driver_root]["mountPath"]
-    assert env["DEV_ROOT"]["value"] == mounts["/dev"]["mountPath"]
+    assert env["DEV_ROOT"]["value"] == mounts[values["devRoot"].rstrip("/")]["mountPath"]
 
     hook = values["kubeletPlugin"]["nvidiaCdiHookPath"]
     assert env["NVIDIA_CDI_HOOK_PATH"]["value"] == hook
