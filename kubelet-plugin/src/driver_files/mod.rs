@@ -32,7 +32,7 @@ use std::{
     sync::Arc,
 };
 
-pub use device_nodes::{MissingDeviceNode, check_required_device_nodes};
+pub use device_nodes::{MissingDeviceNode, UVM_NODES, check_required_device_nodes, create_missing_uvm_nodes};
 pub use discover::{
     BINARY_DIRS, DEFAULT_HOOK_PATH, IPC_PATHS, discover, fallback_library_dirs, firmware_dirs,
 };
@@ -147,6 +147,13 @@ pub enum DriverFilesError {
     /// Device nodes CUDA opens are missing on the host.
     #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     MissingDeviceNodes(Vec<MissingDeviceNode>),
+    /// A missing device node (path as this process sees it) could not be created.
+    #[error("creating device node {path}: {source}")]
+    CreateDeviceNode {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
 }
 
 fn display_paths(paths: &[PathBuf]) -> String {
