@@ -24,7 +24,8 @@ pub struct Args {
     /// Directory for per-claim CDI specs (the runtime's dynamic CDI directory).
     #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
     pub cdi_dir: PathBuf,
-    /// Path of libnvidia-ml.so (default: the loader's search path).
+    /// Path of libnvidia-ml.so (default: libnvidia-ml.so.1 in the driver root's library
+    /// directories for this architecture, else the loader's search path).
     #[arg(long, env = "NVML_LIB_PATH")]
     pub nvml_lib_path: Option<PathBuf>,
     /// Directory of the checkpoint and lock file (default: <kubelet-root-dir>/plugins/<driver>).

@@ -239,7 +239,19 @@ async fn start_driver(
 ) -> anyhow::Result<(PluginDriver, RecoveryReport)> {
     let boot_id = state_dir::read_boot_id(&args.boot_id_path)?;
     let backend = {
-        let path = args.nvml_lib_path.clone();
+        let path = args.nvml_lib_path.clone().or_else(|| {
+            let root = args.resolved_driver_root_mount();
+            let found = driver_files::find_nvml_library(&root, driver_files::LibraryArch::HOST);
+            match &found {
+                Some(path) => tracing::info!(path = %path.display(), "found NVML in the driver root"),
+                None => tracing::warn!(
+                    driver_root = %root.display(),
+                    "no {} in the driver root's library directories; loading it through the loader's search path",
+                    driver_files::NVML_LIBRARY
+                ),
+            }
+            found
+        });
         tokio::task::spawn_blocking(move || NvmlBackend::new(path.as_deref()))
             .await?
             .context("loading NVML")?

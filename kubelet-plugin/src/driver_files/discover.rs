@@ -560,3 +560,26 @@ pub fn discover(inputs: &DiscoveryInputs) -> Result<DriverFiles, DriverFilesErro
     );
     Ok(files)
 }
+
+/// The NVML library's soname, what NVIDIA's tools load.
+pub const NVML_LIBRARY: &str = "libnvidia-ml.so.1";
+
+/// Where this process finds [`NVML_LIBRARY`] under the driver root it sees at
+/// `driver_root_visible`: the first of [`fallback_library_dirs`] of `arch` that has it (so
+/// `usr/lib64` on RHEL, `usr/lib/<triplet>` on Debian and Ubuntu, for the host's architecture
+/// only), links resolved inside the root. `None` when no directory has it.
+pub fn find_nvml_library(driver_root_visible: &Path, arch: LibraryArch) -> Option<PathBuf> {
+    let root = Root {
+        on_host: Path::new("/"),
+        visible_at: driver_root_visible,
+    };
+    fallback_library_dirs(arch).iter().find_map(|dir| {
+        let resolved = root
+            .find_file(&dir.join(NVML_LIBRARY), false)
+            .unwrap_or_else(|e| {
+                tracing::debug!(error = %e, dir = %dir.display(), "skipping a library directory");
+                None
+            })?;
+        Some(root.local(&resolved))
+    })
+}

@@ -35,7 +35,8 @@ use std::{
 
 pub use device_nodes::{MissingDeviceNode, UVM_NODES, check_required_device_nodes, create_missing_uvm_nodes};
 pub use discover::{
-    BINARY_DIRS, DEFAULT_HOOK_PATH, IPC_PATHS, discover, fallback_library_dirs, find_hook, firmware_dirs,
+    BINARY_DIRS, DEFAULT_HOOK_PATH, IPC_PATHS, NVML_LIBRARY, discover, fallback_library_dirs, find_hook,
+    find_nvml_library, firmware_dirs,
 };
 pub use edits::{
     ContainerEdits, FILE_MOUNT_OPTIONS, HOOK_BINARY_NAME, Hook, IPC_MOUNT_OPTIONS, Mount, container_edits,

@@ -991,6 +991,61 @@ fn missing_uvm_nodes_are_made_from_the_major_and_present_ones_kept() {
     assert!(err.to_string().contains("no-such-dir/nvidia-uvm"), "{err}");
 }
 
+// ---- the NVML library ----
+
+#[test]
+fn nvml_is_found_in_the_library_directory_of_the_distribution_and_architecture() {
+    let lib = |root: &Path, dir: &str| {
+        let dir = root.join(dir);
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("libnvidia-ml.so.580.82.07"), b"").unwrap();
+        std::os::unix::fs::symlink("libnvidia-ml.so.580.82.07", dir.join(NVML_LIBRARY)).unwrap();
+    };
+    // Ubuntu, x86_64 and arm64 (a GH200 node).
+    for (arch, dir) in [
+        (LibraryArch::X86_64, "usr/lib/x86_64-linux-gnu"),
+        (LibraryArch::Aarch64, "usr/lib/aarch64-linux-gnu"),
+    ] {
+        let root = tempfile::tempdir().unwrap();
+        lib(root.path(), dir);
+        assert_eq!(
+            find_nvml_library(root.path(), arch),
+            Some(root.path().join(dir).join("libnvidia-ml.so.580.82.07"))
+        );
+    }
+    // Only this architecture's triplet: an arm64 plugin never loads an x86 library.
+    let root = tempfile::tempdir().unwrap();
+    lib(root.path(), "usr/lib/x86_64-linux-gnu");
+    assert_eq!(find_nvml_library(root.path(), LibraryArch::Aarch64), None);
+    // RHEL: lib64 wins over the 32-bit copy in usr/lib.
+    let root = tempfile::tempdir().unwrap();
+    lib(root.path(), "usr/lib");
+    lib(root.path(), "usr/lib64");
+    assert_eq!(
+        find_nvml_library(root.path(), LibraryArch::X86_64),
+        Some(root.path().join("usr/lib64/libnvidia-ml.so.580.82.07"))
+    );
+    // An absolute link resolves inside the root (a driver container's layout).
+    let root = tempfile::tempdir().unwrap();
+    fs::create_dir_all(root.path().join("usr/lib64")).unwrap();
+    fs::create_dir_all(root.path().join("opt/nvidia")).unwrap();
+    fs::write(root.path().join("opt/nvidia/libnvidia-ml.so.580.82.07"), b"").unwrap();
+    std::os::unix::fs::symlink(
+        "/opt/nvidia/libnvidia-ml.so.580.82.07",
+        root.path().join("usr/lib64").join(NVML_LIBRARY),
+    )
+    .unwrap();
+    assert_eq!(
+        find_nvml_library(root.path(), LibraryArch::X86_64),
+        Some(root.path().join("opt/nvidia/libnvidia-ml.so.580.82.07"))
+    );
+    // Nothing installed.
+    assert_eq!(
+        find_nvml_library(tempfile::tempdir().unwrap().path(), LibraryArch::X86_64),
+        None
+    );
+}
+
 // ---- re-discovery ----
 
 #[test]
