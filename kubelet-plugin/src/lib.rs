@@ -48,7 +48,7 @@ use crate::{
     events::ClaimEvents,
     metrics::Metrics,
     node_status::{HeartbeatLease, NodeStatusWriter, StatusLoop},
-    nvml::NvmlBackend,
+    nvml::ReloadingNvml,
 };
 use dra_kubelet::{PluginServer, PluginServerConfig, PluginServing, RegistrationState};
 
@@ -252,7 +252,7 @@ async fn start_driver(
             }
             found
         });
-        tokio::task::spawn_blocking(move || NvmlBackend::new(path.as_deref()))
+        tokio::task::spawn_blocking(move || ReloadingNvml::new(path.as_deref()))
             .await?
             .context("loading NVML")?
     };

@@ -47,6 +47,12 @@ pub struct FakeState {
     /// default: counting writes the state on every call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call_log: Option<BTreeMap<String, u64>>,
+    /// How often the kernel driver was loaded again since the state was made (a driver
+    /// upgrade without a reboot). An NVML session initialised under an earlier load gets
+    /// NVML_ERROR_LIB_RM_VERSION_MISMATCH from every call until it shuts down and initialises
+    /// again, as a process that keeps the old user-space library does.
+    #[serde(default)]
+    pub driver_reloads: u64,
 }
 
 /// One GPU.
@@ -227,6 +233,7 @@ impl FakeState {
                 })
                 .collect(),
             call_log: None,
+            driver_reloads: 0,
         };
         for instance in &config.instances {
             state

@@ -93,6 +93,7 @@ fn kind_of(err: &NvmlError) -> NvmlErrorKind {
         NvmlError::GpuLost => NvmlErrorKind::GpuLost,
         NvmlError::ResetRequired => NvmlErrorKind::ResetRequired,
         NvmlError::InUse => NvmlErrorKind::InUse,
+        NvmlError::LibRmVersionMismatch => NvmlErrorKind::RmVersionMismatch,
         NvmlError::UnexpectedVariant(INSUFFICIENT_RESOURCES) => NvmlErrorKind::InsufficientResources,
         _ => NvmlErrorKind::Other,
     }

@@ -327,3 +327,36 @@ async fn a_new_driver_version_is_discovered_and_the_spec_rewritten() {
         new
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_driver_upgrade_without_reboot_reinitialises_nvml_and_rewrites_the_spec() {
+    use std::sync::Arc;
+
+    use migdra_kubelet_plugin::{metrics::Metrics, nvml::ReloadingNvml};
+    let node = Node::new(&[("H100-80GB", true), ("H100-80GB", true)]);
+    let nvml = ReloadingNvml::new(Some(&node.host.lib_path())).unwrap();
+    let (driver, _) = node.start_over(Arc::new(nvml), None, Metrics::new()).unwrap();
+    node.claims.put(claim("uid-1", "c1", &[("gpu", H100_3G_AT_4)]));
+    prepare_typed(&driver, "uid-1", "c1").await.unwrap();
+
+    // The driver is upgraded and its kernel module loaded again under the running plugin.
+    let new = "590.10.01";
+    reinstall_driver(&node, new);
+    node.host
+        .update_state(|s| {
+            s.driver_reloads += 1;
+            s.driver_version = new.to_string();
+        })
+        .unwrap();
+    node.claims
+        .put(claim("uid-2", "c2", &[("gpu", "gpu-1-mig-3g40gb-4")]));
+    prepare_typed(&driver, "uid-2", "c2").await.unwrap();
+    assert_eq!(
+        node.driver_spec()["annotations"]["gpu.migdra.dev/driver-version"],
+        new
+    );
+    assert_eq!(node.total_instances(), 2);
+    // The claim prepared before the upgrade is released through the new session.
+    unprepare_one(&driver, "uid-1", "c1").await.unwrap();
+    assert_eq!(node.total_instances(), 1);
+}
