@@ -583,7 +583,7 @@ fn reload_driver(host: &FakeGpuHost, version: &str) {
         s.driver_reloads += 1;
         s.driver_version = version.to_string();
     })
-    .unwrap();
+    .expect("reload the fake driver");
 }
 
 #[test]
