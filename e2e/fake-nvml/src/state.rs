@@ -47,12 +47,17 @@ pub struct FakeState {
     /// default: counting writes the state on every call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call_log: Option<BTreeMap<String, u64>>,
-    /// How often the kernel driver was loaded again since the state was made (a driver
-    /// upgrade without a reboot). An NVML session initialised under an earlier load gets
-    /// NVML_ERROR_LIB_RM_VERSION_MISMATCH from every call until it shuts down and initialises
-    /// again, as a process that keeps the old user-space library does.
+    /// How often the driver was reloaded (a reboot, [`FakeState::reload_driver`]). A call held
+    /// by a latency fault across a reload returns without acting: on a node the reboot ends it
+    /// with its process.
     #[serde(default)]
-    pub driver_reloads: u64,
+    pub driver_loads: u64,
+    /// How often the kernel driver was upgraded under running processes (no reboot). An NVML
+    /// session initialised before an upgrade gets NVML_ERROR_LIB_RM_VERSION_MISMATCH from every
+    /// call until it shuts down and initialises again, as a process that keeps the old
+    /// user-space library does.
+    #[serde(default)]
+    pub driver_upgrades: u64,
 }
 
 /// One GPU.
@@ -233,7 +238,8 @@ impl FakeState {
                 })
                 .collect(),
             call_log: None,
-            driver_reloads: 0,
+            driver_loads: 0,
+            driver_upgrades: 0,
         };
         for instance in &config.instances {
             state
@@ -295,6 +301,7 @@ impl FakeState {
     /// Simulates a driver reload or reboot: instances are gone; Ampere applies its pending
     /// mode (it persists), Hopper and later lose MIG mode.
     pub fn reload_driver(&mut self) {
+        self.driver_loads += 1;
         for g in &mut self.gpus {
             let switchable = g
                 .fake_model()

@@ -344,7 +344,7 @@ async fn a_driver_upgrade_without_reboot_reinitialises_nvml_and_rewrites_the_spe
     reinstall_driver(&node, new);
     node.host
         .update_state(|s| {
-            s.driver_reloads += 1;
+            s.driver_upgrades += 1;
             s.driver_version = new.to_string();
         })
         .unwrap();

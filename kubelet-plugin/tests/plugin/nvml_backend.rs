@@ -580,7 +580,7 @@ fn a_missing_library_is_an_error_not_a_panic() {
 /// A driver upgrade without a reboot: the kernel driver is loaded again under the plugin.
 fn reload_driver(host: &FakeGpuHost, version: &str) {
     host.update_state(|s| {
-        s.driver_reloads += 1;
+        s.driver_upgrades += 1;
         s.driver_version = version.to_string();
     })
     .expect("reload the fake driver");

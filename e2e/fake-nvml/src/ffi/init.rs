@@ -21,20 +21,20 @@ use crate::{
 };
 
 /// Which state file this copy of the library serves, how many inits are outstanding, and
-/// the driver load the session began under (see [`crate::FakeState::driver_reloads`]).
+/// the driver upgrade the session began under (see [`crate::FakeState::driver_upgrades`]).
 struct Runtime {
     state_path: PathBuf,
     refs: u32,
-    driver_load: u64,
+    driver_upgrade: u64,
 }
 
 static RUNTIME: Mutex<Option<Runtime>> = Mutex::new(None);
 
-/// The state file and the driver load the session began under, or UNINITIALIZED.
+/// The state file and the driver upgrade the session began under, or UNINITIALIZED.
 pub(super) fn session() -> Result<(PathBuf, u64), u32> {
     lock(&RUNTIME)
         .as_ref()
-        .map(|r| (r.state_path.clone(), r.driver_load))
+        .map(|r| (r.state_path.clone(), r.driver_upgrade))
         .ok_or(UNINITIALIZED)
 }
 
@@ -89,14 +89,14 @@ fn init() -> nvmlReturn_t {
                     let dir = config_path.parent().map(PathBuf::from).unwrap_or_default();
                     ensure_state(&config, &dir).map_err(report)?;
                     let state_path = config.state_path(&dir);
-                    // A first init (no session outstanding) loads the driver as it is now.
-                    let driver_load = crate::state::read_state(&state_path)
+                    // A first init (no session outstanding) loads the library of the driver as it is now.
+                    let driver_upgrade = crate::state::read_state(&state_path)
                         .map_err(report)?
-                        .driver_reloads;
+                        .driver_upgrades;
                     *rt = Some(Runtime {
                         state_path,
                         refs: 1,
-                        driver_load,
+                        driver_upgrade,
                     });
                 }
             }
