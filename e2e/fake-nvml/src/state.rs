@@ -52,6 +52,12 @@ pub struct FakeState {
     /// with its process.
     #[serde(default)]
     pub driver_loads: u64,
+    /// How often the kernel driver was upgraded under running processes (no reboot). An NVML
+    /// session initialised before an upgrade gets NVML_ERROR_LIB_RM_VERSION_MISMATCH from every
+    /// call until it shuts down and initialises again, as a process that keeps the old
+    /// user-space library does.
+    #[serde(default)]
+    pub driver_upgrades: u64,
 }
 
 /// One GPU.
@@ -252,6 +258,7 @@ impl FakeState {
                 .collect(),
             call_log: None,
             driver_loads: 0,
+            driver_upgrades: 0,
         };
         for instance in &config.instances {
             state

@@ -98,6 +98,7 @@ fn kind_of(err: &NvmlError) -> NvmlErrorKind {
         NvmlError::GpuLost => NvmlErrorKind::GpuLost,
         NvmlError::ResetRequired => NvmlErrorKind::ResetRequired,
         NvmlError::InUse => NvmlErrorKind::InUse,
+        NvmlError::LibRmVersionMismatch => NvmlErrorKind::RmVersionMismatch,
         NvmlError::UnexpectedVariant(INSUFFICIENT_RESOURCES) => NvmlErrorKind::InsufficientResources,
         _ => NvmlErrorKind::Other,
     }
@@ -284,6 +285,12 @@ impl NvmlBackend {
             .and_then(catalog::model_by_pci_device_id);
         let mut profiles = Vec::new();
         for index in 0..GI_PROFILE_COUNT {
+            // Graphics profiles are not offered: their containers would need the DRM nodes and
+            // graphics libraries the CDI specs do not carry (docs/claims.md, "Graphics
+            // profiles"); the standard profile of the same slices serves CUDA.
+            if variant_of_index(index) == ProfileVariant::Graphics {
+                continue;
+            }
             let info = match device.profile_info(index) {
                 Ok(info) => info,
                 Err(e) if is_absent_profile(&e) => continue,
