@@ -106,7 +106,7 @@ else
   binaries_key=$(python3 "$here/dockerfile_plan.py" --context-digest)
 fi
 key=$( (echo "$plan"; echo "$binaries_key"; sha256sum "$hook"; cat "$base/packages.txt"
-  cat "$here/gpu-probe/gpu-probe.c" "$here/lib.sh" "$here/dockerfile_plan.py" "$0"; gcc --version | sed -n 1p) |
+  cat "$here/gpu-probe/gpu-probe.c" "$here/lib.sh" "$here/dockerfile_plan.py" "$here/migdra-images.sh"; gcc --version | sed -n 1p) |
   sha256sum | cut -c1-12)
 out=$cache_root/migdra-images/$key
 if [[ -f $out/.complete ]]; then
