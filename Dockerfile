@@ -10,12 +10,17 @@
 # the same toolchain as the release (`docker run --rm ghcr.io/migdra/kubectl-migdra:0.1.0
 # --help`, or copy /usr/local/bin/kubectl-migdra out of it onto your PATH).
 #
-# The builder and the runtime images are the same Debian release (trixie), so the binaries
+# The builders and the runtime images are the same Debian release (bookworm), so the binaries
 # link against the glibc they run with. The kubelet plugin does not ship NVML: it dlopens
 # libnvidia-ml.so.1 from the host's NVIDIA driver root at run time (the Helm chart mounts it
-# and sets NVML_LIB_PATH), so the runtime image needs nothing NVIDIA-specific.
+# and sets NVML_LIB_PATH). Its image carries NVIDIA's nvidia-cdi-hook (built from the
+# container toolkit's Go module at the version kubelet-plugin/cdi-hook/go.mod pins) for
+# hosts that have none.
+#
+# e2e/runtime/migdra-images.sh builds the same images without a Docker daemon: it reads this
+# file and refuses any instruction of the runtime stages it does not reproduce.
 
-ARG DEBIAN_RELEASE=trixie
+ARG DEBIAN_RELEASE=bookworm
 
 FROM rust:1.95-slim-${DEBIAN_RELEASE} AS builder
 WORKDIR /src
@@ -27,6 +32,11 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     cargo build --release --locked -p migdra-controller -p migdra-kubelet-plugin -p kubectl-migdra \
     && mkdir -p /out \
     && cp target/release/migdra-controller target/release/migdra-kubelet-plugin target/release/kubectl-migdra /out/
+
+FROM golang:1.26-${DEBIAN_RELEASE} AS cdi-hook
+WORKDIR /src
+COPY kubelet-plugin/cdi-hook/ ./
+RUN ./build.sh /out
 
 FROM debian:${DEBIAN_RELEASE}-slim AS runtime-base
 LABEL org.opencontainers.image.source="https://github.com/migdra/migdra" \
@@ -45,6 +55,7 @@ FROM runtime-base AS kubelet-plugin
 LABEL org.opencontainers.image.title="migdra-kubelet-plugin" \
       org.opencontainers.image.description="migdra kubelet plugin: creates and destroys NVIDIA MIG instances for DRA claims"
 COPY --from=builder /out/migdra-kubelet-plugin /usr/local/bin/migdra-kubelet-plugin
+COPY --from=cdi-hook /out/nvidia-cdi-hook /usr/local/bin/nvidia-cdi-hook
 ENTRYPOINT ["/usr/local/bin/migdra-kubelet-plugin"]
 
 # kubectl plugin: read-only client; runs as an unprivileged user. Mount a kubeconfig to use it

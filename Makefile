@@ -7,6 +7,7 @@
 #               faults injected and invariant violations; not part of `make test`, whose
 #               plugin tests run a bounded campaign)
 #   make bench  performance at cluster scale: one table, B1–B7 (not part of `make test`)
+#   make images migdra's images from the Dockerfile, built without a Docker daemon (OCI tarballs)
 #
 # `make test` compiles each crate once: `build` compiles every target of the workspace, and
 # `unit` and `e2e` only run what it built. That needs them to resolve the same features: cargo
@@ -17,7 +18,7 @@
 # migdra-e2e` resolves the same features as the whole workspace, because every feature the e2e
 # crate turns on is also turned on by another member.
 
-.PHONY: test demo bench build unit go-test chart-test e2e e2e-containerd lint lint-rust lint-go lint-shell crds check-crds fault-campaign
+.PHONY: test demo bench images build unit go-test chart-test e2e e2e-containerd lint lint-rust lint-go lint-shell crds check-crds fault-campaign
 
 build:
 	cargo build --workspace --all-targets
@@ -40,6 +41,11 @@ e2e-containerd: build
 	MIGDRA_E2E_RUNTIME=containerd cargo test --workspace --test e2e -- containerd_
 
 test: unit go-test chart-test e2e e2e-containerd
+
+# The Dockerfile's images plus the e2e workload probe, built without a Docker daemon
+# (e2e/runtime/migdra-images.sh; prints the directory holding images.txt and the tarballs).
+images:
+	bash e2e/runtime/migdra-images.sh
 
 demo:
 	cargo build --workspace --bins

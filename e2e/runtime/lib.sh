@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Functions shared by smoke.sh, images.sh and clean.sh (sourced, not run). They only touch
+# Functions shared by smoke.sh, images.sh, migdra-images.sh and clean.sh (sourced, not run). They only touch
 # what lies under the directories they are given: processes are found by their executable's
 # name and a command line naming one of those directories, mounts by their mount point.
 
@@ -86,32 +86,56 @@ rt_cgroup_mounts() {
   awk '{for (i = 7; $i != "-"; i++); if ($(i + 1) == "cgroup" || $(i + 1) == "cgroup2") print $5}' /proc/self/mountinfo
 }
 
-# rt_oci_image ROOTFS NAME CONFIG OUT: writes OUT, an OCI image layout tarball (for `ctr images
-# import`) of one layer holding ROOTFS, named NAME; CONFIG is the image config's "config"
-# object (JSON). Reproducible: the same inputs give the same digests.
-rt_oci_image() {
-  local rootfs=$1 name=$2 config=$3 out=$4 work oci diff_id layer_d layer_s config_d config_s manifest_d manifest_s
+# rt_layer ROOTFS OUT [keep-owners]: writes OUT, a gzip'd tar of ROOTFS (an image layer), and
+# OUT.diffid, the sha256 of the uncompressed tar. Files belong to root unless keep-owners is
+# given (a root filesystem made as root, whose owners are meant). Reproducible: the same
+# inputs give the same digests.
+rt_layer() {
+  local owners=(--owner=0 --group=0)
+  [[ ${3:-} == keep-owners ]] && owners=()
+  tar -C "$1" --sort=name --mtime=@0 "${owners[@]}" --numeric-owner -cf "$2.tar" .
+  sha256sum <"$2.tar" | cut -d' ' -f1 >"$2.diffid"
+  gzip -n -c "$2.tar" >"$2"
+  rm "$2.tar"
+}
+
+# rt_oci_layers NAME CONFIG OUT LAYER...: writes OUT, an OCI image layout tarball (for `ctr
+# images import`) named NAME, of the LAYERs (made by rt_layer, bottom first); CONFIG is the
+# image config's "config" object (JSON).
+rt_oci_layers() {
+  local name=$1 config=$2 out=$3 work oci layer d s layers="" diff_ids="" config_d config_s manifest_d manifest_s
+  shift 3
   work=$(mktemp -d "${out%/*}/.oci.XXXXXX")
   oci=$work/oci
   mkdir -p "$oci/blobs/sha256"
-  _rt_blob() { # file -> prints "sha256 size", and stores the file as a blob
+  _rt_blob() { # file -> prints "sha256 size", and stores a copy of the file as a blob
     local d s
     d=$(sha256sum <"$1" | cut -d' ' -f1)
     s=$(stat -c %s "$1")
-    mv "$1" "$oci/blobs/sha256/$d"
+    cp "$1" "$oci/blobs/sha256/$d"
     echo "$d $s"
   }
-  tar -C "$rootfs" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$work/layer.tar" .
-  diff_id=$(sha256sum <"$work/layer.tar" | cut -d' ' -f1)
-  gzip -n -c "$work/layer.tar" >"$work/layer.tar.gz"
-  read -r layer_d layer_s < <(_rt_blob "$work/layer.tar.gz")
-  printf '%s' '{"architecture":"amd64","os":"linux","config":'"$config"',"rootfs":{"type":"layers","diff_ids":["sha256:'"$diff_id"'"]}}' >"$work/config.json"
+  for layer in "$@"; do
+    read -r d s < <(_rt_blob "$layer")
+    layers+=${layers:+,}'{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"sha256:'"$d"'","size":'"$s"'}'
+    diff_ids+=${diff_ids:+,}'"sha256:'"$(cat "$layer.diffid")"'"'
+  done
+  printf '%s' '{"architecture":"amd64","os":"linux","config":'"$config"',"rootfs":{"type":"layers","diff_ids":['"$diff_ids"']}}' >"$work/config.json"
   read -r config_d config_s < <(_rt_blob "$work/config.json")
-  printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:'"$config_d"'","size":'"$config_s"'},"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"sha256:'"$layer_d"'","size":'"$layer_s"'}]}' >"$work/manifest.json"
+  printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:'"$config_d"'","size":'"$config_s"'},"layers":['"$layers"']}' >"$work/manifest.json"
   read -r manifest_d manifest_s < <(_rt_blob "$work/manifest.json")
   printf '%s' '{"imageLayoutVersion":"1.0.0"}' >"$oci/oci-layout"
   printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:'"$manifest_d"'","size":'"$manifest_s"',"platform":{"architecture":"amd64","os":"linux"},"annotations":{"io.containerd.image.name":"'"$name"'","org.opencontainers.image.ref.name":"'"${name##*:}"'"}}]}' >"$oci/index.json"
   tar -C "$oci" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$out" .
+  rm -rf "$work"
+}
+
+# rt_oci_image ROOTFS NAME CONFIG OUT: rt_oci_layers with one layer holding ROOTFS.
+rt_oci_image() {
+  local work
+  work=$(mktemp -d "${4%/*}/.layer.XXXXXX")
+  rt_layer "$1" "$work/layer.tar.gz"
+  rt_oci_layers "$2" "$3" "$4" "$work/layer.tar.gz"
   rm -rf "$work"
 }
 

@@ -8,7 +8,8 @@
 # the CNI plugins and pings from a container in it, then stops containerd and
 # unmounts everything. Needs root. A run killed half-way is cleaned up by the
 # next one (and by `smoke.sh clean`). containerd's log of the last run is kept
-# beside the run dir, as RUN_DIR.containerd.log.
+# beside the run dir, as RUN_DIR.containerd.log. With MIGDRA_RT_SMOKE_IMAGES=<the directory
+# migdra-images.sh printed> it also runs migdra's images and the probe.
 #
 # Nothing outside the run directory is changed: no cgroup mounts, no host network
 # setup, no iptables, no system services. Network namespaces are bind-mounted on
@@ -196,6 +197,68 @@ grep -q "inet $pod_ip/24" <<<"$out" || { log "pod address not on eth0 in the con
 grep -q '1 packets received' <<<"$out" || { log "no ping reply from the bridge"; exit 1; }
 cni DEL bridge eth0 "$run/cni/net.d/10-migdra-smoke.conf"
 cni DEL loopback lo "$run/cni/net.d/99-loopback.conf"
+
+# migdra's images, when MIGDRA_RT_SMOKE_IMAGES names a directory migdra-images.sh printed: each
+# image's binary starts from its root filesystem as the image's user, the plugin image's
+# nvidia-cdi-hook runs, and the probe reports a CDI device node and its env.
+if [[ -n ${MIGDRA_RT_SMOKE_IMAGES:-} ]]; then
+  while IFS=$'\t' read -r _ tarball; do
+    ctr images import --snapshotter overlayfs "$tarball" >&2
+  done <"$MIGDRA_RT_SMOKE_IMAGES/images.txt"
+  n=4
+  in_image() { # image command...: runs command in a container of image, prints its output
+    local image=$1
+    shift
+    n=$((n + 1))
+    ctr run "${runflags[@]}" --cgroup "$cg/smoke-$n" "$image" "smoke-$n" "$@"
+  }
+  plugin=ghcr.io/migdra/migdra-kubelet-plugin:0.1.0
+  controller=ghcr.io/migdra/migdra-controller:0.1.0
+  log "migdra images: $plugin --help, nvidia-cdi-hook --version"
+  out=$(in_image "$plugin" sh -c 'id -u; migdra-kubelet-plugin --help; nvidia-cdi-hook --version')
+  echo "$out" | sed -n '1,3p;/NVIDIA CDI Hook/p'
+  grep -qx 0 <<<"$out" || { log "the plugin does not run as root"; exit 1; }
+  grep -q -- '--nvidia-cdi-hook-path' <<<"$out" || { log "migdra-kubelet-plugin --help failed in its image"; exit 1; }
+  grep -q '^NVIDIA CDI Hook version v' <<<"$out" || { log "nvidia-cdi-hook does not run in the plugin image"; exit 1; }
+  log "migdra images: $controller --help as its user"
+  out=$(in_image "$controller" sh -c 'id -u; migdra-controller --help')
+  echo "$out" | sed -n '1,3p'
+  grep -qx 65532 <<<"$out" || { log "the controller does not run as 65532"; exit 1; }
+  grep -q 'Usage' <<<"$out" || { log "migdra-controller --help failed in its image"; exit 1; }
+  out=$(in_image ghcr.io/migdra/kubectl-migdra:0.1.0 kubectl-migdra --help)
+  grep -q 'Usage' <<<"$out" || { log "kubectl-migdra --help failed in its image"; exit 1; }
+  log "migdra images: gpu-probe with a CDI device"
+  cat >"$run/cdiroot/cdi/migdra-smoke-cap.json" <<'SPEC'
+{
+  "cdiVersion": "0.6.0",
+  "kind": "migdra.dev/smoke-cap",
+  "devices": [
+    {
+      "name": "cap",
+      "containerEdits": {
+        "env": ["NVIDIA_VISIBLE_DEVICES=void", "MIGDRA_SMOKE=cap"],
+        "deviceNodes": [
+          {"path": "/dev/nvidia-caps/nvidia-cap21", "hostPath": "/dev/null", "type": "c", "major": 1, "minor": 3}
+        ]
+      }
+    }
+  ]
+}
+SPEC
+  # shellcheck disable=SC2016 # expands in the new shell
+  out=$(unshare --mount --propagation private -- bash -c 'mount --bind "$1" /run && shift && exec "$@"' _ \
+    "$run/cdiroot" "$bin/ctr" --address "$sock" --namespace "$ns" run "${runflags[@]}" \
+    --cgroup "$cg/smoke-probe" --device migdra.dev/smoke-cap=cap migdra.dev/e2e/gpu-probe:e2e smoke-probe)
+  echo "$out"
+  python3 -c '
+import json, sys
+got = json.load(sys.stdin)
+assert {"path": "/dev/nvidia-caps/nvidia-cap21", "type": "c", "major": 1, "minor": 3} in got["devices"], got["devices"]
+assert got["env"] == {"NVIDIA_VISIBLE_DEVICES": "void", "MIGDRA_SMOKE": "cap"}, got["env"]
+assert got["libraries"]["libnvidia-ml.so.1"]["dlopen"] is None, got["libraries"]
+assert got["nvidia_smi"] is None, got["nvidia_smi"]
+' <<<"$out" || { log "gpu-probe did not report what the container got"; exit 1; }
+fi
 
 log "stopping containerd"
 kill -TERM "$(cat "$run/containerd.pid")"

@@ -492,16 +492,16 @@ impl Cluster {
         for node in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
             fs::write(dev.join(node), b"")?;
         }
-        // nvidia-cdi-hook on the "host": a script (the fake runtime records hooks only).
+        // NVIDIA's nvidia-cdi-hook on the "host", built from the container toolkit's Go module
+        // at the version the plugin image ships (containerd runs it for real; the fake CRI
+        // records the hooks only).
+        let built = script_output(&repo_root().join("e2e/runtime/cdi-hook.sh"))?;
         let hook = self.layout.host_root().join(HOOK_PATH.trim_start_matches('/'));
         if let Some(parent) = hook.parent() {
             fs::create_dir_all(parent)?;
         }
-        fs::write(
-            &hook,
-            "#!/bin/sh\n# fake nvidia-cdi-hook: the e2e runtime never runs hooks\nexit 0\n",
-        )?;
-        fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+        fs::copy(&built, &hook)
+            .with_context(|| format!("copying {} to {}", built.display(), hook.display()))?;
         Ok(())
     }
 
