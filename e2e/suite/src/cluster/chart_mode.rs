@@ -123,9 +123,12 @@ impl Cluster {
 }
 
 /// The migdra images (controller, plugin, the gpu-probe workload): `migdra-images.sh`'s
-/// `images.txt` lines.
+/// `images.txt` lines. They carry the binaries the rest of the suite runs (`MIGDRA_BIN_DIR`,
+/// or the test's own target profile), so the images add no release build of their own; the
+/// Dockerfile's stages are otherwise followed exactly.
 pub(super) fn migdra_images() -> anyhow::Result<Vec<(String, String)>> {
-    let dir = super::containerd::run_script_dir("migdra-images.sh")?;
+    let bins = super::migdra::migdra_bin_dir()?;
+    let dir = super::containerd::run_script_with("migdra-images.sh", &[], &[("MIGDRA_BIN_DIR", &bins)])?;
     let list = fs::read_to_string(Path::new(&dir).join("images.txt"))?;
     list.lines()
         .map(|l| {

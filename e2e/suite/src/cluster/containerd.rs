@@ -142,14 +142,20 @@ fn cgroup_v1_mounts() -> anyhow::Result<Vec<PathBuf>> {
 
 /// Runs a script of `e2e/runtime` that prints a directory last, and returns that directory.
 pub(super) fn run_script_dir(script: &str) -> anyhow::Result<String> {
-    run_script(script, &[])
+    run_script_with(script, &[], &[])
 }
 
 fn run_script(script: &str, args: &[&Path]) -> anyhow::Result<String> {
+    run_script_with(script, args, &[])
+}
+
+/// Runs an e2e/runtime script with `args` and `env`; returns the last line it printed.
+pub(super) fn run_script_with(script: &str, args: &[&Path], env: &[(&str, &Path)]) -> anyhow::Result<String> {
     let path = repo_root().join("e2e/runtime").join(script);
     let output = Command::new("bash")
         .arg(&path)
         .args(args)
+        .envs(env.iter().copied())
         .stderr(Stdio::inherit())
         .output()
         .with_context(|| format!("running {}", path.display()))?;
