@@ -30,6 +30,7 @@ use migdra_api::{
     device_name::DeviceName,
     geometry::{MigGeometry, MigProfile, Placement},
     inventory::{GpuHealth, GpuInventory, InstanceOwner, MigInstance, MigInventory},
+    slices::counter_model::engine_counters_overruled,
 };
 
 use crate::{
@@ -628,6 +629,7 @@ pub fn gpu_inventory(
                 enabled: mig.enabled,
                 change_pending: mig.enabled != mig.pending_enabled,
                 mode_switchable,
+                engine_counters_overruled: engine_counters_overruled(&geometry),
                 geometry,
                 instances,
             }

@@ -66,6 +66,7 @@ impl StatusLoop {
         let mut registration_open = true;
         let mut registration_changed = false;
         let mut health_seen: BTreeMap<u32, bool> = BTreeMap::new();
+        let mut overruled_seen: BTreeMap<u32, String> = BTreeMap::new();
         let mut repairs_seen = BTreeMap::new();
         let mut last_written: Option<WrittenStatus> = None;
         let mut lease: Option<LeaseTask> = None;
@@ -107,6 +108,9 @@ impl StatusLoop {
                         health_changes.push((EventType::Normal, "GpuHealthy", note));
                     }
                     _ => {}
+                }
+                if let Some(event) = overruled_counters_event(&mut overruled_seen, gpu) {
+                    health_changes.push(event);
                 }
             }
             if let (Some(writer), Some(inventory)) = (&mut writer, &inventory) {
@@ -234,6 +238,27 @@ fn repair_claim_events(
     let events = pending.chain(completed).collect();
     *seen = now;
     events
+}
+
+/// The Warning for a GPU whose engine counters NVML's placements overrule, once per GPU and
+/// reason (`seen` remembers them), also logged.
+fn overruled_counters_event(
+    seen: &mut BTreeMap<u32, String>,
+    gpu: &GpuInventory,
+) -> Option<(EventType, &'static str, String)> {
+    let why = gpu.mig.as_ref()?.engine_counters_overruled.as_ref()?;
+    if seen.get(&gpu.minor) == Some(why) {
+        return None;
+    }
+    seen.insert(gpu.minor, why.clone());
+    tracing::warn!(gpu = gpu.minor, uuid = %gpu.uuid, reason = %why, "engine counters overruled by NVML's placements");
+    let mut note = format!("GPU {} ({}): {why}", gpu.minor, gpu.uuid);
+    // The API server's limit on a note.
+    if note.len() > 1024 {
+        note.truncate(note.floor_char_boundary(1021));
+        note.push_str("...");
+    }
+    Some((EventType::Warning, "EngineCountersOverruled", note))
 }
 
 /// The events for the recorded claims with a device on `gpu`, which became unhealthy.
