@@ -112,7 +112,11 @@ pub fn engine_counter_conflicts(geometry: &MigGeometry) -> Vec<CounterConflict> 
     for layout in maximal_layouts(geometry) {
         let profiles: Vec<_> = layout
             .iter()
-            .filter_map(|p| geometry.profile_by_id(p.profile_id).map(|profile| (profile, p.start)))
+            .filter_map(|p| {
+                geometry
+                    .profile_by_id(p.profile_id)
+                    .map(|profile| (profile, p.start))
+            })
             .collect();
         let engines = profiles
             .iter()

@@ -286,3 +286,35 @@ async fn refresh(gpus: &Gpus) -> Option<Vec<GpuInventory>> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use migdra_api::catalog;
+
+    use super::*;
+
+    #[test]
+    fn overruled_counters_are_reported_once_per_gpu_and_reason() {
+        let mut seen = BTreeMap::new();
+        let consistent = catalog::model("A100-80GB").unwrap().inventory(0, true);
+        assert_eq!(overruled_counters_event(&mut seen, &consistent), None);
+
+        let mut overruled = consistent.clone();
+        let mig = overruled.mig.as_mut().unwrap();
+        mig.engine_counters_overruled = Some("the decoders counter refuses 4g + 3g".into());
+        let (type_, reason, note) = overruled_counters_event(&mut seen, &overruled).unwrap();
+        assert_eq!((type_, reason), (EventType::Warning, "EngineCountersOverruled"));
+        assert!(
+            note.starts_with("GPU 0 (GPU-") && note.ends_with("refuses 4g + 3g"),
+            "{note}"
+        );
+        assert_eq!(overruled_counters_event(&mut seen, &overruled), None, "once");
+
+        let mut other = overruled.clone();
+        other.minor = 1;
+        assert!(overruled_counters_event(&mut seen, &other).is_some(), "per GPU");
+        overruled.mig.as_mut().unwrap().engine_counters_overruled = Some("x".repeat(2000));
+        let (_, _, note) = overruled_counters_event(&mut seen, &overruled).unwrap();
+        assert_eq!(note.len(), 1024, "cut to the API server's limit");
+    }
+}

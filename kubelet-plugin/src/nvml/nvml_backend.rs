@@ -127,7 +127,9 @@ const MAX_PROFILE_INDEXES: u32 = 64;
 /// gives for an index the driver does not know; an index answering NOT_SUPPORTED (the GPU lacks
 /// that profile) is skipped. The answers in between, failures included, with their indexes.
 /// Not a fixed count: a newer driver knows more indexes than the header migdra was built with.
-fn walk_profile_indexes<T>(mut info: impl FnMut(u32) -> Result<T, NvmlError>) -> Vec<(u32, Result<T, NvmlError>)> {
+fn walk_profile_indexes<T>(
+    mut info: impl FnMut(u32) -> Result<T, NvmlError>,
+) -> Vec<(u32, Result<T, NvmlError>)> {
     let mut answers = Vec::new();
     for index in 0..MAX_PROFILE_INDEXES {
         match info(index) {

@@ -52,7 +52,10 @@ fn profile_indexes_are_walked_until_nvml_calls_one_invalid() {
         profile_indexes: BTreeMap::from([(20, 21)]),
         ..GpuQuirks::default()
     };
-    let host = host_of(vec![GpuConfig::new("H100-80GB", true).with_quirks(quirks)], vec![]);
+    let host = host_of(
+        vec![GpuConfig::new("H100-80GB", true).with_quirks(quirks)],
+        vec![],
+    );
     let profiles = discovered(&host);
     assert!(profiles.contains(&(20, 21)), "{profiles:?}");
     assert!(!profiles.iter().any(|(id, index)| *id == 20 && *index != 21));
@@ -61,9 +64,7 @@ fn profile_indexes_are_walked_until_nvml_calls_one_invalid() {
     // INVALID_ARGUMENT ends the walk: nothing past index 3 is asked for.
     let host = host_of(
         vec![GpuConfig::new("H100-80GB", true)],
-        vec![
-            FaultConfig::error("nvmlDeviceGetGpuInstanceProfileInfo", code::INVALID_ARGUMENT).on_profile(3),
-        ],
+        vec![FaultConfig::error("nvmlDeviceGetGpuInstanceProfileInfo", code::INVALID_ARGUMENT).on_profile(3)],
     );
     let indexes: BTreeSet<u32> = discovered(&host).iter().map(|(_, index)| *index).collect();
     assert_eq!(indexes, BTreeSet::from([0, 1, 2]));
@@ -90,7 +91,13 @@ fn engine_counts_that_add_up_past_the_gpu_fall_back_to_slice_counters() {
     };
     let host = host_of(vec![GpuConfig::new("A100-80GB-OVERADDING", true)], vec![]);
     let gpu = inventory(&host);
-    let why = gpu.mig.as_ref().unwrap().engine_counters_overruled.clone().unwrap();
+    let why = gpu
+        .mig
+        .as_ref()
+        .unwrap()
+        .engine_counters_overruled
+        .clone()
+        .unwrap();
     assert!(why.contains("decoders counter"), "{why}");
     let plan = plan_pool(std::slice::from_ref(&gpu), &policy);
     let (_, counters) = &plan.counter_sets[0];

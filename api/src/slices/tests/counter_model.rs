@@ -3,7 +3,9 @@
 use super::*;
 use crate::{
     geometry::MigGeometry,
-    slices::counter_model::{engine_counter_conflicts, engine_counters_overruled, maximal_layouts, nvml_admits},
+    slices::counter_model::{
+        engine_counter_conflicts, engine_counters_overruled, maximal_layouts, nvml_admits,
+    },
 };
 
 /// Every MIG device set NVML's own rules allow (no engine or memory budget), by depth-first
@@ -71,9 +73,17 @@ fn catalog_counters_accept_every_layout_nvml_allows() {
     for model in catalog::models() {
         let geometry = model.geometry();
         assert_eq!(engine_counter_conflicts(&geometry), [], "{}", model.key);
-        assert_eq!(model.inventory(0, true).mig.unwrap().engine_counters_overruled, None);
+        assert_eq!(
+            model.inventory(0, true).mig.unwrap().engine_counters_overruled,
+            None
+        );
         let layouts = maximal_layouts(&geometry);
-        assert!(layouts.len() > 3, "{}: {} maximal layouts", model.key, layouts.len());
+        assert!(
+            layouts.len() > 3,
+            "{}: {} maximal layouts",
+            model.key,
+            layouts.len()
+        );
         for layout in &layouts {
             // Maximal: nothing more fits; and each instance was admissible in turn.
             for (p, start) in geometry.all_placements() {
@@ -81,10 +91,18 @@ fn catalog_counters_accept_every_layout_nvml_allows() {
                     profile_id: p.gi_profile_id,
                     start,
                 };
-                assert!(!nvml_admits(&geometry, layout, more), "{}: {layout:?} + {more:?}", model.key);
+                assert!(
+                    !nvml_admits(&geometry, layout, more),
+                    "{}: {layout:?} + {more:?}",
+                    model.key
+                );
             }
             for (i, p) in layout.iter().enumerate() {
-                assert!(nvml_admits(&geometry, &layout[..i], *p), "{}: {layout:?}", model.key);
+                assert!(
+                    nvml_admits(&geometry, &layout[..i], *p),
+                    "{}: {layout:?}",
+                    model.key
+                );
             }
         }
     }
@@ -102,12 +120,24 @@ fn maximal_layouts_include_the_zero_waste_ones() {
         set(&["7g.80gb@0"]),
         set(&["4g.40gb@0", "3g.40gb@4"]),
         set(&["1g.10gb@0", "1g.10gb@1", "2g.20gb@2", "3g.40gb@4"]),
-        set(&["1g.10gb+me@0", "1g.10gb@1", "1g.10gb@2", "1g.10gb@3", "1g.10gb@4", "1g.10gb@5", "1g.10gb@6"]),
+        set(&[
+            "1g.10gb+me@0",
+            "1g.10gb@1",
+            "1g.10gb@2",
+            "1g.10gb@3",
+            "1g.10gb@4",
+            "1g.10gb@5",
+            "1g.10gb@6",
+        ]),
     ] {
         assert!(layouts.contains(&expected), "{expected:?} missing");
     }
     // A second +me instance is never part of a layout (one optical-flow engine).
-    assert!(layouts.iter().all(|l| l.iter().filter(|n| n.contains("+me")).count() <= 1));
+    assert!(
+        layouts
+            .iter()
+            .all(|l| l.iter().filter(|n| n.contains("+me")).count() <= 1)
+    );
     // Not maximal: 4g alone leaves room for a 3g.
     assert!(!layouts.contains(&set(&["4g.40gb@0"])));
 }
@@ -120,7 +150,13 @@ fn over_adding_engine_counts_are_found() {
     let counters: Vec<&str> = conflicts.iter().map(|c| c.counter).collect();
     assert_eq!(counters, ["decoders"]);
     assert!(conflicts[0].used > conflicts[0].budget);
-    let why = gpu.mig.as_ref().unwrap().engine_counters_overruled.clone().unwrap();
+    let why = gpu
+        .mig
+        .as_ref()
+        .unwrap()
+        .engine_counters_overruled
+        .clone()
+        .unwrap();
     assert!(why.contains("decoders counter (5 on the GPU)"), "{why}");
 }
 
@@ -139,13 +175,21 @@ fn overruled_counters_accept_exactly_the_layouts_nvml_allows() {
     assert_eq!(counter_feasible_sets(&plan), nvml_valid_sets(&plan, &geometry));
     // Pruned as published, still the same layouts.
     let (published, _) = published_plan(std::slice::from_ref(&gpu), &policy, &BTreeSet::new());
-    assert_eq!(counter_feasible_sets(&published), nvml_valid_sets(&published, &geometry));
+    assert_eq!(
+        counter_feasible_sets(&published),
+        nvml_valid_sets(&published, &geometry)
+    );
 
     // With the reported counts taken as budgets, 4g + 3g would be refused.
     let mut trusting = gpu.clone();
     trusting.mig.as_mut().unwrap().engine_counters_overruled = None;
     let plan = plan_pool(&[trusting], &policy);
-    let index = |name: &str| plan.devices.iter().position(|d| d.name.to_string() == name).unwrap();
+    let index = |name: &str| {
+        plan.devices
+            .iter()
+            .position(|d| d.name.to_string() == name)
+            .unwrap()
+    };
     let mut alloc = Allocator::new(&plan);
     assert!(alloc.take(index("gpu-0-mig-4g40gb-0")));
     assert!(!alloc.fits(index("gpu-0-mig-3g40gb-4")));
