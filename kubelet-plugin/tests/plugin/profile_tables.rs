@@ -30,9 +30,9 @@ fn backend(host: &FakeGpuHost) -> NvmlBackend {
 
 /// (profile ID, profile index) of every profile discovered on GPU 0.
 fn discovered(host: &FakeGpuHost) -> BTreeSet<(u32, u32)> {
-    let gpu = backend(host).discover().unwrap().remove(0);
+    let gpu = backend(host).discover().expect("discovery").remove(0);
     gpu.mig
-        .unwrap()
+        .expect("a MIG-capable GPU")
         .profiles
         .iter()
         .map(|p| (p.gi_profile_id, p.gi_profile_index))
@@ -41,7 +41,7 @@ fn discovered(host: &FakeGpuHost) -> BTreeSet<(u32, u32)> {
 
 /// What the plugin reports for GPU 0 of `host`, without instances.
 fn inventory(host: &FakeGpuHost) -> GpuInventory {
-    let gpu = backend(host).discover().unwrap().remove(0);
+    let gpu = backend(host).discover().expect("discovery").remove(0);
     gpu_inventory(&gpu, &[], &BTreeMap::new(), GpuHealth::healthy(), true)
 }
 
