@@ -125,20 +125,26 @@ const MAX_PROFILE_INDEXES: u32 = 64;
 
 /// Walks profile indexes 0, 1, … with `info` until NVML answers INVALID_ARGUMENT, which nvml.h
 /// gives for an index the driver does not know; an index answering NOT_SUPPORTED (the GPU lacks
-/// that profile) is skipped. The answers in between, failures included, with their indexes.
-/// Not a fixed count: a newer driver knows more indexes than the header migdra was built with.
+/// that profile) is skipped. Yields the answers in between, failures included, with their
+/// indexes. Lazy, so a caller that stops at an answer asks NVML nothing more. Not a fixed
+/// count: a newer driver knows more indexes than the header migdra was built with.
 fn walk_profile_indexes<T>(
     mut info: impl FnMut(u32) -> Result<T, NvmlError>,
-) -> Vec<(u32, Result<T, NvmlError>)> {
-    let mut answers = Vec::new();
-    for index in 0..MAX_PROFILE_INDEXES {
-        match info(index) {
-            Err(NvmlError::InvalidArg) => break,
-            Err(NvmlError::NotSupported) => {}
-            answer => answers.push((index, answer)),
+) -> impl Iterator<Item = (u32, Result<T, NvmlError>)> {
+    let mut ended = false;
+    (0..MAX_PROFILE_INDEXES).filter_map(move |index| {
+        if ended {
+            return None;
         }
-    }
-    answers
+        match info(index) {
+            Err(NvmlError::InvalidArg) => {
+                ended = true;
+                None
+            }
+            Err(NvmlError::NotSupported) => None,
+            answer => Some((index, answer)),
+        }
+    })
 }
 
 /// Normalises NVML's `00000000:3B:00.0` to the Kubernetes spelling `0000:3b:00.0`.
