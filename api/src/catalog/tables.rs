@@ -299,7 +299,8 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
         },
         GpuModel {
             key: "H100-96GB",
-            // What NVML reports on GH200 with 96GB HBM3; the H100 96GB (0x233D) shares the table.
+            // The name NVML reports for GH200 (96 GB HBM3 next to 480 GB LPDDR5X); models are
+            // found by PCI device ID, so the H100 96GB sharing the table needs no name here.
             product_name: "NVIDIA GH200 480GB",
             pci_device_ids: &[0x233D, 0x2342],
             memory_mib: 97871,
