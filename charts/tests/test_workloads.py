@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import CHART, REPO, render
+from conftest import CHART, REPO, render, run_helm, template_args
 
 
 def plugin_pod(rendered):
@@ -62,18 +62,54 @@ def test_plugin_mounts_cdi_dev_and_driver_root(case):
     assert mounts[cdi]["mountPath"] == cdi and not mounts[cdi].get("readOnly")
     assert env["CDI_ROOT"]["value"] == cdi
 
-    assert mounts["/dev"]["mountPath"] == "/dev"
+    dev = values["devRoot"].rstrip("/")
+    assert mounts[dev]["mountPath"] == dev, "device nodes at the same path inside"
+    assert env["DEV_ROOT"]["value"] == dev
 
     driver_root = values["nvidiaDriverRoot"]
     m = mounts[driver_root]
     assert m["readOnly"] is True, "the driver root is mounted read-only"
-    nvml = env["NVML_LIB_PATH"]["value"]
-    assert nvml == m["mountPath"].rstrip("/") + "/" + values["nvmlLibPath"].lstrip("/")
-    assert nvml.endswith("libnvidia-ml.so.1")
+    if values["nvmlLibPath"]:
+        nvml = env["NVML_LIB_PATH"]["value"]
+        assert nvml == m["mountPath"].rstrip("/") + "/" + values["nvmlLibPath"].lstrip("/")
+        assert nvml.endswith("libnvidia-ml.so.1")
+    else:
+        # The plugin searches the driver root mount for its own architecture's library.
+        assert "NVML_LIB_PATH" not in env
+        assert env["DRIVER_ROOT_MOUNT"]["value"] == m["mountPath"]
+
+
+def test_default_values_name_no_architecture(default):
+    """Nothing x86-only in the defaults: the same values work on arm64 nodes."""
+    _, pod = plugin_pod(default)
+    text = repr(pod)
+    assert "x86_64" not in text and "aarch64" not in text, text
+
+
+def test_plugin_extra_volumes_follow_values(case):
+    rendered, values = case
+    _, pod = plugin_pod(rendered)
+    c = container(pod)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    for extra in values["kubeletPlugin"]["extraVolumes"]:
+        assert volumes[extra["name"]] == extra
+    for extra in values["kubeletPlugin"]["extraVolumeMounts"]:
+        assert mounts[extra["name"]] == extra
+    assert len(volumes) == len(pod["volumes"]), "volume names are unique"
+
+
+@pytest.mark.parametrize("bad", ["devRoot=dev", "kubeletPlugin.extraVolumes.name=x"])
+def test_device_root_and_extra_volumes_schema_rejects(bad):
+    from conftest import run_helm, template_args
+
+    proc = run_helm(*template_args(sets=[bad]), check=False)
+    assert proc.returncode != 0 and "schema" in proc.stderr.lower(), proc.stderr
 
 
 def test_plugin_gets_the_driver_files_settings(case):
-    """Driver root (host path and where the plugin sees it), /dev and the hook's host dir."""
+    """Driver root (host path and where the plugin sees it), the device root and the hook's
+    host dir."""
     rendered, values = case
     _, pod = plugin_pod(rendered)
     c = container(pod)
@@ -83,15 +119,44 @@ def test_plugin_gets_the_driver_files_settings(case):
     driver_root = values["nvidiaDriverRoot"]
     assert env["DRIVER_ROOT"]["value"] == driver_root, "CDI mounts name host paths"
     assert env["DRIVER_ROOT_MOUNT"]["value"] == mounts[driver_root]["mountPath"]
-    assert env["DEV_ROOT"]["value"] == mounts["/dev"]["mountPath"]
+    assert env["DEV_ROOT"]["value"] == mounts[values["devRoot"].rstrip("/")]["mountPath"]
 
-    hook = values["kubeletPlugin"]["nvidiaCdiHookPath"]
-    assert env["NVIDIA_CDI_HOOK_PATH"]["value"] == hook
-    hook_dir = hook.rsplit("/", 1)[0]
+    hook = values["kubeletPlugin"]["cdiHook"]
+    from_image = hook["source"] == "image"
+    if from_image:
+        hook_path = hook["hostDir"].rstrip("/") + "/nvidia-cdi-hook"
+        assert env["NVIDIA_CDI_HOOK_SOURCE"]["value"] == "/usr/local/bin/nvidia-cdi-hook"
+    else:
+        hook_path = hook["hostPath"]
+        assert "NVIDIA_CDI_HOOK_SOURCE" not in env, "a host hook is never overwritten"
+    assert env["NVIDIA_CDI_HOOK_PATH"]["value"] == hook_path
+    hook_dir = hook_path.rsplit("/", 1)[0]
     m = mounts[hook_dir]
-    assert m["readOnly"] is True
-    # The plugin looks the hook up at HOST_ROOT + its host path.
+    # Written only when the plugin installs the hook.
+    assert m["readOnly"] is (not from_image)
+    # The plugin looks the hook up (and installs it) at HOST_ROOT + its host path.
     assert m["mountPath"] == env["HOST_ROOT"]["value"].rstrip("/") + hook_dir
+
+
+def test_default_hook_comes_from_the_image(default):
+    _, pod = plugin_pod(default)
+    env = env_of(container(pod))
+    assert env["NVIDIA_CDI_HOOK_PATH"]["value"] == "/var/lib/migdra/bin/nvidia-cdi-hook"
+    assert env["NVIDIA_CDI_HOOK_SOURCE"]["value"] == "/usr/local/bin/nvidia-cdi-hook"
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["kubeletPlugin.cdiHook.source=toolkit"],
+        ["kubeletPlugin.cdiHook.hostDir=/"],
+        ["kubeletPlugin.cdiHook.hostPath=nvidia-cdi-hook"],
+    ],
+)
+def test_bad_hook_values_are_refused(sets):
+    result = run_helm(*template_args(sets=sets), check=False)
+    assert result.returncode != 0, result.stdout
+    assert "cdiHook" in result.stderr, result.stderr
 
 
 def test_plugin_state_dir_persists(case):

@@ -3,8 +3,8 @@
 # the run ended or was killed: `clean.sh DIR [ALIAS...]`, where DIR is the run's containerd
 # directory and the ALIASes are other paths of it (the run dir's short /tmp link).
 #
-# Force-deletes the pods' containers runc still has (runc root DIR/runc), stops containerd and
-# its shims (the processes whose command line names DIR or an ALIAS), unmounts everything
+# Force-deletes the pods' containers runc still has (runc root DIR/runc), stops containerd, its
+# shims and the socat relays (the processes whose command line names DIR or an ALIAS), unmounts everything
 # below DIR (the node's network namespace; containerd's own mounts are in its mount
 # namespace, which ends with it) and the run's kubelet root (DIR/../kubelet), removes the
 # kubelet's cgroup root (DIR/cgroup-root names it, in every cgroup hierarchy) and the

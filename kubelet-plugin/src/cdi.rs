@@ -45,6 +45,8 @@ pub const DRIVER_DEVICE: &str = "files";
 /// Major number of `/dev/nvidia*` (fixed by the NVIDIA kernel driver).
 const NVIDIA_MAJOR: u32 = 195;
 const NVIDIACTL_MINOR: u32 = 255;
+/// Minor of `/dev/nvidia-modeset` (the nvidia-modeset module's node, same major).
+const NVIDIA_MODESET_MINOR: u32 = 254;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CdiError {
@@ -399,6 +401,7 @@ impl CdiWriter {
             return Ok(());
         };
         let setup = &driver.setup;
+        driver_files::create_missing_uvm_nodes(&setup.dev_root, self.majors()?.uvm)?;
         driver_files::check_required_device_nodes(&setup.dev_root, |p| p.exists())?;
         let inputs = DiscoveryInputs {
             driver_root: setup.driver_root.clone(),
@@ -529,6 +532,20 @@ impl CdiWriter {
             char_node("/dev/nvidia-uvm".into(), uvm, 0, 0o666),
             char_node("/dev/nvidia-uvm-tools".into(), uvm, 1, 0o666),
         ];
+        // As NVIDIA's toolkit: passed on when the host has it (nvidia-modeset loaded), for
+        // the programs that open it; CUDA does not need it.
+        if self
+            .driver
+            .as_ref()
+            .is_some_and(|d| d.setup.dev_root.join("nvidia-modeset").exists())
+        {
+            nodes.push(char_node(
+                "/dev/nvidia-modeset".into(),
+                NVIDIA_MAJOR,
+                NVIDIA_MODESET_MINOR,
+                0o666,
+            ));
+        }
         let caps_major = || {
             majors
                 .caps

@@ -24,7 +24,8 @@ pub struct Args {
     /// Directory for per-claim CDI specs (the runtime's dynamic CDI directory).
     #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
     pub cdi_dir: PathBuf,
-    /// Path of libnvidia-ml.so (default: the loader's search path).
+    /// Path of libnvidia-ml.so (default: libnvidia-ml.so.1 in the driver root's library
+    /// directories for this architecture, else the loader's search path).
     #[arg(long, env = "NVML_LIB_PATH")]
     pub nvml_lib_path: Option<PathBuf>,
     /// Directory of the checkpoint and lock file (default: <kubelet-root-dir>/plugins/<driver>).
@@ -45,10 +46,15 @@ pub struct Args {
     /// host, so it is looked up here).
     #[arg(long, env = "HOST_ROOT", default_value = "/")]
     pub host_root: PathBuf,
-    /// Host path of NVIDIA's `nvidia-cdi-hook`; when it does not exist containers get the
-    /// soname links as bind mounts and no hooks.
+    /// Host path of NVIDIA's `nvidia-cdi-hook` that the CDI specs name; when it does not exist
+    /// containers get the soname links as bind mounts and no hooks (with a warning event).
     #[arg(long, env = "NVIDIA_CDI_HOOK_PATH", default_value = crate::driver_files::DEFAULT_HOOK_PATH)]
     pub nvidia_cdi_hook_path: PathBuf,
+    /// An `nvidia-cdi-hook` in this container (the plugin image carries one at
+    /// /usr/local/bin/nvidia-cdi-hook) to install at --nvidia-cdi-hook-path on the host at
+    /// start, replacing what differs. Unset: the specs use the host's own hook.
+    #[arg(long, env = "NVIDIA_CDI_HOOK_SOURCE")]
+    pub nvidia_cdi_hook_source: Option<PathBuf>,
     /// Where this process sees the host's `/dev` (for `/dev/nvidiactl` and `/dev/nvidia-uvm*`,
     /// which every CUDA container needs).
     #[arg(long, env = "DEV_ROOT", default_value = "/dev")]
@@ -215,6 +221,7 @@ mod tests {
         assert_eq!(a.resolved_driver_root_mount(), PathBuf::from("/"));
         assert_eq!(a.host_root, PathBuf::from("/"));
         assert_eq!(a.nvidia_cdi_hook_path, PathBuf::from("/usr/bin/nvidia-cdi-hook"));
+        assert!(a.nvidia_cdi_hook_source.is_none(), "the host's hook unless told");
         assert_eq!(a.dev_root, PathBuf::from("/dev"));
         assert_eq!(a.plugin_instance, "", "no instance: the fixed socket names");
 
@@ -327,6 +334,7 @@ mod tests {
             ("driver-root-mount", "DRIVER_ROOT_MOUNT"),
             ("host-root", "HOST_ROOT"),
             ("nvidia-cdi-hook-path", "NVIDIA_CDI_HOOK_PATH"),
+            ("nvidia-cdi-hook-source", "NVIDIA_CDI_HOOK_SOURCE"),
             ("dev-root", "DEV_ROOT"),
             ("boot-id-path", "BOOT_ID_PATH"),
             ("grpc-health-address", "GRPC_HEALTH_ADDRESS"),

@@ -39,7 +39,7 @@ use crate::{
     lock,
     metrics::Metrics,
     nvml::{BackendError, GpuBackend, GpuDescription, GpuInstanceRecord, NvmlErrorKind, bounded::NvmlCalls},
-    orphans::LostGpuOrphans,
+    orphans::{LostGpuOrphans, epoch_seconds},
     plan::{GpuView, mode_switchable},
     state_dir::{NodeGate, NodeLock},
 };
@@ -342,8 +342,10 @@ impl Gpus {
     /// exactly those (same profile, placement and GPU-instance ID where recorded). One that is gone
     /// is forgotten; one that cannot be destroyed stays listed for the next pass. An orphan whose
     /// placement a recorded claim holds is forgotten too: the instance there is the claim's (an
-    /// orphan recorded before its instance had an ID would otherwise match it). Called under the
-    /// GPU's lock and the node lock.
+    /// orphan recorded before its instance had an ID would otherwise match it). A watched
+    /// placement ([`crate::orphans::OrphanedInstance::awaited_until`]) stays listed, gone or
+    /// held, until its watch ends or a late instance there is destroyed. Called under the GPU's
+    /// lock and the node lock.
     fn destroy_orphans(
         &self,
         orphans: &LostGpuOrphans,
@@ -370,12 +372,18 @@ impl Gpus {
             }
         };
         let backend = &self.inner.backend;
+        let now = epoch_seconds();
         for orphan in listed {
             let is_orphan = |gi: &&GpuInstanceRecord| {
                 (gi.profile_id, gi.start) == (orphan.profile_id, orphan.start)
                     && orphan.gpu_instance.is_none_or(|id| id == gi.id)
             };
+            let awaited = orphan.awaited_at(now);
             if claimed(orphan.profile_id, orphan.start) {
+                if awaited {
+                    // The instance there is the claim's; a late one may still appear after it.
+                    continue;
+                }
                 tracing::info!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, "the placement of an instance left while the GPU was lost belongs to a recorded claim now; forgetting it");
             } else if let Some(gi) = instances.iter().find(is_orphan) {
                 let destroyed = gi
@@ -390,7 +398,15 @@ impl Gpus {
                     tracing::warn!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, error = %e, "destroying an instance left while the GPU was lost failed; retrying later");
                     continue;
                 }
-                tracing::info!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, gpu_instance = gi.id, "destroyed an instance left while the GPU was lost");
+                if orphan.awaited_until.is_some() {
+                    tracing::warn!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, gpu_instance = gi.id, "destroyed an instance whose create completed after its claim was rolled back");
+                } else {
+                    tracing::info!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, gpu_instance = gi.id, "destroyed an instance left while the GPU was lost");
+                }
+            } else if awaited {
+                continue;
+            } else if orphan.awaited_until.is_some() {
+                tracing::info!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, "no late instance appeared at a rolled-back claim's placement; no longer watching it");
             } else {
                 tracing::info!(gpu = gpu.minor, claim = %orphan.claim, device = %orphan.device, "an instance left while the GPU was lost is gone");
             }

@@ -48,7 +48,7 @@ use crate::{
     events::ClaimEvents,
     metrics::Metrics,
     node_status::{HeartbeatLease, NodeStatusWriter, StatusLoop},
-    nvml::NvmlBackend,
+    nvml::ReloadingNvml,
 };
 use dra_kubelet::{PluginServer, PluginServerConfig, PluginServing, RegistrationState};
 
@@ -91,6 +91,17 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
     let kube_config = migdra_runtime::kube_config(args.process.kubeconfig.as_deref()).await?;
     let client =
         kube::Client::try_from(kube_config.clone()).map_err(migdra_runtime::KubeClientError::from)?;
+    let hook_missing = {
+        let (source, host_root, hook_path) = (
+            args.nvidia_cdi_hook_source.clone(),
+            args.host_root.clone(),
+            args.nvidia_cdi_hook_path.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            driver_files::ensure_hook(source.as_deref(), &host_root, &hook_path)
+        })
+        .await?
+    };
     let (driver, mut report) = start_driver(&args, KubeClaims::new(client.clone()), metrics).await?;
     if driver.records_lost() {
         let published = published_inventory(&client, &args.node_name).await;
@@ -100,8 +111,19 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
             .context("recovering the records of a lost checkpoint")?;
     }
     let mut tasks = vec![http_task, grpc_health_task];
-    let (claim_events, recovery_events) =
-        spawn_background(&args, &driver, &report, client.clone(), &shutdown, &mut tasks);
+    let node_warnings = hook_missing.map(|note| RecoveryEvent {
+        type_: kube::runtime::events::EventType::Warning,
+        reason: "CdiHookMissing",
+        note,
+    });
+    let (claim_events, recovery_events) = spawn_background(
+        &args,
+        (&driver, &report),
+        node_warnings,
+        client.clone(),
+        &shutdown,
+        &mut tasks,
+    );
     let (registration_tx, registration) = watch::channel(RegistrationState::default());
     let heartbeat_client =
         node_status::heartbeat_client(kube_config).map_err(migdra_runtime::KubeClientError::from)?;
@@ -217,8 +239,20 @@ async fn start_driver(
 ) -> anyhow::Result<(PluginDriver, RecoveryReport)> {
     let boot_id = state_dir::read_boot_id(&args.boot_id_path)?;
     let backend = {
-        let path = args.nvml_lib_path.clone();
-        tokio::task::spawn_blocking(move || NvmlBackend::new(path.as_deref()))
+        let path = args.nvml_lib_path.clone().or_else(|| {
+            let root = args.resolved_driver_root_mount();
+            let found = driver_files::find_nvml_library(&root, driver_files::LibraryArch::HOST);
+            match &found {
+                Some(path) => tracing::info!(path = %path.display(), "found NVML in the driver root"),
+                None => tracing::warn!(
+                    driver_root = %root.display(),
+                    "no {} in the driver root's library directories; loading it through the loader's search path",
+                    driver_files::NVML_LIBRARY
+                ),
+            }
+            found
+        });
+        tokio::task::spawn_blocking(move || ReloadingNvml::new(path.as_deref()))
             .await?
             .context("loading NVML")?
     };
@@ -272,13 +306,14 @@ async fn published_inventory(client: &kube::Client, node: &str) -> Vec<GpuInvent
     }
 }
 
-/// Spawns into `tasks` what runs beside the kubelet's calls: the task that writes claim events,
+/// Spawns into `tasks` what runs beside the kubelet's calls (and queues `node_warnings` for the
+/// GpuNode): the task that writes claim events,
 /// the repair of what recovery left pending, the stale-claim GC and the claim status retries.
 /// Returns where claim events go and what the repairs report, for the status loop.
 fn spawn_background(
     args: &cli::Args,
-    driver: &PluginDriver,
-    report: &RecoveryReport,
+    (driver, report): (&PluginDriver, &RecoveryReport),
+    node_warnings: Option<RecoveryEvent>,
     client: kube::Client,
     shutdown: &CancellationToken,
     tasks: &mut Vec<JoinHandle<()>>,
@@ -299,6 +334,10 @@ fn spawn_background(
     // Records recovery could not repair keep their GPUs unhealthy and are retried in the
     // background; serving does not wait for them.
     let (recovery_tx, recovery_rx) = mpsc::unbounded_channel();
+    // Warnings found at start go to the GpuNode with the recovery events.
+    if let Some(event) = node_warnings {
+        let _ = recovery_tx.send(event);
+    }
     if let Some(event) = RecoveryEvent::pending(report) {
         let _ = recovery_tx.send(event);
     }

@@ -7,6 +7,13 @@
 //! exactly these (same GPU UUID, profile, placement and, where known, GPU-instance ID);
 //! instances no record or orphan describes stay foreign and untouched.
 //!
+//! The list also watches placements where an instance may still appear
+//! ([`OrphanedInstance::awaited_until`]): a half-prepared claim rolled back while its
+//! GPU-instance create had not returned (the plugin that called it crashed, or the call ran past
+//! its bound). A create stuck in the driver completes whenever the driver lets it, with nobody
+//! left to record it; without the watch its instance would count as foreign and never be
+//! destroyed.
+//!
 //! The list is `<state dir>/lost-gpu-orphans.json`, written atomically and belonging to one
 //! boot (instances never survive a reboot), and changed only under the node lock (and the
 //! GPU's lock). Two plugin instances share it during a rolling update, so every read and
@@ -43,6 +50,42 @@ pub struct OrphanedInstance {
     pub claim: String,
     /// The device name it was allocated as.
     pub device: String,
+    /// Set when the instance was not there yet: its create may still complete. Until this
+    /// time (seconds since the Unix epoch) the entry stays while nothing is at its placement,
+    /// and an instance that appears there while no record holds the placement is destroyed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub awaited_until: Option<u64>,
+}
+
+/// How long a placement whose create may still complete is watched. A create stuck in the
+/// driver has no bound of its own; an hour is far past any NVML call that ever returns,
+/// and short enough that an instance an admin makes by hand at the same placement later is
+/// not taken for the late one.
+pub const LATE_CREATE_WATCH: std::time::Duration = std::time::Duration::from_secs(60 * 60);
+
+impl OrphanedInstance {
+    /// Whether both describe the same instance (the watch deadline aside).
+    fn same_instance(&self, other: &Self) -> bool {
+        Self {
+            awaited_until: None,
+            ..self.clone()
+        } == Self {
+            awaited_until: None,
+            ..other.clone()
+        }
+    }
+
+    /// Whether the entry still watches for a late instance at `now` (seconds since the epoch).
+    pub fn awaited_at(&self, now: u64) -> bool {
+        self.awaited_until.is_some_and(|until| now < until)
+    }
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it, which ends every watch).
+pub fn epoch_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 #[derive(Serialize, Deserialize)]
@@ -134,13 +177,21 @@ impl LostGpuOrphans {
             .collect()
     }
 
-    /// Adds instances (each once) and writes the file; on failure nothing is added. Callers
-    /// hold the node lock, so the file read here is not changed before it is written.
+    /// Adds instances (each once; a second watch of the same instance keeps the later
+    /// deadline) and writes the file; on failure nothing is added. Callers hold the node lock,
+    /// so the file read here is not changed before it is written.
     pub fn add(&self, new: impl IntoIterator<Item = OrphanedInstance>) -> Result<(), CheckpointError> {
         self.change(|list| {
             for orphan in new {
-                if !list.contains(&orphan) {
-                    list.push(orphan);
+                match list.iter_mut().find(|o| o.same_instance(&orphan)) {
+                    Some(listed) => {
+                        listed.awaited_until = match (listed.awaited_until, orphan.awaited_until) {
+                            (Some(a), Some(b)) => Some(a.max(b)),
+                            // One entry destroys whatever is there: it needs no deadline.
+                            _ => None,
+                        }
+                    }
+                    None => list.push(orphan),
                 }
             }
         })
@@ -204,7 +255,35 @@ mod tests {
             gpu_instance: Some(2),
             claim: "ns/c".into(),
             device: format!("gpu-0-mig-3g40gb-{start}"),
+            awaited_until: None,
         }
+    }
+
+    #[test]
+    fn a_watched_placement_is_listed_once_with_the_later_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let list = LostGpuOrphans::open(dir.path(), "boot-a").unwrap();
+        let watched = |until| OrphanedInstance {
+            gpu_instance: None,
+            awaited_until: Some(until),
+            ..orphan(0)
+        };
+        list.add([watched(100), watched(50)]).unwrap();
+        assert_eq!(list.all(), [watched(100)]);
+        assert!(list.all()[0].awaited_at(99));
+        assert!(!list.all()[0].awaited_at(100));
+        // A lost GPU's instance at the same placement needs no deadline: it is destroyed
+        // whenever found, and forgotten only then or when found gone.
+        list.add([OrphanedInstance {
+            gpu_instance: None,
+            ..orphan(0)
+        }])
+        .unwrap();
+        assert_eq!(list.all()[0].awaited_until, None);
+        // An entry without a deadline is written without the field.
+        let old = r#"{"bootId":"boot-a","orphans":[{"gpuUuid":"GPU-1","gpuMinor":0,"profileId":9,"start":4,"gpuInstance":2,"claim":"ns/c","device":"d"}]}"#;
+        std::fs::write(dir.path().join(ORPHANS_FILE), old).unwrap();
+        assert_eq!(list.all()[0].awaited_until, None);
     }
 
     #[test]

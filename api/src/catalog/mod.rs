@@ -5,8 +5,9 @@
 //! Sources: NVIDIA's MIG user guide and published `nvidia-smi` output
 //! (`shared/reference/mig-nvml.md`). A value the reference does not pin down is an estimate,
 //! listed in [`GpuModel::estimates`], so `gpu-check` can tell a wrong estimate from a wrong
-//! fact. Models are found by NVML product name or PCI device ID; variants with different SM
-//! counts (H100 SXM5 and PCIe) are separate entries.
+//! fact. Models are found by PCI device ID (product names differ between boards of one model
+//! and between drivers); variants with different SM counts (H100 SXM5 and PCIe) are separate
+//! entries.
 
 mod tables;
 
@@ -178,14 +179,8 @@ pub fn model(key: &str) -> Option<&'static GpuModel> {
     CATALOG.iter().find(|m| m.key.eq_ignore_ascii_case(key))
 }
 
-/// Looks a model up by the product name NVML reports (exact, ignoring ASCII case and
-/// surrounding whitespace). This is how SXM and PCIe variants of a GPU are told apart.
-pub fn model_by_product_name(product_name: &str) -> Option<&'static GpuModel> {
-    let name = product_name.trim();
-    CATALOG.iter().find(|m| m.product_name.eq_ignore_ascii_case(name))
-}
-
-/// Looks a model up by PCI device ID.
+/// Looks a model up by PCI device ID, which is how the plugin and gpu-check identify a GPU
+/// (also telling the SXM and PCIe variants of a GPU apart).
 pub fn model_by_pci_device_id(device_id: u16) -> Option<&'static GpuModel> {
     CATALOG.iter().find(|m| m.pci_device_ids.contains(&device_id))
 }
@@ -388,12 +383,10 @@ mod tests {
 
     #[test]
     fn h100_pcie_and_sxm_are_separate_models() {
-        let sxm = model_by_product_name("NVIDIA H100 80GB HBM3").unwrap();
-        let pcie = model_by_product_name("NVIDIA H100 PCIe").unwrap();
+        let sxm = model_by_pci_device_id(0x2330).unwrap();
+        let pcie = model_by_pci_device_id(0x2331).unwrap();
         assert_eq!(sxm.key, "H100-80GB");
         assert_eq!(pcie.key, "H100-PCIE-80GB");
-        assert_eq!(model_by_pci_device_id(0x2331).unwrap().key, pcie.key);
-        assert_eq!(model_by_pci_device_id(0x2330).unwrap().key, sxm.key);
         assert_eq!((sxm.multiprocessors, pcie.multiprocessors), (132, 114));
         let sms = |m: &GpuModel| m.profiles.iter().map(|p| p.engines.multiprocessors).max();
         assert_eq!(sms(pcie), Some(114), "7g spans the PCIe card's SMs");
@@ -407,11 +400,6 @@ mod tests {
         };
         assert_eq!(shape(sxm), shape(pcie));
         for m in models() {
-            assert_eq!(
-                model_by_product_name(m.product_name).unwrap().key,
-                m.key,
-                "unique names"
-            );
             for id in m.pci_device_ids {
                 assert_eq!(model_by_pci_device_id(*id).unwrap().key, m.key, "unique PCI IDs");
             }

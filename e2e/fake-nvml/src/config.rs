@@ -139,6 +139,12 @@ pub struct GpuQuirks {
     /// instead of the model's: drivers' names drift (§12 "Profile names").
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub profile_names: BTreeMap<u32, String>,
+    /// PCI device ID and product name reported instead of the model's: a board whose MIG
+    /// tables are the model's but which a catalog may not know (a new SKU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_device_id: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub product_name: Option<String>,
 }
 
 fn is_default<T: Default + PartialEq>(value: &T) -> bool {

@@ -50,6 +50,8 @@ pub mod code {
     pub const GPU_IS_LOST: u32 = 15;
     /// NVML_ERROR_RESET_REQUIRED.
     pub const RESET_REQUIRED: u32 = 16;
+    /// NVML_ERROR_LIB_RM_VERSION_MISMATCH.
+    pub const LIB_RM_VERSION_MISMATCH: u32 = 18;
     /// NVML_ERROR_IN_USE.
     pub const IN_USE: u32 = 19;
     /// NVML_ERROR_INSUFFICIENT_RESOURCES.

@@ -596,6 +596,7 @@ mod tests {
             mig_enabled: mig,
             mig_pending: mig,
             client_holds_gpu: false,
+            running_processes: Vec::new(),
             lost: false,
             auto_placement: BTreeMap::new(),
             quirks: Default::default(),

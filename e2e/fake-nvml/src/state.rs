@@ -47,6 +47,17 @@ pub struct FakeState {
     /// default: counting writes the state on every call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call_log: Option<BTreeMap<String, u64>>,
+    /// How often the driver was reloaded (a reboot, [`FakeState::reload_driver`]). A call held
+    /// by a latency fault across a reload returns without acting: on a node the reboot ends it
+    /// with its process.
+    #[serde(default)]
+    pub driver_loads: u64,
+    /// How often the kernel driver was upgraded under running processes (no reboot). An NVML
+    /// session initialised before an upgrade gets NVML_ERROR_LIB_RM_VERSION_MISMATCH from every
+    /// call until it shuts down and initialises again, as a process that keeps the old
+    /// user-space library does.
+    #[serde(default)]
+    pub driver_upgrades: u64,
 }
 
 /// One GPU.
@@ -78,6 +89,10 @@ pub struct GpuState {
     /// creation answer IN_USE.
     #[serde(default)]
     pub client_holds_gpu: bool,
+    /// Processes with a context on the GPU, as `nvmlDeviceGet{Compute,Graphics}RunningProcesses`
+    /// list them (tests add them to the state).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub running_processes: Vec<RunningProcess>,
     /// The GPU fell off the bus: every call concerning it answers GPU_IS_LOST.
     #[serde(default)]
     pub lost: bool,
@@ -90,6 +105,20 @@ pub struct GpuState {
     /// GPU instances.
     #[serde(default)]
     pub gpu_instances: Vec<GpuInstanceState>,
+}
+
+/// A process using a GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunningProcess {
+    pub pid: u32,
+    /// A graphics context (listed by the graphics call) rather than a compute one.
+    #[serde(default)]
+    pub graphics: bool,
+    pub used_memory_bytes: u64,
+    /// GPU and compute instance it runs in (MIG mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_instance: Option<(u32, u32)>,
 }
 
 /// One GPU instance.
@@ -202,6 +231,7 @@ impl FakeState {
                     mig_enabled: enabled,
                     mig_pending: enabled,
                     client_holds_gpu: false,
+                    running_processes: Vec::new(),
                     lost: false,
                     auto_placement: gpu.auto_placement.clone(),
                     quirks: gpu.quirks.clone(),
@@ -227,6 +257,8 @@ impl FakeState {
                 })
                 .collect(),
             call_log: None,
+            driver_loads: 0,
+            driver_upgrades: 0,
         };
         for instance in &config.instances {
             state
@@ -288,6 +320,7 @@ impl FakeState {
     /// Simulates a driver reload or reboot: instances are gone; Ampere applies its pending
     /// mode (it persists), Hopper and later lose MIG mode.
     pub fn reload_driver(&mut self) {
+        self.driver_loads += 1;
         for g in &mut self.gpus {
             let switchable = g
                 .fake_model()

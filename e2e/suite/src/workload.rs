@@ -439,8 +439,9 @@ impl ContainerRecord {
     /// and `libnvidia-ml.so.<version>` bind-mounted read-only from `driver_root` (a host
     /// path) at their path in the root, one `create-symlinks` hook (`nvidia-cdi-hook` at
     /// `hook_path`) linking the sonames `libcuda.so.1` / `libnvidia-ml.so.1` to them, one
-    /// `update-ldcache` hook for their directory, no mount destination twice, and
-    /// `NVIDIA_VISIBLE_DEVICES=void`.
+    /// `update-ldcache` hook for their directory, one `enable-cuda-compat` hook for the
+    /// driver version and one `disable-device-node-modification` hook, no mount destination
+    /// twice, and `NVIDIA_VISIBLE_DEVICES=void`.
     pub fn check_driver_files(
         &self,
         driver_root: &Path,
@@ -499,6 +500,21 @@ impl ContainerRecord {
         {
             bail!(
                 "expected one update-ldcache hook for {LIB_DIR}, got {:?}",
+                self.hooks
+            );
+        }
+        let compat = hooks("enable-cuda-compat");
+        let host_version = format!("--host-driver-version={version}");
+        if compat.len() != 1 || compat[0].args[2..] != [host_version] || compat[0].path != hook_path {
+            bail!(
+                "expected one enable-cuda-compat hook for driver {version}, got {:?}",
+                self.hooks
+            );
+        }
+        let device_nodes = hooks("disable-device-node-modification");
+        if device_nodes.len() != 1 || device_nodes[0].path != hook_path {
+            bail!(
+                "expected one disable-device-node-modification hook, got {:?}",
                 self.hooks
             );
         }

@@ -201,6 +201,17 @@ impl From<PlanError> for ClaimFailure {
 }
 
 impl ClaimFailure {
+    /// Whether NVML stopped answering (then what the call did is unknown until it returns).
+    pub fn nvml_not_answering(&self) -> bool {
+        match self {
+            Self::Backend(e) => e.kind == NvmlErrorKind::NotAnswering,
+            Self::RollbackFailed(failure, rollback) => {
+                failure.nvml_not_answering() || rollback.nvml_not_answering()
+            }
+            _ => false,
+        }
+    }
+
     /// A stable CamelCase label of the cause (a bounded set, for metrics).
     pub fn reason(&self) -> &'static str {
         match self {

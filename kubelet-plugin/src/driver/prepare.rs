@@ -421,7 +421,7 @@ impl<C: ClaimSource> Driver<C> {
             Err(failure) => {
                 tracing::warn!(claim = %record.key(), error = %failure, "prepare failed; rolling back");
                 let latest = self.inner.journal.get(&claim.uid).unwrap_or(record);
-                match self.tear_down(locks, &claim.uid, &latest) {
+                match self.roll_back_failed_prepare(locks, &claim.uid, &latest, &failure) {
                     Ok(()) => Err(failure),
                     Err(rollback) => Err(ClaimFailure::RollbackFailed(
                         Box::new(failure),

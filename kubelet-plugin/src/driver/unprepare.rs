@@ -13,7 +13,7 @@ use crate::{
     claims::ClaimSource,
     gpus::GpuLocks,
     nvml::{NvmlErrorKind, timing::NvmlClock},
-    orphans::OrphanedInstance,
+    orphans::{LATE_CREATE_WATCH, OrphanedInstance, epoch_seconds},
     state_dir::NodeLock,
 };
 use dra_kubelet::ClaimRef;
@@ -75,11 +75,42 @@ impl<C: ClaimSource> Driver<C> {
     /// prepared claim (a half-prepared one is rolled back without), destroys the record's instances
     /// (matched by placement, and by ID where recorded; a shared one only when no other record
     /// holds it), removes the CDI spec and forgets the claim.
+    ///
+    /// A half-prepared record may have been left by a plugin that died inside a create, so
+    /// each of its placements with no instance yet is watched for a late one
+    /// ([`crate::orphans`]).
     pub(super) fn tear_down(
         &self,
         locks: &GpuLocks<'_>,
         uid: &str,
         record: &ClaimRecord,
+    ) -> Result<(), ClaimFailure> {
+        self.tear_down_watching(locks, uid, record, LateCreates::Possible)
+    }
+
+    /// Rolls back this prepare's own record after `failure`: its creates returned, unless
+    /// NVML stopped answering during one.
+    pub(super) fn roll_back_failed_prepare(
+        &self,
+        locks: &GpuLocks<'_>,
+        uid: &str,
+        record: &ClaimRecord,
+        failure: &ClaimFailure,
+    ) -> Result<(), ClaimFailure> {
+        let late = if failure.nvml_not_answering() {
+            LateCreates::Possible
+        } else {
+            LateCreates::Impossible
+        };
+        self.tear_down_watching(locks, uid, record, late)
+    }
+
+    fn tear_down_watching(
+        &self,
+        locks: &GpuLocks<'_>,
+        uid: &str,
+        record: &ClaimRecord,
+        late: LateCreates,
     ) -> Result<(), ClaimFailure> {
         // The record describes the instances either way: one that cannot say "unpreparing" (a
         // read-only or full state directory) still lets the GPU be freed. The CDI spec then
@@ -98,7 +129,7 @@ impl<C: ClaimSource> Driver<C> {
             }
             Err(e) => return Err(e.into()),
         };
-        self.destroy_instances(locks, uid, record)?;
+        self.destroy_instances(locks, uid, record, late)?;
         recorded?;
         self.inner.cdi.remove_claim_spec(uid)?;
         self.step(uid, Step::CdiRemoved);
@@ -125,9 +156,10 @@ impl<C: ClaimSource> Driver<C> {
         locks: &GpuLocks<'_>,
         uid: &str,
         record: &ClaimRecord,
+        late: LateCreates,
     ) -> Result<(), ClaimFailure> {
         let mut orphans = Vec::new();
-        let result = self.destroy_reachable_instances(locks, uid, record, &mut orphans);
+        let result = self.destroy_reachable_instances(locks, uid, record, late, &mut orphans);
         if !orphans.is_empty() {
             match self.inner.gpus.orphans() {
                 Some(list) => {
@@ -149,6 +181,7 @@ impl<C: ClaimSource> Driver<C> {
         locks: &GpuLocks<'_>,
         uid: &str,
         record: &ClaimRecord,
+        late: LateCreates,
         orphans: &mut Vec<OrphanedInstance>,
     ) -> Result<(), ClaimFailure> {
         for device in &record.devices {
@@ -178,6 +211,7 @@ impl<C: ClaimSource> Driver<C> {
                 gpu_instance: *gpu_instance,
                 claim: record.key(),
                 device: device.device.clone(),
+                awaited_until: None,
             };
             let Some(index) = locks.index(device.gpu_minor) else {
                 tracing::warn!(device = %device.device, "GPU is gone; its instance counts as gone (destroyed if the GPU comes back)");
@@ -212,7 +246,19 @@ impl<C: ClaimSource> Driver<C> {
                     && gpu_instance.is_none_or(|id| id == gi.id)
             });
             let Some(gi) = ours else {
-                tracing::debug!(device = %device.device, "instance already gone");
+                // No ID recorded: its create had not returned when the record was last written.
+                if late == LateCreates::Possible
+                    && record.state == ClaimState::PrepareStarted
+                    && gpu_instance.is_none()
+                {
+                    tracing::info!(claim = %record.key(), device = %device.device, watch = ?LATE_CREATE_WATCH, "no instance yet; its create may still complete, so the placement is watched and a late instance destroyed");
+                    orphans.push(OrphanedInstance {
+                        awaited_until: Some(epoch_seconds().saturating_add(LATE_CREATE_WATCH.as_secs())),
+                        ..orphan()
+                    });
+                } else {
+                    tracing::debug!(device = %device.device, "instance already gone");
+                }
                 continue;
             };
             // The GPU may be lost between listing and destroying.
@@ -251,4 +297,14 @@ impl<C: ClaimSource> Driver<C> {
         }
         Ok(())
     }
+}
+
+/// Whether a half-prepared record's creates may complete after it is torn down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LateCreates {
+    /// Every create it started has returned.
+    Impossible,
+    /// It may have been left by a plugin that died inside a create, or a create ran past its
+    /// bound.
+    Possible,
 }

@@ -386,6 +386,17 @@ fn validate_version(version: &str) -> Result<(), DriverFilesError> {
     Ok(())
 }
 
+/// `hook_path` (a host path), when it is an executable file on the host; `host_root` is where
+/// this process sees the host's `/` (links are resolved inside it, as the runtime on the host
+/// would resolve them).
+pub fn find_hook(host_root: &Path, hook_path: &Path) -> Result<Option<PathBuf>, DriverFilesError> {
+    let root = Root {
+        on_host: Path::new("/"),
+        visible_at: host_root,
+    };
+    Ok(root.find_file(hook_path, true)?.map(|_| hook_path.to_path_buf()))
+}
+
 /// Discovers the driver's container files under `inputs.driver_root`.
 ///
 /// Libraries come from the root's `etc/ld.so.cache` ([`super::ldcache`]), and also from
@@ -499,17 +510,13 @@ pub fn discover(inputs: &DiscoveryInputs) -> Result<DriverFiles, DriverFilesErro
         }
     }
 
-    let host_root = Root {
-        on_host: Path::new("/"),
-        visible_at: &inputs.host_root,
-    };
-    let hook = host_root
-        .find_file(&inputs.hook_path, true)?
-        .map(|_| inputs.hook_path.clone());
+    let hook = find_hook(&inputs.host_root, &inputs.hook_path)?;
     if hook.is_none() {
-        tracing::debug!(
+        tracing::warn!(
             hook = %inputs.hook_path.display(),
-            "nvidia-cdi-hook not found on the host; specs get no soname-link or ldcache hooks"
+            "nvidia-cdi-hook not found on the host; containers get the soname links as mounts \
+             and none of its hooks (no linker cache update, CUDA compatibility libraries or \
+             device-node protection)"
         );
     }
 
@@ -552,4 +559,27 @@ pub fn discover(inputs: &DiscoveryInputs) -> Result<DriverFiles, DriverFilesErro
         "discovered the driver's container files"
     );
     Ok(files)
+}
+
+/// The NVML library's soname, what NVIDIA's tools load.
+pub const NVML_LIBRARY: &str = "libnvidia-ml.so.1";
+
+/// Where this process finds [`NVML_LIBRARY`] under the driver root it sees at
+/// `driver_root_visible`: the first of [`fallback_library_dirs`] of `arch` that has it (so
+/// `usr/lib64` on RHEL, `usr/lib/<triplet>` on Debian and Ubuntu, for the host's architecture
+/// only), links resolved inside the root. `None` when no directory has it.
+pub fn find_nvml_library(driver_root_visible: &Path, arch: LibraryArch) -> Option<PathBuf> {
+    let root = Root {
+        on_host: Path::new("/"),
+        visible_at: driver_root_visible,
+    };
+    fallback_library_dirs(arch).iter().find_map(|dir| {
+        let resolved = root
+            .find_file(&dir.join(NVML_LIBRARY), false)
+            .unwrap_or_else(|e| {
+                tracing::debug!(error = %e, dir = %dir.display(), "skipping a library directory");
+                None
+            })?;
+        Some(root.local(&resolved))
+    })
 }

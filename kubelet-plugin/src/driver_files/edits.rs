@@ -2,9 +2,14 @@
 //!
 //! - every library, utility and firmware file is bind-mounted read-only at its path in the
 //!   driver root ([`FILE_MOUNT_OPTIONS`]); sockets get [`IPC_MOUNT_OPTIONS`];
-//! - with `nvidia-cdi-hook` on the host, two `createContainer` hooks: `create-symlinks`
-//!   (soname links and `libcuda.so`) and then `update-ldcache` (so the container's loader
-//!   finds libraries in directories its own cache does not list);
+//! - with `nvidia-cdi-hook` on the host, the `createContainer` hooks NVIDIA's toolkit emits
+//!   for `compute,utility`, in its order: `create-symlinks` (soname links and `libcuda.so`),
+//!   `enable-cuda-compat --host-driver-version=<version>` (puts the image's CUDA
+//!   forward-compatibility libraries first in the loader's path when they are newer than the
+//!   host driver), `update-ldcache` (so the container's loader finds libraries in directories
+//!   its own cache does not list) and `disable-device-node-modification` (hands the container
+//!   a `/proc/driver/nvidia/params` with `ModifyDeviceFiles: 0`, so NVML and `nvidia-smi` in
+//!   it never create or chmod device nodes). The last two need toolkit 1.17.8 or newer;
 //! - without the hook, each soname link is a bind mount of its library instead, so
 //!   `dlopen("libcuda.so.1")` still finds the library in the loader's default directories;
 //! - `NVIDIA_VISIBLE_DEVICES=void` (a NVIDIA runtime, if it is the one running, then injects
@@ -125,6 +130,12 @@ pub fn container_edits(files: &DriverFiles) -> ContainerEdits {
                 }
                 hooks.push(hook(args));
             }
+            // Before the cache update, so a forward-compatibility libcuda it selects is in
+            // the container's cache.
+            hooks.push(hook(vec![
+                "enable-cuda-compat".to_string(),
+                format!("--host-driver-version={}", files.version),
+            ]));
             let dirs: BTreeSet<&PathBuf> = files.library_dirs.iter().collect();
             if !dirs.is_empty() {
                 let mut args = vec!["update-ldcache".to_string()];
@@ -134,6 +145,7 @@ pub fn container_edits(files: &DriverFiles) -> ContainerEdits {
                 }
                 hooks.push(hook(args));
             }
+            hooks.push(hook(vec!["disable-device-node-modification".to_string()]));
         }
         None => {
             let host_of: BTreeMap<&Path, &Path> = files

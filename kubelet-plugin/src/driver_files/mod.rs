@@ -24,6 +24,7 @@
 mod device_nodes;
 mod discover;
 mod edits;
+mod hook;
 pub mod ldcache;
 
 use std::{
@@ -32,13 +33,15 @@ use std::{
     sync::Arc,
 };
 
-pub use device_nodes::{MissingDeviceNode, check_required_device_nodes};
+pub use device_nodes::{MissingDeviceNode, UVM_NODES, check_required_device_nodes, create_missing_uvm_nodes};
 pub use discover::{
-    BINARY_DIRS, DEFAULT_HOOK_PATH, IPC_PATHS, discover, fallback_library_dirs, firmware_dirs,
+    BINARY_DIRS, DEFAULT_HOOK_PATH, IPC_PATHS, NVML_LIBRARY, discover, fallback_library_dirs, find_hook,
+    find_nvml_library, firmware_dirs,
 };
 pub use edits::{
     ContainerEdits, FILE_MOUNT_OPTIONS, HOOK_BINARY_NAME, Hook, IPC_MOUNT_OPTIONS, Mount, container_edits,
 };
+pub use hook::{HookInstall, IMAGE_HOOK_PATH, ensure_hook, hook_visible_at, install_hook};
 pub use ldcache::{LdCacheError, LibraryArch};
 
 /// A host directory as the host sees it and as this process sees it (a DaemonSet mounts host
@@ -147,6 +150,20 @@ pub enum DriverFilesError {
     /// Device nodes CUDA opens are missing on the host.
     #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     MissingDeviceNodes(Vec<MissingDeviceNode>),
+    /// `nvidia-cdi-hook` could not be installed on the host (`path` as this process sees it).
+    #[error("installing nvidia-cdi-hook: {path}: {source}")]
+    InstallHook {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// A missing device node (path as this process sees it) could not be created.
+    #[error("creating device node {path}: {source}")]
+    CreateDeviceNode {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
 }
 
 fn display_paths(paths: &[PathBuf]) -> String {

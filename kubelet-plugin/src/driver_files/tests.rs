@@ -757,13 +757,13 @@ fn hook_argv0_is_the_hook_file_name() {
     let mut files = hand_built();
     files.hook = Some("/opt/toolkit/bin/nvidia-cdi-hook-1.17".into());
     let edits = container_edits(&files);
-    assert_eq!(edits.hooks.len(), 2);
+    assert_eq!(edits.hooks.len(), 4);
     assert!(edits.hooks.iter().all(|h| h.path == "/opt/toolkit/bin/nvidia-cdi-hook-1.17"
         && h.args[0] == "nvidia-cdi-hook-1.17"));
 }
 
 #[test]
-fn edits_mount_files_and_run_both_hooks() {
+fn edits_mount_files_and_run_the_toolkits_hooks_in_its_order() {
     let edits = container_edits(&hand_built());
     let json = serde_json::to_value(&edits).unwrap();
     let ro = ["ro", "nosuid", "nodev", "rbind", "rprivate"];
@@ -809,7 +809,22 @@ fn edits_mount_files_and_run_both_hooks() {
             {
                 "hookName": "createContainer",
                 "path": "/usr/bin/nvidia-cdi-hook",
+                "args": [
+                    "nvidia-cdi-hook", "enable-cuda-compat",
+                    "--host-driver-version=575.57.08",
+                ],
+                "env": ["NVIDIA_CTK_DEBUG=false"],
+            },
+            {
+                "hookName": "createContainer",
+                "path": "/usr/bin/nvidia-cdi-hook",
                 "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", "/usr/lib64"],
+                "env": ["NVIDIA_CTK_DEBUG=false"],
+            },
+            {
+                "hookName": "createContainer",
+                "path": "/usr/bin/nvidia-cdi-hook",
+                "args": ["nvidia-cdi-hook", "disable-device-node-modification"],
                 "env": ["NVIDIA_CTK_DEBUG=false"],
             },
         ],
@@ -894,8 +909,19 @@ fn discovered_fake_root_plans_links_and_ldcache_folders() {
     assert_eq!(symlinks.len(), 2 + 2 * expected_links().len());
     assert!(symlinks.contains(&format!("libcuda.so.1::{LIB}/libcuda.so")));
     assert!(symlinks.contains(&format!("libnvidia-ml.so.{VERSION}::{LIB}/libnvidia-ml.so.1")));
+    let stages: Vec<&str> = edits.hooks.iter().map(|h| h.args[1].as_str()).collect();
     assert_eq!(
-        edits.hooks[1].args,
+        stages,
+        [
+            "create-symlinks",
+            "enable-cuda-compat",
+            "update-ldcache",
+            "disable-device-node-modification"
+        ]
+    );
+    assert_eq!(edits.hooks[1].args[2], format!("--host-driver-version={VERSION}"));
+    assert_eq!(
+        edits.hooks[2].args,
         ["nvidia-cdi-hook", "update-ldcache", "--folder", LIB]
     );
     assert!(edits.env.contains(&format!("NVIDIA_CTK_LIBCUDA_DIR={LIB}")));
@@ -915,7 +941,7 @@ fn missing_uvm_nodes_say_which_module_is_missing() {
     let message = err.to_string();
     assert!(
         message.starts_with(
-            "/dev/nvidia-uvm missing: the nvidia-uvm kernel module is not loaded (or its device nodes were not created"
+            "/dev/nvidia-uvm missing: the nvidia-uvm kernel module is not loaded (no nvidia-uvm in /proc/devices"
         ),
         "{message}"
     );
@@ -937,6 +963,87 @@ fn missing_uvm_nodes_say_which_module_is_missing() {
             .starts_with("/dev/nvidiactl missing: the nvidia kernel module is not loaded; ")
     );
     assert!(!err.to_string().contains("looked for"), "{err}");
+}
+
+#[test]
+fn missing_uvm_nodes_are_made_from_the_major_and_present_ones_kept() {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let dev = tempfile::tempdir().unwrap();
+    // Without a major (module not loaded) nothing is made.
+    assert!(create_missing_uvm_nodes(dev.path(), None).unwrap().is_empty());
+    assert!(!dev.path().join("nvidia-uvm").exists());
+    // An existing node (here a plain file standing for one) is left alone.
+    fs::write(dev.path().join("nvidia-uvm"), b"").unwrap();
+    let created = create_missing_uvm_nodes(dev.path(), Some(511)).unwrap();
+    assert_eq!(created, [dev.path().join("nvidia-uvm-tools")]);
+    assert!(fs::metadata(dev.path().join("nvidia-uvm")).unwrap().is_file());
+    let tools = fs::metadata(dev.path().join("nvidia-uvm-tools")).unwrap();
+    assert!(tools.file_type().is_char_device());
+    assert_eq!(tools.rdev(), libc::makedev(511, 1));
+    assert_eq!(tools.mode() & 0o7777, 0o666);
+    assert!(
+        create_missing_uvm_nodes(dev.path(), Some(511))
+            .unwrap()
+            .is_empty()
+    );
+    // A device root that cannot hold nodes is an error naming the path.
+    let err = create_missing_uvm_nodes(&dev.path().join("no-such-dir"), Some(511)).unwrap_err();
+    assert!(err.to_string().contains("no-such-dir/nvidia-uvm"), "{err}");
+}
+
+// ---- the NVML library ----
+
+#[test]
+fn nvml_is_found_in_the_library_directory_of_the_distribution_and_architecture() {
+    let lib = |root: &Path, dir: &str| {
+        let dir = root.join(dir);
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("libnvidia-ml.so.580.82.07"), b"").unwrap();
+        std::os::unix::fs::symlink("libnvidia-ml.so.580.82.07", dir.join(NVML_LIBRARY)).unwrap();
+    };
+    // Ubuntu, x86_64 and arm64 (a GH200 node).
+    for (arch, dir) in [
+        (LibraryArch::X86_64, "usr/lib/x86_64-linux-gnu"),
+        (LibraryArch::Aarch64, "usr/lib/aarch64-linux-gnu"),
+    ] {
+        let root = tempfile::tempdir().unwrap();
+        lib(root.path(), dir);
+        assert_eq!(
+            find_nvml_library(root.path(), arch),
+            Some(root.path().join(dir).join("libnvidia-ml.so.580.82.07"))
+        );
+    }
+    // Only this architecture's triplet: an arm64 plugin never loads an x86 library.
+    let root = tempfile::tempdir().unwrap();
+    lib(root.path(), "usr/lib/x86_64-linux-gnu");
+    assert_eq!(find_nvml_library(root.path(), LibraryArch::Aarch64), None);
+    // RHEL: lib64 wins over the 32-bit copy in usr/lib.
+    let root = tempfile::tempdir().unwrap();
+    lib(root.path(), "usr/lib");
+    lib(root.path(), "usr/lib64");
+    assert_eq!(
+        find_nvml_library(root.path(), LibraryArch::X86_64),
+        Some(root.path().join("usr/lib64/libnvidia-ml.so.580.82.07"))
+    );
+    // An absolute link resolves inside the root (a driver container's layout).
+    let root = tempfile::tempdir().unwrap();
+    fs::create_dir_all(root.path().join("usr/lib64")).unwrap();
+    fs::create_dir_all(root.path().join("opt/nvidia")).unwrap();
+    fs::write(root.path().join("opt/nvidia/libnvidia-ml.so.580.82.07"), b"").unwrap();
+    std::os::unix::fs::symlink(
+        "/opt/nvidia/libnvidia-ml.so.580.82.07",
+        root.path().join("usr/lib64").join(NVML_LIBRARY),
+    )
+    .unwrap();
+    assert_eq!(
+        find_nvml_library(root.path(), LibraryArch::X86_64),
+        Some(root.path().join("opt/nvidia/libnvidia-ml.so.580.82.07"))
+    );
+    // Nothing installed.
+    assert_eq!(
+        find_nvml_library(tempfile::tempdir().unwrap().path(), LibraryArch::X86_64),
+        None
+    );
 }
 
 // ---- re-discovery ----

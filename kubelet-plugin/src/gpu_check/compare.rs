@@ -7,6 +7,8 @@
 //! slice counts and instance count are never estimates: they decide device names and
 //! counters.
 
+use std::collections::BTreeMap;
+
 use migdra_api::{
     catalog::{GpuModel, ProfileField},
     geometry::MigProfile,
@@ -24,13 +26,18 @@ pub struct CatalogComparison {
     pub findings: Vec<Finding>,
 }
 
-/// Finds the GPU's model (by the product name NVML reports, which is what tells the SXM and
-/// PCIe variants apart) in `catalog`, then compares every profile.
-pub fn compare_with_catalog(gpu: &GpuDescription, catalog: &'static [GpuModel]) -> CatalogComparison {
-    let product = gpu.product_name.trim();
-    let model = catalog
-        .iter()
-        .find(|m| m.product_name.eq_ignore_ascii_case(product));
+/// Finds the GPU's model in `catalog` the way the plugin does, by PCI device ID (product
+/// names differ between boards of one model and drift between drivers), then compares every
+/// profile. A MIG-capable model the catalog does not know is described from NVML alone:
+/// `nvml_names` are the profile names NVML reports (read while MIG is on).
+pub fn compare_with_catalog(
+    gpu: &GpuDescription,
+    catalog: &'static [GpuModel],
+    nvml_names: &BTreeMap<u32, String>,
+) -> CatalogComparison {
+    let model = gpu
+        .pci_device_id
+        .and_then(|id| catalog.iter().find(|m| m.pci_device_ids.contains(&id)));
     let gpu_label = format!("GPU {} ({})", gpu.index, gpu.product_name);
     let Some(mig) = &gpu.mig else {
         let message = match model {
@@ -49,26 +56,7 @@ pub fn compare_with_catalog(gpu: &GpuDescription, catalog: &'static [GpuModel]) 
         };
     };
     let Some(model) = model else {
-        let known = catalog
-            .iter()
-            .map(|m| m.product_name)
-            .collect::<Vec<_>>()
-            .join(", ");
-        let message = format!(
-            "{gpu_label}: product name {:?} is not in migdra's catalog (known: {known})",
-            gpu.product_name
-        );
-        let rows = mig
-            .profiles
-            .iter()
-            .map(|p| row(p, RowStatus::NotInCatalog))
-            .collect();
-        let findings = vec![Finding::mismatch(message)];
-        return CatalogComparison {
-            model: None,
-            rows,
-            findings,
-        };
+        return derived_from_nvml(gpu, &gpu_label, &mig.profiles, nvml_names);
     };
     let mut findings = Vec::new();
     let label = format!("{gpu_label} [{}]", model.key);
@@ -147,6 +135,52 @@ pub fn compare_with_catalog(gpu: &GpuDescription, catalog: &'static [GpuModel]) 
     }
 }
 
+/// A MIG-capable GPU whose PCI device ID the catalog does not know: migdra publishes what NVML
+/// reports (slice counts, placements, memory, engines), named from slice count and memory.
+/// That is a warning, not a failure: nothing is compared, so the operator is told to check
+/// the names and to report the model.
+fn derived_from_nvml(
+    gpu: &GpuDescription,
+    gpu_label: &str,
+    profiles: &[MigProfile],
+    nvml_names: &BTreeMap<u32, String>,
+) -> CatalogComparison {
+    let pci = gpu
+        .pci_device_id
+        .map_or_else(|| "unreadable".to_string(), |id| format!("{id:#06x}"));
+    let mut findings = vec![Finding::warning(format!(
+        "{gpu_label}: unknown model, derived from NVML: PCI device ID {pci} is not in migdra's \
+         catalog; its {} profiles are published as NVML reports them, named from slice count \
+         and memory (please report the model and this output)",
+        profiles.len()
+    ))];
+    let rows = profiles
+        .iter()
+        .map(|p| {
+            let mut row = row(p, RowStatus::DerivedFromNvml);
+            row.nvml_name = nvml_names.get(&p.gi_profile_id).cloned();
+            if let Some(nvml) = row.nvml_name.as_deref().filter(|n| *n != row.name) {
+                findings.push(Finding::warning(format!(
+                    "{gpu_label}: profile ID {} is named {nvml:?} by NVML and published as {:?}",
+                    p.gi_profile_id, row.name
+                )));
+            }
+            row
+        })
+        .collect();
+    if nvml_names.is_empty() {
+        findings.push(Finding::warning(format!(
+            "{gpu_label}: NVML's profile names are only readable with MIG mode on; the names \
+             above are derived"
+        )));
+    }
+    CatalogComparison {
+        model: None,
+        rows,
+        findings,
+    }
+}
+
 fn row(p: &MigProfile, catalog: RowStatus) -> ProfileRow {
     ProfileRow {
         name: p.name.to_string(),
@@ -159,6 +193,7 @@ fn row(p: &MigProfile, catalog: RowStatus) -> ProfileRow {
         multiprocessors: p.engines.multiprocessors,
         placements: p.placements.clone(),
         device_names: Vec::new(),
+        nvml_name: None,
         catalog,
     }
 }
@@ -250,6 +285,7 @@ mod tests {
             uuid: m.uuid(0),
             product_name: m.product_name.into(),
             pci_bus_id: None,
+            pci_device_id: m.pci_device_ids.first().copied(),
             numa_node: None,
             memory_mib: m.memory_mib,
             architecture: Some(m.architecture),
@@ -262,6 +298,10 @@ mod tests {
         }
     }
 
+    fn no_names() -> BTreeMap<u32, String> {
+        BTreeMap::new()
+    }
+
     fn mismatches(c: &CatalogComparison) -> Vec<&str> {
         c.findings
             .iter()
@@ -272,7 +312,7 @@ mod tests {
 
     #[test]
     fn a_gpu_equal_to_its_documented_entry_matches_without_findings() {
-        let c = compare_with_catalog(&gpu_like("H100-80GB"), catalog::models());
+        let c = compare_with_catalog(&gpu_like("H100-80GB"), catalog::models(), &no_names());
         assert_eq!(c.model.map(|m| m.key), Some("H100-80GB"));
         assert!(c.findings.is_empty(), "{:?}", c.findings);
         assert_eq!(c.rows.len(), 7);
@@ -280,9 +320,10 @@ mod tests {
     }
 
     #[test]
-    fn the_pcie_card_is_recognised_by_its_product_name() {
+    fn the_pcie_card_is_recognised_by_its_pci_device_id_not_its_name() {
         let mut gpu = gpu_like("H100-PCIE-80GB");
-        let c = compare_with_catalog(&gpu, catalog::models());
+        gpu.product_name = "NVIDIA H100 80GB HBM3".into(); // the SXM name: ignored
+        let c = compare_with_catalog(&gpu, catalog::models(), &no_names());
         assert_eq!(c.model.map(|m| m.key), Some("H100-PCIE-80GB"));
         assert!(mismatches(&c).is_empty());
         // Its SM counts are estimates: the check warns that they are.
@@ -291,9 +332,9 @@ mod tests {
                 .iter()
                 .any(|f| f.message.contains("multiprocessors of every profile"))
         );
-        // The SXM name with the PCIe numbers: the SMs differ from documented values.
-        gpu.product_name = "NVIDIA H100 80GB HBM3".into();
-        let c = compare_with_catalog(&gpu, catalog::models());
+        // The SXM device ID with the PCIe numbers: the SMs differ from documented values.
+        gpu.pci_device_id = Some(0x2330);
+        let c = compare_with_catalog(&gpu, catalog::models(), &no_names());
         assert_eq!(c.model.map(|m| m.key), Some("H100-80GB"));
         assert!(
             mismatches(&c)
@@ -303,19 +344,55 @@ mod tests {
     }
 
     #[test]
-    fn an_unknown_model_is_a_mismatch_and_its_rows_are_not_in_the_catalog() {
+    fn gh200_is_found_whatever_its_name() {
+        let mut gpu = gpu_like("H100-96GB");
+        gpu.pci_device_id = Some(0x2342);
+        gpu.product_name = "NVIDIA GH200 480GB".into();
+        let c = compare_with_catalog(&gpu, catalog::models(), &no_names());
+        assert_eq!(c.model.map(|m| m.key), Some("H100-96GB"));
+        assert!(c.findings.is_empty(), "{:?}", c.findings);
+    }
+
+    #[test]
+    fn an_unknown_model_is_derived_from_nvml_with_a_warning_not_a_failure() {
         let mut gpu = gpu_like("H100-80GB");
         gpu.product_name = "NVIDIA H999".into();
-        let c = compare_with_catalog(&gpu, catalog::models());
+        gpu.pci_device_id = Some(0x2999);
+        let names = BTreeMap::from([(19, "1g.10gb".to_string()), (9, "3g.40gb-x".to_string())]);
+        let c = compare_with_catalog(&gpu, catalog::models(), &names);
         assert!(c.model.is_none());
-        let m = mismatches(&c);
-        assert_eq!(m.len(), 1);
+        assert!(mismatches(&c).is_empty(), "{:?}", mismatches(&c));
         assert!(
-            m[0].contains("\"NVIDIA H999\" is not in migdra's catalog"),
+            c.findings[0]
+                .message
+                .contains("unknown model, derived from NVML: PCI device ID 0x2999"),
             "{}",
-            m[0]
+            c.findings[0].message
         );
-        assert!(c.rows.iter().all(|r| r.catalog == RowStatus::NotInCatalog));
+        assert_eq!(c.rows.len(), 7);
+        assert!(c.rows.iter().all(|r| r.catalog == RowStatus::DerivedFromNvml));
+        let three_g = c.rows.iter().find(|r| r.id == 9).unwrap();
+        assert_eq!(three_g.nvml_name.as_deref(), Some("3g.40gb-x"));
+        // Only the name that differs from the derived one is reported.
+        let renamed: Vec<_> = c
+            .findings
+            .iter()
+            .filter(|f| f.message.contains("is named"))
+            .collect();
+        assert_eq!(renamed.len(), 1, "{renamed:?}");
+        assert!(
+            renamed[0]
+                .message
+                .contains("\"3g.40gb-x\" by NVML and published as \"3g.40gb\"")
+        );
+
+        // Without MIG on, NVML gives no names: said so.
+        let c = compare_with_catalog(&gpu, catalog::models(), &no_names());
+        assert!(
+            c.findings
+                .iter()
+                .any(|f| f.message.contains("only readable with MIG mode on"))
+        );
     }
 
     #[test]
@@ -325,7 +402,7 @@ mod tests {
         let three_g = profiles.iter_mut().find(|p| p.gi_profile_id == 9).unwrap();
         three_g.placements = vec![0, 2, 4];
         three_g.memory_mib += 1;
-        let c = compare_with_catalog(&gpu, catalog::models());
+        let c = compare_with_catalog(&gpu, catalog::models(), &no_names());
         let m = mismatches(&c);
         assert_eq!(m.len(), 2, "{m:?}");
         assert!(
@@ -346,7 +423,7 @@ mod tests {
         let profiles = &mut gpu.mig.as_mut().unwrap().profiles;
         let seven_g = profiles.iter_mut().find(|p| p.gi_profile_id == 0).unwrap();
         seven_g.engines.multiprocessors = 140; // estimated in the catalog
-        let c = compare_with_catalog(&gpu, catalog::models());
+        let c = compare_with_catalog(&gpu, catalog::models(), &no_names());
         assert!(mismatches(&c).is_empty(), "{:?}", mismatches(&c));
         assert_eq!(
             c.rows.iter().find(|r| r.id == 0).unwrap().catalog,
@@ -366,7 +443,7 @@ mod tests {
             .find(|p| p.gi_profile_id == 19)
             .unwrap()
             .instance_count = 6;
-        let c = compare_with_catalog(&gpu, catalog::models());
+        let c = compare_with_catalog(&gpu, catalog::models(), &no_names());
         assert_eq!(mismatches(&c).len(), 1);
     }
 
@@ -379,7 +456,7 @@ mod tests {
         extra.gi_profile_id = 42;
         extra.gi_profile_index = 13;
         profiles.push(extra);
-        let c = compare_with_catalog(&gpu, catalog::models());
+        let c = compare_with_catalog(&gpu, catalog::models(), &no_names());
         let m = mismatches(&c);
         assert_eq!(m.len(), 1, "{m:?}");
         assert!(m[0].contains("(ID 42, index 13) is not in the catalog"));
@@ -396,7 +473,8 @@ mod tests {
         let mut gpu = gpu_like("A100-SXM4-40GB");
         gpu.mig = None;
         gpu.product_name = "NVIDIA L4".into();
-        let c = compare_with_catalog(&gpu, catalog::models());
+        gpu.pci_device_id = Some(0x27b8);
+        let c = compare_with_catalog(&gpu, catalog::models(), &no_names());
         assert!(mismatches(&c).is_empty());
         assert_eq!(c.findings.len(), 1);
         assert!(c.rows.is_empty());

@@ -1,5 +1,7 @@
 //! `migdra-kubelet-plugin gpu-check`: checks, before migdra is enabled on a node, that migdra
-//! understands the node's GPUs (model, driver, MIG profiles, device files).
+//! understands the node's GPUs (model, driver, MIG profiles, device files). The model is
+//! found as the plugin finds it, by PCI device ID; a model the catalog lacks is described
+//! from what NVML reports.
 //!
 //! Data flow: the GPUs are discovered through the production backend ([`NvmlBackend`], so the
 //! check sees exactly what the plugin would), then each GPU goes through
@@ -7,13 +9,18 @@
 //! * [`preview`]: the device names and counters migdra would publish (pure), the MIG
 //!   capability files under the proc root and the driver files the CDI spec would mount
 //!   (read-only file access);
-//! * [`exercise`] (full mode only, on an idle GPU): every profile created at every placement,
-//!   one at a time, through [`GpuBackend`], with NVML timings;
+//! * [`layouts`]: every maximal layout (GPU instances side by side) and whether the published
+//!   counters let the scheduler allocate it (pure);
+//! * [`exercise`] (full mode only, on a GPU no other process uses): every profile created at
+//!   every placement, then every maximal layout created side by side and NVML's verdict
+//!   compared with the counters', through [`GpuBackend`], with NVML timings; MIG mode off and
+//!   on again when asked;
 //!
 //! and [`report`] renders the outcome as a table or JSON and decides the exit code.
 
 pub mod compare;
 pub mod exercise;
+pub mod layouts;
 pub mod preview;
 pub mod report;
 
@@ -37,7 +44,8 @@ pub const EXIT_MISMATCH: i32 = 1;
 pub const EXIT_NOT_RUN: i32 = 2;
 
 /// Checks that migdra understands this node's GPUs. Read-only mode changes nothing; full mode
-/// creates and destroys every MIG profile at every placement and needs idle GPUs.
+/// creates and destroys every MIG profile at every placement and every maximal layout, and
+/// needs GPUs no other process uses (a cordoned, drained node).
 #[derive(Clone, Debug, Parser)]
 #[command(name = "migdra-kubelet-plugin gpu-check", version)]
 pub struct GpuCheckArgs {
@@ -45,6 +53,10 @@ pub struct GpuCheckArgs {
     /// driver files. Safe on a node in production.
     #[arg(long, env = "GPU_CHECK_READ_ONLY")]
     pub read_only: bool,
+    /// Full mode: also switch MIG mode off and on again (on a GPU with MIG on), or enable it
+    /// for the check and restore it (on a GPU with MIG off, which is otherwise left alone).
+    #[arg(long, env = "GPU_CHECK_MIG_MODE_ROUND_TRIP", conflicts_with = "read_only")]
+    pub mig_mode_round_trip: bool,
     /// Check only the GPU with this NVML index.
     #[arg(long, env = "GPU_CHECK_GPU")]
     pub gpu: Option<u32>,
@@ -90,6 +102,8 @@ pub enum OutputFormat {
 pub struct CheckOptions {
     /// Full mode (create and destroy instances) when false.
     pub read_only: bool,
+    /// Full mode: MIG mode round trip ([`GpuCheckArgs::mig_mode_round_trip`]).
+    pub mig_mode_round_trip: bool,
     /// Only this NVML index.
     pub gpu: Option<u32>,
     pub proc_root: PathBuf,
@@ -107,6 +121,7 @@ impl From<&GpuCheckArgs> for CheckOptions {
     fn from(args: &GpuCheckArgs) -> Self {
         Self {
             read_only: args.read_only,
+            mig_mode_round_trip: args.mig_mode_round_trip,
             gpu: args.gpu,
             proc_root: args.proc_root.clone(),
             driver_root: HostDir {
@@ -165,7 +180,7 @@ pub fn run(args: &GpuCheckArgs) -> i32 {
 }
 
 /// Runs every check on the selected GPUs. Full mode refuses (before changing anything on any
-/// GPU) unless every selected MIG-capable GPU is idle.
+/// GPU) unless no other process uses any selected MIG-capable GPU and none has instances.
 pub fn check(backend: &NvmlBackend, options: &CheckOptions) -> Result<GpuCheckReport, CheckError> {
     let driver_version = backend.driver_version()?;
     let gpus = selected_gpus(backend.discover()?, options.gpu)?;
@@ -175,25 +190,41 @@ pub fn check(backend: &NvmlBackend, options: &CheckOptions) -> Result<GpuCheckRe
         &options.proc_root,
     );
     let mut report = GpuCheckReport::new(options.read_only, driver_version.clone());
+    let users: Vec<_> = gpus
+        .iter()
+        .map(|gpu| exercise::gpu_users(backend, gpu, &options.proc_root))
+        .collect();
 
     if !options.read_only {
-        for gpu in gpus.iter().filter(|g| g.mig.is_some()) {
-            exercise::ensure_idle(backend, gpu)?;
+        for (gpu, users) in gpus.iter().zip(&users).filter(|(g, _)| g.mig.is_some()) {
+            exercise::ensure_idle(backend, gpu, users)?;
         }
-        report.notes.push(exercise::PROCESS_CHECK_NOTE.to_string());
+        report.notes.push(format!(
+            "other GPU users are seen through NVML's process lists and the device files open \
+             under {}; an NVML client in a PID namespace that proc root does not show is not seen",
+            options.proc_root.display()
+        ));
     }
 
-    for gpu in &gpus {
+    for (gpu, users) in gpus.iter().zip(users) {
         let instances = preview::existing_instances(backend, gpu);
         let mut gpu_report = report::GpuReport::new(gpu);
-        let comparison = compare::compare_with_catalog(gpu, options.catalog);
+        let comparison =
+            compare::compare_with_catalog(gpu, options.catalog, &nvml_profile_names(backend, gpu, options));
         gpu_report.catalog_model = comparison.model.map(|m| m.key.to_string());
         gpu_report.catalog_source = comparison.model.map(|m| report::source_name(m.source()));
         gpu_report.findings.extend(comparison.findings);
         gpu_report.profiles = comparison.rows;
+        if let Some(e) = &users.nvml_error {
+            gpu_report.findings.push(Finding::warning(format!(
+                "GPU {}: NVML's running-process list is unreadable: {e}",
+                gpu.index
+            )));
+        }
+        gpu_report.users = Some(users);
         match &instances {
             Ok(instances) => {
-                let published = preview::published(gpu, instances);
+                let published = preview::published(gpu, instances, &driver_version);
                 preview::fill_device_names(&mut gpu_report.profiles, &published);
                 gpu_report.findings.extend(published.findings.iter().cloned());
                 gpu_report.published = Some(published);
@@ -205,8 +236,11 @@ pub fn check(backend: &NvmlBackend, options: &CheckOptions) -> Result<GpuCheckRe
                 "listing the GPU instances failed: {e}"
             ))),
         }
-        if let Some(mig) = gpu.mig.as_ref().filter(|_| !options.read_only) {
-            let exercised = exercise::exercise_gpu(backend, gpu, mig.enabled, &cdi);
+        if let Some(mig) = &gpu.mig {
+            gpu_report.layouts = Some(preview::layouts(gpu, &mig.profiles));
+        }
+        if gpu.mig.is_some() && !options.read_only {
+            let exercised = exercise::exercise_gpu(backend, gpu, &cdi, options.mig_mode_round_trip);
             gpu_report.findings.extend(exercised.findings.iter().cloned());
             gpu_report.exercise = Some(exercised);
         }
@@ -217,6 +251,25 @@ pub fn check(backend: &NvmlBackend, options: &CheckOptions) -> Result<GpuCheckRe
     report.findings.extend(files.findings.iter().cloned());
     report.driver_files = Some(files);
     Ok(report)
+}
+
+/// NVML's own profile names, read only for a MIG-on GPU whose model the catalog does not
+/// know (the only case they are shown); a failure leaves them out with a warning in the log.
+fn nvml_profile_names(
+    backend: &NvmlBackend,
+    gpu: &GpuDescription,
+    options: &CheckOptions,
+) -> std::collections::BTreeMap<u32, String> {
+    let known = gpu
+        .pci_device_id
+        .is_some_and(|id| options.catalog.iter().any(|m| m.pci_device_ids.contains(&id)));
+    if known || !gpu.mig.as_ref().is_some_and(|m| m.enabled) {
+        return Default::default();
+    }
+    backend.gpu_instance_profile_names(gpu.index).unwrap_or_else(|e| {
+        tracing::warn!(gpu = gpu.index, error = %e, "NVML's profile names unreadable");
+        Default::default()
+    })
 }
 
 fn selected_gpus(gpus: Vec<GpuDescription>, only: Option<u32>) -> Result<Vec<GpuDescription>, CheckError> {

@@ -6,11 +6,13 @@
 
 use std::{collections::BTreeMap, path::Path};
 
+use k8s_openapi::api::resource::v1::DeviceAttribute;
 use migdra_api::{
     device_name::DeviceName,
-    inventory::GpuHealth,
+    geometry::MigProfile,
+    inventory::{DEFAULT_DRIVER_NAME, GpuHealth},
     policy::EffectivePolicy,
-    slices::{PlannedKind, plan_pool, published_plan},
+    slices::{PlannedKind, PoolIdentity, plan_pool, published_plan, render_pool},
 };
 use serde::Serialize;
 
@@ -47,6 +49,9 @@ pub struct PublishedDevice {
     /// Profile ID and placement start; `None` for the whole GPU.
     pub profile_id: Option<u32>,
     pub start: Option<u32>,
+    /// Its attributes and capacity as the ResourceSlice carries them (values as text).
+    pub attributes: BTreeMap<String, String>,
+    pub capacity: BTreeMap<String, String>,
 }
 
 /// The part of the node's pool one GPU contributes.
@@ -66,9 +71,14 @@ pub struct PublishedReport {
     pub findings: Vec<Finding>,
 }
 
-/// The devices and counters migdra would publish for `gpu` under the default policy, with
-/// a check that every name is a DNS label that parses back to the same device.
-pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> PublishedReport {
+/// The devices (with their attributes and capacity) and counters migdra would publish for
+/// `gpu` under the default policy, with a check that every name is a DNS label that parses
+/// back to the same device.
+pub fn published(
+    gpu: &GpuDescription,
+    instances: &[GpuInstanceRecord],
+    driver_version: &str,
+) -> PublishedReport {
     // All instances are foreign: the check has no claims.
     let no_claims = BTreeMap::new();
     let switchable = gpu.architecture.is_some_and(|a| a.mig_mode_switchable());
@@ -86,6 +96,18 @@ pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> Publi
         .map(|(_, c)| c.clone())
         .unwrap_or_default();
     let (plan, _) = published_plan(&gpus, &policy, &Default::default());
+    let identity = PoolIdentity {
+        driver: DEFAULT_DRIVER_NAME,
+        node: "gpu-check",
+        pool: "gpu-check",
+        generation: 1,
+        driver_version: Some(driver_version),
+    };
+    let rendered: BTreeMap<String, _> = render_pool(&identity, &gpus, &plan)
+        .into_iter()
+        .flat_map(|slice| slice.devices.unwrap_or_default())
+        .map(|d| (d.name.clone(), d))
+        .collect();
     let mut findings = Vec::new();
     let label = format!("GPU {} ({})", gpu.index, gpu.product_name);
     let mut devices = Vec::new();
@@ -101,10 +123,21 @@ pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> Publi
             PlannedKind::Mig { profile, start } => (Some(profile.gi_profile_id), Some(*start)),
             PlannedKind::Gpu => (None, None),
         };
+        let rendered = rendered.get(&name);
+        let attributes = rendered
+            .and_then(|d| d.attributes.as_ref())
+            .map(|a| a.iter().map(|(k, v)| (k.clone(), attribute_text(v))).collect())
+            .unwrap_or_default();
+        let capacity = rendered
+            .and_then(|d| d.capacity.as_ref())
+            .map(|c| c.iter().map(|(k, v)| (k.clone(), v.value.0.clone())).collect())
+            .unwrap_or_default();
         devices.push(PublishedDevice {
             name,
             profile_id,
             start,
+            attributes,
+            capacity,
         });
     }
     let (counter_set, counters) = plan
@@ -126,6 +159,16 @@ pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> Publi
     }
 }
 
+fn attribute_text(a: &DeviceAttribute) -> String {
+    match (a.bool, a.int, &a.string, &a.version) {
+        (Some(b), ..) => b.to_string(),
+        (_, Some(i), ..) => i.to_string(),
+        (_, _, Some(s), _) => s.clone(),
+        (.., Some(v)) => v.clone(),
+        _ => String::new(),
+    }
+}
+
 pub fn fill_device_names(rows: &mut [ProfileRow], published: &PublishedReport) {
     for row in rows {
         row.device_names = published
@@ -134,6 +177,37 @@ pub fn fill_device_names(rows: &mut [ProfileRow], published: &PublishedReport) {
             .filter(|d| d.profile_id == Some(row.id))
             .map(|d| d.name.clone())
             .collect();
+    }
+}
+
+/// The maximal layouts of a GPU ([`super::layouts::maximal_layouts`]) and which of them the
+/// published counters let the scheduler allocate; full mode then asks NVML.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LayoutsPreview {
+    pub maximal: usize,
+    pub counters_accept: usize,
+    /// `layout: why`, for those the counters refuse (e.g. two `+me` instances on a GPU with
+    /// one OFA engine).
+    pub counters_refuse: Vec<String>,
+}
+
+pub fn layouts(gpu: &GpuDescription, profiles: &[MigProfile]) -> LayoutsPreview {
+    let counters = super::layouts::CounterModel::new(gpu);
+    let all = super::layouts::maximal_layouts(profiles);
+    let counters_refuse: Vec<String> = all
+        .iter()
+        .filter_map(|l| {
+            counters
+                .accepts(l)
+                .err()
+                .map(|why| format!("{}: {why}", super::layouts::label(l)))
+        })
+        .collect();
+    LayoutsPreview {
+        maximal: all.len(),
+        counters_accept: all.len() - counters_refuse.len(),
+        counters_refuse,
     }
 }
 
@@ -305,6 +379,7 @@ mod tests {
             uuid: m.uuid(3),
             product_name: m.product_name.into(),
             pci_bus_id: None,
+            pci_device_id: m.pci_device_ids.first().copied(),
             numa_node: None,
             memory_mib: m.memory_mib,
             architecture: Some(m.architecture),
@@ -320,7 +395,7 @@ mod tests {
     #[test]
     fn an_idle_gpu_publishes_every_placement_and_the_whole_gpu() {
         let gpu = h100();
-        let p = published(&gpu, &[]);
+        let p = published(&gpu, &[], "580.82.07");
         assert!(p.findings.is_empty(), "{:?}", p.findings);
         let placements: usize = gpu
             .mig
@@ -332,7 +407,13 @@ mod tests {
             .sum();
         assert_eq!(p.device_count, placements + 1);
         assert!(p.devices.iter().any(|d| d.name == "gpu-3"));
-        assert!(p.devices.iter().any(|d| d.name == "gpu-3-mig-3g40gb-4"));
+        let three_g = p.devices.iter().find(|d| d.name == "gpu-3-mig-3g40gb-4").unwrap();
+        assert_eq!(three_g.attributes["profile"], "3g.40gb");
+        assert_eq!(three_g.attributes["placementStart"], "4");
+        assert_eq!(three_g.attributes["driverVersion"], "580.82.7");
+        assert_eq!(three_g.capacity["multiprocessors"], "60");
+        let whole = p.devices.iter().find(|d| d.name == "gpu-3").unwrap();
+        assert_eq!(whole.attributes["type"], "gpu");
         assert_eq!(p.counter_set.as_deref(), Some("gpu-3"));
         assert_eq!(p.counters.get("memory-slice-6"), Some(&1));
         // Every placement that covers slice 7 also covers slice 6: that counter never decides.
@@ -349,6 +430,7 @@ mod tests {
             multiprocessors: 60,
             placements: vec![0, 4],
             device_names: Vec::new(),
+            nvml_name: None,
             catalog: super::super::report::RowStatus::Match,
         }];
         fill_device_names(&mut rows, &p);
@@ -372,7 +454,7 @@ mod tests {
                 mig_uuid: "MIG-x".into(),
             }],
         };
-        let p = published(&gpu, &[foreign]);
+        let p = published(&gpu, &[foreign], "580.82.07");
         assert!(p.findings.is_empty());
         assert!(!p.devices.iter().any(|d| d.name == "gpu-3"));
         assert!(!p.devices.iter().any(|d| d.name == "gpu-3-mig-3g40gb-4"));

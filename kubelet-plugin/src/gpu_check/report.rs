@@ -9,8 +9,8 @@ use serde::Serialize;
 
 use super::{
     EXIT_MISMATCH, EXIT_OK,
-    exercise::ExerciseReport,
-    preview::{CapabilityReport, DriverFilesReport, PublishedReport},
+    exercise::{ExerciseReport, GpuUsers},
+    preview::{CapabilityReport, DriverFilesReport, LayoutsPreview, PublishedReport},
 };
 use crate::nvml::GpuDescription;
 
@@ -58,8 +58,10 @@ pub enum RowStatus {
     EstimateDiffers,
     /// A documented field differs.
     Mismatch,
-    /// The catalog has no such profile (or no such model).
+    /// The catalog has no such profile.
     NotInCatalog,
+    /// The catalog has no such model: the row is NVML's, nothing compared.
+    DerivedFromNvml,
 }
 
 impl RowStatus {
@@ -69,6 +71,7 @@ impl RowStatus {
             RowStatus::EstimateDiffers => "estimate differs",
             RowStatus::Mismatch => "MISMATCH",
             RowStatus::NotInCatalog => "NOT IN CATALOG",
+            RowStatus::DerivedFromNvml => "from NVML",
         }
     }
 }
@@ -93,6 +96,9 @@ pub struct ProfileRow {
     pub placements: Vec<u32>,
     /// Device names migdra would publish for this profile (one per offered placement).
     pub device_names: Vec<String>,
+    /// The name NVML's versioned profile info gives (read for unknown models, MIG on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvml_name: Option<String>,
     pub catalog: RowStatus,
 }
 
@@ -112,6 +118,8 @@ pub struct GpuReport {
     pub minor: u32,
     pub uuid: String,
     pub product_name: String,
+    /// PCI device ID (`0x2330`), which identifies the model.
+    pub pci_device_id: Option<String>,
     pub memory_mib: u64,
     /// `None` for a GPU that is not MIG-capable.
     pub mig: Option<MigMode>,
@@ -124,6 +132,10 @@ pub struct GpuReport {
     /// The pool migdra would publish for the GPU.
     pub published: Option<PublishedReport>,
     pub capabilities: Option<CapabilityReport>,
+    /// Other processes using the GPU (full mode refuses while there are any).
+    pub users: Option<GpuUsers>,
+    /// Maximal layouts and the counters' verdict on them.
+    pub layouts: Option<LayoutsPreview>,
     /// Full mode's results.
     pub exercise: Option<ExerciseReport>,
     /// Including those of the parts above.
@@ -138,6 +150,7 @@ impl GpuReport {
             minor: gpu.minor,
             uuid: gpu.uuid.clone(),
             product_name: gpu.product_name.clone(),
+            pci_device_id: gpu.pci_device_id.map(|id| format!("{id:#06x}")),
             memory_mib: gpu.memory_mib,
             mig: gpu.mig.as_ref().map(|m| MigMode {
                 enabled: m.enabled,
@@ -249,12 +262,18 @@ fn render_gpu(out: &mut String, gpu: &GpuReport) {
     };
     let catalog = match (&gpu.catalog_model, &gpu.catalog_source) {
         (Some(key), Some(source)) => format!("catalog {key} ({source})"),
+        _ if gpu.mig.is_some() => "unknown model, derived from NVML".into(),
         _ => "not in the catalog".into(),
     };
     let _ = writeln!(
         out,
-        "\nGPU {} (minor {}) {} {} MiB, {mig}, {catalog}\n  {}",
-        gpu.index, gpu.minor, gpu.product_name, gpu.memory_mib, gpu.uuid
+        "\nGPU {} (minor {}) {} {} MiB, PCI device {}, {mig}, {catalog}\n  {}",
+        gpu.index,
+        gpu.minor,
+        gpu.product_name,
+        gpu.memory_mib,
+        gpu.pci_device_id.as_deref().unwrap_or("unknown"),
+        gpu.uuid
     );
     if !gpu.profiles.is_empty() {
         let _ = writeln!(
@@ -301,6 +320,22 @@ fn render_gpu(out: &mut String, gpu: &GpuReport) {
             published.counters_left_out.len()
         );
     }
+    if let Some(published) = &gpu.published {
+        // The attributes of the whole GPU and of its first partition; JSON has every device's.
+        let whole = published.devices.iter().find(|d| d.profile_id.is_none());
+        let partition = published.devices.iter().find(|d| d.profile_id.is_some());
+        for d in whole.into_iter().chain(partition) {
+            let attributes = d.attributes.iter().map(|(k, v)| format!("{k}={v}"));
+            let capacity = d.capacity.iter().map(|(k, v)| format!("{k}={v}"));
+            let _ = writeln!(
+                out,
+                "  attributes of {}: {}; capacity: {}",
+                d.name,
+                attributes.collect::<Vec<_>>().join(" "),
+                capacity.collect::<Vec<_>>().join(" ")
+            );
+        }
+    }
     if let Some(caps) = &gpu.capabilities {
         let _ = writeln!(
             out,
@@ -313,6 +348,24 @@ fn render_gpu(out: &mut String, gpu: &GpuReport) {
             },
             caps.instances.len()
         );
+    }
+    if let Some(users) = &gpu.users {
+        let used = match (users.is_empty(), &users.nvml_error) {
+            (true, None) => "no other process seen".to_string(),
+            (true, Some(_)) => "NVML's process list unreadable".to_string(),
+            (false, _) => users.describe(),
+        };
+        let _ = writeln!(out, "  in use: {used}");
+    }
+    if let Some(l) = &gpu.layouts {
+        let _ = writeln!(
+            out,
+            "  layouts: {} maximal, the counters accept {}",
+            l.maximal, l.counters_accept
+        );
+        for refused in &l.counters_refuse {
+            let _ = writeln!(out, "    counters refuse {refused}");
+        }
     }
     if let Some(ex) = &gpu.exercise {
         render_exercise(out, ex);
@@ -350,6 +403,27 @@ fn render_exercise(out: &mut String, ex: &ExerciseReport) {
         "    {:<20} {:>5} {:>10} {:>10}",
         "NVML CALL", "COUNT", "P50 ms", "MAX ms"
     );
+    let disagree: Vec<_> = ex.layouts.iter().filter(|l| !l.agree()).collect();
+    let _ = writeln!(
+        out,
+        "    layouts created side by side: {} ({} accepted by NVML, {} where NVML and the counters disagree)",
+        ex.layouts.len(),
+        ex.layouts.iter().filter(|l| l.nvml_refused.is_none()).count(),
+        disagree.len()
+    );
+    for l in disagree {
+        let _ = writeln!(
+            out,
+            "      {}: NVML {}, counters {}",
+            l.layout,
+            l.nvml_refused
+                .as_deref()
+                .map_or("accept".into(), |e| format!("refuse ({e})")),
+            l.counters_refused
+                .as_deref()
+                .map_or("accept".into(), |e| format!("refuse ({e})"))
+        );
+    }
     for t in &ex.timings {
         let _ = writeln!(
             out,
@@ -375,6 +449,7 @@ mod tests {
             multiprocessors: 60,
             placements: vec![0, 4],
             device_names: vec![format!("gpu-1-mig-{}-4", name.replace('.', ""))],
+            nvml_name: None,
             catalog,
         }
     }
@@ -386,6 +461,7 @@ mod tests {
             minor: 1,
             uuid: "GPU-1".into(),
             product_name: "NVIDIA H100 80GB HBM3".into(),
+            pci_device_id: Some("0x2330".into()),
             memory_mib: 81559,
             mig: Some(MigMode {
                 enabled: false,
@@ -396,6 +472,8 @@ mod tests {
             profiles: vec![row("3g.40gb", 9, RowStatus::Mismatch)],
             published: None,
             capabilities: None,
+            users: None,
+            layouts: None,
             exercise: None,
             findings,
         });
@@ -432,7 +510,7 @@ mod tests {
         let table = report(Vec::new()).render_table();
         assert!(table.starts_with("migdra gpu-check (read-only), driver 580.82.07\n"));
         assert!(
-            table.contains("GPU 0 (minor 1) NVIDIA H100 80GB HBM3 81559 MiB, MIG off (pending on), catalog H100-80GB (documented)"),
+            table.contains("GPU 0 (minor 1) NVIDIA H100 80GB HBM3 81559 MiB, PCI device 0x2330, MIG off (pending on), catalog H100-80GB (documented)"),
             "{table}"
         );
         let line = table

@@ -10,10 +10,12 @@
 
 pub mod bounded;
 mod nvml_backend;
+mod reloading;
 pub mod timing;
 
 use migdra_api::geometry::{Architecture, MigProfile};
-pub use nvml_backend::NvmlBackend;
+pub use nvml_backend::{GpuProcess, NvmlBackend};
+pub use reloading::ReloadingNvml;
 
 /// A GPU as discovered through NVML.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,6 +28,8 @@ pub struct GpuDescription {
     pub product_name: String,
     /// Kubernetes spelling (`0000:3b:00.0`).
     pub pci_bus_id: Option<String>,
+    /// PCI device ID (vendor 0x10de), which identifies the model in the catalog.
+    pub pci_device_id: Option<u16>,
     pub numa_node: Option<i64>,
     pub memory_mib: u64,
     /// `None` when it is not one migdra knows.
@@ -99,6 +103,9 @@ pub enum NvmlErrorKind {
     /// The call did not return within the call timeout, or another call on the same GPU has
     /// not ([`bounded`]); not an NVML return code.
     NotAnswering,
+    /// NVML_ERROR_LIB_RM_VERSION_MISMATCH: the loaded library is not the kernel driver's
+    /// version (the driver was upgraded or reloaded under this process).
+    RmVersionMismatch,
     /// Any other failure, including a missing library or symbol.
     Other,
 }

@@ -11,7 +11,12 @@
 //! missing from the loaded library.
 #![allow(unsafe_code)]
 
-use std::{collections::HashMap, path::Path, ptr, sync::Mutex};
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::Path,
+    ptr,
+    sync::Mutex,
+};
 
 use migdra_api::{
     catalog,
@@ -32,7 +37,7 @@ use nvml_wrapper::{
 use nvml_wrapper_sys::bindings::{
     nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t, nvmlDevice_t,
     nvmlDeviceArchitecture_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
-    nvmlMemory_t,
+    nvmlGpuInstanceProfileInfo_v2_t, nvmlMemory_t,
 };
 
 use super::{
@@ -93,6 +98,7 @@ fn kind_of(err: &NvmlError) -> NvmlErrorKind {
         NvmlError::GpuLost => NvmlErrorKind::GpuLost,
         NvmlError::ResetRequired => NvmlErrorKind::ResetRequired,
         NvmlError::InUse => NvmlErrorKind::InUse,
+        NvmlError::LibRmVersionMismatch => NvmlErrorKind::RmVersionMismatch,
         NvmlError::UnexpectedVariant(INSUFFICIENT_RESOURCES) => NvmlErrorKind::InsufficientResources,
         _ => NvmlErrorKind::Other,
     }
@@ -301,6 +307,12 @@ impl NvmlBackend {
             .and_then(catalog::model_by_pci_device_id);
         let mut profiles = Vec::new();
         for (index, info) in walk_profile_indexes(|index| device.profile_info(index)) {
+            // Graphics profiles are not offered: their containers would need the DRM nodes and
+            // graphics libraries the CDI specs do not carry (docs/claims.md, "Graphics
+            // profiles"); the standard profile of the same slices serves CUDA.
+            if variant_of_index(index) == ProfileVariant::Graphics {
+                continue;
+            }
             let info = match info {
                 Ok(info) => info,
                 Err(e) => {
@@ -365,7 +377,11 @@ impl NvmlBackend {
         let minor = device.minor_number().map_err(|e| error(op("minor number"), &e))?;
         lock(&self.described_minors).insert(index, minor);
         let memory_bytes = self.memory_total(&device).map_err(|e| error(op("memory"), &e))?;
-        let pci_bus_id = device.pci_info().ok().map(|p| normalize_bus_id(&p.bus_id));
+        let pci = device.pci_info().ok();
+        let pci_bus_id = pci.as_ref().map(|p| normalize_bus_id(&p.bus_id));
+        let pci_device_id = pci
+            .as_ref()
+            .and_then(|p| u16::try_from(p.pci_device_id >> 16).ok());
         let numa_node = device.numa_node_id().ok().map(i64::from);
         let architecture = self.architecture(&device).ok().flatten();
         let cuda_compute_capability = device.cuda_compute_capability().ok().map(|c| (c.major, c.minor));
@@ -389,6 +405,7 @@ impl NvmlBackend {
             uuid,
             product_name,
             pci_bus_id,
+            pci_device_id,
             numa_node,
             memory_mib: memory_bytes / MIB,
             architecture,
@@ -638,6 +655,79 @@ impl NvmlBackend {
             }
             Err(e) => Err(error(operation, &e)),
         }
+    }
+}
+
+/// A process NVML lists as running on a GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuProcess {
+    pub pid: u32,
+    /// `compute` (CUDA context) or `graphics`.
+    pub kind: &'static str,
+    /// GPU and compute instance it runs in (MIG mode only).
+    pub mig_instance: Option<(u32, u32)>,
+}
+
+impl NvmlBackend {
+    /// The processes with a compute or graphics context on GPU `gpu` (with MIG on, those of
+    /// every instance). Clients that only hold an NVML session (nv-hostengine, persistenced)
+    /// are not listed by NVML.
+    pub fn running_processes(&self, gpu: u32) -> Result<Vec<GpuProcess>, BackendError> {
+        let device = self.device(gpu)?;
+        let op = |kind: &str| format!("list the running {kind} processes of GPU {gpu}");
+        let compute = device
+            .running_compute_processes()
+            .map_err(|e| error(op("compute"), &e))?;
+        let graphics = device
+            .running_graphics_processes()
+            .map_err(|e| error(op("graphics"), &e))?;
+        let tag = |kind: &'static str| {
+            move |p: nvml_wrapper::struct_wrappers::device::ProcessInfo| GpuProcess {
+                pid: p.pid,
+                kind,
+                mig_instance: p.gpu_instance_id.zip(p.compute_instance_id),
+            }
+        };
+        Ok(compute
+            .into_iter()
+            .map(tag("compute"))
+            .chain(graphics.into_iter().map(tag("graphics")))
+            .collect())
+    }
+
+    /// The names NVML gives GPU `gpu`'s GPU-instance profiles, by profile ID, from the
+    /// versioned profile info (`MIG 1g.10gb` read as `1g.10gb`). Needs MIG mode on; the plugin
+    /// does not use these names (drivers' names drift) but gpu-check shows them for a model
+    /// the catalog does not know.
+    pub fn gpu_instance_profile_names(&self, gpu: u32) -> Result<BTreeMap<u32, String>, BackendError> {
+        let device = self.device(gpu)?;
+        let op = |index: u32| {
+            format!("read the versioned info of GPU-instance profile index {index} of GPU {gpu}")
+        };
+        let f = sym!(self, nvmlDeviceGetGpuInstanceProfileInfoV).map_err(|e| error(op(0), &e))?;
+        let version = u32::try_from(std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>())
+            .map_or(0, |size| size | (2 << 24));
+        let read = |index: u32| {
+            // SAFETY: a C struct of integers and a char array, for which all zeros is valid.
+            let mut info: nvmlGpuInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
+            info.version = version;
+            // SAFETY: valid device handle; `info` is a v2 info with its version set.
+            unsafe { nvml_try(f(device.handle(), index, &mut info)) }.map(|()| info)
+        };
+        let mut names = BTreeMap::new();
+        for (index, info) in walk_profile_indexes(read) {
+            let info = info.map_err(|e| error(op(index), &e))?;
+            let bytes: Vec<u8> = info
+                .name
+                .iter()
+                .take_while(|c| **c != 0)
+                .map(|c| c.to_ne_bytes()[0])
+                .collect();
+            let name = String::from_utf8_lossy(&bytes);
+            let name = name.trim();
+            names.insert(info.id, name.strip_prefix("MIG ").unwrap_or(name).to_string());
+        }
+        Ok(names)
     }
 }
 

@@ -20,6 +20,7 @@ fn gpu(minor: u32, key: &str, mig: Option<bool>) -> GpuDescription {
         uuid: model.uuid(minor),
         product_name: model.product_name.to_string(),
         pci_bus_id: None,
+        pci_device_id: model.pci_device_ids.first().copied(),
         numa_node: None,
         memory_mib: model.memory_mib,
         architecture: Some(model.architecture),

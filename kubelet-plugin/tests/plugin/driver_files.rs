@@ -70,7 +70,7 @@ async fn the_driver_spec_hands_every_device_the_driver_files_hooks_and_void() {
         );
     }
     let hooks = edits["hooks"].as_array().unwrap();
-    assert_eq!(hooks.len(), 2, "{hooks:?}");
+    assert_eq!(hooks.len(), 4, "{hooks:?}");
     for hook in hooks {
         assert_eq!(hook["hookName"], "createContainer");
         assert_eq!(hook["path"], HOOK_PATH);
@@ -84,10 +84,23 @@ async fn the_driver_spec_hands_every_device_the_driver_files_hooks_and_void() {
             "{soname} not linked: {symlinks:?}"
         );
     }
-    let ldcache = strings(&hooks[1]["args"]);
+    // What nvcdi emits for compute,utility, in its order.
+    assert_eq!(
+        strings(&hooks[1]["args"]),
+        [
+            "nvidia-cdi-hook".to_string(),
+            "enable-cuda-compat".to_string(),
+            format!("--host-driver-version={version}")
+        ]
+    );
+    let ldcache = strings(&hooks[2]["args"]);
     assert_eq!(
         ldcache,
         ["nvidia-cdi-hook", "update-ldcache", "--folder", LIB_DIR]
+    );
+    assert_eq!(
+        strings(&hooks[3]["args"]),
+        ["nvidia-cdi-hook", "disable-device-node-modification"]
     );
     let env = strings(&edits["env"]);
     assert!(
@@ -133,11 +146,55 @@ async fn without_the_hook_the_sonames_are_mounts_and_there_are_no_hooks() {
     );
 }
 
+/// The device number and mode of a character device.
+fn char_device(path: &std::path::Path) -> (u64, u32) {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let meta = fs::symlink_metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert!(
+        meta.file_type().is_char_device(),
+        "{} is not a character device",
+        path.display()
+    );
+    (meta.rdev(), meta.mode() & 0o7777)
+}
+
 #[tokio::test(flavor = "multi_thread")]
-async fn missing_uvm_fails_prepare_before_anything_is_created() {
+async fn missing_uvm_nodes_are_created_from_the_major_in_proc_devices() {
+    let node = Node::new(&[("H100-80GB", true)]);
+    let (driver, _) = node.start(None);
+    for name in ["nvidia-uvm", "nvidia-uvm-tools"] {
+        fs::remove_file(node.dev_root().join(name)).unwrap();
+    }
+    node.claims.put(claim("uid-m", "mig", &[("gpu", H100_3G_AT_4)]));
+    prepare_typed(&driver, "uid-m", "mig").await.unwrap();
+    // As nvidia-modprobe makes them: the module's major, minors 0 and 1, mode 0666.
+    let major = migdra_fake_nvml::procfs::NVIDIA_UVM_MAJOR;
+    assert_eq!(
+        char_device(&node.dev_root().join("nvidia-uvm")),
+        (libc::makedev(major, 0), 0o666)
+    );
+    assert_eq!(
+        char_device(&node.dev_root().join("nvidia-uvm-tools")),
+        (libc::makedev(major, 1), 0o666)
+    );
+    assert_eq!(node.total_instances(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn uvm_module_not_loaded_fails_prepare_before_anything_is_created() {
     let node = Node::new(&[("H100-80GB", true)]);
     let (driver, _) = node.start(None);
     fs::remove_file(node.dev_root().join("nvidia-uvm")).unwrap();
+    // The module is not loaded: /proc/devices has no nvidia-uvm, so there is nothing to make
+    // the node from.
+    let devices = node.host.proc_root().join("devices");
+    let loaded = fs::read_to_string(&devices).unwrap();
+    let unloaded: String = loaded
+        .lines()
+        .filter(|l| !l.ends_with(" nvidia-uvm"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    fs::write(&devices, unloaded).unwrap();
     // A whole GPU on a MIG-enabled GPU: prepare would switch MIG mode off first.
     node.claims.put(claim("uid-w", "whole", &[("gpu", "gpu-0")]));
     node.claims.put(claim("uid-m", "mig", &[("gpu", H100_3G_AT_4)]));
@@ -152,6 +209,10 @@ async fn missing_uvm_fails_prepare_before_anything_is_created() {
             "{message}"
         );
     }
+    assert!(
+        !node.dev_root().join("nvidia-uvm").exists(),
+        "nothing made without a major"
+    );
     assert_eq!(node.total_instances(), 0, "no instance was created");
     assert!(
         node.host.read_state().unwrap().gpus[0].mig_enabled,
@@ -160,10 +221,51 @@ async fn missing_uvm_fails_prepare_before_anything_is_created() {
     assert!(node.cdi_specs().is_empty());
     assert!(driver.recorded_claims().is_empty(), "nothing recorded");
 
-    // Loading the module is all it takes.
-    fs::write(node.dev_root().join("nvidia-uvm"), b"").unwrap();
+    // Loading the module is all it takes: the node is made then.
+    fs::write(&devices, loaded).unwrap();
     prepare_typed(&driver, "uid-m", "mig").await.unwrap();
     assert_eq!(node.total_instances(), 1);
+    assert_eq!(
+        char_device(&node.dev_root().join("nvidia-uvm")).0,
+        libc::makedev(migdra_fake_nvml::procfs::NVIDIA_UVM_MAJOR, 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nvidia_modeset_is_passed_on_when_the_host_has_it() {
+    let node = Node::new(&[("H100-80GB", true), ("H100-80GB", true)]);
+    let (driver, _) = node.start(None);
+    let paths = |uid: &str| -> Vec<(String, u64, u64)> {
+        node.cdi_spec(uid)["devices"][0]["containerEdits"]["deviceNodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| {
+                (
+                    n["path"].as_str().unwrap().to_string(),
+                    n["major"].as_u64().unwrap(),
+                    n["minor"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    node.claims.put(claim("uid-1", "c1", &[("gpu", H100_3G_AT_4)]));
+    prepare_typed(&driver, "uid-1", "c1").await.unwrap();
+    assert!(
+        !paths("uid-1").iter().any(|(p, _, _)| p == "/dev/nvidia-modeset"),
+        "{:?}",
+        paths("uid-1")
+    );
+    // The nvidia-modeset module loaded (its node exists on the host).
+    fs::write(node.dev_root().join("nvidia-modeset"), b"").unwrap();
+    node.claims
+        .put(claim("uid-2", "c2", &[("gpu", "gpu-1-mig-3g40gb-4")]));
+    prepare_typed(&driver, "uid-2", "c2").await.unwrap();
+    assert!(
+        paths("uid-2").contains(&("/dev/nvidia-modeset".to_string(), 195, 254)),
+        "{:?}",
+        paths("uid-2")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -224,4 +326,37 @@ async fn a_new_driver_version_is_discovered_and_the_spec_rewritten() {
         node.driver_spec()["annotations"]["gpu.migdra.dev/driver-version"],
         new
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_driver_upgrade_without_reboot_reinitialises_nvml_and_rewrites_the_spec() {
+    use std::sync::Arc;
+
+    use migdra_kubelet_plugin::{metrics::Metrics, nvml::ReloadingNvml};
+    let node = Node::new(&[("H100-80GB", true), ("H100-80GB", true)]);
+    let nvml = ReloadingNvml::new(Some(&node.host.lib_path())).unwrap();
+    let (driver, _) = node.start_over(Arc::new(nvml), None, Metrics::new()).unwrap();
+    node.claims.put(claim("uid-1", "c1", &[("gpu", H100_3G_AT_4)]));
+    prepare_typed(&driver, "uid-1", "c1").await.unwrap();
+
+    // The driver is upgraded and its kernel module loaded again under the running plugin.
+    let new = "590.10.01";
+    reinstall_driver(&node, new);
+    node.host
+        .update_state(|s| {
+            s.driver_upgrades += 1;
+            s.driver_version = new.to_string();
+        })
+        .unwrap();
+    node.claims
+        .put(claim("uid-2", "c2", &[("gpu", "gpu-1-mig-3g40gb-4")]));
+    prepare_typed(&driver, "uid-2", "c2").await.unwrap();
+    assert_eq!(
+        node.driver_spec()["annotations"]["gpu.migdra.dev/driver-version"],
+        new
+    );
+    assert_eq!(node.total_instances(), 2);
+    // The claim prepared before the upgrade is released through the new session.
+    unprepare_one(&driver, "uid-1", "c1").await.unwrap();
+    assert_eq!(node.total_instances(), 1);
 }

@@ -1,17 +1,20 @@
-//! `gpu-check` against the fake NVML library: read-only mode changes nothing and reports
-//! what the catalog says; full mode creates and destroys every placement, restores the MIG
-//! mode and refuses a GPU that is in use; the binary runs as an operator would run it.
+//! `gpu-check` against the fake NVML library: read-only mode makes no mutating NVML call and
+//! reports what the catalog says (a model found by PCI device ID, an unknown one derived from
+//! NVML); full mode creates and destroys every placement and every maximal layout, reports a
+//! layout NVML refuses, does the MIG mode round trip only when asked and refuses a GPU other
+//! processes use; the binary runs as an operator would run it.
 
 #![allow(clippy::unwrap_used)]
 
 use std::{
+    collections::BTreeMap,
     path::{Path, PathBuf},
     process::Command,
 };
 
 use migdra_api::catalog::{self, GpuModel};
 use migdra_fake_nvml::{
-    FakeConfig, FaultConfig, GpuConfig, InstanceConfig, code,
+    FakeConfig, FaultConfig, GpuConfig, GpuQuirks, InstanceConfig, code,
     config::DEFAULT_DRIVER_VERSION,
     driver_root::{DriverRootOptions, create_driver_root},
     testing::FakeGpuHost,
@@ -56,6 +59,7 @@ impl CheckedHost {
     fn options(&self, read_only: bool) -> CheckOptions {
         CheckOptions {
             read_only,
+            mig_mode_round_trip: false,
             gpu: None,
             proc_root: self.host.proc_root(),
             driver_root: HostDir {
@@ -91,6 +95,29 @@ fn placements_of(key: &str) -> usize {
         .sum()
 }
 
+/// NVML calls the fake saw that change something (by name: every NVML call that changes
+/// GPU state sets, creates, destroys, resets or clears).
+fn mutating_calls(node: &CheckedHost) -> Vec<String> {
+    let log = node.host.read_state().unwrap().call_log.expect("call log on");
+    assert!(
+        log.contains_key("nvmlDeviceGetMigMode"),
+        "the log records calls: {log:?}"
+    );
+    log.into_keys()
+        .filter(|f| {
+            ["Set", "Create", "Destroy", "Reset", "Clear"]
+                .iter()
+                .any(|w| f.contains(w))
+        })
+        .collect()
+}
+
+fn log_calls(node: &CheckedHost) {
+    node.host
+        .update_state(|s| s.call_log = Some(Default::default()))
+        .unwrap();
+}
+
 #[test]
 fn read_only_passes_on_h100_and_a100_and_changes_nothing() {
     let node = CheckedHost::with_gpus(&[
@@ -98,12 +125,18 @@ fn read_only_passes_on_h100_and_a100_and_changes_nothing() {
         ("A100-SXM4-40GB", true),
         ("H100-80GB", false),
     ]);
-    let before = node.host.read_state().unwrap();
+    log_calls(&node);
+    let before = node.host.read_state().unwrap().gpus;
     let report = node.check(&node.options(true)).expect("check runs");
     assert_eq!(
-        node.host.read_state().unwrap(),
+        node.host.read_state().unwrap().gpus,
         before,
         "read-only changes no fake state"
+    );
+    assert_eq!(
+        mutating_calls(&node),
+        Vec::<String>::new(),
+        "no mutating NVML call"
     );
 
     assert!(mismatches(&report).is_empty(), "{:?}", mismatches(&report));
@@ -132,6 +165,17 @@ fn read_only_passes_on_h100_and_a100_and_changes_nothing() {
             .filter(|d| d.profile_id.is_some())
             .count();
         assert_eq!(partitions, placements_of(key), "GPU {}", gpu.index);
+        // Each with the attributes and capacity its ResourceSlice entry carries.
+        for d in &published.devices {
+            assert_eq!(d.attributes["productName"], model.product_name, "{}", d.name);
+            let uuid = if d.profile_id.is_some() {
+                "parentUUID"
+            } else {
+                "uuid"
+            };
+            assert_eq!(d.attributes[uuid], gpu.uuid, "{}", d.name);
+            assert!(d.capacity.contains_key("memory"), "{}", d.name);
+        }
         let whole = published
             .devices
             .iter()
@@ -220,30 +264,69 @@ fn altered_catalog(key: &str, edit: impl FnOnce(&mut GpuModel)) -> &'static [Gpu
 }
 
 #[test]
-fn a_model_the_catalog_lacks_is_a_mismatch() {
-    let node = CheckedHost::with_gpus(&[("H100-80GB", true)]);
-    let mut options = node.options(true);
-    options.catalog = altered_catalog("H100-80GB", |m| m.product_name = "NVIDIA H100 (renamed)");
-    let report = node.check(&options).unwrap();
-    assert_eq!(report.exit_code(), EXIT_MISMATCH);
-    let m = mismatches(&report);
-    assert_eq!(m.len(), 1, "{m:?}");
+fn an_unknown_pci_device_id_is_derived_from_nvml_not_failed() {
+    // A board with H100 tables that the catalog does not know (a new SKU).
+    let node = CheckedHost::new(FakeConfig {
+        gpus: vec![GpuConfig::new("H100-80GB", true).with_quirks(GpuQuirks {
+            pci_device_id: Some(0x2999),
+            product_name: Some("NVIDIA H999".into()),
+            profile_names: BTreeMap::from([(9, "3g.40gb.new".to_string())]),
+            ..Default::default()
+        })],
+        ..FakeConfig::default()
+    });
+    log_calls(&node);
+    let report = node.check(&node.options(true)).unwrap();
+    assert_eq!(report.exit_code(), EXIT_OK, "{:?}", mismatches(&report));
+    assert_eq!(mutating_calls(&node), Vec::<String>::new());
+    let gpu = &report.gpus[0];
+    assert_eq!(gpu.catalog_model, None);
+    assert_eq!(gpu.pci_device_id.as_deref(), Some("0x2999"));
     assert!(
-        m[0].contains("\"NVIDIA H100 80GB HBM3\" is not in migdra's catalog"),
-        "{}",
-        m[0]
+        gpu.findings.iter().any(|f| f.severity == Severity::Warning
+            && f.message
+                .contains("unknown model, derived from NVML: PCI device ID 0x2999")),
+        "{:?}",
+        gpu.findings
     );
+    // Every profile NVML reports, published and named from NVML's slices and memory.
+    assert_eq!(gpu.profiles.len(), 7);
     assert!(
-        report.gpus[0]
-            .profiles
+        gpu.profiles
             .iter()
-            .all(|p| p.catalog == RowStatus::NotInCatalog)
+            .all(|p| p.catalog == RowStatus::DerivedFromNvml)
     );
-    assert!(
-        report
-            .render_table()
-            .contains("MISMATCH: GPU 0 (NVIDIA H100 80GB HBM3): product name")
-    );
+    let three_g = gpu.profiles.iter().find(|p| p.id == 9).unwrap();
+    assert_eq!(three_g.name, "3g.40gb");
+    assert_eq!(three_g.nvml_name.as_deref(), Some("3g.40gb.new"));
+    assert_eq!(three_g.placements, [0, 4]);
+    assert_eq!(three_g.device_names.len(), 2);
+    let seven_g = gpu.profiles.iter().find(|p| p.id == 0).unwrap();
+    assert_eq!(seven_g.nvml_name.as_deref(), Some("7g.80gb"));
+    assert!(gpu.findings.iter().any(|f| {
+        f.message
+            .contains("\"3g.40gb.new\" by NVML and published as \"3g.40gb\"")
+    }));
+    let table = report.render_table();
+    assert!(table.contains("unknown model, derived from NVML"), "{table}");
+    assert!(table.contains("from NVML"), "{table}");
+
+    // A catalog that knows the board by name only: still unknown, the name is not used.
+    let mut options = node.options(true);
+    options.catalog = altered_catalog("H100-80GB", |m| m.product_name = "NVIDIA H999");
+    let report = node.check(&options).unwrap();
+    assert_eq!(report.gpus[0].catalog_model, None);
+}
+
+#[test]
+fn gh200_is_recognised_by_its_pci_device_id_under_the_name_nvml_reports() {
+    let node = CheckedHost::with_gpus(&[("H100-96GB", true)]);
+    let report = node.check(&node.options(true)).unwrap();
+    let gpu = &report.gpus[0];
+    assert_eq!(gpu.product_name, "NVIDIA GH200 480GB");
+    assert_eq!(gpu.catalog_model.as_deref(), Some("H100-96GB"));
+    assert!(mismatches(&report).is_empty(), "{:?}", mismatches(&report));
+    assert!(gpu.profiles.iter().all(|p| p.catalog == RowStatus::Match));
 }
 
 #[test]
@@ -287,19 +370,28 @@ fn estimated_catalog_entries_warn_without_failing() {
     }
 }
 
+fn round_trip(mut options: CheckOptions) -> CheckOptions {
+    options.mig_mode_round_trip = true;
+    options
+}
+
 #[test]
-fn full_mode_creates_and_destroys_every_placement_and_restores_mig_mode() {
+fn full_mode_creates_every_placement_and_layout_and_round_trips_mig_mode_when_asked() {
     let node = CheckedHost::with_gpus(&[
         ("H100-80GB", true),
         ("H100-80GB", false),
         ("A100-SXM4-40GB", true),
     ]);
     let report = node
-        .check(&node.options(false))
+        .check(&round_trip(node.options(false)))
         .expect("full mode runs on idle GPUs");
     assert!(mismatches(&report).is_empty(), "{:?}", mismatches(&report));
     assert_eq!(report.mode, "full");
-    assert!(report.notes.iter().any(|n| n.contains("running-process list")));
+    assert!(
+        report.notes.iter().any(|n| n.contains("PID namespace")),
+        "{:?}",
+        report.notes
+    );
 
     let state = node.host.read_state().unwrap();
     assert!(
@@ -332,18 +424,120 @@ fn full_mode_creates_and_destroys_every_placement_and_restores_mig_mode() {
         every.sort_unstable();
         every.dedup();
         assert_eq!(every.len(), placements_of(key), "each placement once");
-        for t in &ex.timings {
-            assert_eq!(t.count, placements_of(key), "{} timed once per placement", t.call);
-            assert!(t.p50_ms <= t.max_ms);
+
+        // Every maximal layout, side by side, with NVML and the counters agreeing on each.
+        let preview = gpu.layouts.as_ref().unwrap();
+        assert_eq!(ex.layouts.len(), preview.maximal, "GPU {}", gpu.index);
+        assert!(ex.layouts.len() > 10, "GPU {}: {}", gpu.index, ex.layouts.len());
+        assert!(ex.layouts.iter().all(|l| l.agree()), "{:?}", ex.layouts);
+        for shape in ["4g", "3g", "2g"] {
+            assert!(
+                ex.layouts
+                    .iter()
+                    .any(|l| l.layout.contains(shape) && l.nvml_refused.is_none()),
+                "a layout with a {shape}"
+            );
         }
+        let seven_1g = ex
+            .layouts
+            .iter()
+            .find(|l| l.layout.matches("1g").count() == 7 && !l.layout.contains("+me"))
+            .expect("7 x 1g");
+        assert_eq!(seven_1g.nvml_refused, None);
+        let gis_in_layouts: usize = ex
+            .layouts
+            .iter()
+            .filter(|l| l.nvml_refused.is_none())
+            .map(|l| l.layout.split(" + ").count())
+            .sum();
+        let timing = |call: &str| ex.timings.iter().find(|t| t.call == call).unwrap().count;
+        assert_eq!(timing("create CI"), placements_of(key));
+        assert_eq!(timing("destroy CI"), placements_of(key));
+        assert!(timing("create GI") >= placements_of(key) + gis_in_layouts);
+        assert_eq!(timing("create GI"), timing("destroy GI"), "every GI destroyed");
     }
+    let notes: Vec<_> = report
+        .gpus
+        .iter()
+        .map(|g| g.exercise.as_ref().unwrap().mig_mode_note.as_str())
+        .collect();
     assert_eq!(
-        report.gpus[1].exercise.as_ref().unwrap().mig_mode_note,
-        "enabled for the check, restored to off"
+        notes,
+        [
+            "round trip off and on again, left on",
+            "enabled for the check, restored to off",
+            "left on (round trip needs a GPU reset)"
+        ]
     );
     let table = report.render_table();
     assert!(table.contains("create GI"), "{table}");
     assert!(table.contains("3g.40gb@4"), "{table}");
+    assert!(table.contains("layouts created side by side"), "{table}");
+}
+
+#[test]
+fn without_the_round_trip_flag_full_mode_leaves_mig_mode_alone() {
+    let node = CheckedHost::with_gpus(&[("H100-80GB", true), ("H100-80GB", false)]);
+    log_calls(&node);
+    let report = node.check(&node.options(false)).unwrap();
+    assert_eq!(report.exit_code(), EXIT_OK, "{:?}", mismatches(&report));
+    let log = node.host.read_state().unwrap().call_log.unwrap();
+    assert!(!log.contains_key("nvmlDeviceSetMigMode"), "{log:?}");
+    let off = report.gpus[1].exercise.as_ref().unwrap();
+    assert!(off.placements.is_empty() && off.layouts.is_empty());
+    assert_eq!(off.mig_mode_note, "off, not changed");
+    assert!(
+        report.gpus[1]
+            .findings
+            .iter()
+            .any(|f| f.message.contains("pass --mig-mode-round-trip")),
+        "{:?}",
+        report.gpus[1].findings
+    );
+    assert_eq!(report.gpus[0].exercise.as_ref().unwrap().mig_mode_note, "left on");
+}
+
+#[test]
+fn a_layout_nvml_refuses_and_the_counters_accept_is_a_mismatch() {
+    // NVML refuses every 4g instance: each layout with one is a disagreement.
+    let node = CheckedHost::new(FakeConfig {
+        gpus: vec![GpuConfig::new("H100-80GB", true)],
+        faults: vec![
+            FaultConfig::error(
+                "nvmlDeviceCreateGpuInstanceWithPlacement",
+                code::INSUFFICIENT_RESOURCES,
+            )
+            .on_profile(5),
+        ],
+        ..FakeConfig::default()
+    });
+    let report = node.check(&node.options(false)).unwrap();
+    assert_eq!(report.exit_code(), EXIT_MISMATCH);
+    let ex = report.gpus[0].exercise.as_ref().unwrap();
+    let refused: Vec<_> = ex.layouts.iter().filter(|l| !l.agree()).collect();
+    assert!(!refused.is_empty());
+    assert!(
+        refused.iter().all(|l| l.layout.starts_with("4g.40gb@0")),
+        "{refused:?}"
+    );
+    assert!(refused.iter().all(
+        |l| l.nvml_refused.as_deref().unwrap().starts_with("4g.40gb@0: ") && l.counters_refused.is_none()
+    ));
+    let m = mismatches(&report);
+    assert!(
+        m.iter()
+            .any(|l| l.contains("NVML refuses layout 4g.40gb@0 + 3g.40gb@4")
+                && l.contains("which migdra's counters accept")),
+        "{m:?}"
+    );
+    // Every other layout still ran, and nothing is left on the GPU.
+    assert!(ex.layouts.iter().filter(|l| l.agree()).count() > 10);
+    assert!(node.host.read_state().unwrap().gpus[0].gpu_instances.is_empty());
+    assert!(
+        report.render_table().contains("NVML refuse (4g.40gb@0"),
+        "{}",
+        report.render_table()
+    );
 }
 
 #[test]
@@ -355,7 +549,7 @@ fn a_failing_creation_is_a_mismatch_and_the_mig_mode_is_restored_anyway() {
         faults: vec![FaultConfig::error("nvmlGpuInstanceCreateComputeInstance", code::UNKNOWN).times(1)],
         ..FakeConfig::default()
     });
-    let report = node.check(&node.options(false)).unwrap();
+    let report = node.check(&round_trip(node.options(false))).unwrap();
     assert_eq!(report.exit_code(), EXIT_MISMATCH);
     let m = mismatches(&report);
     assert_eq!(m.len(), 1, "{m:?}");
@@ -376,7 +570,7 @@ fn a_failing_creation_is_a_mismatch_and_the_mig_mode_is_restored_anyway() {
 fn full_mode_on_an_idle_ampere_with_mig_off_switches_exercises_and_switches_back() {
     // On idle bare-metal Ampere NVML resets the GPU itself when the mode changes.
     let node = CheckedHost::with_gpus(&[("A100-SXM4-40GB", false)]);
-    let report = node.check(&node.options(false)).unwrap();
+    let report = node.check(&round_trip(node.options(false))).unwrap();
     assert_eq!(report.exit_code(), 0, "{:?}", mismatches(&report));
     let ex = report.gpus[0].exercise.as_ref().unwrap();
     assert_eq!(ex.placements.len(), placements_of("A100-SXM4-40GB"));
@@ -402,7 +596,7 @@ fn full_mode_on_ampere_that_cannot_reset_reports_the_reset_and_leaves_the_mode()
         ..FakeConfig::default()
     });
     let before = node.host.read_state().unwrap();
-    let report = node.check(&node.options(false)).unwrap();
+    let report = node.check(&round_trip(node.options(false))).unwrap();
     let m = mismatches(&report);
     assert!(m.iter().any(|l| l.contains("needs a GPU reset")), "{m:?}");
     let after = node.host.read_state().unwrap();
@@ -446,6 +640,72 @@ fn full_mode_refuses_a_gpu_with_a_foreign_instance_and_touches_nothing() {
     assert!(mismatches(&report).is_empty());
     options.gpu = Some(7);
     assert!(matches!(node.check(&options), Err(CheckError::NoSuchGpu(7, _))));
+}
+
+#[test]
+fn full_mode_refuses_a_gpu_a_process_uses_and_says_how_to_run_safely() {
+    let node = CheckedHost::with_gpus(&[("H100-80GB", true), ("H100-80GB", true)]);
+    node.host
+        .update_state(|s| {
+            s.gpus[1]
+                .running_processes
+                .push(migdra_fake_nvml::state::RunningProcess {
+                    pid: 4242,
+                    graphics: false,
+                    used_memory_bytes: 1 << 30,
+                    mig_instance: None,
+                })
+        })
+        .unwrap();
+    log_calls(&node);
+    let err = node.check(&node.options(false)).expect_err("refused");
+    let text = err.to_string();
+    assert!(matches!(err, CheckError::Refused { gpu: 1, .. }), "{text}");
+    assert!(text.contains("NVML lists 4242 (compute)"), "{text}");
+    assert!(text.contains("kubectl debug node/"), "{text}");
+    assert!(text.contains("cordon"), "{text}");
+    assert!(
+        text.contains("never `kubectl exec` into the running plugin pod"),
+        "{text}"
+    );
+    assert_eq!(
+        mutating_calls(&node),
+        Vec::<String>::new(),
+        "refused before any change"
+    );
+
+    // Read-only runs and shows who uses the GPU.
+    let report = node.check(&node.options(true)).unwrap();
+    let users = report.gpus[1].users.as_ref().unwrap();
+    assert_eq!(users.nvml_processes, ["4242 (compute)"]);
+    assert!(
+        report
+            .render_table()
+            .contains("in use: NVML lists 4242 (compute)")
+    );
+    assert!(report.gpus[0].users.as_ref().unwrap().is_empty());
+}
+
+#[test]
+fn full_mode_refuses_a_gpu_whose_device_file_another_process_holds() {
+    // An NVML client without a context (nv-hostengine) is seen only in /proc.
+    let node = CheckedHost::with_gpus(&[("H100-80GB", true)]);
+    let process = node.host.proc_root().join("777");
+    std::fs::create_dir_all(process.join("fd")).unwrap();
+    std::os::unix::fs::symlink("/dev/nvidia0", process.join("fd/5")).unwrap();
+    std::os::unix::fs::symlink("/dev/null", process.join("fd/0")).unwrap();
+    std::fs::write(process.join("comm"), "nv-hostengine\n").unwrap();
+    let err = node.check(&node.options(false)).expect_err("refused");
+    assert!(
+        err.to_string()
+            .contains("the device file is open in 777 (nv-hostengine)"),
+        "{err}"
+    );
+    // Another GPU's device file is no reason to refuse this one.
+    std::fs::remove_file(process.join("fd/5")).unwrap();
+    std::os::unix::fs::symlink("/dev/nvidia3", process.join("fd/5")).unwrap();
+    let report = node.check(&node.options(false)).expect("runs");
+    assert!(mismatches(&report).is_empty(), "{:?}", mismatches(&report));
 }
 
 fn run_binary(node: &CheckedHost, extra: &[&str]) -> std::process::Output {

@@ -170,3 +170,108 @@ async fn calls_overdue_on_every_gpu_mean_the_node_answers_nothing() {
     let inventory = driver.gpus().inventory().unwrap();
     assert!(inventory.iter().all(|g| g.health.healthy), "{inventory:?}");
 }
+
+/// The orphan list's entries, as the file has them.
+fn listed_orphans(node: &Node) -> Vec<serde_json::Value> {
+    let path = node
+        .state_dir()
+        .join(migdra_kubelet_plugin::orphans::ORPHANS_FILE);
+    let text = std::fs::read_to_string(path).unwrap_or_else(|_| r#"{"orphans":[]}"#.into());
+    let file: serde_json::Value = serde_json::from_str(&text).unwrap();
+    file["orphans"].as_array().cloned().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_create_that_returns_after_its_plugin_was_replaced_is_destroyed() {
+    let mut node = Node::two_h100s_with_a_foreign_1g();
+    node.nvml_call_timeout = Duration::from_secs(2);
+    node.claims
+        .put(claim("ua", "a", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    let (old, _) = node.start(None);
+    hang(&node, CREATE_GI, 0);
+    let failure = prepare_typed(&old, "ua", "a")
+        .await
+        .expect_err("the create on GPU 0 hangs past the bound");
+    assert!(failure.to_string().contains("NVML is not answering"), "{failure}");
+    // The old plugin could not roll back on the hung GPU: the half-prepared record stays.
+    assert!(old.recorded_claims().contains_key("ua"));
+    drop(old);
+
+    // Its replacement (a new process: it does not know the old one's call is still inside
+    // NVML) rolls the record back, and watches the placement instead of forgetting it.
+    let (new, report) = node.start(None);
+    assert_eq!(report.rolled_back, ["ua"]);
+    assert!(!new.recorded_claims().contains_key("ua"));
+    let watched = listed_orphans(&node);
+    assert_eq!(watched.len(), 1, "{watched:?}");
+    assert_eq!(watched[0]["device"], "gpu-0-mig-1g10gb-0");
+    assert!(watched[0]["awaitedUntil"].is_u64(), "{watched:?}");
+    // While nothing appears, the watch stays through inventory passes.
+    new.gpus().inventory().unwrap();
+    assert_eq!(listed_orphans(&node).len(), 1);
+    assert_eq!(node.instances(0).len(), 1, "only the foreign instance");
+
+    // The old call returns and creates its instance, with no record anywhere.
+    release(&node);
+    wait_until("the late instance exists", || node.instances(0).len() == 2).await;
+    new.gpus().inventory().unwrap();
+    let left: Vec<(u32, u32)> = node.instances(0).iter().map(|(p, s, _)| (*p, *s)).collect();
+    assert_eq!(
+        left,
+        [(19, 6)],
+        "the late instance is destroyed, the foreign one kept"
+    );
+    assert!(
+        listed_orphans(&node).is_empty(),
+        "the watch ends with the destroy"
+    );
+    // The placement serves the claim again.
+    prepare_typed(&new, "ua", "a").await.unwrap();
+    assert_eq!(node.instances(0).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_create_is_not_watched() {
+    let node = node(Duration::from_secs(15));
+    let (driver, _) = node.start(None);
+    node.host
+        .update_state(|s| {
+            s.faults.push(FaultState {
+                fault: FaultConfig::error(CREATE_GI, 23).on_gpu(0),
+                hits: 0,
+            })
+        })
+        .unwrap();
+    prepare_typed(&driver, "ua", "a")
+        .await
+        .expect_err("the create fails");
+    assert!(!driver.recorded_claims().contains_key("ua"));
+    assert!(
+        listed_orphans(&node).is_empty(),
+        "a create that returned an error leaves nothing to watch"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_create_held_across_a_reboot_creates_nothing() {
+    // Ampere keeps MIG mode across the reload, so the create could still succeed after it.
+    let mut node = Node::new(&[("A100-80GB", true)]);
+    node.nvml_call_timeout = Duration::from_secs(1);
+    node.claims
+        .put(claim("ua", "a", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    let (driver, _) = node.start(None);
+    hang(&node, CREATE_GI, 0);
+    prepare_typed(&driver, "ua", "a")
+        .await
+        .expect_err("the create hangs past the bound");
+    assert_eq!(driver.gpus().nvml_calls().overdue().len(), 1);
+    // The node reboots while the call is inside the driver; on a node the reboot ends the
+    // call with its process, so it must not act on the new boot's GPUs when let go.
+    node.host.update_state(|s| s.reload_driver()).unwrap();
+    release(&node);
+    wait_until("the held call returned", || {
+        driver.gpus().nvml_calls().overdue().is_empty()
+    })
+    .await;
+    assert!(node.instances(0).is_empty(), "{:?}", node.instances(0));
+}

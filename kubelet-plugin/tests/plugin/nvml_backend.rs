@@ -11,7 +11,7 @@ use migdra_fake_nvml::{
     FakeConfig, FaultConfig, GpuConfig, InstanceConfig, code,
     testing::{FakeGpuHost, HOST_LIBRARY},
 };
-use migdra_kubelet_plugin::nvml::{GpuBackend, MigModeChange, NvmlBackend, NvmlErrorKind};
+use migdra_kubelet_plugin::nvml::{GpuBackend, MigModeChange, NvmlBackend, NvmlErrorKind, ReloadingNvml};
 
 // Real GPU-instance profile IDs of the 8-slice parts.
 const P_1G: u32 = 19;
@@ -575,4 +575,59 @@ fn a_missing_library_is_an_error_not_a_panic() {
     .expect("copy");
     let err = NvmlBackend::new(Some(&dir.path().join(HOST_LIBRARY))).expect_err("no configuration");
     assert!(err.message.contains("not loaded"), "{err}");
+}
+
+/// A driver upgrade without a reboot: the kernel driver is loaded again under the plugin.
+fn reload_driver(host: &FakeGpuHost, version: &str) {
+    host.update_state(|s| {
+        s.driver_upgrades += 1;
+        s.driver_version = version.to_string();
+    })
+    .expect("reload the fake driver");
+}
+
+#[test]
+fn a_session_from_before_a_driver_reload_mismatches_until_it_ends() {
+    let host = host(&[("H100-80GB", true)]);
+    let stale = backend(&host);
+    reload_driver(&host, "590.10.01");
+    // Every call of the old session, however often: only a new session helps.
+    for _ in 0..2 {
+        assert_eq!(kind(stale.driver_version()), NvmlErrorKind::RmVersionMismatch);
+        assert_eq!(kind(stale.discover()), NvmlErrorKind::RmVersionMismatch);
+    }
+    drop(stale);
+    assert_eq!(backend(&host).driver_version().unwrap(), "590.10.01");
+}
+
+#[test]
+fn nvml_is_initialised_again_after_a_driver_reload() {
+    let host = host(&[("H100-80GB", true), ("A100-SXM4-40GB", false)]);
+    let nvml = ReloadingNvml::new(Some(&host.lib_path())).unwrap();
+    let before = nvml.discover().unwrap();
+    reload_driver(&host, "590.10.01");
+    // The call that meets the mismatch ends the session and succeeds on a new one.
+    assert_eq!(nvml.driver_version().unwrap(), "590.10.01");
+    assert_eq!(nvml.discover().unwrap(), before, "the same GPUs after the rescan");
+    nvml.create_gpu_instance(0, P_3G, 4).unwrap();
+    assert_eq!(nvml.list_gpu_instances(0).unwrap().len(), 1);
+
+    // The new library is installed but its init still mismatches (the old module is still
+    // loaded): the call fails with the cause, and the next one initialises again.
+    reload_driver(&host, "590.20.02");
+    host.update_state(|s| {
+        s.faults.push(migdra_fake_nvml::FaultState {
+            fault: FaultConfig {
+                times: Some(1),
+                ..FaultConfig::error("nvmlInit_v2", code::LIB_RM_VERSION_MISMATCH)
+            },
+            hits: 0,
+        })
+    })
+    .unwrap();
+    let err = nvml.driver_version().unwrap_err();
+    assert_eq!(err.kind, NvmlErrorKind::RmVersionMismatch, "{err}");
+    assert!(err.to_string().contains("initialise NVML"), "{err}");
+    assert_eq!(nvml.driver_version().unwrap(), "590.20.02");
+    assert_eq!(nvml.list_gpu_instances(0).unwrap().len(), 1, "instances survive");
 }

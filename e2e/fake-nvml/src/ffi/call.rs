@@ -10,9 +10,9 @@ use std::{
 
 use nvml_wrapper_sys::bindings::nvmlReturn_t;
 
-use super::{handles::Target, init::report, init::state_path, memory::Out};
+use super::{handles::Target, init::report, init::session, memory::Out};
 use crate::{
-    code::{GPU_IS_LOST, INVALID_ARGUMENT, SUCCESS, UNKNOWN},
+    code::{GPU_IS_LOST, INVALID_ARGUMENT, LIB_RM_VERSION_MISMATCH, SUCCESS, UNKNOWN},
     state::{FakeState, GpuState, update_state},
 };
 
@@ -82,7 +82,8 @@ fn delay(path: &std::path::Path, latency: u64, function: &str, gpu: Option<u32>,
 
 enum Step<T> {
     Done(Result<T, u32>),
-    Delayed(u64, Option<u32>),
+    /// Latency ms, the error to end with, and the driver load the call went into.
+    Delayed(u64, Option<u32>, u64),
 }
 
 /// Runs `body` on the state under the lock, after applying the faults for `function`.
@@ -104,22 +105,35 @@ pub(super) fn call_about<T>(
     profile: Option<u32>,
     body: impl FnOnce(&mut FakeState) -> Result<T, u32>,
 ) -> Result<T, u32> {
-    let path = state_path()?;
+    let (path, driver_upgrade) = session()?;
     let mut body = Some(body);
-    let step = update_state(&path, |state| match fire_faults(state, function, gpu, profile) {
-        (0, None) => Step::Done(body.take().map_or(Err(UNKNOWN), |b| b(state))),
-        (latency, error) => Step::Delayed(latency, error),
+    let step = update_state(&path, |state| {
+        // The driver was upgraded under this session: only a new session talks to it.
+        if state.driver_upgrades != driver_upgrade {
+            return Step::Done(Err(LIB_RM_VERSION_MISMATCH));
+        }
+        match fire_faults(state, function, gpu, profile) {
+            (0, None) => Step::Done(body.take().map_or(Err(UNKNOWN), |b| b(state))),
+            (latency, error) => Step::Delayed(latency, error, state.driver_loads),
+        }
     })
     .map_err(report)?;
     match step {
         Step::Done(result) => result,
-        Step::Delayed(latency, error) => {
+        Step::Delayed(latency, error, load) => {
             delay(&path, latency, function, gpu, profile);
             if let Some(code) = error {
                 return Err(code);
             }
             let body = body.take().ok_or(UNKNOWN)?;
-            update_state(&path, body).map_err(report)?
+            update_state(&path, |state| {
+                // The driver this call went into is gone (see `FakeState::driver_loads`).
+                if state.driver_loads != load {
+                    return Err(UNKNOWN);
+                }
+                body(state)
+            })
+            .map_err(report)?
         }
     }
 }

@@ -24,7 +24,8 @@ fn create_gi(
 ) -> Result<(), u32> {
     let gpu = physical(device)?;
     out.check()?;
-    call(function, Some(gpu), |s| {
+    // The profile ID is a profile argument: faults may be limited to it.
+    call_about(function, Some(gpu), Some(profile_id), |s| {
         let serial = s.next_serial;
         let g = gpu_mut(s, gpu)?;
         if let Some(p) = placement {

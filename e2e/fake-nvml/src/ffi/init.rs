@@ -20,19 +20,21 @@ use crate::{
     state::ensure_state,
 };
 
-/// Which state file this copy of the library serves, and how many inits are outstanding.
+/// Which state file this copy of the library serves, how many inits are outstanding, and
+/// the driver upgrade the session began under (see [`crate::FakeState::driver_upgrades`]).
 struct Runtime {
     state_path: PathBuf,
     refs: u32,
+    driver_upgrade: u64,
 }
 
 static RUNTIME: Mutex<Option<Runtime>> = Mutex::new(None);
 
-/// The state file, or UNINITIALIZED.
-pub(super) fn state_path() -> Result<PathBuf, u32> {
+/// The state file and the driver upgrade the session began under, or UNINITIALIZED.
+pub(super) fn session() -> Result<(PathBuf, u64), u32> {
     lock(&RUNTIME)
         .as_ref()
-        .map(|r| r.state_path.clone())
+        .map(|r| (r.state_path.clone(), r.driver_upgrade))
         .ok_or(UNINITIALIZED)
 }
 
@@ -86,9 +88,15 @@ fn init() -> nvmlReturn_t {
                     let config = FakeConfig::load(&config_path).map_err(report)?;
                     let dir = config_path.parent().map(PathBuf::from).unwrap_or_default();
                     ensure_state(&config, &dir).map_err(report)?;
+                    let state_path = config.state_path(&dir);
+                    // A first init (no session outstanding) loads the library of the driver as it is now.
+                    let driver_upgrade = crate::state::read_state(&state_path)
+                        .map_err(report)?
+                        .driver_upgrades;
                     *rt = Some(Runtime {
-                        state_path: config.state_path(&dir),
+                        state_path,
                         refs: 1,
+                        driver_upgrade,
                     });
                 }
             }
@@ -149,6 +157,7 @@ pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
         DRIVER_NOT_LOADED => c"Driver Not Loaded",
         GPU_IS_LOST => c"GPU is lost",
         RESET_REQUIRED => c"GPU requires reset",
+        LIB_RM_VERSION_MISMATCH => c"RM has detected an NVML/RM version mismatch.",
         IN_USE => c"In use by another client",
         INSUFFICIENT_RESOURCES => c"Insufficient Resources",
         ARGUMENT_VERSION_MISMATCH => c"Argument version mismatch",

@@ -15,7 +15,7 @@ use nvml_wrapper_sys::bindings::{
     NvmlLib, nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstancePlacement_t,
     nvmlComputeInstanceProfileInfo_t, nvmlDevice_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
     nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t,
-    nvmlGpuInstanceProfileInfo_v3_t, nvmlMemory_t,
+    nvmlGpuInstanceProfileInfo_v3_t, nvmlMemory_t, nvmlProcessInfo_t,
 };
 
 macro_rules! f {
@@ -735,4 +735,75 @@ fn the_call_log_counts_calls_by_name_only_when_turned_on() {
     assert_eq!(log.get("nvmlDeviceGetCount_v2"), Some(&2));
     assert_eq!(log.get("nvmlDeviceGetMinorNumber"), Some(&1));
     assert_eq!(log.get("nvmlDeviceGetHandleByIndex_v2"), Some(&1));
+}
+
+#[test]
+fn running_process_lists_follow_the_count_protocol_and_split_by_kind() {
+    let l = load(&[("H100-80GB", true)]);
+    let dev = device(&l.lib, 0);
+    let compute = f!(l.lib, nvmlDeviceGetComputeRunningProcesses_v3);
+    let graphics = f!(l.lib, nvmlDeviceGetGraphicsRunningProcesses_v3);
+    let mut count = 0;
+    // No process: SUCCESS and 0, even for a count-only call.
+    assert_eq!(
+        unsafe { compute(dev, &mut count, ptr::null_mut()) },
+        code::SUCCESS
+    );
+    assert_eq!(count, 0);
+    l._host
+        .update_state(|s| {
+            for (pid, graphics) in [(11, false), (12, false), (13, true)] {
+                s.gpus[0]
+                    .running_processes
+                    .push(migdra_fake_nvml::state::RunningProcess {
+                        pid,
+                        graphics,
+                        used_memory_bytes: 1 << 20,
+                        mig_instance: (pid == 12).then_some((1, 0)),
+                    });
+            }
+        })
+        .unwrap();
+    let empty = nvmlProcessInfo_t {
+        pid: 0,
+        usedGpuMemory: 0,
+        gpuInstanceId: 0,
+        computeInstanceId: 0,
+    };
+    let mut buf = [empty; 4];
+    let mut count = 0;
+    assert_eq!(
+        unsafe { compute(dev, &mut count, ptr::null_mut()) },
+        code::INSUFFICIENT_SIZE
+    );
+    assert_eq!(count, 2);
+    let mut short = 1;
+    assert_eq!(
+        unsafe { compute(dev, &mut short, buf.as_mut_ptr()) },
+        code::INSUFFICIENT_SIZE
+    );
+    assert_eq!((short, buf[0].pid), (2, 0), "nothing written into a short buffer");
+    let mut count = 4;
+    assert_eq!(
+        unsafe { compute(dev, &mut count, buf.as_mut_ptr()) },
+        code::SUCCESS
+    );
+    assert_eq!(count, 2);
+    assert_eq!(
+        buf[..2]
+            .iter()
+            .map(|p| (p.pid, p.gpuInstanceId, p.computeInstanceId))
+            .collect::<Vec<_>>(),
+        [(11, u32::MAX, u32::MAX), (12, 1, 0)]
+    );
+    let mut count = 4;
+    assert_eq!(
+        unsafe { graphics(dev, &mut count, buf.as_mut_ptr()) },
+        code::SUCCESS
+    );
+    assert_eq!((count, buf[0].pid), (1, 13));
+    assert_eq!(
+        unsafe { compute(dev, ptr::null_mut(), buf.as_mut_ptr()) },
+        code::INVALID_ARGUMENT
+    );
 }

@@ -25,21 +25,30 @@ use migdra_fake_nvml::{
 };
 
 use super::{
-    ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, HOOK_PATH, Layout, NODE,
-    PLUGIN_ACCOUNT, Runtime, free_port, kubeconfig_yaml, migdra::migdra_bin_dir, repo_root,
-    teardown::KUBELET_HOST_DIRS, wait_until, write,
+    ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, HOOK_PATH, Layout, MigdraMode,
+    NODE, PLUGIN_ACCOUNT, Runtime,
+    chart_mode::migdra_images,
+    containerd::{SERVICE_CLUSTER_IP_RANGE, node_netns},
+    free_port, kubeconfig_yaml,
+    migdra::migdra_bin_dir,
+    repo_root,
+    teardown::KUBELET_HOST_DIRS,
+    wait_until, write,
 };
 
 /// Token of the kubelet (system:node:<NODE>).
 const KUBELET_TOKEN: &str = "migdra-e2e-kubelet";
-/// Chart values for the e2e install: the binaries run as host processes, so the chart's own
-/// workloads stay idle; heartbeats are fast so tests see a dead plugin quickly. The
-/// device-plugin names are served (nvidia.com/gpu, nvidia.com/mig-<profile>), with a class for
-/// 1g.12gb, a profile no simulated GPU has.
-const CHART_VALUES: [&str; 5] = [
+/// Chart values for the e2e install with migdra as host processes: the chart's own workloads
+/// stay idle; heartbeats are fast so tests see a dead plugin quickly (with the chart's pods,
+/// `e2e/values-fake-gpu.yaml` sets them).
+const HOST_PROCESS_VALUES: [&str; 3] = [
     "controller.replicas=0",
     "heartbeat.intervalSeconds=3",
     "heartbeat.timeoutSeconds=20",
+];
+/// Chart values for every e2e install: the device-plugin names are served (nvidia.com/gpu,
+/// nvidia.com/mig-<profile>), with a class for 1g.12gb, a profile no simulated GPU has.
+const CHART_VALUES: [&str; 2] = [
     "deviceClasses.extendedResources.enabled=true",
     "deviceClasses.profiles.names={1g.10gb,1g.10gb+me,2g.20gb,3g.40gb,7g.80gb,1g.12gb}",
 ];
@@ -88,6 +97,10 @@ impl Cluster {
             Some(runtime) => runtime,
             None => Runtime::from_env()?,
         };
+        let migdra_mode = MigdraMode::from_env()?;
+        if migdra_mode == MigdraMode::Chart && runtime != Runtime::Containerd {
+            bail!("migdra's chart runs its pods on containerd only: set MIGDRA_E2E_RUNTIME=containerd");
+        }
         fs::create_dir_all(&config.runs_dir)?;
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?
@@ -97,9 +110,22 @@ impl Cluster {
         // A short symlink keeps socket paths under the 108-byte limit whatever the checkout path.
         let short = PathBuf::from(format!("/tmp/migdra-e2e-{stamp}"));
         std::os::unix::fs::symlink(&run_dir, &short).context("creating the short run-dir link")?;
+        // The chart's plugin names its registration socket with its pod's UID
+        // (plugins_registry/<driver>-<pod UID>-reg.sock), 115 bytes under the run dir's
+        // kubelet root: a shorter link for it (removed at teardown).
+        let kubelet_root = match migdra_mode {
+            MigdraMode::HostProcesses => short.join("kubelet"),
+            MigdraMode::Chart => {
+                fs::create_dir_all(run_dir.join("kubelet"))?;
+                let link = PathBuf::from(format!("/tmp/mk-{stamp}"));
+                std::os::unix::fs::symlink(run_dir.join("kubelet"), &link)
+                    .context("creating the short kubelet-root link")?;
+                link
+            }
+        };
         let layout = Layout {
             kubeconfig: short.join("admin.kubeconfig"),
-            kubelet_root: short.join("kubelet"),
+            kubelet_root,
             cdi_dir: short.join("cdi"),
             records_dir: short.join("records"),
             gpu_host: short.join("gpu-host"),
@@ -110,6 +136,7 @@ impl Cluster {
             helm,
             apiserver_port: free_port()?,
             runtime,
+            migdra_mode,
             logs: run_dir.join("logs"),
         };
         // The fake CRI is rebuilt each run (seconds, thanks to Go's build cache).
@@ -219,12 +246,22 @@ impl Cluster {
             &l.upstream_bin.join("kube-scheduler"),
             &scheduler_args,
         )?;
-        self.install_chart().await?;
+        let from_chart = l.migdra_mode == MigdraMode::Chart;
+        if !from_chart {
+            self.install_chart().await?;
+        }
         self.write_gpu_host(config)?;
         match l.runtime {
             Runtime::FakeCri => self.start_fake_cri()?,
             Runtime::Containerd => {
-                self.kubelet_cgroup_root = Some(self.start_containerd(&config.runs_dir)?);
+                let images = if from_chart {
+                    self.install_fake_nvml_in_driver_root()?;
+                    migdra_images()?
+                } else {
+                    Vec::new()
+                };
+                self.kubelet_cgroup_root = Some(self.start_containerd(&config.runs_dir, &images)?);
+                self.start_relays()?;
             }
         }
         self.start_kubelet()?;
@@ -233,6 +270,13 @@ impl Cluster {
             self.publish_loopback_node_address().await?;
         }
         self.wait_default_service_account().await?;
+        if from_chart {
+            // The chart's pods, once the node is up and the images are imported.
+            self.install_chart().await?;
+            self.wait_chart_workloads_ready(Duration::from_secs(180)).await?;
+            self.wait_published(Duration::from_secs(90)).await?;
+            return Ok(());
+        }
         self.controller_kubeconfig = Some(self.service_account_kubeconfig(CONTROLLER_ACCOUNT, false).await?);
         self.plugin_kubeconfig = Some(self.service_account_kubeconfig(PLUGIN_ACCOUNT, true).await?);
         self.start_migdra_controller()?;
@@ -313,7 +357,7 @@ impl Cluster {
                     l.run_dir.join("sa.key").display()
                 ),
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                "--service-cluster-ip-range=10.96.0.0/16",
+                &format!("--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}"),
                 "--endpoint-reconciler-type=none",
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--allow-privileged=true",
@@ -337,9 +381,10 @@ impl Cluster {
     }
 
     /// Installs migdra's Helm chart (CRDs, DeviceClasses, ServiceAccounts, RBAC, the admission
-    /// policy). Its workloads stay idle: the controller Deployment is scaled to zero and the
-    /// plugin DaemonSet selects GPU-labelled nodes only; migdra's binaries run as host
-    /// processes instead, with tokens of the chart's ServiceAccounts.
+    /// policy). With migdra as host processes its workloads stay idle: the controller
+    /// Deployment is scaled to zero and the plugin DaemonSet selects GPU-labelled nodes only;
+    /// migdra's binaries run as host processes instead, with tokens of the chart's
+    /// ServiceAccounts. From the chart, `e2e/values-fake-gpu.yaml` runs them as pods.
     async fn install_chart(&self) -> anyhow::Result<()> {
         let l = &self.layout;
         let chart = repo_root().join("charts/migdra");
@@ -370,6 +415,16 @@ impl Cluster {
             CHART_NAMESPACE,
             "--create-namespace",
         ];
+        let values_file;
+        match l.migdra_mode {
+            MigdraMode::HostProcesses => {
+                install.extend(HOST_PROCESS_VALUES.iter().flat_map(|v| ["--set", *v]));
+            }
+            MigdraMode::Chart => {
+                values_file = self.fake_gpu_values()?.to_string_lossy().to_string();
+                install.extend(["--values", values_file.as_str()]);
+            }
+        }
         install.extend(CHART_VALUES.iter().flat_map(|v| ["--set", *v]));
         helm(&install)?;
         // Keep the rendered manifests (default and non-default values) for the dry-run test.
@@ -518,19 +573,32 @@ fileCheckFrequency: 5s
     pub fn start_kubelet(&mut self) -> anyhow::Result<()> {
         let config = self.write_kubelet_config(self.kubelet_anonymous_reads)?;
         let l = self.layout.clone();
-        self.start_component(
-            "kubelet",
-            &l.upstream_bin.join("kubelet"),
-            &[
-                &format!("--config={}", config.display()),
-                &format!("--kubeconfig={}", l.run_dir.join("kubelet.kubeconfig").display()),
-                &format!("--root-dir={}", l.kubelet_root.display()),
-                &format!("--cert-dir={}", l.kubelet_root.join("pki").display()),
-                &format!("--hostname-override={NODE}"),
-                "--node-ip=127.0.0.1",
-                "-v=2",
-            ],
-        )
+        let kubelet = l.upstream_bin.join("kubelet");
+        // On containerd the kubelet runs in the node's network namespace (nsenter execs it).
+        let (bin, netns) = match l.runtime {
+            Runtime::FakeCri => (kubelet.clone(), Vec::new()),
+            Runtime::Containerd => (
+                PathBuf::from("nsenter"),
+                vec![
+                    format!("--net={}", node_netns(&l.run_dir).display()),
+                    kubelet.display().to_string(),
+                ],
+            ),
+        };
+        let args: Vec<String> = netns
+            .into_iter()
+            .chain([
+                format!("--config={}", config.display()),
+                format!("--kubeconfig={}", l.run_dir.join("kubelet.kubeconfig").display()),
+                format!("--root-dir={}", l.kubelet_root.display()),
+                format!("--cert-dir={}", l.kubelet_root.join("pki").display()),
+                format!("--hostname-override={NODE}"),
+                "--node-ip=127.0.0.1".into(),
+                "-v=2".into(),
+            ])
+            .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.start_component("kubelet", &bin, &args)
     }
 
     /// Restarts the kubelet (it deletes the node's ResourceSlices when it starts).

@@ -13,9 +13,14 @@
 //! (sandbox) image and a busybox image, imported here with `ctr`. Teardown, and the next run
 //! after a crash, go through `e2e/runtime/clean.sh` (shared with the runtime's smoke test).
 //!
-//! Not here yet: pods reaching the API server (it listens on loopback in the host's network
-//! namespace), `kubectl exec`/`attach`/`port-forward` (containerd's stream server listens on
-//! loopback in the node's namespace, which the kubelet cannot reach), and image pulls.
+//! The kubelet runs in the node's network namespace too, as on a real node: its HTTP probes
+//! reach the pods' addresses and containerd's stream server (`kubectl exec`). The two
+//! namespaces meet only through unix sockets in the run dir, relayed by socat
+//! ([`Cluster::start_relays`]): the API server (host loopback) is reached in the node's
+//! namespace at the `kubernetes` Service's ClusterIP, port 443 (in-cluster config), and at
+//! 127.0.0.1 on its own port (the kubelet's kubeconfig); the kubelet's port is relayed back to
+//! the host's loopback, where the API server reaches it (`kubectl logs`). Not here yet: image
+//! pulls (every image is imported).
 
 use std::{
     fs,
@@ -47,6 +52,12 @@ const WORKLOAD_IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.36";
 pub const POD_SUBNET: &str = "10.88.0.0/24";
 /// containerd's namespace for the CRI.
 const CRI_NAMESPACE: &str = "k8s.io";
+/// The `kubernetes` Service's ClusterIP: the first address of the API server's
+/// `--service-cluster-ip-range` (a SAN of its self-signed serving certificate). Pods find it in
+/// `KUBERNETES_SERVICE_HOST`; the node's namespace has it on `lo`, with a relay behind it.
+pub const API_SERVICE_IP: &str = "10.96.0.1";
+/// The API server's ClusterIP range (`--service-cluster-ip-range`).
+pub(super) const SERVICE_CLUSTER_IP_RANGE: &str = "10.96.0.0/16";
 
 /// The container runtime under the kubelet.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -74,6 +85,11 @@ impl Runtime {
 /// The containerd directory of a run dir.
 pub(super) fn ctrd_dir(run_dir: &Path) -> PathBuf {
     run_dir.join("ctrd")
+}
+
+/// The node's network namespace of a run dir (a bind mount of the namespace).
+pub(super) fn node_netns(run_dir: &Path) -> PathBuf {
+    ctrd_dir(run_dir).join("netns/node")
 }
 
 /// The unix socket of containerd (CRI runtime and image service) of a run dir.
@@ -122,6 +138,11 @@ fn cgroup_v1_mounts() -> anyhow::Result<Vec<PathBuf>> {
             (right.split_whitespace().next()? == "cgroup").then(|| PathBuf::from(mount))
         })
         .collect())
+}
+
+/// Runs a script of `e2e/runtime` that prints a directory last, and returns that directory.
+pub(super) fn run_script_dir(script: &str) -> anyhow::Result<String> {
+    run_script(script, &[])
 }
 
 fn run_script(script: &str, args: &[&Path]) -> anyhow::Result<String> {
@@ -233,9 +254,13 @@ impl Cluster {
         Ok(root)
     }
 
-    /// Starts containerd in a network namespace of its own, with the local images imported;
-    /// returns the kubelet's cgroup root.
-    pub(super) fn start_containerd(&mut self, runs_dir: &Path) -> anyhow::Result<String> {
+    /// Starts containerd in a network namespace of its own, with the local images and
+    /// `extra_images` (name, tarball) imported; returns the kubelet's cgroup root.
+    pub(super) fn start_containerd(
+        &mut self,
+        runs_dir: &Path,
+        extra_images: &[(String, String)],
+    ) -> anyhow::Result<String> {
         let run = self.layout.run_dir.clone();
         let real_run = fs::canonicalize(&run)?;
         clean_leftovers(runs_dir, &real_run)?;
@@ -266,7 +291,7 @@ impl Cluster {
             &cni_config(&ctrd.join("cni/ipam")),
         )?;
         // The node's network namespace: a file under the run dir, bind-mounted by unshare.
-        let netns = ctrd.join("netns/node");
+        let netns = node_netns(&run);
         fs::write(&netns, b"")?;
         run_checked(
             Command::new("unshare")
@@ -277,6 +302,11 @@ impl Cluster {
             Command::new("nsenter")
                 .arg(format!("--net={}", netns.display()))
                 .args(["ip", "link", "set", "lo", "up"]),
+        )?;
+        run_checked(
+            Command::new("nsenter")
+                .arg(format!("--net={}", netns.display()))
+                .args(["ip", "addr", "add", &format!("{API_SERVICE_IP}/32"), "dev", "lo"]),
         )?;
         // The kubelet root becomes a shared mount (a bind mount on itself), so that the
         // volumes the kubelet mounts there reach containerd's mount namespace (below).
@@ -291,7 +321,10 @@ impl Cluster {
         // containerd runs in a mount namespace of its own (a slave of the host's), where the
         // simulated host's directory of nvidia-cdi-hook is overlaid on the host's, read-only:
         // the runtime runs CDI hooks by their host path ([`HOOK_PATH`]), which exists only
-        // under the simulated host root. unshare, sh and nsenter all exec (nsenter forks
+        // under the simulated host root. Its mounts are made shared too (and stay slaves of
+        // the host's), as a real node's are: runc refuses `mountPropagation: HostToContainer`
+        // (the chart's driver root and /dev) from a private mount, which the host's / may be.
+        // unshare, sh and nsenter all exec (nsenter forks
         // only with --pid or --fork), so the component's pid is containerd's.
         let hook_dir = Path::new(HOOK_PATH)
             .parent()
@@ -314,7 +347,7 @@ impl Cluster {
             "--".into(),
             "sh".into(),
             "-c".into(),
-            r#"mount -t overlay migdra-e2e-cdi-hook -o "lowerdir=$1:$2" "$2" && shift 2 && exec "$@""#.into(),
+            r#"mount --make-rshared / && mount -t overlay migdra-e2e-cdi-hook -o "lowerdir=$1:$2" "$2" && shift 2 && exec "$@""#.into(),
             "sh".into(),
             utf8(&hook_lower)?,
             utf8(hook_dir)?,
@@ -371,8 +404,84 @@ impl Cluster {
             let (_, tarball) = line.split_once('\t').context("bad images.txt line")?;
             ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])?;
         }
+        for (name, tarball) in extra_images {
+            ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])
+                .with_context(|| format!("importing {name}"))?;
+        }
         ctr(&["images", "tag", "--force", BUSYBOX_IMAGE, WORKLOAD_IMAGE])?;
         Ok(cgroup_root)
+    }
+}
+
+impl Cluster {
+    /// Starts the socat relays between the host's loopback and the node's network namespace
+    /// (see the module docs), each a component of its own; the sockets live in `<run>/ctrd`.
+    /// The node-side listeners run in the namespace through `nsenter`, which execs socat, so
+    /// each component's pid is its socat's; socat forks one child per connection.
+    pub(super) fn start_relays(&mut self) -> anyhow::Result<()> {
+        let run = self.layout.run_dir.clone();
+        let ctrd = ctrd_dir(&run);
+        let net = format!("--net={}", node_netns(&run).display());
+        let api_port = self.layout.apiserver_port;
+        let kubelet_port = self.port("kubelet")?;
+        let api_socket = ctrd.join("apiserver.sock");
+        let kubelet_socket = ctrd.join("kubelet.sock");
+        let unix_listen = |p: &Path| format!("UNIX-LISTEN:{},fork,unlink-early,mode=600", p.display());
+        let unix_connect = |p: &Path| format!("UNIX-CONNECT:{}", p.display());
+        let tcp_listen = |ip: &str, port: u16| format!("TCP-LISTEN:{port},bind={ip},fork,reuseaddr");
+        let relays: [(&'static str, bool, String, String); 5] = [
+            (
+                "relay-apiserver-host",
+                false,
+                unix_listen(&api_socket),
+                format!("TCP:127.0.0.1:{api_port}"),
+            ),
+            (
+                "relay-apiserver-service",
+                true,
+                tcp_listen(API_SERVICE_IP, 443),
+                unix_connect(&api_socket),
+            ),
+            (
+                "relay-apiserver-node",
+                true,
+                tcp_listen("127.0.0.1", api_port),
+                unix_connect(&api_socket),
+            ),
+            (
+                "relay-kubelet-node",
+                true,
+                unix_listen(&kubelet_socket),
+                format!("TCP:127.0.0.1:{kubelet_port}"),
+            ),
+            (
+                "relay-kubelet-host",
+                false,
+                tcp_listen("127.0.0.1", kubelet_port),
+                unix_connect(&kubelet_socket),
+            ),
+        ];
+        for (name, in_node, from, to) in relays {
+            let mut args: Vec<&str> = Vec::new();
+            let bin = if in_node {
+                args.extend([net.as_str(), "socat"]);
+                "nsenter"
+            } else {
+                "socat"
+            };
+            args.extend([from.as_str(), to.as_str()]);
+            self.start_component(name, Path::new(bin), &args)?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for socket in [&api_socket, &kubelet_socket] {
+            while !socket.exists() {
+                if Instant::now() > deadline {
+                    bail!("the relay socket {} did not appear", socket.display());
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -419,7 +528,8 @@ fn containerd_config(ctrd: &Path, bin: &Path, cdi_dir: &Path) -> String {
 }
 
 /// The pod network: a bridge (in containerd's network namespace) with host-local addresses
-/// from [`POD_SUBNET`]; no masquerading (nothing leaves the node's namespace).
+/// from [`POD_SUBNET`] and a default route through it (the node's addresses, among them
+/// [`API_SERVICE_IP`], are local there); no masquerading (nothing leaves the node's namespace).
 fn cni_config(ipam_dir: &Path) -> String {
     format!(
         r#"{{
@@ -434,6 +544,7 @@ fn cni_config(ipam_dir: &Path) -> String {
       "ipam": {{
         "type": "host-local",
         "ranges": [[{{"subnet": "{POD_SUBNET}"}}]],
+        "routes": [{{"dst": "0.0.0.0/0"}}],
         "dataDir": "{}"
       }}
     }}

@@ -1,7 +1,8 @@
 //! A local cluster from upstream parts: etcd, kube-apiserver, kube-controller-manager,
 //! kube-scheduler and one kubelet (against the fake CRI runtime, or on containerd and runc with
 //! `MIGDRA_E2E_RUNTIME=containerd`, see [`containerd`]), plus migdra's controller and kubelet
-//! plugin as host processes with the fake NVML library simulating GPUs.
+//! plugin as host processes with the fake NVML library simulating GPUs (or, with
+//! `MIGDRA_E2E_MIGDRA=chart` on containerd, as the chart's pods, see [`chart_mode`]).
 //!
 //! Everything lives in one run directory (kept after teardown, for its logs). [`Cluster::start`]
 //! boots the upstream parts ([`boot`]), then migdra's two processes with tokens of the chart's
@@ -11,12 +12,14 @@
 //! what they share: the names, the layout, the component table and the GPU state.
 
 mod boot;
+mod chart_mode;
 mod containerd;
 mod kueue;
 mod migdra;
 mod teardown;
 
-pub use containerd::{BUSYBOX_IMAGE, PAUSE_IMAGE, POD_SUBNET, RUNTIME_ENV, Runtime};
+pub use chart_mode::{MIGDRA_MODE_ENV, MigdraMode};
+pub use containerd::{API_SERVICE_IP, BUSYBOX_IMAGE, PAUSE_IMAGE, POD_SUBNET, RUNTIME_ENV, Runtime};
 pub use kueue::{GPU_MEMORY, KUEUE, KUEUE_API_VERSION, KUEUE_NAMESPACE, kueue_api, kueue_resource};
 pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS, SURGE_PLUGIN};
 
@@ -131,6 +134,8 @@ pub struct Layout {
     pub apiserver_port: u16,
     /// The container runtime under the kubelet.
     pub runtime: Runtime,
+    /// How migdra runs: host processes or the chart's pods.
+    pub migdra_mode: MigdraMode,
     /// Real path of the logs directory.
     logs: PathBuf,
 }

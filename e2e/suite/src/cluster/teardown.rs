@@ -88,6 +88,9 @@ impl Cluster {
             let _ = fs::remove_file(Path::new(dir).join("kubelet.sock"));
             let _ = fs::remove_dir(dir); // only succeeds when empty
         }
+        if !self.layout.kubelet_root.starts_with(&self.layout.run_dir) {
+            let _ = fs::remove_file(&self.layout.kubelet_root); // its own short symlink
+        }
         let _ = fs::remove_file(&self.layout.run_dir); // the short symlink
     }
 }

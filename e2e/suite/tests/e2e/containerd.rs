@@ -10,7 +10,7 @@ use anyhow::{Context, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, api::PostParams};
 use migdra_e2e::{
-    cluster::{BUSYBOX_IMAGE, Cluster, POD_SUBNET, Runtime, wait_until},
+    cluster::{API_SERVICE_IP, BUSYBOX_IMAGE, Cluster, POD_SUBNET, Runtime, wait_until},
     workload::{NAMESPACE, create_pod, create_template, delete_pods, profile_is, wait_phase},
 };
 use serde_json::json;
@@ -19,6 +19,8 @@ use crate::support::{mig, settle};
 
 tests![
     containerd_runs_a_plain_pod,
+    containerd_pods_reach_the_apiserver,
+    containerd_kubelet_probes_a_pod,
     containerd_applies_a_mig_claims_cdi_spec
 ];
 
@@ -118,6 +120,113 @@ async fn containerd_runs_a_plain_pod(cluster: &mut Cluster) -> anyhow::Result<()
         "the container's memory cgroup is not under the run's cgroup root: {memory}"
     );
     delete_pods(&cluster.client, &[name]).await?;
+    settle(cluster).await
+}
+
+/// A busybox pod (restart Never, no token) running `script`; `host_network` puts it in the
+/// node's network namespace.
+fn busybox_pod(name: &str, host_network: bool, script: &str) -> anyhow::Result<Pod> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app.kubernetes.io/part-of": "migdra-e2e"}},
+        "spec": {
+            "restartPolicy": "Never",
+            "hostNetwork": host_network,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "main",
+                "image": BUSYBOX_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["sh", "-c", script],
+            }],
+        }
+    }))?)
+}
+
+/// Pods on the pod network and on the node's network (hostNetwork) reach the API server where
+/// in-cluster config looks for it: `KUBERNETES_SERVICE_HOST:KUBERNETES_SERVICE_PORT`. A plain
+/// HTTP request to that TLS port gets Go's answer to HTTP on an HTTPS server, which only the
+/// API server at the end of the relay can give.
+async fn containerd_pods_reach_the_apiserver(cluster: &mut Cluster) -> anyhow::Result<()> {
+    require_containerd(cluster)?;
+    // `$$`: the kubelet expands `$(VAR)` in commands, and `$$` to `$`.
+    let script = "echo \"service $${KUBERNETES_SERVICE_HOST}:$${KUBERNETES_SERVICE_PORT}\"; \
+        printf 'GET /version HTTP/1.0\\r\\n\\r\\n' | nc -w 5 \"$$KUBERNETES_SERVICE_HOST\" \"$$KUBERNETES_SERVICE_PORT\"; echo; echo end";
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), NAMESPACE);
+    let names = ["ctrd-api-pod", "ctrd-api-host"];
+    for (name, host_network) in names.into_iter().zip([false, true]) {
+        pods.create(&PostParams::default(), &busybox_pod(name, host_network, script)?)
+            .await?;
+    }
+    for name in names {
+        wait_phase(&cluster.client, name, "Succeeded", Duration::from_secs(120)).await?;
+        let logs = kubectl_logs(cluster, name, "main")?;
+        eprintln!("e2e: kubectl logs {name}:\n{logs}");
+        ensure!(
+            logs.contains(&format!("service {API_SERVICE_IP}:443")),
+            "{name}: KUBERNETES_SERVICE_HOST/PORT are not the kubernetes Service's {API_SERVICE_IP}:443"
+        );
+        ensure!(
+            logs.contains("Client sent an HTTP request to an HTTPS server"),
+            "{name}: no answer from the API server at {API_SERVICE_IP}:443"
+        );
+    }
+    delete_pods(&cluster.client, &names).await?;
+    settle(cluster).await
+}
+
+/// The kubelet's HTTP readiness probe reaches a pod's address: a pod serving HTTP becomes
+/// Ready, and one whose probe path answers 404 stays unready with the probe's failure in an
+/// event.
+async fn containerd_kubelet_probes_a_pod(cluster: &mut Cluster) -> anyhow::Result<()> {
+    require_containerd(cluster)?;
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), NAMESPACE);
+    let names = ["ctrd-probe-ok", "ctrd-probe-404"];
+    for (name, path) in names.into_iter().zip(["/ready", "/missing"]) {
+        let mut pod = busybox_pod(
+            name,
+            false,
+            "mkdir -p /tmp/www && echo ok > /tmp/www/ready && exec httpd -f -p 8080 -h /tmp/www",
+        )?;
+        let spec = pod.spec.as_mut().context("no pod spec")?;
+        spec.containers[0].readiness_probe = Some(serde_json::from_value(json!({
+            "httpGet": {"path": path, "port": 8080},
+            "periodSeconds": 1,
+            "failureThreshold": 1,
+        }))?);
+        pods.create(&PostParams::default(), &pod).await?;
+    }
+    let ready = |pod: Pod| {
+        pod.status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
+    };
+    wait_until(Duration::from_secs(120), || async {
+        ready(pods.get(names[0]).await.ok()?).then_some(())
+    })
+    .await
+    .context("the pod serving its probe path did not become Ready")?;
+    // Probes before httpd listens fail with "connection refused"; then 404 from httpd.
+    wait_until(Duration::from_secs(60), || async {
+        let events = migdra_e2e::workload::pod_events(&cluster.client, names[1])
+            .await
+            .ok()?;
+        events
+            .into_iter()
+            .filter_map(|e| e.message)
+            .find(|m| m.contains("Readiness probe failed") && m.contains("statuscode: 404"))
+    })
+    .await
+    .context("no readiness probe failure with status 404 for the pod without its probe path")?;
+    ensure!(
+        !ready(pods.get(names[1]).await?),
+        "the pod whose probe answers 404 is Ready"
+    );
+    delete_pods(&cluster.client, &names).await?;
     settle(cluster).await
 }
 
