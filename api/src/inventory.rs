@@ -218,6 +218,12 @@ pub struct MigInventory {
     /// GPU instances that exist now.
     #[serde(default)]
     pub instances: Vec<MigInstance>,
+    /// Why migdra's engine and memory counters are not published for this GPU: a layout
+    /// NVML's placements allow that they would refuse. Its devices then consume memory
+    /// slices, instance counts and the optical-flow engine only. Absent when the counters
+    /// are published.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_counters_overruled: Option<String>,
 }
 
 impl MigInventory {

@@ -30,6 +30,7 @@ use migdra_api::{
     device_name::DeviceName,
     geometry::{MigGeometry, MigProfile, Placement},
     inventory::{GpuHealth, GpuInventory, InstanceOwner, MigInstance, MigInventory},
+    slices::counter_model::engine_counters_overruled,
 };
 
 use crate::{
@@ -644,12 +645,27 @@ pub fn gpu_inventory(
                 enabled: mig.enabled,
                 change_pending: mig.enabled != mig.pending_enabled,
                 mode_switchable,
+                engine_counters_overruled: counters_overruled_once(&geometry),
                 geometry,
                 instances,
             }
         }),
         health,
     }
+}
+
+/// The engine-counter check of a geometry ([`engine_counters_overruled`]), run once per
+/// distinct geometry: it is an exhaustive search, and every refresh describes the same GPUs
+/// again, under their locks.
+fn counters_overruled_once(geometry: &MigGeometry) -> Option<String> {
+    static CHECKED: Mutex<Vec<(MigGeometry, Option<String>)>> = Mutex::new(Vec::new());
+    let mut checked = lock(&CHECKED);
+    if let Some((_, why)) = checked.iter().find(|(known, _)| known == geometry) {
+        return why.clone();
+    }
+    let why = engine_counters_overruled(geometry);
+    checked.push((geometry.clone(), why.clone()));
+    why
 }
 
 fn describe_instance(

@@ -16,6 +16,7 @@ use tables::CATALOG;
 use crate::{
     geometry::{Architecture, MigGeometry, MigProfile},
     inventory::{GpuHealth, GpuInventory, MigInventory},
+    slices::counter_model,
 };
 
 /// Where a model's numbers come from.
@@ -141,6 +142,7 @@ impl GpuModel {
 
     /// The inventory a healthy GPU of this model reports, without instances.
     pub fn inventory(&self, minor: u32, mig_enabled: bool) -> GpuInventory {
+        let geometry = self.geometry();
         GpuInventory {
             minor,
             index: minor,
@@ -158,7 +160,8 @@ impl GpuModel {
                 enabled: mig_enabled,
                 change_pending: false,
                 mode_switchable: self.architecture.mig_mode_switchable(),
-                geometry: self.geometry(),
+                engine_counters_overruled: counter_model::engine_counters_overruled(&geometry),
+                geometry,
                 instances: Vec::new(),
             }),
             health: GpuHealth::healthy(),

@@ -19,6 +19,17 @@ const SM_AND_ENGINES: &[ProfileField] = &[
     ProfileField::OfaEngines,
 ];
 
+/// Every per-profile field: what an estimate of a whole unpublished table covers.
+const ALL_FIELDS: &[ProfileField] = &[
+    ProfileField::Placements,
+    ProfileField::MemoryMib,
+    ProfileField::Multiprocessors,
+    ProfileField::CopyEngines,
+    ProfileField::Decoders,
+    ProfileField::JpegEngines,
+    ProfileField::OfaEngines,
+];
+
 /// One row of a profile table: index, ID, name, compute slices, memory slices, instance
 /// count, starts, SM, CE, DEC, ENC, JPEG, OFA, MiB.
 #[rustfmt::skip]
@@ -107,6 +118,16 @@ fn hopper_with_sms(names: [&'static str; 6], mib: [u64; 6], sms: [u32; 7]) -> Ve
         (names[5], e[6], mib[5]),
     ])
 }
+
+/// RTX PRO 6000 Blackwell: 1g and 1g+me rows from a published `nvidia-smi mig -lgip`
+/// (bigstack-oss/cubecos#312); 2g and 4g estimated.
+#[rustfmt::skip]
+const RTX_PRO_6000_PROFILES: [Row; 4] = [
+    (GI_PROFILE_1_SLICE, 14, "1g.24gb", 1, 1, 4, &[0, 1, 2, 3], [46, 1, 1, 1, 1, 0], 23680),
+    (GI_PROFILE_2_SLICE, 5, "2g.48gb", 2, 2, 2, &[0, 2], [92, 2, 2, 2, 2, 0], 47360),
+    (GI_PROFILE_4_SLICE, 0, "4g.96gb", 4, 4, 1, ZERO, [188, 4, 4, 4, 4, 1], 94720),
+    (GI_PROFILE_1_SLICE_REV1, 21, "1g.24gb+me", 1, 1, 1, &[0, 1, 2, 3], [46, 1, 1, 1, 1, 1], 23680),
+];
 
 #[rustfmt::skip]
 const A30_PROFILES: [Row; 5] = [
@@ -259,11 +280,15 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
         GpuModel {
             key: "H100-NVL-94GB",
             product_name: "NVIDIA H100 NVL",
-            pci_device_ids: &[0x2321],
+            // H100 NVL and H800 NVL (0x233A), which share the table in NVIDIA's mig-parted
+            // configuration.
+            pci_device_ids: &[0x2321, 0x233A],
             memory_mib: 95830,
+            // 1g double and 2g: 21.62 GiB in a published `nvidia-smi mig -lgip`
+            // (NVIDIA/gpu-operator#903).
             profiles: hopper(
                 ["1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
-                [11008, 22016, 22016, 47232, 47232, 94976],
+                [11008, 22144, 22144, 47232, 47232, 94976],
             ),
             estimates: &[Estimate {
                 fields: &[ProfileField::MemoryMib],
@@ -294,25 +319,15 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
             memory_mib: 143771,
             profiles: hopper(
                 ["1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
-                [16384, 33024, 33024, 71168, 71168, 142336],
+                [16384, 33024, 33024, 71168, 71168, 143104],
             ),
-            estimates: &[
-                Estimate {
-                    fields: &[ProfileField::MemoryMib],
-                    profile_ids: &[0],
-                    why: "mig-nvml.md §5: 7g memory \"about 138\" GiB; 139.0 GiB used",
-                },
-                Estimate {
-                    fields: &[ProfileField::Placements],
-                    profile_ids: &[],
-                    why: "mig-nvml.md §5: H200 placements unverified, assumed equal to H100",
-                },
-                Estimate {
-                    fields: SM_AND_ENGINES,
-                    profile_ids: &[14, 9, 5, 0],
-                    why: "mig-nvml.md §5: larger-profile SM and engine counts unverified, assumed equal to H100",
-                },
-            ],
+            // Memory, SM and engine counts of every profile: a published `nvidia-smi mig
+            // -lgip` (NVIDIA/mig-parted#120), 7g 139.75 GiB.
+            estimates: &[Estimate {
+                fields: &[ProfileField::Placements],
+                profile_ids: &[],
+                why: "no published `-lgipp` for H200; placements assumed equal to H100",
+            }],
             ..HOPPER
         },
         GpuModel {
@@ -388,6 +403,144 @@ pub(super) static CATALOG: LazyLock<Vec<GpuModel>> = LazyLock::new(|| {
                     fields: &[ProfileField::CopyEngines],
                     profile_ids: &[14],
                     why: "mig-nvml.md §5: 2g copy engines 4 on hardware, 3 in the documentation",
+                },
+            ],
+        },
+        GpuModel {
+            key: "GB200",
+            product_name: "NVIDIA GB200",
+            pci_device_ids: &[0x2941],
+            architecture: Architecture::Blackwell,
+            cuda_compute_capability: (10, 0),
+            memory_mib: 189471,
+            multiprocessors: 152,
+            compute_slices: 7,
+            max_mig_devices: 7,
+            // 1g, 1g+me, 1g double and 2g: published `nvidia-smi mig -lgip` outputs
+            // (NVIDIA/mig-parted#227, NVIDIA/gpu-operator#1303).
+            profiles: eight_slice([
+                ("1g.23gb", [18, 2, 1, 0, 1, 0], 22528),
+                ("1g.23gb+me", [18, 2, 1, 0, 1, 1], 22528),
+                ("1g.47gb", [32, 2, 1, 0, 1, 0], 46592),
+                ("2g.47gb", [38, 4, 2, 0, 2, 0], 46592),
+                ("3g.93gb", [60, 6, 3, 0, 3, 0], 93184),
+                ("4g.93gb", [76, 8, 4, 0, 4, 0], 93184),
+                ("7g.186gb", [152, 16, 7, 0, 7, 1], 186368),
+            ]),
+            estimates: &[
+                Estimate {
+                    fields: &[ProfileField::Placements],
+                    profile_ids: &[],
+                    why: "no published `-lgipp` for GB200; placements assumed equal to Hopper's",
+                },
+                Estimate {
+                    fields: &[
+                        ProfileField::MemoryMib,
+                        ProfileField::Multiprocessors,
+                        ProfileField::CopyEngines,
+                        ProfileField::Decoders,
+                        ProfileField::JpegEngines,
+                    ],
+                    profile_ids: &[9, 5, 0],
+                    why: "no published 3g/4g/7g rows for GB200: SMs 60/76/152, the other engines \
+                          as B200's, memory 2x/2x/4x the 2g's",
+                },
+            ],
+        },
+        GpuModel {
+            key: "B300",
+            product_name: "NVIDIA B300 SXM6 AC",
+            pci_device_ids: &[0x3182],
+            architecture: Architecture::Blackwell,
+            cuda_compute_capability: (10, 3),
+            memory_mib: 275040,
+            multiprocessors: 148,
+            compute_slices: 7,
+            max_mig_devices: 7,
+            profiles: eight_slice([
+                ("1g.34gb", [18, 2, 1, 0, 1, 0], 33024),
+                ("1g.34gb+me", [18, 2, 1, 0, 1, 1], 33024),
+                ("1g.67gb", [30, 2, 1, 0, 1, 0], 66560),
+                ("2g.67gb", [36, 4, 2, 0, 2, 0], 66560),
+                ("3g.135gb", [72, 6, 3, 0, 3, 0], 133120),
+                ("4g.135gb", [72, 8, 4, 0, 4, 0], 133120),
+                ("7g.269gb", [144, 16, 7, 0, 7, 1], 266240),
+            ]),
+            estimates: &[Estimate {
+                fields: ALL_FIELDS,
+                profile_ids: &[],
+                why: "no published MIG table for B300, only its profile names: B200's engines, \
+                      memory that gives those names",
+            }],
+        },
+        GpuModel {
+            key: "GB300",
+            product_name: "NVIDIA GB300",
+            pci_device_ids: &[0x31C2],
+            architecture: Architecture::Blackwell,
+            cuda_compute_capability: (10, 3),
+            memory_mib: 284263,
+            multiprocessors: 148,
+            compute_slices: 7,
+            max_mig_devices: 7,
+            profiles: eight_slice([
+                ("1g.35gb", [18, 2, 1, 0, 1, 0], 34048),
+                ("1g.35gb+me", [18, 2, 1, 0, 1, 1], 34048),
+                ("1g.70gb", [30, 2, 1, 0, 1, 0], 68608),
+                ("2g.70gb", [36, 4, 2, 0, 2, 0], 68608),
+                ("3g.139gb", [72, 6, 3, 0, 3, 0], 137216),
+                ("4g.139gb", [72, 8, 4, 0, 4, 0], 137216),
+                ("7g.278gb", [144, 16, 7, 0, 7, 1], 274432),
+            ]),
+            estimates: &[Estimate {
+                fields: ALL_FIELDS,
+                profile_ids: &[],
+                why: "no published MIG table for GB300, only its 1g/2g/3g names: B200's engines, \
+                      memory that gives those names",
+            }],
+        },
+        GpuModel {
+            key: "H20",
+            product_name: "NVIDIA H20",
+            pci_device_ids: &[0x2329],
+            memory_mib: 97871,
+            multiprocessors: 78,
+            profiles: hopper_with_sms(
+                ["1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"],
+                [11264, 23552, 23552, 47616, 47616, 95232],
+                [9, 9, 15, 19, 35, 38, 78],
+            ),
+            estimates: &[Estimate {
+                fields: ALL_FIELDS,
+                profile_ids: &[],
+                why: "no published MIG table for H20, only its profile names: memory as H100 96GB, \
+                      SMs the Hopper counts scaled by 78/132",
+            }],
+            ..HOPPER
+        },
+        GpuModel {
+            key: "RTX-PRO-6000",
+            product_name: "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+            pci_device_ids: &[0x2BB5],
+            architecture: Architecture::Blackwell,
+            cuda_compute_capability: (12, 0),
+            memory_mib: 97887,
+            multiprocessors: 188,
+            compute_slices: 4,
+            max_mig_devices: 4,
+            // The card's `+gfx`, `+me.all` and `-me` profiles are left out.
+            profiles: profiles(&RTX_PRO_6000_PROFILES),
+            estimates: &[
+                Estimate {
+                    fields: &[ProfileField::Placements],
+                    profile_ids: &[],
+                    why: "no published `-lgipp` for RTX PRO 6000; placements assumed equal to A30's",
+                },
+                Estimate {
+                    fields: ALL_FIELDS,
+                    profile_ids: &[5, 0],
+                    why: "no published 2g/4g rows for RTX PRO 6000: engines per slice, memory that \
+                          gives the profile names",
                 },
             ],
         },

@@ -23,6 +23,7 @@
 //! that claims hold stay in the pool, tainted, even when no longer offered ([`retained`]).
 
 pub mod allocator;
+pub mod counter_model;
 pub mod order;
 pub mod prune;
 pub mod quantity;
@@ -135,16 +136,26 @@ fn engine_counters(engines: Engines, memory_mib: u64) -> Counters {
 }
 
 /// A GPU's counter set (budgets minus what foreign instances hold; a memory slice a foreign
-/// instance covers has the value 0) and which memory slices foreign instances block.
+/// instance covers has the value 0) and which memory slices foreign instances block. While the
+/// GPU's engine counters are overruled ([`counter_model`]), the engine and memory budgets give
+/// way to one instance counter per profile, and the optical-flow budget stays.
 pub(crate) fn gpu_counters(mig: &MigInventory) -> (Counters, Vec<bool>) {
     let geometry = &mig.geometry;
     let mut budget_engines = geometry.budget.engines;
     let mut budget_memory = geometry.budget.memory_mib;
+    let mut instances: BTreeMap<u32, u32> = geometry
+        .profiles
+        .iter()
+        .map(|p| (p.gi_profile_id, p.instance_count))
+        .collect();
     let mut blocked = vec![false; geometry.budget.memory_slices as usize];
     for instance in mig.instances.iter().filter(|i| i.owner == InstanceOwner::Foreign) {
         if let Some(p) = geometry.profile_by_id(instance.placement.profile_id) {
             budget_engines = budget_engines.saturating_sub(p.engines);
             budget_memory = budget_memory.saturating_sub(p.memory_mib);
+            if let Some(left) = instances.get_mut(&p.gi_profile_id) {
+                *left = left.saturating_sub(1);
+            }
             for s in p.memory_range(instance.placement.start) {
                 if let Some(b) = blocked.get_mut(s as usize) {
                     *b = true;
@@ -152,16 +163,44 @@ pub(crate) fn gpu_counters(mig: &MigInventory) -> (Counters, Vec<bool>) {
             }
         }
     }
-    let mut counters = engine_counters(budget_engines, budget_memory);
+    let mut counters = if mig.engine_counters_overruled.is_some() {
+        let mut counters = engine_counters(
+            Engines {
+                ofa_engines: budget_engines.ofa_engines,
+                ..Engines::default()
+            },
+            0,
+        );
+        for (id, left) in instances {
+            counters.insert(counter_model::instance_counter(id), u64::from(left));
+        }
+        counters
+    } else {
+        engine_counters(budget_engines, budget_memory)
+    };
     for i in 0..geometry.budget.memory_slices {
         counters.insert(memory_slice_counter(i), u64::from(!blocked[i as usize]));
     }
     (counters, blocked)
 }
 
-/// What a MIG device at (`profile`, `start`) consumes: its memory slices, engines and memory.
-pub(crate) fn mig_consumption(profile: &MigProfile, start: u32) -> Counters {
-    let mut consumes = engine_counters(profile.engines, profile.memory_mib);
+/// What a MIG device at (`profile`, `start`) of `mig`'s GPU consumes: its memory slices, and
+/// its engines and memory, or, while the engine counters are overruled, one instance of its
+/// profile and its optical-flow engines.
+pub(crate) fn mig_consumption(mig: &MigInventory, profile: &MigProfile, start: u32) -> Counters {
+    let mut consumes = if mig.engine_counters_overruled.is_some() {
+        let mut consumes = engine_counters(
+            Engines {
+                ofa_engines: profile.engines.ofa_engines,
+                ..Engines::default()
+            },
+            0,
+        );
+        consumes.insert(counter_model::instance_counter(profile.gi_profile_id), 1);
+        consumes
+    } else {
+        engine_counters(profile.engines, profile.memory_mib)
+    };
     for s in profile.memory_range(start) {
         consumes.insert(memory_slice_counter(s), 1);
     }
@@ -228,7 +267,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                 {
                     continue;
                 }
-                let consumes = mig_consumption(profile, start);
+                let consumes = mig_consumption(mig, profile, start);
                 if !fits_in(&consumes, &counters) {
                     continue; // the remaining budget can never hold it
                 }

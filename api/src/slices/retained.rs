@@ -127,7 +127,7 @@ fn keep(plan: &mut PoolPlan, gpu: &GpuInventory, device: DeviceName) -> Result<P
                 .filter(|p| p.placements.contains(&start))
                 .ok_or(DropReason::UnknownPlacement)?
                 .clone();
-            let consumes = mig_consumption(&profile, start);
+            let consumes = mig_consumption(mig, &profile, start);
             let available = set_of(&plan.counter_sets, gpu.minor)
                 .cloned()
                 .unwrap_or_else(|| gpu_counters(mig).0);

@@ -129,6 +129,12 @@ pub struct GpuQuirks {
     /// NOT_SUPPORTED by default, as on A100; §3, §11 rule 7).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub ci_7_slice_nvl: bool,
+    /// GPU-instance profile indexes by profile ID, instead of the model's: a driver newer than
+    /// nvml.h v13 may number profiles past `NVML_GPU_INSTANCE_PROFILE_COUNT`. Indexes up to the
+    /// highest one given are valid (NOT_SUPPORTED where no profile sits), the next is
+    /// INVALID_ARGUMENT.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub profile_indexes: BTreeMap<u32, u32>,
     /// Names the versioned profile infos report (`MIG <name>`), by GPU-instance profile ID,
     /// instead of the model's: drivers' names drift (§12 "Profile names").
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]

@@ -1,12 +1,14 @@
 //! The GPU models the fake simulates and their MIG tables, written in the fake itself from
-//! NVML's documented behaviour (`shared/reference/mig-nvml.md`): profile indexes and IDs
-//! (§3), placements (§2), instance counts, memory, SM and engine counts (§5, with the §12
-//! corrections). Nothing here comes from migdra-api, so the fake is an independent witness
-//! of the product's catalog and geometry (the cross-check lives in `tests/fake/`).
+//! public sources: NVIDIA's MIG user guide and `nvidia-smi mig -lgip` outputs pasted in public
+//! issues, each row naming its source (the legend is above the per-model tables). Profile
+//! indexes and placements follow NVML's rules for the profile's shape
+//! (`shared/reference/mig-nvml.md` §2, §3). Nothing here comes from migdra-api, so the fake is
+//! an independent witness of the product's catalog and geometry (the cross-check lives in
+//! `tests/fake/`).
 //!
-//! Memory sizes and engine counts vary by driver (§5): where the reference gives a range or
-//! an approximation the fake uses one value inside it, and where it gives none (B200 and
-//! GH200-144 large profiles) the value is an estimate, marked as such in the tables.
+//! Memory sizes and engine counts vary by driver: a row uses one published output. Where no
+//! public number was found the value is marked `[unsourced]`; the catalog marks the same
+//! values as estimates.
 
 /// `NVML_DEVICE_ARCH_TURING`.
 pub const ARCH_TURING: u32 = 6;
@@ -68,17 +70,15 @@ pub struct MigTable {
     pub max_mig_devices: u32,
     /// GPU-instance profiles in index order.
     pub profiles: &'static [GiProfile],
+    /// The driver offers the `7_SLICE_NVL` compute-instance profile (index 8) in 7-slice GPU
+    /// instances, a duplicate of the plain 7-slice one.
+    pub ci_7_slice_nvl: bool,
 }
 
 impl MigTable {
     /// The profile with ID `id`.
     pub fn profile_by_id(&self, id: u32) -> Option<&'static GiProfile> {
         self.profiles.iter().find(|p| p.id == id)
-    }
-
-    /// The profile with index `index`.
-    pub fn profile_by_index(&self, index: u32) -> Option<&'static GiProfile> {
-        self.profiles.iter().find(|p| p.index == index)
     }
 
     /// Optical-flow accelerators of the whole GPU: those of the profile that covers every
@@ -293,14 +293,36 @@ const fn eight_slice(profiles: &'static [GiProfile]) -> MigTable {
         memory_slices: 8,
         max_mig_devices: 7,
         profiles,
+        ci_7_slice_nvl: false,
+    }
+}
+
+/// A 4-slice table (A30, RTX PRO 6000): 4 memory slices, at most 4 MIG devices.
+const fn four_slice(profiles: &'static [GiProfile]) -> MigTable {
+    MigTable {
+        memory_slices: 4,
+        max_mig_devices: 4,
+        profiles,
+        ci_7_slice_nvl: false,
     }
 }
 
 // ---------------------------------------------------------------------------------------
-// Per-model numbers (§5). Engines are [SM, CE, DEC, ENC, JPEG, OFA]; memory in MiB, with
-// GiB as printed converted at 1024 MiB per GiB.
+// Per-model numbers. Engines are [SM, CE, DEC, ENC, JPEG, OFA]; memory in MiB, the GiB
+// `nvidia-smi mig -lgip` prints times 1024. Every row names its source:
+//
+// * [guide]: NVIDIA's MIG user guide, "Supported MIG Profiles"
+//   (docs.nvidia.com/datacenter/tesla/mig-user-guide/supported-mig-profiles.html);
+// * [name#n]: an `nvidia-smi mig -lgip` output pasted in GitHub issue or pull request #n
+//   of the named repository (`mig-parted` and `gpu-operator` are NVIDIA's);
+// * [configs]: the model's profile names in NVIDIA's mig-parted `config-default.yaml` and
+//   the GPU Operator's `default-mig-parted-config`, which key models by PCI device ID;
+// * [unsourced]: no public number found; an estimate the tests must not treat as a fact.
+//
+// Placements and instance counts are NVML's for the profile shape (§2); `-lgip` confirms
+// the instance counts of every row it shows.
 
-/// §5 A100-40GB table (MiB given there).
+/// A100-SXM4-40GB: [guide] A100 table (SM fractions of 98, engines); memory [mig-nvml.md §5].
 static A100_40GB: MigTable = eight_slice(&[
     profile(G1, "1g.5gb", [14, 1, 0, 0, 0, 0], 4864),
     profile(G2, "2g.10gb", [28, 2, 1, 0, 0, 0], 9856),
@@ -311,8 +333,8 @@ static A100_40GB: MigTable = eight_slice(&[
     profile(G1_DOUBLE, "1g.10gb", [14, 1, 1, 0, 0, 0], 9856),
 ]);
 
-/// §5 A100-80GB table: SMs as the 40GB part; 1g 9.50–9.75 GiB (9.50 used), 7g 78.5–79.0
-/// (79.0 used); 2g/3g/4g decoders 1/2/2 (some drivers report 2/3/4).
+/// A100-SXM4-80GB: engines as the 40GB part [guide: "profile names change according to the
+/// memory proportion"]; memory [unsourced: mig-nvml.md §5 ranges].
 static A100_80GB: MigTable = eight_slice(&[
     profile(G1, "1g.10gb", [14, 1, 0, 0, 0, 0], 9728),
     profile(G2, "2g.20gb", [28, 2, 1, 0, 0, 0], 19968),
@@ -323,21 +345,34 @@ static A100_80GB: MigTable = eight_slice(&[
     profile(G1_DOUBLE, "1g.20gb", [14, 1, 1, 0, 0, 0], 19968),
 ]);
 
-/// §5 A30 table: 1g 5.81 GiB (5952 MiB prints so), 2g 11.69 (11968), 4g 23.44–23.50
-/// (24000 MiB, 23.44); 1g decoders 1 as on hardware (the documentation says 0).
-static A30_24GB: MigTable = MigTable {
-    memory_slices: 4,
-    max_mig_devices: 4,
-    profiles: &[
-        profile(A30_G1, "1g.6gb", [14, 1, 1, 0, 0, 0], 5952),
-        profile(A30_G2, "2g.12gb", [28, 2, 2, 0, 0, 0], 11968),
-        profile(A30_G4, "4g.24gb", [56, 4, 4, 0, 1, 1], 24000),
-        profile(A30_G1_ME, "1g.6gb+me", [14, 1, 1, 0, 1, 1], 5952),
-        profile(A30_G2_ME, "2g.12gb+me", [28, 2, 2, 0, 1, 1], 11968),
-    ],
-};
+/// The A100-80GB as drivers that count 2g/3g/4g decoders 2/3/4 describe it (mig-nvml.md §5):
+/// 4g + 3g then "needs" 7 decoders of the 7g's 5, a layout NVML still creates. Not a
+/// catalog model: it exists to test that per-profile engine counts that add up past the
+/// full GPU's never refuse a layout NVML allows.
+static A100_80GB_OVERADDING: MigTable = eight_slice(&[
+    profile(G1, "1g.10gb", [14, 1, 0, 0, 0, 0], 9728),
+    profile(G2, "2g.20gb", [28, 2, 2, 0, 0, 0], 19968),
+    profile(G3, "3g.40gb", [42, 3, 3, 0, 0, 0], 40192),
+    profile(G4, "4g.40gb", [56, 4, 4, 0, 0, 0], 40192),
+    profile(G7, "7g.80gb", [98, 7, 5, 0, 1, 1], 80896),
+    profile(G1_ME, "1g.10gb+me", [14, 1, 1, 0, 1, 1], 9728),
+    profile(G1_DOUBLE, "1g.20gb", [14, 1, 1, 0, 0, 0], 19968),
+]);
 
-/// Hopper engines (§5 H100 SXM table; "other Hopper parts follow the H100 SXM pattern").
+/// A30: engines and instance counts [guide] A30 table, except the plain 1g's decoder, which
+/// hardware reports as 1 where the guide says 0 [unsourced: mig-nvml.md §5]; memory
+/// [unsourced: mig-nvml.md §5].
+static A30_24GB: MigTable = four_slice(&[
+    profile(A30_G1, "1g.6gb", [14, 1, 1, 0, 0, 0], 5952),
+    profile(A30_G2, "2g.12gb", [28, 2, 2, 0, 0, 0], 11968),
+    profile(A30_G4, "4g.24gb", [56, 4, 4, 0, 1, 1], 24000),
+    profile(A30_G1_ME, "1g.6gb+me", [14, 1, 1, 0, 1, 1], 5952),
+    profile(A30_G2_ME, "2g.12gb+me", [28, 2, 2, 0, 1, 1], 11968),
+]);
+
+/// Hopper engines. 1g, 1g+me, 1g double, 2g, 3g, 4g: [mig-parted#120] (H200, whose SM and
+/// engine rows match the H100 NVL's [gpu-operator#903] and GH200-144GB's [mig-parted#139]
+/// wherever those show them); 7g: [mig-parted#120].
 const H_1G: [u32; 6] = [16, 1, 1, 0, 1, 0];
 const H_1G_ME: [u32; 6] = [16, 1, 1, 0, 1, 1];
 const H_1G_DOUBLE: [u32; 6] = [26, 1, 1, 0, 1, 0];
@@ -362,16 +397,14 @@ macro_rules! hopper {
     };
 }
 
-/// §5 H100 80GB SXM table (MiB given there; placements checked on hardware).
+/// H100 SXM5 80GB: engines as above; memory [unsourced: mig-nvml.md §5].
 static H100_80GB: MigTable = hopper!(
     ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
     [9984, 20096, 20096, 40448, 40448, 81152]
 );
 
-/// H100 PCIe (0x2331): §5 gives 114 SMs for the whole card and says its per-profile SM
-/// counts are not captured. Estimated here: the SXM5 SM counts times 114/132, rounded
-/// (16→14, 26→22, 32→28, 60→52, 64→55, 132→114). Memory and the other engines are not given
-/// for the PCIe card either and are taken from the SXM5 table (an assumption).
+/// H100 PCIe (114 SMs [unsourced: mig-nvml.md §5]): per-profile SMs [unsourced], the SXM5
+/// counts times 114/132, rounded; memory and other engines [unsourced], the SXM5 ones.
 static H100_PCIE_80GB: MigTable = eight_slice(&[
     profile(G1, "1g.10gb", [14, 1, 1, 0, 1, 0], 9984),
     profile(G2, "2g.20gb", [28, 2, 2, 0, 2, 0], 20096),
@@ -382,36 +415,48 @@ static H100_PCIE_80GB: MigTable = eight_slice(&[
     profile(G1_DOUBLE, "1g.20gb", [22, 1, 1, 0, 1, 0], 20096),
 ]);
 
-/// §5 H100 NVL: 10.75, 21.5, 21.5, 46.1–46.4 (46.125 used), same, 92.6–93.1 (92.75 used).
+/// H100 NVL and H800 NVL: 1g 10.75 GiB, 1g double and 2g 21.62 GiB [gpu-operator#903];
+/// 3g, 4g, 7g memory [unsourced: mig-nvml.md §5 ranges].
 static H100_NVL_94GB: MigTable = hopper!(
     ["1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
-    [11008, 22016, 22016, 47232, 47232, 94976]
+    [11008, 22144, 22144, 47232, 47232, 94976]
 );
 
-/// §5 H100 96GB / GH200 96GB: 11.0, 23.0, 23.0, 46.5, 46.5, 93.0 GiB.
+/// H100 96GB and GH200 480GB (96GB HBM3): names [configs]; memory [unsourced: mig-nvml.md §5].
 static H100_96GB: MigTable = hopper!(
     ["1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"],
     [11264, 23552, 23552, 47616, 47616, 95232]
 );
 
-/// §5 H200: 16.0, 32.25, 32.25, 69.5, 69.5, "about 138" GiB for 7g (139.0 used: an H100's
-/// 7g holds 99.5% of the GPU's memory, which is 139.7 GiB here).
+/// H20 (78 SMs): names [configs]; every number [unsourced]: memory as the H100 96GB's,
+/// SMs the Hopper counts times 78/132, rounded, other engines the Hopper ones.
+static H20: MigTable = eight_slice(&[
+    profile(G1, "1g.12gb", [9, 1, 1, 0, 1, 0], 11264),
+    profile(G2, "2g.24gb", [19, 2, 2, 0, 2, 0], 23552),
+    profile(G3, "3g.48gb", [35, 3, 3, 0, 3, 0], 47616),
+    profile(G4, "4g.48gb", [38, 4, 4, 0, 4, 0], 47616),
+    profile(G7, "7g.96gb", [78, 8, 7, 0, 7, 1], 95232),
+    profile(G1_ME, "1g.12gb+me", [9, 1, 1, 0, 1, 1], 11264),
+    profile(G1_DOUBLE, "1g.24gb", [15, 1, 1, 0, 1, 0], 23552),
+]);
+
+/// H200: every row [mig-parted#120]: 16.00, 32.25, 32.25, 69.50, 69.50, 139.75 GiB.
 static H200_141GB: MigTable = hopper!(
     ["1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
-    [16384, 33024, 33024, 71168, 71168, 142336]
+    [16384, 33024, 33024, 71168, 71168, 143104]
 );
 
-/// §5 GH200 144GB: 17.5, 35.25, 35.25 GiB. 3g/4g/7g memory is not in the reference:
-/// estimated as 2× and 4× the 2g's.
+/// GH200 144GB HBM3e: 1g, 1g+me, 1g double, 2g [mig-parted#139] (17.50, 35.25, 35.25 GiB);
+/// 3g, 4g, 7g memory [unsourced]: 2x and 4x the 2g's.
 static GH200_144GB: MigTable = hopper!(
     ["1g.18gb", "1g.36gb", "2g.36gb", "3g.72gb", "4g.72gb", "7g.144gb"],
     [17920, 36096, 36096, 72192, 72192, 144384]
 );
 
-/// §5 Blackwell B200 table. 1g 20.5–22.0 GiB (22.0 used), 1g double and 2g 44.25; 2g CE 4
-/// (documentation: 3). Copy engines of 3g/4g/7g are the documented 6/8/16; JPEG per slice
-/// (§12); decoders per slice as on Hopper. Not in the reference (§5 "?"), estimated: 3g/4g/7g
-/// SMs (72, 72, 144) and memory (2×, 2×, 4× the 2g's).
+/// B200: 1g, 1g+me, 1g double, 2g [mig-parted#166] (22.00, 44.25 GiB; a later driver prints
+/// 20.50 for the 1g [mig-parted#187]); 3g, 4g, 7g names [configs], numbers [unsourced]: SMs
+/// 72, 72, 144, copy engines 6, 8, 16, decoders and JPEG per compute slice, memory 2x, 2x,
+/// 4x the 2g's.
 static B200: MigTable = eight_slice(&[
     profile(G1, "1g.23gb", [18, 2, 1, 0, 1, 0], 22528),
     profile(G2, "2g.45gb", [36, 4, 2, 0, 2, 0], 45312),
@@ -422,9 +467,66 @@ static B200: MigTable = eight_slice(&[
     profile(G1_DOUBLE, "1g.45gb", [30, 2, 1, 0, 1, 0], 45312),
 ]);
 
+/// GB200: 1g, 1g+me, 1g double [mig-parted#227] (22.00, 45.50 GiB; an earlier driver named
+/// the 1g `1g.24gb` at 20.00 GiB [gpu-operator#1303]); 2g [gpu-operator#1303] (45.50 GiB,
+/// 38 SMs); 3g, 4g, 7g names [configs], numbers [unsourced]: SMs 60, 76, 152, the other
+/// engines as B200's, memory 2x, 2x, 4x the 2g's. The `7_SLICE_NVL` compute-instance profile
+/// (index 8), which NVIDIA's DRA driver enumerated next to the plain 7-slice one on A100
+/// (dra-driver-nvidia-gpu#1480), is offered here [unsourced], so a duplicate of the full
+/// compute instance is always present on one model.
+static GB200: MigTable = MigTable {
+    ci_7_slice_nvl: true,
+    ..eight_slice(&[
+        profile(G1, "1g.23gb", [18, 2, 1, 0, 1, 0], 22528),
+        profile(G2, "2g.47gb", [38, 4, 2, 0, 2, 0], 46592),
+        profile(G3, "3g.93gb", [60, 6, 3, 0, 3, 0], 93184),
+        profile(G4, "4g.93gb", [76, 8, 4, 0, 4, 0], 93184),
+        profile(G7, "7g.186gb", [152, 16, 7, 0, 7, 1], 186368),
+        profile(G1_ME, "1g.23gb+me", [18, 2, 1, 0, 1, 1], 22528),
+        profile(G1_DOUBLE, "1g.47gb", [32, 2, 1, 0, 1, 0], 46592),
+    ])
+};
+
+/// B300: names [configs via aws/sagemaker-hyperpod-cli#403, citing the GPU Operator's
+/// `0x318210DE` entry]; every number [unsourced]: B200's engines, memory chosen so the names
+/// come out as NVML derives them.
+static B300: MigTable = eight_slice(&[
+    profile(G1, "1g.34gb", [18, 2, 1, 0, 1, 0], 33024),
+    profile(G2, "2g.67gb", [36, 4, 2, 0, 2, 0], 66560),
+    profile(G3, "3g.135gb", [72, 6, 3, 0, 3, 0], 133120),
+    profile(G4, "4g.135gb", [72, 8, 4, 0, 4, 0], 133120),
+    profile(G7, "7g.269gb", [144, 16, 7, 0, 7, 1], 266240),
+    profile(G1_ME, "1g.34gb+me", [18, 2, 1, 0, 1, 1], 33024),
+    profile(G1_DOUBLE, "1g.67gb", [30, 2, 1, 0, 1, 0], 66560),
+]);
+
+/// GB300: 1g, 2g, 3g names [configs]; every number and the other names [unsourced]: B200's
+/// engines, memory chosen so the names come out as NVML derives them.
+static GB300: MigTable = eight_slice(&[
+    profile(G1, "1g.35gb", [18, 2, 1, 0, 1, 0], 34048),
+    profile(G2, "2g.70gb", [36, 4, 2, 0, 2, 0], 68608),
+    profile(G3, "3g.139gb", [72, 6, 3, 0, 3, 0], 137216),
+    profile(G4, "4g.139gb", [72, 8, 4, 0, 4, 0], 137216),
+    profile(G7, "7g.278gb", [144, 16, 7, 0, 7, 1], 274432),
+    profile(G1_ME, "1g.35gb+me", [18, 2, 1, 0, 1, 1], 34048),
+    profile(G1_DOUBLE, "1g.70gb", [30, 2, 1, 0, 1, 0], 68608),
+]);
+
+/// RTX PRO 6000 Blackwell (4 slices): 1g and 1g+me [cubecos#312] (ID 14 and 21, 23.12 GiB,
+/// 46 SMs, one decoder and one encoder each); 2g and 4g names [configs], IDs 5 and 0
+/// [mig-nvml.md §3], numbers [unsourced]: engines per slice, the 4g all of them. The card's
+/// `+gfx`, `+me.all` and `-me` profiles are not simulated.
+static RTX_PRO_6000: MigTable = four_slice(&[
+    profile(A30_G1, "1g.24gb", [46, 1, 1, 1, 1, 0], 23680),
+    profile(A30_G2, "2g.48gb", [92, 2, 2, 2, 2, 0], 47360),
+    profile(A30_G4, "4g.96gb", [188, 4, 4, 4, 4, 1], 94720),
+    profile(A30_G1_ME, "1g.24gb+me", [46, 1, 1, 1, 1, 1], 23680),
+]);
+
 // ---------------------------------------------------------------------------------------
-// Models. PCI IDs and whole-GPU SM counts are from §5 where it gives them; product names,
-// total memory and compute capabilities are what NVML reports on these parts.
+// Models. PCI device IDs [configs] (the `device-filter` entries), except where noted;
+// product names, total memory and compute capabilities are what NVML reports where a source
+// shows them, else [unsourced].
 
 /// One model: key, product name, PCI device ID, architecture, compute capability, memory
 /// MiB, SMs, MIG table.
@@ -454,6 +556,7 @@ static MODELS: &[FakeModel] = &[
         108,
         Some(&A100_40GB),
     ),
+    // Total memory 81920 MiB [mig-parted#31].
     model!(
         "A100-80GB",
         "NVIDIA A100-SXM4-80GB",
@@ -463,6 +566,16 @@ static MODELS: &[FakeModel] = &[
         81920,
         108,
         Some(&A100_80GB),
+    ),
+    model!(
+        "A100-80GB-OVERADDING",
+        "NVIDIA A100-SXM4-80GB",
+        0x20B2,
+        ARCH_AMPERE,
+        (8, 0),
+        81920,
+        108,
+        Some(&A100_80GB_OVERADDING),
     ),
     model!(
         "A30-24GB",
@@ -484,8 +597,6 @@ static MODELS: &[FakeModel] = &[
         132,
         Some(&H100_80GB),
     ),
-    // The PCIe card: NVML names it "NVIDIA H100 PCIe" (the SXM5 part "NVIDIA H100 80GB
-    // HBM3"); 114 SMs (§5). Total memory as the SXM5 part (80 GB class).
     model!(
         "H100-PCIE-80GB",
         "NVIDIA H100 PCIe",
@@ -506,6 +617,7 @@ static MODELS: &[FakeModel] = &[
         132,
         Some(&H100_NVL_94GB),
     ),
+    // The name NVML reports on GH200 with 96GB HBM3 (issue 26 §5).
     model!(
         "H100-96GB",
         "NVIDIA GH200 480GB",
@@ -515,6 +627,17 @@ static MODELS: &[FakeModel] = &[
         97871,
         132,
         Some(&H100_96GB),
+    ),
+    // Product name and total memory [unsourced].
+    model!(
+        "H20",
+        "NVIDIA H20",
+        0x2329,
+        ARCH_HOPPER,
+        (9, 0),
+        97871,
+        78,
+        Some(&H20),
     ),
     model!(
         "H200-141GB",
@@ -545,6 +668,52 @@ static MODELS: &[FakeModel] = &[
         183359,
         148,
         Some(&B200),
+    ),
+    // Product name, total memory and SMs [unsourced].
+    model!(
+        "GB200",
+        "NVIDIA GB200",
+        0x2941,
+        ARCH_BLACKWELL,
+        (10, 0),
+        189471,
+        152,
+        Some(&GB200),
+    ),
+    // Product name, total memory and SMs [unsourced].
+    model!(
+        "B300",
+        "NVIDIA B300 SXM6 AC",
+        0x3182,
+        ARCH_BLACKWELL,
+        (10, 3),
+        275040,
+        148,
+        Some(&B300),
+    ),
+    // PCI device ID from the GPU Operator's config as k8s-test-infra's GB300 table cites it;
+    // product name, total memory and SMs [unsourced].
+    model!(
+        "GB300",
+        "NVIDIA GB300",
+        0x31C2,
+        ARCH_BLACKWELL,
+        (10, 3),
+        284263,
+        148,
+        Some(&GB300),
+    ),
+    // Total memory 97887 MiB [cubecos#312]; compute capability 12.0 [guide, Supported GPUs];
+    // product name [unsourced] (nvidia-smi cuts it to "NVIDIA RTX PRO 6000 Blac...").
+    model!(
+        "RTX-PRO-6000",
+        "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+        0x2BB5,
+        ARCH_BLACKWELL,
+        (12, 0),
+        97887,
+        188,
+        Some(&RTX_PRO_6000),
     ),
     // GPUs without MIG, for the "not MIG-capable" paths.
     model!("L4", "NVIDIA L4", 0x27B8, ARCH_ADA, (8, 9), 23034, 58, None),

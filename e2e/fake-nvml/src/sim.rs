@@ -25,8 +25,8 @@ pub const CI_PROFILE_COUNT: u32 = 9;
 /// `NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1`: accepted for 1-slice GPU instances only
 /// (GH200 creates the full CI of a double-memory 1g with it; §3, §11 rule 7).
 pub const CI_PROFILE_1_SLICE_REV1: u32 = 7;
-/// `NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE_NVL` (index 8): NOT_SUPPORTED on every simulated
-/// GPU (A100 answers so; §3).
+/// `NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE_NVL` (index 8): NOT_SUPPORTED (A100 answers so; §3)
+/// except on models whose table offers it ([`MigTable::ci_7_slice_nvl`]) or with the quirk.
 pub const CI_PROFILE_7_SLICE_NVL: u32 = 8;
 /// `NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED`, the only engine profile (§3).
 pub const CI_ENGINE_PROFILE_SHARED: u32 = 0;
@@ -184,10 +184,16 @@ impl GpuState {
     /// lacks, INVALID_ARGUMENT at or beyond COUNT (§11 rule 2).
     pub fn gi_profile_by_index(&self, index: u32) -> Result<&'static GiProfile, u32> {
         let table = self.mig_table().ok_or(code::NOT_SUPPORTED)?;
-        if index >= GI_PROFILE_COUNT {
+        let moved = &self.quirks.profile_indexes;
+        let count = moved.values().map(|i| i + 1).fold(GI_PROFILE_COUNT, u32::max);
+        if index >= count {
             return Err(code::INVALID_ARGUMENT);
         }
-        table.profile_by_index(index).ok_or(code::NOT_SUPPORTED)
+        table
+            .profiles
+            .iter()
+            .find(|p| moved.get(&p.id).copied().unwrap_or(p.index) == index)
+            .ok_or(code::NOT_SUPPORTED)
     }
 
     /// Fails with NOT_SUPPORTED unless the GPU is MIG-capable with MIG mode on (§11 rule 1).
@@ -393,7 +399,8 @@ impl GpuState {
             .ok_or(code::INVALID_ARGUMENT)?;
         let profile = self.gi_profile(gi.profile_id).ok_or(code::INVALID_ARGUMENT)?;
         let g = profile.compute_slices;
-        let slices = if index == CI_PROFILE_7_SLICE_NVL && g == 7 && self.quirks.ci_7_slice_nvl {
+        let nvl = self.quirks.ci_7_slice_nvl || self.mig_table().is_some_and(|t| t.ci_7_slice_nvl);
+        let slices = if index == CI_PROFILE_7_SLICE_NVL && g == 7 && nvl {
             7
         } else {
             compute_instance_profile_slices(g, index)?

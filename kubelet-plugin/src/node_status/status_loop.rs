@@ -66,6 +66,7 @@ impl StatusLoop {
         let mut registration_open = true;
         let mut registration_changed = false;
         let mut health_seen: BTreeMap<u32, bool> = BTreeMap::new();
+        let mut overruled_seen: BTreeMap<u32, String> = BTreeMap::new();
         let mut repairs_seen = BTreeMap::new();
         let mut last_written: Option<WrittenStatus> = None;
         let mut lease: Option<LeaseTask> = None;
@@ -107,6 +108,9 @@ impl StatusLoop {
                         health_changes.push((EventType::Normal, "GpuHealthy", note));
                     }
                     _ => {}
+                }
+                if let Some(event) = overruled_counters_event(&mut overruled_seen, gpu) {
+                    health_changes.push(event);
                 }
             }
             if let (Some(writer), Some(inventory)) = (&mut writer, &inventory) {
@@ -236,6 +240,27 @@ fn repair_claim_events(
     events
 }
 
+/// The Warning for a GPU whose engine counters NVML's placements overrule, once per GPU and
+/// reason (`seen` remembers them), also logged.
+fn overruled_counters_event(
+    seen: &mut BTreeMap<u32, String>,
+    gpu: &GpuInventory,
+) -> Option<(EventType, &'static str, String)> {
+    let why = gpu.mig.as_ref()?.engine_counters_overruled.as_ref()?;
+    if seen.get(&gpu.minor) == Some(why) {
+        return None;
+    }
+    seen.insert(gpu.minor, why.clone());
+    tracing::warn!(gpu = gpu.minor, uuid = %gpu.uuid, reason = %why, "engine counters overruled by NVML's placements");
+    let mut note = format!("GPU {} ({}): {why}", gpu.minor, gpu.uuid);
+    // The API server's limit on a note.
+    if note.len() > 1024 {
+        note.truncate(note.floor_char_boundary(1021));
+        note.push_str("...");
+    }
+    Some((EventType::Warning, "EngineCountersOverruled", note))
+}
+
 /// The events for the recorded claims with a device on `gpu`, which became unhealthy.
 fn unhealthy_gpu_claim_events(gpus: &Gpus, gpu: &GpuInventory, why: &str) -> Vec<ClaimEvent> {
     gpus.recorded_claims_on(gpu.minor)
@@ -259,5 +284,37 @@ async fn refresh(gpus: &Gpus) -> Option<Vec<GpuInventory>> {
             tracing::error!(error = %e, "inventory task failed");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use migdra_api::catalog;
+
+    use super::*;
+
+    #[test]
+    fn overruled_counters_are_reported_once_per_gpu_and_reason() {
+        let mut seen = BTreeMap::new();
+        let consistent = catalog::model("A100-80GB").unwrap().inventory(0, true);
+        assert_eq!(overruled_counters_event(&mut seen, &consistent), None);
+
+        let mut overruled = consistent.clone();
+        let mig = overruled.mig.as_mut().unwrap();
+        mig.engine_counters_overruled = Some("the decoders counter refuses 4g + 3g".into());
+        let (type_, reason, note) = overruled_counters_event(&mut seen, &overruled).unwrap();
+        assert_eq!((type_, reason), (EventType::Warning, "EngineCountersOverruled"));
+        assert!(
+            note.starts_with("GPU 0 (GPU-") && note.ends_with("refuses 4g + 3g"),
+            "{note}"
+        );
+        assert_eq!(overruled_counters_event(&mut seen, &overruled), None, "once");
+
+        let mut other = overruled.clone();
+        other.minor = 1;
+        assert!(overruled_counters_event(&mut seen, &other).is_some(), "per GPU");
+        overruled.mig.as_mut().unwrap().engine_counters_overruled = Some("x".repeat(2000));
+        let (_, _, note) = overruled_counters_event(&mut seen, &overruled).unwrap();
+        assert_eq!(note.len(), 1024, "cut to the API server's limit");
     }
 }

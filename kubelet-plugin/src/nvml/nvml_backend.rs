@@ -22,10 +22,10 @@ use migdra_api::{
     catalog,
     geometry::{Architecture, Engines, MigProfile},
     nvml_constants::{
-        CI_ENGINE_PROFILE_SHARED, CI_PROFILE_COUNT, GI_PROFILE_1_SLICE_ALL_ME, GI_PROFILE_1_SLICE_GFX,
+        CI_ENGINE_PROFILE_SHARED, GI_PROFILE_1_SLICE_ALL_ME, GI_PROFILE_1_SLICE_GFX,
         GI_PROFILE_1_SLICE_NO_ME, GI_PROFILE_1_SLICE_REV1, GI_PROFILE_2_SLICE_ALL_ME, GI_PROFILE_2_SLICE_GFX,
         GI_PROFILE_2_SLICE_NO_ME, GI_PROFILE_2_SLICE_REV1, GI_PROFILE_3_SLICE_GFX, GI_PROFILE_4_SLICE_GFX,
-        GI_PROFILE_COUNT, full_compute_instance_profile,
+        full_compute_instance_profile,
     },
     profile::{ProfileName, ProfileVariant},
 };
@@ -125,10 +125,32 @@ fn failure(operation: impl Into<String>, kind: NvmlErrorKind, message: impl Into
     }
 }
 
-/// Skippable answers when walking profile indexes: the model lacks the profile, or the
-/// index is beyond what the driver knows.
-fn is_absent_profile(err: &NvmlError) -> bool {
-    matches!(err, NvmlError::NotSupported | NvmlError::InvalidArg)
+/// Profile indexes asked about at most: a bound for a driver that never answers
+/// INVALID_ARGUMENT.
+const MAX_PROFILE_INDEXES: u32 = 64;
+
+/// Walks profile indexes 0, 1, … with `info` until NVML answers INVALID_ARGUMENT, which nvml.h
+/// gives for an index the driver does not know; an index answering NOT_SUPPORTED (the GPU lacks
+/// that profile) is skipped. Yields the answers in between, failures included, with their
+/// indexes. Lazy, so a caller that stops at an answer asks NVML nothing more. Not a fixed
+/// count: a newer driver knows more indexes than the header migdra was built with.
+fn walk_profile_indexes<T>(
+    mut info: impl FnMut(u32) -> Result<T, NvmlError>,
+) -> impl Iterator<Item = (u32, Result<T, NvmlError>)> {
+    let mut ended = false;
+    (0..MAX_PROFILE_INDEXES).filter_map(move |index| {
+        if ended {
+            return None;
+        }
+        match info(index) {
+            Err(NvmlError::InvalidArg) => {
+                ended = true;
+                None
+            }
+            Err(NvmlError::NotSupported) => None,
+            answer => Some((index, answer)),
+        }
+    })
 }
 
 /// Normalises NVML's `00000000:3B:00.0` to the Kubernetes spelling `0000:3b:00.0`.
@@ -284,16 +306,15 @@ impl NvmlBackend {
             .and_then(|p| u16::try_from(p.pci_device_id >> 16).ok())
             .and_then(catalog::model_by_pci_device_id);
         let mut profiles = Vec::new();
-        for index in 0..GI_PROFILE_COUNT {
+        for (index, info) in walk_profile_indexes(|index| device.profile_info(index)) {
             // Graphics profiles are not offered: their containers would need the DRM nodes and
             // graphics libraries the CDI specs do not carry (docs/claims.md, "Graphics
             // profiles"); the standard profile of the same slices serves CUDA.
             if variant_of_index(index) == ProfileVariant::Graphics {
                 continue;
             }
-            let info = match device.profile_info(index) {
+            let info = match info {
                 Ok(info) => info,
-                Err(e) if is_absent_profile(&e) => continue,
                 Err(e) => {
                     tracing::warn!(gpu, index, error = %e, "GPU-instance profile info unreadable; profile skipped");
                     continue;
@@ -553,12 +574,8 @@ impl NvmlBackend {
         operation: &str,
     ) -> Result<Vec<ComputeInstanceRecord>, BackendError> {
         let mut records: Vec<ComputeInstanceRecord> = Vec::new();
-        for index in 0..CI_PROFILE_COUNT {
-            let info = match self.compute_profile_info(gi, index) {
-                Ok(info) => info,
-                Err(e) if is_absent_profile(&e) => continue,
-                Err(e) => return Err(error(operation, &e)),
-            };
+        for (_, info) in walk_profile_indexes(|index| self.compute_profile_info(gi, index)) {
+            let info = info.map_err(|e| error(operation, &e))?;
             let handles = match self.compute_instances_of_profile(gi, info.id, info.instanceCount) {
                 Ok(handles) => handles,
                 Err(NvmlError::NotSupported) => continue,
@@ -582,12 +599,10 @@ impl NvmlBackend {
 
     /// The GPU instance's compute slice count, from its profile's info.
     fn gpu_instance_slices(&self, device: &Device<'_>, profile_id: u32) -> Result<Option<u32>, NvmlError> {
-        for index in 0..GI_PROFILE_COUNT {
-            match device.profile_info(index) {
-                Ok(info) if info.id == profile_id => return Ok(Some(info.slice_count)),
-                Ok(_) => {}
-                Err(e) if is_absent_profile(&e) => {}
-                Err(e) => return Err(e),
+        for (_, info) in walk_profile_indexes(|index| device.profile_info(index)) {
+            let info = info?;
+            if info.id == profile_id {
+                return Ok(Some(info.slice_count));
             }
         }
         Ok(None)
@@ -692,17 +707,16 @@ impl NvmlBackend {
         let f = sym!(self, nvmlDeviceGetGpuInstanceProfileInfoV).map_err(|e| error(op(0), &e))?;
         let version = u32::try_from(std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>())
             .map_or(0, |size| size | (2 << 24));
-        let mut names = BTreeMap::new();
-        for index in 0..GI_PROFILE_COUNT {
+        let read = |index: u32| {
             // SAFETY: a C struct of integers and a char array, for which all zeros is valid.
             let mut info: nvmlGpuInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
             info.version = version;
             // SAFETY: valid device handle; `info` is a v2 info with its version set.
-            match unsafe { nvml_try(f(device.handle(), index, &mut info)) } {
-                Ok(()) => {}
-                Err(e) if is_absent_profile(&e) => continue,
-                Err(e) => return Err(error(op(index), &e)),
-            }
+            unsafe { nvml_try(f(device.handle(), index, &mut info)) }.map(|()| info)
+        };
+        let mut names = BTreeMap::new();
+        for (index, info) in walk_profile_indexes(read) {
+            let info = info.map_err(|e| error(op(index), &e))?;
             let bytes: Vec<u8> = info
                 .name
                 .iter()
@@ -766,12 +780,8 @@ impl GpuBackend for NvmlBackend {
                 return Ok(Vec::new());
             }
             let mut records = Vec::new();
-            for index in 0..GI_PROFILE_COUNT {
-                let info = match device.profile_info(index) {
-                    Ok(info) => info,
-                    Err(e) if is_absent_profile(&e) => continue,
-                    Err(e) => return Err(error(op(), &e)),
-                };
+            for (_, info) in walk_profile_indexes(|index| device.profile_info(index)) {
+                let info = info.map_err(|e| error(op(), &e))?;
                 let handles = match self.gpu_instances_of_profile(&device, info.id, info.instance_count) {
                     Ok(handles) => handles,
                     // This profile is not supported here (§12), which says nothing about the others.
@@ -899,22 +909,21 @@ impl GpuBackend for NvmlBackend {
                     failure(&op, NvmlErrorKind::NotSupported, message)
                 })?;
             // Every CI profile spanning the whole GPU instance, the plain one first: a 1-slice GI
-            // may need `1_SLICE_REV1` (GH200), a 7-slice one `7_SLICE_NVL` (index 8), and go-nvlib
-            // maps both 4 and 8 to "7c" (§3). The profile infos say which exist and their sizes.
+            // may need `1_SLICE_REV1` (GH200), and a 7-slice one may also offer `7_SLICE_NVL`
+            // (index 8), which go-nvlib maps to "7c" like the plain one (NVIDIA's DRA driver issue
+            // #1480): a duplicate of the same size is only tried when the plain one is refused.
             let plain = full_compute_instance_profile(slices);
-            let mut candidates: Vec<u32> = Vec::new();
             let mut last_error = NvmlError::NotSupported;
-            for index in plain
-                .into_iter()
-                .chain((0..CI_PROFILE_COUNT).filter(|i| Some(*i) != plain))
-            {
-                match self.compute_profile_info(gi, index) {
-                    Ok(p) if p.sliceCount == slices => candidates.push(p.id),
+            let mut candidates: Vec<(u32, u32)> = Vec::new();
+            for (index, info) in walk_profile_indexes(|index| self.compute_profile_info(gi, index)) {
+                match info {
+                    Ok(p) if p.sliceCount == slices => candidates.push((index, p.id)),
                     Ok(_) => {}
-                    Err(e @ (NvmlError::NotSupported | NvmlError::InvalidArg)) => last_error = e,
                     Err(e) => return Err(fail(e)),
                 }
             }
+            candidates.sort_by_key(|(index, _)| Some(*index) != plain);
+            let candidates = candidates.into_iter().map(|(_, id)| id);
             let mut created = None;
             for profile_id in candidates {
                 match self.create_compute_instance(gi, profile_id) {

@@ -14,6 +14,7 @@ mod lost_checkpoint;
 mod lost_gpu;
 mod nvml_backend;
 mod observability;
+mod profile_tables;
 mod read_only_state;
 mod real_gpus;
 mod reallocation;

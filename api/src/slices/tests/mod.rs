@@ -18,6 +18,7 @@ use crate::{
     policy::DeviceOrder,
 };
 
+mod counter_model;
 mod sharing;
 mod validate;
 
