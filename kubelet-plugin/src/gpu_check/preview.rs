@@ -353,10 +353,20 @@ pub fn driver_files(options: &CheckOptions, driver_version: &str) -> DriverFiles
             .map(|f| f.host_path.display().to_string())
             .collect(),
     });
+    // The plugin would name no hook in the specs: containers then get the soname links as
+    // mounts and none of the hooks (the plugin's CdiHookMissing event says the same).
+    let no_hook = summary.as_ref().filter(|s| s.hook.is_none()).map(|_| {
+        format!(
+            "nvidia-cdi-hook is not an executable file at {} on the host: containers would get the \
+             driver's soname links as read-only mounts and none of its hooks (no linker cache \
+             update, no CUDA forward compatibility, no protection of device nodes)",
+            options.hook_path.display()
+        )
+    });
     let failed = discovered
         .err()
         .map(|e| format!("driver files under {root} not discovered: {e}"));
-    let findings = failed.into_iter().map(Finding::warning).collect();
+    let findings = failed.into_iter().chain(no_hook).map(Finding::warning).collect();
     DriverFilesReport {
         driver_root: root,
         summary,

@@ -780,3 +780,35 @@ fn the_binary_runs_gpu_check_read_only_from_flags_and_env() {
     assert_eq!(out.status.code(), Some(gpu_check::EXIT_NOT_RUN));
     assert!(String::from_utf8_lossy(&out.stderr).contains("gpu-check: initialise NVML"));
 }
+
+#[test]
+fn a_missing_cdi_hook_is_a_warning_and_an_installed_one_is_reported() {
+    let node = CheckedHost::with_gpus(&[("H100-80GB", true)]);
+    let host = tempfile::tempdir().unwrap();
+    let options = CheckOptions {
+        host_root: host.path().into(),
+        ..node.options(true)
+    };
+    let hook_warnings = |report: &GpuCheckReport| -> Vec<String> {
+        report
+            .all_findings()
+            .filter(|f| f.severity == Severity::Warning && f.message.contains("nvidia-cdi-hook"))
+            .map(|f| f.message.clone())
+            .collect()
+    };
+    let report = node.check(&options).unwrap();
+    assert_eq!(report.exit_code(), EXIT_OK, "a missing hook is no mismatch");
+    let warned = hook_warnings(&report);
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(warned[0].contains(&format!("at {DEFAULT_HOOK_PATH} on the host")), "{warned:?}");
+    assert!(warned[0].contains("none of its hooks"), "{warned:?}");
+
+    let hook = host.path().join(DEFAULT_HOOK_PATH.trim_start_matches('/'));
+    std::fs::create_dir_all(hook.parent().unwrap()).unwrap();
+    std::fs::write(&hook, b"#!/bin/sh\n").unwrap();
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let report = node.check(&options).unwrap();
+    assert!(hook_warnings(&report).is_empty(), "{:?}", hook_warnings(&report));
+    let summary = report.driver_files.as_ref().unwrap().summary.as_ref().unwrap();
+    assert_eq!(summary.hook.as_deref(), Some(hook.to_str().unwrap()));
+}
