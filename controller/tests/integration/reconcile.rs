@@ -678,7 +678,7 @@ async fn a_claimed_device_the_policy_stops_offering_stays_tainted_until_released
         )
     };
     h.add_policy(only_1g());
-    let policy = only_1g().effective().unwrap();
+    let policy = only_1g().effective(Default::default()).unwrap();
     let (plan, _) = published_plan(&h100s(1), &policy, &Default::default());
     assert_eq!(
         plan.slice_count(),
