@@ -43,7 +43,11 @@ pub(super) type Handle = mock::Handle<Request<Body>, Response<Body>>;
 pub fn config() -> ControllerConfig {
     ControllerConfig {
         driver: DRIVER.into(),
-        keep_memory_counter: false,
+        // Dynamic: the tests' GPUs offer partitions and whole GPUs whatever their mode.
+        pool: migdra_controller::desired::PoolSettings {
+            keep_memory_counter: false,
+            default_mig_mode: migdra_api::policy::MigMode::Dynamic,
+        },
         heartbeat_timeout: HEARTBEAT_TIMEOUT,
         mass_expiry_threshold: 0.55,
         identity: "controller-0".into(),
