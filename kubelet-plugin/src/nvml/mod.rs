@@ -133,6 +133,11 @@ pub trait GpuBackend: Send + Sync {
     /// The current MIG mode; `None` on a GPU without MIG.
     fn mig_enabled(&self, gpu: u32) -> Result<Option<bool>, BackendError>;
 
+    /// The PIDs of the compute and graphics processes running on a GPU (ascending, each
+    /// once). NVML cannot list other NVML sessions (DCGM, a second plugin): they hold the
+    /// GPU without showing here.
+    fn gpu_processes(&self, gpu: u32) -> Result<Vec<u32>, BackendError>;
+
     /// Switches MIG mode and reads back what happened: `Applied`, `PendingReset` (the
     /// change waits for a reset the driver could not do), or the activation status as the
     /// error (for example `InUse`). The GPU is re-opened afterwards; a GPU that NVML

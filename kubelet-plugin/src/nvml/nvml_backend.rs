@@ -710,6 +710,24 @@ impl GpuBackend for NvmlBackend {
         })
     }
 
+    fn gpu_processes(&self, gpu: u32) -> Result<Vec<u32>, BackendError> {
+        timing::timed("gpu_processes", || {
+            let device = self.device(gpu)?;
+            let op = format!("list the processes on GPU {gpu}");
+            let compute = device.running_compute_processes().map_err(|e| error(&op, &e))?;
+            // A driver without graphics support on the GPU answers NOT_SUPPORTED: no graphics
+            // processes then.
+            let graphics = match device.running_graphics_processes() {
+                Ok(list) => list,
+                Err(NvmlError::NotSupported) => Vec::new(),
+                Err(e) => return Err(error(&op, &e)),
+            };
+            let pids: std::collections::BTreeSet<u32> =
+                compute.iter().chain(&graphics).map(|p| p.pid).collect();
+            Ok(pids.into_iter().collect())
+        })
+    }
+
     fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigModeChange, BackendError> {
         timing::timed("set_mig_mode", || {
             let device = self.device(gpu)?;
