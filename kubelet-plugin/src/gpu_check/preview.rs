@@ -9,7 +9,7 @@ use std::{collections::BTreeMap, path::Path};
 use migdra_api::{
     device_name::DeviceName,
     inventory::GpuHealth,
-    policy::EffectivePolicy,
+    policy::{EffectivePolicy, MigMode},
     slices::{PlannedKind, plan_pool, published_plan},
 };
 use serde::Serialize;
@@ -66,7 +66,8 @@ pub struct PublishedReport {
     pub findings: Vec<Finding>,
 }
 
-/// The devices and counters migdra would publish for `gpu` under the default policy, with
+/// The devices and counters migdra could publish for `gpu` (the default policy in
+/// `Dynamic` MIG mode, which offers partitions and the whole GPU whatever its mode), with
 /// a check that every name is a DNS label that parses back to the same device.
 pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> PublishedReport {
     // All instances are foreign: the check has no claims.
@@ -79,7 +80,10 @@ pub fn published(gpu: &GpuDescription, instances: &[GpuInstanceRecord]) -> Publi
         GpuHealth::healthy(),
         switchable,
     )];
-    let policy = EffectivePolicy::default();
+    let policy = EffectivePolicy {
+        mig_mode: MigMode::Dynamic,
+        ..EffectivePolicy::default()
+    };
     let budget = plan_pool(&gpus, &policy)
         .counter_sets
         .first()
