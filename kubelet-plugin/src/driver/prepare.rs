@@ -433,8 +433,8 @@ impl<C: ClaimSource> Driver<C> {
     }
 
     /// Switches a locked GPU's MIG mode and refreshes its description. Refused without
-    /// touching the GPU when its architecture needs a reset for the change, or when processes
-    /// NVML lists hold it; a switch NVML refuses as in use fails the claim at once. A change
+    /// touching the GPU when the change needs a reset the driver cannot do (Ampere passed
+    /// through to a VM), or when processes NVML lists hold it; a switch NVML refuses as in use fails the claim at once. A change
     /// NVML leaves pending is withdrawn, so no later reset switches a GPU nobody asked for.
     fn switch_mig_mode(
         &self,
@@ -446,7 +446,8 @@ impl<C: ClaimSource> Driver<C> {
     ) -> Result<(), ClaimFailure> {
         let description = locks.description(minor).ok_or(Rejection::GpuGone { minor })?;
         let index = description.index;
-        if !crate::plan::mode_switchable(&description) {
+        let in_vm = description.mig.as_ref().is_some_and(|m| m.passthrough);
+        if in_vm && !crate::plan::mode_switchable(&description) {
             return Err(Rejection::MigModeNeedsReset {
                 device: device.to_string(),
                 minor,

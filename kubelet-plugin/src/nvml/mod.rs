@@ -44,6 +44,9 @@ pub struct MigDescription {
     pub pending_enabled: bool,
     /// GPU-instance profiles (index order) with their possible placements.
     pub profiles: Vec<MigProfile>,
+    /// The GPU is passed through to a VM: the driver cannot reset it, so a mode change that
+    /// needs a reset (Ampere) would only ever be pending.
+    pub passthrough: bool,
 }
 
 /// A compute instance inside a GPU instance.

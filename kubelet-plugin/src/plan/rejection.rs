@@ -108,10 +108,11 @@ pub enum Rejection {
         "device {device}: switching MIG mode on GPU {minor} needs a GPU reset the driver could not do (processes hold the GPU, or it is passed through to a VM); the change was withdrawn"
     )]
     MigModeChangePending { device: String, minor: u32 },
-    /// The allocation needs a MIG-mode switch the GPU's architecture makes a reset (Ampere):
-    /// migdra never resets a GPU that serves pods, so it does not try.
+    /// The allocation needs a MIG-mode switch that only a GPU reset applies (Ampere), on a GPU
+    /// passed through to a VM, where the driver cannot reset it: the change would only ever
+    /// be pending, so migdra does not ask for it.
     #[error(
-        "device {device} needs MIG turned {} on GPU {minor}, whose architecture applies a MIG-mode change only with a GPU reset; migdra does not switch it (set the mode with nvidia-smi or mig-parted on a drained node)",
+        "device {device} needs MIG turned {} on GPU {minor}, which applies a MIG-mode change only with a GPU reset that this VM cannot do; the mode was left unchanged (set it on the host, or reboot the VM after nvidia-smi -mig)",
         on_off(*enabled)
     )]
     MigModeNeedsReset {

@@ -211,22 +211,23 @@ async fn a_switch_nvml_refuses_as_in_use_fails_at_once() {
     assert_eq!(node.instances(0).len(), 1);
 }
 
-/// Ampere needs a GPU reset for a switch: refused before NVML is asked, so nothing is ever
-/// enabled and withdrawn. A GPU that reports a newer architecture but still answers with a
-/// pending change (RESET_REQUIRED: a VM without a driver reset) has the change put back.
+/// An Ampere passed through to a VM applies a mode change only with a reset the VM cannot do
+/// (RESET_REQUIRED): refused before NVML is asked, so nothing is ever enabled and withdrawn.
+/// Where NVML still answers with a pending change (a driver reset that failed on bare metal),
+/// the change is put back at once.
 #[tokio::test(flavor = "multi_thread")]
 async fn reset_required_refuses_and_leaves_nothing_pending() {
     let no_reset = GpuQuirks {
         no_driver_reset: true,
         ..GpuQuirks::default()
     };
-    let hopper_in_name = GpuQuirks {
-        architecture: Some(9),
+    let in_vm = GpuQuirks {
+        virtualization_mode: 1,
         ..no_reset.clone()
     };
     let node = node_of(vec![
+        GpuConfig::new("A100-SXM4-40GB", false).with_quirks(in_vm),
         GpuConfig::new("A100-SXM4-40GB", false).with_quirks(no_reset),
-        GpuConfig::new("A100-SXM4-40GB", false).with_quirks(hopper_in_name),
     ]);
     let (driver, _) = node.start(None);
     node.claims
@@ -243,7 +244,7 @@ async fn reset_required_refuses_and_leaves_nothing_pending() {
         ),
         "{err}"
     );
-    assert!(err.to_string().contains("GPU reset"), "{err}");
+    assert!(err.to_string().contains("reset that this VM cannot do"), "{err}");
     let state = node.host.read_state().unwrap();
     assert_eq!(mode_switch_calls(&state), 0, "Ampere's mode is never touched");
     node.claims
@@ -260,4 +261,36 @@ async fn reset_required_refuses_and_leaves_nothing_pending() {
     assert_eq!(modes(&state), vec![(false, false), (false, false)], "nothing left pending");
     assert_eq!(mode_switch_calls(&state), 2, "the change, and putting it back");
     assert_eq!(node.total_instances(), 0);
+}
+
+/// The slow calls of real drivers, set per test: a GPU-instance destroy of about a second and
+/// a slow GetHandleByUUID (the re-open after a mode switch) stay inside the NVML call bound,
+/// so a switching prepare and its unprepare go through.
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_destroy_and_handle_lookup_are_waited_for() {
+    let node = Node::with_config(FakeConfig {
+        gpus: vec![GpuConfig::new("H100-80GB", false)],
+        faults: vec![
+            FaultConfig::latency("nvmlGpuInstanceDestroy", 1000),
+            FaultConfig::latency("nvmlDeviceGetHandleByUUID", 300),
+        ],
+        ..FakeConfig::default()
+    });
+    let (driver, _) = node.start(None);
+    node.claims
+        .put(claim("uid-1", "c1", &[("gpu", "gpu-0-mig-1g10gb-0")]));
+    prepare_one(&driver, "uid-1", "c1").await.unwrap();
+    assert_eq!(node.instances(0).len(), 1);
+    unprepare_one(&driver, "uid-1", "c1").await.unwrap();
+    assert_eq!(node.total_instances(), 0);
+    let state = node.host.read_state().unwrap();
+    for function in ["nvmlGpuInstanceDestroy", "nvmlDeviceGetHandleByUUID"] {
+        let hits: u32 = state
+            .faults
+            .iter()
+            .filter(|f| f.fault.function == function)
+            .map(|f| f.hits)
+            .sum();
+        assert!(hits >= 1, "{function} was slowed {hits} times");
+    }
 }
