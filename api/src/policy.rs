@@ -257,7 +257,9 @@ pub enum PolicyError {
     Shares { policy: String, shares: u32 },
     #[error("MigPolicy {policy}: invalid nodeSelector: {reason}")]
     Selector { policy: String, reason: String },
-    #[error("MigPolicy {policy}: migMode {mode:?} with {field}: false would offer nothing on MIG-capable GPUs")]
+    #[error(
+        "MigPolicy {policy}: migMode {mode:?} with {field}: false would offer nothing on MIG-capable GPUs"
+    )]
     ModeOffersNothing {
         policy: String,
         mode: MigMode,
@@ -459,7 +461,10 @@ mod tests {
             Some("a-h100")
         );
         assert_eq!(
-            policy_for_node(&policies, &labels(&[]), MigMode::Current).unwrap().name.as_deref(),
+            policy_for_node(&policies, &labels(&[]), MigMode::Current)
+                .unwrap()
+                .name
+                .as_deref(),
             Some("b-all")
         );
         assert_eq!(
@@ -533,7 +538,10 @@ mod tests {
             profiles: vec!["9x".into()],
             shares: Some(2),
         });
-        assert!(matches!(p.effective(MigMode::default()), Err(PolicyError::Profile { .. })));
+        assert!(matches!(
+            p.effective(MigMode::default()),
+            Err(PolicyError::Profile { .. })
+        ));
         let yaml: MigPolicySpec =
             serde_json::from_str(r#"{"sharing":{"profiles":["1g.10gb"],"shares":3}}"#).unwrap();
         assert_eq!(
@@ -572,7 +580,10 @@ mod tests {
         }
         let named: MigPolicySpec = serde_json::from_str(r#"{"migMode":"Whole"}"#).unwrap();
         let named = MigPolicy::new("whole", named);
-        assert_eq!(named.effective(MigMode::Dynamic).unwrap().mig_mode, MigMode::Whole);
+        assert_eq!(
+            named.effective(MigMode::Dynamic).unwrap().mig_mode,
+            MigMode::Whole
+        );
         assert!(serde_json::from_str::<MigPolicySpec>(r#"{"migMode":"sometimes"}"#).is_err());
         // No match: the default mode.
         assert_eq!(
@@ -583,7 +594,11 @@ mod tests {
         );
         for (mode, spec, field) in [
             (MigMode::Mig, r#"{"migMode":"Mig","mig":false}"#, "mig"),
-            (MigMode::Whole, r#"{"migMode":"Whole","wholeGpus":false}"#, "wholeGpus"),
+            (
+                MigMode::Whole,
+                r#"{"migMode":"Whole","wholeGpus":false}"#,
+                "wholeGpus",
+            ),
         ] {
             let p = MigPolicy::new("p", serde_json::from_str(spec).unwrap());
             let err = p.effective(MigMode::Current).unwrap_err();

@@ -177,7 +177,15 @@ mod tests {
             uid: Some("uid-a"),
             labels: &labels,
         };
-        let pool = desired_pool(&gpunode(2), node, [], "gpu.migdra.dev", dynamic(false), &BTreeSet::new()).unwrap();
+        let pool = desired_pool(
+            &gpunode(2),
+            node,
+            [],
+            "gpu.migdra.dev",
+            dynamic(false),
+            &BTreeSet::new(),
+        )
+        .unwrap();
         assert_eq!(pool.pool, "node-a/gpu.migdra.dev");
         assert_eq!(pool.gpus, 2);
         assert!(pool.devices > 2);
@@ -330,7 +338,15 @@ mod tests {
             &BTreeSet::new(),
         )
         .unwrap();
-        let with = desired_pool(&gpunode(1), node, [&only_1g], "gpu.migdra.dev", dynamic(false), &allocated).unwrap();
+        let with = desired_pool(
+            &gpunode(1),
+            node,
+            [&only_1g],
+            "gpu.migdra.dev",
+            dynamic(false),
+            &allocated,
+        )
+        .unwrap();
         assert_eq!(with.devices, without.devices + 1);
         assert_eq!(with.retention.kept, ["gpu-0-mig-3g40gb-4"]);
         let device = with
@@ -433,7 +449,15 @@ mod tests {
         let pool_name = "node-a/gpu.migdra.dev";
         for holders in [vec![&a, &b], vec![&b]] {
             let held = crate::claims::allocated_devices(holders.iter().copied(), "gpu.migdra.dev", pool_name);
-            let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", dynamic(false), &held).unwrap();
+            let pool = desired_pool(
+                &gpunode(1),
+                node,
+                [&shared],
+                "gpu.migdra.dev",
+                dynamic(false),
+                &held,
+            )
+            .unwrap();
             assert_eq!(
                 pool.retention.kept,
                 ["gpu-0-mig-1g10gb-6"],
@@ -447,7 +471,15 @@ mod tests {
             assert!(kept.taints.is_some() && kept.consumes_counters.is_some());
         }
         let held = crate::claims::allocated_devices([], "gpu.migdra.dev", pool_name);
-        let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", dynamic(false), &held).unwrap();
+        let pool = desired_pool(
+            &gpunode(1),
+            node,
+            [&shared],
+            "gpu.migdra.dev",
+            dynamic(false),
+            &held,
+        )
+        .unwrap();
         assert!(
             devices(&pool).iter().all(|d| d.name != "gpu-0-mig-1g10gb-6"),
             "released by both: gone"
@@ -462,7 +494,15 @@ mod tests {
             uid: None,
             labels: &labels,
         };
-        let err = desired_pool(&gpunode(1), node, [], "Not_A_Driver", dynamic(false), &BTreeSet::new()).unwrap_err();
+        let err = desired_pool(
+            &gpunode(1),
+            node,
+            [],
+            "Not_A_Driver",
+            dynamic(false),
+            &BTreeSet::new(),
+        )
+        .unwrap_err();
         let DesiredError::Invalid(problems) = err else {
             panic!("expected an invalid pool")
         };

@@ -832,12 +832,22 @@ mod tests {
         ] {
             let mut h100 = gpu("H100-80GB", false);
             h100.clients.push(client.clone());
-            assert_eq!(h100.set_mig_mode(true), (code::SUCCESS, code::IN_USE), "{client:?}");
-            assert!(!h100.mig_enabled && !h100.mig_pending, "nothing pending on Hopper");
+            assert_eq!(
+                h100.set_mig_mode(true),
+                (code::SUCCESS, code::IN_USE),
+                "{client:?}"
+            );
+            assert!(
+                !h100.mig_enabled && !h100.mig_pending,
+                "nothing pending on Hopper"
+            );
             let mut a100 = gpu("A100-80GB", false);
             a100.clients.push(client);
             assert_eq!(a100.set_mig_mode(true), (code::SUCCESS, code::IN_USE));
-            assert!(!a100.mig_enabled && a100.mig_pending, "Ampere waits for the reset");
+            assert!(
+                !a100.mig_enabled && a100.mig_pending,
+                "Ampere waits for the reset"
+            );
         }
         // A client of a GPU with MIG on blocks nothing but the switch: instances are made.
         let mut h100 = gpu("H100-80GB", true);

@@ -309,7 +309,9 @@ impl GpuBackend for BoundedBackend {
     }
 
     fn gpu_processes(&self, gpu: u32) -> Result<Vec<u32>, BackendError> {
-        self.call("gpu_processes", CallScope::Gpu(gpu), move |b| b.gpu_processes(gpu))
+        self.call("gpu_processes", CallScope::Gpu(gpu), move |b| {
+            b.gpu_processes(gpu)
+        })
     }
 
     fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigModeChange, BackendError> {

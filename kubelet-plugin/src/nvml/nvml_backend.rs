@@ -358,7 +358,10 @@ impl NvmlBackend {
                 enabled: mode.current != 0,
                 pending_enabled: mode.pending != 0,
                 profiles: self.discover_profiles(index, &device, memory_bytes),
-                passthrough: matches!(device.virtualization_mode(), Ok(GpuVirtualizationMode::PassThrough)),
+                passthrough: matches!(
+                    device.virtualization_mode(),
+                    Ok(GpuVirtualizationMode::PassThrough)
+                ),
             }),
             Err(NvmlError::NotSupported) => None,
             Err(e) => return Err(error(op("MIG mode"), &e)),

@@ -58,7 +58,11 @@ fn published(inventory: &[GpuInventory], mode: MigMode) -> (BTreeSet<u32>, BTree
 }
 
 fn modes(state: &FakeState) -> Vec<(bool, bool)> {
-    state.gpus.iter().map(|g| (g.mig_enabled, g.mig_pending)).collect()
+    state
+        .gpus
+        .iter()
+        .map(|g| (g.mig_enabled, g.mig_pending))
+        .collect()
 }
 
 fn dcgm() -> GpuClient {
@@ -92,7 +96,11 @@ async fn the_default_mode_works_next_to_dcgm_without_a_switch() {
     prepare_one(&driver, "uid-1", "both").await.unwrap();
     assert_eq!(node.instances(0).len(), 1);
     let state = node.host.read_state().unwrap();
-    assert_eq!(modes(&state), vec![(true, true), (false, false)], "no mode changed");
+    assert_eq!(
+        modes(&state),
+        vec![(true, true), (false, false)],
+        "no mode changed"
+    );
     assert_eq!(mode_switch_calls(&state), 0);
 }
 
@@ -158,7 +166,10 @@ async fn a_switch_blocked_by_a_process_fails_at_once_with_the_process_list() {
     }
     assert_eq!(err.reason(), "MigModeSwitchBlocked");
     let message = err.to_string();
-    assert!(message.contains("in use by other processes: pid 4242 (python3)"), "{message}");
+    assert!(
+        message.contains("in use by other processes: pid 4242 (python3)"),
+        "{message}"
+    );
     assert!(message.contains("left unchanged"), "{message}");
     let state = node.host.read_state().unwrap();
     assert_eq!(modes(&state), vec![(false, false)]);
@@ -201,7 +212,11 @@ async fn a_switch_nvml_refuses_as_in_use_fails_at_once() {
         assert!(err.to_string().contains("nv-hostengine"), "{err}");
     }
     let state = node.host.read_state().unwrap();
-    assert_eq!(modes(&state), vec![(false, false), (true, true)], "nothing pending");
+    assert_eq!(
+        modes(&state),
+        vec![(false, false), (true, true)],
+        "nothing pending"
+    );
     assert_eq!(node.total_instances(), 0);
     // Once DCGM is stopped, the same claim goes through.
     node.host
@@ -258,7 +273,11 @@ async fn reset_required_refuses_and_leaves_nothing_pending() {
         "{err}"
     );
     let state = node.host.read_state().unwrap();
-    assert_eq!(modes(&state), vec![(false, false), (false, false)], "nothing left pending");
+    assert_eq!(
+        modes(&state),
+        vec![(false, false), (false, false)],
+        "nothing left pending"
+    );
     assert_eq!(mode_switch_calls(&state), 2, "the change, and putting it back");
     assert_eq!(node.total_instances(), 0);
 }

@@ -22,7 +22,9 @@ fn policy(mig_mode: MigMode) -> EffectivePolicy {
 fn kinds(gpu: &GpuInventory, policy: &EffectivePolicy) -> (bool, bool) {
     let plan = plan_pool(std::slice::from_ref(gpu), policy);
     (
-        plan.devices.iter().any(|d| matches!(d.kind, PlannedKind::Mig { .. })),
+        plan.devices
+            .iter()
+            .any(|d| matches!(d.kind, PlannedKind::Mig { .. })),
         plan.devices.iter().any(|d| d.kind == PlannedKind::Gpu),
     )
 }
@@ -66,7 +68,11 @@ fn gpus_without_mig_are_whole_in_every_mode() {
             whole_gpus: false,
             ..policy(mode)
         };
-        assert_eq!(kinds(&l4, &narrowed), (false, false), "{mode:?} without whole GPUs");
+        assert_eq!(
+            kinds(&l4, &narrowed),
+            (false, false),
+            "{mode:?} without whole GPUs"
+        );
     }
 }
 
@@ -86,7 +92,11 @@ fn the_old_booleans_narrow_every_mode() {
                 whole_gpus: false,
                 ..policy(mode)
             };
-            assert_eq!(kinds(&gpu, &no_whole), (partitions, false), "{mode:?} wholeGpus: false");
+            assert_eq!(
+                kinds(&gpu, &no_whole),
+                (partitions, false),
+                "{mode:?} wholeGpus: false"
+            );
         }
     }
 }
