@@ -43,11 +43,7 @@ pub(super) type Handle = mock::Handle<Request<Body>, Response<Body>>;
 pub fn config() -> ControllerConfig {
     ControllerConfig {
         driver: DRIVER.into(),
-        // Dynamic: the tests' GPUs offer partitions and whole GPUs whatever their mode.
-        pool: migdra_controller::desired::PoolSettings {
-            keep_memory_counter: false,
-            default_mig_mode: migdra_api::policy::MigMode::Dynamic,
-        },
+        pool: migdra_controller::desired::PoolSettings::default(),
         heartbeat_timeout: HEARTBEAT_TIMEOUT,
         mass_expiry_threshold: 0.55,
         identity: "controller-0".into(),
