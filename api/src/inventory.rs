@@ -211,7 +211,8 @@ pub struct MigInventory {
     /// True when a mode change is pending (Ampere: needs a GPU reset).
     #[serde(default)]
     pub change_pending: bool,
-    /// True when the plugin may switch MIG mode on demand (no reset needed: Hopper and later).
+    /// True when the plugin may switch MIG mode on demand: no reset needed (Hopper and later)
+    /// and no process NVML lists holds the GPU. `migMode: Dynamic` offers switches only here.
     pub mode_switchable: bool,
     /// Profiles, placements and budgets as NVML reports them.
     pub geometry: MigGeometry,

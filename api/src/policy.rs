@@ -39,12 +39,18 @@ pub struct MigPolicySpec {
     /// Profiles never to offer, in the same syntax.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub exclude_profiles: Vec<String>,
-    /// Offer whole GPUs (default true).
+    /// Offer whole GPUs (default true). Narrows what `migMode` offers: `false` leaves out every
+    /// whole GPU, and is refused together with `migMode: Whole`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub whole_gpus: Option<bool>,
-    /// Offer MIG partitions (default true).
+    /// Offer MIG partitions (default true). Narrows what `migMode` offers: `false` leaves out
+    /// every partition, and is refused together with `migMode: Mig`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<bool>,
+    /// Which MIG mode the selected nodes' MIG-capable GPUs are used in (see [`MigMode`]).
+    /// Absent: the controller's default (`--default-mig-mode`, `Current` unless set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_mode: Option<MigMode>,
     /// Order of the published devices (default `Packed`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_order: Option<DeviceOrder>,
@@ -84,6 +90,27 @@ pub struct SharingSpec {
 pub const DEFAULT_SHARES: u32 = 4;
 /// Most shares a shared device may have.
 pub const MAX_SHARES: u32 = 64;
+
+/// How a MIG-capable GPU is used, and so what it offers. A GPU without MIG is offered whole
+/// in every mode (unless `wholeGpus: false`): it has no mode to choose.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum MigMode {
+    /// Each GPU is used in the mode it is in: with MIG on it offers partitions, with MIG off
+    /// it is offered whole. The plugin never switches a mode, so other clients holding the
+    /// GPU (dcgm-exporter, nv-hostengine, nvidia-persistenced) never fail a claim.
+    #[default]
+    Current,
+    /// Partitions only. A GPU with MIG off offers nothing until an admin (or mig-parted)
+    /// turns MIG on.
+    Mig,
+    /// Whole GPUs only. A GPU with MIG on offers nothing until MIG is turned off.
+    Whole,
+    /// Both, switching the mode at prepare: the first partition on a GPU with MIG off turns
+    /// it on, a whole GPU on an empty GPU with MIG on turns it off. Only GPUs whose mode the
+    /// plugin reports switchable (Hopper and later, no process listed on them) offer the
+    /// devices a switch would serve. A switch that another client blocks fails the claim.
+    Dynamic,
+}
 
 /// How devices are ordered in the pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
@@ -169,6 +196,7 @@ pub struct EffectivePolicy {
     pub exclude_profiles: Vec<ProfileMatcher>,
     pub whole_gpus: bool,
     pub mig: bool,
+    pub mig_mode: MigMode,
     pub device_order: DeviceOrder,
     pub unhealthy_gpus: UnhealthyGpus,
     /// Shared profiles (empty: nothing is shared).
@@ -188,6 +216,7 @@ impl Default for EffectivePolicy {
             exclude_profiles: Vec::new(),
             whole_gpus: true,
             mig: true,
+            mig_mode: MigMode::default(),
             device_order: DeviceOrder::default(),
             unhealthy_gpus: UnhealthyGpus::default(),
             shared_profiles: Vec::new(),
@@ -228,6 +257,14 @@ pub enum PolicyError {
     Shares { policy: String, shares: u32 },
     #[error("MigPolicy {policy}: invalid nodeSelector: {reason}")]
     Selector { policy: String, reason: String },
+    #[error(
+        "MigPolicy {policy}: migMode {mode:?} with {field}: false would offer nothing on MIG-capable GPUs"
+    )]
+    ModeOffersNothing {
+        policy: String,
+        mode: MigMode,
+        field: &'static str,
+    },
 }
 
 impl MigPolicy {
@@ -248,8 +285,9 @@ impl MigPolicy {
         }
     }
 
-    /// The effective settings of this policy.
-    pub fn effective(&self) -> Result<EffectivePolicy, PolicyError> {
+    /// The effective settings of this policy; `default_mig_mode` applies when it names no
+    /// `migMode`.
+    pub fn effective(&self, default_mig_mode: MigMode) -> Result<EffectivePolicy, PolicyError> {
         let parse = |entries: &[String]| {
             entries
                 .iter()
@@ -269,12 +307,28 @@ impl MigPolicy {
                 shares,
             });
         }
+        let whole_gpus = self.spec.whole_gpus.unwrap_or(defaults.whole_gpus);
+        let mig = self.spec.mig.unwrap_or(defaults.mig);
+        let mig_mode = self.spec.mig_mode.unwrap_or(default_mig_mode);
+        let contradiction = match self.spec.mig_mode {
+            Some(MigMode::Mig) if !mig => Some("mig"),
+            Some(MigMode::Whole) if !whole_gpus => Some("wholeGpus"),
+            _ => None,
+        };
+        if let Some(field) = contradiction {
+            return Err(PolicyError::ModeOffersNothing {
+                policy: self.policy_name(),
+                mode: mig_mode,
+                field,
+            });
+        }
         Ok(EffectivePolicy {
             name: Some(self.policy_name()),
             profiles: parse(&self.spec.profiles)?,
             exclude_profiles: parse(&self.spec.exclude_profiles)?,
-            whole_gpus: self.spec.whole_gpus.unwrap_or(defaults.whole_gpus),
-            mig: self.spec.mig.unwrap_or(defaults.mig),
+            whole_gpus,
+            mig,
+            mig_mode,
             device_order: self.spec.device_order.unwrap_or(defaults.device_order),
             unhealthy_gpus: self.spec.unhealthy_gpus.unwrap_or(defaults.unhealthy_gpus),
             shared_profiles: parse(&sharing.profiles)?,
@@ -285,12 +339,14 @@ impl MigPolicy {
 }
 
 /// Picks the policy for a node: among the policies whose selector matches, the highest
-/// priority, then the first name. No match gives the defaults. A policy with an invalid
+/// priority, then the first name. No match gives the defaults with `default_mig_mode`. A
+/// policy with an invalid
 /// selector or profile list is an error for every node it could apply to, rather than being
 /// silently skipped (which would publish a different set of devices than the admin asked).
 pub fn policy_for_node<'a>(
     policies: impl IntoIterator<Item = &'a MigPolicy>,
     labels: &BTreeMap<String, String>,
+    default_mig_mode: MigMode,
 ) -> Result<EffectivePolicy, PolicyError> {
     let mut matching: Vec<&MigPolicy> = Vec::new();
     for policy in policies {
@@ -301,7 +357,15 @@ pub fn policy_for_node<'a>(
     let best = matching
         .into_iter()
         .min_by(|a, b| (b.spec.priority, a.policy_name()).cmp(&(a.spec.priority, b.policy_name())));
-    best.map_or_else(|| Ok(EffectivePolicy::default()), MigPolicy::effective)
+    best.map_or_else(
+        || {
+            Ok(EffectivePolicy {
+                mig_mode: default_mig_mode,
+                ..EffectivePolicy::default()
+            })
+        },
+        |p| p.effective(default_mig_mode),
+    )
 }
 
 /// Evaluates a Kubernetes label selector (matchLabels AND matchExpressions).
@@ -390,22 +454,25 @@ mod tests {
             policy("z-a100", 20, Some(sel("gpu", "In", &["a100"]))),
         ];
         assert_eq!(
-            policy_for_node(&policies, &labels(&[("gpu", "h100")]))
+            policy_for_node(&policies, &labels(&[("gpu", "h100")]), MigMode::Current)
                 .unwrap()
                 .name
                 .as_deref(),
             Some("a-h100")
         );
         assert_eq!(
-            policy_for_node(&policies, &labels(&[])).unwrap().name.as_deref(),
+            policy_for_node(&policies, &labels(&[]), MigMode::Current)
+                .unwrap()
+                .name
+                .as_deref(),
             Some("b-all")
         );
         assert_eq!(
-            policy_for_node(&policies[1..2], &labels(&[])).unwrap(),
+            policy_for_node(&policies[1..2], &labels(&[]), MigMode::Current).unwrap(),
             EffectivePolicy::default()
         );
         let broken = policy("x", 0, Some(sel("gpu", "In", &[])));
-        assert!(policy_for_node([&broken], &labels(&[])).is_err());
+        assert!(policy_for_node([&broken], &labels(&[]), MigMode::Current).is_err());
     }
 
     #[test]
@@ -440,7 +507,7 @@ mod tests {
         let g3: ProfileName = "3g.40gb".parse().unwrap();
         let mut p = policy("share", 0, None);
         assert_eq!(
-            p.effective().unwrap().shares_of(&g1),
+            p.effective(MigMode::default()).unwrap().shares_of(&g1),
             None,
             "nothing shared by default"
         );
@@ -448,7 +515,7 @@ mod tests {
             profiles: vec!["1g".into()],
             shares: None,
         });
-        let effective = p.effective().unwrap();
+        let effective = p.effective(MigMode::default()).unwrap();
         assert_eq!(effective.shares_of(&g1), Some(DEFAULT_SHARES));
         assert_eq!(effective.shares_of(&g3), None);
         for (shares, ok) in [(0, false), (1, true), (MAX_SHARES, true), (MAX_SHARES + 1, false)] {
@@ -456,7 +523,7 @@ mod tests {
                 profiles: vec!["1g.10gb".into()],
                 shares: Some(shares),
             });
-            match p.effective() {
+            match p.effective(MigMode::default()) {
                 Ok(e) => {
                     assert!(ok, "{shares} accepted");
                     assert_eq!(e.shares_of(&g1), Some(shares));
@@ -471,7 +538,10 @@ mod tests {
             profiles: vec!["9x".into()],
             shares: Some(2),
         });
-        assert!(matches!(p.effective(), Err(PolicyError::Profile { .. })));
+        assert!(matches!(
+            p.effective(MigMode::default()),
+            Err(PolicyError::Profile { .. })
+        ));
         let yaml: MigPolicySpec =
             serde_json::from_str(r#"{"sharing":{"profiles":["1g.10gb"],"shares":3}}"#).unwrap();
         assert_eq!(
@@ -496,5 +566,57 @@ mod tests {
         assert!(p.offers(&"3g.40gb".parse().unwrap()));
         p.mig = false;
         assert!(!p.offers(&"3g.40gb".parse().unwrap()));
+    }
+
+    #[test]
+    fn mig_mode_defaults_and_contradictions() {
+        // A policy from before migMode: still valid, the booleans still narrow, and the mode
+        // is the controller's default.
+        let old: MigPolicySpec = serde_json::from_str(r#"{"wholeGpus":false,"mig":true}"#).unwrap();
+        let old = MigPolicy::new("old", old);
+        for default in [MigMode::Current, MigMode::Dynamic] {
+            let e = old.effective(default).unwrap();
+            assert_eq!((e.mig_mode, e.whole_gpus, e.mig), (default, false, true));
+        }
+        let named: MigPolicySpec = serde_json::from_str(r#"{"migMode":"Whole"}"#).unwrap();
+        let named = MigPolicy::new("whole", named);
+        assert_eq!(
+            named.effective(MigMode::Dynamic).unwrap().mig_mode,
+            MigMode::Whole
+        );
+        assert!(serde_json::from_str::<MigPolicySpec>(r#"{"migMode":"sometimes"}"#).is_err());
+        // No match: the default mode.
+        assert_eq!(
+            policy_for_node([&named][..0].iter().copied(), &labels(&[]), MigMode::Dynamic)
+                .unwrap()
+                .mig_mode,
+            MigMode::Dynamic
+        );
+        for (mode, spec, field) in [
+            (MigMode::Mig, r#"{"migMode":"Mig","mig":false}"#, "mig"),
+            (
+                MigMode::Whole,
+                r#"{"migMode":"Whole","wholeGpus":false}"#,
+                "wholeGpus",
+            ),
+        ] {
+            let p = MigPolicy::new("p", serde_json::from_str(spec).unwrap());
+            let err = p.effective(MigMode::Current).unwrap_err();
+            assert_eq!(
+                err,
+                PolicyError::ModeOffersNothing {
+                    policy: "p".into(),
+                    mode,
+                    field
+                }
+            );
+            assert!(err.to_string().contains(&format!("{field}: false")), "{err}");
+        }
+        // The same booleans with the other modes are fine.
+        let p = MigPolicy::new(
+            "p",
+            serde_json::from_str(r#"{"migMode":"Dynamic","mig":false}"#).unwrap(),
+        );
+        assert!(!p.effective(MigMode::Current).unwrap().mig);
     }
 }

@@ -138,6 +138,7 @@ def test_schema_documents_every_key(schema, default_values):
 BAD_VALUES = [
     ("replicas-string", ["--set-string", "controller.replicas=two"], "/controller/replicas"),
     ("log-format", ["--set", "logging.format=xml"], "/logging/format"),
+    ("mig-mode", ["--set", "controller.defaultMigMode=sometimes"], "/controller/defaultMigMode"),
     ("unknown-key", ["--set", "controler.replicas=1"], "controler"),
     ("driver-upper", ["--set", "driverName=GPU.Migdra.Dev"], "/driverName"),
     ("driver-no-domain", ["--set", "driverName=migdra"], "/driverName"),

@@ -322,6 +322,7 @@ def test_controller_env_follows_values(case):
     assert env["LEASE_DURATION_SECONDS"] == str(c["leaderElection"]["leaseDurationSeconds"])
     assert env["HEARTBEAT_TIMEOUT_SECONDS"] == str(values["heartbeat"]["timeoutSeconds"])
     assert env["KEEP_MEMORY_COUNTER"] == str(c["keepMemoryCounter"]).lower()
+    assert env["DEFAULT_MIG_MODE"] == c["defaultMigMode"]
     assert env["HTTP_ADDRESS"].endswith(f":{c['httpPort']}")
     assert env["LOG_FORMAT"] == values["logging"]["format"]
     assert env["LOG_LEVEL"] == values["logging"]["level"]
@@ -334,6 +335,12 @@ def test_the_kueue_values_example_keeps_the_memory_counter():
     _, pod = controller_pod(rendered)
     env = {k: v.get("value") for k, v in env_of(container(pod)).items()}
     assert env["KEEP_MEMORY_COUNTER"] == "true"
+
+
+def test_the_default_mig_mode_never_switches():
+    _, pod = controller_pod(render([]))
+    env = {k: v.get("value") for k, v in env_of(container(pod)).items()}
+    assert env["DEFAULT_MIG_MODE"] == "current"
 
 
 def test_controller_probes_and_metrics_port(case):

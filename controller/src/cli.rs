@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use migdra_api::inventory::DEFAULT_DRIVER_NAME;
+use migdra_api::{inventory::DEFAULT_DRIVER_NAME, policy::MigMode};
 use migdra_runtime::ProcessArgs;
 
 /// migdra controller: publishes the ResourceSlice pool of every GPU node whose kubelet
@@ -68,9 +68,35 @@ pub struct Args {
     #[arg(long, env = "KEEP_MEMORY_COUNTER", default_value_t = false, action = clap::ArgAction::Set,
           num_args = 0..=1, default_missing_value = "true")]
     pub keep_memory_counter: bool,
+    /// MIG mode of the nodes whose MigPolicy names none (see the MigPolicy's `migMode`):
+    /// `current` uses each GPU in the mode it is in and never switches one; `dynamic`
+    /// switches modes at prepare, which fails while other clients (dcgm-exporter,
+    /// nv-hostengine) hold the GPU.
+    #[arg(long, env = "DEFAULT_MIG_MODE", value_enum, default_value_t = MigModeArg::Current)]
+    pub default_mig_mode: MigModeArg,
     /// Logging, the HTTP endpoint, threads and the kubeconfig.
     #[command(flatten)]
     pub process: ProcessArgs,
+}
+
+/// [`MigMode`] on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MigModeArg {
+    Current,
+    Mig,
+    Whole,
+    Dynamic,
+}
+
+impl From<MigModeArg> for MigMode {
+    fn from(arg: MigModeArg) -> Self {
+        match arg {
+            MigModeArg::Current => Self::Current,
+            MigModeArg::Mig => Self::Mig,
+            MigModeArg::Whole => Self::Whole,
+            MigModeArg::Dynamic => Self::Dynamic,
+        }
+    }
 }
 
 /// Subcommands.
@@ -137,6 +163,7 @@ mod tests {
         assert_eq!(a.mass_expiry_threshold, 0.55);
         assert_eq!(a.max_concurrent_reconciles, 16);
         assert!(!a.keep_memory_counter);
+        assert_eq!(MigMode::from(a.default_mig_mode), MigMode::Current);
         assert_eq!(a.process.worker_threads, 2);
         assert!(Args::try_parse_from(["migdra-controller", "--worker-threads", "0"]).is_err());
         assert_eq!(a.process.http_address, "0.0.0.0:8080".parse().unwrap());

@@ -40,8 +40,8 @@ use crate::{
 pub struct ControllerConfig {
     /// DRA driver name: the slices' `spec.driver`.
     pub driver: String,
-    /// Publish the `memory` counter for quotas (see `--keep-memory-counter`).
-    pub keep_memory_counter: bool,
+    /// Settings of every pool (`--keep-memory-counter`, `--default-mig-mode`).
+    pub pool: crate::desired::PoolSettings,
     /// A plugin is gone when its heartbeat is older than `max(this, 1.5 × its interval)`.
     pub heartbeat_timeout: Duration,
     /// Heartbeat expiry alone withdraws nothing while more than this fraction of registered

@@ -10,7 +10,7 @@ use k8s_openapi::{
 };
 use migdra_api::{
     inventory::{GpuNode, pool_name},
-    policy::{MigPolicy, PolicyError, policy_for_node},
+    policy::{MigMode, MigPolicy, PolicyError, policy_for_node},
     slices::{PoolIdentity, published_plan, render_pool, retained::Retention, validate::validate_pool},
 };
 
@@ -50,19 +50,29 @@ pub struct NodeRef<'a> {
     pub labels: &'a BTreeMap<String, String>,
 }
 
+/// The controller's pool settings (its flags).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolSettings {
+    /// Publish the `memory` counter for quotas whatever the policy (`--keep-memory-counter`).
+    pub keep_memory_counter: bool,
+    /// The MIG mode of nodes whose MigPolicy names none (`--default-mig-mode`).
+    pub default_mig_mode: MigMode,
+}
+
 /// Computes the pool of a node whose plugin is live. `allocated` names the devices of this
 /// pool that claims hold: each stays in the pool, tainted if no longer offered.
-/// `keep_memory_counter` publishes the `memory` counter for quotas whatever the policy.
+/// `settings` are the cluster-wide ones no MigPolicy overrides.
 pub fn desired_pool<'p>(
     gpunode: &GpuNode,
     node: NodeRef<'_>,
     policies: impl IntoIterator<Item = &'p MigPolicy>,
     driver: &str,
-    keep_memory_counter: bool,
+    settings: PoolSettings,
     allocated: &BTreeSet<String>,
 ) -> Result<DesiredPool, DesiredError> {
-    let mut policy = policy_for_node(policies, node.labels).map_err(DesiredError::Policy)?;
-    policy.keep_memory_counter = keep_memory_counter;
+    let mut policy =
+        policy_for_node(policies, node.labels, settings.default_mig_mode).map_err(DesiredError::Policy)?;
+    policy.keep_memory_counter = settings.keep_memory_counter;
     let status = gpunode.status.as_ref();
     let gpus = status.and_then(|s| s.gpus.as_deref()).unwrap_or_default();
     let driver_version = status
@@ -135,6 +145,14 @@ mod tests {
 
     use super::*;
 
+    /// Settings under which the tests' MIG-on H100s offer partitions and whole GPUs.
+    fn dynamic(keep_memory_counter: bool) -> PoolSettings {
+        PoolSettings {
+            keep_memory_counter,
+            default_mig_mode: MigMode::Dynamic,
+        }
+    }
+
     fn gpunode(gpus: usize) -> GpuNode {
         let model = catalog::model("H100-80GB").unwrap();
         let mut g = GpuNode::new(
@@ -159,7 +177,15 @@ mod tests {
             uid: Some("uid-a"),
             labels: &labels,
         };
-        let pool = desired_pool(&gpunode(2), node, [], "gpu.migdra.dev", false, &BTreeSet::new()).unwrap();
+        let pool = desired_pool(
+            &gpunode(2),
+            node,
+            [],
+            "gpu.migdra.dev",
+            dynamic(false),
+            &BTreeSet::new(),
+        )
+        .unwrap();
         assert_eq!(pool.pool, "node-a/gpu.migdra.dev");
         assert_eq!(pool.gpus, 2);
         assert!(pool.devices > 2);
@@ -225,7 +251,7 @@ mod tests {
                 node,
                 policies.clone(),
                 "gpu.migdra.dev",
-                false,
+                dynamic(false),
                 &BTreeSet::new(),
             )
             .unwrap();
@@ -235,7 +261,7 @@ mod tests {
                 node,
                 policies,
                 "gpu.migdra.dev",
-                true,
+                dynamic(true),
                 &BTreeSet::new(),
             )
             .unwrap();
@@ -265,7 +291,7 @@ mod tests {
                 node,
                 [&bad],
                 "gpu.migdra.dev",
-                false,
+                dynamic(false),
                 &BTreeSet::new()
             ),
             Err(DesiredError::Policy(_))
@@ -277,7 +303,7 @@ mod tests {
             node,
             [&bad],
             "gpu.migdra.dev",
-            false,
+            dynamic(false),
             &BTreeSet::new(),
         )
         .unwrap();
@@ -308,11 +334,19 @@ mod tests {
             node,
             [&only_1g],
             "gpu.migdra.dev",
-            false,
+            dynamic(false),
             &BTreeSet::new(),
         )
         .unwrap();
-        let with = desired_pool(&gpunode(1), node, [&only_1g], "gpu.migdra.dev", false, &allocated).unwrap();
+        let with = desired_pool(
+            &gpunode(1),
+            node,
+            [&only_1g],
+            "gpu.migdra.dev",
+            dynamic(false),
+            &allocated,
+        )
+        .unwrap();
         assert_eq!(with.devices, without.devices + 1);
         assert_eq!(with.retention.kept, ["gpu-0-mig-3g40gb-4"]);
         let device = with
@@ -372,7 +406,7 @@ mod tests {
             node,
             [&shared],
             "gpu.migdra.dev",
-            false,
+            dynamic(false),
             &BTreeSet::new(),
         )
         .unwrap();
@@ -415,7 +449,15 @@ mod tests {
         let pool_name = "node-a/gpu.migdra.dev";
         for holders in [vec![&a, &b], vec![&b]] {
             let held = crate::claims::allocated_devices(holders.iter().copied(), "gpu.migdra.dev", pool_name);
-            let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", false, &held).unwrap();
+            let pool = desired_pool(
+                &gpunode(1),
+                node,
+                [&shared],
+                "gpu.migdra.dev",
+                dynamic(false),
+                &held,
+            )
+            .unwrap();
             assert_eq!(
                 pool.retention.kept,
                 ["gpu-0-mig-1g10gb-6"],
@@ -429,7 +471,15 @@ mod tests {
             assert!(kept.taints.is_some() && kept.consumes_counters.is_some());
         }
         let held = crate::claims::allocated_devices([], "gpu.migdra.dev", pool_name);
-        let pool = desired_pool(&gpunode(1), node, [&shared], "gpu.migdra.dev", false, &held).unwrap();
+        let pool = desired_pool(
+            &gpunode(1),
+            node,
+            [&shared],
+            "gpu.migdra.dev",
+            dynamic(false),
+            &held,
+        )
+        .unwrap();
         assert!(
             devices(&pool).iter().all(|d| d.name != "gpu-0-mig-1g10gb-6"),
             "released by both: gone"
@@ -444,7 +494,15 @@ mod tests {
             uid: None,
             labels: &labels,
         };
-        let err = desired_pool(&gpunode(1), node, [], "Not_A_Driver", false, &BTreeSet::new()).unwrap_err();
+        let err = desired_pool(
+            &gpunode(1),
+            node,
+            [],
+            "Not_A_Driver",
+            dynamic(false),
+            &BTreeSet::new(),
+        )
+        .unwrap_err();
         let DesiredError::Invalid(problems) = err else {
             panic!("expected an invalid pool")
         };

@@ -93,7 +93,10 @@ async fn run_controller(
 ) -> Result<()> {
     let config = context::ControllerConfig {
         driver: args.driver_name.clone(),
-        keep_memory_counter: args.keep_memory_counter,
+        pool: desired::PoolSettings {
+            keep_memory_counter: args.keep_memory_counter,
+            default_mig_mode: args.default_mig_mode.into(),
+        },
         heartbeat_timeout: args.heartbeat_timeout(),
         mass_expiry_threshold: args.mass_expiry_threshold,
         identity: identity.clone(),

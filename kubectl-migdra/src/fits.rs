@@ -514,7 +514,7 @@ fn not_published(snapshot: &Snapshot, gpu_node: &GpuNode, shape: &Shape) -> Stri
                 .policies
                 .iter()
                 .find(|p| p.metadata.name.as_deref() == Some(name.as_str()));
-            match policy.map(|p| p.effective()) {
+            match policy.map(|p| p.effective(Default::default())) {
                 Some(Ok(effective)) if !effective.offers(profile) => {
                     return format!("MigPolicy {name} does not offer {profile}");
                 }

@@ -233,6 +233,11 @@ impl CdiWriter {
         }
     }
 
+    /// Where `/proc` is.
+    pub fn proc_root(&self) -> &std::path::Path {
+        &self.proc_root
+    }
+
     /// Writes claim specs for boot `boot_id`, named in an annotation (`<vendor>/boot-id`),
     /// without an fsync: after a reboot [`Self::remove_specs_of_other_boots`] removes every
     /// spec an earlier boot left, whole or torn. A writer without a boot syncs each spec, as

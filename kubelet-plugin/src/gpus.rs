@@ -572,7 +572,17 @@ impl Gpus {
                 healthy: reasons.is_empty(),
                 reason: (!reasons.is_empty()).then(|| reasons.join("; ")),
             };
-            let switchable = mode_switchable(&description);
+            // A switch another process would block is not offered: only NVML sessions (DCGM)
+            // stay unseen, and fail the claim at prepare.
+            let switchable = mode_switchable(&description)
+                && description.mig.is_some()
+                && match self.inner.backend.gpu_processes(description.index) {
+                    Ok(pids) => pids.is_empty(),
+                    Err(e) => {
+                        tracing::debug!(gpu = description.minor, error = %e, "listing GPU processes failed");
+                        false
+                    }
+                };
             inventory.push(gpu_inventory(
                 &description,
                 &instances,

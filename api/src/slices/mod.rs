@@ -44,7 +44,7 @@ use crate::{
     device_name::DeviceName,
     geometry::{Engines, MigGeometry, MigProfile},
     inventory::{GpuInventory, InstanceOwner, MigInventory},
-    policy::{EffectivePolicy, UnhealthyGpus},
+    policy::{EffectivePolicy, MigMode, UnhealthyGpus},
 };
 
 /// Devices per slice when devices consume counters (1.35+ limit).
@@ -214,6 +214,49 @@ pub(crate) fn fits_in(consumes: &Counters, counters: &Counters) -> bool {
         .all(|(k, v)| counters.get(k).is_some_and(|have| have >= v))
 }
 
+/// What one GPU offers under a policy's [`MigMode`], before profile lists and budgets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuOffer {
+    /// MIG partitions.
+    pub partitions: bool,
+    /// The whole GPU.
+    pub whole: bool,
+}
+
+impl GpuOffer {
+    /// The rule: a GPU without MIG is offered whole in every mode. A MIG-capable GPU offers
+    /// what its current mode serves (`Current`), or only what the mode the policy names serves
+    /// when the GPU is in it (`Mig`, `Whole`), or, with `Dynamic`, also what a switch would
+    /// serve when the plugin reports the mode switchable now (a whole GPU only while no
+    /// foreign instance is on it). `mig: false` and `wholeGpus: false` then take away
+    /// partitions and whole GPUs.
+    pub fn of(gpu: &GpuInventory, policy: &EffectivePolicy) -> Self {
+        let Some(mig) = &gpu.mig else {
+            return Self {
+                partitions: false,
+                whole: policy.whole_gpus,
+            };
+        };
+        let on = mig.enabled;
+        let (partitions, whole) = match policy.mig_mode {
+            MigMode::Current => (on, !on),
+            MigMode::Mig => (on, false),
+            MigMode::Whole => (false, !on),
+            MigMode::Dynamic => {
+                let foreign = mig.instances.iter().any(|i| i.owner == InstanceOwner::Foreign);
+                (
+                    on || mig.mode_switchable,
+                    !on || (mig.mode_switchable && !foreign),
+                )
+            }
+        };
+        Self {
+            partitions: partitions && policy.mig,
+            whole: whole && policy.whole_gpus,
+        }
+    }
+}
+
 /// Plans a node's pool: which devices exist, what they consume, in which order.
 pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
     let mut plan = PoolPlan::default();
@@ -237,20 +280,8 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
             shares: None,
         };
         let mut devices = Vec::new();
-        let offers_mig = gpu
-            .mig
-            .as_ref()
-            .filter(|m| policy.mig && (m.enabled || m.mode_switchable));
-        let foreign: Vec<_> = gpu
-            .mig
-            .iter()
-            .flat_map(|m| &m.instances)
-            .filter(|i| i.owner == InstanceOwner::Foreign)
-            .collect();
-        let whole_possible = match &gpu.mig {
-            None => true,
-            Some(m) => (!m.enabled || m.mode_switchable) && foreign.is_empty(),
-        };
+        let offer = GpuOffer::of(gpu, policy);
+        let offers_mig = gpu.mig.as_ref().filter(|_| offer.partitions);
 
         let mut geometry_used = None;
         if let Some(mig) = offers_mig {
@@ -289,7 +320,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                     shares: policy.shares_of(&profile.name),
                 });
             }
-            if whole_possible && policy.whole_gpus {
+            if offer.whole {
                 // The whole GPU takes every counter, so it excludes, and is excluded by, any
                 // partition.
                 devices.push(whole_gpu(Some(set.clone()), counters.clone()));
@@ -298,7 +329,7 @@ pub fn plan_pool(gpus: &[GpuInventory], policy: &EffectivePolicy) -> PoolPlan {
                 plan.counter_sets.push((set, counters));
                 geometry_used = Some(geometry.clone());
             }
-        } else if whole_possible && policy.whole_gpus {
+        } else if offer.whole {
             devices.push(whole_gpu(None, Counters::new()));
         }
         per_gpu.push((gpu.minor, geometry_used, devices));

@@ -179,7 +179,10 @@ mod tests {
                 .map(|p| ProfileMatcher::parse(p).unwrap())
                 .collect(),
             whole_gpus: false,
-            ..EffectivePolicy::default()
+            ..EffectivePolicy {
+                mig_mode: crate::policy::MigMode::Dynamic,
+                ..EffectivePolicy::default()
+            }
         }
     }
 
@@ -275,7 +278,10 @@ mod tests {
         let gpus = h100s(1);
         let policy = EffectivePolicy {
             mig: false,
-            ..EffectivePolicy::default()
+            ..EffectivePolicy {
+                mig_mode: crate::policy::MigMode::Dynamic,
+                ..EffectivePolicy::default()
+            }
         };
         let mut plan = plan_pool(&gpus, &policy);
         assert!(
@@ -318,7 +324,13 @@ mod tests {
         let mut gpus = h100s(2);
         gpus[1].health.healthy = false;
         gpus[1].health.reason = Some("XID 79".into());
-        let mut plan = plan_pool(&gpus, &EffectivePolicy::default());
+        let mut plan = plan_pool(
+            &gpus,
+            &EffectivePolicy {
+                mig_mode: crate::policy::MigMode::Dynamic,
+                ..EffectivePolicy::default()
+            },
+        );
         assert!(
             plan.devices.iter().all(|d| d.gpu_minor == 0),
             "unhealthy GPUs are omitted"
@@ -345,7 +357,13 @@ mod tests {
     #[test]
     fn offered_unknown_and_vanished_devices() {
         let gpus = h100s(1);
-        let mut plan = plan_pool(&gpus, &EffectivePolicy::default());
+        let mut plan = plan_pool(
+            &gpus,
+            &EffectivePolicy {
+                mig_mode: crate::policy::MigMode::Dynamic,
+                ..EffectivePolicy::default()
+            },
+        );
         let before = plan.clone();
         let retention = retain_allocated(
             &mut plan,

@@ -60,7 +60,7 @@ pub(super) async fn publish(
         node_ref,
         policies.iter().map(|p| p.as_ref()),
         &ctx.config.driver,
-        ctx.config.keep_memory_counter,
+        ctx.config.pool,
         &allocated,
     );
     match desired {

@@ -143,9 +143,13 @@ async fn create_writes_every_slice_of_one_generation_then_the_status() {
 #[tokio::test]
 async fn resync_of_a_published_pool_writes_nothing() {
     let mut h = Harness::new();
-    // 80 GiB whole-GPU memory: published as 81920Mi, stored by the server as 80Gi.
+    // 80 GiB whole-GPU memory: published as 81920Mi, stored by the server as 80Gi. MIG is off
+    // on that GPU, so the default MIG mode offers it whole.
     let mut gpus = h100s(2);
     gpus[0].memory_mib = 81920;
+    if let Some(mig) = gpus[0].mig.as_mut() {
+        mig.enabled = false;
+    }
     let (stored, g) = publish_fresh(&mut h, gpus).await;
     assert!(
         serde_json::to_string(&stored).unwrap().contains("\"80Gi\""),
@@ -678,7 +682,7 @@ async fn a_claimed_device_the_policy_stops_offering_stays_tainted_until_released
         )
     };
     h.add_policy(only_1g());
-    let policy = only_1g().effective().unwrap();
+    let policy = only_1g().effective(Default::default()).unwrap();
     let (plan, _) = published_plan(&h100s(1), &policy, &Default::default());
     assert_eq!(
         plan.slice_count(),

@@ -25,7 +25,8 @@ use std::path::{Path, PathBuf};
 
 pub use config::{CiInfoDevice, FakeConfig, FaultConfig, GpuConfig, GpuQuirks, InstanceConfig};
 pub use state::{
-    ComputeInstanceState, FakeState, FaultState, GpuInstanceState, GpuState, read_state, update_state,
+    ClientKind, ComputeInstanceState, FakeState, FaultState, GpuClient, GpuInstanceState, GpuState,
+    read_state, update_state,
 };
 
 /// NVML return codes the fake uses (`nvmlReturn_t`).

@@ -92,8 +92,16 @@ pub fn write_static(state: &FakeState) -> Result<(), FakeError> {
 }
 
 /// Makes the per-instance capability files match the state: one `gi<G>/access` per GPU
-/// instance and one `gi<G>/ci<C>/access` per compute instance, nothing else.
+/// instance and one `gi<G>/ci<C>/access` per compute instance, nothing else; and a
+/// `<pid>/comm` for every client process (left behind when it goes, as nothing reads them
+/// then).
 pub fn sync(state: &FakeState) -> Result<(), FakeError> {
+    for client in state.gpus.iter().flat_map(|g| &g.clients) {
+        write_if_changed(
+            &state.proc_root.join(client.pid.to_string()).join("comm"),
+            &format!("{}\n", client.name),
+        )?;
+    }
     let caps = caps_dir(&state.proc_root);
     let mut wanted: BTreeMap<PathBuf, String> = BTreeMap::new();
     for gpu in &state.gpus {

@@ -540,7 +540,9 @@ impl GpuState {
     /// `nvmlDeviceSetMigMode`: returns (return code, activation status). NVML reports a
     /// switch it could not carry out through the activation status, not the return code
     /// (§12; nvml.h lists no IN_USE return for it):
-    /// - a client holding the GPU or existing GPU instances: IN_USE; on Ampere the change
+    /// - a client holding the GPU (`client_holds_gpu`, any of `clients`: an NVML session
+    ///   such as DCGM, a compute or graphics process) or existing GPU instances: IN_USE
+    ///   (nvml.h: "if device unbind fails because the device isn't idle"); on Ampere the change
     ///   stays pending (nvidia-smi: "pending enable … In use by another client");
     /// - Ampere: the driver resets the idle GPU itself, so the mode applies at once, unless
     ///   it cannot reset the GPU (`quirks.no_driver_reset`, a pass-through VM): then it stays
@@ -556,7 +558,7 @@ impl GpuState {
             self.mig_pending = enable;
             return (code::SUCCESS, code::SUCCESS);
         }
-        let busy = self.client_holds_gpu || !self.gpu_instances.is_empty();
+        let busy = self.client_holds_gpu || !self.clients.is_empty() || !self.gpu_instances.is_empty();
         let switchable = model.mig_mode_switchable();
         if busy {
             if !switchable {
@@ -596,7 +598,7 @@ mod tests {
             mig_enabled: mig,
             mig_pending: mig,
             client_holds_gpu: false,
-            running_processes: Vec::new(),
+            clients: Vec::new(),
             lost: false,
             auto_placement: BTreeMap::new(),
             quirks: Default::default(),
@@ -826,5 +828,37 @@ mod tests {
         assert_eq!(h100.set_mig_mode(false), (code::SUCCESS, code::IN_USE));
         assert!(h100.mig_enabled && h100.mig_pending);
         assert_eq!(gpu("L4", false).set_mig_mode(true).0, code::NOT_SUPPORTED);
+    }
+
+    #[test]
+    fn every_kind_of_client_blocks_a_mode_switch() {
+        use crate::state::GpuClient;
+        for client in [
+            GpuClient::nvml_session(41, "nv-hostengine"),
+            GpuClient::compute(42, "python3", 512),
+        ] {
+            let mut h100 = gpu("H100-80GB", false);
+            h100.clients.push(client.clone());
+            assert_eq!(
+                h100.set_mig_mode(true),
+                (code::SUCCESS, code::IN_USE),
+                "{client:?}"
+            );
+            assert!(
+                !h100.mig_enabled && !h100.mig_pending,
+                "nothing pending on Hopper"
+            );
+            let mut a100 = gpu("A100-80GB", false);
+            a100.clients.push(client);
+            assert_eq!(a100.set_mig_mode(true), (code::SUCCESS, code::IN_USE));
+            assert!(
+                !a100.mig_enabled && a100.mig_pending,
+                "Ampere waits for the reset"
+            );
+        }
+        // A client of a GPU with MIG on blocks nothing but the switch: instances are made.
+        let mut h100 = gpu("H100-80GB", true);
+        h100.clients.push(GpuClient::nvml_session(41, "nv-hostengine"));
+        assert!(h100.create_gpu_instance(19, Some(0), 1).is_ok());
     }
 }

@@ -89,10 +89,11 @@ pub struct GpuState {
     /// creation answer IN_USE.
     #[serde(default)]
     pub client_holds_gpu: bool,
-    /// Processes with a context on the GPU, as `nvmlDeviceGet{Compute,Graphics}RunningProcesses`
-    /// list them (tests add them to the state).
+    /// Other processes that hold the GPU: each blocks MIG-mode switches (IN_USE in the
+    /// activation status) as `client_holds_gpu` does, and the process queries list the
+    /// compute and graphics ones.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub running_processes: Vec<RunningProcess>,
+    pub clients: Vec<GpuClient>,
     /// The GPU fell off the bus: every call concerning it answers GPU_IS_LOST.
     #[serde(default)]
     pub lost: bool,
@@ -107,18 +108,52 @@ pub struct GpuState {
     pub gpu_instances: Vec<GpuInstanceState>,
 }
 
-/// A process using a GPU.
+/// Another process that holds a GPU.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct RunningProcess {
+pub struct GpuClient {
+    /// Process ID; its name is `<procRoot>/<pid>/comm`.
     pub pid: u32,
-    /// A graphics context (listed by the graphics call) rather than a compute one.
+    /// What `/proc/<pid>/comm` holds (at most 15 bytes on Linux).
+    pub name: String,
+    pub kind: ClientKind,
+    /// GPU memory it uses (MiB), as the process queries report it.
     #[serde(default)]
-    pub graphics: bool,
-    pub used_memory_bytes: u64,
-    /// GPU and compute instance it runs in (MIG mode).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_instance: Option<(u32, u32)>,
+    pub used_memory_mib: u64,
+}
+
+/// How a client holds the GPU, which decides where NVML shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClientKind {
+    /// An NVML session with the device open (nv-hostengine, dcgm-exporter, a second plugin
+    /// pod): no GPU context, so no process query lists it.
+    NvmlSession,
+    /// A CUDA context: `nvmlDeviceGetComputeRunningProcesses` lists it.
+    Compute,
+    /// A graphics context: `nvmlDeviceGetGraphicsRunningProcesses` lists it.
+    Graphics,
+}
+
+impl GpuClient {
+    /// An NVML session such as DCGM's `nv-hostengine`.
+    pub fn nvml_session(pid: u32, name: &str) -> Self {
+        Self {
+            pid,
+            name: name.to_string(),
+            kind: ClientKind::NvmlSession,
+            used_memory_mib: 0,
+        }
+    }
+
+    /// A process with a CUDA context using `used_memory_mib` of GPU memory.
+    pub fn compute(pid: u32, name: &str, used_memory_mib: u64) -> Self {
+        Self {
+            pid,
+            name: name.to_string(),
+            kind: ClientKind::Compute,
+            used_memory_mib,
+        }
+    }
 }
 
 /// One GPU instance.
@@ -231,7 +266,7 @@ impl FakeState {
                     mig_enabled: enabled,
                     mig_pending: enabled,
                     client_holds_gpu: false,
-                    running_processes: Vec::new(),
+                    clients: Vec::new(),
                     lost: false,
                     auto_placement: gpu.auto_placement.clone(),
                     quirks: gpu.quirks.clone(),
@@ -313,6 +348,7 @@ impl FakeState {
             g.mig_enabled = g.mig_pending;
             g.gpu_instances.clear();
             g.client_holds_gpu = false;
+            g.clients.clear();
             g.lost = false;
         }
     }
@@ -331,6 +367,7 @@ impl FakeState {
             g.mig_enabled = g.mig_pending;
             g.gpu_instances.clear();
             g.client_holds_gpu = false;
+            g.clients.clear();
             g.lost = false;
         }
     }

@@ -33,7 +33,7 @@ fn the_published_order_decides_the_placement() {
         &gpus,
         &EffectivePolicy {
             device_order: DeviceOrder::Naive,
-            ..EffectivePolicy::default()
+            ..fixture::dynamic()
         },
     );
     for slice in &mut snapshot.slices {

@@ -259,11 +259,20 @@ fn device_class() -> DeviceClass {
     .unwrap()
 }
 
+/// The default policy in `Dynamic` MIG mode: the fixture's GPUs offer partitions and whole
+/// GPUs whatever their mode.
+pub fn dynamic() -> EffectivePolicy {
+    EffectivePolicy {
+        mig_mode: migdra_api::policy::MigMode::Dynamic,
+        ..EffectivePolicy::default()
+    }
+}
+
 /// The whole snapshot.
 pub fn snapshot() -> Snapshot {
     let gpus = gpus();
     let mut snapshot = Snapshot::new(DRIVER);
-    snapshot.slices = slices(&gpus, &EffectivePolicy::default());
+    snapshot.slices = slices(&gpus, &dynamic());
     snapshot.gpu_nodes = vec![gpu_node(gpus)];
     snapshot.claims = claims();
     snapshot.pods = pods();

@@ -432,7 +432,10 @@ impl<C: ClaimSource> Driver<C> {
         }
     }
 
-    /// Switches a locked GPU's MIG mode and refreshes its description.
+    /// Switches a locked GPU's MIG mode and refreshes its description. Refused without
+    /// touching the GPU when the change needs a reset the driver cannot do (Ampere passed
+    /// through to a VM), or when processes NVML lists hold it; a switch NVML refuses as in use fails the claim at once. A change
+    /// NVML leaves pending is withdrawn, so no later reset switches a GPU nobody asked for.
     fn switch_mig_mode(
         &self,
         locks: &GpuLocks<'_>,
@@ -441,24 +444,43 @@ impl<C: ClaimSource> Driver<C> {
         minor: u32,
         enabled: bool,
     ) -> Result<(), ClaimFailure> {
-        let index = locks.index(minor).ok_or(Rejection::GpuGone { minor })?;
+        let description = locks.description(minor).ok_or(Rejection::GpuGone { minor })?;
+        let index = description.index;
+        let in_vm = description.mig.as_ref().is_some_and(|m| m.passthrough);
+        if in_vm && !crate::plan::mode_switchable(&description) {
+            return Err(Rejection::MigModeNeedsReset {
+                device: device.to_string(),
+                minor,
+                enabled,
+            }
+            .into());
+        }
+        let pids = self.backend().gpu_processes(index).map_err(on_device(device))?;
+        if !pids.is_empty() {
+            return Err(Rejection::MigModeSwitchBlocked {
+                device: device.to_string(),
+                minor,
+                enabled,
+                holders: self.describe_processes(&pids),
+            }
+            .into());
+        }
         tracing::info!(gpu = minor, enabled, "switching MIG mode");
-        match self
-            .backend()
-            .set_mig_mode(index, enabled)
-            .map_err(on_device(device))?
-        {
-            MigModeChange::Applied => {
+        match self.backend().set_mig_mode(index, enabled) {
+            Ok(MigModeChange::Applied) => {
                 locks.set_mig_mode(minor, enabled);
                 self.step(uid, Step::MigModeSwitched);
                 Ok(())
             }
-            MigModeChange::PendingReset => {
+            Ok(MigModeChange::PendingReset) => {
                 self.step(uid, Step::MigModeChangePending);
-                // Withdraw the pending change, so a later reset does not switch a GPU that no
-                // claim asked for any more; the claim is refused either way.
                 match self.backend().set_mig_mode(index, !enabled) {
-                    Ok(_) => tracing::info!(gpu = minor, "withdrew the pending MIG-mode change"),
+                    Ok(MigModeChange::Applied) => {
+                        tracing::info!(gpu = minor, "withdrew the pending MIG-mode change")
+                    }
+                    Ok(MigModeChange::PendingReset) => {
+                        tracing::warn!(gpu = minor, "the withdrawn MIG-mode change is still pending")
+                    }
                     Err(e) => {
                         tracing::warn!(gpu = minor, error = %e, "could not withdraw the pending MIG-mode change")
                     }
@@ -469,7 +491,32 @@ impl<C: ClaimSource> Driver<C> {
                 }
                 .into())
             }
+            Err(e) if e.kind == NvmlErrorKind::InUse => {
+                tracing::info!(gpu = minor, error = %e, "MIG-mode switch refused: the GPU is in use");
+                Err(Rejection::MigModeSwitchBlocked {
+                    device: device.to_string(),
+                    minor,
+                    enabled,
+                    holders: Vec::new(),
+                }
+                .into())
+            }
+            Err(e) => Err(on_device(device)(e).into()),
         }
+    }
+
+    /// `pid 4242 (python3)` for each PID, the name from `/proc/<pid>/comm` where this process
+    /// can see it (another PID namespace hides it).
+    fn describe_processes(&self, pids: &[u32]) -> Vec<String> {
+        pids.iter()
+            .map(|pid| {
+                let comm = self.inner.cdi.proc_root().join(pid.to_string()).join("comm");
+                match std::fs::read_to_string(comm) {
+                    Ok(name) if !name.trim().is_empty() => format!("pid {pid} ({})", name.trim()),
+                    _ => format!("pid {pid}"),
+                }
+            })
+            .collect()
     }
 
     /// Carries out a recorded plan: MIG-mode switches, then each instance (recorded as soon as

@@ -294,6 +294,7 @@ mod tests {
                 enabled: true,
                 pending_enabled: true,
                 profiles: m.profiles.clone(),
+                passthrough: false,
             }),
         }
     }

@@ -186,6 +186,7 @@ mod tests {
             mig: Some(crate::nvml::MigDescription {
                 enabled: false,
                 pending_enabled: false,
+                passthrough: false,
                 profiles: model.profiles.clone(),
             }),
         };

@@ -11,7 +11,7 @@ use migdra_api::{
     device_name::DeviceName,
     geometry::MigProfile,
     inventory::{DEFAULT_DRIVER_NAME, GpuHealth},
-    policy::EffectivePolicy,
+    policy::{EffectivePolicy, MigMode},
     slices::{PlannedKind, PoolIdentity, plan_pool, published_plan, render_pool},
 };
 use serde::Serialize;
@@ -71,9 +71,10 @@ pub struct PublishedReport {
     pub findings: Vec<Finding>,
 }
 
-/// The devices (with their attributes and capacity) and counters migdra would publish for
-/// `gpu` under the default policy, with a check that every name is a DNS label that parses
-/// back to the same device.
+/// The devices (with their attributes and capacity) and counters migdra could publish for
+/// `gpu` (the default policy in `Dynamic` MIG mode, which offers partitions and the whole GPU
+/// whatever its mode), with a check that every name is a DNS label that parses back to the
+/// same device.
 pub fn published(
     gpu: &GpuDescription,
     instances: &[GpuInstanceRecord],
@@ -89,7 +90,10 @@ pub fn published(
         GpuHealth::healthy(),
         switchable,
     )];
-    let policy = EffectivePolicy::default();
+    let policy = EffectivePolicy {
+        mig_mode: MigMode::Dynamic,
+        ..EffectivePolicy::default()
+    };
     let budget = plan_pool(&gpus, &policy)
         .counter_sets
         .first()
@@ -398,6 +402,7 @@ mod tests {
                 enabled: true,
                 pending_enabled: true,
                 profiles: m.profiles.clone(),
+                passthrough: false,
             }),
         }
     }

@@ -308,6 +308,12 @@ impl GpuBackend for BoundedBackend {
         self.call("mig_enabled", CallScope::Gpu(gpu), move |b| b.mig_enabled(gpu))
     }
 
+    fn gpu_processes(&self, gpu: u32) -> Result<Vec<u32>, BackendError> {
+        self.call("gpu_processes", CallScope::Gpu(gpu), move |b| {
+            b.gpu_processes(gpu)
+        })
+    }
+
     fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigModeChange, BackendError> {
         self.call("set_mig_mode", CallScope::Gpu(gpu), move |b| {
             b.set_mig_mode(gpu, enabled)
@@ -397,6 +403,9 @@ mod tests {
             Err(refused())
         }
         fn mig_enabled(&self, _: u32) -> Result<Option<bool>, BackendError> {
+            Err(refused())
+        }
+        fn gpu_processes(&self, _: u32) -> Result<Vec<u32>, BackendError> {
             Err(refused())
         }
         fn set_mig_mode(&self, _: u32, _: bool) -> Result<MigModeChange, BackendError> {

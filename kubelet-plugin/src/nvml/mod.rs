@@ -48,6 +48,9 @@ pub struct MigDescription {
     pub pending_enabled: bool,
     /// GPU-instance profiles (index order) with their possible placements.
     pub profiles: Vec<MigProfile>,
+    /// The GPU is passed through to a VM: the driver cannot reset it, so a mode change that
+    /// needs a reset (Ampere) would only ever be pending.
+    pub passthrough: bool,
 }
 
 /// A compute instance inside a GPU instance.
@@ -139,6 +142,11 @@ pub trait GpuBackend: Send + Sync {
 
     /// The current MIG mode; `None` on a GPU without MIG.
     fn mig_enabled(&self, gpu: u32) -> Result<Option<bool>, BackendError>;
+
+    /// The PIDs of the compute and graphics processes running on a GPU (ascending, each
+    /// once). NVML cannot list other NVML sessions (DCGM, a second plugin): they hold the
+    /// GPU without showing here.
+    fn gpu_processes(&self, gpu: u32) -> Result<Vec<u32>, BackendError>;
 
     /// Switches MIG mode and reads back what happened: `Applied`, `PendingReset` (the
     /// change waits for a reset the driver could not do), or the activation status as the

@@ -395,6 +395,10 @@ impl NvmlBackend {
                 enabled: mode.current != 0,
                 pending_enabled: mode.pending != 0,
                 profiles: self.discover_profiles(index, &device, memory_bytes),
+                passthrough: matches!(
+                    device.virtualization_mode(),
+                    Ok(GpuVirtualizationMode::PassThrough)
+                ),
             }),
             Err(NvmlError::NotSupported) => None,
             Err(e) => return Err(error(op("MIG mode"), &e)),
@@ -678,9 +682,13 @@ impl NvmlBackend {
         let compute = device
             .running_compute_processes()
             .map_err(|e| error(op("compute"), &e))?;
-        let graphics = device
-            .running_graphics_processes()
-            .map_err(|e| error(op("graphics"), &e))?;
+        // A driver without graphics support on the GPU answers NOT_SUPPORTED: no graphics
+        // processes then.
+        let graphics = match device.running_graphics_processes() {
+            Ok(list) => list,
+            Err(NvmlError::NotSupported) => Vec::new(),
+            Err(e) => return Err(error(op("graphics"), &e)),
+        };
         let tag = |kind: &'static str| {
             move |p: nvml_wrapper::struct_wrappers::device::ProcessInfo| GpuProcess {
                 pid: p.pid,
@@ -808,6 +816,14 @@ impl GpuBackend for NvmlBackend {
             }
             records.sort_by_key(|r| r.id);
             Ok(records)
+        })
+    }
+
+    fn gpu_processes(&self, gpu: u32) -> Result<Vec<u32>, BackendError> {
+        timing::timed("gpu_processes", || {
+            let pids: std::collections::BTreeSet<u32> =
+                self.running_processes(gpu)?.iter().map(|p| p.pid).collect();
+            Ok(pids.into_iter().collect())
         })
     }
 

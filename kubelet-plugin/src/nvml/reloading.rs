@@ -102,6 +102,10 @@ impl GpuBackend for ReloadingNvml {
         self.call(|s| s.mig_enabled(gpu))
     }
 
+    fn gpu_processes(&self, gpu: u32) -> Result<Vec<u32>, BackendError> {
+        self.call(|s| s.gpu_processes(gpu))
+    }
+
     fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigModeChange, BackendError> {
         self.call(|s| s.set_mig_mode(gpu, enabled))
     }

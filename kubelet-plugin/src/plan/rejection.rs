@@ -108,6 +108,32 @@ pub enum Rejection {
         "device {device}: switching MIG mode on GPU {minor} needs a GPU reset the driver could not do (processes hold the GPU, or it is passed through to a VM); the change was withdrawn"
     )]
     MigModeChangePending { device: String, minor: u32 },
+    /// The allocation needs a MIG-mode switch that only a GPU reset applies (Ampere), on a GPU
+    /// passed through to a VM, where the driver cannot reset it: the change would only ever
+    /// be pending, so migdra does not ask for it.
+    #[error(
+        "device {device} needs MIG turned {} on GPU {minor}, which applies a MIG-mode change only with a GPU reset that this VM cannot do; the mode was left unchanged (set it on the host, or reboot the VM after nvidia-smi -mig)",
+        on_off(*enabled)
+    )]
+    MigModeNeedsReset {
+        device: String,
+        minor: u32,
+        enabled: bool,
+    },
+    /// Another client holds the GPU, so its MIG mode cannot be switched now. `holders` are
+    /// the processes NVML lists (`pid 4242 (python3)`); empty when only clients NVML cannot
+    /// list hold it (an NVML session: DCGM's nv-hostengine, dcgm-exporter, a second plugin).
+    #[error(
+        "device {device} needs MIG turned {} on GPU {minor}, but the GPU is in use by {}; the mode was left unchanged. Stop them, or use the GPU in the mode it is in (MigPolicy migMode Current, Mig or Whole)",
+        on_off(*enabled),
+        holders_text(holders)
+    )]
+    MigModeSwitchBlocked {
+        device: String,
+        minor: u32,
+        enabled: bool,
+        holders: Vec<String>,
+    },
     /// The GPU vanished between planning and creation.
     #[error("GPU {minor} disappeared")]
     GpuGone { minor: u32 },
@@ -123,6 +149,18 @@ pub enum Rejection {
         "device {device} is allocated with adminAccess but device {other} of the same claim is not; put the monitoring request in a claim of its own"
     )]
     AdminAccessMixed { device: String, other: String },
+}
+
+fn on_off(enabled: bool) -> &'static str {
+    if enabled { "on" } else { "off" }
+}
+
+fn holders_text(holders: &[String]) -> String {
+    if holders.is_empty() {
+        "another client NVML cannot list (an NVML session such as DCGM's nv-hostengine, dcgm-exporter or a second plugin instance)".into()
+    } else {
+        format!("other processes: {}", holders.join(", "))
+    }
 }
 
 impl Rejection {
@@ -149,6 +187,8 @@ impl Rejection {
             },
             Self::ForeignInstances { .. } => "ForeignInstances",
             Self::MigModeChangePending { .. } => "MigModeChangePending",
+            Self::MigModeNeedsReset { .. } => "MigModeNeedsReset",
+            Self::MigModeSwitchBlocked { .. } => "MigModeSwitchBlocked",
             Self::GpuGone { .. } => "GpuGone",
             Self::AdminAccessMigDevice { .. } => "AdminAccessMigDevice",
             Self::AdminAccessMixed { .. } => "AdminAccessMixed",

@@ -29,6 +29,7 @@ fn gpu(minor: u32, key: &str, mig: Option<bool>) -> GpuDescription {
             enabled,
             pending_enabled: enabled,
             profiles: model.profiles.clone(),
+            passthrough: false,
         }),
     }
 }

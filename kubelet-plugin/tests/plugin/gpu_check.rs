@@ -648,13 +648,8 @@ fn full_mode_refuses_a_gpu_a_process_uses_and_says_how_to_run_safely() {
     node.host
         .update_state(|s| {
             s.gpus[1]
-                .running_processes
-                .push(migdra_fake_nvml::state::RunningProcess {
-                    pid: 4242,
-                    graphics: false,
-                    used_memory_bytes: 1 << 30,
-                    mig_instance: None,
-                })
+                .clients
+                .push(migdra_fake_nvml::state::GpuClient::compute(4242, "python3", 1024))
         })
         .unwrap();
     log_calls(&node);
@@ -800,7 +795,10 @@ fn a_missing_cdi_hook_is_a_warning_and_an_installed_one_is_reported() {
     assert_eq!(report.exit_code(), EXIT_OK, "a missing hook is no mismatch");
     let warned = hook_warnings(&report);
     assert_eq!(warned.len(), 1, "{warned:?}");
-    assert!(warned[0].contains(&format!("at {DEFAULT_HOOK_PATH} on the host")), "{warned:?}");
+    assert!(
+        warned[0].contains(&format!("at {DEFAULT_HOOK_PATH} on the host")),
+        "{warned:?}"
+    );
     assert!(warned[0].contains("none of its hooks"), "{warned:?}");
 
     let hook = host.path().join(DEFAULT_HOOK_PATH.trim_start_matches('/'));

@@ -12,6 +12,7 @@ mod gpu_check;
 mod hung_nvml;
 mod lost_checkpoint;
 mod lost_gpu;
+mod mig_mode;
 mod nvml_backend;
 mod observability;
 mod profile_tables;

@@ -43,7 +43,7 @@ pub(super) type Handle = mock::Handle<Request<Body>, Response<Body>>;
 pub fn config() -> ControllerConfig {
     ControllerConfig {
         driver: DRIVER.into(),
-        keep_memory_counter: false,
+        pool: migdra_controller::desired::PoolSettings::default(),
         heartbeat_timeout: HEARTBEAT_TIMEOUT,
         mass_expiry_threshold: 0.55,
         identity: "controller-0".into(),

@@ -101,6 +101,10 @@ impl GpuBackend for GatedBackend {
         self.inner.mig_enabled(gpu)
     }
 
+    fn gpu_processes(&self, gpu: u32) -> Result<Vec<u32>, BackendError> {
+        self.inner.gpu_processes(gpu)
+    }
+
     fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<MigModeChange, BackendError> {
         self.inner.set_mig_mode(gpu, enabled)
     }

@@ -19,10 +19,20 @@ use crate::{
 };
 
 mod counter_model;
+mod mig_mode;
 mod sharing;
 mod validate;
 
 const DRIVER: &str = "gpu.migdra.dev";
+
+/// The default policy, switching MIG modes: what most tests of the slice model exercise,
+/// because it offers every device kind a GPU can have.
+fn dynamic() -> EffectivePolicy {
+    EffectivePolicy {
+        mig_mode: MigMode::Dynamic,
+        ..EffectivePolicy::default()
+    }
+}
 
 fn node_of(model: &GpuModel, gpus: u32, mig_enabled: bool) -> Vec<GpuInventory> {
     (0..gpus).map(|m| model.inventory(m, mig_enabled)).collect()
@@ -151,7 +161,7 @@ fn whole_gpu_and_partitions_exclude_each_other() {
         .filter(|m| m.architecture.mig_mode_switchable())
     {
         let gpus = node_of(model, 1, false);
-        let plan = plan_pool(&gpus, &EffectivePolicy::default());
+        let plan = plan_pool(&gpus, &dynamic());
         let whole = plan
             .devices
             .iter()
@@ -182,7 +192,7 @@ fn whole_gpu_and_partitions_exclude_each_other() {
 fn eight_gpu_nodes_render_valid_minimal_pools() {
     for model in catalog::models() {
         let gpus = node_of(model, 8, true);
-        let plan = plan_pool(&gpus, &EffectivePolicy::default());
+        let plan = plan_pool(&gpus, &dynamic());
         let slices = render(&gpus, &plan);
         validate_pool(&slices).unwrap_or_else(|e| panic!("{}: {e:?}", model.key));
         let per_gpu: usize = model.profiles.iter().map(|p| p.placements.len()).sum::<usize>()
@@ -205,7 +215,7 @@ fn eight_gpu_nodes_render_valid_minimal_pools() {
 fn more_than_eight_gpus_get_more_counter_slices() {
     let model = catalog::model("H100-80GB").unwrap();
     let gpus = node_of(model, 17, true);
-    let plan = plan_pool(&gpus, &EffectivePolicy::default());
+    let plan = plan_pool(&gpus, &dynamic());
     let slices = render(&gpus, &plan);
     validate_pool(&slices).unwrap();
     assert_eq!(plan.counter_slices(), 3);
@@ -215,7 +225,7 @@ fn more_than_eight_gpus_get_more_counter_slices() {
 fn devices_carry_the_documented_attributes() {
     let model = catalog::model("H100-80GB").unwrap();
     let gpus = node_of(model, 1, true);
-    let plan = plan_pool(&gpus, &EffectivePolicy::default());
+    let plan = plan_pool(&gpus, &dynamic());
     let slices = render(&gpus, &plan);
     let devices: Vec<_> = slices.iter().flat_map(|s| s.devices.iter().flatten()).collect();
     let mig = devices
@@ -271,19 +281,19 @@ fn devices_carry_the_documented_attributes() {
 #[test]
 fn mig_mode_decides_what_ampere_offers() {
     let a100 = catalog::model("A100-SXM4-40GB").unwrap();
-    let on = plan_pool(&node_of(a100, 1, true), &EffectivePolicy::default());
+    let on = plan_pool(&node_of(a100, 1, true), &dynamic());
     assert!(
         on.devices
             .iter()
             .all(|d| matches!(d.kind, PlannedKind::Mig { .. })),
         "no whole GPU while MIG is on"
     );
-    let off = plan_pool(&node_of(a100, 1, false), &EffectivePolicy::default());
+    let off = plan_pool(&node_of(a100, 1, false), &dynamic());
     assert_eq!(off.devices.len(), 1);
     assert_eq!(off.devices[0].kind, PlannedKind::Gpu);
     assert!(off.counter_sets.is_empty(), "a lone whole GPU needs no counters");
     let h100 = catalog::model("H100-80GB").unwrap();
-    let hopper = plan_pool(&node_of(h100, 1, false), &EffectivePolicy::default());
+    let hopper = plan_pool(&node_of(h100, 1, false), &dynamic());
     assert!(hopper.devices.iter().any(|d| d.kind == PlannedKind::Gpu));
     assert!(
         hopper
@@ -297,7 +307,7 @@ fn mig_mode_decides_what_ampere_offers() {
 fn non_mig_gpus_publish_whole_devices_without_counters() {
     let mut gpu = catalog::model("H100-80GB").unwrap().inventory(0, false);
     gpu.mig = None;
-    let plan = plan_pool(std::slice::from_ref(&gpu), &EffectivePolicy::default());
+    let plan = plan_pool(std::slice::from_ref(&gpu), &dynamic());
     let slices = render(std::slice::from_ref(&gpu), &plan);
     validate_pool(&slices).unwrap();
     assert_eq!(slices.len(), 1);
@@ -321,7 +331,7 @@ fn foreign_instances_remove_their_placements_and_budget() {
         owner: InstanceOwner::Foreign,
         ..MigInstance::default()
     });
-    let plan = plan_pool(std::slice::from_ref(&gpu), &EffectivePolicy::default());
+    let plan = plan_pool(std::slice::from_ref(&gpu), &dynamic());
     let names: Vec<String> = plan.devices.iter().map(|d| d.name.to_string()).collect();
     assert!(
         !names.iter().any(|n| n == "gpu-0"),
@@ -341,7 +351,7 @@ fn foreign_instances_remove_their_placements_and_budget() {
     validate_pool(&render(std::slice::from_ref(&gpu), &plan)).unwrap();
     // A migdra-owned instance is the scheduler's own allocation: it changes nothing here.
     gpu.mig.as_mut().unwrap().instances[0].owner = InstanceOwner::Migdra;
-    let plan = plan_pool(std::slice::from_ref(&gpu), &EffectivePolicy::default());
+    let plan = plan_pool(std::slice::from_ref(&gpu), &dynamic());
     assert!(plan.devices.iter().any(|d| d.name.to_string() == "gpu-0"));
 }
 
@@ -353,7 +363,7 @@ fn unhealthy_gpus_are_omitted_or_tainted() {
         healthy: false,
         reason: Some("GPU is lost".into()),
     };
-    let omitted = plan_pool(&gpus, &EffectivePolicy::default());
+    let omitted = plan_pool(&gpus, &dynamic());
     assert!(omitted.devices.iter().all(|d| d.gpu_minor == 0));
     let policy = EffectivePolicy {
         unhealthy_gpus: crate::policy::UnhealthyGpus::Taint,
@@ -389,7 +399,7 @@ fn policy_profile_lists_filter_devices() {
             ..Default::default()
         },
     )
-    .effective()
+    .effective(crate::policy::MigMode::default())
     .unwrap();
     let plan = plan_pool(&gpus, &policy);
     let profiles: BTreeSet<String> = plan
@@ -408,7 +418,7 @@ fn policy_profile_lists_filter_devices() {
 
 #[test]
 fn empty_inventory_still_publishes_one_slice() {
-    let plan = plan_pool(&[], &EffectivePolicy::default());
+    let plan = plan_pool(&[], &dynamic());
     let slices = render(&[], &plan);
     assert_eq!(slices.len(), 1);
     validate_pool(&slices).unwrap();
@@ -417,7 +427,7 @@ fn empty_inventory_still_publishes_one_slice() {
 #[test]
 fn packed_order_uses_the_dead_slice_first_and_fills_upwards() {
     let model = catalog::model("H100-80GB").unwrap();
-    let plan = plan_pool(&node_of(model, 1, true), &EffectivePolicy::default());
+    let plan = plan_pool(&node_of(model, 1, true), &dynamic());
     let names: Vec<String> = plan.devices.iter().map(|d| d.name.to_string()).collect();
     let of = |prefix: &str| -> Vec<&str> {
         names

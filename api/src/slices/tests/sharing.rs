@@ -7,10 +7,13 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::resource::v1::Device;
 use proptest::prelude::*;
 
-use super::super::{
-    allocator::Allocator,
-    validate::{PoolError, validate_pool},
-    *,
+use super::{
+    super::{
+        allocator::Allocator,
+        validate::{PoolError, validate_pool},
+        *,
+    },
+    dynamic,
 };
 use crate::{
     catalog,
@@ -30,7 +33,7 @@ fn sharing(profiles: &[&str], shares: u32) -> EffectivePolicy {
             .map(|p| ProfileMatcher::parse(p).unwrap())
             .collect(),
         shares,
-        ..EffectivePolicy::default()
+        ..dynamic()
     }
 }
 
@@ -176,7 +179,7 @@ fn shared_profiles_render_as_multi_allocatable_devices_with_a_shares_capacity() 
         "whole GPUs stay exclusive"
     );
     // Nothing shared without the opt-in.
-    let plain = rendered_devices(&render(&gpus, &plan_pool(&gpus, &EffectivePolicy::default())));
+    let plain = rendered_devices(&render(&gpus, &plan_pool(&gpus, &dynamic())));
     assert!(plain.iter().all(|d| d.allow_multiple_allocations.is_none()));
 }
 

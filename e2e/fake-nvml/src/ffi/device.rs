@@ -6,18 +6,18 @@ use std::ffi::{CStr, c_char, c_int, c_uint};
 
 use nvml_wrapper_sys::bindings::{
     nvmlDevice_t, nvmlDeviceArchitecture_t, nvmlDeviceAttributes_t, nvmlMemory_t, nvmlMemory_v2_t,
-    nvmlPciInfo_t, nvmlProcessInfo_t, nvmlReturn_t,
+    nvmlPciInfo_t, nvmlReturn_t,
 };
 
 use super::{
     MEMORY_V2,
     call::{NullOut::OnWrite, call, entry, get, gpu_ref},
     handles::{Handle, any_device, handle_ptr, physical},
-    memory::{Array, Ptr, StrBuf, fixed_str},
+    memory::{Ptr, StrBuf, fixed_str},
     mig_devices::{mig_profile_name, mig_view},
 };
 use crate::{
-    code::{ARGUMENT_VERSION_MISMATCH, INSUFFICIENT_SIZE, INVALID_ARGUMENT, NOT_FOUND, UNKNOWN},
+    code::{ARGUMENT_VERSION_MISMATCH, INVALID_ARGUMENT, NOT_FOUND, UNKNOWN},
     state::GpuState,
 };
 
@@ -172,79 +172,6 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
                 busId: fixed_str(&format!("00000000:{:02X}:00.0", g.pci_bus)),
             })
         },
-    )
-}
-
-/// Both running-process lists. NVML's protocol: a NULL array or too small a count gives
-/// INSUFFICIENT_SIZE with the needed count written back; no process gives SUCCESS and 0.
-/// With MIG on, the physical GPU's handle lists the processes of every instance.
-fn running_processes(
-    function: &str,
-    device: nvmlDevice_t,
-    count: *mut c_uint,
-    infos: *mut nvmlProcessInfo_t,
-    graphics: bool,
-) -> nvmlReturn_t {
-    // SAFETY: NVML contract: `count` is NULL or a valid pointer; `infos` is NULL or holds
-    // `*count` entries.
-    let (count, array) = unsafe { (Ptr::new(count), Array::new(infos)) };
-    entry(|| {
-        let gpu = physical(device)?;
-        count.check()?;
-        call(function, Some(gpu), |s| {
-            let g = gpu_ref(s, gpu)?;
-            let infos: Vec<nvmlProcessInfo_t> = g
-                .running_processes
-                .iter()
-                .filter(|p| p.graphics == graphics)
-                .map(|p| nvmlProcessInfo_t {
-                    pid: p.pid,
-                    usedGpuMemory: p.used_memory_bytes,
-                    gpuInstanceId: p.mig_instance.map_or(u32::MAX, |(gi, _)| gi),
-                    computeInstanceId: p.mig_instance.map_or(u32::MAX, |(_, ci)| ci),
-                })
-                .collect();
-            let n = u32::try_from(infos.len()).map_err(|_| UNKNOWN)?;
-            if n == 0 {
-                return count.set(0);
-            }
-            if array.is_null() || count.get()? < n {
-                count.set(n)?;
-                return Err(INSUFFICIENT_SIZE);
-            }
-            array.fill(infos)?;
-            count.set(n)
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
-    device: nvmlDevice_t,
-    infoCount: *mut c_uint,
-    infos: *mut nvmlProcessInfo_t,
-) -> nvmlReturn_t {
-    running_processes(
-        "nvmlDeviceGetComputeRunningProcesses_v3",
-        device,
-        infoCount,
-        infos,
-        false,
-    )
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
-    device: nvmlDevice_t,
-    infoCount: *mut c_uint,
-    infos: *mut nvmlProcessInfo_t,
-) -> nvmlReturn_t {
-    running_processes(
-        "nvmlDeviceGetGraphicsRunningProcesses_v3",
-        device,
-        infoCount,
-        infos,
-        true,
     )
 }
 

@@ -24,6 +24,7 @@ mod init;
 mod memory;
 mod mig_devices;
 mod mig_mode;
+mod processes;
 mod system;
 
 use nvml_wrapper_sys::bindings::{

@@ -752,16 +752,21 @@ fn running_process_lists_follow_the_count_protocol_and_split_by_kind() {
     assert_eq!(count, 0);
     l._host
         .update_state(|s| {
-            for (pid, graphics) in [(11, false), (12, false), (13, true)] {
-                s.gpus[0]
-                    .running_processes
-                    .push(migdra_fake_nvml::state::RunningProcess {
-                        pid,
-                        graphics,
-                        used_memory_bytes: 1 << 20,
-                        mig_instance: (pid == 12).then_some((1, 0)),
-                    });
+            use migdra_fake_nvml::state::{ClientKind, GpuClient};
+            for (pid, kind) in [
+                (11, ClientKind::Compute),
+                (12, ClientKind::Compute),
+                (13, ClientKind::Graphics),
+            ] {
+                s.gpus[0].clients.push(GpuClient {
+                    kind,
+                    ..GpuClient::compute(pid, "app", 1)
+                });
             }
+            // An NVML session has no context: neither list shows it.
+            s.gpus[0]
+                .clients
+                .push(GpuClient::nvml_session(14, "nv-hostengine"));
         })
         .unwrap();
     let empty = nvmlProcessInfo_t {
@@ -794,7 +799,7 @@ fn running_process_lists_follow_the_count_protocol_and_split_by_kind() {
             .iter()
             .map(|p| (p.pid, p.gpuInstanceId, p.computeInstanceId))
             .collect::<Vec<_>>(),
-        [(11, u32::MAX, u32::MAX), (12, 1, 0)]
+        [(11, u32::MAX, u32::MAX), (12, u32::MAX, u32::MAX)]
     );
     let mut count = 4;
     assert_eq!(

@@ -141,10 +141,6 @@ fn cgroup_v1_mounts() -> anyhow::Result<Vec<PathBuf>> {
 }
 
 /// Runs a script of `e2e/runtime` that prints a directory last, and returns that directory.
-pub(super) fn run_script_dir(script: &str) -> anyhow::Result<String> {
-    run_script_with(script, &[], &[])
-}
-
 fn run_script(script: &str, args: &[&Path]) -> anyhow::Result<String> {
     run_script_with(script, args, &[])
 }

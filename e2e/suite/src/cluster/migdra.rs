@@ -157,6 +157,8 @@ impl Cluster {
                 ),
                 "--log-level=info,migdra_controller=debug",
                 &format!("--keep-memory-counter={}", self.controller_keep_memory_counter),
+                // The suite's GPUs serve partitions and whole GPUs in turn.
+                "--default-mig-mode=dynamic",
             ],
         )
     }

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use migdra_api::{
     inventory::{GpuInventory, GpuNode, GpuNodeSpec, GpuNodeStatus},
-    policy::{EffectivePolicy, ProfileMatcher},
+    policy::{EffectivePolicy, MigMode, ProfileMatcher},
     slices::{PlannedKind, PoolIdentity, allocator::Allocator, published_plan, render_pool},
 };
 
@@ -20,9 +20,11 @@ use super::{
 };
 use crate::plugin::{DRIVER, NODE, POOL};
 
-/// The node's MigPolicy: every profile offered, whole GPUs too, `1g` profiles shared.
+/// The node's MigPolicy: every profile offered, whole GPUs too, MIG modes switched at prepare
+/// (the campaign injects faults into switches), `1g` profiles shared.
 pub fn policy() -> EffectivePolicy {
     EffectivePolicy {
+        mig_mode: MigMode::Dynamic,
         shared_profiles: vec![ProfileMatcher::parse("1g").expect("1g is a profile class")],
         ..EffectivePolicy::default()
     }
