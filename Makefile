@@ -36,9 +36,11 @@ e2e: build
 	cargo test --workspace --test e2e
 
 # The e2e suite's containerd theme, on a cluster whose kubelet runs on containerd and runc built
-# from the Go module proxy (e2e/runtime/); on the fake CRI above those tests are ignored.
+# from the Go module proxy (e2e/runtime/), with migdra installed by its Helm chart and running
+# only in its pods, from images built from the Dockerfile (e2e/runtime/migdra-images.sh, with
+# the binaries `build` made); on the fake CRI above those tests are ignored.
 e2e-containerd: build
-	MIGDRA_E2E_RUNTIME=containerd cargo test --workspace --test e2e -- containerd_
+	MIGDRA_E2E_RUNTIME=containerd MIGDRA_E2E_MIGDRA=chart cargo test --workspace --test e2e -- containerd_
 
 test: unit go-test chart-test e2e e2e-containerd
 

@@ -10,7 +10,7 @@ use anyhow::{Context, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, api::PostParams};
 use migdra_e2e::{
-    cluster::{API_SERVICE_IP, BUSYBOX_IMAGE, Cluster, POD_SUBNET, Runtime, wait_until},
+    cluster::{API_SERVICE_IP, BUSYBOX_IMAGE, Cluster, MigdraMode, POD_SUBNET, Runtime, wait_until},
     workload::{NAMESPACE, create_pod, create_template, delete_pods, profile_is, wait_phase},
 };
 use serde_json::json;
@@ -21,7 +21,8 @@ tests![
     containerd_runs_a_plain_pod,
     containerd_pods_reach_the_apiserver,
     containerd_kubelet_probes_a_pod,
-    containerd_applies_a_mig_claims_cdi_spec
+    containerd_applies_a_mig_claims_cdi_spec,
+    containerd_chart_probe_sees_exactly_its_spec
 ];
 
 /// Fails unless the cluster runs on containerd (the harness ignores these tests otherwise).
@@ -285,4 +286,148 @@ async fn containerd_applies_a_mig_claims_cdi_spec(cluster: &mut Cluster) -> anyh
 
 async fn workload_phase(cluster: &Cluster, pod: &str) -> Option<String> {
     migdra_e2e::workload::phase(&cluster.client, pod).await
+}
+
+/// The workload probe image (`e2e/runtime/gpu-probe`), imported with migdra's images.
+const PROBE_IMAGE: &str = "migdra.dev/e2e/gpu-probe:e2e";
+
+/// migdra from its chart: a pod with a MIG claim runs the probe image, and what the container
+/// reports it saw (device nodes with their numbers, environment, the libraries the dynamic
+/// linker resolves after the hooks ran) is exactly what the claim's CDI spec, written by the
+/// plugin's pod, asks for.
+async fn containerd_chart_probe_sees_exactly_its_spec(cluster: &mut Cluster) -> anyhow::Result<()> {
+    require_containerd(cluster)?;
+    ensure!(
+        cluster.layout.migdra_mode == MigdraMode::Chart,
+        "migdra runs as host processes: run with MIGDRA_E2E_MIGDRA=chart (the probe image comes with migdra's images)"
+    );
+    let c = cluster.client.clone();
+    let name = "ctrd-probe";
+    create_template(&c, name, mig(&[profile_is("1g.10gb")]), None).await?;
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "restartPolicy": "Never",
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": name}],
+            "containers": [{
+                "name": "main",
+                "image": PROBE_IMAGE,
+                "imagePullPolicy": "Never",
+                // Print, then wait: a finished pod's claim is unprepared, its spec removed.
+                "args": ["sleep"],
+                "resources": {"claims": [{"name": "gpu"}]}
+            }]
+        }
+    }))?;
+    Api::<Pod>::namespaced(c.clone(), NAMESPACE)
+        .create(&PostParams::default(), &pod)
+        .await?;
+    let seen: serde_json::Value = wait_until(Duration::from_secs(120), || async {
+        if workload_phase(cluster, name).await? != "Running" {
+            return None;
+        }
+        serde_json::from_str(&kubectl_logs(cluster, name, "main").ok()?).ok()
+    })
+    .await
+    .context("the probe pod printed no report while running")?;
+    eprintln!("e2e: the probe in {name} saw:\n{seen:#}");
+
+    // The claim's spec, as the plugin's pod wrote it to the CDI directory containerd reads.
+    let specs: Vec<_> = std::fs::read_dir(&cluster.layout.cdi_dir)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().contains("-claim_"))
+        })
+        .collect();
+    ensure!(specs.len() == 1, "expected one claim spec, found {specs:?}");
+    let spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&specs[0])?)?;
+    let all_edits = spec["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|d| &d["containerEdits"])
+        .chain(std::iter::once(&spec["containerEdits"]));
+    let wanted: Vec<(String, u64, u64)> = all_edits
+        .flat_map(|e| e["deviceNodes"].as_array().cloned().unwrap_or_default())
+        .filter_map(|n| {
+            Some((
+                n["path"].as_str()?.to_string(),
+                n["major"].as_u64()?,
+                n["minor"].as_u64()?,
+            ))
+        })
+        .collect();
+    ensure!(
+        wanted.iter().any(|(p, _, _)| p.starts_with("/dev/nvidia-caps/")),
+        "the spec names no MIG capability node: {spec}"
+    );
+    let devices = seen["devices"]
+        .as_array()
+        .context("no devices in the probe's output")?;
+    for (path, major, minor) in &wanted {
+        let found = devices.iter().find(|d| d["path"] == path.as_str());
+        let found = found.with_context(|| format!("{path} is not in the container: {devices:?}"))?;
+        ensure!(
+            found["type"] == "c" && found["major"] == *major && found["minor"] == *minor,
+            "{path} in the container is {found}, the spec says c {major}:{minor}"
+        );
+    }
+    // No capability node of another instance: the container sees only its own.
+    let caps_seen = devices
+        .iter()
+        .filter(|d| {
+            d["path"]
+                .as_str()
+                .is_some_and(|p| p.starts_with("/dev/nvidia-caps/nvidia-cap"))
+        })
+        .count();
+    let caps_wanted = wanted
+        .iter()
+        .filter(|(p, _, _)| p.starts_with("/dev/nvidia-caps/nvidia-cap"))
+        .count();
+    ensure!(
+        caps_seen == caps_wanted,
+        "the container sees {caps_seen} capability nodes, its spec {caps_wanted}"
+    );
+
+    ensure!(
+        seen["env"]["NVIDIA_VISIBLE_DEVICES"] == "void",
+        "env: {}",
+        seen["env"]
+    );
+    let uuids: Vec<&str> = seen["env"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with("MIGDRA_DEVICE_UUID_"))
+        .filter_map(|(_, v)| v.as_str())
+        .collect();
+    ensure!(
+        uuids.len() == 1 && uuids[0].starts_with("MIG-"),
+        "one MIG UUID expected in the env: {}",
+        seen["env"]
+    );
+    // The dynamic linker resolves the driver's libraries to the files the spec mounts from the
+    // driver root. The fake driver's libraries are stubs, not ELF, so dlopen names the file
+    // it found and refuses it ("file too short"), and ldconfig leaves them out of its cache.
+    for soname in ["libnvidia-ml.so.1", "libcuda.so.1"] {
+        let library = &seen["libraries"][soname];
+        let error = library["error"].as_str().unwrap_or_default();
+        ensure!(
+            error.contains(&format!("/{soname}: file too short")),
+            "the dynamic linker did not find the driver's {soname}: {library}"
+        );
+    }
+    // The fake driver root's nvidia-smi, mounted by the spec, runs in the container.
+    ensure!(
+        seen["nvidia_smi"]["exit_code"] == 0,
+        "nvidia-smi: {}",
+        seen["nvidia_smi"]
+    );
+    delete_pods(&c, &[name]).await?;
+    settle(cluster).await
 }
