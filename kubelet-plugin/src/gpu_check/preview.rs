@@ -112,8 +112,15 @@ pub fn published(
         .flat_map(|slice| slice.devices.unwrap_or_default())
         .map(|d| (d.name.clone(), d))
         .collect();
-    let mut findings = Vec::new();
     let label = format!("GPU {} ({})", gpu.index, gpu.product_name);
+    // What the plugin's EngineCountersOverruled event says, before the node publishes.
+    let mut findings: Vec<Finding> = gpus[0]
+        .mig
+        .as_ref()
+        .and_then(|m| m.engine_counters_overruled.as_ref())
+        .map(|why| Finding::warning(format!("{label}: {why}")))
+        .into_iter()
+        .collect();
     let mut devices = Vec::new();
     for d in &plan.devices {
         let name = d.name.to_string();

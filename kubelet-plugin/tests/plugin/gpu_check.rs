@@ -814,3 +814,19 @@ fn a_missing_cdi_hook_is_a_warning_and_an_installed_one_is_reported() {
         "the host path, as the specs name it"
     );
 }
+
+#[test]
+fn engine_counts_that_add_up_past_the_gpu_are_reported_read_only() {
+    let node = CheckedHost::with_gpus(&[("A100-80GB-OVERADDING", true), ("A100-80GB", true)]);
+    log_calls(&node);
+    let report = node.check(&node.options(true)).unwrap();
+    let overruled: Vec<&str> = report
+        .all_findings()
+        .filter(|f| f.severity == Severity::Warning && f.message.contains("add up past the GPU's"))
+        .map(|f| f.message.as_str())
+        .collect();
+    assert_eq!(overruled.len(), 1, "{overruled:?}");
+    assert!(overruled[0].starts_with("GPU 0 "), "{overruled:?}");
+    assert!(overruled[0].contains("decoders"), "{overruled:?}");
+    assert!(mutating_calls(&node).is_empty(), "read-only changed something");
+}
