@@ -152,24 +152,7 @@ mod tests {
     #[test]
     fn the_counters_accept_what_they_publish_and_refuse_what_they_do_not() {
         let model = catalog::model("A30-24GB").unwrap();
-        let gpu = crate::nvml::GpuDescription {
-            index: 0,
-            minor: 0,
-            uuid: model.uuid(0),
-            product_name: model.product_name.into(),
-            pci_bus_id: None,
-            pci_device_id: model.pci_device_ids.first().copied(),
-            numa_node: None,
-            memory_mib: model.memory_mib,
-            architecture: Some(model.architecture),
-            cuda_compute_capability: None,
-            mig: Some(crate::nvml::MigDescription {
-                enabled: false,
-                pending_enabled: false,
-                passthrough: false,
-                profiles: model.profiles.clone(),
-            }),
-        };
+        let gpu = crate::nvml::catalog_gpu(0, "A30-24GB", Some(false));
         let counters = CounterModel::new(&gpu);
         let layouts = maximal_layouts(&model.profiles);
         assert!(layouts.iter().all(|l| !l.is_empty()));
