@@ -1,5 +1,6 @@
 # migdra — the two commands the README promises, plus their parts.
-#   make demo   local cluster with simulated GPUs, workloads, MIG layout, teardown
+#   make demo   local cluster on containerd with simulated GPUs, migdra from its chart (helm
+#               install, images from a loopback registry), workloads, MIG layout, teardown
 #   make test   every test: unit, integration, fake CRI, chart, end-to-end (fake CRI and containerd)
 #   make lint   formatting and lints: Rust, the Go in e2e/upstream, shell scripts
 #   make fault-campaign TRIALS=1000 [SEED=1] [JOBS=8]

@@ -97,7 +97,10 @@ impl Cluster {
             Some(runtime) => runtime,
             None => Runtime::from_env()?,
         };
-        let migdra_mode = MigdraMode::from_env()?;
+        let migdra_mode = match config.migdra_mode {
+            Some(mode) => mode,
+            None => MigdraMode::from_env()?,
+        };
         if migdra_mode == MigdraMode::Chart && runtime != Runtime::Containerd {
             bail!("migdra's chart runs its pods on containerd only: set MIGDRA_E2E_RUNTIME=containerd");
         }

@@ -78,6 +78,8 @@ pub struct ClusterConfig {
     /// The container runtime under the kubelet; `None` reads [`RUNTIME_ENV`] (unset: the fake
     /// CRI).
     pub runtime: Option<Runtime>,
+    /// How migdra runs; `None` reads [`MIGDRA_MODE_ENV`] (unset: host processes).
+    pub migdra_mode: Option<MigdraMode>,
 }
 
 impl Default for ClusterConfig {
@@ -97,6 +99,7 @@ impl Default for ClusterConfig {
             kubelet_anonymous_reads: false,
             control_plane_api_qps: None,
             runtime: None,
+            migdra_mode: None,
         }
     }
 }
