@@ -263,7 +263,7 @@ impl Cluster {
                 } else {
                     None
                 };
-                self.kubelet_cgroup_root = Some(self.start_containerd(&config.runs_dir, &[])?);
+                self.kubelet_cgroup_root = Some(self.start_containerd(&config.runs_dir)?);
                 // migdra's images are pulled by the kubelet, from the registry in the node's
                 // network namespace.
                 if let Some(dir) = images_dir {

@@ -257,13 +257,9 @@ impl Cluster {
         Ok(root)
     }
 
-    /// Starts containerd in a network namespace of its own, with the local images and
-    /// `extra_images` (name, tarball) imported; returns the kubelet's cgroup root.
-    pub(super) fn start_containerd(
-        &mut self,
-        runs_dir: &Path,
-        extra_images: &[(String, String)],
-    ) -> anyhow::Result<String> {
+    /// Starts containerd in a network namespace of its own, with the local images
+    /// (`images.sh`) imported; returns the kubelet's cgroup root.
+    pub(super) fn start_containerd(&mut self, runs_dir: &Path) -> anyhow::Result<String> {
         let run = self.layout.run_dir.clone();
         let real_run = fs::canonicalize(&run)?;
         clean_leftovers(runs_dir, &real_run)?;
@@ -406,10 +402,6 @@ impl Cluster {
         for line in list.lines() {
             let (_, tarball) = line.split_once('\t').context("bad images.txt line")?;
             ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])?;
-        }
-        for (name, tarball) in extra_images {
-            ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])
-                .with_context(|| format!("importing {name}"))?;
         }
         ctr(&["images", "tag", "--force", BUSYBOX_IMAGE, WORKLOAD_IMAGE])?;
         Ok(cgroup_root)
