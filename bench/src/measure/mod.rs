@@ -6,6 +6,7 @@
 
 pub mod node;
 pub mod packing;
+pub mod levers;
 pub mod pods;
 pub mod profile;
 pub mod publish;

@@ -31,6 +31,7 @@ use super::{
 use migdra_e2e::cluster::{Cluster, DRIVER, wait_until};
 
 use super::{
+    levers::{self, LEVER_CLASS, Lever},
     profile::ProfileRequest,
     publish::{CONTROLLER, delete_driver_slices},
 };
@@ -422,6 +423,18 @@ pub enum Phase {
     /// would configure it. The policy is applied for the phase and deleted after.
     #[value(name = "migdra-1g10gb-only")]
     MigdraOneProfile,
+    /// migdra's pools with one lever applied ([`levers::Lever`]), published under another
+    /// driver with migdra's pools withdrawn (as for the anchor), the `1g.10gb` class copied.
+    #[value(name = "lever-order-by-profile")]
+    LeverOrderByProfile,
+    #[value(name = "lever-merged-counter-sets")]
+    LeverMergedCounterSets,
+    #[value(name = "lever-no-counters")]
+    LeverNoCounters,
+    #[value(name = "lever-selector-attributes")]
+    LeverSelectorAttributes,
+    #[value(name = "lever-no-engine-capacities")]
+    LeverNoEngineCapacities,
 }
 
 impl Phase {
@@ -430,6 +443,17 @@ impl Phase {
             self,
             Self::Anchor | Self::AnchorBeside | Self::AnchorNvidiaAttributes
         )
+    }
+
+    fn lever(self) -> Option<Lever> {
+        match self {
+            Self::LeverOrderByProfile => Some(Lever::OrderByProfile),
+            Self::LeverMergedCounterSets => Some(Lever::MergedCounterSets),
+            Self::LeverNoCounters => Some(Lever::NoCounters),
+            Self::LeverSelectorAttributes => Some(Lever::SelectorAttributes),
+            Self::LeverNoEngineCapacities => Some(Lever::NoEngineCapacities),
+            _ => None,
+        }
     }
 }
 
@@ -570,10 +594,23 @@ pub async fn run(
     let client = &cluster.client.clone();
     let mut phases = Vec::new();
     for (i, phase) in order.iter().enumerate() {
+        // A lever's copy is read from migdra's pools before they are withdrawn.
+        let copy = match phase.lever() {
+            Some(lever) => Some(levers::prepare(client, DRIVER, MIG_1G_CLASS, lever).await?),
+            None => None,
+        };
         let withdrawn = match phase {
             Phase::Anchor | Phase::AnchorNvidiaAttributes => Some(withdraw_migdra(cluster).await?),
+            _ if copy.is_some() => Some(withdraw_migdra(cluster).await?),
             _ => None,
         };
+        if let Some(copy) = &copy {
+            levers::publish(client, copy)
+                .await
+                .with_context(|| format!("publishing {phase:?}'s pools"))?;
+            tracing::info!(devices = copy.devices(), "lever pools published");
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
         let full_devices = if *phase == Phase::MigdraOneProfile {
             let (full, _) = migdra_devices(client).await?;
             one_profile_policy(client, true, full).await?;
@@ -598,6 +635,10 @@ pub async fn run(
             }
             Phase::Migdra => (format!("b1-migdra-{i}"), MIG_1G_CLASS),
             Phase::MigdraOneProfile => (format!("b1-one-profile-{i}"), MIG_1G_CLASS),
+            lever => (
+                format!("b1-{}-{i}", lever.lever().map_or("lever", Lever::name)),
+                LEVER_CLASS,
+            ),
         };
         // A template per phase: its claims carry the phase's run label.
         let (run, class) = (run, template);
@@ -633,6 +674,9 @@ pub async fn run(
         if phase.is_anchor() {
             remove_static(client).await?;
         }
+        if copy.is_some() {
+            levers::remove(client).await?;
+        }
         if let Some(slices) = withdrawn {
             restore_migdra(cluster, slices).await?;
         }
@@ -652,12 +696,10 @@ pub async fn run(
     let last = |p: Phase| phases.iter().rev().find(|r| r.phase == p).map(|r| &r.result);
     // The ratio is against the static world alone when it was measured.
     let alone = last(Phase::Anchor).is_some();
-    let (Some(migdra), Some(anchor)) = (
-        last(Phase::Migdra),
-        last(Phase::Anchor).or_else(|| last(Phase::AnchorBeside)),
-    ) else {
-        anyhow::bail!("B1 needs at least one anchor and one migdra phase");
+    let Some(migdra) = last(Phase::Migdra) else {
+        anyhow::bail!("B1 needs at least one migdra phase");
     };
+    let anchor = last(Phase::Anchor).or_else(|| last(Phase::AnchorBeside));
     let describe = |r: &RunResult| -> String {
         let lat = r.bind_latency.summary().map(|s| latency(&s)).unwrap_or_default();
         format!(
@@ -675,7 +717,9 @@ pub async fn run(
             }
         )
     };
-    let ratio = (anchor.pods_per_second > 0.0).then(|| migdra.pods_per_second / anchor.pods_per_second);
+    let ratio = anchor
+        .filter(|a| a.pods_per_second > 0.0)
+        .map(|a| migdra.pods_per_second / a.pods_per_second);
     // The other pairs a reader compares: the one-profile pool against both anchors, and migdra
     // against the anchor described as NVIDIA's driver describes it.
     let mut ratios = Vec::new();
@@ -707,6 +751,7 @@ pub async fn run(
             ratios.push(format!("{what}: {:.2}×", n.pods_per_second / d.pods_per_second));
         }
     }
+    ratios.extend(lever_ratios(&phases));
     Ok(Row {
         id: "B1",
         measure: format!(
@@ -714,14 +759,19 @@ pub async fn run(
             nodes.len()
         ),
         value: format!("{:.1} pods/s", migdra.pods_per_second),
-        anchor: format!(
-            "static MIG, 56 counter-less devices per node{}: {:.1} pods/s",
-            if alone {
-                " (alone)"
-            } else {
-                ", beside migdra's pools"
+        anchor: anchor.map_or_else(
+            || "static MIG not run".to_string(),
+            |anchor| {
+                format!(
+                    "static MIG, 56 counter-less devices per node{}: {:.1} pods/s",
+                    if alone {
+                        " (alone)"
+                    } else {
+                        ", beside migdra's pools"
+                    },
+                    anchor.pods_per_second
+                )
             },
-            anchor.pods_per_second
         ),
         ratio,
         goal: "≥ 80% of the anchor",
@@ -747,6 +797,7 @@ pub async fn run(
                         Phase::Migdra => "migdra",
                         Phase::MigdraOneProfile =>
                             "migdra, MigPolicy offering only 1g.10gb (56 devices per node)",
+                        lever => lever.lever().map_or("lever", Lever::describe),
                     },
                     p.result.pods_per_second,
                     describe(&p.result),
@@ -768,4 +819,35 @@ pub async fn run(
             }
         ),
     })
+}
+
+/// Each lever phase against migdra's default pool in the same run: its rate over the mean rate
+/// of the `migdra` phases, and its DynamicResources Filter mean per sampled call over theirs.
+fn lever_ratios(phases: &[PhaseResult]) -> Vec<String> {
+    let filter = |p: &PhaseResult| {
+        p.scheduler
+            .as_ref()
+            .and_then(|s| s.dra.get("Filter"))
+            .map(|(mean, _)| *mean)
+    };
+    let mean = |values: Vec<f64>| (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64);
+    let migdra: Vec<&PhaseResult> = phases.iter().filter(|p| p.phase == Phase::Migdra).collect();
+    let rate = mean(migdra.iter().map(|p| p.result.pods_per_second).collect());
+    let migdra_filter = mean(migdra.iter().filter_map(|p| filter(p)).collect());
+    phases
+        .iter()
+        .filter_map(|p| Some((p.phase.lever()?, p)))
+        .filter_map(|(lever, p)| {
+            let rate = rate.filter(|r| *r > 0.0)?;
+            let filter = filter(p)
+                .zip(migdra_filter)
+                .map(|(l, m)| format!(", Filter {:.2} / {:.2} ms", l * 1000.0, m * 1000.0))
+                .unwrap_or_default();
+            Some(format!(
+                "lever {} / migdra (mean of its phases): {:.2}×{filter}",
+                lever.name(),
+                p.result.pods_per_second / rate
+            ))
+        })
+        .collect()
 }
