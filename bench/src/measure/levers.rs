@@ -136,12 +136,7 @@ pub fn transform(lever: Lever, driver: &str, pool: &[ResourceSliceSpec]) -> Vec<
             devices.sort_by_key(|d| rank.get(&profile_key(d)).copied().unwrap_or(usize::MAX));
         }
         Lever::MergedCounterSets => {
-            let per_set = sets
-                .iter()
-                .map(|s| s.counters.len())
-                .max()
-                .unwrap_or(1)
-                .max(1);
+            let per_set = sets.iter().map(|s| s.counters.len()).max().unwrap_or(1).max(1);
             let sets_per_merged = (COUNTERS_PER_SET / per_set).max(1);
             let mut merged_of: BTreeMap<String, String> = BTreeMap::new();
             let mut merged: Vec<CounterSet> = Vec::new();
@@ -325,7 +320,8 @@ pub async fn publish(client: &Client, copy: &Copy) -> anyhow::Result<()> {
         .map(|slice| {
             let api = api.clone();
             async move {
-                match crate::retry::retry(|| async { api.create(&PostParams::default(), &slice).await }).await {
+                match crate::retry::retry(|| async { api.create(&PostParams::default(), &slice).await }).await
+                {
                     Ok(_) => Ok(()),
                     Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
                     Err(e) => Err(anyhow::Error::from(e))
@@ -492,7 +488,13 @@ mod tests {
             .flat_map(|s| s.devices.iter().flatten())
             .find(|d| d.name == "gpu-0-mig-2g20gb-0")
             .expect("device");
-        assert!(device.attributes.as_ref().expect("attributes").contains_key("productName"));
+        assert!(
+            device
+                .attributes
+                .as_ref()
+                .expect("attributes")
+                .contains_key("productName")
+        );
         let capacity: Vec<&String> = device.capacity.as_ref().expect("capacity").keys().collect();
         assert_eq!(capacity, ["memory"]);
     }

@@ -4,9 +4,9 @@
 //! controller), and the packing simulation ([`packing`]: B7). [`pods`] holds the workload
 //! helpers they share.
 
+pub mod levers;
 pub mod node;
 pub mod packing;
-pub mod levers;
 pub mod pods;
 pub mod profile;
 pub mod publish;

@@ -830,7 +830,8 @@ fn lever_ratios(phases: &[PhaseResult]) -> Vec<String> {
             .and_then(|s| s.dra.get("Filter"))
             .map(|(mean, _)| *mean)
     };
-    let mean = |values: Vec<f64>| (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64);
+    let mean =
+        |values: Vec<f64>| (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64);
     let migdra: Vec<&PhaseResult> = phases.iter().filter(|p| p.phase == Phase::Migdra).collect();
     let rate = mean(migdra.iter().map(|p| p.result.pods_per_second).collect());
     let migdra_filter = mean(migdra.iter().filter_map(|p| filter(p)).collect());
