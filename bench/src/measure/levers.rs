@@ -514,6 +514,24 @@ mod tests {
     }
 
     #[test]
+    fn each_lever_has_its_b1_phase() {
+        use clap::ValueEnum as _;
+        for lever in [
+            Lever::OrderByProfile,
+            Lever::MergedCounterSets,
+            Lever::NoCounters,
+            Lever::SelectorAttributes,
+            Lever::NoEngineCapacities,
+        ] {
+            let phase =
+                crate::measure::scheduling::Phase::from_str(&format!("lever-{}", lever.name()), false)
+                    .expect("a phase of that name");
+            assert_eq!(phase.lever(), Some(lever));
+        }
+        assert!(crate::measure::scheduling::Phase::from_str("lever-nothing", false).is_err());
+    }
+
+    #[test]
     fn an_empty_pool_stays_empty() {
         assert!(transform(Lever::NoCounters, LEVER_DRIVER, &[]).is_empty());
     }

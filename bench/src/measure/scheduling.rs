@@ -445,7 +445,7 @@ impl Phase {
         )
     }
 
-    fn lever(self) -> Option<Lever> {
+    pub(crate) fn lever(self) -> Option<Lever> {
         match self {
             Self::LeverOrderByProfile => Some(Lever::OrderByProfile),
             Self::LeverMergedCounterSets => Some(Lever::MergedCounterSets),
