@@ -230,7 +230,8 @@ mod tests {
         // Full of 1g.10gb: nothing fits; every device not in use was evaluated.
         let full = cost_after(&plan, &[one_g; 7], one_g);
         assert_eq!((full.evaluations, full.hit), (18, None));
-        // "Any ≥ 19 GiB" (1g.20gb has 19,968 MiB) takes the first 1g.20gb (at 6, the slice 1g.10gb cannot use).
+        // "Any ≥ 19 GiB" (an H100 1g.20gb has 20,096 MiB, under 20 GiB) takes the first
+        // 1g.20gb (at 6, the slice 1g.10gb cannot use).
         let any = cost_after(&plan, &[], Request::AtLeastGib(19));
         assert_eq!(
             plan.devices[any.hit.expect("fits")].name.to_string(),
