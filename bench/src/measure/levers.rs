@@ -340,6 +340,29 @@ pub async fn remove(client: &Client) -> anyhow::Result<()> {
     delete_driver_slices(client, LEVER_DRIVER).await
 }
 
+/// Where first fit landed: allocated devices per GPU minor over all nodes, from device names
+/// `gpu-<minor>…` (the static anchor's too). With the published order kept across a pool's
+/// slices, B1's `1g.10gb` claims fill GPU 0 of each node before GPU 1.
+pub fn landing(devices: &[(String, String)]) -> String {
+    let mut per_gpu: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut other = 0;
+    for (_, device) in devices {
+        let minor = device
+            .strip_prefix("gpu-")
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|m| m.parse().ok());
+        match minor {
+            Some(m) => *per_gpu.entry(m).or_default() += 1,
+            None => other += 1,
+        }
+    }
+    let mut parts: Vec<String> = per_gpu.iter().map(|(m, n)| format!("GPU {m}: {n}")).collect();
+    if other > 0 {
+        parts.push(format!("other: {other}"));
+    }
+    parts.join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use migdra_api::{
@@ -529,6 +552,22 @@ mod tests {
             assert_eq!(phase.lever(), Some(lever));
         }
         assert!(crate::measure::scheduling::Phase::from_str("lever-nothing", false).is_err());
+    }
+
+    #[test]
+    fn landing_counts_claims_per_gpu_minor() {
+        let devices: Vec<(String, String)> = [
+            "gpu-0-mig-1g10gb-0",
+            "gpu-0-mig-1g10gb-1",
+            "gpu-12-mig-1g10gb-0",
+            "gpu-3",
+            "something-else",
+        ]
+        .iter()
+        .map(|d| ("node-a/gpu.migdra.dev".to_string(), d.to_string()))
+        .collect();
+        assert_eq!(landing(&devices), "GPU 0: 2, GPU 3: 1, GPU 12: 1, other: 1");
+        assert_eq!(landing(&[]), "");
     }
 
     #[test]

@@ -60,6 +60,8 @@ struct RunResult {
     correct: bool,
     unallocated: usize,
     duplicates: usize,
+    /// Allocated devices per GPU minor ([`levers::landing`]).
+    landing: String,
 }
 
 /// A static 1g.10gb device at `placement` of GPU `gpu` of `node`: the bare anchor's four
@@ -262,6 +264,7 @@ async fn schedule(
         correct: bound.len() == count && claims.len() == count && unallocated == 0 && duplicates == 0,
         unallocated,
         duplicates,
+        landing: levers::landing(&devices),
     })
 }
 
@@ -703,10 +706,11 @@ pub async fn run(
     let describe = |r: &RunResult| -> String {
         let lat = r.bind_latency.summary().map(|s| latency(&s)).unwrap_or_default();
         format!(
-            "{}/{} bound, created→bound {lat}, pods created in {:.1} s{}",
+            "{}/{} bound, created→bound {lat}, pods created in {:.1} s, claims per GPU minor: {}{}",
             r.bound,
             r.pods,
             r.creation_seconds,
+            r.landing,
             if r.correct {
                 String::new()
             } else {
