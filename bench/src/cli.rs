@@ -41,9 +41,8 @@ pub struct Args {
     pub b1_pods: usize,
     /// B1's phases in order: `anchor` (static MIG, the bare devices the issue names), `migdra`,
     /// `migdra-1g10gb-only` (migdra under a MigPolicy offering what the anchor offers),
-    /// `anchor-nvidia-attributes` (the static devices as NVIDIA's driver describes them),
-    /// `anchor-beside` and the `lever-*` phases (migdra's pool with one change each, see
-    /// `measure::levers`); a phase may repeat (`anchor,migdra,anchor` shows order effects). The
+    /// `anchor-nvidia-attributes` (the static devices as NVIDIA's driver describes them) and
+    /// `anchor-beside`; a phase may repeat (`anchor,migdra,anchor` shows order effects). The
     /// ratio is `migdra` against `anchor`, each one's last run; the note gives the others.
     #[arg(
         long,

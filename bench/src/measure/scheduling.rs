@@ -426,16 +426,22 @@ pub enum Phase {
     /// would configure it. The policy is applied for the phase and deleted after.
     #[value(name = "migdra-1g10gb-only")]
     MigdraOneProfile,
-    /// migdra's pools with one lever applied ([`levers::Lever`]), published under another
-    /// driver with migdra's pools withdrawn (as for the anchor), the `1g.10gb` class copied.
+    // The lever phases: migdra's pools with one change ([`levers::Lever`]), published under
+    // another driver with migdra's pools withdrawn (as for the anchor), the `1g.10gb` class
+    // copied for that driver.
+    /// migdra's pool, devices grouped profile by profile across the node.
     #[value(name = "lever-order-by-profile")]
     LeverOrderByProfile,
+    /// migdra's pool, a node's counter sets merged into as few as the limits allow.
     #[value(name = "lever-merged-counter-sets")]
     LeverMergedCounterSets,
+    /// migdra's pool without counters (a bound: overlapping partitions are allowed).
     #[value(name = "lever-no-counters")]
     LeverNoCounters,
+    /// migdra's pool with only the attributes and capacities selectors use.
     #[value(name = "lever-selector-attributes")]
     LeverSelectorAttributes,
+    /// migdra's pool without the engine capacities.
     #[value(name = "lever-no-engine-capacities")]
     LeverNoEngineCapacities,
 }
@@ -597,23 +603,10 @@ pub async fn run(
     let client = &cluster.client.clone();
     let mut phases = Vec::new();
     for (i, phase) in order.iter().enumerate() {
-        // A lever's copy is read from migdra's pools before they are withdrawn.
-        let copy = match phase.lever() {
-            Some(lever) => Some(levers::prepare(client, DRIVER, MIG_1G_CLASS, lever).await?),
-            None => None,
-        };
         let withdrawn = match phase {
             Phase::Anchor | Phase::AnchorNvidiaAttributes => Some(withdraw_migdra(cluster).await?),
-            _ if copy.is_some() => Some(withdraw_migdra(cluster).await?),
             _ => None,
         };
-        if let Some(copy) = &copy {
-            levers::publish(client, copy)
-                .await
-                .with_context(|| format!("publishing {phase:?}'s pools"))?;
-            tracing::info!(devices = copy.devices(), "lever pools published");
-            tokio::time::sleep(Duration::from_secs(5)).await;
-        }
         let full_devices = if *phase == Phase::MigdraOneProfile {
             let (full, _) = migdra_devices(client).await?;
             one_profile_policy(client, true, full).await?;
@@ -621,6 +614,8 @@ pub async fn run(
         } else {
             None
         };
+        // migdra's slices while a lever phase runs without them.
+        let mut lever_withdrawn = None;
         let (run, template) = match phase {
             Phase::Anchor | Phase::AnchorBeside | Phase::AnchorNvidiaAttributes => {
                 let nvidia = *phase == Phase::AnchorNvidiaAttributes;
@@ -638,10 +633,20 @@ pub async fn run(
             }
             Phase::Migdra => (format!("b1-migdra-{i}"), MIG_1G_CLASS),
             Phase::MigdraOneProfile => (format!("b1-one-profile-{i}"), MIG_1G_CLASS),
-            lever => (
-                format!("b1-{}-{i}", lever.lever().map_or("lever", Lever::name)),
-                LEVER_CLASS,
-            ),
+            lever_phase => {
+                let lever = lever_phase
+                    .lever()
+                    .with_context(|| format!("B1 phase {lever_phase:?} is not a lever"))?;
+                // The copy is read from migdra's pools before they are withdrawn.
+                let copy = levers::prepare(client, DRIVER, MIG_1G_CLASS, lever).await?;
+                lever_withdrawn = Some(withdraw_migdra(cluster).await?);
+                levers::publish(client, &copy)
+                    .await
+                    .with_context(|| format!("publishing lever {}'s pools", lever.name()))?;
+                tracing::info!(devices = copy.devices(), "lever pools published");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                (format!("b1-{}-{i}", lever.name()), LEVER_CLASS)
+            }
         };
         // A template per phase: its claims carry the phase's run label.
         let (run, class) = (run, template);
@@ -677,8 +682,9 @@ pub async fn run(
         if phase.is_anchor() {
             remove_static(client).await?;
         }
-        if copy.is_some() {
+        if let Some(slices) = lever_withdrawn {
             levers::remove(client).await?;
+            restore_migdra(cluster, slices).await?;
         }
         if let Some(slices) = withdrawn {
             restore_migdra(cluster, slices).await?;
