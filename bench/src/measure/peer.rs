@@ -38,10 +38,7 @@ use k8s_openapi::{
     },
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::ObjectMeta},
 };
-use kube::{
-    Api, Client,
-    api::{DeleteParams, ListParams, PostParams},
-};
+use kube::{Api, Client, api::PostParams};
 use migdra_api::{catalog::GpuModel, geometry::MigProfile, slices::quantity};
 use serde_json::json;
 
@@ -427,17 +424,12 @@ pub async fn publish(client: &Client, nodes: &[String], concurrency: usize) -> a
     Ok(())
 }
 
-/// Deletes every slice of the peer's driver.
+/// Deletes every slice of the peer's driver and waits until they are gone. At 1,000 nodes
+/// one collection delete outlasts its connection, so this retries until none is left.
 pub async fn remove(client: &Client) -> anyhow::Result<()> {
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    slices
-        .delete_collection(
-            &DeleteParams::default(),
-            &ListParams::default().fields(&format!("spec.driver={DRIVER}")),
-        )
+    super::publish::delete_driver_slices(client, DRIVER)
         .await
-        .context("deleting the peer's slices")?;
-    Ok(())
+        .context("deleting the peer's slices")
 }
 
 /// The claim template a user of NVIDIA's driver writes for one `1g.10gb`: its MIG class and
