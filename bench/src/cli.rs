@@ -32,24 +32,33 @@ pub struct Args {
     /// Node counts for the controller measures (B2, B3, B6), ascending; the fleet grows.
     #[arg(long, env = "BENCH_NODES", value_delimiter = ',', default_value = "100,500")]
     pub nodes: Vec<usize>,
-    /// Simulated nodes the scheduling measure (B1) uses.
-    #[arg(long, env = "BENCH_B1_NODES", default_value_t = 100)]
-    pub b1_nodes: usize,
+    /// Simulated node counts B1 runs at, each with every phase; the fleet grows, so each
+    /// size runs once the controller measures at the node counts below it are done. A size
+    /// above `--upstream-controllers-max-nodes` is refused: B1 needs kube-scheduler.
+    #[arg(
+        long,
+        env = "BENCH_B1_NODES",
+        value_delimiter = ',',
+        default_value = "100,1000"
+    )]
+    pub b1_nodes: Vec<usize>,
     /// Pods per B1 run (each with one 1g.10gb claim); the issue's 1,000 take about 9
     /// minutes for both phases on a 2-core machine.
     #[arg(long, env = "BENCH_B1_PODS", default_value_t = 1000)]
     pub b1_pods: usize,
     /// B1's phases in order: `anchor` (static MIG, the bare devices the issue names), `migdra`,
     /// `migdra-1g10gb-only` (migdra under a MigPolicy offering what the anchor offers),
-    /// `anchor-nvidia-attributes` (the static devices as NVIDIA's driver describes them) and
+    /// `anchor-nvidia-attributes` (the static devices as NVIDIA's driver describes them),
+    /// `nvidia-dynamic-mig` (the peer: NVIDIA's DynamicMIG pools and claims) and
     /// `anchor-beside`; a phase may repeat (`anchor,migdra,anchor` shows order effects). The
-    /// ratio is `migdra` against `anchor`, each one's last run; the note gives the others.
+    /// ratios are `migdra` against `anchor` and against `nvidia-dynamic-mig`, each one's last
+    /// run; the note gives the others.
     #[arg(
         long,
         env = "BENCH_B1_ORDER",
         value_enum,
         value_delimiter = ',',
-        default_value = "anchor,anchor-nvidia-attributes,migdra,migdra-1g10gb-only"
+        default_value = "anchor,anchor-nvidia-attributes,nvidia-dynamic-mig,migdra,migdra-1g10gb-only"
     )]
     pub b1_order: Vec<crate::measure::scheduling::Phase>,
     /// Above this many simulated nodes B2's bare-client floor is not run: its copies of every
@@ -156,6 +165,23 @@ impl PluginIdentity {
 }
 
 impl Args {
+    /// Refuses combinations that cannot run: B1 at a size where kube-scheduler is stopped.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.runs(Measure::B1)
+            && let Some(n) = self
+                .b1_nodes
+                .iter()
+                .find(|n| **n > self.upstream_controllers_max_nodes)
+        {
+            anyhow::bail!(
+                "B1 at {n} nodes needs kube-scheduler, which the bench stops above {} nodes \
+                 (BENCH_UPSTREAM_CONTROLLERS_MAX_NODES); raise that or lower BENCH_B1_NODES",
+                self.upstream_controllers_max_nodes
+            );
+        }
+        Ok(())
+    }
+
     /// Whether `m` runs.
     pub fn runs(&self, m: Measure) -> bool {
         self.only.is_empty() || self.only.contains(&m)
@@ -188,16 +214,30 @@ mod tests {
         let a = Args::try_parse_from(["migdra-bench"]).expect("defaults");
         assert_eq!(a.nodes, [100, 500]);
         assert_eq!(a.b1_pods, 1000);
+        assert_eq!(a.b1_nodes, [100, 1000]);
         use crate::measure::scheduling::Phase;
         assert_eq!(
             a.b1_order,
             [
                 Phase::Anchor,
                 Phase::AnchorNvidiaAttributes,
+                Phase::NvidiaDynamicMig,
                 Phase::Migdra,
                 Phase::MigdraOneProfile
             ]
         );
+        let a = Args::try_parse_from([
+            "migdra-bench",
+            "--b1-nodes",
+            "1000",
+            "--b1-order",
+            "nvidia-dynamic-mig,migdra",
+        ])
+        .expect("B1 sizes and the peer");
+        assert_eq!(a.b1_nodes, [1000]);
+        assert_eq!(a.b1_order, [Phase::NvidiaDynamicMig, Phase::Migdra]);
+        assert!(Args::try_parse_from(["migdra-bench", "--b1-order", "nvidia"]).is_err());
+        assert!(Args::try_parse_from(["migdra-bench", "--b1-nodes", "100,many"]).is_err());
         let a = Args::try_parse_from(["migdra-bench", "--b1-order", "migdra,anchor,migdra"]).expect("order");
         assert_eq!(a.b1_order, [Phase::Migdra, Phase::Anchor, Phase::Migdra]);
         assert!(a.runs(Measure::B1) && a.runs(Measure::B7));
@@ -205,6 +245,11 @@ mod tests {
         assert_eq!(a.nodes, [2000]);
         assert!(a.runs(Measure::B3) && !a.runs(Measure::B1));
         assert_eq!(a.plugin_identity, PluginIdentity::ServiceAccount);
+        assert!(a.check().is_ok());
+        let a = Args::try_parse_from(["migdra-bench", "--b1-nodes", "100,2000"]).expect("sizes");
+        assert!(a.check().is_err(), "B1 above the scheduler's limit");
+        let a = Args::try_parse_from(["migdra-bench", "--b1-nodes", "2000", "--only", "b2"]).expect("sizes");
+        assert!(a.check().is_ok(), "B1 does not run");
         let a = Args::try_parse_from(["migdra-bench", "--plugin-identity", "admin"]).expect("identity");
         assert_eq!(a.plugin_identity, PluginIdentity::Admin);
     }

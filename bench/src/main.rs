@@ -92,6 +92,7 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    args.check()?;
     let out_dir = args.out_dir()?;
     let mut rows = Vec::new();
     let mut appendix = String::new();
@@ -234,46 +235,40 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
     let identities =
         (args.plugin_identity == PluginIdentity::ServiceAccount).then(|| cluster.plugin_identities());
     let mut fleet = Fleet::new(cluster.client.clone(), identities, heartbeat.clone());
-    if args.runs(Measure::B1) {
-        eprintln!(
-            "B1: {} simulated nodes, {} pods per run",
-            args.b1_nodes, args.b1_pods
-        );
-        fleet.grow_to(args.b1_nodes, args.concurrency).await?;
-        wait_pools(cluster, &fleet).await?;
-        let nodes: Vec<String> = fleet.node_names().into_iter().take(args.b1_nodes).collect();
-        let scheduler = scheduler_metrics_client(cluster)
-            .await
-            .map_err(|e| eprintln!("the scheduler's /metrics will not be read: {e:#}"))
-            .ok();
-        let profiles = (args.scheduler_profile_seconds > 0)
-            .then(|| args.out_dir().map(|dir| (args.scheduler_profile_seconds, dir)))
-            .transpose()?;
-        match measure::scheduling::run(
-            cluster,
-            scheduler.as_ref(),
-            &nodes,
-            args.b1_pods,
-            args.concurrency,
-            &args.b1_order,
-            profiles,
-        )
-        .await
-        {
-            Ok(row) => rows.push(row),
-            Err(e) => rows.push(failed_row("B1", "scheduling throughput", &e)),
+    let sorted = |mut sizes: Vec<usize>| {
+        sizes.sort_unstable();
+        sizes.dedup();
+        sizes
+    };
+    let b1_sizes = if args.runs(Measure::B1) {
+        sorted(args.b1_nodes.clone())
+    } else {
+        Vec::new()
+    };
+    let controller_sizes = if args.runs(Measure::B2) || args.runs(Measure::B3) || args.runs(Measure::B6) {
+        sorted(args.nodes.clone())
+    } else {
+        Vec::new()
+    };
+    let before = if args.after_bin_dir.is_some() {
+        "before"
+    } else {
+        ""
+    };
+    // The fleet only grows: at each size, B1 (the scheduler over the pools), then the
+    // controller measures.
+    for n in sorted([b1_sizes.clone(), controller_sizes.clone()].concat()) {
+        if b1_sizes.contains(&n) {
+            scheduling(args, cluster, &mut fleet, n, rows).await?;
+        }
+        if controller_sizes.contains(&n) {
+            controller_measures(args, cluster, &mut fleet, rows, before, args.floor_concurrency, n).await?;
         }
     }
-    if args.runs(Measure::B2) || args.runs(Measure::B3) || args.runs(Measure::B6) {
-        let before = if args.after_bin_dir.is_some() {
-            "before"
-        } else {
-            ""
-        };
-        controller_measures(args, cluster, &mut fleet, rows, before, args.floor_concurrency).await?;
-        if let Some(dir) = &args.after_bin_dir {
-            eprintln!("switching to the controller in {}", dir.display());
-            cluster.layout.migdra_bin = dir.clone();
+    if let Some(dir) = &args.after_bin_dir {
+        eprintln!("switching to the controller in {}", dir.display());
+        cluster.layout.migdra_bin = dir.clone();
+        for n in controller_sizes {
             controller_measures(
                 args,
                 cluster,
@@ -281,11 +276,52 @@ async fn run(args: &Args, cluster: &mut Cluster, rows: &mut Vec<Row>) -> anyhow:
                 rows,
                 "after",
                 args.after_floor_concurrency,
+                n,
             )
             .await?;
         }
     }
     fleet.stop().await;
+    Ok(())
+}
+
+/// B1 over `n` simulated nodes.
+async fn scheduling(
+    args: &Args,
+    cluster: &mut Cluster,
+    fleet: &mut Fleet,
+    n: usize,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    eprintln!("B1: {n} simulated nodes, {} pods per phase", args.b1_pods);
+    fleet.grow_to(n, args.concurrency).await?;
+    wait_pools(cluster, fleet).await?;
+    let nodes: Vec<String> = fleet.node_names().into_iter().take(n).collect();
+    let scheduler = scheduler_metrics_client(cluster)
+        .await
+        .map_err(|e| eprintln!("the scheduler's /metrics will not be read: {e:#}"))
+        .ok();
+    let profiles = (args.scheduler_profile_seconds > 0)
+        .then(|| args.out_dir().map(|dir| (args.scheduler_profile_seconds, dir)))
+        .transpose()?;
+    match measure::scheduling::run(
+        cluster,
+        scheduler.as_ref(),
+        &nodes,
+        args.b1_pods,
+        args.concurrency,
+        &args.b1_order,
+        profiles,
+    )
+    .await
+    {
+        Ok(r) => rows.extend(r),
+        Err(e) => rows.push(failed_row(
+            "B1",
+            &format!("scheduling throughput at {n} nodes"),
+            &e,
+        )),
+    }
     Ok(())
 }
 
@@ -295,7 +331,7 @@ async fn scheduler_metrics_client(cluster: &Cluster) -> anyhow::Result<kube::Cli
     probe::component_client(&cluster.layout.kubeconfig, port).await
 }
 
-/// B2, B3 and B6 (controller) at every node count; `label` marks the rows (before/after).
+/// B2, B3 and B6 (controller) at `n` nodes; `label` marks the rows (before/after).
 async fn controller_measures(
     args: &Args,
     cluster: &mut Cluster,
@@ -303,44 +339,41 @@ async fn controller_measures(
     rows: &mut Vec<Row>,
     label: &str,
     floor_concurrency: usize,
+    n: usize,
 ) -> anyhow::Result<()> {
-    let mut counts = args.nodes.clone();
-    counts.sort_unstable();
-    for n in counts {
-        eprintln!("B2/B3/B6 {label}: {n} simulated nodes");
-        if n > args.upstream_controllers_max_nodes {
-            eprintln!(
-                "stopping kube-scheduler and kube-controller-manager for the rest of the run \
-                 (above {} nodes, BENCH_UPSTREAM_CONTROLLERS_MAX_NODES)",
-                args.upstream_controllers_max_nodes
-            );
-            cluster.stop("kube-scheduler", Duration::from_secs(10));
-            cluster.stop("kube-controller-manager", Duration::from_secs(10));
-        }
-        let before_growth = fleet.len();
-        fleet.grow_to(n, args.concurrency).await?;
-        let measured = measure::publish::run(
-            cluster,
-            fleet,
-            fleet.len() > before_growth,
-            Duration::from_secs(args.steady_seconds),
-            floor_concurrency,
-            args.floor_max_nodes,
-        )
-        .await;
-        match measured {
-            Ok(r) => rows.extend(r.rows.into_iter().map(|mut row| {
-                if !label.is_empty() {
-                    row.measure = format!("**{label}**: {}", row.measure);
-                }
-                row
-            })),
-            Err(e) => rows.push(failed_row(
-                "B2",
-                &format!("controller at {n} nodes ({label})"),
-                &e,
-            )),
-        }
+    eprintln!("B2/B3/B6 {label}: {n} simulated nodes");
+    if n > args.upstream_controllers_max_nodes {
+        eprintln!(
+            "stopping kube-scheduler and kube-controller-manager for the rest of the run \
+             (above {} nodes, BENCH_UPSTREAM_CONTROLLERS_MAX_NODES)",
+            args.upstream_controllers_max_nodes
+        );
+        cluster.stop("kube-scheduler", Duration::from_secs(10));
+        cluster.stop("kube-controller-manager", Duration::from_secs(10));
+    }
+    let before_growth = fleet.len();
+    fleet.grow_to(n, args.concurrency).await?;
+    let measured = measure::publish::run(
+        cluster,
+        fleet,
+        fleet.len() > before_growth,
+        Duration::from_secs(args.steady_seconds),
+        floor_concurrency,
+        args.floor_max_nodes,
+    )
+    .await;
+    match measured {
+        Ok(r) => rows.extend(r.rows.into_iter().map(|mut row| {
+            if !label.is_empty() {
+                row.measure = format!("**{label}**: {}", row.measure);
+            }
+            row
+        })),
+        Err(e) => rows.push(failed_row(
+            "B2",
+            &format!("controller at {n} nodes ({label})"),
+            &e,
+        )),
     }
     Ok(())
 }

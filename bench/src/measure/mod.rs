@@ -2,11 +2,12 @@
 //! quiet ([`node`]: B4, B5, B6 plugin), then the scheduler over simulated nodes
 //! ([`scheduling`]: B1), then the controller at each node count ([`publish`]: B2, B3, B6
 //! controller), and the packing simulation ([`packing`]: B7). [`pods`] holds the workload
-//! helpers they share.
+//! helpers they share; [`peer`] the pools and claims of B1's peer, NVIDIA's DynamicMIG.
 
 pub mod levers;
 pub mod node;
 pub mod packing;
+pub mod peer;
 pub mod pods;
 pub mod profile;
 pub mod publish;

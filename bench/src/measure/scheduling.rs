@@ -1,7 +1,8 @@
 //! B1, scheduling throughput: pods with one `1g.10gb` claim each over simulated 8-GPU nodes,
 //! once against migdra's pools (every placement, shared counters) and once against the
 //! static-MIG anchor (each node publishes 56 ready-made 1g.10gb devices without counters,
-//! under a driver of its own). No kubelet runs on simulated nodes, so this is scheduling plus
+//! under a driver of its own), and against the peer, NVIDIA's DynamicMIG pools ([`super::peer`]).
+//! No kubelet runs on simulated nodes, so this is scheduling plus
 //! allocation: a pod counts when the scheduler bound it (`spec.nodeName` observed by a watch).
 //! Correctness: every claim allocated, no device allocated twice.
 
@@ -32,11 +33,12 @@ use migdra_e2e::cluster::{Cluster, DRIVER, wait_until};
 
 use super::{
     levers::{self, LEVER_CLASS, Lever},
+    peer,
     profile::ProfileRequest,
     publish::{CONTROLLER, delete_driver_slices},
 };
 use crate::{
-    probe::{load_average, scrape_client},
+    probe::{load_average, rss_kib, scrape_client},
     prom::Metrics,
     sim::objects::SIMULATED_LABEL,
     stats::{Samples, latency},
@@ -419,6 +421,13 @@ pub enum Phase {
     /// the static world as it is deployed; B1's ratio stays against the bare anchor.
     #[value(name = "anchor-nvidia-attributes")]
     AnchorNvidiaAttributes,
+    /// NVIDIA's DRA driver with its `DynamicMIG` gate, the peer: each node publishes the
+    /// pool that driver publishes for 8 × H100-80GB ([`super::peer`]: a counter slice, then
+    /// 26 devices per GPU over every counter it has), and the claims ask as its users do
+    /// (its `mig.nvidia.com` class, a selector on `profile`). migdra's pools are withdrawn
+    /// for the phase, as for the anchor.
+    #[value(name = "nvidia-dynamic-mig")]
+    NvidiaDynamicMig,
     /// migdra's pools.
     Migdra,
     /// migdra's pools under a MigPolicy that offers only `1g.10gb` (no whole GPUs): 56
@@ -462,6 +471,30 @@ impl Phase {
             Self::LeverSelectorAttributes => Some(Lever::SelectorAttributes),
             Self::LeverNoEngineCapacities => Some(Lever::NoEngineCapacities),
             _ => None,
+        }
+    }
+
+    /// Whether the phase runs with migdra's pools withdrawn (a cluster without migdra).
+    fn without_migdra(self) -> bool {
+        matches!(
+            self,
+            Self::Anchor | Self::AnchorNvidiaAttributes | Self::NvidiaDynamicMig
+        )
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Phase::Anchor => "anchor (static devices alone)",
+            Phase::AnchorBeside => "anchor beside migdra's pools",
+            Phase::AnchorNvidiaAttributes => {
+                "anchor with NVIDIA's attributes (static devices alone, each described as NVIDIA's driver does)"
+            }
+            Phase::NvidiaDynamicMig => {
+                "peer: NVIDIA's DynamicMIG pools (9 slices, 208 devices, 8 counter sets of 15 per node)"
+            }
+            Phase::Migdra => "migdra",
+            Phase::MigdraOneProfile => "migdra, MigPolicy offering only 1g.10gb (56 devices per node)",
+            lever => lever.lever().map_or("lever", Lever::describe),
         }
     }
 }
@@ -576,6 +609,87 @@ async fn restore_migdra(cluster: &mut Cluster, slices: usize) -> anyhow::Result<
     Ok(())
 }
 
+/// The control plane's processes whose memory B1 records at each size.
+const CONTROL_PLANE: [&str; 4] = [
+    "kube-apiserver",
+    "etcd",
+    "kube-scheduler",
+    "kube-controller-manager",
+];
+
+/// Resident memory of the control plane over one B1 size, sampled every 2 s, and the least
+/// memory the machine had available: what tells whether a size fits.
+struct ControlPlaneMemory {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<MemoryPeaks>,
+}
+
+#[derive(Debug, Default)]
+struct MemoryPeaks {
+    /// Process → (peak, last) RSS in KiB.
+    rss: BTreeMap<&'static str, (u64, u64)>,
+    /// Least `MemAvailable` seen, KiB.
+    least_available: Option<u64>,
+}
+
+fn mem_available_kib() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+impl ControlPlaneMemory {
+    fn start(cluster: &Cluster) -> Self {
+        let pids: Vec<(&'static str, u32)> = CONTROL_PLANE
+            .iter()
+            .filter_map(|name| cluster.pid(name).map(|pid| (*name, pid)))
+            .collect();
+        let (stop, mut stopped) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let mut peaks = MemoryPeaks::default();
+            loop {
+                for (name, pid) in &pids {
+                    if let Some(kib) = rss_kib(*pid) {
+                        let entry = peaks.rss.entry(name).or_default();
+                        *entry = (entry.0.max(kib), kib);
+                    }
+                }
+                if let Some(kib) = mem_available_kib() {
+                    peaks.least_available = Some(peaks.least_available.map_or(kib, |l| l.min(kib)));
+                }
+                tokio::select! {
+                    _ = &mut stopped => break,
+                    () = tokio::time::sleep(Duration::from_secs(2)) => {}
+                }
+            }
+            peaks
+        });
+        Self { stop, task }
+    }
+
+    /// Stops sampling and describes the figures.
+    async fn finish(self) -> String {
+        let _ = self.stop.send(());
+        let peaks = self.task.await.unwrap_or_default();
+        let gib = |kib: u64| format!("{:.2} GiB", kib as f64 / 1024.0 / 1024.0);
+        let processes = CONTROL_PLANE
+            .iter()
+            .map(|name| match peaks.rss.get(name) {
+                Some((peak, last)) => format!("{name} {} (at the end {})", gib(*peak), gib(*last)),
+                None => format!("{name} not running"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!(
+            "control-plane RSS over this size's phases, peak of 2-s samples: {processes}; \
+             least memory available on the machine: {}",
+            peaks.least_available.map_or_else(|| "?".into(), gib)
+        )
+    }
+}
+
 /// One phase's outcome.
 struct PhaseResult {
     phase: Phase,
@@ -599,14 +713,22 @@ pub async fn run(
     concurrency: usize,
     order: &[Phase],
     profiles: Option<(u64, std::path::PathBuf)>,
-) -> anyhow::Result<Row> {
+) -> anyhow::Result<Vec<Row>> {
     let client = &cluster.client.clone();
+    let memory = ControlPlaneMemory::start(cluster);
     let mut phases = Vec::new();
+    // migdra's slices while they are withdrawn; consecutive phases without migdra share one
+    // withdrawal (at 1,000 nodes a republish takes minutes).
+    let mut withdrawn = None;
     for (i, phase) in order.iter().enumerate() {
-        let withdrawn = match phase {
-            Phase::Anchor | Phase::AnchorNvidiaAttributes => Some(withdraw_migdra(cluster).await?),
-            _ => None,
-        };
+        match (phase.without_migdra(), withdrawn) {
+            (true, None) => withdrawn = Some(withdraw_migdra(cluster).await?),
+            (false, Some(slices)) => {
+                restore_migdra(cluster, slices).await?;
+                withdrawn = None;
+            }
+            _ => {}
+        }
         let full_devices = if *phase == Phase::MigdraOneProfile {
             let (full, _) = migdra_devices(client).await?;
             one_profile_policy(client, true, full).await?;
@@ -631,6 +753,13 @@ pub async fn run(
                 };
                 (format!("b1-{name}-{i}"), STATIC_CLASS)
             }
+            Phase::NvidiaDynamicMig => {
+                peer::publish(client, nodes, concurrency)
+                    .await
+                    .context("publishing the peer's pools")?;
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                (format!("b1-peer-{i}"), peer::CLASS)
+            }
             Phase::Migdra => (format!("b1-migdra-{i}"), MIG_1G_CLASS),
             Phase::MigdraOneProfile => (format!("b1-one-profile-{i}"), MIG_1G_CLASS),
             lever_phase => {
@@ -651,7 +780,11 @@ pub async fn run(
         // A template per phase: its claims carry the phase's run label.
         let (run, class) = (run, template);
         let template = format!("bench-{run}");
-        create_template(client, &template, class, &run).await?;
+        if *phase == Phase::NvidiaDynamicMig {
+            peer::create_template(client, &template, &run).await?;
+        } else {
+            create_template(client, &template, class, &run).await?;
+        }
         let before = scrape_scheduler(scheduler).await;
         let load = load_average();
         let profile = scheduler
@@ -686,8 +819,8 @@ pub async fn run(
             levers::remove(client).await?;
             restore_migdra(cluster, slices).await?;
         }
-        if let Some(slices) = withdrawn {
-            restore_migdra(cluster, slices).await?;
+        if *phase == Phase::NvidiaDynamicMig {
+            peer::remove(client).await?;
         }
         if let Some(full) = full_devices {
             one_profile_policy(client, false, full).await?;
@@ -702,6 +835,10 @@ pub async fn run(
             profile,
         });
     }
+    if let Some(slices) = withdrawn {
+        restore_migdra(cluster, slices).await?;
+    }
+    let memory = memory.finish().await;
     let last = |p: Phase| phases.iter().rev().find(|r| r.phase == p).map(|r| &r.result);
     // The ratio is against the static world alone when it was measured.
     let alone = last(Phase::Anchor).is_some();
@@ -709,6 +846,7 @@ pub async fn run(
         anyhow::bail!("B1 needs at least one migdra phase");
     };
     let anchor = last(Phase::Anchor).or_else(|| last(Phase::AnchorBeside));
+    let peer = last(Phase::NvidiaDynamicMig);
     let describe = |r: &RunResult| -> String {
         let lat = r.bind_latency.summary().map(|s| latency(&s)).unwrap_or_default();
         format!(
@@ -727,11 +865,12 @@ pub async fn run(
             }
         )
     };
-    let ratio = anchor
-        .filter(|a| a.pods_per_second > 0.0)
-        .map(|a| migdra.pods_per_second / a.pods_per_second);
-    // The other pairs a reader compares: the one-profile pool against both anchors, and migdra
-    // against the anchor described as NVIDIA's driver describes it.
+    let over = |n: &RunResult, d: &RunResult| {
+        (d.pods_per_second > 0.0).then(|| n.pods_per_second / d.pods_per_second)
+    };
+    // The other pairs a reader compares: the one-profile pool against both anchors, migdra
+    // against the anchor described as NVIDIA's driver describes it, and the peer against the
+    // static worlds.
     let mut ratios = Vec::new();
     for (what, numerator, denominator) in [
         (
@@ -754,81 +893,117 @@ pub async fn run(
             Phase::AnchorNvidiaAttributes,
             Phase::Anchor,
         ),
+        ("peer / anchor", Phase::NvidiaDynamicMig, Phase::Anchor),
+        (
+            "migdra 1g.10gb-only / peer",
+            Phase::MigdraOneProfile,
+            Phase::NvidiaDynamicMig,
+        ),
     ] {
         if let (Some(n), Some(d)) = (last(numerator), last(denominator))
-            && d.pods_per_second > 0.0
+            && let Some(r) = over(n, d)
         {
-            ratios.push(format!("{what}: {:.2}×", n.pods_per_second / d.pods_per_second));
+            ratios.push(format!("{what}: {r:.2}×"));
         }
     }
     ratios.extend(lever_ratios(&phases));
-    Ok(Row {
-        id: "B1",
-        measure: format!(
-            "scheduling throughput (scheduling + allocation, no kubelet on simulated nodes): {count} pods with a 1g.10gb claim over {} simulated 8×H100 nodes",
-            nodes.len()
-        ),
-        value: format!("{:.1} pods/s", migdra.pods_per_second),
-        anchor: anchor.map_or_else(
-            || "static MIG not run".to_string(),
-            |anchor| {
-                format!(
-                    "static MIG, 56 counter-less devices per node{}: {:.1} pods/s",
-                    if alone {
-                        " (alone)"
-                    } else {
-                        ", beside migdra's pools"
-                    },
-                    anchor.pods_per_second
-                )
-            },
-        ),
-        ratio,
-        goal: "≥ 80% of the anchor",
-        met: ratio.map(|r| r >= 0.8),
-        note: format!(
-            "{}{}; correct: {}",
-            if ratios.is_empty() {
-                String::new()
+    let note = format!(
+        "{}{}; {memory}; correct: {}",
+        if ratios.is_empty() {
+            String::new()
+        } else {
+            format!("{}; ", ratios.join(", "))
+        },
+        phases
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!(
+                "phase {} {}: {:.1} pods/s, {}; FailedScheduling events: {}; {}; load {}{}",
+                i + 1,
+                p.phase.describe(),
+                p.result.pods_per_second,
+                describe(&p.result),
+                p.failures
+                    .map_or_else(|| "?".to_string(), |(n, pods)| format!("{n} (on {pods} pods)")),
+                p.scheduler.as_ref().map_or_else(
+                    || "scheduler metrics unavailable".into(),
+                    SchedulerFigures::describe
+                ),
+                p.load,
+                p.profile.as_ref().map_or_else(String::new, |p| format!("; {p}"))
+            ))
+            .collect::<Vec<_>>()
+            .join("; "),
+        if phases.iter().all(|p| p.result.correct) {
+            "yes"
+        } else {
+            "NO"
+        }
+    );
+    let workload = format!(
+        "{count} pods with a 1g.10gb claim over {} simulated 8×H100 nodes",
+        nodes.len()
+    );
+    let mut rows = Vec::new();
+    if let Some(anchor) = anchor {
+        let ratio = over(migdra, anchor);
+        rows.push(Row {
+            id: "B1",
+            measure: format!(
+                "scheduling throughput (scheduling + allocation, no kubelet on simulated nodes): {workload}"
+            ),
+            value: format!("{:.1} pods/s", migdra.pods_per_second),
+            anchor: format!(
+                "static MIG, 56 counter-less devices per node{}: {:.1} pods/s",
+                if alone {
+                    " (alone)"
+                } else {
+                    ", beside migdra's pools"
+                },
+                anchor.pods_per_second
+            ),
+            ratio,
+            goal: "≥ 80% of the anchor",
+            met: ratio.map(|r| r >= 0.8),
+            note: note.clone(),
+        });
+    }
+    if let Some(peer) = peer {
+        let ratio = over(migdra, peer);
+        rows.push(Row {
+            id: "B1",
+            measure: format!("scheduling throughput against the peer, NVIDIA's DynamicMIG pools: {workload}"),
+            value: format!("{:.1} pods/s", migdra.pods_per_second),
+            anchor: format!(
+                "NVIDIA's DynamicMIG pools (gpu.nvidia.com, class mig.nvidia.com + profile selector): {:.1} pods/s",
+                peer.pods_per_second
+            ),
+            ratio,
+            goal: "≥ 1.2× the peer",
+            met: ratio.map(|r| r >= 1.2),
+            note: if rows.is_empty() {
+                note.clone()
             } else {
-                format!("{}; ", ratios.join(", "))
+                "phases and scheduler figures in the row above".into()
             },
-            phases
-                .iter()
-                .enumerate()
-                .map(|(i, p)| format!(
-                    "phase {} {}: {:.1} pods/s, {}; FailedScheduling events: {}; {}; load {}{}",
-                    i + 1,
-                    match p.phase {
-                        Phase::Anchor => "anchor (static devices alone)",
-                        Phase::AnchorBeside => "anchor beside migdra's pools",
-                        Phase::AnchorNvidiaAttributes =>
-                            "anchor with NVIDIA's attributes (static devices alone, each described as NVIDIA's driver does)",
-                        Phase::Migdra => "migdra",
-                        Phase::MigdraOneProfile =>
-                            "migdra, MigPolicy offering only 1g.10gb (56 devices per node)",
-                        lever => lever.lever().map_or("lever", Lever::describe),
-                    },
-                    p.result.pods_per_second,
-                    describe(&p.result),
-                    p.failures
-                        .map_or_else(|| "?".to_string(), |(n, pods)| format!("{n} (on {pods} pods)")),
-                    p.scheduler.as_ref().map_or_else(
-                        || "scheduler metrics unavailable".into(),
-                        SchedulerFigures::describe
-                    ),
-                    p.load,
-                    p.profile.as_ref().map_or_else(String::new, |p| format!("; {p}"))
-                ))
-                .collect::<Vec<_>>()
-                .join("; "),
-            if phases.iter().all(|p| p.result.correct) {
-                "yes"
-            } else {
-                "NO"
-            }
-        ),
-    })
+        });
+    }
+    if rows.is_empty() {
+        // Only migdra and lever phases: the note carries the levers' ratios.
+        rows.push(Row {
+            id: "B1",
+            measure: format!(
+                "scheduling throughput (scheduling + allocation, no kubelet on simulated nodes): {workload}"
+            ),
+            value: format!("{:.1} pods/s", migdra.pods_per_second),
+            anchor: "static MIG not run".into(),
+            ratio: None,
+            goal: "≥ 80% of the anchor",
+            met: None,
+            note,
+        });
+    }
+    Ok(rows)
 }
 
 /// Each lever phase against migdra's default pool in the same run: its rate over the mean rate
