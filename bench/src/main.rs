@@ -23,7 +23,7 @@ fn command_line() -> String {
     let env: Vec<String> = std::env::vars()
         .filter(|(k, _)| {
             k.starts_with("BENCH_")
-                || ["MIGDRA_BIN_DIR", "MIGDRA_CACHE_DIR"].contains(&k.as_str())
+                || ["MIGDRA_BIN_DIR", "MIGDRA_CACHE_DIR", "MIGDRA_K8S_MINOR"].contains(&k.as_str())
                 || k.starts_with("MALLOC_")
         })
         .map(|(k, v)| format!("{k}={v}"))

@@ -25,8 +25,8 @@ use migdra_fake_nvml::{
 };
 
 use super::{
-    ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, HOOK_PATH, Layout, MigdraMode,
-    NODE, PLUGIN_ACCOUNT, Runtime,
+    ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, HOOK_PATH, K8sMinor, Layout,
+    MigdraMode, NODE, PLUGIN_ACCOUNT, Runtime,
     containerd::{SERVICE_CLUSTER_IP_RANGE, node_netns},
     free_port, kubeconfig_yaml,
     migdra::migdra_bin_dir,
@@ -52,8 +52,6 @@ const CHART_VALUES: [&str; 2] = [
     "deviceClasses.extendedResources.enabled=true",
     "deviceClasses.profiles.names={1g.10gb,1g.10gb+me,2g.20gb,3g.40gb,7g.80gb,1g.12gb}",
 ];
-/// Feature gates for the API server and scheduler: the DRA features migdra uses, explicitly.
-const FEATURE_GATES: &str = "DRAPartitionableDevices=true,DRADeviceTaints=true,DRAPrioritizedList=true";
 
 /// Runs a build script and returns the last line it printed (the directory it reports).
 pub(super) fn script_output(script: &Path) -> anyhow::Result<PathBuf> {
@@ -90,6 +88,8 @@ impl Cluster {
     /// until migdra has published the node's pool.
     pub async fn start(config: ClusterConfig) -> anyhow::Result<Self> {
         let root = repo_root();
+        // build.sh reads the same variable and builds (or finds) that minor's binaries.
+        let k8s_minor = K8sMinor::from_env()?;
         let upstream_bin = script_output(&root.join("e2e/upstream/build.sh"))?;
         let helm = script_output(&root.join("charts/tests/helm.sh"))?;
         let migdra_bin = migdra_bin_dir()?;
@@ -138,6 +138,7 @@ impl Cluster {
             migdra_bin,
             helm,
             apiserver_port: free_port()?,
+            k8s_minor,
             runtime,
             migdra_mode,
             logs: run_dir.join("logs"),
@@ -227,6 +228,7 @@ impl Cluster {
             .into_iter()
             .map(String::from)
             .chain(client_rate(config.control_plane_api_qps))
+            .chain(node_gates(l.k8s_minor))
             .collect::<Vec<_>>()
             .iter()
             .map(String::as_str)
@@ -237,7 +239,7 @@ impl Cluster {
             "--leader-elect=false".into(),
             "--bind-address=127.0.0.1".into(),
             format!("--secure-port={scheduler_port}"),
-            format!("--feature-gates={FEATURE_GATES}"),
+            format!("--feature-gates={}", l.k8s_minor.control_plane_gates()),
             // The bench reads the scheduler's own metrics (attempt and DRA plugin times) and
             // CPU profiles (BENCH_SCHEDULER_PROFILE_SECONDS); it listens on loopback only.
             "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics,/debug/pprof/*".into(),
@@ -369,7 +371,7 @@ impl Cluster {
                 "--endpoint-reconciler-type=none",
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--allow-privileged=true",
-                &format!("--feature-gates={FEATURE_GATES}"),
+                &format!("--feature-gates={}", l.k8s_minor.control_plane_gates()),
             ],
         )
     }
@@ -604,6 +606,7 @@ fileCheckFrequency: 5s
                 "--node-ip=127.0.0.1".into(),
                 "-v=2".into(),
             ])
+            .chain(node_gates(l.k8s_minor))
             .collect();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         self.start_component("kubelet", &bin, &args)
@@ -652,6 +655,11 @@ fileCheckFrequency: 5s
 
 /// A component's client-side API rate flags: `qps`, burst twice that; none for upstream's
 /// defaults.
+/// The controller-manager's and kubelet's `--feature-gates`, where the minor needs any.
+fn node_gates(minor: K8sMinor) -> Option<String> {
+    minor.node_gates().map(|gates| format!("--feature-gates={gates}"))
+}
+
 fn client_rate(qps: Option<u32>) -> Vec<String> {
     qps.map(|qps| {
         vec![

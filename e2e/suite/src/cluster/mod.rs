@@ -14,6 +14,7 @@
 mod boot;
 mod chart_mode;
 mod containerd;
+mod k8s_minor;
 mod kueue;
 mod migdra;
 mod registry;
@@ -21,6 +22,7 @@ mod teardown;
 
 pub use chart_mode::{MIGDRA_MODE_ENV, MigdraMode};
 pub use containerd::{API_SERVICE_IP, BUSYBOX_IMAGE, PAUSE_IMAGE, POD_SUBNET, RUNTIME_ENV, Runtime};
+pub use k8s_minor::{K8S_MINOR_ENV, K8sMinor};
 pub use kueue::{GPU_MEMORY, KUEUE, KUEUE_API_VERSION, KUEUE_NAMESPACE, kueue_api, kueue_resource};
 pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS, SURGE_PLUGIN};
 pub use registry::{REGISTRY, probe_image, pulled_name};
@@ -137,6 +139,8 @@ pub struct Layout {
     pub plugin_state: PathBuf,
     /// API server port.
     pub apiserver_port: u16,
+    /// The upstream Kubernetes minor the binaries are.
+    pub k8s_minor: K8sMinor,
     /// The container runtime under the kubelet.
     pub runtime: Runtime,
     /// How migdra runs: host processes or the chart's pods.
