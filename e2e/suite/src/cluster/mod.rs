@@ -13,6 +13,7 @@
 
 mod boot;
 mod chart_mode;
+mod chart_ops;
 mod containerd;
 mod kueue;
 mod migdra;
