@@ -387,7 +387,7 @@ impl Cluster {
     /// ServiceAccounts. From the chart, `e2e/values-fake-gpu.yaml` runs them as pods.
     async fn install_chart(&self) -> anyhow::Result<()> {
         let l = &self.layout;
-        let chart = repo_root().join("charts/migdra");
+        let chart = super::chart_ops::chart_dir();
         let helm = |args: &[&str]| self.helm(args);
         let chart_arg = chart.to_string_lossy().to_string();
         let mut install = vec![

@@ -10,10 +10,20 @@ use kube::{Api, api::ListParams};
 
 use super::{CHART_NAMESPACE, Cluster, Runtime, repo_root};
 
+/// The environment variable naming a chart directory to install instead of `charts/migdra`
+/// (a scratch copy with something removed, to see which test notices).
+pub const CHART_DIR_ENV: &str = "MIGDRA_E2E_CHART";
 /// The release the launcher installs.
 const RELEASE: &str = "migdra";
 /// The plugin DaemonSet's pods (the chart's selector labels, release `migdra`).
 const PLUGIN_POD_SELECTOR: &str = "app.kubernetes.io/instance=migdra,app.kubernetes.io/component=kubelet-plugin";
+
+/// The chart the launcher installs and upgrades: [`CHART_DIR_ENV`], else `charts/migdra`.
+pub(super) fn chart_dir() -> std::path::PathBuf {
+    std::env::var_os(CHART_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| repo_root().join("charts/migdra"), std::path::PathBuf::from)
+}
 
 impl Cluster {
     /// Runs helm with the run's own helm home and the admin kubeconfig; fails with helm's
@@ -55,7 +65,7 @@ impl Cluster {
         let values = self.layout.run_dir.join("values-current.yaml");
         std::fs::write(&values, &current.stdout).context("writing the release's values")?;
         let values = values.to_str().context("non-UTF-8 run dir")?;
-        let chart = repo_root().join("charts/migdra");
+        let chart = chart_dir();
         let chart = chart.to_str().context("non-UTF-8 chart path")?;
         let mut args = vec![
             "upgrade",

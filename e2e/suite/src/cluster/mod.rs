@@ -20,6 +20,7 @@ mod migdra;
 mod teardown;
 
 pub use chart_mode::{MIGDRA_MODE_ENV, MigdraMode};
+pub use chart_ops::CHART_DIR_ENV;
 pub use containerd::{API_SERVICE_IP, BUSYBOX_IMAGE, PAUSE_IMAGE, POD_SUBNET, RUNTIME_ENV, Runtime};
 pub use kueue::{GPU_MEMORY, KUEUE, KUEUE_API_VERSION, KUEUE_NAMESPACE, kueue_api, kueue_resource};
 pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS, SURGE_PLUGIN};

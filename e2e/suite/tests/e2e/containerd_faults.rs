@@ -13,7 +13,7 @@ use kube::{
     api::{DeleteParams, ListParams},
 };
 use migdra_e2e::{
-    cluster::{CHART_NAMESPACE, Cluster, MigdraMode, NODE, Runtime, wait_until},
+    cluster::{CHART_NAMESPACE, Cluster, MigdraMode, NODE, Runtime, strip_ansi, wait_until},
     workload::{self, create_pod, create_template, delete_pods, profile_is, wait_phase},
 };
 use migdra_fake_nvml::{config::FaultConfig, state::FaultState};
@@ -148,6 +148,26 @@ async fn gpunode_event(cluster: &Cluster, reason: &str) -> Option<String> {
         .into_iter()
         .find(|e| e.reason.as_deref() == Some(reason))
         .and_then(|e| e.message)
+}
+
+/// How often the controller's log says it withdrew the node's pool because the plugin's
+/// heartbeat expired (`kubectl logs` of its Deployment; callers compare counts).
+fn heartbeat_withdrawals(cluster: &Cluster) -> anyhow::Result<usize> {
+    let out = std::process::Command::new(cluster.layout.upstream_bin.join("kubectl"))
+        .arg(format!("--kubeconfig={}", cluster.layout.kubeconfig.display()))
+        .args(["logs", "--namespace", CHART_NAMESPACE, "deployment/migdra-controller"])
+        .output()
+        .context("running kubectl")?;
+    ensure!(
+        out.status.success(),
+        "kubectl logs of the controller failed: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(strip_ansi)
+        .filter(|l| l.contains("withdrawing the pool") && l.contains("last heartbeat") && l.contains("is older than"))
+        .count())
 }
 
 /// The files in the CDI dir that hold a claim's spec.
@@ -399,8 +419,8 @@ async fn containerd_restarted_mid_prepare_converges(cluster: &mut Cluster) -> an
 
 /// The plugin's image cannot be pulled (`helm upgrade` to a tag that does not exist): the new
 /// pod's status names the image and the pull failure while the surge keeps the old pod
-/// serving. Once the old pod is gone too (deleted, as a node drain would), the node has no
-/// plugin: its pool is withdrawn (heartbeat expiry) rather than advertised. Fixing the image
+/// serving. Once the old pod hangs and is deleted, the node has no plugin answering: the
+/// controller withdraws its pool on the expired heartbeat rather than advertise it. Fixing the image
 /// (the rollback) brings the plugin and the pool back.
 async fn containerd_unpullable_plugin_image_is_reported(cluster: &mut Cluster) -> anyhow::Result<()> {
     require_chart(cluster)?;
@@ -434,7 +454,20 @@ async fn containerd_unpullable_plugin_image_is_reported(cluster: &mut Cluster) -
     );
     cluster.wait_published(Duration::from_secs(30)).await?;
 
-    let deleted = Instant::now();
+    // The old pod stops answering (frozen: SIGSTOP to its container's process, as a hung
+    // plugin) and is deleted; its SIGTERM waits behind the stop until the kubelet's SIGKILL at
+    // the end of the grace period, so nothing deregisters it: the controller must notice the
+    // missed heartbeats.
+    let old_container = plugin_status(&old)
+        .and_then(|s| s.container_id.clone())
+        .context("no container id")?;
+    let pid = i32::try_from(cluster.container_pid(&old_container)?)?;
+    let withdrawn_before = heartbeat_withdrawals(cluster)?;
+    let frozen = Instant::now();
+    // SAFETY: kill(2) on the pid containerd reports for the old plugin's container.
+    #[allow(unsafe_code)]
+    let stopped = unsafe { libc::kill(pid, libc::SIGSTOP) };
+    ensure!(stopped == 0, "kill -STOP {pid}: {}", std::io::Error::last_os_error());
     Api::<Pod>::namespaced(cluster.client.clone(), CHART_NAMESPACE)
         .delete(&name(&old), &DeleteParams::default())
         .await?;
@@ -442,10 +475,14 @@ async fn containerd_unpullable_plugin_image_is_reported(cluster: &mut Cluster) -
         slices(cluster).await.ok()?.is_empty().then_some(())
     })
     .await
-    .context("the pool stayed advertised with no plugin running")?;
+    .context("the pool stayed advertised with no plugin answering")?;
     eprintln!(
-        "e2e: the pool was withdrawn {:.1}s after the last running plugin pod was deleted",
-        deleted.elapsed().as_secs_f64()
+        "e2e: the pool was withdrawn {:.1}s after the last running plugin froze",
+        frozen.elapsed().as_secs_f64()
+    );
+    ensure!(
+        heartbeat_withdrawals(cluster)? > withdrawn_before,
+        "the controller did not withdraw the pool for the expired heartbeat"
     );
     let pods = cluster.plugin_pods().await?;
     ensure!(
