@@ -16,7 +16,8 @@ pub const CHART_DIR_ENV: &str = "MIGDRA_E2E_CHART";
 /// The release the launcher installs.
 const RELEASE: &str = "migdra";
 /// The plugin DaemonSet's pods (the chart's selector labels, release `migdra`).
-const PLUGIN_POD_SELECTOR: &str = "app.kubernetes.io/instance=migdra,app.kubernetes.io/component=kubelet-plugin";
+const PLUGIN_POD_SELECTOR: &str =
+    "app.kubernetes.io/instance=migdra,app.kubernetes.io/component=kubelet-plugin";
 
 /// The chart the launcher installs and upgrades: [`CHART_DIR_ENV`], else `charts/migdra`.
 pub(super) fn chart_dir() -> std::path::PathBuf {

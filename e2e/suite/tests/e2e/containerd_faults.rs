@@ -78,7 +78,11 @@ fn describe(pods: &[Pod]) -> String {
                     )
                 })
                 .unwrap_or_default();
-            let phase = p.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_default();
+            let phase = p
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_default();
             format!("{} {phase} {status}", name(p))
         })
         .collect::<Vec<_>>()
@@ -155,7 +159,12 @@ async fn gpunode_event(cluster: &Cluster, reason: &str) -> Option<String> {
 fn heartbeat_withdrawals(cluster: &Cluster) -> anyhow::Result<usize> {
     let out = std::process::Command::new(cluster.layout.upstream_bin.join("kubectl"))
         .arg(format!("--kubeconfig={}", cluster.layout.kubeconfig.display()))
-        .args(["logs", "--namespace", CHART_NAMESPACE, "deployment/migdra-controller"])
+        .args([
+            "logs",
+            "--namespace",
+            CHART_NAMESPACE,
+            "deployment/migdra-controller",
+        ])
         .output()
         .context("running kubectl")?;
     ensure!(
@@ -166,7 +175,9 @@ fn heartbeat_withdrawals(cluster: &Cluster) -> anyhow::Result<usize> {
     Ok(String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(strip_ansi)
-        .filter(|l| l.contains("withdrawing the pool") && l.contains("last heartbeat") && l.contains("is older than"))
+        .filter(|l| {
+            l.contains("withdrawing the pool") && l.contains("last heartbeat") && l.contains("is older than")
+        })
         .count())
 }
 
@@ -195,7 +206,8 @@ async fn containerd_chart_rollout_keeps_claims_prepared(cluster: &mut Cluster) -
     ensure!(specs_before.len() == 1, "claim specs: {specs_before:?}");
     let old = uid(&the_plugin_pod(cluster).await?);
 
-    let revision = format!("kubeletPlugin.podAnnotations.migdra-e2e/rollout=r{}", std::process::id());
+    let marker = format!("r{}", std::process::id());
+    let revision = format!("kubeletPlugin.podAnnotations.migdra-e2e/rollout={marker}");
     cluster.upgrade_chart(&[&revision])?;
     // The surge: the new pod runs next to the old one before the old one goes.
     let surged = wait_until(Duration::from_secs(120), || async {
@@ -212,11 +224,16 @@ async fn containerd_chart_rollout_keeps_claims_prepared(cluster: &mut Cluster) -
         }
     })
     .await;
-    let new = with_plugin_pods(cluster, new, "the rollout did not end with one new Ready plugin pod").await?;
+    let new = with_plugin_pods(
+        cluster,
+        new,
+        "the rollout did not end with one new Ready plugin pod",
+    )
+    .await?;
     surged.context("the new plugin pod never ran next to the old one (maxSurge)")?;
     let annotations = new.metadata.annotations.clone().unwrap_or_default();
     ensure!(
-        annotations.get("migdra-e2e/rollout").is_some(),
+        annotations.get("migdra-e2e/rollout") == Some(&marker),
         "the new plugin pod is not of the upgraded template: {annotations:?}"
     );
     wait_phase(&c, "during-rollout", "Running", Duration::from_secs(120)).await?;
@@ -232,14 +249,22 @@ async fn containerd_chart_rollout_keeps_claims_prepared(cluster: &mut Cluster) -
     );
     let before_instance = instances_before
         .iter()
-        .flat_map(|g| g.gpu_instances.iter().map(move |gi| (g.minor, gi.start, gi.compute_instances.clone())))
+        .flat_map(|g| {
+            g.gpu_instances
+                .iter()
+                .map(move |gi| (g.minor, gi.start, gi.compute_instances.clone()))
+        })
         .next()
         .context("no instance before the rollout")?;
     let now: Vec<_> = cluster
         .gpus()?
         .gpus
         .iter()
-        .flat_map(|g| g.gpu_instances.iter().map(move |gi| (g.minor, gi.start, gi.compute_instances.clone())))
+        .flat_map(|g| {
+            g.gpu_instances
+                .iter()
+                .map(move |gi| (g.minor, gi.start, gi.compute_instances.clone()))
+        })
         .collect();
     ensure!(
         now.len() == 2 && now.contains(&before_instance),
@@ -290,11 +315,7 @@ async fn containerd_plugin_sigkilled_mid_prepare_converges(cluster: &mut Cluster
     // SAFETY: kill(2) on the pid containerd reports for the plugin's container.
     #[allow(unsafe_code)]
     let killed = unsafe { libc::kill(pid, libc::SIGKILL) };
-    ensure!(
-        killed == 0,
-        "kill {pid}: {}",
-        std::io::Error::last_os_error()
-    );
+    ensure!(killed == 0, "kill {pid}: {}", std::io::Error::last_os_error());
     ensure!(
         half_made(cluster)? == 1,
         "expected one half-made instance after the kill"
@@ -359,7 +380,12 @@ async fn containerd_plugin_oom_killed_then_fixed_converges(cluster: &mut Cluster
         })
     })
     .await;
-    let oom = with_plugin_pods(cluster, oom, "the plugin container under a 6Mi limit was not OOM-killed").await?;
+    let oom = with_plugin_pods(
+        cluster,
+        oom,
+        "the plugin container under a 6Mi limit was not OOM-killed",
+    )
+    .await?;
     eprintln!("e2e: the plugin under a 6Mi limit: {oom:?}");
     ensure!(
         oom.1.exit_code == 128 + libc::SIGKILL,
@@ -381,7 +407,11 @@ async fn containerd_plugin_oom_killed_then_fixed_converges(cluster: &mut Cluster
         workload::phase(&c, "before-oom").await.as_deref() == Some("Running"),
         "the pod prepared before the failed rollout stopped running"
     );
-    ensure!(total_instances(cluster) == 2, "instances: {:?}", cluster.gpus()?.gpus);
+    ensure!(
+        total_instances(cluster) == 2,
+        "instances: {:?}",
+        cluster.gpus()?.gpus
+    );
     delete_pods(&c, &["before-oom", "during-oom"]).await?;
     settle(cluster).await
 }
@@ -394,7 +424,9 @@ async fn containerd_restarted_mid_prepare_converges(cluster: &mut Cluster) -> an
     require_chart(cluster)?;
     let c = cluster.client.clone();
     let plugin = the_plugin_pod(cluster).await?;
-    let restarts = plugin_status(&plugin).map(|s| s.restart_count).unwrap_or_default();
+    let restarts = plugin_status(&plugin)
+        .map(|s| s.restart_count)
+        .unwrap_or_default();
     hold_next_compute_instance(cluster, 8000)?;
     create_template(&c, "ctrd-restart", mig(&[profile_is("1g.10gb")]), None).await?;
     create_pod(&c, "ctrd-restart", "ctrd-restart", &["sleep", "3600"], false).await?;
@@ -408,7 +440,9 @@ async fn containerd_restarted_mid_prepare_converges(cluster: &mut Cluster) -> an
     wait_phase(&c, "ctrd-restart", "Running", Duration::from_secs(180)).await?;
     one_whole_instance(cluster)?;
     let plugin = the_plugin_pod(cluster).await?;
-    let now = plugin_status(&plugin).map(|s| s.restart_count).unwrap_or_default();
+    let now = plugin_status(&plugin)
+        .map(|s| s.restart_count)
+        .unwrap_or_default();
     ensure!(
         now == restarts,
         "the plugin container restarted ({restarts} -> {now}) across containerd's restart"
@@ -435,12 +469,18 @@ async fn containerd_unpullable_plugin_image_is_reported(cluster: &mut Cluster) -
             let s = plugin_status(p)?;
             let waiting = s.state.as_ref()?.waiting.as_ref()?;
             let reason = waiting.reason.clone()?;
-            matches!(reason.as_str(), "ErrImagePull" | "ImagePullBackOff")
-                .then(|| (s.image.clone(), reason, waiting.message.clone().unwrap_or_default()))
+            matches!(reason.as_str(), "ErrImagePull" | "ImagePullBackOff").then(|| {
+                (
+                    s.image.clone(),
+                    reason,
+                    waiting.message.clone().unwrap_or_default(),
+                )
+            })
         })
     })
     .await;
-    let (image, reason, message) = with_plugin_pods(cluster, pulled, "no plugin pod reports the failed pull").await?;
+    let (image, reason, message) =
+        with_plugin_pods(cluster, pulled, "no plugin pod reports the failed pull").await?;
     eprintln!("e2e: the plugin pod with image {image}: {reason}: {message}");
     ensure!(
         image.ends_with(":0.0.0-missing") && message.contains(&image),
@@ -467,7 +507,11 @@ async fn containerd_unpullable_plugin_image_is_reported(cluster: &mut Cluster) -
     // SAFETY: kill(2) on the pid containerd reports for the old plugin's container.
     #[allow(unsafe_code)]
     let stopped = unsafe { libc::kill(pid, libc::SIGSTOP) };
-    ensure!(stopped == 0, "kill -STOP {pid}: {}", std::io::Error::last_os_error());
+    ensure!(
+        stopped == 0,
+        "kill -STOP {pid}: {}",
+        std::io::Error::last_os_error()
+    );
     Api::<Pod>::namespaced(cluster.client.clone(), CHART_NAMESPACE)
         .delete(&name(&old), &DeleteParams::default())
         .await?;
