@@ -2,7 +2,8 @@
 //! MIGDRA_E2E_MIGDRA=chart`): the plugin DaemonSet rolled by `helm upgrade`, the plugin
 //! container's process SIGKILLed mid-prepare and OOM-killed, containerd restarted mid-prepare,
 //! a plugin image that cannot be pulled. Everything acts through Kubernetes and the runtime:
-//! no test here starts or stops a migdra process itself.
+//! no test here starts or stops a migdra process itself. First, what the runtime gave the
+//! plugin's container that the simulated GPU host cannot notice missing.
 
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,7 @@ use migdra_fake_nvml::{config::FaultConfig, state::FaultState};
 use crate::support::{SHORT, mig, settle, slices, total_instances};
 
 tests![
+    containerd_chart_plugin_container_got_what_the_plugin_needs,
     containerd_chart_rollout_keeps_claims_prepared,
     containerd_plugin_sigkilled_mid_prepare_converges,
     containerd_plugin_oom_killed_then_fixed_converges,
@@ -188,6 +190,99 @@ fn claim_specs(cluster: &Cluster) -> anyhow::Result<Vec<String>> {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| n.contains("-claim_"))
         .collect())
+}
+
+/// What runc gave the plugin's container, read from its main process on the host
+/// (`/proc/<pid>`): the chart's mounts at their paths, the privileges NVML needs on a real
+/// node, and the node's name. The simulated host cannot notice these missing: the e2e values
+/// mount the whole simulated GPU host (its `dev` directory included) for the fake NVML, whose
+/// "device nodes" are plain files, so a chart without its `/dev` mount or without `privileged`
+/// would still pass every other test here and fail on the first real node.
+async fn containerd_chart_plugin_container_got_what_the_plugin_needs(
+    cluster: &mut Cluster,
+) -> anyhow::Result<()> {
+    require_chart(cluster)?;
+    let plugin = the_plugin_pod(cluster).await?;
+    let container = plugin_status(&plugin)
+        .and_then(|s| s.container_id.clone())
+        .context("no container id")?;
+    let pid = cluster.container_pid(&container)?;
+    let proc_dir = std::path::PathBuf::from(format!("/proc/{pid}"));
+    let read = |file: &str| {
+        std::fs::read_to_string(proc_dir.join(file)).with_context(|| format!("reading /proc/{pid}/{file}"))
+    };
+
+    // Mount points as the container sees them (mountinfo's fifth field).
+    let mountinfo = read("mountinfo")?;
+    let mounts: Vec<&str> = mountinfo
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .collect();
+    let run = cluster.layout.run_dir.to_str().context("non-UTF-8 run dir")?;
+    let kubelet_root = cluster
+        .layout
+        .kubelet_root
+        .to_str()
+        .context("non-UTF-8 kubelet root")?;
+    let wanted = [
+        (
+            format!("{kubelet_root}/plugins"),
+            "the kubelet's plugins dir (DRA socket, checkpoint)",
+        ),
+        (
+            format!("{kubelet_root}/plugins_registry"),
+            "the kubelet's registration dir",
+        ),
+        (format!("{run}/cdi"), "the CDI spec dir (cdiRoot)"),
+        ("/driver-root".to_string(), "the driver root (nvidiaDriverRoot)"),
+        (format!("{run}/gpu-host/dev"), "the device root (devRoot)"),
+        (format!("/host{run}/gpu-host/hook-bin"), "the nvidia-cdi-hook dir"),
+    ];
+    for (path, what) in &wanted {
+        ensure!(
+            mounts.contains(&path.as_str()),
+            "the plugin's container has no mount of {what} at {path}; its mounts: {mounts:?}"
+        );
+    }
+
+    // privileged: every capability (CAP_SYS_ADMIN among them) and every device in its
+    // devices cgroup: NVML opens the /dev/nvidia-caps nodes MIG instances bring.
+    let status = read("status")?;
+    let cap_eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(str::trim)
+        .context("no CapEff in /proc/<pid>/status")?;
+    let cap_eff = u64::from_str_radix(cap_eff, 16)?;
+    const CAP_SYS_ADMIN: u32 = 21;
+    ensure!(
+        cap_eff & (1 << CAP_SYS_ADMIN) != 0,
+        "the plugin's container lacks CAP_SYS_ADMIN (CapEff {cap_eff:#x}): is it privileged?"
+    );
+    let cgroup = read("cgroup")?;
+    let devices = cgroup
+        .lines()
+        .find_map(|l| l.split_once(":devices:").map(|(_, path)| path))
+        .context("the plugin's process is in no devices cgroup (cgroup v1 expected here)")?;
+    let list_path = format!("/sys/fs/cgroup/devices{devices}/devices.list");
+    let list = std::fs::read_to_string(&list_path).with_context(|| format!("reading {list_path}"))?;
+    ensure!(
+        list.lines().any(|l| l.trim() == "a *:* rwm"),
+        "the plugin's container may not open every device (devices cgroup {devices}: {list:?}): is it privileged?"
+    );
+
+    // The node's name, from the downward API.
+    let environ =
+        std::fs::read(proc_dir.join("environ")).with_context(|| format!("reading /proc/{pid}/environ"))?;
+    let node_name = environ
+        .split(|b| *b == 0)
+        .find_map(|v| v.strip_prefix(b"NODE_NAME="))
+        .map(|v| String::from_utf8_lossy(v).into_owned());
+    ensure!(
+        node_name.as_deref() == Some(NODE),
+        "the plugin's NODE_NAME is {node_name:?}, the node is {NODE}"
+    );
+    Ok(())
 }
 
 /// A real DaemonSet rollout: `helm upgrade` changes the plugin's pod template; the chart's
