@@ -15,6 +15,8 @@ use super::{CHART_NAMESPACE, Cluster, Runtime, repo_root};
 pub const CHART_DIR_ENV: &str = "MIGDRA_E2E_CHART";
 /// The release the launcher installs.
 const RELEASE: &str = "migdra";
+/// The release's pods (controller and plugin).
+const RELEASE_POD_SELECTOR: &str = "app.kubernetes.io/instance=migdra";
 /// The plugin DaemonSet's pods (the chart's selector labels, release `migdra`).
 const PLUGIN_POD_SELECTOR: &str =
     "app.kubernetes.io/instance=migdra,app.kubernetes.io/component=kubelet-plugin";
@@ -102,6 +104,24 @@ impl Cluster {
             .list(&ListParams::default().labels(PLUGIN_POD_SELECTOR))
             .await?
             .items)
+    }
+
+    /// The last lines of each of the release's containers (of its last run, for one waiting
+    /// to restart): a crash-looping plugin says there what it misses.
+    pub(super) fn release_logs_tail(&self) -> String {
+        Command::new(self.layout.upstream_bin.join("kubectl"))
+            .arg(format!("--kubeconfig={}", self.layout.kubeconfig.display()))
+            .args([
+                "logs",
+                "--namespace",
+                CHART_NAMESPACE,
+                "--selector",
+                RELEASE_POD_SELECTOR,
+            ])
+            .args(["--all-containers", "--prefix", "--tail=15"])
+            .output()
+            .map(|o| super::strip_ansi(&String::from_utf8_lossy(&o.stdout)))
+            .unwrap_or_default()
     }
 
     /// After a failed test, in chart mode: containerd and the kubelet run again (a test may
