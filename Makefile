@@ -1,5 +1,6 @@
 # migdra — the two commands the README promises, plus their parts.
-#   make demo   local cluster with simulated GPUs, workloads, MIG layout, teardown
+#   make demo   local cluster on containerd with simulated GPUs, migdra from its chart (helm
+#               install, images from a loopback registry), workloads, MIG layout, teardown
 #   make test   every test: unit, integration, fake CRI, chart, end-to-end (fake CRI and containerd)
 #   make lint   formatting and lints: Rust, the Go in e2e/upstream, shell scripts
 #   make fault-campaign TRIALS=1000 [SEED=1] [JOBS=8]
@@ -49,9 +50,12 @@ test: unit go-test chart-test e2e e2e-containerd
 images:
 	bash e2e/runtime/migdra-images.sh
 
+# The demo runs the binary `build`'s feature set made: `cargo run -p migdra-e2e` would resolve
+# other features and recompile the fake NVML and the e2e crate each time (see above).
+DEMO_BIN = $${CARGO_TARGET_DIR:-target}/debug
 demo:
 	cargo build --workspace --bins
-	cargo run -p migdra-e2e --bin migdra-demo
+	$(DEMO_BIN)/migdra-demo
 
 # The benchmark runs release builds of migdra (controller, plugin, fake NVML) and of the bench,
 # which also runs the packing simulation (B7); flags come from BENCH_* variables, e.g. `make bench BENCH_NODES=2000`

@@ -130,6 +130,14 @@ async fn main() -> anyhow::Result<()> {
     cluster.teardown();
     if let Err(e) = &result {
         rows.push(failed_row("—", "bench run", e));
+    } else if args.runs(Measure::B5) {
+        // B5 again on the real runtime, on a cluster of its own (the one above runs the fake CRI).
+        eprintln!("B5: the real node on containerd + runc");
+        let row = tokio::select! {
+            r = measure::node::b5_on_containerd(args.b5_pods) => r,
+            _ = interrupted() => Err(anyhow::anyhow!("interrupted")),
+        };
+        rows.push(row.unwrap_or_else(|e| failed_row("B5", "pod start on containerd + runc", &e)));
     }
     rows.sort_by_key(|r| r.id);
 

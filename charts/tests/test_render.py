@@ -149,6 +149,8 @@ BAD_VALUES = [
     ("bad-surge", ["--set", "kubeletPlugin.maxSurge=-1"], "/kubeletPlugin/maxSurge"),
     ("bad-surge-percent", ["--set", "kubeletPlugin.maxSurge=150%"], "/kubeletPlugin/maxSurge"),
     ("bad-pull-policy", ["--set", "controller.image.pullPolicy=Sometimes"], "/controller/image/pullPolicy"),
+    ("registry-trailing-slash", ["--set", "imageRegistry=mirror.example.com/"], "/imageRegistry"),
+    ("registry-with-space", ["--set", "imageRegistry=mirror example"], "/imageRegistry"),
     ("bad-failure-policy", ["--set", "admissionPolicy.failurePolicy=Warn"], "/admissionPolicy/failurePolicy"),
     ("lease-too-short", ["--set", "controller.leaderElection.leaseDurationSeconds=1"], "leaseDurationSeconds"),
 ]

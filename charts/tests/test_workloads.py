@@ -283,6 +283,33 @@ def test_plugin_service_account_and_image(case):
     assert selector.items() <= labels.items()
 
 
+@pytest.mark.parametrize("registry,repository,expected", [
+    # The registry host is replaced; the path and the tag stay.
+    ("127.0.0.1:5000", None, "127.0.0.1:5000/migdra/{name}:0.1.0"),
+    ("mirror.example.com/ghcr", None, "mirror.example.com/ghcr/migdra/{name}:0.1.0"),
+    ("mirror.example.com", "localhost/team/{name}", "mirror.example.com/team/{name}:0.1.0"),
+    ("mirror.example.com", "registry:5000/{name}", "mirror.example.com/{name}:0.1.0"),
+    # A repository without a registry host (Docker Hub's "team/name") gets the registry prefixed.
+    ("mirror.example.com", "team/{name}", "mirror.example.com/team/{name}:0.1.0"),
+    ("mirror.example.com", "{name}", "mirror.example.com/{name}:0.1.0"),
+])
+def test_image_registry_overrides_the_registry_host(registry, repository, expected):
+    sets = [f"imageRegistry={registry}"]
+    for key, name in (("controller", "migdra-controller"), ("kubeletPlugin", "migdra-kubelet-plugin")):
+        if repository is not None:
+            sets.append(f"{key}.image.repository={repository.format(name=name)}")
+    rendered = render(sets=sets)
+    _, plugin = plugin_pod(rendered)
+    _, controller = controller_pod(rendered)
+    assert container(plugin)["image"] == expected.format(name="migdra-kubelet-plugin")
+    assert container(controller)["image"] == expected.format(name="migdra-controller")
+
+
+def test_image_registry_keeps_the_pull_policy():
+    _, plugin = plugin_pod(render(sets=["imageRegistry=127.0.0.1:5000"]))
+    assert container(plugin)["imagePullPolicy"] == "IfNotPresent"
+
+
 # ---- controller -----------------------------------------------------------------------
 
 

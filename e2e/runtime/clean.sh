@@ -4,12 +4,13 @@
 # directory and the ALIASes are other paths of it (the run dir's short /tmp link).
 #
 # Force-deletes the pods' containers runc still has (runc root DIR/runc), stops containerd, its
-# shims and the socat relays (the processes whose command line names DIR or an ALIAS), unmounts everything
+# shims, the socat relays and the loopback registry (crane serving DIR/registry) (the processes
+# whose command line names DIR or an ALIAS), unmounts everything
 # below DIR (the node's network namespace; containerd's own mounts are in its mount
 # namespace, which ends with it) and the run's kubelet root (DIR/../kubelet), removes the
 # kubelet's cgroup root (DIR/cgroup-root names it, in every cgroup hierarchy) and the
-# cgroups the run created above it (DIR/cgroups-created), and containerd's state; keeps the
-# config and the log. Writes DIR/cleaned when done; fails if mounts stay.
+# cgroups the run created above it (DIR/cgroups-created), containerd's state and the
+# registry's blobs; keeps the configs and the logs. Writes DIR/cleaned when done; fails if mounts stay.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -48,7 +49,7 @@ fi
 left=$(for m in $(rt_cgroup_mounts); do [[ -n ${root:-} && -d $m$root ]] && echo "$m$root"; done || true)
 [[ -z $left ]] || rt_log "cgroups left (not empty): $left"
 
-for d in root state tmp runc s opt; do
+for d in root state tmp runc s opt registry/blobs; do
   rm -rf --one-file-system "${real:?}/$d"
 done
 touch "$real/cleaned"

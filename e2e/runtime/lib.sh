@@ -5,14 +5,15 @@
 
 rt_log() { echo "${0##*/}: $*" >&2; }
 
-# rt_our_pids PATTERN...: pids of containerd, containerd-shim-runc-v2 and socat (the e2e
-# cluster's relays into the node's network namespace) processes whose command line contains
+# rt_our_pids PATTERN...: pids of containerd, containerd-shim-runc-v2, socat (the e2e
+# cluster's relays into the node's network namespace) and crane (its loopback registry,
+# registry.sh) processes whose command line contains
 # one of the PATTERNs (our run dirs, with a trailing slash).
 rt_our_pids() {
   local p exe cmdline pattern
   for p in /proc/[0-9]*; do
     exe=$(readlink "$p/exe" 2>/dev/null) || continue
-    case ${exe##*/} in containerd | containerd-shim-runc-v2 | socat) ;; *) continue ;; esac
+    case ${exe##*/} in containerd | containerd-shim-runc-v2 | socat | crane) ;; *) continue ;; esac
     cmdline=$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null) || continue
     for pattern in "$@"; do
       if [[ $cmdline == *"$pattern"* ]]; then

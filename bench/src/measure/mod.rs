@@ -4,6 +4,7 @@
 //! controller), and the packing simulation ([`packing`]: B7). [`pods`] holds the workload
 //! helpers they share.
 
+pub mod levers;
 pub mod node;
 pub mod packing;
 pub mod pods;

@@ -4,6 +4,10 @@
 //! the kubelet's DRA histogram, and the plugin's own histograms of its handler time, the part
 //! inside NVML and the rest (the headline, from the plugin's fine buckets). Correctness checked on the way: every claim got its own
 //! device and the fake GPUs hold one MIG instance per prepared claim.
+//!
+//! B5 is also measured on containerd and runc ([`b5_on_containerd`]): a cluster of its own whose
+//! kubelet starts real containers (sandbox, CNI, runc, the claim's CDI edits applied), with
+//! migdra as host processes as on the fake CRI.
 
 use std::{
     collections::BTreeSet,
@@ -14,7 +18,8 @@ use anyhow::Context as _;
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::{core::v1::Pod, resource::v1::ResourceClaim};
 use kube::{Api, api::PostParams};
-use migdra_e2e::cluster::{Cluster, NODE, PLUGIN};
+use migdra_e2e::cluster::{Cluster, ClusterConfig, NODE, PLUGIN, Runtime};
+use migdra_fake_nvml::config::GpuConfig;
 use serde_json::json;
 
 use super::pods::{NAMESPACE, allocated_devices, create_template, delete_run, pod, run_claims, wait_running};
@@ -463,6 +468,72 @@ pub async fn run(cluster: &Cluster, pairs: usize, b4_extra: usize) -> anyhow::Re
         ),
     });
     Ok(NodeResults { rows })
+}
+
+/// 1g.10gb placements on the containerd cluster's H100s (7 each).
+const CONTAINERD_H100S: usize = 3;
+
+/// B5 on containerd and runc: boots a cluster of its own on the real runtime (the e2e's
+/// `MIGDRA_E2E_RUNTIME=containerd` cluster, migdra as host processes, `CONTAINERD_H100S`
+/// simulated H100s), starts `pairs` pods without and with a 1g.10gb claim, one at a time,
+/// alternating, then deletes them, checks every MIG instance went, and tears the cluster down.
+pub async fn b5_on_containerd(pairs: usize) -> anyhow::Result<Row> {
+    let config = ClusterConfig {
+        gpus: (0..CONTAINERD_H100S)
+            .map(|_| GpuConfig::new("H100-80GB", true))
+            .collect(),
+        runtime: Some(Runtime::Containerd),
+        ..ClusterConfig::default()
+    };
+    let mut cluster = Cluster::start(config)
+        .await
+        .context("starting the containerd cluster")?;
+    let result = b5_pairs(&cluster, pairs.min(CONTAINERD_H100S * 7)).await;
+    cluster.teardown();
+    let (plain, mig, load) = result?;
+    Ok(Row {
+        id: "B5",
+        measure: "pod start created → Running, real kubelet on containerd + runc, with a 1g.10gb claim"
+            .into(),
+        value: latency(&mig),
+        anchor: format!("without a claim: {}", latency(&plain)),
+        ratio: Some(mig.p50 / plain.p50),
+        goal: "median delta ≤ 300 ms",
+        met: Some(mig.p50 - plain.p50 <= 0.3),
+        note: format!(
+            "median delta {}; containers started by runc (busybox sleep; the claim's CDI spec applied, \
+             nvidia-cdi-hook run); one pod at a time, alternating, Running polled every 20 ms; load {load}",
+            ms(mig.p50 - plain.p50)
+        ),
+    })
+}
+
+/// B5's alternating pods on `cluster`'s node; the two samples and the load average.
+async fn b5_pairs(cluster: &Cluster, pairs: usize) -> anyhow::Result<(Summary, Summary, String)> {
+    let client = cluster.client.clone();
+    create_template(&client, "bench-mig-1g", MIG_1G_CLASS, RUN_MIG).await?;
+    let load = load_average();
+    let (mut plain, mut mig) = (Samples::default(), Samples::default());
+    let timeout = Duration::from_secs(120);
+    for i in 0..pairs {
+        for (run, samples, template) in [
+            (RUN_PLAIN, &mut plain, None),
+            (RUN_MIG, &mut mig, Some("bench-mig-1g")),
+        ] {
+            samples.push(start_pod(&client, &format!("{run}-{i:03}"), run, template, timeout).await?);
+        }
+    }
+    delete_run(&client, RUN_MIG, 1, Duration::from_secs(300)).await?;
+    delete_run(&client, RUN_PLAIN, 1, Duration::from_secs(120)).await?;
+    anyhow::ensure!(
+        wait_no_instances(cluster).await,
+        "MIG instances left 120 s after the B5 pods were deleted"
+    );
+    Ok((
+        plain.summary().context("no B5 samples")?,
+        mig.summary().context("no B5 samples")?,
+        load,
+    ))
 }
 
 #[cfg(test)]

@@ -31,6 +31,7 @@ use super::{
 use migdra_e2e::cluster::{Cluster, DRIVER, wait_until};
 
 use super::{
+    levers::{self, LEVER_CLASS, Lever},
     profile::ProfileRequest,
     publish::{CONTROLLER, delete_driver_slices},
 };
@@ -59,6 +60,8 @@ struct RunResult {
     correct: bool,
     unallocated: usize,
     duplicates: usize,
+    /// Allocated devices per GPU minor ([`levers::landing`]).
+    landing: String,
 }
 
 /// A static 1g.10gb device at `placement` of GPU `gpu` of `node`: the bare anchor's four
@@ -261,6 +264,7 @@ async fn schedule(
         correct: bound.len() == count && claims.len() == count && unallocated == 0 && duplicates == 0,
         unallocated,
         duplicates,
+        landing: levers::landing(&devices),
     })
 }
 
@@ -422,6 +426,24 @@ pub enum Phase {
     /// would configure it. The policy is applied for the phase and deleted after.
     #[value(name = "migdra-1g10gb-only")]
     MigdraOneProfile,
+    // The lever phases: migdra's pools with one change ([`levers::Lever`]), published under
+    // another driver with migdra's pools withdrawn (as for the anchor), the `1g.10gb` class
+    // copied for that driver.
+    /// migdra's pool, devices grouped profile by profile across the node.
+    #[value(name = "lever-order-by-profile")]
+    LeverOrderByProfile,
+    /// migdra's pool, a node's counter sets merged into as few as the limits allow.
+    #[value(name = "lever-merged-counter-sets")]
+    LeverMergedCounterSets,
+    /// migdra's pool without counters (a bound: overlapping partitions are allowed).
+    #[value(name = "lever-no-counters")]
+    LeverNoCounters,
+    /// migdra's pool with only the attributes and capacities selectors use.
+    #[value(name = "lever-selector-attributes")]
+    LeverSelectorAttributes,
+    /// migdra's pool without the engine capacities.
+    #[value(name = "lever-no-engine-capacities")]
+    LeverNoEngineCapacities,
 }
 
 impl Phase {
@@ -430,6 +452,17 @@ impl Phase {
             self,
             Self::Anchor | Self::AnchorBeside | Self::AnchorNvidiaAttributes
         )
+    }
+
+    pub(crate) fn lever(self) -> Option<Lever> {
+        match self {
+            Self::LeverOrderByProfile => Some(Lever::OrderByProfile),
+            Self::LeverMergedCounterSets => Some(Lever::MergedCounterSets),
+            Self::LeverNoCounters => Some(Lever::NoCounters),
+            Self::LeverSelectorAttributes => Some(Lever::SelectorAttributes),
+            Self::LeverNoEngineCapacities => Some(Lever::NoEngineCapacities),
+            _ => None,
+        }
     }
 }
 
@@ -581,6 +614,8 @@ pub async fn run(
         } else {
             None
         };
+        // migdra's slices while a lever phase runs without them.
+        let mut lever_withdrawn = None;
         let (run, template) = match phase {
             Phase::Anchor | Phase::AnchorBeside | Phase::AnchorNvidiaAttributes => {
                 let nvidia = *phase == Phase::AnchorNvidiaAttributes;
@@ -598,6 +633,20 @@ pub async fn run(
             }
             Phase::Migdra => (format!("b1-migdra-{i}"), MIG_1G_CLASS),
             Phase::MigdraOneProfile => (format!("b1-one-profile-{i}"), MIG_1G_CLASS),
+            lever_phase => {
+                let lever = lever_phase
+                    .lever()
+                    .with_context(|| format!("B1 phase {lever_phase:?} is not a lever"))?;
+                // The copy is read from migdra's pools before they are withdrawn.
+                let copy = levers::prepare(client, DRIVER, MIG_1G_CLASS, lever).await?;
+                lever_withdrawn = Some(withdraw_migdra(cluster).await?);
+                levers::publish(client, &copy)
+                    .await
+                    .with_context(|| format!("publishing lever {}'s pools", lever.name()))?;
+                tracing::info!(devices = copy.devices(), "lever pools published");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                (format!("b1-{}-{i}", lever.name()), LEVER_CLASS)
+            }
         };
         // A template per phase: its claims carry the phase's run label.
         let (run, class) = (run, template);
@@ -633,6 +682,10 @@ pub async fn run(
         if phase.is_anchor() {
             remove_static(client).await?;
         }
+        if let Some(slices) = lever_withdrawn {
+            levers::remove(client).await?;
+            restore_migdra(cluster, slices).await?;
+        }
         if let Some(slices) = withdrawn {
             restore_migdra(cluster, slices).await?;
         }
@@ -652,19 +705,18 @@ pub async fn run(
     let last = |p: Phase| phases.iter().rev().find(|r| r.phase == p).map(|r| &r.result);
     // The ratio is against the static world alone when it was measured.
     let alone = last(Phase::Anchor).is_some();
-    let (Some(migdra), Some(anchor)) = (
-        last(Phase::Migdra),
-        last(Phase::Anchor).or_else(|| last(Phase::AnchorBeside)),
-    ) else {
-        anyhow::bail!("B1 needs at least one anchor and one migdra phase");
+    let Some(migdra) = last(Phase::Migdra) else {
+        anyhow::bail!("B1 needs at least one migdra phase");
     };
+    let anchor = last(Phase::Anchor).or_else(|| last(Phase::AnchorBeside));
     let describe = |r: &RunResult| -> String {
         let lat = r.bind_latency.summary().map(|s| latency(&s)).unwrap_or_default();
         format!(
-            "{}/{} bound, created→bound {lat}, pods created in {:.1} s{}",
+            "{}/{} bound, created→bound {lat}, pods created in {:.1} s, claims per GPU minor: {}{}",
             r.bound,
             r.pods,
             r.creation_seconds,
+            r.landing,
             if r.correct {
                 String::new()
             } else {
@@ -675,7 +727,9 @@ pub async fn run(
             }
         )
     };
-    let ratio = (anchor.pods_per_second > 0.0).then(|| migdra.pods_per_second / anchor.pods_per_second);
+    let ratio = anchor
+        .filter(|a| a.pods_per_second > 0.0)
+        .map(|a| migdra.pods_per_second / a.pods_per_second);
     // The other pairs a reader compares: the one-profile pool against both anchors, and migdra
     // against the anchor described as NVIDIA's driver describes it.
     let mut ratios = Vec::new();
@@ -707,6 +761,7 @@ pub async fn run(
             ratios.push(format!("{what}: {:.2}×", n.pods_per_second / d.pods_per_second));
         }
     }
+    ratios.extend(lever_ratios(&phases));
     Ok(Row {
         id: "B1",
         measure: format!(
@@ -714,14 +769,19 @@ pub async fn run(
             nodes.len()
         ),
         value: format!("{:.1} pods/s", migdra.pods_per_second),
-        anchor: format!(
-            "static MIG, 56 counter-less devices per node{}: {:.1} pods/s",
-            if alone {
-                " (alone)"
-            } else {
-                ", beside migdra's pools"
+        anchor: anchor.map_or_else(
+            || "static MIG not run".to_string(),
+            |anchor| {
+                format!(
+                    "static MIG, 56 counter-less devices per node{}: {:.1} pods/s",
+                    if alone {
+                        " (alone)"
+                    } else {
+                        ", beside migdra's pools"
+                    },
+                    anchor.pods_per_second
+                )
             },
-            anchor.pods_per_second
         ),
         ratio,
         goal: "≥ 80% of the anchor",
@@ -747,6 +807,7 @@ pub async fn run(
                         Phase::Migdra => "migdra",
                         Phase::MigdraOneProfile =>
                             "migdra, MigPolicy offering only 1g.10gb (56 devices per node)",
+                        lever => lever.lever().map_or("lever", Lever::describe),
                     },
                     p.result.pods_per_second,
                     describe(&p.result),
@@ -768,4 +829,36 @@ pub async fn run(
             }
         ),
     })
+}
+
+/// Each lever phase against migdra's default pool in the same run: its rate over the mean rate
+/// of the `migdra` phases, and its DynamicResources Filter mean per sampled call over theirs.
+fn lever_ratios(phases: &[PhaseResult]) -> Vec<String> {
+    let filter = |p: &PhaseResult| {
+        p.scheduler
+            .as_ref()
+            .and_then(|s| s.dra.get("Filter"))
+            .map(|(mean, _)| *mean)
+    };
+    let mean =
+        |values: Vec<f64>| (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64);
+    let migdra: Vec<&PhaseResult> = phases.iter().filter(|p| p.phase == Phase::Migdra).collect();
+    let rate = mean(migdra.iter().map(|p| p.result.pods_per_second).collect());
+    let migdra_filter = mean(migdra.iter().filter_map(|p| filter(p)).collect());
+    phases
+        .iter()
+        .filter_map(|p| Some((p.phase.lever()?, p)))
+        .filter_map(|(lever, p)| {
+            let rate = rate.filter(|r| *r > 0.0)?;
+            let filter = filter(p)
+                .zip(migdra_filter)
+                .map(|(l, m)| format!(", Filter {:.2} / {:.2} ms", l * 1000.0, m * 1000.0))
+                .unwrap_or_default();
+            Some(format!(
+                "lever {} / migdra (mean of its phases): {:.2}×{filter}",
+                lever.name(),
+                p.result.pods_per_second / rate
+            ))
+        })
+        .collect()
 }

@@ -71,10 +71,21 @@ ServiceAccount names.
 
 {{/*
 Image reference. Call with (dict "ctx" $ "image" .Values.controller.image); an empty tag means
-the chart's appVersion.
+the chart's appVersion. A non-empty imageRegistry replaces the repository's registry host (its
+first path component when that names a host, as the container runtimes read it: it has a "."
+or ":" or is "localhost"), or is prefixed to a repository without one.
 */}}
 {{- define "migdra.image" -}}
-{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- $repository := .image.repository }}
+{{- with .ctx.Values.imageRegistry }}
+{{- $parts := splitn "/" 2 $repository }}
+{{- $first := $parts._0 }}
+{{- if and $parts._1 (or (contains "." $first) (contains ":" $first) (eq "localhost" $first)) }}
+{{- $repository = $parts._1 }}
+{{- end }}
+{{- $repository = printf "%s/%s" . $repository }}
+{{- end }}
+{{- printf "%s:%s" $repository (default .ctx.Chart.AppVersion .image.tag) }}
 {{- end }}
 
 {{/*

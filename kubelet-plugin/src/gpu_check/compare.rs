@@ -274,29 +274,10 @@ mod tests {
     use migdra_api::catalog;
 
     use super::*;
-    use crate::nvml::MigDescription;
 
     /// A GPU exactly as the catalog describes `key`.
     fn gpu_like(key: &str) -> GpuDescription {
-        let m = catalog::model(key).unwrap();
-        GpuDescription {
-            index: 0,
-            minor: 0,
-            uuid: m.uuid(0),
-            product_name: m.product_name.into(),
-            pci_bus_id: None,
-            pci_device_id: m.pci_device_ids.first().copied(),
-            numa_node: None,
-            memory_mib: m.memory_mib,
-            architecture: Some(m.architecture),
-            cuda_compute_capability: None,
-            mig: Some(MigDescription {
-                enabled: true,
-                pending_enabled: true,
-                profiles: m.profiles.clone(),
-                passthrough: false,
-            }),
-        }
+        crate::nvml::catalog_gpu(0, key, Some(true))
     }
 
     fn no_names() -> BTreeMap<u32, String> {

@@ -1,15 +1,15 @@
 //! Layouts: sets of GPU instances side by side on one GPU. Which layouts to try comes from
 //! NVML's placement rules alone (no two instances share a memory slice, at most a profile's
-//! instance count of it), so that the engine limits NVML enforces and the counters migdra
+//! instance count of it, one `+me` instance per optical-flow engine), so that the engine limits NVML enforces and the counters migdra
 //! publishes are checked against each other, not assumed. Pure.
 
 use std::collections::BTreeMap;
 
 use migdra_api::{
-    geometry::MigProfile,
+    geometry::{MigGeometry, MigProfile},
     inventory::GpuHealth,
     policy::EffectivePolicy,
-    slices::{PlannedKind, PoolPlan, allocator::Allocator, published_plan},
+    slices::{PlannedKind, PoolPlan, allocator::Allocator, counter_model, published_plan},
 };
 
 use crate::{gpus::gpu_inventory, nvml::GpuDescription};
@@ -38,49 +38,29 @@ pub fn label(layout: &[Member<'_>]) -> String {
     layout.iter().map(Member::label).collect::<Vec<_>>().join(" + ")
 }
 
-fn fits(layout: &[Member<'_>], new: Member<'_>) -> bool {
-    let range = new.profile.memory_range(new.start);
-    let same = layout
-        .iter()
-        .filter(|m| m.profile.gi_profile_id == new.profile.gi_profile_id)
-        .count();
-    u32::try_from(same).is_ok_and(|same| same < new.profile.instance_count)
-        && layout.iter().all(|m| {
-            let other = m.profile.memory_range(m.start);
-            range.end <= other.start || other.end <= range.start
-        })
-}
-
-/// Every layout no placement can be added to without sharing a memory slice or exceeding an
-/// instance count (e.g. 7x 1g, 4g + 3g, 3g + 2g + 1g + 1g), each once, in start order.
+/// Every layout NVML's rules allow to which no further GPU instance can be added
+/// ([`counter_model::maximal_layouts`]: memory slices, instance counts, optical-flow engines),
+/// each once, in start order.
 pub fn maximal_layouts(profiles: &[MigProfile]) -> Vec<Layout<'_>> {
-    let candidates: Vec<Member<'_>> = profiles
-        .iter()
-        .flat_map(|p| {
-            p.placements
+    // NVML's placement rules need no memory total, only the profiles and their engines.
+    let geometry = MigGeometry::new(profiles.to_vec(), 0);
+    let mut out: Vec<Layout<'_>> = counter_model::maximal_layouts(&geometry)
+        .into_iter()
+        .filter_map(|placements| {
+            let mut layout = placements
                 .iter()
-                .map(move |&start| Member { start, profile: p })
+                .map(|p| {
+                    let profile = profiles.iter().find(|q| q.gi_profile_id == p.profile_id)?;
+                    Some(Member {
+                        start: p.start,
+                        profile,
+                    })
+                })
+                .collect::<Option<Layout<'_>>>()?;
+            layout.sort_by_key(Member::key);
+            Some(layout)
         })
         .collect();
-    let mut out = Vec::new();
-    let mut stack = vec![(0, Vec::new())];
-    while let Some((from, layout)) = stack.pop() {
-        let mut grew = false;
-        for (i, c) in candidates.iter().enumerate().skip(from) {
-            if fits(&layout, *c) {
-                let mut next = layout.clone();
-                next.push(*c);
-                stack.push((i + 1, next));
-                grew = true;
-            }
-        }
-        // Maximal only if nothing at all (earlier candidates included) fits any more.
-        if !grew && !layout.is_empty() && !candidates.iter().any(|c| fits(&layout, *c)) {
-            let mut layout = layout;
-            layout.sort_by_key(Member::key);
-            out.push(layout);
-        }
-    }
     out.sort_by_key(|l: &Layout<'_>| l.iter().map(Member::key).collect::<Vec<_>>());
     out
 }
@@ -172,38 +152,24 @@ mod tests {
     #[test]
     fn the_counters_accept_what_they_publish_and_refuse_what_they_do_not() {
         let model = catalog::model("A30-24GB").unwrap();
-        let gpu = crate::nvml::GpuDescription {
-            index: 0,
-            minor: 0,
-            uuid: model.uuid(0),
-            product_name: model.product_name.into(),
-            pci_bus_id: None,
-            pci_device_id: model.pci_device_ids.first().copied(),
-            numa_node: None,
-            memory_mib: model.memory_mib,
-            architecture: Some(model.architecture),
-            cuda_compute_capability: None,
-            mig: Some(crate::nvml::MigDescription {
-                enabled: false,
-                pending_enabled: false,
-                passthrough: false,
-                profiles: model.profiles.clone(),
-            }),
-        };
+        let gpu = crate::nvml::catalog_gpu(0, "A30-24GB", Some(false));
         let counters = CounterModel::new(&gpu);
         let layouts = maximal_layouts(&model.profiles);
         assert!(layouts.iter().all(|l| !l.is_empty()));
-        let refused: Vec<_> = layouts.iter().filter(|l| counters.accepts(l).is_err()).collect();
-        // A30: one OFA engine, so the two +me profiles never share the GPU.
-        assert!(
-            refused.iter().all(|l| l
-                .iter()
+        // A30: one optical-flow engine, so NVML never puts its two +me profiles side by side.
+        assert!(layouts.iter().all(|l| {
+            l.iter()
                 .filter(|m| m.profile.name.to_string().contains("+me"))
                 .count()
-                >= 2),
-            "{:?}",
-            refused.iter().map(|l| label(l)).collect::<Vec<_>>()
-        );
+                <= 1
+        }));
+        assert!(layouts.iter().any(|l| label(l).contains("+me")));
+        let refused: Vec<_> = layouts
+            .iter()
+            .filter(|l| counters.accepts(l).is_err())
+            .map(|l| label(l))
+            .collect();
+        assert!(refused.is_empty(), "{refused:?}");
         let bogus = MigProfile {
             gi_profile_id: 99,
             ..model.profiles[0].clone()

@@ -387,30 +387,13 @@ pub fn driver_files(options: &CheckOptions, driver_version: &str) -> DriverFiles
 
 #[cfg(test)]
 mod tests {
-    use migdra_api::catalog;
-
     use super::*;
-    use crate::nvml::{ComputeInstanceRecord, MigDescription};
+    use crate::nvml::ComputeInstanceRecord;
 
     fn h100() -> GpuDescription {
-        let m = catalog::model("H100-80GB").unwrap();
         GpuDescription {
-            index: 0,
-            minor: 3,
-            uuid: m.uuid(3),
-            product_name: m.product_name.into(),
-            pci_bus_id: None,
-            pci_device_id: m.pci_device_ids.first().copied(),
-            numa_node: None,
-            memory_mib: m.memory_mib,
-            architecture: Some(m.architecture),
             cuda_compute_capability: Some((9, 0)),
-            mig: Some(MigDescription {
-                enabled: true,
-                pending_enabled: true,
-                profiles: m.profiles.clone(),
-                passthrough: false,
-            }),
+            ..crate::nvml::catalog_gpu(3, "H100-80GB", Some(true))
         }
     }
 

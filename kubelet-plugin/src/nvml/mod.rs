@@ -53,6 +53,31 @@ pub struct MigDescription {
     pub passthrough: bool,
 }
 
+/// GPU `minor` exactly as the catalog describes model `key`; `mig` is its MIG mode (`None`:
+/// not MIG-capable).
+#[cfg(test)]
+pub(crate) fn catalog_gpu(minor: u32, key: &str, mig: Option<bool>) -> GpuDescription {
+    let model = migdra_api::catalog::model(key).expect("a catalog model");
+    GpuDescription {
+        index: minor,
+        minor,
+        uuid: model.uuid(minor),
+        product_name: model.product_name.to_string(),
+        pci_bus_id: None,
+        pci_device_id: model.pci_device_ids.first().copied(),
+        numa_node: None,
+        memory_mib: model.memory_mib,
+        architecture: Some(model.architecture),
+        cuda_compute_capability: None,
+        mig: mig.map(|enabled| MigDescription {
+            enabled,
+            pending_enabled: enabled,
+            profiles: model.profiles.clone(),
+            passthrough: false,
+        }),
+    }
+}
+
 /// A compute instance inside a GPU instance.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ComputeInstanceRecord {

@@ -1,38 +1,14 @@
 use migdra_api::{catalog, config::DeviceConfig};
 
 use super::*;
-use crate::{
-    checkpoint::ClaimState,
-    nvml::{MigDescription, NvmlErrorKind},
-};
+use crate::{checkpoint::ClaimState, nvml::NvmlErrorKind};
 
 const POOL: &str = "node/gpu.migdra.dev";
 // Real GPU-instance profile IDs of the 8-slice parts.
 const P_1G: u32 = 19;
 const P_3G: u32 = 9;
 
-/// GPU `minor` of catalog model `key`; `mig` is the MIG mode (`None`: not MIG-capable).
-fn gpu(minor: u32, key: &str, mig: Option<bool>) -> GpuDescription {
-    let model = catalog::model(key).unwrap();
-    GpuDescription {
-        index: minor,
-        minor,
-        uuid: model.uuid(minor),
-        product_name: model.product_name.to_string(),
-        pci_bus_id: None,
-        pci_device_id: model.pci_device_ids.first().copied(),
-        numa_node: None,
-        memory_mib: model.memory_mib,
-        architecture: Some(model.architecture),
-        cuda_compute_capability: None,
-        mig: mig.map(|enabled| MigDescription {
-            enabled,
-            pending_enabled: enabled,
-            profiles: model.profiles.clone(),
-            passthrough: false,
-        }),
-    }
-}
+use crate::nvml::catalog_gpu as gpu;
 
 fn instance(id: u32, profile_id: u32, start: u32, size: u32) -> GpuInstanceRecord {
     GpuInstanceRecord {

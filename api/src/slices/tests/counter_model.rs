@@ -8,35 +8,9 @@ use crate::{
     },
 };
 
-/// Every MIG device set NVML's own rules allow (no engine or memory budget), by depth-first
-/// search over the pool.
+/// Every MIG device set NVML's own rules allow (no engine or memory budget).
 fn nvml_valid_sets(plan: &PoolPlan, geometry: &MigGeometry) -> BTreeSet<Vec<usize>> {
-    fn dfs(
-        plan: &PoolPlan,
-        geometry: &MigGeometry,
-        from: usize,
-        current: &mut Vec<usize>,
-        out: &mut BTreeSet<Vec<usize>>,
-    ) {
-        out.insert(current.clone());
-        let layout: Vec<Placement> = current
-            .iter()
-            .filter_map(|i| mig_placement(&plan.devices[*i]))
-            .collect();
-        for i in from..plan.devices.len() {
-            let Some(p) = mig_placement(&plan.devices[i]) else {
-                continue;
-            };
-            if nvml_admits(geometry, &layout, p) {
-                current.push(i);
-                dfs(plan, geometry, i + 1, current, out);
-                current.pop();
-            }
-        }
-    }
-    let mut out = BTreeSet::new();
-    dfs(plan, geometry, 0, &mut Vec::new(), &mut out);
-    out
+    admitted_sets(plan, &|layout, p| nvml_admits(geometry, layout, p))
 }
 
 /// An A100-80GB as drivers that report 2g/3g/4g decoders 2/3/4 describe it: 4g + 3g then

@@ -84,11 +84,12 @@ fn counter_feasible_sets(plan: &PoolPlan) -> BTreeSet<Vec<usize>> {
     out
 }
 
-/// Every MIG device set that is physically valid (NVML's rules), by depth-first search.
-fn physically_valid_sets(plan: &PoolPlan, geometry: &crate::geometry::MigGeometry) -> BTreeSet<Vec<usize>> {
+/// Every MIG device set of the pool whose placements `admits` lets join one by one, by
+/// depth-first search.
+fn admitted_sets(plan: &PoolPlan, admits: &dyn Fn(&[Placement], Placement) -> bool) -> BTreeSet<Vec<usize>> {
     fn dfs(
         plan: &PoolPlan,
-        geometry: &crate::geometry::MigGeometry,
+        admits: &dyn Fn(&[Placement], Placement) -> bool,
         from: usize,
         current: &mut Vec<usize>,
         out: &mut BTreeSet<Vec<usize>>,
@@ -102,16 +103,21 @@ fn physically_valid_sets(plan: &PoolPlan, geometry: &crate::geometry::MigGeometr
             let Some(p) = mig_placement(&plan.devices[i]) else {
                 continue;
             };
-            if geometry.check_add(&layout, p).is_ok() {
+            if admits(&layout, p) {
                 current.push(i);
-                dfs(plan, geometry, i + 1, current, out);
+                dfs(plan, admits, i + 1, current, out);
                 current.pop();
             }
         }
     }
     let mut out = BTreeSet::new();
-    dfs(plan, geometry, 0, &mut Vec::new(), &mut out);
+    dfs(plan, admits, 0, &mut Vec::new(), &mut out);
     out
+}
+
+/// Every MIG device set that is physically valid (the geometry's rules, budgets included).
+fn physically_valid_sets(plan: &PoolPlan, geometry: &crate::geometry::MigGeometry) -> BTreeSet<Vec<usize>> {
+    admitted_sets(plan, &|layout, p| geometry.check_add(layout, p).is_ok())
 }
 
 #[test]

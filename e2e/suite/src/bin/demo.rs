@@ -1,18 +1,27 @@
 //! The migdra demo: brings up a local cluster with simulated GPUs (two H100-80GB and one
-//! A100-40GB), runs workloads asking for different MIG profiles, prints each GPU's MIG layout
-//! (which placement is used by which pod, as `kubectl migdra layout` prints it), and tears
-//! everything down on exit or Ctrl-C.
+//! A100-40GB) whose kubelet runs on containerd and runc, installs migdra with `helm install`
+//! from its chart (its images pulled from a registry on loopback), runs workloads asking for
+//! different MIG profiles from the workload image, prints what each container saw and each
+//! GPU's MIG layout (which placement is used by which pod, as `kubectl migdra layout` prints
+//! it), and tears everything down on exit or Ctrl-C.
 //!
-//! Run: `make demo` (or `cargo build --workspace && cargo run -p migdra-e2e --bin migdra-demo`).
+//! Run: `make demo` (or `cargo build --workspace --bins && cargo run -p migdra-e2e --bin
+//! migdra-demo`), as root.
 
 use std::time::Duration;
 
 use anyhow::Context;
-use migdra_e2e::{
-    cluster::{Cluster, ClusterConfig},
-    layout,
-    workload::{self, Request, create_pod, create_pod_with, create_template, profile_is, wait_phase},
+use k8s_openapi::api::core::v1::Pod;
+use kube::{
+    Api,
+    api::{LogParams, PostParams},
 };
+use migdra_e2e::{
+    cluster::{Cluster, ClusterConfig, MigdraMode, Runtime, probe_image, wait_until},
+    layout,
+    workload::{self, NAMESPACE, Request, create_template, profile_is, wait_phase},
+};
+use serde_json::json;
 
 const MIG: &str = "mig.migdra.dev";
 
@@ -21,6 +30,77 @@ fn mig(selectors: Vec<String>) -> Request {
         class: MIG.into(),
         selectors,
     }
+}
+
+/// Creates pod `name` whose `containers` all run the workload probe (print what the container
+/// got, then wait) with the one claim made from `template`.
+async fn create_probe_pod(
+    cluster: &Cluster,
+    name: &str,
+    template: &str,
+    containers: &[&str],
+) -> anyhow::Result<()> {
+    let containers: Vec<serde_json::Value> = containers
+        .iter()
+        .map(|c| json!({"name": c, "image": probe_image(), "args": ["sleep"], "resources": {"claims": [{"name": "gpu"}]}}))
+        .collect();
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app.kubernetes.io/part-of": "migdra-e2e"}},
+        "spec": {
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": containers,
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+        }
+    }))?;
+    Api::<Pod>::namespaced(cluster.client.clone(), NAMESPACE)
+        .create(&PostParams::default(), &pod)
+        .await?;
+    Ok(())
+}
+
+/// One line of what a container saw, from the probe's report (its log): the GPU device nodes,
+/// the MIG capability nodes and the device UUIDs migdra put in its environment.
+async fn container_saw(cluster: &Cluster, pod: &str, container: &str) -> anyhow::Result<String> {
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), NAMESPACE);
+    let params = LogParams {
+        container: Some(container.into()),
+        ..LogParams::default()
+    };
+    let report: serde_json::Value = wait_until(Duration::from_secs(30), || async {
+        serde_json::from_str(&pods.logs(pod, &params).await.ok()?).ok()
+    })
+    .await
+    .with_context(|| format!("no report from the probe in {pod}/{container}"))?;
+    let names = |prefix: &str| -> Vec<String> {
+        report["devices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|d| d["type"] == "c")
+            .filter_map(|d| d["path"].as_str()?.strip_prefix(prefix).map(str::to_string))
+            .collect()
+    };
+    let gpus: Vec<String> = names("/dev/")
+        .into_iter()
+        .filter(|n| n.strip_prefix("nvidia").is_some_and(|d| d.parse::<u32>().is_ok()))
+        .collect();
+    let caps = names("/dev/nvidia-caps/");
+    let uuids: Vec<&str> = report["env"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with("MIGDRA_DEVICE_UUID_"))
+        .filter_map(|(_, v)| v.as_str())
+        .collect();
+    Ok(format!(
+        "/dev/{{{}}}, nvidia-caps {{{}}}, {}",
+        gpus.join(","),
+        caps.join(","),
+        uuids.join(", ")
+    ))
 }
 
 /// Prints the layout as `kubectl migdra layout` does.
@@ -49,14 +129,7 @@ async fn run(cluster: &Cluster) -> anyhow::Result<()> {
         selectors: vec![workload::on_gpu(&second)],
     };
     create_template(c, "whole-gpu", whole, None).await?;
-    create_pod_with(
-        c,
-        "shared",
-        "whole-gpu",
-        &[("server", &["sleep", "3600"]), ("sidecar", &["sleep", "3600"])],
-        false,
-    )
-    .await?;
+    create_probe_pod(cluster, "shared", "whole-gpu", &["server", "sidecar"]).await?;
     println!(
         "  pod {:<12} claim template whole-gpu (GPU 1 whole; two containers share one claim)",
         "shared"
@@ -83,7 +156,7 @@ async fn run(cluster: &Cluster) -> anyhow::Result<()> {
         if templates.insert(template) {
             create_template(c, template, request, None).await?;
         }
-        create_pod(c, pod, template, &["sleep", "3600"], false).await?;
+        create_probe_pod(cluster, pod, template, &["main"]).await?;
         println!("  pod {pod:<12} claim template {template}");
     }
 
@@ -103,6 +176,25 @@ async fn run(cluster: &Cluster) -> anyhow::Result<()> {
             .map(|(r, d)| format!("{d} (request {r})"))
             .collect();
         println!("  {pod:<12} Running on {}", devices.join(", "));
+    }
+    println!("\nWhat each container saw (the workload image's probe, from inside the container):");
+    for (pod, containers) in [
+        ("training", &["main"][..]),
+        ("inference-a", &["main"]),
+        ("inference-b", &["main"]),
+        ("notebook", &["main"]),
+        ("a100-job", &["main"]),
+        ("flexible", &["main"]),
+        ("shared", &["server", "sidecar"]),
+    ] {
+        for container in containers {
+            let label = if containers.len() > 1 {
+                format!("{pod}/{container}")
+            } else {
+                pod.to_string()
+            };
+            println!("  {label:<15} {}", container_saw(cluster, pod, container).await?);
+        }
     }
     show(cluster, "GPUs with the workloads running").await?;
 
@@ -125,11 +217,17 @@ async fn main() -> anyhow::Result<()> {
         "Starting a local cluster: etcd, kube-apiserver, kube-scheduler, kube-controller-manager, kubelet,"
     );
     println!(
-        "a fake CRI runtime, simulated GPUs (2x H100-80GB, 1x A100-SXM4-40GB) and migdra. This takes a minute."
+        "containerd and runc, simulated GPUs (2x H100-80GB, 1x A100-SXM4-40GB), and migdra installed with"
     );
-    let mut cluster = Cluster::start(ClusterConfig::default())
-        .await
-        .context("starting the cluster")?;
+    println!(
+        "helm install from its chart, its images pulled from a registry on loopback. This takes a minute or two."
+    );
+    let config = ClusterConfig {
+        runtime: Some(Runtime::Containerd),
+        migdra_mode: Some(MigdraMode::Chart),
+        ..ClusterConfig::default()
+    };
+    let mut cluster = Cluster::start(config).await.context("starting the cluster")?;
     println!(
         "Cluster up; component logs in {}",
         cluster.layout.logs_dir().display()

@@ -27,10 +27,10 @@ use migdra_fake_nvml::{
 use super::{
     ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, HOOK_PATH, Layout, MigdraMode,
     NODE, PLUGIN_ACCOUNT, Runtime,
-    chart_mode::migdra_images,
     containerd::{SERVICE_CLUSTER_IP_RANGE, node_netns},
     free_port, kubeconfig_yaml,
     migdra::migdra_bin_dir,
+    registry::migdra_images_dir,
     repo_root,
     teardown::KUBELET_HOST_DIRS,
     wait_until, write,
@@ -97,7 +97,10 @@ impl Cluster {
             Some(runtime) => runtime,
             None => Runtime::from_env()?,
         };
-        let migdra_mode = MigdraMode::from_env()?;
+        let migdra_mode = match config.migdra_mode {
+            Some(mode) => mode,
+            None => MigdraMode::from_env()?,
+        };
         if migdra_mode == MigdraMode::Chart && runtime != Runtime::Containerd {
             bail!("migdra's chart runs its pods on containerd only: set MIGDRA_E2E_RUNTIME=containerd");
         }
@@ -254,13 +257,18 @@ impl Cluster {
         match l.runtime {
             Runtime::FakeCri => self.start_fake_cri()?,
             Runtime::Containerd => {
-                let images = if from_chart {
+                let images_dir = if from_chart {
                     self.install_fake_nvml_in_driver_root()?;
-                    migdra_images()?
+                    Some(migdra_images_dir()?)
                 } else {
-                    Vec::new()
+                    None
                 };
-                self.kubelet_cgroup_root = Some(self.start_containerd(&config.runs_dir, &images)?);
+                self.kubelet_cgroup_root = Some(self.start_containerd(&config.runs_dir)?);
+                // migdra's images are pulled by the kubelet, from the registry in the node's
+                // network namespace.
+                if let Some(dir) = images_dir {
+                    self.start_registry(&dir)?;
+                }
                 self.start_relays()?;
             }
         }

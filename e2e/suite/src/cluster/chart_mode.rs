@@ -1,9 +1,10 @@
 //! migdra from its chart (`MIGDRA_E2E_MIGDRA=chart`, on `MIGDRA_E2E_RUNTIME=containerd` only):
 //! instead of the two host processes, `helm install` with `e2e/values-fake-gpu.yaml` runs the
 //! controller Deployment and the plugin DaemonSet as pods, from migdra's images
-//! (`e2e/runtime/migdra-images.sh`, imported into containerd), against the simulated GPU host.
+//! (`e2e/runtime/migdra-images.sh`, pulled from the run's registry, see [`super::registry`]),
+//! against the simulated GPU host.
 
-use std::{fs, path::Path, time::Duration};
+use std::{fs, time::Duration};
 
 use anyhow::{Context, bail};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
@@ -47,7 +48,7 @@ impl MigdraMode {
 }
 
 impl Cluster {
-    /// Writes the values file for this run (`@RUN@` and `@KUBELET_ROOT@` replaced) and
+    /// Writes the values file for this run (`@RUN@`, `@KUBELET_ROOT@` and `@REGISTRY@` replaced) and
     /// returns its path.
     pub(super) fn fake_gpu_values(&self) -> anyhow::Result<std::path::PathBuf> {
         let template = fs::read_to_string(repo_root().join(VALUES_FILE))
@@ -61,6 +62,7 @@ impl Cluster {
         let path = self.layout.run_dir.join("values-fake-gpu.yaml");
         let values = template
             .replace("@KUBELET_ROOT@", kubelet_root)
+            .replace("@REGISTRY@", super::registry::REGISTRY)
             .replace("@RUN@", run);
         write(&path, &values)?;
         Ok(path)
@@ -121,20 +123,4 @@ impl Cluster {
             self.release_logs_tail()
         )
     }
-}
-
-/// The migdra images (controller, plugin, the gpu-probe workload): `migdra-images.sh`'s
-/// `images.txt` lines. They carry the binaries the rest of the suite runs (`MIGDRA_BIN_DIR`,
-/// or the test's own target profile), so the images add no release build of their own; the
-/// Dockerfile's stages are otherwise followed exactly.
-pub(super) fn migdra_images() -> anyhow::Result<Vec<(String, String)>> {
-    let bins = super::migdra::migdra_bin_dir()?;
-    let dir = super::containerd::run_script_with("migdra-images.sh", &[], &[("MIGDRA_BIN_DIR", &bins)])?;
-    let list = fs::read_to_string(Path::new(&dir).join("images.txt"))?;
-    list.lines()
-        .map(|l| {
-            let (name, tarball) = l.split_once('\t').context("bad images.txt line")?;
-            Ok((name.to_string(), tarball.to_string()))
-        })
-        .collect()
 }

@@ -9,8 +9,8 @@
 //! of the host's), so that its mounts vanish with it and the simulated host's
 //! `nvidia-cdi-hook` shows at its host path there; the kubelet root is a shared mount so that
 //! pod volumes reach it. The pods' cgroups live under a cgroup root of the run's own
-//! ([`Cluster::prepare_cgroup_root`]). Images are local: `e2e/runtime/images.sh` builds a pause
-//! (sandbox) image and a busybox image, imported here with `ctr`. Teardown, and the next run
+//! ([`Cluster::prepare_cgroup_root`]). `e2e/runtime/images.sh` builds a pause (sandbox) image
+//! and a busybox image, imported here with `ctr`. Teardown, and the next run
 //! after a crash, go through `e2e/runtime/clean.sh` (shared with the runtime's smoke test).
 //!
 //! The kubelet runs in the node's network namespace too, as on a real node: its HTTP probes
@@ -19,8 +19,9 @@
 //! ([`Cluster::start_relays`]): the API server (host loopback) is reached in the node's
 //! namespace at the `kubernetes` Service's ClusterIP, port 443 (in-cluster config), and at
 //! 127.0.0.1 on its own port (the kubelet's kubeconfig); the kubelet's port is relayed back to
-//! the host's loopback, where the API server reaches it (`kubectl logs`). Not here yet: image
-//! pulls (every image is imported).
+//! the host's loopback, where the API server reaches it (`kubectl logs`). With migdra from its
+//! chart, its images are pulled from a registry in the node's namespace ([`super::registry`]);
+//! containerd's config points at that registry's hosts dir.
 
 use std::{
     fs,
@@ -256,13 +257,9 @@ impl Cluster {
         Ok(root)
     }
 
-    /// Starts containerd in a network namespace of its own, with the local images and
-    /// `extra_images` (name, tarball) imported; returns the kubelet's cgroup root.
-    pub(super) fn start_containerd(
-        &mut self,
-        runs_dir: &Path,
-        extra_images: &[(String, String)],
-    ) -> anyhow::Result<String> {
+    /// Starts containerd in a network namespace of its own, with the local images
+    /// (`images.sh`) imported; returns the kubelet's cgroup root.
+    pub(super) fn start_containerd(&mut self, runs_dir: &Path) -> anyhow::Result<String> {
         let run = self.layout.run_dir.clone();
         let real_run = fs::canonicalize(&run)?;
         clean_leftovers(runs_dir, &real_run)?;
@@ -326,10 +323,6 @@ impl Cluster {
         for line in list.lines() {
             let (_, tarball) = line.split_once('\t').context("bad images.txt line")?;
             ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])?;
-        }
-        for (name, tarball) in extra_images {
-            ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])
-                .with_context(|| format!("importing {name}"))?;
         }
         ctr(&["images", "tag", "--force", BUSYBOX_IMAGE, WORKLOAD_IMAGE])?;
         Ok(cgroup_root)

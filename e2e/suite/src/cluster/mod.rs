@@ -17,6 +17,7 @@ mod chart_ops;
 mod containerd;
 mod kueue;
 mod migdra;
+mod registry;
 mod teardown;
 
 pub use chart_mode::{MIGDRA_MODE_ENV, MigdraMode};
@@ -24,6 +25,7 @@ pub use chart_ops::CHART_DIR_ENV;
 pub use containerd::{API_SERVICE_IP, BUSYBOX_IMAGE, PAUSE_IMAGE, POD_SUBNET, RUNTIME_ENV, Runtime};
 pub use kueue::{GPU_MEMORY, KUEUE, KUEUE_API_VERSION, KUEUE_NAMESPACE, kueue_api, kueue_resource};
 pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS, SURGE_PLUGIN};
+pub use registry::{REGISTRY, probe_image, pulled_name};
 
 use std::{
     collections::BTreeMap,
@@ -78,6 +80,8 @@ pub struct ClusterConfig {
     /// The container runtime under the kubelet; `None` reads [`RUNTIME_ENV`] (unset: the fake
     /// CRI).
     pub runtime: Option<Runtime>,
+    /// How migdra runs; `None` reads [`MIGDRA_MODE_ENV`] (unset: host processes).
+    pub migdra_mode: Option<MigdraMode>,
 }
 
 impl Default for ClusterConfig {
@@ -97,6 +101,7 @@ impl Default for ClusterConfig {
             kubelet_anonymous_reads: false,
             control_plane_api_qps: None,
             runtime: None,
+            migdra_mode: None,
         }
     }
 }

@@ -7,10 +7,16 @@
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use k8s_openapi::api::core::v1::Pod;
-use kube::{Api, api::PostParams};
+use k8s_openapi::api::core::v1::{Event, Pod};
+use kube::{
+    Api,
+    api::{ListParams, PostParams},
+};
 use migdra_e2e::{
-    cluster::{API_SERVICE_IP, BUSYBOX_IMAGE, Cluster, MigdraMode, POD_SUBNET, Runtime, wait_until},
+    cluster::{
+        API_SERVICE_IP, BUSYBOX_IMAGE, CHART_NAMESPACE, Cluster, MigdraMode, POD_SUBNET, REGISTRY, Runtime,
+        probe_image, wait_until,
+    },
     workload::{NAMESPACE, create_pod, create_template, delete_pods, profile_is, wait_phase},
 };
 use serde_json::json;
@@ -22,7 +28,8 @@ tests![
     containerd_pods_reach_the_apiserver,
     containerd_kubelet_probes_a_pod,
     containerd_applies_a_mig_claims_cdi_spec,
-    containerd_chart_probe_sees_exactly_its_spec
+    containerd_chart_probe_sees_exactly_its_spec,
+    containerd_chart_images_are_pulled_from_the_registry
 ];
 
 /// Fails unless the cluster runs on containerd (the harness ignores these tests otherwise).
@@ -288,8 +295,82 @@ async fn workload_phase(cluster: &Cluster, pod: &str) -> Option<String> {
     migdra_e2e::workload::phase(&cluster.client, pod).await
 }
 
-/// The workload probe image (`e2e/runtime/gpu-probe`), imported with migdra's images.
-const PROBE_IMAGE: &str = "migdra.dev/e2e/gpu-probe:e2e";
+/// Checks that the kubelet pulled `image` from the run's registry for a pod of `namespace`: an
+/// event `Pulled` "Successfully pulled image ..." (an image containerd already had gives
+/// "Container image ... already present on machine" instead), and the registry's log shows
+/// the tag resolved and blobs fetched.
+async fn pulled_from_registry(cluster: &Cluster, namespace: &str, image: &str) -> anyhow::Result<()> {
+    let (repository, tag) = image
+        .strip_prefix(&format!("{REGISTRY}/"))
+        .and_then(|r| r.rsplit_once(':'))
+        .with_context(|| format!("{image} is not an image of the registry {REGISTRY}"))?;
+    let events: Api<Event> = Api::namespaced(cluster.client.clone(), namespace);
+    let pulled = format!("Successfully pulled image \"{image}\"");
+    let messages: Vec<String> = events
+        .list(&ListParams::default().fields("reason=Pulled"))
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|e| e.message)
+        .collect();
+    ensure!(
+        messages.iter().any(|m| m.starts_with(&pulled)),
+        "no event says the kubelet pulled {image} in {namespace}; Pulled events: {messages:?}"
+    );
+    // containerd resolves the tag (HEAD on the manifest; a 404 line would end with its code),
+    // then GETs the manifest by digest and the blobs it lacks (at least the image's config).
+    let log = cluster.registry_log()?;
+    let resolved = format!("HEAD /v2/{repository}/manifests/{tag}");
+    let fetched = format!("GET /v2/{repository}/blobs/sha256:");
+    ensure!(
+        log.lines().any(|l| l.ends_with(&resolved)) && log.lines().any(|l| l.contains(&fetched)),
+        "the registry's log has no {resolved:?} or no {fetched:?}:\n{log}"
+    );
+    Ok(())
+}
+
+/// migdra from its chart: the plugin DaemonSet's and the controller Deployment's pods run
+/// images the kubelet pulled from the run's loopback registry (the chart's repositories under
+/// `imageRegistry`, its default pull policy), not images imported into containerd.
+async fn containerd_chart_images_are_pulled_from_the_registry(cluster: &mut Cluster) -> anyhow::Result<()> {
+    require_containerd(cluster)?;
+    ensure!(
+        cluster.layout.migdra_mode == MigdraMode::Chart,
+        "migdra runs as host processes: run with MIGDRA_E2E_MIGDRA=chart"
+    );
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), CHART_NAMESPACE);
+    let mut images = std::collections::BTreeSet::new();
+    for pod in pods.list(&ListParams::default()).await?.items {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        for c in pod.spec.map(|s| s.containers).unwrap_or_default() {
+            let image = c.image.unwrap_or_default();
+            ensure!(
+                image.starts_with(&format!("{REGISTRY}/migdra/")),
+                "pod {name} container {} runs {image}, not an image of the registry {REGISTRY}",
+                c.name
+            );
+            ensure!(
+                c.image_pull_policy.as_deref() == Some("IfNotPresent"),
+                "pod {name} container {}: pull policy {:?}, the chart's default is IfNotPresent",
+                c.name,
+                c.image_pull_policy
+            );
+            images.insert(image);
+        }
+    }
+    let expected = [
+        format!("{REGISTRY}/migdra/migdra-controller:0.1.0"),
+        format!("{REGISTRY}/migdra/migdra-kubelet-plugin:0.1.0"),
+    ];
+    ensure!(
+        images.iter().eq(expected.iter()),
+        "the chart's pods run {images:?}, expected {expected:?}"
+    );
+    for image in &images {
+        pulled_from_registry(cluster, CHART_NAMESPACE, image).await?;
+    }
+    Ok(())
+}
 
 /// migdra from its chart: a pod with a MIG claim runs the probe image, and what the container
 /// reports it saw (device nodes with their numbers, environment, the libraries the dynamic
@@ -313,8 +394,8 @@ async fn containerd_chart_probe_sees_exactly_its_spec(cluster: &mut Cluster) -> 
             "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": name}],
             "containers": [{
                 "name": "main",
-                "image": PROBE_IMAGE,
-                "imagePullPolicy": "Never",
+                // Pulled from the run's registry (the default pull policy).
+                "image": probe_image(),
                 // Print, then wait: a finished pod's claim is unprepared, its spec removed.
                 "args": ["sleep"],
                 "resources": {"claims": [{"name": "gpu"}]}
@@ -333,6 +414,7 @@ async fn containerd_chart_probe_sees_exactly_its_spec(cluster: &mut Cluster) -> 
     .await
     .context("the probe pod printed no report while running")?;
     eprintln!("e2e: the probe in {name} saw:\n{seen:#}");
+    pulled_from_registry(cluster, NAMESPACE, &probe_image()).await?;
 
     // The claim's spec, as the plugin's pod wrote it to the CDI directory containerd reads.
     let specs: Vec<_> = std::fs::read_dir(&cluster.layout.cdi_dir)?
