@@ -78,6 +78,10 @@ impl Cluster {
             CHART_NAMESPACE,
             "--values",
             values,
+            // Every revision kept: revision 1 is what [`Cluster::restore_chart`] goes back to,
+            // and helm's default keeps only the last 10.
+            "--history-max",
+            "0",
         ];
         args.extend(set.iter().flat_map(|v| ["--set", *v]));
         self.helm(&args).map(drop)
@@ -87,7 +91,15 @@ impl Cluster {
     /// until the DaemonSet and the Deployment are Ready with one plugin pod and the node's
     /// pool is published.
     pub async fn restore_chart(&self) -> anyhow::Result<()> {
-        self.helm(&["rollback", RELEASE, "1", "--namespace", CHART_NAMESPACE])?;
+        self.helm(&[
+            "rollback",
+            RELEASE,
+            "1",
+            "--namespace",
+            CHART_NAMESPACE,
+            "--history-max",
+            "0",
+        ])?;
         self.wait_chart_workloads_ready(Duration::from_secs(240)).await?;
         super::wait_until(Duration::from_secs(120), || async {
             (self.plugin_pods().await.ok()?.len() == 1).then_some(())
