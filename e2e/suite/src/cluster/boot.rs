@@ -397,25 +397,8 @@ impl Cluster {
     /// ServiceAccounts. From the chart, `e2e/values-fake-gpu.yaml` runs them as pods.
     async fn install_chart(&self) -> anyhow::Result<()> {
         let l = &self.layout;
-        let chart = repo_root().join("charts/migdra");
-        let helm_home = l.run_dir.join("helm");
-        let helm = |args: &[&str]| -> anyhow::Result<std::process::Output> {
-            let output = Command::new(&l.helm)
-                .args(args)
-                .env("HELM_CONFIG_HOME", helm_home.join("config"))
-                .env("HELM_CACHE_HOME", helm_home.join("cache"))
-                .env("HELM_DATA_HOME", helm_home.join("data"))
-                .env("KUBECONFIG", &l.kubeconfig)
-                .output()
-                .context("running helm")?;
-            if !output.status.success() {
-                bail!(
-                    "helm {args:?} failed: {}",
-                    String::from_utf8_lossy(&output.stderr)
-                );
-            }
-            Ok(output)
-        };
+        let chart = super::chart_ops::chart_dir();
+        let helm = |args: &[&str]| self.helm(args);
         let chart_arg = chart.to_string_lossy().to_string();
         let mut install = vec![
             "install",

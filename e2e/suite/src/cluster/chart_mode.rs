@@ -117,9 +117,10 @@ impl Cluster {
                 .unwrap_or_default()
         };
         format!(
-            ":\n{}\n{}",
+            ":\n{}\n{}\n{}",
             run(&["get", "pods", "-o", "wide"]),
-            run(&["get", "events", "--sort-by=.lastTimestamp"])
+            run(&["get", "events", "--sort-by=.lastTimestamp"]),
+            self.release_logs_tail()
         )
     }
 }

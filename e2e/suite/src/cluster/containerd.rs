@@ -317,6 +317,24 @@ impl Cluster {
                 .arg(&kubelet_root),
         )?;
         run_checked(Command::new("mount").arg("--make-shared").arg(&kubelet_root))?;
+        self.spawn_containerd(&bin)?;
+        let ctr = |args: &[&str]| ctr(&bin, &run, args);
+        let list = fs::read_to_string(images.join("images.txt"))?;
+        for line in list.lines() {
+            let (_, tarball) = line.split_once('\t').context("bad images.txt line")?;
+            ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])?;
+        }
+        ctr(&["images", "tag", "--force", BUSYBOX_IMAGE, WORKLOAD_IMAGE])?;
+        Ok(cgroup_root)
+    }
+
+    /// Starts containerd (the component `containerd`) in the node's network namespace and a
+    /// mount namespace of its own, and waits until its CRI plugins are loaded. Also what a
+    /// restart of containerd runs: its state is all under `<run>/ctrd`.
+    pub(super) fn spawn_containerd(&mut self, bin: &Path) -> anyhow::Result<()> {
+        let run = self.layout.run_dir.clone();
+        let ctrd = ctrd_dir(&run);
+        let netns = node_netns(&run);
         // containerd runs in a mount namespace of its own (a slave of the host's), where the
         // simulated host's directory of nvidia-cdi-hook is overlaid on the host's, read-only:
         // the runtime runs CDI hooks by their host path ([`HOOK_PATH`]), which exists only
@@ -361,19 +379,7 @@ impl Cluster {
         ];
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         self.start_component("containerd", Path::new("unshare"), &args)?;
-        let ctr = |args: &[&str]| -> anyhow::Result<String> {
-            let output = Command::new(bin.join("ctr"))
-                .arg("--address")
-                .arg(containerd_socket(&run))
-                .args(["--namespace", CRI_NAMESPACE])
-                .args(args)
-                .output()
-                .context("running ctr")?;
-            if !output.status.success() {
-                bail!("ctr {args:?}: {}", String::from_utf8_lossy(&output.stderr).trim());
-            }
-            Ok(String::from_utf8_lossy(&output.stdout).into_owned())
-        };
+        let ctr = |args: &[&str]| ctr(bin, &run, args);
         let deadline = Instant::now() + Duration::from_secs(30);
         while let Err(e) = ctr(&["version"]) {
             if !self.is_running("containerd") || Instant::now() > deadline {
@@ -398,13 +404,7 @@ impl Cluster {
                 bail!("containerd plugin {kind} {id} did not load:\n{plugins}");
             }
         }
-        let list = fs::read_to_string(images.join("images.txt"))?;
-        for line in list.lines() {
-            let (_, tarball) = line.split_once('\t').context("bad images.txt line")?;
-            ctr(&["images", "import", "--snapshotter", "overlayfs", tarball])?;
-        }
-        ctr(&["images", "tag", "--force", BUSYBOX_IMAGE, WORKLOAD_IMAGE])?;
-        Ok(cgroup_root)
+        Ok(())
     }
 }
 
@@ -548,4 +548,45 @@ fn cni_config(ipam_dir: &Path) -> String {
 "#,
         ipam_dir.display()
     )
+}
+
+/// Runs `ctr` on the run's containerd, in the CRI's namespace; returns what it printed.
+fn ctr(bin: &Path, run: &Path, args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new(bin.join("ctr"))
+        .arg("--address")
+        .arg(containerd_socket(run))
+        .args(["--namespace", CRI_NAMESPACE])
+        .args(args)
+        .output()
+        .context("running ctr")?;
+    if !output.status.success() {
+        bail!("ctr {args:?}: {}", String::from_utf8_lossy(&output.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+impl Cluster {
+    /// Stops the run's containerd (SIGTERM to its pid, SIGKILL after 10 s) and starts it
+    /// again with the same configuration and state; the pods' containers keep running under
+    /// their shims meanwhile, as on a node whose containerd restarts.
+    pub fn restart_containerd(&mut self) -> anyhow::Result<()> {
+        let bin = PathBuf::from(run_script("build.sh", &[])?);
+        self.stop("containerd", Duration::from_secs(10));
+        self.spawn_containerd(&bin)
+    }
+
+    /// The host pid of a container's main process (`containerd://<id>` or the bare id, as in
+    /// a pod's container status), from containerd's task list.
+    pub fn container_pid(&self, container_id: &str) -> anyhow::Result<u32> {
+        let id = container_id.strip_prefix("containerd://").unwrap_or(container_id);
+        let bin = PathBuf::from(run_script("build.sh", &[])?);
+        let tasks = ctr(&bin, &self.layout.run_dir, &["tasks", "ls"])?;
+        tasks
+            .lines()
+            .find_map(|l| {
+                let mut fields = l.split_whitespace();
+                (fields.next() == Some(id)).then(|| fields.next()?.parse().ok())?
+            })
+            .with_context(|| format!("container {id} has no running task:\n{tasks}"))
+    }
 }

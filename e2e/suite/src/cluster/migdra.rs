@@ -227,8 +227,12 @@ impl Cluster {
 
     /// After a failed test: starts the kubelet and the kubelet plugin again if the test left
     /// either down (or either died), and waits until the node's pool is published, so the
-    /// tests after it find the node as it was.
+    /// tests after it find the node as it was. In chart mode, containerd and the kubelet run
+    /// again and the release is rolled back to its installed values instead.
     pub async fn restore(&mut self) -> anyhow::Result<()> {
+        if self.layout.migdra_mode == super::MigdraMode::Chart {
+            return self.restore_chart_node().await;
+        }
         for (name, start) in [
             (
                 "kubelet",

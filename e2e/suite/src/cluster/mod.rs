@@ -13,6 +13,7 @@
 
 mod boot;
 mod chart_mode;
+mod chart_ops;
 mod containerd;
 mod k8s_minor;
 mod kueue;
@@ -21,6 +22,7 @@ mod registry;
 mod teardown;
 
 pub use chart_mode::{MIGDRA_MODE_ENV, MigdraMode};
+pub use chart_ops::CHART_DIR_ENV;
 pub use containerd::{API_SERVICE_IP, BUSYBOX_IMAGE, PAUSE_IMAGE, POD_SUBNET, RUNTIME_ENV, Runtime};
 pub use k8s_minor::{K8S_MINOR_ENV, K8sMinor};
 pub use kueue::{GPU_MEMORY, KUEUE, KUEUE_API_VERSION, KUEUE_NAMESPACE, kueue_api, kueue_resource};

@@ -34,6 +34,7 @@ mod chart;
 mod claim_status;
 mod compat;
 mod containerd;
+mod containerd_faults;
 mod day2;
 mod faults;
 mod kubectl_plugin;
@@ -53,7 +54,7 @@ use tokio::sync::Mutex;
 use crate::support::{Test, settle};
 
 /// The themes, in the order their tests run against the one cluster.
-const SUITE: [&[Test]; 14] = [
+const SUITE: [&[Test]; 15] = [
     pool::TESTS,
     allocation::TESTS,
     claim_status::TESTS,
@@ -68,6 +69,7 @@ const SUITE: [&[Test]; 14] = [
     kubectl_plugin::TESTS,
     kueue::TESTS,
     containerd::TESTS,
+    containerd_faults::TESTS,
 ];
 
 type Shared = Arc<Mutex<Cluster>>;
@@ -77,7 +79,7 @@ fn main() {
     args.test_threads = Some(1); // one cluster, tests in order
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let tests: Vec<Test> = SUITE.concat();
-    // The containerd theme needs the cluster on containerd; on the fake CRI it is ignored.
+    // The containerd themes need the cluster on containerd; on the fake CRI they are ignored.
     let on_containerd = match Runtime::from_env() {
         Ok(r) => r == Runtime::Containerd,
         Err(e) => {
@@ -85,7 +87,7 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let ignored = move |test: &Test| test.theme() == "containerd" && !on_containerd;
+    let ignored = move |test: &Test| test.theme().starts_with("containerd") && !on_containerd;
     if args.list {
         let trials = tests
             .iter()
