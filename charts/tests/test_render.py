@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
@@ -120,6 +121,17 @@ def test_schema_is_valid_draft7(schema):
 def test_schema_accepts_shipped_values(schema, default_values, custom_values):
     jsonschema.validate(default_values, schema)
     jsonschema.validate(custom_values, schema)
+
+
+def test_schema_accepts_the_documented_null_node_selector(schema, default_values):
+    """values.yaml says `kubeletPlugin.nodeSelector: null` drops the selector; `helm upgrade
+    --reuse-values` validates that stored null against the schema."""
+    values = copy.deepcopy(default_values)
+    values["kubeletPlugin"]["nodeSelector"] = None
+    jsonschema.validate(values, schema)
+    values["kubeletPlugin"]["nodeSelector"] = "gpu"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(values, schema)
 
 
 def test_schema_documents_every_key(schema, default_values):
