@@ -301,7 +301,7 @@ pub async fn run(cluster: &Cluster, pairs: usize, b4_extra: usize) -> anyhow::Re
         .context("the kubelet's /metrics")?;
     let plugin_port = cluster.allocated_port("plugin-http");
     let plugin_before = scrape_plugin(plugin_port).await;
-    create_template(&client, "bench-mig-1g", MIG_1G_CLASS, RUN_MIG).await?;
+    create_template(&client, "bench-mig-1g", MIG_1G_CLASS, None, RUN_MIG).await?;
     let on_node = json!({"kubernetes.io/hostname": NODE});
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
 
@@ -511,7 +511,7 @@ pub async fn b5_on_containerd(pairs: usize) -> anyhow::Result<Row> {
 /// B5's alternating pods on `cluster`'s node; the two samples and the load average.
 async fn b5_pairs(cluster: &Cluster, pairs: usize) -> anyhow::Result<(Summary, Summary, String)> {
     let client = cluster.client.clone();
-    create_template(&client, "bench-mig-1g", MIG_1G_CLASS, RUN_MIG).await?;
+    create_template(&client, "bench-mig-1g", MIG_1G_CLASS, None, RUN_MIG).await?;
     let load = load_average();
     let (mut plain, mut mig) = (Samples::default(), Samples::default());
     let timeout = Duration::from_secs(120);

@@ -34,15 +34,13 @@ use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::{
     api::resource::v1::{
         Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceClass, DeviceCounterConsumption,
-        ResourceClaimTemplate, ResourcePool, ResourceSlice, ResourceSliceSpec,
+        ResourcePool, ResourceSlice, ResourceSliceSpec,
     },
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::ObjectMeta},
 };
 use kube::{Api, Client, api::PostParams};
 use migdra_api::{catalog::GpuModel, geometry::MigProfile, slices::quantity};
 use serde_json::json;
-
-use super::pods::{NAMESPACE, RUN_LABEL};
 
 /// NVIDIA's driver name.
 pub const DRIVER: &str = "gpu.nvidia.com";
@@ -432,29 +430,10 @@ pub async fn remove(client: &Client) -> anyhow::Result<()> {
         .context("deleting the peer's slices")
 }
 
-/// The claim template a user of NVIDIA's driver writes for one `1g.10gb`: its MIG class and
-/// a selector on its `profile` attribute.
-pub async fn create_template(client: &Client, name: &str, run: &str) -> anyhow::Result<()> {
-    let template: ResourceClaimTemplate = serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "metadata": {"labels": {RUN_LABEL: run}},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": CLASS,
-                "selectors": [{"cel": {"expression": format!(
-                    "device.attributes['{DRIVER}'].profile == '{PROFILE}'"
-                )}}],
-            }}]}},
-        },
-    }))?;
-    let api: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);
-    match crate::retry::retry(|| async { api.create(&PostParams::default(), &template).await }).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-        Err(e) => Err(e).with_context(|| format!("creating claim template {name}")),
-    }
+/// The selector a user of NVIDIA's driver writes for one `1g.10gb` next to its MIG class: one on
+/// its `profile` attribute.
+pub fn profile_selector() -> String {
+    format!("device.attributes['{DRIVER}'].profile == '{PROFILE}'")
 }
 
 #[cfg(test)]

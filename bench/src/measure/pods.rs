@@ -20,16 +20,26 @@ pub const NAMESPACE: &str = "default";
 /// Label naming the measure run a pod or claim belongs to.
 pub const RUN_LABEL: &str = "bench.migdra.dev/run";
 
-/// Creates a claim template `name` with one request of a device of `class`; its claims carry
-/// the run label.
-pub async fn create_template(client: &Client, name: &str, class: &str, run: &str) -> anyhow::Result<()> {
+/// Creates a claim template `name` with one request of a device of `class` (and matching the
+/// CEL `selector`, when given); its claims carry the run label.
+pub async fn create_template(
+    client: &Client,
+    name: &str,
+    class: &str,
+    selector: Option<&str>,
+    run: &str,
+) -> anyhow::Result<()> {
+    let mut request = json!({"deviceClassName": class});
+    if let Some(expression) = selector {
+        request["selectors"] = json!([{"cel": {"expression": expression}}]);
+    }
     let template: ResourceClaimTemplate = serde_json::from_value(json!({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
         "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
             "metadata": {"labels": {RUN_LABEL: run}},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": class}}]}},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": request}]}},
         },
     }))?;
     let api: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), NAMESPACE);

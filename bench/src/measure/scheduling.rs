@@ -781,9 +781,9 @@ pub async fn run(
         let (run, class) = (run, template);
         let template = format!("bench-{run}");
         if *phase == Phase::NvidiaDynamicMig {
-            peer::create_template(client, &template, &run).await?;
+            create_template(client, &template, class, Some(&peer::profile_selector()), &run).await?;
         } else {
-            create_template(client, &template, class, &run).await?;
+            create_template(client, &template, class, None, &run).await?;
         }
         let before = scrape_scheduler(scheduler).await;
         let load = load_average();
