@@ -403,18 +403,20 @@ mod tests {
             .collect()
     }
 
+    const EVERY_LEVER: [Lever; 5] = [
+        Lever::OrderByProfile,
+        Lever::MergedCounterSets,
+        Lever::NoCounters,
+        Lever::SelectorAttributes,
+        Lever::NoEngineCapacities,
+    ];
+
     #[test]
     fn every_lever_keeps_the_devices_and_a_complete_valid_pool() {
         let before = pool(8);
         let mut expected = names(&before);
         expected.sort();
-        for lever in [
-            Lever::OrderByProfile,
-            Lever::MergedCounterSets,
-            Lever::NoCounters,
-            Lever::SelectorAttributes,
-            Lever::NoEngineCapacities,
-        ] {
+        for lever in EVERY_LEVER {
             let after = transform(lever, LEVER_DRIVER, &before);
             let mut got = names(&after);
             got.sort();
@@ -539,13 +541,7 @@ mod tests {
     #[test]
     fn each_lever_has_its_b1_phase() {
         use clap::ValueEnum as _;
-        for lever in [
-            Lever::OrderByProfile,
-            Lever::MergedCounterSets,
-            Lever::NoCounters,
-            Lever::SelectorAttributes,
-            Lever::NoEngineCapacities,
-        ] {
+        for lever in EVERY_LEVER {
             let phase =
                 crate::measure::scheduling::Phase::from_str(&format!("lever-{}", lever.name()), false)
                     .expect("a phase of that name");
