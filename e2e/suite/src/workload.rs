@@ -413,6 +413,18 @@ pub struct HookRecord {
     pub args: Vec<String>,
 }
 
+/// The device UUIDs in the environment the gpu-probe image reported
+/// (`e2e/runtime/gpu-probe`): the values of its `MIGDRA_DEVICE_UUID_*` variables.
+pub fn probe_device_uuids(report: &Value) -> Vec<&str> {
+    report["env"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with("MIGDRA_DEVICE_UUID_"))
+        .filter_map(|(_, v)| v.as_str())
+        .collect()
+}
+
 /// The variable that carries a device's UUID in its containers (the plugin's contract):
 /// `MIGDRA_DEVICE_UUID_` and the device name upper-cased, other characters as `_`.
 pub fn device_uuid_variable(device: &str) -> String {

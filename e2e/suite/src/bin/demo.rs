@@ -88,13 +88,7 @@ async fn container_saw(cluster: &Cluster, pod: &str, container: &str) -> anyhow:
         .filter(|n| n.strip_prefix("nvidia").is_some_and(|d| d.parse::<u32>().is_ok()))
         .collect();
     let caps = names("/dev/nvidia-caps/");
-    let uuids: Vec<&str> = report["env"]
-        .as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(k, _)| k.starts_with("MIGDRA_DEVICE_UUID_"))
-        .filter_map(|(_, v)| v.as_str())
-        .collect();
+    let uuids = migdra_e2e::workload::probe_device_uuids(&report);
     Ok(format!(
         "/dev/{{{}}}, nvidia-caps {{{}}}, {}",
         gpus.join(","),

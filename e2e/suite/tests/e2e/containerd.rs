@@ -14,14 +14,14 @@ use kube::{
 };
 use migdra_e2e::{
     cluster::{
-        API_SERVICE_IP, BUSYBOX_IMAGE, CHART_NAMESPACE, Cluster, MigdraMode, POD_SUBNET, REGISTRY, Runtime,
-        probe_image, wait_until,
+        API_SERVICE_IP, BUSYBOX_IMAGE, CHART_NAMESPACE, Cluster, POD_SUBNET, REGISTRY, Runtime, probe_image,
+        wait_until,
     },
     workload::{NAMESPACE, create_pod, create_template, delete_pods, profile_is, wait_phase},
 };
 use serde_json::json;
 
-use crate::support::{mig, settle};
+use crate::support::{mig, require_chart, settle};
 
 tests![
     containerd_runs_a_plain_pod,
@@ -333,11 +333,7 @@ async fn pulled_from_registry(cluster: &Cluster, namespace: &str, image: &str) -
 /// images the kubelet pulled from the run's loopback registry (the chart's repositories under
 /// `imageRegistry`, its default pull policy), not images imported into containerd.
 async fn containerd_chart_images_are_pulled_from_the_registry(cluster: &mut Cluster) -> anyhow::Result<()> {
-    require_containerd(cluster)?;
-    ensure!(
-        cluster.layout.migdra_mode == MigdraMode::Chart,
-        "migdra runs as host processes: run with MIGDRA_E2E_MIGDRA=chart"
-    );
+    require_chart(cluster)?;
     let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), CHART_NAMESPACE);
     let mut images = std::collections::BTreeSet::new();
     for pod in pods.list(&ListParams::default()).await?.items {
@@ -377,11 +373,7 @@ async fn containerd_chart_images_are_pulled_from_the_registry(cluster: &mut Clus
 /// linker resolves after the hooks ran) is exactly what the claim's CDI spec, written by the
 /// plugin's pod, asks for.
 async fn containerd_chart_probe_sees_exactly_its_spec(cluster: &mut Cluster) -> anyhow::Result<()> {
-    require_containerd(cluster)?;
-    ensure!(
-        cluster.layout.migdra_mode == MigdraMode::Chart,
-        "migdra runs as host processes: run with MIGDRA_E2E_MIGDRA=chart (the probe image comes with migdra's images)"
-    );
+    require_chart(cluster)?;
     let c = cluster.client.clone();
     let name = "ctrd-probe";
     create_template(&c, name, mig(&[profile_is("1g.10gb")]), None).await?;
@@ -481,13 +473,7 @@ async fn containerd_chart_probe_sees_exactly_its_spec(cluster: &mut Cluster) -> 
         "env: {}",
         seen["env"]
     );
-    let uuids: Vec<&str> = seen["env"]
-        .as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(k, _)| k.starts_with("MIGDRA_DEVICE_UUID_"))
-        .filter_map(|(_, v)| v.as_str())
-        .collect();
+    let uuids = migdra_e2e::workload::probe_device_uuids(&seen);
     ensure!(
         uuids.len() == 1 && uuids[0].starts_with("MIG-"),
         "one MIG UUID expected in the env: {}",

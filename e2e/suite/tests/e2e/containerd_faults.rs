@@ -8,18 +8,15 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use k8s_openapi::api::core::v1::{ContainerStatus, Event, Pod};
-use kube::{
-    Api,
-    api::{DeleteParams, ListParams},
-};
+use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
+use kube::{Api, api::DeleteParams};
 use migdra_e2e::{
-    cluster::{CHART_NAMESPACE, Cluster, MigdraMode, NODE, Runtime, strip_ansi, wait_until},
+    cluster::{CHART_NAMESPACE, Cluster, NODE, strip_ansi, wait_until},
     workload::{self, create_pod, create_template, delete_pods, profile_is, wait_phase},
 };
 use migdra_fake_nvml::{config::FaultConfig, state::FaultState};
 
-use crate::support::{SHORT, mig, settle, slices, total_instances};
+use crate::support::{SHORT, gpunode_events, mig, require_chart, settle, slices, total_instances};
 
 tests![
     containerd_chart_plugin_container_got_what_the_plugin_needs,
@@ -32,16 +29,6 @@ tests![
 
 /// The plugin's container in the chart's DaemonSet.
 const PLUGIN_CONTAINER: &str = "kubelet-plugin";
-
-/// Fails unless migdra runs from its chart on containerd (the harness ignores this theme on
-/// the fake CRI).
-fn require_chart(cluster: &Cluster) -> anyhow::Result<()> {
-    ensure!(
-        cluster.layout.runtime == Runtime::Containerd && cluster.layout.migdra_mode == MigdraMode::Chart,
-        "migdra does not run from its chart on containerd: run with MIGDRA_E2E_RUNTIME=containerd MIGDRA_E2E_MIGDRA=chart"
-    );
-    Ok(())
-}
 
 fn uid(pod: &Pod) -> String {
     pod.metadata.uid.clone().unwrap_or_default()
@@ -141,19 +128,6 @@ fn one_whole_instance(cluster: &Cluster) -> anyhow::Result<()> {
         "expected one whole MIG instance, found {all:?}"
     );
     Ok(())
-}
-
-/// The message of the first event with `reason` on the node's GpuNode.
-async fn gpunode_event(cluster: &Cluster, reason: &str) -> Option<String> {
-    let events: Api<Event> = Api::namespaced(cluster.client.clone(), "default");
-    let list = events
-        .list(&ListParams::default().fields(&format!("involvedObject.name={NODE}")))
-        .await
-        .ok()?;
-    list.items
-        .into_iter()
-        .find(|e| e.reason.as_deref() == Some(reason))
-        .and_then(|e| e.message)
 }
 
 /// How often the controller's log says it withdrew the node's pool because the plugin's
@@ -433,8 +407,12 @@ async fn containerd_plugin_sigkilled_mid_prepare_converges(cluster: &mut Cluster
         "the killed container's last state: {exit:?}"
     );
     wait_phase(&c, "ctrd-crashy", "Running", Duration::from_secs(180)).await?;
-    let note = wait_until(Duration::from_secs(30), || {
-        gpunode_event(cluster, "RecoveredInterruptedOperations")
+    let note = wait_until(Duration::from_secs(30), || async {
+        gpunode_events(cluster, "RecoveredInterruptedOperations")
+            .await
+            .ok()?
+            .into_iter()
+            .next()
     })
     .await
     .context("no RecoveredInterruptedOperations event on the GpuNode")?;

@@ -5,10 +5,9 @@
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use kube::Api;
 use migdra_api::{device_name::DeviceName, slices::NOT_OFFERED_TAINT};
 use migdra_e2e::{
-    cluster::{Cluster, NODE, wait_until},
+    cluster::{Cluster, wait_until},
     workload::{self, create_pod, create_template, on_gpu, profile_is, wait_phase},
 };
 use migdra_fake_nvml::config::FaultConfig;
@@ -104,16 +103,12 @@ async fn plugin_killed_mid_prepare_converges(cluster: &mut Cluster) -> anyhow::R
     cluster.start_plugin()?;
     wait_phase(&c, "crashy", "Running", Duration::from_secs(180)).await?;
     // The restarted plugin rolled the half-prepared claim back and said so on its GpuNode.
-    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(c.clone(), "default");
     let note = wait_until(Duration::from_secs(30), || async {
-        let list = events
-            .list(&kube::api::ListParams::default().fields(&format!("involvedObject.name={NODE}")))
+        gpunode_events(cluster, "RecoveredInterruptedOperations")
             .await
-            .ok()?;
-        list.items
+            .ok()?
             .into_iter()
-            .find(|e| e.reason.as_deref() == Some("RecoveredInterruptedOperations"))
-            .and_then(|e| e.message)
+            .next()
     })
     .await
     .context("no RecoveredInterruptedOperations event on the GpuNode")?;

@@ -12,7 +12,7 @@ use k8s_openapi::api::{
 use kube::{Api, ResourceExt, api::ListParams};
 use migdra_api::inventory::pool_name;
 use migdra_e2e::{
-    cluster::{Cluster, DRIVER, HOOK_PATH, NODE, wait_until},
+    cluster::{Cluster, DRIVER, HOOK_PATH, MigdraMode, NODE, Runtime, wait_until},
     workload::{self, ContainerRecord, Request},
 };
 
@@ -147,6 +147,16 @@ pub(crate) async fn device_health(cluster: &Cluster, pod: &str, device: &str) ->
                 None
             }
         })
+}
+
+/// Fails unless migdra runs from its chart on containerd (the harness ignores the tests that
+/// need it on the fake CRI).
+pub fn require_chart(cluster: &Cluster) -> anyhow::Result<()> {
+    ensure!(
+        cluster.layout.runtime == Runtime::Containerd && cluster.layout.migdra_mode == MigdraMode::Chart,
+        "migdra does not run from its chart on containerd: run with MIGDRA_E2E_RUNTIME=containerd MIGDRA_E2E_MIGDRA=chart"
+    );
+    Ok(())
 }
 
 /// The MIG device's GI and CI capability minors and its CI UUID, from the simulated GPUs.
