@@ -25,7 +25,7 @@ use migdra_fake_nvml::{
 };
 
 use super::{
-    ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, HOOK_PATH, K8sMinor, Layout,
+    ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, DRIVER, HOOK_PATH, K8sMinor, Layout,
     MigdraMode, NODE, PLUGIN_ACCOUNT, Runtime,
     containerd::{SERVICE_CLUSTER_IP_RANGE, node_netns},
     free_port, kubeconfig_yaml,
@@ -126,13 +126,18 @@ impl Cluster {
                 link
             }
         };
+        // The chart's plugin keeps its state in its default dir, under the kubelet's.
+        let plugin_state = match migdra_mode {
+            MigdraMode::HostProcesses => short.join("plugin-state"),
+            MigdraMode::Chart => kubelet_root.join("plugins").join(DRIVER),
+        };
         let layout = Layout {
             kubeconfig: short.join("admin.kubeconfig"),
             kubelet_root,
             cdi_dir: short.join("cdi"),
             records_dir: short.join("records"),
             gpu_host: short.join("gpu-host"),
-            plugin_state: short.join("plugin-state"),
+            plugin_state,
             run_dir: short,
             upstream_bin,
             migdra_bin,

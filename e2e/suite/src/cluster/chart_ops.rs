@@ -91,6 +91,19 @@ impl Cluster {
     /// until the DaemonSet and the Deployment are Ready with one plugin pod and the node's
     /// pool is published.
     pub async fn restore_chart(&self) -> anyhow::Result<()> {
+        self.rollback_chart()?;
+        self.wait_chart_workloads_ready(Duration::from_secs(240)).await?;
+        super::wait_until(Duration::from_secs(120), || async {
+            (self.plugin_pods().await.ok()?.len() == 1).then_some(())
+        })
+        .await
+        .context("the rollback left more than one plugin pod")?;
+        self.wait_published(Duration::from_secs(90)).await
+    }
+
+    /// `helm rollback` of the release to the values the launcher installed (revision 1);
+    /// returns without waiting for the rollout.
+    pub fn rollback_chart(&self) -> anyhow::Result<()> {
         self.helm(&[
             "rollback",
             RELEASE,
@@ -99,14 +112,8 @@ impl Cluster {
             CHART_NAMESPACE,
             "--history-max",
             "0",
-        ])?;
-        self.wait_chart_workloads_ready(Duration::from_secs(240)).await?;
-        super::wait_until(Duration::from_secs(120), || async {
-            (self.plugin_pods().await.ok()?.len() == 1).then_some(())
-        })
-        .await
-        .context("the rollback left more than one plugin pod")?;
-        self.wait_published(Duration::from_secs(90)).await
+        ])
+        .map(drop)
     }
 
     /// The plugin DaemonSet's pods, terminating ones included.

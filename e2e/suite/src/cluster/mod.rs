@@ -18,6 +18,7 @@ mod containerd;
 mod k8s_minor;
 mod kueue;
 mod migdra;
+mod migdra_pods;
 mod registry;
 mod teardown;
 
@@ -27,6 +28,9 @@ pub use containerd::{API_SERVICE_IP, BUSYBOX_IMAGE, PAUSE_IMAGE, POD_SUBNET, RUN
 pub use k8s_minor::{K8S_MINOR_ENV, K8sMinor};
 pub use kueue::{GPU_MEMORY, KUEUE, KUEUE_API_VERSION, KUEUE_NAMESPACE, kueue_api, kueue_resource};
 pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS, SURGE_PLUGIN};
+pub use migdra_pods::{
+    CONTROLLER, KilledPlugin, PLUGIN_CONTAINER, REGISTERED, Registrations, plugin_container, plugin_ready,
+};
 pub use registry::{REGISTRY, probe_image, pulled_name};
 
 use std::{

@@ -1,5 +1,5 @@
 //! Faults and updates of migdra from its chart on the real runtime (`MIGDRA_E2E_RUNTIME=containerd
-//! MIGDRA_E2E_MIGDRA=chart`): the plugin DaemonSet rolled by `helm upgrade`, the plugin
+//! MIGDRA_E2E_MIGDRA=chart`; the DaemonSet's rolling update is the `rolling_update` theme): the plugin
 //! container's process SIGKILLed mid-prepare and OOM-killed, containerd restarted mid-prepare,
 //! a plugin image that cannot be pulled. Everything acts through Kubernetes and the runtime:
 //! no test here starts or stops a migdra process itself. First, what the runtime gave the
@@ -20,7 +20,6 @@ use crate::support::{SHORT, gpunode_events, mig, require_chart, settle, slices, 
 
 tests![
     containerd_chart_plugin_container_got_what_the_plugin_needs,
-    containerd_chart_rollout_keeps_claims_prepared,
     containerd_plugin_sigkilled_mid_prepare_converges,
     containerd_plugin_oom_killed_then_fixed_converges,
     containerd_restarted_mid_prepare_converges,
@@ -157,15 +156,6 @@ fn heartbeat_withdrawals(cluster: &Cluster) -> anyhow::Result<usize> {
         .count())
 }
 
-/// The files in the CDI dir that hold a claim's spec.
-fn claim_specs(cluster: &Cluster) -> anyhow::Result<Vec<String>> {
-    Ok(std::fs::read_dir(&cluster.layout.cdi_dir)?
-        .filter_map(Result::ok)
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains("-claim_"))
-        .collect())
-}
-
 /// What runc gave the plugin's container, read from its main process on the host
 /// (`/proc/<pid>`): the chart's mounts at their paths, the privileges NVML needs on a real
 /// node, and the node's name. The simulated host cannot notice these missing: the e2e values
@@ -255,100 +245,6 @@ async fn containerd_chart_plugin_container_got_what_the_plugin_needs(
     ensure!(
         node_name.as_deref() == Some(NODE),
         "the plugin's NODE_NAME is {node_name:?}, the node is {NODE}"
-    );
-    Ok(())
-}
-
-/// A real DaemonSet rollout: `helm upgrade` changes the plugin's pod template; the chart's
-/// `maxSurge: 1` starts the new pod next to the old one, then the old one goes. A claim
-/// prepared before stays prepared throughout (its instance and CDI spec untouched), a claim
-/// created during the rollout is prepared, and the new pod unprepares both: nothing leaks and
-/// one plugin pod is left.
-async fn containerd_chart_rollout_keeps_claims_prepared(cluster: &mut Cluster) -> anyhow::Result<()> {
-    require_chart(cluster)?;
-    let c = cluster.client.clone();
-    create_template(&c, "before-rollout", mig(&[profile_is("1g.10gb")]), None).await?;
-    create_pod(&c, "before-rollout", "before-rollout", &["sleep", "3600"], false).await?;
-    wait_phase(&c, "before-rollout", "Running", SHORT).await?;
-    let specs_before = claim_specs(cluster)?;
-    let instances_before = cluster.gpus()?.gpus;
-    ensure!(specs_before.len() == 1, "claim specs: {specs_before:?}");
-    let old = uid(&the_plugin_pod(cluster).await?);
-
-    let marker = format!("r{}", std::process::id());
-    let revision = format!("kubeletPlugin.podAnnotations.migdra-e2e/rollout={marker}");
-    cluster.upgrade_chart(&[&revision])?;
-    // The surge: the new pod runs next to the old one before the old one goes.
-    let surged = wait_until(Duration::from_secs(120), || async {
-        let pods = cluster.plugin_pods().await.ok()?;
-        (pods.len() == 2 && pods.iter().any(|p| uid(p) == old)).then_some(())
-    })
-    .await;
-    create_template(&c, "during-rollout", mig(&[profile_is("1g.10gb")]), None).await?;
-    create_pod(&c, "during-rollout", "during-rollout", &["sleep", "3600"], false).await?;
-    let new = wait_until(Duration::from_secs(180), || async {
-        match cluster.plugin_pods().await.ok()?.as_slice() {
-            [pod] if uid(pod) != old && is_ready(pod) => Some(pod.clone()),
-            _ => None,
-        }
-    })
-    .await;
-    let new = with_plugin_pods(
-        cluster,
-        new,
-        "the rollout did not end with one new Ready plugin pod",
-    )
-    .await?;
-    surged.context("the new plugin pod never ran next to the old one (maxSurge)")?;
-    let annotations = new.metadata.annotations.clone().unwrap_or_default();
-    ensure!(
-        annotations.get("migdra-e2e/rollout") == Some(&marker),
-        "the new plugin pod is not of the upgraded template: {annotations:?}"
-    );
-    wait_phase(&c, "during-rollout", "Running", Duration::from_secs(120)).await?;
-    ensure!(
-        workload::phase(&c, "before-rollout").await.as_deref() == Some("Running"),
-        "the pod prepared before the rollout stopped running"
-    );
-    // The first claim's instance and spec outlived its plugin pod.
-    let specs_after = claim_specs(cluster)?;
-    ensure!(
-        specs_after.contains(&specs_before[0]) && specs_after.len() == 2,
-        "claim specs before {specs_before:?}, after {specs_after:?}"
-    );
-    let before_instance = instances_before
-        .iter()
-        .flat_map(|g| {
-            g.gpu_instances
-                .iter()
-                .map(move |gi| (g.minor, gi.start, gi.compute_instances.clone()))
-        })
-        .next()
-        .context("no instance before the rollout")?;
-    let now: Vec<_> = cluster
-        .gpus()?
-        .gpus
-        .iter()
-        .flat_map(|g| {
-            g.gpu_instances
-                .iter()
-                .map(move |gi| (g.minor, gi.start, gi.compute_instances.clone()))
-        })
-        .collect();
-    ensure!(
-        now.len() == 2 && now.contains(&before_instance),
-        "instances before {before_instance:?}, now {now:?}"
-    );
-    cluster.wait_published(Duration::from_secs(60)).await?;
-    // The new pod unprepares both claims (the old one is gone): settle checks that no
-    // instance and no claim spec is left.
-    delete_pods(&c, &["before-rollout", "during-rollout"]).await?;
-    settle(cluster).await?;
-    let pods = cluster.plugin_pods().await?;
-    ensure!(
-        pods.len() == 1 && uid(&pods[0]) == uid(&new),
-        "plugin pods after the rollout:\n{}",
-        describe(&pods)
     );
     Ok(())
 }

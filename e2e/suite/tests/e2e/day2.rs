@@ -82,7 +82,9 @@ async fn slice_deletions(cluster: &Cluster) -> anyhow::Result<(f64, f64)> {
     Ok((deletes, wipes))
 }
 
-/// The plugin is SIGKILLed and stays down: its pool must be withdrawn by the controller before
+/// The plugin dies and stays down, unregistered by nobody (its container's process frozen,
+/// its pod taken off the node, the process SIGKILLed: [`Cluster::plugin_down`]): its pool must
+/// be withdrawn by the controller before
 /// the kubelet's 30 s wipe (the controller's heartbeat timeout, 20 s on this cluster; its
 /// metrics show it deleted the slices and nobody else did), stay gone while nobody
 /// can prepare, and pods created meanwhile wait in the scheduler instead of being bound to a
@@ -94,8 +96,8 @@ async fn killed_plugin_withdraws_the_pool_and_pods_wait_for_it(cluster: &mut Clu
     let withdrawn_before = heartbeat_withdrawals(cluster);
     let (deletes_before, wipes_before) = slice_deletions(cluster).await?;
 
-    cluster.kill(PLUGIN);
     let killed = Instant::now();
+    cluster.plugin_down().await?;
     wait_until(Duration::from_secs(90), || async {
         slices(cluster).await.ok()?.is_empty().then_some(())
     })
@@ -149,8 +151,8 @@ async fn killed_plugin_withdraws_the_pool_and_pods_wait_for_it(cluster: &mut Clu
         "someone other than the controller deleted the pool's slices ({wipes_before} wiped before the kill, {wipes} after): the kubelet's wipe came first"
     );
 
-    cluster.start_plugin()?;
     let restarted = Instant::now();
+    cluster.plugin_up().await?;
     cluster.wait_published(Duration::from_secs(90)).await?;
     eprintln!(
         "e2e: the pool was back {:.1}s after the plugin restarted",
@@ -282,24 +284,28 @@ async fn bring_back_the_kubelet(cluster: &mut Cluster) -> anyhow::Result<()> {
 /// A claim is deleted while the plugin is down. Its record and instance outlive it; the
 /// restarted plugin's garbage collection (which runs at start) finds the ResourceClaim gone,
 /// destroys the instance and says so in a `StaleClaimReleased` event. The kubelet is down
-/// too while the claim goes away and until the collection is done: a running kubelet would
-/// retry its unprepare as soon as the plugin is back and release the claim the ordinary way
-/// (a kubelet that lost its state never does, which is what this stands for).
+/// too while the claim goes away (it would unprepare the claim the ordinary way), and the
+/// plugin is SIGKILLed then, so nothing restarts it until the kubelet is back.
 async fn claim_deleted_while_the_plugin_is_down_is_garbage_collected(
     cluster: &mut Cluster,
 ) -> anyhow::Result<()> {
     let held = HeldClaim::start(cluster, "stale-holder").await?;
-    cluster.kill(PLUGIN);
     cluster.stop_kubelet();
+    // With the kubelet down, nobody restarts the killed plugin's container.
+    let killed = cluster.kill_plugin().await?;
     held.delete_behind_the_nodes_back(cluster, "stale-holder").await?;
     ensure!(
         held.has_instance(cluster) && held.checkpointed(cluster)?,
         "the claim {} was released while nobody could unprepare it",
         held.key
     );
-    cluster.start_plugin()?;
+    // The kubelet restarts the plugin's container; the plugin's collection at start runs
+    // before it serves the kubelet, so before the kubelet could retry its unprepare.
+    cluster.start_kubelet()?;
+    cluster.restart_killed_plugin(&killed).await?;
     held.wait_released(cluster).await?;
-    bring_back_the_kubelet(cluster).await?;
+    cluster.wait_node_ready().await?;
+    cluster.wait_published(Duration::from_secs(90)).await?;
     settle(cluster).await
 }
 

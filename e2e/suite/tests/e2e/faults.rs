@@ -88,7 +88,8 @@ async fn plugin_killed_mid_prepare_converges(cluster: &mut Cluster) -> anyhow::R
     })
     .await
     .context("the GPU instance was not created before the kill")?;
-    cluster.kill("migdra-kubelet-plugin");
+    // SIGKILL of the plugin's process (its container's, which the kubelet restarts).
+    let killed = cluster.kill_plugin().await?;
     let half = cluster
         .gpus()?
         .gpus
@@ -100,7 +101,7 @@ async fn plugin_killed_mid_prepare_converges(cluster: &mut Cluster) -> anyhow::R
         half == 1,
         "expected one half-created instance after the kill, found {half}"
     );
-    cluster.start_plugin()?;
+    cluster.restart_killed_plugin(&killed).await?;
     wait_phase(&c, "crashy", "Running", Duration::from_secs(180)).await?;
     // The restarted plugin rolled the half-prepared claim back and said so on its GpuNode.
     let note = wait_until(Duration::from_secs(30), || async {

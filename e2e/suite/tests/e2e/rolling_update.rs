@@ -1,10 +1,12 @@
-//! A rolling update of the kubelet plugin without downtime, as the chart's DaemonSet does it
-//! with `maxSurge: 1`: a second plugin process starts next to the first with socket names of
-//! its own, the first stops, and then back again. Claims are prepared and unprepared all the
-//! while; none fails and nothing is left behind.
+//! A rolling update of the kubelet plugin without downtime: a real DaemonSet rollout with the
+//! chart's `maxSurge: 1` (`helm upgrade` of the plugin's pod template), the new pod starting
+//! next to the old one with socket names of its own (its pod UID), the old one going, and
+//! back again (`helm rollback`). Claims are prepared and unprepared all the while; none fails,
+//! a claim prepared before keeps its instance and CDI spec, the pool stays published, and
+//! nothing is left behind.
 
 use std::{
-    path::Path,
+    path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -12,17 +14,16 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context, ensure};
+use anyhow::{Context, bail, ensure};
+use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, Client};
-use migdra_api::inventory::GpuNode;
+use migdra_api::{device_name::DeviceName, inventory::GpuNode};
 use migdra_e2e::{
-    cluster::{Cluster, DRIVER, NODE, PLUGIN, SURGE_PLUGIN, wait_until},
+    cluster::{Cluster, DRIVER, NODE, PLUGIN_CONTAINER, plugin_ready, wait_until},
     workload::{self, create_pod, create_template, profile_is, wait_phase},
 };
 
-use crate::support::{
-    SHORT, controller_sample, mig, plain_log, registrations, settle, total_instances, wait_registered,
-};
+use crate::support::{SHORT, controller_sample, mig, require_chart, settle, total_instances};
 
 tests![plugin_rolling_update_keeps_claims_flowing];
 
@@ -109,12 +110,12 @@ async fn one_more_cycle(
     cycles_more(1, churned, churn).await.map(drop)
 }
 
-/// With `component` the only plugin serving: waits for a cycle that starts after now (the one
-/// under way may have been prepared by the instance that just stopped) and checks that
-/// `component` prepared its claim (created its instance) and unprepared it.
+/// With `pod` the only plugin serving: waits for a cycle that starts after now (the one under
+/// way may have been prepared by the pod that just went) and checks in `pod`'s log that it
+/// prepared that claim (created its instance) and unprepared it.
 async fn cycle_served_by(
     cluster: &Cluster,
-    component: &str,
+    pod: &Pod,
     churned: &Churned,
     churn: &tokio::task::JoinHandle<anyhow::Result<()>>,
 ) -> anyhow::Result<()> {
@@ -122,20 +123,57 @@ async fn cycle_served_by(
     let key = churned
         .claim(finished)
         .context("no claim recorded for the cycle")?;
-    let log = plain_log(cluster, component);
+    let log = cluster.pod_log(pod, PLUGIN_CONTAINER);
     let field = format!("claim={key} ");
     let logged = |what: &str| log.lines().any(|l| l.contains(what) && l.contains(&field));
     ensure!(
         logged("created MIG instance") && logged(": unprepared"),
-        "{component} did not both prepare and unprepare {key}"
+        "plugin pod {} did not both prepare and unprepare {key}",
+        name(pod)
     );
     Ok(())
 }
 
+fn uid(pod: &Pod) -> String {
+    pod.metadata.uid.clone().unwrap_or_default()
+}
+
+fn name(pod: &Pod) -> String {
+    pod.metadata.name.clone().unwrap_or_default()
+}
+
+/// The CDI spec files of claims.
+fn claim_specs(cluster: &Cluster) -> anyhow::Result<Vec<String>> {
+    Ok(std::fs::read_dir(&cluster.layout.cdi_dir)?
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("-claim_"))
+        .collect())
+}
+
+/// Every MIG instance: GPU minor, placement start, compute instance UUIDs.
+fn all_instances(cluster: &Cluster) -> anyhow::Result<Vec<(u32, u32, Vec<String>)>> {
+    Ok(cluster
+        .gpus()?
+        .gpus
+        .iter()
+        .flat_map(|g| {
+            g.gpu_instances.iter().map(move |gi| {
+                (
+                    g.minor,
+                    gi.start,
+                    gi.compute_instances.iter().map(|c| c.uuid.clone()).collect(),
+                )
+            })
+        })
+        .collect())
+}
+
 async fn plugin_rolling_update_keeps_claims_flowing(cluster: &mut Cluster) -> anyhow::Result<()> {
+    require_chart(cluster)?;
     let c = cluster.client.clone();
     create_template(&c, "rolling", mig(&[profile_is("1g.10gb")]), None).await?;
-    // Prepared by the first plugin, unprepared by the second.
+    // Prepared by the first plugin pod, unprepared by the next.
     create_pod(&c, "rolling-keeper", "rolling", &["sleep", "3600"], false).await?;
     wait_phase(&c, "rolling-keeper", "Running", SHORT).await?;
 
@@ -145,9 +183,6 @@ async fn plugin_rolling_update_keeps_claims_flowing(cluster: &mut Cluster) -> an
     let rolled = roll(cluster, &churned, &churn).await;
     stop.store(true, Ordering::SeqCst);
     let outcome = churn.await.context("the claim churn panicked")?;
-    if rolled.is_err() {
-        restore_plugins(cluster).await?;
-    }
     rolled?;
     outcome.context("a claim failed during the rolling update")?;
     ensure!(churned.count() >= 7, "too few claims went through the update");
@@ -161,66 +196,68 @@ async fn plugin_rolling_update_keeps_claims_flowing(cluster: &mut Cluster) -> an
     Ok(())
 }
 
-/// Old → surge → old, with the churn running: at least one whole cycle in each phase, and
-/// one prepared and unprepared by each instance while it serves alone.
+/// Old → new (`helm upgrade`) → old again (`helm rollback`), with the churn running: each new
+/// pod serves alone afterwards, and the keeper's claim, prepared by the first pod, survives
+/// the first rollout untouched and is unprepared by the new pod.
 async fn roll(
     cluster: &mut Cluster,
     churned: &Churned,
     churn: &tokio::task::JoinHandle<anyhow::Result<()>>,
 ) -> anyhow::Result<()> {
     let c = cluster.client.clone();
-    let root = cluster.layout.kubelet_root.clone();
-    let fixed = sockets(&root, None);
-    let surge = sockets(&root, Some("surge-1"));
     one_more_cycle(churned, churn).await?;
     let published_before = published_since(cluster).await?;
     let wipes_before = slice_wipes(cluster).await?;
+    // The keeper's instance and CDI spec, by its claim's device and UID.
+    let keeper_claim = workload::pod_claim(&c, "rolling-keeper").await?;
+    let keeper_uid = keeper_claim.metadata.uid.clone().context("claim without a UID")?;
+    let (_, keeper_device) = workload::allocated(&keeper_claim)
+        .pop()
+        .context("the keeper's claim is not allocated")?;
+    let DeviceName::Mig { minor, start, .. } = keeper_device.parse::<DeviceName>()? else {
+        bail!("{keeper_device} is not a MIG device")
+    };
+    let keeper_instance = all_instances(cluster)?
+        .into_iter()
+        .find(|(m, s, _)| (*m, *s) == (minor, start))
+        .with_context(|| format!("no MIG instance for {keeper_device}"))?;
+    let keeper_spec = claim_specs(cluster)?
+        .into_iter()
+        .find(|spec| spec.contains(&keeper_uid))
+        .with_context(|| format!("no CDI spec of the keeper's claim {keeper_uid}"))?;
 
-    // The new instance starts next to the old one; both serve.
-    let before = registrations(cluster, SURGE_PLUGIN);
-    cluster.start_surge_plugin("surge-1")?;
-    wait_registered(cluster, SURGE_PLUGIN, before).await?;
+    let marker = format!("r{}", std::process::id());
+    let revision = format!("kubeletPlugin.podAnnotations.migdra-e2e/rollout={marker}");
+    let new = rollout(cluster, churned, churn, |cluster| cluster.upgrade_chart(&[&revision])).await?;
+    let annotations = new.metadata.annotations.clone().unwrap_or_default();
     ensure!(
-        fixed.iter().chain(&surge).all(|s| s.exists()),
-        "both instances' sockets exist"
+        annotations.get("migdra-e2e/rollout") == Some(&marker),
+        "the new plugin pod is not of the upgraded template: {annotations:?}"
     );
-    one_more_cycle(churned, churn).await?;
+    // The keeper's claim outlived the pod that prepared it: same instance, same CDI spec.
+    ensure!(
+        workload::phase(&c, "rolling-keeper").await.as_deref() == Some("Running"),
+        "the keeper stopped running during the rollout"
+    );
+    ensure!(
+        all_instances(cluster)?.contains(&keeper_instance) && claim_specs(cluster)?.contains(&keeper_spec),
+        "the keeper's instance {keeper_instance:?} or CDI spec {keeper_spec} changed in the rollout: instances {:?}, specs {:?}",
+        all_instances(cluster)?,
+        claim_specs(cluster)?
+    );
 
-    // The old one stops and removes only its own sockets.
-    cluster.stop(PLUGIN, Duration::from_secs(20));
-    ensure!(
-        fixed.iter().all(|s| !s.exists()),
-        "the old instance's sockets are gone"
-    );
-    ensure!(
-        surge.iter().all(|s| s.exists()),
-        "the new instance's sockets stay"
-    );
-    // Alone, the new instance prepares and unprepares claims.
-    cycle_served_by(cluster, SURGE_PLUGIN, churned, churn).await?;
-
-    // The new instance unprepares the claim the old one prepared.
+    // The new pod unprepares the claim the old one prepared.
     let instances = total_instances(cluster);
     workload::delete_pods(&c, &["rolling-keeper"]).await?;
     wait_until(SHORT, || async {
         (total_instances(cluster) < instances).then_some(())
     })
     .await
-    .context("the keeper's instance was not destroyed by the new plugin")?;
+    .context("the keeper's instance was not destroyed by the new plugin pod")?;
 
-    // And back, so the rest of the suite finds the plugin as it was.
-    let before = registrations(cluster, PLUGIN);
-    cluster.start_plugin()?;
-    wait_registered(cluster, PLUGIN, before).await?;
-    one_more_cycle(churned, churn).await?;
-    cluster.stop(SURGE_PLUGIN, Duration::from_secs(20));
-    ensure!(
-        surge.iter().all(|s| !s.exists()),
-        "the surge instance's sockets are gone"
-    );
-    ensure!(fixed.iter().all(|s| s.exists()), "the plugin's sockets stay");
-    cycle_served_by(cluster, PLUGIN, churned, churn).await?;
-    // A hand-over, not an outage: the stopping instance saw the other registered and did not
+    // And back to the installed template, so the rest of the suite finds the plugin as it was.
+    rollout(cluster, churned, churn, Cluster::rollback_chart).await?;
+    // A hand-over, not an outage: the stopping pod saw the other registered and did not
     // report the node's plugin unregistered, so the pool stayed published throughout. A
     // withdrawal sets the GpuNode's Published condition False, and the republication True
     // again with a new transition time; nobody else deleted the slices either.
@@ -235,6 +272,53 @@ async fn roll(
         "the pool's slices were wiped during the rolling update ({wipes_before} wipes before, {wipes} after)"
     );
     Ok(())
+}
+
+/// One DaemonSet rollout started by `change`, with the churn running: the new pod runs next
+/// to the old one (maxSurge) before the old one goes; the old pod's sockets go with it, the new
+/// pod's stay, and the new pod alone prepares and unprepares claims. Returns the new pod.
+async fn rollout(
+    cluster: &Cluster,
+    churned: &Churned,
+    churn: &tokio::task::JoinHandle<anyhow::Result<()>>,
+    change: impl FnOnce(&Cluster) -> anyhow::Result<()>,
+) -> anyhow::Result<Pod> {
+    let root = cluster.layout.kubelet_root.clone();
+    let old = cluster.the_plugin_pod().await?;
+    let old_sockets = sockets(&root, &uid(&old));
+    ensure!(
+        old_sockets.iter().all(|s| s.exists()),
+        "the plugin pod's sockets {old_sockets:?} do not exist"
+    );
+    change(cluster)?;
+    let surged = AtomicBool::new(false);
+    let new = wait_until(Duration::from_secs(180), || async {
+        let pods = cluster.plugin_pods().await.ok()?;
+        if pods.len() == 2 && pods.iter().any(|p| uid(p) == uid(&old)) {
+            surged.store(true, Ordering::SeqCst);
+        }
+        match pods.as_slice() {
+            [pod] if uid(pod) != uid(&old) && plugin_ready(pod) => Some(pod.clone()),
+            _ => None,
+        }
+    })
+    .await
+    .context("the rollout did not end with one new Ready plugin pod")?;
+    ensure!(
+        surged.load(Ordering::SeqCst),
+        "the new plugin pod never ran next to the old one (maxSurge)"
+    );
+    let new_sockets = sockets(&root, &uid(&new));
+    ensure!(
+        old_sockets.iter().all(|s| !s.exists()),
+        "the old plugin pod's sockets stayed: {old_sockets:?}"
+    );
+    ensure!(
+        new_sockets.iter().all(|s| s.exists()),
+        "the new plugin pod's sockets {new_sockets:?} do not exist"
+    );
+    cycle_served_by(cluster, &new, churned, churn).await?;
+    Ok(new)
 }
 
 /// When the node's GpuNode last became Published (its `Published` condition's transition
@@ -266,29 +350,11 @@ async fn slice_wipes(cluster: &Cluster) -> anyhow::Result<f64> {
     .await
 }
 
-/// After a failed roll: the suite's tests after this one expect the one plugin instance they
-/// started with. A surge instance left running would keep heartbeating for the node (a killed
-/// plugin's pool would never be withdrawn), and a stopped original would serve nothing.
-async fn restore_plugins(cluster: &mut Cluster) -> anyhow::Result<()> {
-    cluster.stop(SURGE_PLUGIN, Duration::from_secs(20));
-    if cluster.pid(PLUGIN).is_none() {
-        let before = registrations(cluster, PLUGIN);
-        cluster.start_plugin()?;
-        wait_registered(cluster, PLUGIN, before).await?;
-    }
-    cluster.wait_published(SHORT).await
-}
-
-/// The DRA and registration socket of an instance.
-fn sockets(kubelet_root: &Path, instance: Option<&str>) -> [std::path::PathBuf; 2] {
-    match instance {
-        Some(i) => [
-            kubelet_root.join(format!("plugins/{DRIVER}/dra-{i}.sock")),
-            kubelet_root.join(format!("plugins_registry/{DRIVER}-{i}-reg.sock")),
-        ],
-        None => [
-            kubelet_root.join(format!("plugins/{DRIVER}/dra.sock")),
-            kubelet_root.join(format!("plugins_registry/{DRIVER}-reg.sock")),
-        ],
-    }
+/// The DRA and registration socket of the plugin pod with UID `instance` (the chart names
+/// them with it).
+fn sockets(kubelet_root: &Path, instance: &str) -> [PathBuf; 2] {
+    [
+        kubelet_root.join(format!("plugins/{DRIVER}/dra-{instance}.sock")),
+        kubelet_root.join(format!("plugins_registry/{DRIVER}-{instance}-reg.sock")),
+    ]
 }

@@ -12,7 +12,7 @@ use k8s_openapi::api::{
 use kube::{Api, ResourceExt, api::ListParams};
 use migdra_api::inventory::pool_name;
 use migdra_e2e::{
-    cluster::{Cluster, DRIVER, HOOK_PATH, MigdraMode, NODE, Runtime, wait_until},
+    cluster::{CONTROLLER, Cluster, DRIVER, HOOK_PATH, MigdraMode, NODE, Registrations, Runtime, wait_until},
     workload::{self, ContainerRecord, Request},
 };
 
@@ -275,53 +275,33 @@ impl Test {
     }
 }
 
-/// A component's log without the terminal colour codes tracing writes around field names
-/// (`claim=default/x` reads as written). Empty when there is no log yet.
+/// A component's log ([`PLUGIN`](migdra_e2e::cluster::PLUGIN) or
+/// [`CONTROLLER`](migdra_e2e::cluster::CONTROLLER)) without the terminal colour codes tracing
+/// writes around field names (`claim=default/x` reads as written): the host process's log, or
+/// its pods' container logs. Empty when there is no log yet.
 pub(crate) fn plain_log(cluster: &Cluster, component: &str) -> String {
-    let log = std::fs::read_to_string(cluster.layout.log(component)).unwrap_or_default();
-    migdra_e2e::cluster::strip_ansi(&log)
+    cluster.component_log(component)
 }
 
-/// What the plugin logs once the kubelet accepted its registration.
-pub(crate) const REGISTERED: &str = "kubelet registered the plugin";
-
-/// How often a component's log says the kubelet registered it (the log is appended across
-/// restarts, so callers wait for the count to grow).
-pub(crate) fn registrations(cluster: &Cluster, component: &str) -> usize {
-    plain_log(cluster, component).matches(REGISTERED).count()
+/// How often the component's logs say the kubelet registered it (callers wait for a new
+/// registration with [`wait_registered`]).
+pub(crate) fn registrations(cluster: &Cluster, component: &str) -> Registrations {
+    cluster.registrations(component)
 }
 
-pub(crate) async fn wait_registered(cluster: &Cluster, component: &str, before: usize) -> anyhow::Result<()> {
-    wait_until(SHORT, || async {
-        (registrations(cluster, component) > before).then_some(())
-    })
-    .await
-    .with_context(|| format!("the kubelet did not register {component}"))
+/// Waits until a log of the component says the kubelet registered it since `before`.
+pub(crate) async fn wait_registered(
+    cluster: &Cluster,
+    component: &str,
+    before: Registrations,
+) -> anyhow::Result<()> {
+    cluster.wait_registered_since(component, &before).await
 }
 
-/// GETs `/metrics` from a component's loopback endpoint (HTTP/1.0: the server closes after
-/// the response, so reading to the end is the whole body).
-pub(crate) async fn scrape(cluster: &Cluster, endpoint: &str) -> anyhow::Result<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let port = cluster
-        .endpoint_port(endpoint)
-        .with_context(|| format!("{endpoint} has no port: not started?"))?;
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .await?;
-    let mut response = String::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut response))
-        .await
-        .context("scrape timed out")??;
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .context("no HTTP header in the response")?;
-    ensure!(
-        head.starts_with("HTTP/1.") && head.contains(" 200 "),
-        "{endpoint}: {head}"
-    );
-    Ok(body.to_string())
+/// GETs `/metrics` from a component ([`PLUGIN`](migdra_e2e::cluster::PLUGIN) or
+/// [`CONTROLLER`](migdra_e2e::cluster::CONTROLLER)), as Prometheus would.
+pub(crate) async fn scrape(cluster: &Cluster, component: &str) -> anyhow::Result<String> {
+    cluster.scrape_metrics(component).await
 }
 
 /// The value of sample `sample` of the controller's metric family `family` (e.g. family
@@ -330,7 +310,7 @@ pub(crate) async fn scrape(cluster: &Cluster, endpoint: &str) -> anyhow::Result<
 /// series yet. An error when the controller does not declare the family, so an assertion on
 /// it cannot pass with the metric gone.
 pub(crate) async fn controller_sample(cluster: &Cluster, family: &str, sample: &str) -> anyhow::Result<f64> {
-    let text = scrape(cluster, "controller-http").await?;
+    let text = scrape(cluster, CONTROLLER).await?;
     ensure!(
         text.lines().any(|l| l.starts_with(&format!("# TYPE {family} "))),
         "the controller exposes no metric {family}"
