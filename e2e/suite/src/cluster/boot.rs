@@ -25,8 +25,8 @@ use migdra_fake_nvml::{
 };
 
 use super::{
-    ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, DRIVER, HOOK_PATH, K8sMinor, Layout,
-    MigdraMode, NODE, PLUGIN_ACCOUNT, Runtime,
+    ADMIN_TOKEN, CHART_NAMESPACE, CONTROLLER_ACCOUNT, Cluster, ClusterConfig, DRIVER, HOOK_PATH, K8sMinor,
+    Layout, MigdraMode, NODE, PLUGIN_ACCOUNT, Runtime,
     containerd::{SERVICE_CLUSTER_IP_RANGE, node_netns},
     free_port, kubeconfig_yaml,
     migdra::migdra_bin_dir,

@@ -28,7 +28,8 @@ pub const PLUGIN_CONTAINER: &str = "kubelet-plugin";
 /// The controller's component name (host process and log file; the chart's Deployment).
 pub const CONTROLLER: &str = "migdra-controller";
 /// The controller's pods (the chart's selector labels, release `migdra`).
-const CONTROLLER_POD_SELECTOR: &str = "app.kubernetes.io/instance=migdra,app.kubernetes.io/component=controller";
+const CONTROLLER_POD_SELECTOR: &str =
+    "app.kubernetes.io/instance=migdra,app.kubernetes.io/component=controller";
 /// The node label [`Cluster::plugin_down`] makes the plugin DaemonSet require: no node has it.
 const PLUGIN_DOWN_SELECTOR: &str = "kubeletPlugin.nodeSelector.migdra-e2e/plugin-down=true";
 /// How long the plugin may take to come back (a pod start with an image pull included).
@@ -129,7 +130,11 @@ impl Cluster {
             return vec![self.layout.log(component)];
         }
         let prefix = format!("{CHART_NAMESPACE}_{component}-");
-        let container = if component == PLUGIN { PLUGIN_CONTAINER } else { "controller" };
+        let container = if component == PLUGIN {
+            PLUGIN_CONTAINER
+        } else {
+            "controller"
+        };
         let mut files: Vec<PathBuf> = fs::read_dir(self.pod_logs_dir())
             .into_iter()
             .flatten()
@@ -277,7 +282,12 @@ impl Cluster {
             (status.restart_count > killed.restarts && status.ready).then_some(pod)
         })
         .await
-        .with_context(|| format!("the kubelet did not restart the plugin container of {}", killed.pod))?;
+        .with_context(|| {
+            format!(
+                "the kubelet did not restart the plugin container of {}",
+                killed.pod
+            )
+        })?;
         self.wait_plugin_pod_registered(&pod).await?;
         Ok(Some(pod))
     }
@@ -350,7 +360,11 @@ impl Cluster {
     /// runs two), in the node's network namespace.
     async fn metrics_address(&self, component: &str) -> anyhow::Result<(String, u16)> {
         if !self.chart_mode() {
-            let endpoint = if component == PLUGIN { "plugin-http" } else { "controller-http" };
+            let endpoint = if component == PLUGIN {
+                "plugin-http"
+            } else {
+                "controller-http"
+            };
             let port = self
                 .endpoint_port(endpoint)
                 .with_context(|| format!("{endpoint} has no port: not started?"))?;

@@ -228,7 +228,10 @@ async fn roll(
 
     let marker = format!("r{}", std::process::id());
     let revision = format!("kubeletPlugin.podAnnotations.migdra-e2e/rollout={marker}");
-    let new = rollout(cluster, churned, churn, |cluster| cluster.upgrade_chart(&[&revision])).await?;
+    let new = rollout(cluster, churned, churn, |cluster| {
+        cluster.upgrade_chart(&[&revision])
+    })
+    .await?;
     let annotations = new.metadata.annotations.clone().unwrap_or_default();
     ensure!(
         annotations.get("migdra-e2e/rollout") == Some(&marker),
