@@ -56,6 +56,16 @@ impl Cluster {
     /// file's `nodeSelector: null` (drop the chart's GPU-label selector) into a null the
     /// schema refuses ("at '/kubeletPlugin/nodeSelector': got null, want object").
     pub fn upgrade_chart(&self, set: &[&str]) -> anyhow::Result<()> {
+        self.upgrade_release("--set", set)
+    }
+
+    /// [`Cluster::upgrade_chart`] with `--set-json` values (`key=<JSON>` each): a whole map
+    /// where the release's value is null (`--set` cannot set a key under a null).
+    pub fn upgrade_chart_json(&self, set_json: &[&str]) -> anyhow::Result<()> {
+        self.upgrade_release("--set-json", set_json)
+    }
+
+    fn upgrade_release(&self, flag: &str, set: &[&str]) -> anyhow::Result<()> {
         let current = self.helm(&[
             "get",
             "values",
@@ -83,7 +93,7 @@ impl Cluster {
             "--history-max",
             "0",
         ];
-        args.extend(set.iter().flat_map(|v| ["--set", *v]));
+        args.extend(set.iter().flat_map(|v| [flag, *v]));
         self.helm(&args).map(drop)
     }
 

@@ -31,7 +31,7 @@ pub const CONTROLLER: &str = "migdra-controller";
 const CONTROLLER_POD_SELECTOR: &str =
     "app.kubernetes.io/instance=migdra,app.kubernetes.io/component=controller";
 /// The node label [`Cluster::plugin_down`] makes the plugin DaemonSet require: no node has it.
-const PLUGIN_DOWN_SELECTOR: &str = "kubeletPlugin.nodeSelector.migdra-e2e/plugin-down=true";
+const PLUGIN_DOWN_SELECTOR: &str = r#"kubeletPlugin.nodeSelector={"migdra-e2e/plugin-down":"true"}"#;
 /// How long the plugin may take to come back (a pod start with an image pull included).
 const PLUGIN_BACK: Duration = Duration::from_secs(120);
 
@@ -323,7 +323,10 @@ impl Cluster {
         }
         let pod = self.the_plugin_pod().await?;
         self.signal_plugin_container(&pod, libc::SIGSTOP)?;
-        self.upgrade_chart(&[PLUGIN_DOWN_SELECTOR])?;
+        if let Err(e) = self.upgrade_chart_json(&[PLUGIN_DOWN_SELECTOR]) {
+            let _ = self.signal_plugin_container(&pod, libc::SIGCONT);
+            return Err(e);
+        }
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), CHART_NAMESPACE);
         let name = pod.metadata.name.clone().unwrap_or_default();
         wait_until(Duration::from_secs(60), || async {
