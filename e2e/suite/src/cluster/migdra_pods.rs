@@ -423,8 +423,9 @@ impl Cluster {
         } else {
             Command::new("socat")
         };
-        // -t: after the request is sent, wait for the whole response (the server closes).
-        command.args(["-t", "10", "-T", "10", "-", &format!("TCP:{ip}:{port}")]);
+        // shut-none: no half-close after the request (the server would drop the connection
+        // unanswered); -t: then wait for the whole response, until the server closes.
+        command.args(["-t", "10", "-T", "10", "-", &format!("TCP:{ip}:{port},shut-none")]);
         let response = tokio::task::spawn_blocking(move || -> anyhow::Result<String> {
             let mut child = command
                 .stdin(Stdio::piped())
