@@ -22,7 +22,7 @@ const VALUES_FILE: &str = "e2e/values-fake-gpu.yaml";
 const FAKE_NVML_IN_DRIVER_ROOT: &str = "usr/lib/migdra-e2e";
 /// The chart's workloads (release name `migdra`).
 const PLUGIN_DAEMONSET: &str = "migdra-kubelet-plugin";
-const CONTROLLER_DEPLOYMENT: &str = "migdra-controller";
+pub(super) const CONTROLLER_DEPLOYMENT: &str = "migdra-controller";
 
 /// How migdra's controller and kubelet plugin run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
