@@ -18,6 +18,7 @@ mod containerd;
 mod k8s_minor;
 mod kueue;
 mod migdra;
+mod pod_identity;
 mod registry;
 mod teardown;
 
