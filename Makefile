@@ -1,7 +1,8 @@
 # migdra — the two commands the README promises, plus their parts.
 #   make demo   local cluster on containerd with simulated GPUs, migdra from its chart (helm
 #               install, images from a loopback registry), workloads, MIG layout, teardown
-#   make test   every test: unit, integration, fake CRI, chart, end-to-end (fake CRI and containerd)
+#   make test   every test: unit, integration, fake CRI, chart, end-to-end (on containerd, migdra
+#               from its chart)
 #   make lint   formatting and lints: Rust, the Go in e2e/upstream, shell scripts
 #   make fault-campaign TRIALS=1000 [SEED=1] [JOBS=8]
 #               the kubelet plugin's randomized fault campaign in benchmark mode (a table of
@@ -19,7 +20,7 @@
 # migdra-e2e` resolves the same features as the whole workspace, because every feature the e2e
 # crate turns on is also turned on by another member.
 
-.PHONY: test demo bench images build unit go-test chart-test e2e e2e-containerd lint lint-rust lint-go lint-shell crds check-crds fault-campaign
+.PHONY: test demo bench images build unit go-test chart-test e2e lint lint-rust lint-go lint-shell crds check-crds fault-campaign
 
 build:
 	cargo build --workspace --all-targets
@@ -33,17 +34,15 @@ go-test:
 chart-test:
 	bash charts/tests/run.sh
 
+# The e2e suite, on a cluster whose kubelet runs on containerd and runc built from the Go module
+# proxy (e2e/runtime/), with migdra installed by its Helm chart and running only in its pods,
+# from images built from the Dockerfile (e2e/runtime/migdra-images.sh, with the binaries `build`
+# made). One theme: `make e2e E2E_FILTER=day2` (one filter, a theme or a test name).
+E2E_FILTER ?=
 e2e: build
-	cargo test --workspace --test e2e
+	cargo test --workspace --test e2e -- $(E2E_FILTER)
 
-# The e2e suite's containerd theme, on a cluster whose kubelet runs on containerd and runc built
-# from the Go module proxy (e2e/runtime/), with migdra installed by its Helm chart and running
-# only in its pods, from images built from the Dockerfile (e2e/runtime/migdra-images.sh, with
-# the binaries `build` made); on the fake CRI above those tests are ignored.
-e2e-containerd: build
-	MIGDRA_E2E_RUNTIME=containerd MIGDRA_E2E_MIGDRA=chart cargo test --workspace --test e2e -- containerd_
-
-test: unit go-test chart-test e2e e2e-containerd
+test: unit go-test chart-test e2e
 
 # The Dockerfile's images plus the e2e workload probe, built without a Docker daemon
 # (e2e/runtime/migdra-images.sh; prints the directory holding images.txt and the tarballs).

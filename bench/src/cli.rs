@@ -144,7 +144,7 @@ pub struct Args {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum PluginIdentity {
     /// As a real plugin: the chart's kubelet-plugin ServiceAccount with a token bound to the
-    /// node, one client (connection) per node. The admission policy checks every write, and
+    /// node, one client per node; the clients share one connection pool. The admission policy checks every write, and
     /// API Priority and Fairness classifies it by the chart's FlowSchemas.
     ServiceAccount,
     /// The bench's admin client, shared: exempt from API Priority and Fairness and from the
@@ -157,7 +157,7 @@ impl PluginIdentity {
     pub fn describe(self) -> &'static str {
         match self {
             Self::ServiceAccount => {
-                "the plugin's ServiceAccount, a node-bound token and a connection per node"
+                "the plugin's ServiceAccount, a node-bound token per node over shared connections"
             }
             Self::Admin => {
                 "the cluster admin over shared connections (exempt from API Priority and Fairness)"

@@ -12,7 +12,7 @@ use migdra_bench::{
     sim::{fleet::Fleet, heartbeat::Heartbeat},
     table::{Context, Row, render},
 };
-use migdra_e2e::cluster::{CHART_NAMESPACE, Cluster, ClusterConfig, DRIVER, repo_root};
+use migdra_e2e::cluster::{CHART_NAMESPACE, Cluster, ClusterConfig, DRIVER, MigdraMode, Runtime, repo_root};
 use migdra_fake_nvml::config::GpuConfig;
 
 fn command_line() -> String {
@@ -112,6 +112,10 @@ async fn main() -> anyhow::Result<()> {
         controller_heartbeat_timeout_seconds: 25,
         kubelet_anonymous_reads: true,
         control_plane_api_qps: args.control_plane_api_qps,
+        // B1–B4 and B6 measure migdra and the control plane, not a container runtime: the fake
+        // CRI under the kubelet and migdra as host processes (their pids give CPU and memory).
+        runtime: Some(Runtime::FakeCri),
+        migdra_mode: Some(MigdraMode::HostProcesses),
         ..ClusterConfig::default()
     };
     let mut cluster = Cluster::start(config).await.context("starting the e2e cluster")?;

@@ -18,7 +18,7 @@ use anyhow::Context as _;
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::{core::v1::Pod, resource::v1::ResourceClaim};
 use kube::{Api, api::PostParams};
-use migdra_e2e::cluster::{Cluster, ClusterConfig, NODE, PLUGIN, Runtime};
+use migdra_e2e::cluster::{Cluster, ClusterConfig, MigdraMode, NODE, PLUGIN, Runtime};
 use migdra_fake_nvml::config::GpuConfig;
 use serde_json::json;
 
@@ -474,7 +474,7 @@ pub async fn run(cluster: &Cluster, pairs: usize, b4_extra: usize) -> anyhow::Re
 const CONTAINERD_H100S: usize = 3;
 
 /// B5 on containerd and runc: boots a cluster of its own on the real runtime (the e2e's
-/// `MIGDRA_E2E_RUNTIME=containerd` cluster, migdra as host processes, `CONTAINERD_H100S`
+/// containerd cluster, migdra as host processes, `CONTAINERD_H100S`
 /// simulated H100s), starts `pairs` pods without and with a 1g.10gb claim, one at a time,
 /// alternating, then deletes them, checks every MIG instance went, and tears the cluster down.
 pub async fn b5_on_containerd(pairs: usize) -> anyhow::Result<Row> {
@@ -483,6 +483,7 @@ pub async fn b5_on_containerd(pairs: usize) -> anyhow::Result<Row> {
             .map(|_| GpuConfig::new("H100-80GB", true))
             .collect(),
         runtime: Some(Runtime::Containerd),
+        migdra_mode: Some(MigdraMode::HostProcesses),
         ..ClusterConfig::default()
     };
     let mut cluster = Cluster::start(config)

@@ -422,8 +422,7 @@ pub async fn publish(client: &Client, nodes: &[String], concurrency: usize) -> a
     Ok(())
 }
 
-/// Deletes every slice of the peer's driver and waits until they are gone. At 1,000 nodes
-/// one collection delete outlasts its connection, so this retries until none is left.
+/// Deletes every slice of the peer's driver and waits until they are gone.
 pub async fn remove(client: &Client) -> anyhow::Result<()> {
     super::publish::delete_driver_slices(client, DRIVER)
         .await

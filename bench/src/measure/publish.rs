@@ -328,29 +328,50 @@ async fn slices_per_node(client: &Client) -> anyhow::Result<(u32, Option<Duratio
     }
 }
 
-/// Deletes every slice of `driver`. One deletecollection of 10,000 slices (2,000 nodes) runs
-/// past the API server's 60 s request timeout, which closes the connection with the deletion
-/// half done; so it is repeated until nothing is left (each attempt deletes more).
+/// Slice deletions in flight in [`delete_driver_slices`].
+const SLICE_DELETE_CONCURRENCY: usize = 16;
+
+/// Deletes every slice of `driver`, one DELETE per slice, [`SLICE_DELETE_CONCURRENCY`] at a
+/// time, and waits until none is left. A deletecollection answers with every deleted object
+/// in one response: at 1,000 nodes thousands of large slices that the API server assembles
+/// and the bench parses at once (gigabytes on both sides), and which outlasts the API
+/// server's 60 s request timeout. One slice per request keeps both bounded, and each request
+/// is short in API Priority and Fairness's queues.
 pub(crate) async fn delete_driver_slices(client: &Client, driver: &str) -> anyhow::Result<()> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let selector = ListParams::default().fields(&format!("spec.driver={driver}"));
-    for attempt in 1..=20 {
-        match slices
-            .delete_collection(&DeleteParams::default(), &selector)
+    for attempt in 1..=3 {
+        let names: Vec<String> = crate::retry::retry(|| slices.list_metadata(&selector))
             .await
-        {
-            Ok(_) => break,
-            Err(e) => {
-                let left = slices.list_metadata(&selector).await.map(|l| l.items.len());
-                eprintln!(
-                    "deleting the slices of {driver} did not finish (attempt {attempt}: {e}); {} left, again",
-                    left.as_ref()
-                        .map_or_else(|e| format!("unknown ({e})"), |n| n.to_string())
-                );
-                if matches!(left, Ok(0)) {
-                    break;
+            .with_context(|| format!("listing the slices of {driver}"))?
+            .items
+            .into_iter()
+            .filter_map(|s| s.metadata.name)
+            .collect();
+        if names.is_empty() {
+            break;
+        }
+        let failed = stream::iter(names)
+            .map(|name| {
+                let slices = slices.clone();
+                async move {
+                    let params = DeleteParams::default();
+                    match crate::retry::retry(|| slices.delete(&name, &params)).await {
+                        Ok(_) => None,
+                        Err(kube::Error::Api(e)) if e.code == 404 => None,
+                        Err(e) => Some(format!("{name}: {e}")),
+                    }
                 }
-            }
+            })
+            .buffer_unordered(SLICE_DELETE_CONCURRENCY)
+            .filter_map(std::future::ready)
+            .collect::<Vec<String>>()
+            .await;
+        if let Some(first) = failed.first() {
+            eprintln!(
+                "deleting the slices of {driver} (attempt {attempt}): {} deletions failed, the first {first}; again",
+                failed.len()
+            );
         }
     }
     wait_until(Duration::from_secs(120), || async {

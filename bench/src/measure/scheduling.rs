@@ -38,7 +38,7 @@ use super::{
     publish::{CONTROLLER, delete_driver_slices},
 };
 use crate::{
-    probe::{load_average, rss_kib, scrape_client},
+    probe::{load_average, peak_rss_kib, rss_kib, scrape_client},
     prom::Metrics,
     sim::objects::SIMULATED_LABEL,
     stats::{Samples, latency},
@@ -162,14 +162,7 @@ async fn publish_static(client: &Client, nodes: &[String], nvidia: bool) -> anyh
 }
 
 async fn remove_static(client: &Client) -> anyhow::Result<()> {
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    slices
-        .delete_collection(
-            &DeleteParams::default(),
-            &ListParams::default().fields(&format!("spec.driver={STATIC_DRIVER}")),
-        )
-        .await?;
-    Ok(())
+    delete_driver_slices(client, STATIC_DRIVER).await
 }
 
 /// Creates `count` pods of `run` with claims from `template` on simulated nodes, and waits
@@ -617,12 +610,16 @@ const CONTROL_PLANE: [&str; 4] = [
     "kube-controller-manager",
 ];
 
-/// Resident memory of the control plane over one B1 size, sampled every 2 s, and the least
-/// memory the machine had available: what tells whether a size fits.
+/// Resident memory of the control plane and of the bench itself (the simulated nodes' plugins
+/// live in it) over one B1 size, sampled every 2 s, and the least memory the machine had
+/// available: what tells whether a size fits.
 struct ControlPlaneMemory {
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<MemoryPeaks>,
 }
+
+/// Name of the bench's own process in [`MemoryPeaks::rss`].
+const BENCH_PROCESS: &str = "migdra-bench";
 
 #[derive(Debug, Default)]
 struct MemoryPeaks {
@@ -645,6 +642,7 @@ impl ControlPlaneMemory {
         let pids: Vec<(&'static str, u32)> = CONTROL_PLANE
             .iter()
             .filter_map(|name| cluster.pid(name).map(|pid| (*name, pid)))
+            .chain([(BENCH_PROCESS, std::process::id())])
             .collect();
         let (stop, mut stopped) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
@@ -676,6 +674,7 @@ impl ControlPlaneMemory {
         let gib = |kib: u64| format!("{:.2} GiB", kib as f64 / 1024.0 / 1024.0);
         let processes = CONTROL_PLANE
             .iter()
+            .chain([&BENCH_PROCESS])
             .map(|name| match peaks.rss.get(name) {
                 Some((peak, last)) => format!("{name} {} (at the end {})", gib(*peak), gib(*last)),
                 None => format!("{name} not running"),
@@ -683,8 +682,9 @@ impl ControlPlaneMemory {
             .collect::<Vec<_>>()
             .join(", ");
         format!(
-            "control-plane RSS over this size's phases, peak of 2-s samples: {processes}; \
-             least memory available on the machine: {}",
+            "control-plane and bench RSS over this size's phases, peak of 2-s samples: \
+             {processes}; the bench's peak since it started (VmHWM) {}; least memory available on the machine: {}",
+            peak_rss_kib(std::process::id()).map_or_else(|| "?".into(), gib),
             peaks.least_available.map_or_else(|| "?".into(), gib)
         )
     }

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     heartbeat::{Heartbeat, SimPlugin},
     objects::{NODE_LEASE_NAMESPACE, SIMULATED_LABEL, node_gpus, node_lease, node_name, node_object},
+    transport::SharedTransport,
 };
 use crate::{retry::retry, stats::Samples};
 use migdra_api::inventory::RenewalRetry;
@@ -53,6 +54,8 @@ pub struct Fleet {
     client: Client,
     /// Mints each simulated plugin's own client; `None`: they share the admin client.
     identities: Option<PluginIdentities>,
+    /// The connection stacks the plugins' own clients share, made with the first of them.
+    transport: Arc<tokio::sync::OnceCell<SharedTransport>>,
     heartbeat: Heartbeat,
     plugins: Vec<SimPlugin>,
     cancel: CancellationToken,
@@ -67,6 +70,7 @@ impl Fleet {
         Self {
             client,
             identities,
+            transport: Arc::default(),
             heartbeat,
             plugins: Vec::new(),
             cancel: CancellationToken::new(),
@@ -104,7 +108,7 @@ impl Fleet {
             )));
         }
         let (client, heartbeat) = (self.client.clone(), self.heartbeat.clone());
-        let identities = self.identities.clone();
+        let identities = self.identities.clone().map(|i| (i, self.transport.clone()));
         let (cancel, stats) = (self.cancel.clone(), self.stats.clone());
         // Each node is kept live from the moment it exists: a node created early must not
         // go stale while later ones are still being created.
@@ -113,7 +117,8 @@ impl Fleet {
                 let (client, heartbeat) = (client.clone(), heartbeat.clone());
                 let (cancel, stats, identities) = (cancel.clone(), stats.clone(), identities.clone());
                 async move {
-                    let plugin = create_node(&client, identities.as_ref(), &heartbeat, i).await?;
+                    let identities = identities.as_ref().map(|(i, t)| (i, t.as_ref()));
+                    let plugin = create_node(&client, identities, &heartbeat, i).await?;
                     let task = tokio::spawn(keep_live(
                         client,
                         heartbeat,
@@ -162,7 +167,7 @@ fn phase(index: usize) -> f64 {
 
 async fn create_node(
     client: &Client,
-    identities: Option<&PluginIdentities>,
+    identities: Option<(&PluginIdentities, &tokio::sync::OnceCell<SharedTransport>)>,
     heartbeat: &Heartbeat,
     i: usize,
 ) -> anyhow::Result<SimPlugin> {
@@ -193,7 +198,7 @@ async fn create_node(
         Err(e) => return Err(e).with_context(|| format!("creating the node Lease of {name}")),
     }
     let (plugin_client, heartbeat_client) = match identities {
-        Some(identities) => plugin_clients(identities, &name, &uid).await?,
+        Some((identities, transport)) => plugin_clients(identities, transport, &name, &uid).await?,
         None => (client.clone(), client.clone()),
     };
     let plugin = SimPlugin {
@@ -210,12 +215,12 @@ async fn create_node(
     Ok(plugin)
 }
 
-/// The plugin's own clients for node `name`, as the plugin makes them: one for everything
-/// and one for the heartbeat Lease without kube's own retries (the plugin's
-/// `node_status::heartbeat_client`: a renewal is retried with a fresh `renewTime` instead).
-/// The TokenRequest is retried a few times, as a loaded API server may refuse one.
+/// The plugin's own clients for node `name` ([`SharedTransport::plugin_clients`]), with a
+/// token of its own. The TokenRequest is retried a few times, as a loaded API server may
+/// refuse one.
 async fn plugin_clients(
     identities: &PluginIdentities,
+    transport: &tokio::sync::OnceCell<SharedTransport>,
     name: &str,
     uid: &str,
 ) -> anyhow::Result<(Client, Client)> {
@@ -223,9 +228,10 @@ async fn plugin_clients(
     loop {
         match identities.config_for(name, uid).await {
             Ok(config) => {
-                let mut heartbeat = config.clone();
-                heartbeat.default_retry = false;
-                return Ok((Client::try_from(config)?, Client::try_from(heartbeat)?));
+                let transport = transport
+                    .get_or_try_init(|| async { SharedTransport::new(&config) })
+                    .await?;
+                return Ok(transport.plugin_clients(&config)?);
             }
             Err(e) if attempt < 4 => {
                 tracing::debug!(node = %name, error = %format!("{e:#}"), "minting the plugin token failed; retrying");

@@ -102,7 +102,9 @@ impl Cluster {
             None => MigdraMode::from_env()?,
         };
         if migdra_mode == MigdraMode::Chart && runtime != Runtime::Containerd {
-            bail!("migdra's chart runs its pods on containerd only: set MIGDRA_E2E_RUNTIME=containerd");
+            bail!(
+                "migdra's chart runs its pods on containerd only: with MIGDRA_E2E_RUNTIME=fake-cri, set MIGDRA_E2E_MIGDRA=host"
+            );
         }
         fs::create_dir_all(&config.runs_dir)?;
         let stamp = std::time::SystemTime::now()

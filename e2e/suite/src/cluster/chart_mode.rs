@@ -1,5 +1,5 @@
-//! migdra from its chart (`MIGDRA_E2E_MIGDRA=chart`, on `MIGDRA_E2E_RUNTIME=containerd` only):
-//! instead of the two host processes, `helm install` with `e2e/values-fake-gpu.yaml` runs the
+//! migdra from its chart (the suite's default, on containerd only; `MIGDRA_E2E_MIGDRA=host`
+//! runs it as host processes instead): `helm install` with `e2e/values-fake-gpu.yaml` runs the
 //! controller Deployment and the plugin DaemonSet as pods, from migdra's images
 //! (`e2e/runtime/migdra-images.sh`, pulled from the run's registry, see [`super::registry`]),
 //! against the simulated GPU host.
@@ -13,7 +13,7 @@ use migdra_fake_nvml::testing::HOST_LIBRARY;
 
 use super::{CHART_NAMESPACE, Cluster, repo_root, wait_until, write};
 
-/// The environment variable that selects how migdra runs: `chart`, or unset/empty/`host`.
+/// The environment variable that selects how migdra runs: `host`, or unset/empty/`chart`.
 pub const MIGDRA_MODE_ENV: &str = "MIGDRA_E2E_MIGDRA";
 /// The chart's values for the simulated GPU node; `@RUN@` stands for the run directory.
 const VALUES_FILE: &str = "e2e/values-fake-gpu.yaml";
@@ -22,15 +22,15 @@ const VALUES_FILE: &str = "e2e/values-fake-gpu.yaml";
 const FAKE_NVML_IN_DRIVER_ROOT: &str = "usr/lib/migdra-e2e";
 /// The chart's workloads (release name `migdra`).
 const PLUGIN_DAEMONSET: &str = "migdra-kubelet-plugin";
-const CONTROLLER_DEPLOYMENT: &str = "migdra-controller";
+pub(super) const CONTROLLER_DEPLOYMENT: &str = "migdra-controller";
 
 /// How migdra's controller and kubelet plugin run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MigdraMode {
     /// Host processes started by the launcher, with tokens of the chart's ServiceAccounts.
-    #[default]
     HostProcesses,
     /// Pods of the chart's Deployment and DaemonSet.
+    #[default]
     Chart,
 }
 
@@ -38,9 +38,9 @@ impl MigdraMode {
     /// The mode [`MIGDRA_MODE_ENV`] selects.
     pub fn from_env() -> anyhow::Result<Self> {
         match std::env::var(MIGDRA_MODE_ENV) {
-            Err(std::env::VarError::NotPresent) => Ok(Self::HostProcesses),
-            Ok(v) if v.is_empty() || v == "host" => Ok(Self::HostProcesses),
-            Ok(v) if v == "chart" => Ok(Self::Chart),
+            Err(std::env::VarError::NotPresent) => Ok(Self::Chart),
+            Ok(v) if v.is_empty() || v == "chart" => Ok(Self::Chart),
+            Ok(v) if v == "host" => Ok(Self::HostProcesses),
             Ok(v) => bail!("{MIGDRA_MODE_ENV}={v:?}: expected \"chart\" or \"host\""),
             Err(e) => bail!("{MIGDRA_MODE_ENV}: {e}"),
         }

@@ -1,5 +1,6 @@
-//! The opt-in real container runtime: with `MIGDRA_E2E_RUNTIME=containerd` the kubelet runs
-//! on containerd 2.x and runc (built by `e2e/runtime/build.sh`) instead of the fake CRI.
+//! The real container runtime, the suite's default: the kubelet runs on containerd 2.x and
+//! runc (built by `e2e/runtime/build.sh`); `MIGDRA_E2E_RUNTIME=fake-cri` (the benchmark) puts
+//! the fake CRI there instead.
 //!
 //! Everything containerd keeps lives under `<run>/ctrd` (root, state, sockets, shim sockets,
 //! runc's root, the pods' network namespaces). containerd runs inside a network namespace made
@@ -40,7 +41,7 @@ use serde_json::json;
 
 use super::{Cluster, HOOK_PATH, NODE, repo_root, write};
 
-/// The environment variable that selects the runtime: `containerd`, or unset/empty/`fake-cri`.
+/// The environment variable that selects the runtime: `fake-cri`, or unset/empty/`containerd`.
 pub const RUNTIME_ENV: &str = "MIGDRA_E2E_RUNTIME";
 /// The pod sandbox image (`e2e/runtime/pause/pause.c`), pinned in containerd's config.
 pub const PAUSE_IMAGE: &str = "migdra.dev/e2e/pause:e2e";
@@ -64,9 +65,9 @@ pub(super) const SERVICE_CLUSTER_IP_RANGE: &str = "10.96.0.0/16";
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Runtime {
     /// The fake CRI (`e2e/upstream/cmd/fake-cri`): records containers, runs nothing.
-    #[default]
     FakeCri,
     /// containerd with runc: real containers.
+    #[default]
     Containerd,
 }
 
@@ -74,9 +75,9 @@ impl Runtime {
     /// The runtime [`RUNTIME_ENV`] selects.
     pub fn from_env() -> anyhow::Result<Self> {
         match std::env::var(RUNTIME_ENV) {
-            Err(std::env::VarError::NotPresent) => Ok(Self::FakeCri),
-            Ok(v) if v.is_empty() || v == "fake-cri" => Ok(Self::FakeCri),
-            Ok(v) if v == "containerd" => Ok(Self::Containerd),
+            Err(std::env::VarError::NotPresent) => Ok(Self::Containerd),
+            Ok(v) if v.is_empty() || v == "containerd" => Ok(Self::Containerd),
+            Ok(v) if v == "fake-cri" => Ok(Self::FakeCri),
             Ok(v) => bail!("{RUNTIME_ENV}={v:?}: expected \"containerd\" or \"fake-cri\""),
             Err(e) => bail!("{RUNTIME_ENV}: {e}"),
         }

@@ -25,6 +25,7 @@ use k8s_openapi::{
     ByteString,
     api::{
         admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration},
+        apps::v1::Deployment,
         core::v1::Namespace,
         resource::v1::ResourceSlice,
     },
@@ -37,7 +38,10 @@ use kube::{
 use migdra_api::inventory::pool_name;
 use serde_json::{Value, json};
 
-use super::{Cluster, DRIVER, NODE, boot::script_output, repo_root, wait_until, write};
+use super::{
+    CHART_NAMESPACE, Cluster, DRIVER, MigdraMode, NODE, boot::script_output,
+    chart_mode::CONTROLLER_DEPLOYMENT, repo_root, wait_until, write,
+};
 
 /// Kueue's component name (logs, pid file, [`Cluster::stop`]).
 pub const KUEUE: &str = "kueue";
@@ -345,14 +349,26 @@ impl Cluster {
         }
     }
 
-    /// Restarts migdra's controller with or without `--keep-memory-counter` (no restart when
+    /// Runs migdra's controller with or without `--keep-memory-counter` (nothing changes when
     /// it already runs so), then waits until the node's pool carries the `memory` counter
-    /// exactly when it is kept, and is published.
+    /// exactly when it is kept, and is published. From the chart, `helm upgrade` sets the
+    /// chart's `controller.keepMemoryCounter` and the Deployment rolls out a new controller
+    /// pod; as a host process, the controller is restarted with the flag.
     pub async fn set_keep_memory_counter(&mut self, keep: bool) -> anyhow::Result<()> {
-        if self.controller_keep_memory_counter != keep || !self.is_running("migdra-controller") {
-            self.stop("migdra-controller", Duration::from_secs(10));
-            self.controller_keep_memory_counter = keep;
-            self.start_migdra_controller()?;
+        match self.layout.migdra_mode {
+            MigdraMode::Chart => {
+                if self.deployed_keep_memory_counter().await? != keep {
+                    self.upgrade_chart(&[&format!("controller.keepMemoryCounter={keep}")])?;
+                    self.wait_controller_rolled_out().await?;
+                }
+            }
+            MigdraMode::HostProcesses => {
+                if self.controller_keep_memory_counter != keep || !self.is_running("migdra-controller") {
+                    self.stop("migdra-controller", Duration::from_secs(10));
+                    self.controller_keep_memory_counter = keep;
+                    self.start_migdra_controller()?;
+                }
+            }
         }
         let slices: Api<ResourceSlice> = Api::all(self.client.clone());
         let pool = pool_name(NODE, DRIVER);
@@ -375,6 +391,49 @@ impl Cluster {
             )
         })?;
         self.wait_published(Duration::from_secs(60)).await
+    }
+}
+
+impl Cluster {
+    /// The chart's controller Deployment.
+    async fn controller_deployment(&self) -> anyhow::Result<Deployment> {
+        Api::<Deployment>::namespaced(self.client.clone(), CHART_NAMESPACE)
+            .get(CONTROLLER_DEPLOYMENT)
+            .await
+            .with_context(|| format!("reading Deployment {CHART_NAMESPACE}/{CONTROLLER_DEPLOYMENT}"))
+    }
+
+    /// Whether the controller Deployment's pods run with `KEEP_MEMORY_COUNTER=true` (what the
+    /// release says now, whichever revision it is at).
+    async fn deployed_keep_memory_counter(&self) -> anyhow::Result<bool> {
+        let deployment = self.controller_deployment().await?;
+        let value = deployment
+            .spec
+            .and_then(|s| s.template.spec)
+            .into_iter()
+            .flat_map(|s| s.containers)
+            .flat_map(|c| c.env.into_iter().flatten())
+            .find(|e| e.name == "KEEP_MEMORY_COUNTER")
+            .and_then(|e| e.value)
+            .with_context(|| format!("Deployment {CONTROLLER_DEPLOYMENT} sets no KEEP_MEMORY_COUNTER"))?;
+        Ok(value == "true")
+    }
+
+    /// Waits until the controller Deployment's rollout is complete: every replica of the new
+    /// template Ready and no pod of the old one left.
+    async fn wait_controller_rolled_out(&self) -> anyhow::Result<()> {
+        wait_until(Duration::from_secs(180), || async {
+            let deployment = self.controller_deployment().await.ok()?;
+            let want = deployment.spec?.replicas.unwrap_or(1);
+            let status = deployment.status?;
+            let done = status.observed_generation >= deployment.metadata.generation
+                && status.updated_replicas == Some(want)
+                && status.replicas == Some(want)
+                && status.ready_replicas == Some(want);
+            done.then_some(())
+        })
+        .await
+        .with_context(|| format!("Deployment {CONTROLLER_DEPLOYMENT} did not roll out the new controller"))
     }
 }
 

@@ -1,15 +1,17 @@
 //! A local cluster from upstream parts: etcd, kube-apiserver, kube-controller-manager,
-//! kube-scheduler and one kubelet (against the fake CRI runtime, or on containerd and runc with
-//! `MIGDRA_E2E_RUNTIME=containerd`, see [`containerd`]), plus migdra's controller and kubelet
-//! plugin as host processes with the fake NVML library simulating GPUs (or, with
-//! `MIGDRA_E2E_MIGDRA=chart` on containerd, as the chart's pods, see [`chart_mode`]).
+//! kube-scheduler and one kubelet on containerd and runc ([`containerd`]), with migdra's
+//! controller and kubelet plugin installed by its chart and running in its pods ([`chart_mode`])
+//! against the fake NVML library simulating GPUs. The benchmark opts into the other modes in
+//! its [`ClusterConfig`] (or with these variables): the fake CRI under the kubelet
+//! (`MIGDRA_E2E_RUNTIME=fake-cri`) and migdra as host processes (`MIGDRA_E2E_MIGDRA=host`, with
+//! tokens of the chart's ServiceAccounts, see [`migdra`]).
 //!
 //! Everything lives in one run directory (kept after teardown, for its logs). [`Cluster::start`]
-//! boots the upstream parts ([`boot`]), then migdra's two processes with tokens of the chart's
-//! ServiceAccounts ([`migdra`]); [`Cluster::teardown`] stops every process this launcher
-//! started (by its pid), unmounts whatever the kubelet mounted under the run directory, and
-//! removes the log symlinks the kubelet made for our pods ([`teardown`]). This module holds
-//! what they share: the names, the layout, the component table and the GPU state.
+//! boots the upstream parts ([`boot`]), then migdra (the chart's pods, or its two processes);
+//! [`Cluster::teardown`] stops every process this launcher started (by its pid), unmounts
+//! whatever the kubelet mounted under the run directory, and removes the log symlinks the
+//! kubelet made for our pods ([`teardown`]). This module holds what they share: the names, the
+//! layout, the component table and the GPU state.
 
 mod boot;
 mod chart_mode;
@@ -19,6 +21,7 @@ mod k8s_minor;
 mod kueue;
 mod migdra;
 mod migdra_pods;
+mod pod_identity;
 mod registry;
 mod teardown;
 
@@ -83,10 +86,10 @@ pub struct ClusterConfig {
     /// manager 20 QPS: its ResourceClaim controller creates each pod's claim and records it in
     /// the pod's status, so 20 QPS caps pods with a claim template at about 10/s).
     pub control_plane_api_qps: Option<u32>,
-    /// The container runtime under the kubelet; `None` reads [`RUNTIME_ENV`] (unset: the fake
-    /// CRI).
+    /// The container runtime under the kubelet; `None` reads [`RUNTIME_ENV`] (unset:
+    /// containerd).
     pub runtime: Option<Runtime>,
-    /// How migdra runs; `None` reads [`MIGDRA_MODE_ENV`] (unset: host processes).
+    /// How migdra runs; `None` reads [`MIGDRA_MODE_ENV`] (unset: the chart's pods).
     pub migdra_mode: Option<MigdraMode>,
 }
 

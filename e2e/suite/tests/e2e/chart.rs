@@ -1,9 +1,9 @@
 //! The Helm chart under a real API server: every rendered object and example passes a
 //! server-side dry run, and the RBAC matrix holds for the chart's ServiceAccounts (including
-//! real writes with the plugin's node-bound token: its own node's GpuNode and claim status
-//! only, the latter also by the admission policy alone, as on Kubernetes 1.35), and API
-//! Priority and Fairness puts migdra's requests where the chart's FlowSchemas
-//! say.
+//! real writes with the token of the running plugin pod, bound to the pod and its node: its
+//! own node's GpuNode and claim status only, the latter also by the admission policy alone,
+//! as on Kubernetes 1.35), and API Priority and Fairness puts the running pods' requests
+//! where the chart's FlowSchemas say.
 
 use std::time::Duration;
 
@@ -254,8 +254,8 @@ async fn revoke_136_checks(cluster: &Cluster) -> anyhow::Result<()> {
 }
 
 /// Claim-status rows: for each, the admin creates a claim allocated on the row's node, and
-/// the plugin, with its token bound to this node, server-side applies a status.devices entry
-/// of its driver (dry run). For `claim-status` the API server's associated-node check decides;
+/// the running plugin's token (bound to its pod on this node) server-side applies a
+/// status.devices entry of its driver (dry run). For `claim-status` the API server's associated-node check decides;
 /// for `claim-status-policy` the 1.36+ checks are lifted ([`lift_136_checks`]) and the chart's
 /// admission policy decides. Returns the rows checked.
 async fn check_claim_status_rows(
@@ -278,7 +278,7 @@ async fn check_claim_status_kind(
     failures: &mut Vec<String>,
 ) -> anyhow::Result<usize> {
     let admin: Api<ResourceClaim> = Api::namespaced(cluster.client.clone(), PROBE_NAMESPACE);
-    let plugin: Api<ResourceClaim> = Api::namespaced(cluster.plugin_client().await?, PROBE_NAMESPACE);
+    let plugin: Api<ResourceClaim> = Api::namespaced(cluster.running_plugin_client().await?, PROBE_NAMESPACE);
     // What a refusal names: the API server's check, or the admission policy.
     let refused_by = if check == "claim-status" {
         "status.devices"
@@ -335,7 +335,7 @@ async fn admission_policy_pins_claim_status_writes_without_the_136_checks(
 
 async fn claim_status_policy_cases(cluster: &Cluster) -> anyhow::Result<()> {
     let admin: Api<ResourceClaim> = Api::namespaced(cluster.client.clone(), PROBE_NAMESPACE);
-    let plugin: Api<ResourceClaim> = Api::namespaced(cluster.plugin_client().await?, PROBE_NAMESPACE);
+    let plugin: Api<ResourceClaim> = Api::namespaced(cluster.running_plugin_client().await?, PROBE_NAMESPACE);
     let other = "other-node";
     let reservation =
         json!([{"resource": "pods", "name": "p", "uid": "00000000-0000-0000-0000-000000000001"}]);
@@ -470,9 +470,9 @@ async fn rbac_matrix_holds_against_the_api_server(cluster: &mut Cluster) -> anyh
         }
         checked += 1;
     }
-    // Admission rows: real requests with the plugin's node-bound token (dry run), against
+    // Admission rows: real requests with the running plugin's token (dry run), against
     // its own node's GpuNode and another node's, which the admin creates first.
-    let plugin = cluster.plugin_client().await?;
+    let plugin = cluster.running_plugin_client().await?;
     let admin: Api<GpuNode> = Api::all(cluster.client.clone());
     let other: GpuNode = serde_json::from_value(json!({
         "apiVersion": "gpu.migdra.dev/v1alpha1", "kind": "GpuNode",
@@ -598,8 +598,8 @@ async fn migdra_requests_land_in_the_charts_priority_levels(cluster: &mut Cluste
     );
 
     let lease = migdra_api::inventory::heartbeat_lease_name(NODE, DRIVER);
-    let plugin = cluster.plugin_client().await?;
-    let controller = cluster.controller_client().await?;
+    let plugin = cluster.running_plugin_client().await?;
+    let controller = cluster.running_controller_client().await?;
     let ns = CHART_NAMESPACE;
     for (client, who, path, schema) in [
         (

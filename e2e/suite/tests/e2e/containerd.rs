@@ -1,8 +1,7 @@
-//! The kubelet on a real runtime (`MIGDRA_E2E_RUNTIME=containerd`, see
-//! `migdra_e2e::cluster::Runtime`): pods made by the kubelet through containerd's CRI, run by
-//! runc from the local images, their logs read with `kubectl logs`; and a MIG claim's CDI spec,
-//! written by migdra's plugin, applied by containerd. On the fake CRI (the default) the harness
-//! marks them ignored; `make e2e-containerd` runs them on containerd.
+//! The kubelet on a real runtime (the suite's default, see `migdra_e2e::cluster::Runtime`):
+//! pods made by the kubelet through containerd's CRI, run by runc from the local images, their
+//! logs read with `kubectl logs`; and a MIG claim's CDI spec, written by migdra's plugin,
+//! applied by containerd.
 
 use std::time::Duration;
 
@@ -32,7 +31,7 @@ tests![
     containerd_chart_images_are_pulled_from_the_registry
 ];
 
-/// Fails unless the cluster runs on containerd (the harness ignores these tests otherwise).
+/// Fails unless the cluster runs on containerd (`MIGDRA_E2E_RUNTIME=fake-cri` opts out).
 fn require_containerd(cluster: &Cluster) -> anyhow::Result<()> {
     ensure!(
         cluster.layout.runtime == Runtime::Containerd,

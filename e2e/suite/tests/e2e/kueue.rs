@@ -7,10 +7,10 @@
 //! `exactly` requests).
 //!
 //! Kueue charges a request the largest `memory` any device matching the request's class and
-//! selectors consumes, on any node; each test reads that from the published slices. The
-//! controller keeps publishing `memory` after this theme, which changes no allocation (the
-//! counter never refuses what the memory slices allow; the slice model's property tests show
-//! it).
+//! selectors consumes, on any node; each test reads that from the published slices. Each test
+//! turns the counter on with `helm upgrade` of the chart's `controller.keepMemoryCounter` and
+//! off again at its end, leaving the release at its installed values; Kueue itself keeps
+//! running after this theme.
 
 use std::time::Duration;
 
@@ -61,6 +61,11 @@ async fn kueue_up(cluster: &mut Cluster) -> anyhow::Result<()> {
         flavors.create(&PostParams::default(), &flavor).await?;
     }
     Ok(())
+}
+
+/// The controller back to the release's installed values: no `memory` counter.
+async fn kueue_down(cluster: &mut Cluster) -> anyhow::Result<()> {
+    cluster.set_keep_memory_counter(false).await
 }
 
 /// A ClusterQueue `name` with `quota` bytes of [`GPU_MEMORY`] and a LocalQueue `name` in the
@@ -360,7 +365,8 @@ async fn kueue_admits_mig_jobs_that_fit_the_memory_quota(cluster: &mut Cluster) 
         );
     }
     settle(cluster).await?;
-    delete_queues(&c, "kq-fit").await
+    delete_queues(&c, "kq-fit").await?;
+    kueue_down(cluster).await
 }
 
 /// With room for two 1g.10gb partitions, a third 1g Job waits, suspended, while the other two
@@ -399,7 +405,8 @@ async fn kueue_holds_a_job_over_the_quota_until_an_earlier_one_finishes(
     );
     wait_running(&c, "hold-next").await?;
     settle(cluster).await?;
-    delete_queues(&c, "kq-hold").await
+    delete_queues(&c, "kq-hold").await?;
+    kueue_down(cluster).await
 }
 
 /// A whole-GPU claim on an H100 is charged the GPU's whole memory budget (the counter set's
@@ -454,7 +461,8 @@ async fn kueue_charges_a_whole_gpu_its_whole_memory(cluster: &mut Cluster) -> an
     create_job(&c, "after-whole", "kq-whole", "kq-1g", 3600).await?;
     wait_over_quota(&c, "after-whole").await?;
     settle(cluster).await?;
-    delete_queues(&c, "kq-whole").await
+    delete_queues(&c, "kq-whole").await?;
+    kueue_down(cluster).await
 }
 
 /// Kueue charges only `exactly` requests: a Job whose claim template asks for the first
@@ -504,5 +512,6 @@ async fn kueue_refuses_first_available_requests(cluster: &mut Cluster) -> anyhow
         "the refused Job: suspended {suspended}, {pods} pods"
     );
     settle(cluster).await?;
-    delete_queues(&c, "kq-first").await
+    delete_queues(&c, "kq-first").await?;
+    kueue_down(cluster).await
 }

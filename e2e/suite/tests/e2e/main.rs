@@ -1,7 +1,9 @@
 //! End-to-end tests on a real cluster: upstream etcd, kube-apiserver, kube-scheduler,
-//! kube-controller-manager and kubelet, the fake CRI runtime, simulated GPUs, and migdra's
-//! controller and kubelet plugin. One cluster is started for the whole suite; tests run one
-//! after another and each leaves the GPUs empty.
+//! kube-controller-manager and kubelet on containerd and runc, simulated GPUs, and migdra
+//! installed by its Helm chart, its controller and kubelet plugin running in the chart's pods
+//! from images built from the Dockerfile. One cluster is started for the whole suite; tests run
+//! one after another and each leaves the GPUs empty, one plugin pod Ready and the release at
+//! its installed values.
 //!
 //! Each theme module names its tests once, in `tests![...]`, which makes its `TESTS` table;
 //! [`SUITE`] lists the modules in the order they run. A test function left out of its module's
@@ -48,7 +50,7 @@ mod sharing;
 use std::{path::Path, sync::Arc, time::Instant};
 
 use libtest_mimic::{Arguments, Failed, Trial};
-use migdra_e2e::cluster::{Cluster, ClusterConfig, Runtime};
+use migdra_e2e::cluster::{Cluster, ClusterConfig};
 use tokio::sync::Mutex;
 
 use crate::support::{Test, settle};
@@ -79,23 +81,10 @@ fn main() {
     args.test_threads = Some(1); // one cluster, tests in order
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let tests: Vec<Test> = SUITE.concat();
-    // The containerd themes need the cluster on containerd; on the fake CRI they are ignored.
-    let on_containerd = match Runtime::from_env() {
-        Ok(r) => r == Runtime::Containerd,
-        Err(e) => {
-            eprintln!("e2e: {e:#}");
-            std::process::exit(1);
-        }
-    };
-    let ignored = move |test: &Test| test.theme().starts_with("containerd") && !on_containerd;
     if args.list {
         let trials = tests
             .iter()
-            .map(|test| {
-                Trial::test(test.name, || Ok(()))
-                    .with_kind(test.theme())
-                    .with_ignored_flag(ignored(test))
-            })
+            .map(|test| Trial::test(test.name, || Ok(())).with_kind(test.theme()))
             .collect();
         libtest_mimic::run(&args, trials).exit();
     }
@@ -119,7 +108,6 @@ fn main() {
         .into_iter()
         .map(|test| {
             let theme = test.theme();
-            let ignore = ignored(&test);
             let Test { name, run, .. } = test;
             let shared = shared.clone();
             let handle = handle.clone();
@@ -144,18 +132,13 @@ fn main() {
                 })
             })
             .with_kind(theme)
-            .with_ignored_flag(ignore)
         })
         .collect();
     let conclusion = libtest_mimic::run(&args, trials);
     runtime.block_on(async {
         let mut cluster = shared.lock().await;
-        for name in [
-            "migdra-controller",
-            "migdra-kubelet-plugin",
-            "kubelet",
-            "kube-apiserver",
-        ] {
+        // The launcher's processes; migdra runs in pods.
+        for name in ["containerd", "kubelet", "kube-apiserver"] {
             if let Some(kib) = cluster.rss_kib(name) {
                 eprintln!(
                     "e2e: resident memory of {name} after the suite: {:.1} MiB",
