@@ -17,8 +17,6 @@ use super::{
 
 /// The kubelet plugin's component name (logs, pid file, [`Cluster::stop`]).
 pub const PLUGIN: &str = "migdra-kubelet-plugin";
-/// The second kubelet plugin of a rolling update ([`Cluster::start_surge_plugin`]).
-pub const SURGE_PLUGIN: &str = "migdra-kubelet-plugin-surge";
 /// Seconds between the plugin's stale-claim garbage-collection passes: short, so that a test
 /// sees a pass while the plugin runs (a pass never touches a claim that still exists, so the
 /// other tests are unaffected, and prove that).
@@ -166,37 +164,13 @@ impl Cluster {
     /// Starts (or restarts) migdra's kubelet plugin, as the chart's plugin ServiceAccount with
     /// a token bound to the node. It uses the fixed socket names.
     pub fn start_plugin(&mut self) -> anyhow::Result<()> {
-        self.start_plugin_process(PLUGIN, None)
-    }
-
-    /// Starts a second kubelet plugin process next to [`PLUGIN`], as a DaemonSet rolling update
-    /// with `maxSurge` does: socket names of its own (`--plugin-instance=<instance>`), its own
-    /// ports, the same state dir, CDI dir and GPUs. Stop it with `stop(SURGE_PLUGIN, …)`.
-    pub fn start_surge_plugin(&mut self, instance: &str) -> anyhow::Result<()> {
-        self.start_plugin_process(SURGE_PLUGIN, Some(instance))
-    }
-
-    fn start_plugin_process(
-        &mut self,
-        component: &'static str,
-        instance: Option<&str>,
-    ) -> anyhow::Result<()> {
         let l = self.layout.clone();
         let kubeconfig = self.plugin_kubeconfig.clone().context("no plugin token yet")?;
-        let (http, grpc) = if component == SURGE_PLUGIN {
-            (
-                self.port("surge-plugin-http")?,
-                self.port("surge-plugin-grpc-health")?,
-            )
-        } else {
-            (self.port("plugin-http")?, self.port("plugin-grpc-health")?)
-        };
-        let instance = format!("--plugin-instance={}", instance.unwrap_or_default());
+        let (http, grpc) = (self.port("plugin-http")?, self.port("plugin-grpc-health")?);
         self.start_component(
-            component,
+            PLUGIN,
             &l.migdra_bin.join("migdra-kubelet-plugin"),
             &[
-                &instance,
                 &format!("--kubeconfig={}", kubeconfig.display()),
                 &format!("--node-name={NODE}"),
                 &format!("--driver-name={DRIVER}"),

@@ -30,7 +30,7 @@ pub use chart_ops::CHART_DIR_ENV;
 pub use containerd::{API_SERVICE_IP, BUSYBOX_IMAGE, PAUSE_IMAGE, POD_SUBNET, RUNTIME_ENV, Runtime};
 pub use k8s_minor::{K8S_MINOR_ENV, K8sMinor};
 pub use kueue::{GPU_MEMORY, KUEUE, KUEUE_API_VERSION, KUEUE_NAMESPACE, kueue_api, kueue_resource};
-pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS, SURGE_PLUGIN};
+pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS};
 pub use migdra_pods::{
     CONTROLLER, KilledPlugin, PLUGIN_CONTAINER, REGISTERED, Registrations, plugin_container, plugin_ready,
 };
