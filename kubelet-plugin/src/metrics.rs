@@ -48,6 +48,13 @@ const NVML_BUCKETS: [f64; 14] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
 ];
 
+/// The pods a claim is reserved for, and whether the prepare that read them still runs.
+#[derive(Debug)]
+struct ClaimPods {
+    pods: Vec<String>,
+    preparing: bool,
+}
+
 /// A gauge family whose whole set of series is replaced at each observation: series not in
 /// the new set are removed (a GPU or instance that is gone leaves no stale series).
 #[derive(Clone, Debug, Default)]
@@ -145,7 +152,7 @@ metrics! {
         /// NVML index by GPU minor, from the last inventory (the checkpoint records minors).
         gpu_index: Arc<Mutex<BTreeMap<u32, u32>>>,
         /// Pods each claim (by UID) is reserved for, from its last GET.
-        claim_pods: Arc<Mutex<HashMap<String, Vec<String>>>>,
+        claim_pods: Arc<Mutex<HashMap<String, ClaimPods>>>,
     }
     claims: Family<Words<2>, Counter> =
         "claims", "Claims prepared or unprepared, by result", Family::default();
@@ -383,7 +390,9 @@ impl Metrics {
     }
 
     /// Remembers the pods `claim` (UID `uid`) is reserved for (`status.reservedFor` entries of
-    /// kind Pod), for its instances' info series.
+    /// kind Pod), for its instances' info series. The entry outlives [`Self::observe_claims`]
+    /// passes without a record for the claim until [`Self::prepare_finished`]: the GET comes
+    /// before the prepare writes its record, and an inventory pass in between must not drop it.
     pub fn claim_read(&self, uid: &str, claim: &ResourceClaim) {
         let mut pods: Vec<String> = claim
             .status
@@ -394,7 +403,21 @@ impl Metrics {
             .collect();
         pods.sort();
         pods.dedup();
-        lock(&self.claim_pods).insert(uid.to_string(), pods);
+        lock(&self.claim_pods).insert(
+            uid.to_string(),
+            ClaimPods {
+                pods,
+                preparing: true,
+            },
+        );
+    }
+
+    /// The prepare that read claim `uid` ended (either way): from now on its pods are kept
+    /// only while a record holds the claim.
+    pub fn prepare_finished(&self, uid: &str) {
+        if let Some(entry) = lock(&self.claim_pods).get_mut(uid) {
+            entry.preparing = false;
+        }
     }
 
     /// Updates the per-instance info series from the checkpoint's records: one series per MIG
@@ -403,7 +426,7 @@ impl Metrics {
     pub fn observe_claims(&self, records: &BTreeMap<String, ClaimRecord>) {
         let gpu_index = lock(&self.gpu_index).clone();
         let mut pods = lock(&self.claim_pods);
-        pods.retain(|uid, _| records.contains_key(uid));
+        pods.retain(|uid, entry| entry.preparing || records.contains_key(uid));
         let mut series = Vec::new();
         for (uid, record) in records {
             for device in &record.devices {
@@ -432,7 +455,7 @@ impl Metrics {
                     ("profile", profile),
                     ("placement", start.to_string()),
                     ("namespace", record.namespace.clone()),
-                    ("pod", pods.get(uid).map(|p| p.join(",")).unwrap_or_default()),
+                    ("pod", pods.get(uid).map(|p| p.pods.join(",")).unwrap_or_default()),
                     ("claim", record.name.clone()),
                 ];
                 series.push((labels, 1));
@@ -522,6 +545,73 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn prepared_record() -> BTreeMap<String, ClaimRecord> {
+        let device = crate::checkpoint::DeviceRecord {
+            request: "gpu".into(),
+            pool: "node-a-gpu.migdra.dev".into(),
+            device: "gpu-0-mig-1g10gb-0".into(),
+            gpu_uuid: "GPU-0".into(),
+            gpu_minor: 0,
+            kind: DeviceKind::Mig {
+                profile_id: 19,
+                start: 0,
+                size: 1,
+                gpu_instance: Some(9),
+                compute_instance: Some(0),
+                mig_uuid: Some("MIG-0".into()),
+            },
+            env: BTreeMap::new(),
+            share_id: None,
+        };
+        let record = ClaimRecord {
+            namespace: "default".into(),
+            name: "train".into(),
+            state: crate::checkpoint::ClaimState::PrepareCompleted,
+            devices: vec![device],
+        };
+        BTreeMap::from([("uid-1".to_string(), record)])
+    }
+
+    fn reserved_for(pod: &str) -> ResourceClaim {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "train", "namespace": "default", "uid": "uid-1"},
+            "spec": {},
+            "status": {"reservedFor": [{"resource": "pods", "name": pod, "uid": "pod-uid"}]},
+        }))
+        .unwrap()
+    }
+
+    fn info_pods(metrics: &Metrics) -> Vec<String> {
+        metrics
+            .encode()
+            .lines()
+            .filter(|l| l.starts_with("migdra_kubelet_plugin_mig_instance_info{"))
+            .filter_map(|l| l.split("pod=\"").nth(1)?.split('"').next().map(str::to_string))
+            .collect()
+    }
+
+    #[test]
+    fn an_inventory_pass_between_the_claim_read_and_its_record_keeps_the_pod() {
+        let metrics = Metrics::new();
+        metrics.claim_read("uid-1", &reserved_for("trainer-0"));
+        // An inventory pass while the prepare has not written its record yet.
+        metrics.observe_claims(&BTreeMap::new());
+        metrics.observe_claims(&prepared_record());
+        metrics.prepare_finished("uid-1");
+        assert_eq!(info_pods(&metrics), vec!["trainer-0"]);
+    }
+
+    #[test]
+    fn a_finished_prepare_without_a_record_forgets_the_pods() {
+        let metrics = Metrics::new();
+        metrics.claim_read("uid-1", &reserved_for("trainer-0"));
+        metrics.prepare_finished("uid-1");
+        metrics.observe_claims(&BTreeMap::new());
+        // A record appearing later (another plugin instance's) has no pods read by this one.
+        metrics.observe_claims(&prepared_record());
+        assert_eq!(info_pods(&metrics), vec![""]);
+    }
 
     #[test]
     fn for_node_puts_the_node_on_every_series() {

@@ -47,6 +47,7 @@ impl<C: ClaimSource> Driver<C> {
         }))
         .await;
         let api_wait = fetching.elapsed();
+        let read: Vec<String> = fetched.iter().map(|(claim, _)| claim.uid.clone()).collect();
         for (claim, fetched) in fetched {
             // Idempotency without the node lock: a completed claim is answered from its record
             // unless the claim now has other devices. An unreadable claim proves no change.
@@ -103,6 +104,9 @@ impl<C: ClaimSource> Driver<C> {
                 })
             })
             .await;
+        for uid in &read {
+            self.inner.metrics.prepare_finished(uid);
+        }
         // The checkpoint says prepared and every lock is released: the claims' status is
         // handed to the background writer; the kubelet's answer does not wait for it.
         for (uid, outcome) in prepared {
