@@ -266,7 +266,7 @@ impl Cluster {
     }
 
     /// After [`Cluster::kill_plugin`]: waits until the kubelet restarted the plugin's container
-    /// (one more restart, Ready) and registered it again (the new run's log says so); a host
+    /// (one more restart, Ready, its last run ended by the SIGKILL) and registered it again (the new run's log says so); a host
     /// process is started again. Returns the plugin pod (chart mode).
     pub async fn restart_killed_plugin(&mut self, killed: &KilledPlugin) -> anyhow::Result<Option<Pod>> {
         if !self.chart_mode() {
@@ -288,6 +288,13 @@ impl Cluster {
                 killed.pod
             )
         })?;
+        let exit = plugin_container(&pod)
+            .and_then(|s| s.last_state.as_ref()?.terminated.as_ref())
+            .context("no last state of the killed plugin container")?;
+        ensure!(
+            exit.exit_code == 128 + libc::SIGKILL,
+            "the killed plugin container's last state: {exit:?}"
+        );
         self.wait_plugin_pod_registered(&pod).await?;
         Ok(Some(pod))
     }

@@ -1,33 +1,29 @@
 //! Faults and updates of migdra from its chart on the real runtime (`MIGDRA_E2E_RUNTIME=containerd
 //! MIGDRA_E2E_MIGDRA=chart`; the DaemonSet's rolling update is the `rolling_update` theme): the plugin
-//! container's process SIGKILLed mid-prepare and OOM-killed, containerd restarted mid-prepare,
-//! a plugin image that cannot be pulled. Everything acts through Kubernetes and the runtime:
+//! container OOM-killed (its SIGKILL mid-prepare is in the `faults` theme), containerd restarted
+//! mid-prepare, a plugin image that cannot be pulled. Everything acts through Kubernetes and the runtime:
 //! no test here starts or stops a migdra process itself. First, what the runtime gave the
 //! plugin's container that the simulated GPU host cannot notice missing.
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail, ensure};
-use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
+use anyhow::{Context, ensure};
+use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, api::DeleteParams};
 use migdra_e2e::{
-    cluster::{CHART_NAMESPACE, Cluster, NODE, strip_ansi, wait_until},
+    cluster::{CHART_NAMESPACE, Cluster, NODE, plugin_container, plugin_ready, strip_ansi, wait_until},
     workload::{self, create_pod, create_template, delete_pods, profile_is, wait_phase},
 };
 use migdra_fake_nvml::{config::FaultConfig, state::FaultState};
 
-use crate::support::{SHORT, gpunode_events, mig, require_chart, settle, slices, total_instances};
+use crate::support::{SHORT, mig, require_chart, settle, slices, total_instances};
 
 tests![
     containerd_chart_plugin_container_got_what_the_plugin_needs,
-    containerd_plugin_sigkilled_mid_prepare_converges,
     containerd_plugin_oom_killed_then_fixed_converges,
     containerd_restarted_mid_prepare_converges,
     containerd_unpullable_plugin_image_is_reported,
 ];
-
-/// The plugin's container in the chart's DaemonSet.
-const PLUGIN_CONTAINER: &str = "kubelet-plugin";
 
 fn uid(pod: &Pod) -> String {
     pod.metadata.uid.clone().unwrap_or_default()
@@ -37,25 +33,11 @@ fn name(pod: &Pod) -> String {
     pod.metadata.name.clone().unwrap_or_default()
 }
 
-/// The plugin container's status in a plugin pod.
-fn plugin_status(pod: &Pod) -> Option<&ContainerStatus> {
-    pod.status
-        .as_ref()?
-        .container_statuses
-        .as_deref()?
-        .iter()
-        .find(|s| s.name == PLUGIN_CONTAINER)
-}
-
-fn is_ready(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none() && plugin_status(pod).is_some_and(|s| s.ready)
-}
-
 /// One line per plugin pod (name, phase, the container's state), for failure messages.
 fn describe(pods: &[Pod]) -> String {
     pods.iter()
         .map(|p| {
-            let status = plugin_status(p)
+            let status = plugin_container(p)
                 .map(|s| {
                     format!(
                         "ready={} restarts={} state={} last={}",
@@ -75,15 +57,6 @@ fn describe(pods: &[Pod]) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
-}
-
-/// The one plugin pod, Ready.
-async fn the_plugin_pod(cluster: &Cluster) -> anyhow::Result<Pod> {
-    let pods = cluster.plugin_pods().await?;
-    match pods.as_slice() {
-        [pod] if is_ready(pod) => Ok(pod.clone()),
-        _ => bail!("expected one Ready plugin pod:\n{}", describe(&pods)),
-    }
 }
 
 /// Holds the next compute-instance creation in the fake NVML for `millis`: a prepare started
@@ -166,8 +139,8 @@ async fn containerd_chart_plugin_container_got_what_the_plugin_needs(
     cluster: &mut Cluster,
 ) -> anyhow::Result<()> {
     require_chart(cluster)?;
-    let plugin = the_plugin_pod(cluster).await?;
-    let container = plugin_status(&plugin)
+    let plugin = cluster.the_plugin_pod().await?;
+    let container = plugin_container(&plugin)
         .and_then(|s| s.container_id.clone())
         .context("no container id")?;
     let pid = cluster.container_pid(&container)?;
@@ -260,67 +233,6 @@ async fn with_plugin_pods<T>(cluster: &Cluster, result: anyhow::Result<T>, what:
     }
 }
 
-/// SIGKILL of the plugin container's main process (its pid from containerd's task list),
-/// while a prepare is held in NVML with its GPU instance made: the kubelet restarts the
-/// container, the new process rolls the half-made instance back and says so on the GpuNode,
-/// the kubelet's retry prepares the claim and the pod runs; once it is deleted nothing is left.
-async fn containerd_plugin_sigkilled_mid_prepare_converges(cluster: &mut Cluster) -> anyhow::Result<()> {
-    require_chart(cluster)?;
-    let c = cluster.client.clone();
-    let plugin = the_plugin_pod(cluster).await?;
-    let status = plugin_status(&plugin).context("no plugin container status")?;
-    let restarts = status.restart_count;
-    let container_id = status.container_id.clone().context("no container id")?;
-    hold_next_compute_instance(cluster, 6000)?;
-    create_template(&c, "ctrd-crashy", mig(&[profile_is("2g.20gb")]), None).await?;
-    create_pod(&c, "ctrd-crashy", "ctrd-crashy", &["sleep", "3600"], false).await?;
-    wait_half_made(cluster).await?;
-    let pid = cluster.container_pid(&container_id)?;
-    let pid = i32::try_from(pid)?;
-    // SAFETY: kill(2) on the pid containerd reports for the plugin's container.
-    #[allow(unsafe_code)]
-    let killed = unsafe { libc::kill(pid, libc::SIGKILL) };
-    ensure!(killed == 0, "kill {pid}: {}", std::io::Error::last_os_error());
-    ensure!(
-        half_made(cluster)? == 1,
-        "expected one half-made instance after the kill"
-    );
-    let pods: Api<Pod> = Api::namespaced(c.clone(), CHART_NAMESPACE);
-    let restarted = wait_until(Duration::from_secs(120), || async {
-        let pod = pods.get(&name(&plugin)).await.ok()?;
-        let s = plugin_status(&pod)?;
-        (s.restart_count > restarts && s.ready).then(|| s.clone())
-    })
-    .await
-    .context("the plugin container was not restarted")?;
-    let exit = restarted
-        .last_state
-        .as_ref()
-        .and_then(|s| s.terminated.as_ref())
-        .context("no last state of the killed container")?;
-    ensure!(
-        exit.exit_code == 128 + libc::SIGKILL,
-        "the killed container's last state: {exit:?}"
-    );
-    wait_phase(&c, "ctrd-crashy", "Running", Duration::from_secs(180)).await?;
-    let note = wait_until(Duration::from_secs(30), || async {
-        gpunode_events(cluster, "RecoveredInterruptedOperations")
-            .await
-            .ok()?
-            .into_iter()
-            .next()
-    })
-    .await
-    .context("no RecoveredInterruptedOperations event on the GpuNode")?;
-    ensure!(
-        note.contains("half-prepared claim(s) rolled back"),
-        "event says: {note}"
-    );
-    one_whole_instance(cluster)?;
-    delete_pods(&c, &["ctrd-crashy"]).await?;
-    settle(cluster).await
-}
-
 /// A memory limit the plugin cannot live in (`helm upgrade` of its resources): the kernel
 /// OOM-kills the new pod's container (the kubelet reports `OOMKilled`) and restarts it, while
 /// the surge keeps the old pod serving claims. Fixing the values (the rollback) converges to
@@ -331,7 +243,7 @@ async fn containerd_plugin_oom_killed_then_fixed_converges(cluster: &mut Cluster
     create_template(&c, "before-oom", mig(&[profile_is("1g.10gb")]), None).await?;
     create_pod(&c, "before-oom", "before-oom", &["sleep", "3600"], false).await?;
     wait_phase(&c, "before-oom", "Running", SHORT).await?;
-    let old = uid(&the_plugin_pod(cluster).await?);
+    let old = uid(&cluster.the_plugin_pod().await?);
     cluster.upgrade_chart(&[
         "kubeletPlugin.resources.requests.memory=6Mi",
         "kubeletPlugin.resources.limits.memory=6Mi",
@@ -339,7 +251,7 @@ async fn containerd_plugin_oom_killed_then_fixed_converges(cluster: &mut Cluster
     let oom = wait_until(Duration::from_secs(180), || async {
         let pods = cluster.plugin_pods().await.ok()?;
         pods.iter().filter(|p| uid(p) != old).find_map(|p| {
-            let s = plugin_status(p)?;
+            let s = plugin_container(p)?;
             let terminated = [s.state.as_ref(), s.last_state.as_ref()]
                 .into_iter()
                 .flatten()
@@ -364,7 +276,7 @@ async fn containerd_plugin_oom_killed_then_fixed_converges(cluster: &mut Cluster
     // The old pod still serves: a claim made now is prepared by it.
     let pods = cluster.plugin_pods().await?;
     ensure!(
-        pods.iter().any(|p| uid(p) == old && is_ready(p)),
+        pods.iter().any(|p| uid(p) == old && plugin_ready(p)),
         "the old plugin pod stopped serving during the failed rollout:\n{}",
         describe(&pods)
     );
@@ -392,8 +304,8 @@ async fn containerd_plugin_oom_killed_then_fixed_converges(cluster: &mut Cluster
 async fn containerd_restarted_mid_prepare_converges(cluster: &mut Cluster) -> anyhow::Result<()> {
     require_chart(cluster)?;
     let c = cluster.client.clone();
-    let plugin = the_plugin_pod(cluster).await?;
-    let restarts = plugin_status(&plugin)
+    let plugin = cluster.the_plugin_pod().await?;
+    let restarts = plugin_container(&plugin)
         .map(|s| s.restart_count)
         .unwrap_or_default();
     hold_next_compute_instance(cluster, 8000)?;
@@ -408,8 +320,8 @@ async fn containerd_restarted_mid_prepare_converges(cluster: &mut Cluster) -> an
     );
     wait_phase(&c, "ctrd-restart", "Running", Duration::from_secs(180)).await?;
     one_whole_instance(cluster)?;
-    let plugin = the_plugin_pod(cluster).await?;
-    let now = plugin_status(&plugin)
+    let plugin = cluster.the_plugin_pod().await?;
+    let now = plugin_container(&plugin)
         .map(|s| s.restart_count)
         .unwrap_or_default();
     ensure!(
@@ -427,7 +339,7 @@ async fn containerd_restarted_mid_prepare_converges(cluster: &mut Cluster) -> an
 /// (the rollback) brings the plugin and the pool back.
 async fn containerd_unpullable_plugin_image_is_reported(cluster: &mut Cluster) -> anyhow::Result<()> {
     require_chart(cluster)?;
-    let old = the_plugin_pod(cluster).await?;
+    let old = cluster.the_plugin_pod().await?;
     cluster.upgrade_chart(&[
         "kubeletPlugin.image.tag=0.0.0-missing",
         "kubeletPlugin.image.pullPolicy=IfNotPresent",
@@ -435,7 +347,7 @@ async fn containerd_unpullable_plugin_image_is_reported(cluster: &mut Cluster) -
     let pulled = wait_until(Duration::from_secs(120), || async {
         let pods = cluster.plugin_pods().await.ok()?;
         pods.iter().filter(|p| uid(p) != uid(&old)).find_map(|p| {
-            let s = plugin_status(p)?;
+            let s = plugin_container(p)?;
             let waiting = s.state.as_ref()?.waiting.as_ref()?;
             let reason = waiting.reason.clone()?;
             matches!(reason.as_str(), "ErrImagePull" | "ImagePullBackOff").then(|| {
@@ -457,7 +369,7 @@ async fn containerd_unpullable_plugin_image_is_reported(cluster: &mut Cluster) -
     );
     let pods = cluster.plugin_pods().await?;
     ensure!(
-        pods.iter().any(|p| uid(p) == uid(&old) && is_ready(p)),
+        pods.iter().any(|p| uid(p) == uid(&old) && plugin_ready(p)),
         "the old plugin pod stopped serving during the failed rollout:\n{}",
         describe(&pods)
     );
@@ -467,7 +379,7 @@ async fn containerd_unpullable_plugin_image_is_reported(cluster: &mut Cluster) -
     // plugin) and is deleted; its SIGTERM waits behind the stop until the kubelet's SIGKILL at
     // the end of the grace period, so nothing deregisters it: the controller must notice the
     // missed heartbeats.
-    let old_container = plugin_status(&old)
+    let old_container = plugin_container(&old)
         .and_then(|s| s.container_id.clone())
         .context("no container id")?;
     let pid = i32::try_from(cluster.container_pid(&old_container)?)?;
@@ -499,7 +411,7 @@ async fn containerd_unpullable_plugin_image_is_reported(cluster: &mut Cluster) -
     );
     let pods = cluster.plugin_pods().await?;
     ensure!(
-        pods.iter().all(|p| !is_ready(p)),
+        pods.iter().all(|p| !plugin_ready(p)),
         "a plugin pod is Ready with an image that cannot be pulled:\n{}",
         describe(&pods)
     );
