@@ -518,9 +518,17 @@ impl ContainerView {
             let [mount] = mounts[..] else {
                 bail!("{file} is mounted {} times, not once: {mounts:?}", mounts.len());
             };
-            let source = driver_root.join(file.trim_start_matches('/'));
+            // mountinfo names the file by its real path, symlinks resolved.
+            let source = driver_root
+                .canonicalize()
+                .with_context(|| format!("resolving {}", driver_root.display()))?
+                .join(file.trim_start_matches('/'));
             if mount.root == "/" || !source.ends_with(mount.root.trim_start_matches('/')) {
-                bail!("{file} is mounted from {:?}, not from {}", mount.root, source.display());
+                bail!(
+                    "{file} is mounted from {:?}, not from {}",
+                    mount.root,
+                    source.display()
+                );
             }
             if !mount.ro {
                 bail!("{file} is mounted read-write: {mount:?}");

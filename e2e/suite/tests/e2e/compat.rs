@@ -122,11 +122,7 @@ async fn device_plugin_mig_request_gets_an_instance_on_demand(cluster: &mut Clus
         view.env
     );
     let caps = view.capability_minors();
-    ensure!(
-        caps.len() == 2,
-        "GI and CI capability nodes: {:?}",
-        view.devices
-    );
+    ensure!(caps.len() == 2, "GI and CI capability nodes: {:?}", view.devices);
     for m in capability_minors {
         ensure!(caps.contains(&m), "capability minor {m} not in {caps:?}");
     }

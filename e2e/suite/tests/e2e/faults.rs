@@ -51,7 +51,11 @@ async fn kubelet_restart_republishes_slices_and_keeps_pods(cluster: &mut Cluster
     ensure!(workload::phase(&c, "survivor").await.as_deref() == Some("Running"));
     // The container the kubelet found still runs (never restarted) and still sees its MIG device.
     let view = workload::container_view(&c, "survivor", "main").await?;
-    ensure!(view.restart_count == 0, "survivor/main restarted {} times", view.restart_count);
+    ensure!(
+        view.restart_count == 0,
+        "survivor/main restarted {} times",
+        view.restart_count
+    );
     let uuids = view.device_uuids();
     ensure!(
         uuids.len() == 1 && uuids[0].starts_with("MIG-"),
