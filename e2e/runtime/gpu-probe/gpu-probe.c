@@ -3,19 +3,31 @@
  *
  *   "devices":   every /dev/nvidia* and /dev/nvidia-caps entry: path, type ("c", "b",
  *                "dir", "link", "file", "other"), and major/minor of device nodes;
- *   "env":       NVIDIA_VISIBLE_DEVICES and every MIGDRA_* variable;
+ *   "env":       every NVIDIA_*, CUDA_* and MIGDRA_* variable;
  *   "libraries": for libnvidia-ml.so.1 and libcuda.so.1, the path `ldconfig -p` lists (the
  *                dynamic linker's cache, which nvidia-cdi-hook's update-ldcache rewrites),
- *                and what dlopen() does with the soname: the path it loaded, or its error
- *                (the fake driver's libraries are not ELF objects, so the error names the
- *                file the linker found);
+ *                what dlopen() does with the soname: the path it loaded, or its error (the
+ *                fake driver's libraries are not ELF objects, so the error names the file the
+ *                linker found), and "resolved": that file with its symlinks resolved (the
+ *                soname links nvidia-cdi-hook's create-symlinks made), else null;
+ *   "ld_so_conf": the directories the files in /etc/ld.so.conf.d list;
+ *   "mounts":    every entry of /proc/self/mountinfo: mount point ("path"), the mounted
+ *                directory or file within its filesystem ("root"), filesystem type, source,
+ *                and whether the mount is read-only;
  *   "nvidia_smi": the exit status and output of `nvidia-smi -L` when nvidia-smi is on PATH,
  *                else null.
  *
- * Exits 0 once it has printed the object. With an argument "sleep", it then waits for
- * SIGTERM/SIGINT, so a test can read its log from a running pod. */
+ * Then, by its arguments:
+ *   (none)        exits 0;
+ *   sleep         waits for SIGTERM/SIGINT and exits 0, so a test can read its report from
+ *                 a running pod;
+ *   sleep N       waits N seconds (or for SIGTERM/SIGINT) and exits 0;
+ *   COMMAND ARGS  execs COMMAND, so a pod can run a shell script after the report. */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <errno.h>
+#include <limits.h>
+#include <time.h>
 #include <dlfcn.h>
 #include <link.h>
 #include <signal.h>
@@ -168,38 +180,137 @@ static void print_library(const char *ldconfig_output, const char *soname, int l
     fputs("null", stdout);
   }
   void *handle = dlopen(soname, RTLD_LAZY | RTLD_LOCAL);
+  char found[PATH_MAX] = "";
   if (handle) {
     struct link_map *map = NULL;
     printf(", \"dlopen\": ");
-    if (dlinfo(handle, RTLD_DI_LINKMAP, &map) == 0 && map)
+    if (dlinfo(handle, RTLD_DI_LINKMAP, &map) == 0 && map) {
       json_string(map->l_name);
-    else
+      snprintf(found, sizeof found, "%s", map->l_name);
+    } else {
       json_string("?");
-    printf(", \"error\": null}");
+    }
+    printf(", \"error\": null");
   } else {
     const char *err = dlerror();
     printf(", \"dlopen\": null, \"error\": ");
     json_string(err ? err : "unknown");
-    putchar('}');
+    /* glibc's "<path>: <reason>" when it found a file it could not load. */
+    const char *colon = err ? strstr(err, ": ") : NULL;
+    if (err && err[0] == '/' && colon && (size_t)(colon - err) < sizeof found)
+      snprintf(found, sizeof found, "%.*s", (int)(colon - err), err);
   }
+  char resolved[PATH_MAX];
+  printf(", \"resolved\": ");
+  if (found[0] && realpath(found, resolved))
+    json_string(resolved);
+  else
+    fputs("null", stdout);
+  putchar('}');
   puts(last ? "" : ",");
 }
 
-static void wait_for_signal(void) {
+/* Prints the directories listed by the files in /etc/ld.so.conf.d, sorted by file name. */
+static void print_ld_so_conf(void) {
+  struct dirent **files = NULL;
+  int n = scandir("/etc/ld.so.conf.d", &files, NULL, alphasort);
+  int first = 1;
+  for (int i = 0; i < n; i++) {
+    char path[4096];
+    snprintf(path, sizeof path, "/etc/ld.so.conf.d/%s", files[i]->d_name);
+    free(files[i]);
+    FILE *f = fopen(path, "r");
+    if (!f)
+      continue;
+    char line[4096];
+    while (fgets(line, sizeof line, f)) {
+      line[strcspn(line, "\n")] = '\0';
+      if (line[0] != '/')
+        continue;
+      printf("%s", first ? "" : ", ");
+      json_string(line);
+      first = 0;
+    }
+    fclose(f);
+  }
+  free(files);
+}
+
+/* Prints /proc/self/mountinfo's entries as mount objects. A line reads:
+ * ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER-OPTIONS */
+static void print_mounts(void) {
+  FILE *f = fopen("/proc/self/mountinfo", "r");
+  if (!f)
+    return;
+  char *line = NULL;
+  size_t cap = 0;
+  int first = 1;
+  while (getline(&line, &cap, f) > 0) {
+    char *fields[64];
+    int n = 0;
+    for (char *save = NULL, *t = strtok_r(line, " \n", &save); t && n < 64; t = strtok_r(NULL, " \n", &save))
+      fields[n++] = t;
+    int dash = 6;
+    while (dash < n && strcmp(fields[dash], "-"))
+      dash++;
+    if (dash + 2 >= n)
+      continue;
+    char *options = fields[5];
+    int ro = !strcmp(options, "ro") || !strncmp(options, "ro,", 3);
+    printf("%s\n    {\"path\": ", first ? "" : ",");
+    json_string(fields[4]);
+    printf(", \"root\": ");
+    json_string(fields[3]);
+    printf(", \"fstype\": ");
+    json_string(fields[dash + 1]);
+    printf(", \"source\": ");
+    json_string(fields[dash + 2]);
+    printf(", \"ro\": %s}", ro ? "true" : "false");
+    first = 0;
+  }
+  free(line);
+  fclose(f);
+}
+
+/* Waits for SIGTERM/SIGINT, at most seconds (forever if negative). */
+static void wait_for_signal(long seconds) {
   sigset_t set;
   int sig;
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
   sigprocmask(SIG_BLOCK, &set, NULL);
-  sigwait(&set, &sig);
+  if (seconds < 0) {
+    sigwait(&set, &sig);
+    return;
+  }
+  struct timespec deadline, now;
+  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  deadline.tv_sec += seconds;
+  for (;;) {
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    struct timespec left = {deadline.tv_sec - now.tv_sec, deadline.tv_nsec - now.tv_nsec};
+    if (left.tv_nsec < 0) {
+      left.tv_sec--;
+      left.tv_nsec += 1000000000L;
+    }
+    if (left.tv_sec < 0)
+      return;
+    if (sigtimedwait(&set, NULL, &left) >= 0 || errno != EINTR)
+      return;
+  }
 }
 
 int main(int argc, char **argv) {
+  long sleep_seconds = -1;
   int sleep_after = argc > 1 && !strcmp(argv[1], "sleep");
-  if (argc > 1 && !sleep_after) {
-    fprintf(stderr, "usage: gpu-probe [sleep]\n");
-    return 2;
+  if (sleep_after && argc > 2) {
+    char *end;
+    sleep_seconds = strtol(argv[2], &end, 10);
+    if (argc > 3 || *end || end == argv[2] || sleep_seconds < 0) {
+      fprintf(stderr, "usage: gpu-probe [sleep [SECONDS] | COMMAND [ARG...]]\n");
+      return 2;
+    }
   }
   printf("{\n  \"devices\": [");
   int first = print_devices("/dev", "nvidia", 1);
@@ -208,7 +319,7 @@ int main(int argc, char **argv) {
   first = 1;
   for (char **e = environ; *e; e++) {
     const char *eq = strchr(*e, '=');
-    if (!eq || !(!strncmp(*e, "NVIDIA_VISIBLE_DEVICES=", 23) || !strncmp(*e, "MIGDRA_", 7)))
+    if (!eq || !(!strncmp(*e, "NVIDIA_", 7) || !strncmp(*e, "CUDA_", 5) || !strncmp(*e, "MIGDRA_", 7)))
       continue;
     char *name = strndup(*e, (size_t)(eq - *e));
     printf("%s\n    ", first ? "" : ",");
@@ -228,7 +339,11 @@ int main(int argc, char **argv) {
   print_library(ldconfig_output, "libnvidia-ml.so.1", 0);
   print_library(ldconfig_output, "libcuda.so.1", 1);
   free(ldconfig_output);
-  printf("  },\n  \"nvidia_smi\": ");
+  printf("  },\n  \"ld_so_conf\": [");
+  print_ld_so_conf();
+  printf("],\n  \"mounts\": [");
+  print_mounts();
+  printf("\n  ],\n  \"nvidia_smi\": ");
   char *smi_output = NULL;
   char *const smi[] = {"nvidia-smi", "-L", NULL};
   int status = capture(smi, &smi_output);
@@ -242,7 +357,12 @@ int main(int argc, char **argv) {
   free(smi_output);
   printf("\n}\n");
   fflush(stdout);
-  if (sleep_after)
-    wait_for_signal();
+  if (sleep_after) {
+    wait_for_signal(sleep_seconds);
+  } else if (argc > 1) {
+    execvp(argv[1], argv + 1);
+    fprintf(stderr, "gpu-probe: cannot run %s: %s\n", argv[1], strerror(errno));
+    return 127;
+  }
   return 0;
 }

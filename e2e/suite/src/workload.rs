@@ -1,7 +1,7 @@
 //! Workloads for the tests and the demo: claim templates, pods, and what happened to them
-//! (allocation, container records of the fake runtime, events).
+//! (allocation, what the containers saw from inside, events).
 
-use std::{path::Path, time::Duration};
+use std::{collections::BTreeMap, path::Path, time::Duration};
 
 use anyhow::{Context, bail};
 use k8s_openapi::api::{
@@ -11,12 +11,12 @@ use k8s_openapi::api::{
 };
 use kube::{
     Api, Client,
-    api::{DeleteParams, ListParams, PostParams},
+    api::{DeleteParams, ListParams, LogParams, PostParams},
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::cluster::{DRIVER, wait_until};
+use crate::cluster::{DRIVER, probe_image, wait_until};
 
 /// Namespace of all test workloads.
 pub const NAMESPACE: &str = "default";
@@ -114,8 +114,9 @@ pub async fn create_template_tolerating(
     Ok(())
 }
 
-/// Creates a pod with one container `main` running `command`, using a claim from `template`.
-/// `restart_never` makes a finished container end the pod.
+/// Creates a pod with one container `main` running the gpu-probe with `command` as its
+/// arguments (`["sleep", "3600"]`: report, then wait; see `e2e/runtime/gpu-probe`), using a
+/// claim from `template`. `restart_never` makes a finished container end the pod.
 pub async fn create_pod(
     client: &Client,
     name: &str,
@@ -126,8 +127,8 @@ pub async fn create_pod(
     create_pod_with(client, name, template, &[("main", command)], restart_never).await
 }
 
-/// Creates a pod with one container `main` that uses one claim per template, the claims
-/// named `claim-0`, `claim-1`, … in the order of `templates`.
+/// Creates a pod with one gpu-probe container `main` (report, then wait) that uses one claim
+/// per template, the claims named `claim-0`, `claim-1`, … in the order of `templates`.
 pub async fn create_pod_with_claims(client: &Client, name: &str, templates: &[&str]) -> anyhow::Result<()> {
     let claims: Vec<Value> = (0..templates.len())
         .map(|i| json!({"name": format!("claim-{i}")}))
@@ -145,7 +146,7 @@ pub async fn create_pod_with_claims(client: &Client, name: &str, templates: &[&s
             "restartPolicy": "Always",
             "automountServiceAccountToken": false,
             "terminationGracePeriodSeconds": 1,
-            "containers": [{"name": "main", "image": "registry.k8s.io/e2e-test-images/busybox:1.36", "command": ["sleep", "3600"], "resources": {"claims": claims}}],
+            "containers": [{"name": "main", "image": probe_image(), "args": ["sleep"], "resources": {"claims": claims}}],
             "resourceClaims": resource_claims,
         }
     }))?;
@@ -155,7 +156,8 @@ pub async fn create_pod_with_claims(client: &Client, name: &str, templates: &[&s
     Ok(())
 }
 
-/// Creates a pod whose containers all use the one claim made from `template`.
+/// Creates a pod whose gpu-probe containers, each with its arguments (see [`create_pod`]),
+/// all use the one claim made from `template`.
 pub async fn create_pod_with(
     client: &Client,
     name: &str,
@@ -165,7 +167,7 @@ pub async fn create_pod_with(
 ) -> anyhow::Result<()> {
     let containers: Vec<Value> = containers
         .iter()
-        .map(|(n, cmd)| json!({"name": n, "image": "registry.k8s.io/e2e-test-images/busybox:1.36", "command": cmd, "resources": {"claims": [{"name": "gpu"}]}}))
+        .map(|(n, args)| json!({"name": n, "image": probe_image(), "args": args, "resources": {"claims": [{"name": "gpu"}]}}))
         .collect();
     let pod: Pod = serde_json::from_value(json!({
         "apiVersion": "v1",
@@ -340,77 +342,86 @@ pub async fn pod_events(client: &Client, pod: &str) -> anyhow::Result<Vec<Event>
     Ok(list.items)
 }
 
-/// What the fake runtime recorded about one container.
+/// What a workload container reported from inside: the gpu-probe's report
+/// (`e2e/runtime/gpu-probe`), read from the container's log.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ContainerRecord {
+pub struct ContainerView {
     /// Pod name.
-    pub pod_name: String,
+    #[serde(skip)]
+    pub pod: String,
     /// Container name.
-    pub container_name: String,
-    /// CDI devices the kubelet asked for.
-    #[serde(default)]
-    pub cdi_devices: Vec<String>,
-    /// Device nodes after CDI injection.
-    #[serde(default)]
-    pub device_nodes: Vec<DeviceNodeRecord>,
-    /// The de-duplicated CDI devices the runtime resolved and injected.
-    #[serde(default, rename = "injectedCDIDevices")]
-    pub injected_cdi_devices: Vec<String>,
-    /// Environment after CDI injection.
-    #[serde(default)]
-    pub env: Vec<String>,
-    /// Mounts after CDI injection.
-    #[serde(default)]
-    pub mounts: Vec<MountRecord>,
-    /// OCI hooks after CDI injection.
-    #[serde(default)]
-    pub hooks: Vec<HookRecord>,
-    /// created | running | exited.
-    pub state: String,
-    /// Exit code once exited.
-    #[serde(default)]
-    pub exit_code: Option<i32>,
+    #[serde(skip)]
+    pub container: String,
+    /// How often the kubelet restarted the container (its status's `restartCount`) when
+    /// the report was read: the report is the current container's.
+    #[serde(skip)]
+    pub restart_count: i32,
+    /// Every `/dev/nvidia*` and `/dev/nvidia-caps/*` entry.
+    pub devices: Vec<DeviceView>,
+    /// Every `NVIDIA_*`, `CUDA_*` and `MIGDRA_*` variable.
+    pub env: BTreeMap<String, String>,
+    /// What the dynamic linker does with the driver's sonames, by soname.
+    pub libraries: BTreeMap<String, LibraryView>,
+    /// The directories `/etc/ld.so.conf.d` lists.
+    pub ld_so_conf: Vec<String>,
+    /// The container's mounts (`/proc/self/mountinfo`).
+    pub mounts: Vec<MountView>,
+    /// `nvidia-smi -L`, when nvidia-smi is on the container's PATH.
+    pub nvidia_smi: Option<NvidiaSmiView>,
 }
 
-/// A device node the container received.
+/// An entry of the container's `/dev/nvidia*` or `/dev/nvidia-caps`.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct DeviceNodeRecord {
+pub struct DeviceView {
     /// Path in the container.
     pub path: String,
-    /// Major.
+    /// `c` (character device), `b`, `dir`, `link`, `file` or `other`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Major number of a device node.
     #[serde(default)]
-    pub major: i64,
-    /// Minor.
+    pub major: Option<i64>,
+    /// Minor number of a device node.
     #[serde(default)]
-    pub minor: i64,
+    pub minor: Option<i64>,
 }
 
-/// A mount the container received.
+/// What the dynamic linker does with one soname in the container.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct MountRecord {
-    /// Host path.
+pub struct LibraryView {
+    /// The path the linker's cache (`ldconfig -p`) lists.
+    pub ldconfig: Option<String>,
+    /// The path `dlopen` loaded.
+    pub dlopen: Option<String>,
+    /// `dlopen`'s error.
+    pub error: Option<String>,
+    /// The file the linker found, symlinks resolved.
+    pub resolved: Option<String>,
+}
+
+/// A mount of the container.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct MountView {
+    /// Mount point in the container.
+    pub path: String,
+    /// The mounted directory or file within its filesystem (a bind mount's source, relative
+    /// to the root of the filesystem that holds it).
+    pub root: String,
+    /// Filesystem type.
+    pub fstype: String,
+    /// Filesystem source.
     pub source: String,
-    /// Path in the container.
-    pub destination: String,
-    /// Mount options.
-    #[serde(default)]
-    pub options: Vec<String>,
+    /// Read-only.
+    pub ro: bool,
 }
 
-/// An OCI hook the container received.
+/// `nvidia-smi -L` run in the container.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct HookRecord {
-    /// OCI stage, e.g. `createContainer`.
-    pub stage: String,
-    /// Executable on the host.
-    pub path: String,
-    /// Full argv.
-    #[serde(default)]
-    pub args: Vec<String>,
+pub struct NvidiaSmiView {
+    /// Exit status.
+    pub exit_code: i32,
+    /// stdout and stderr.
+    pub output: String,
 }
 
 /// The device UUIDs in the environment the gpu-probe image reported
@@ -441,132 +452,140 @@ pub fn device_uuid_variable(device: &str) -> String {
     format!("MIGDRA_DEVICE_UUID_{suffix}")
 }
 
-impl ContainerRecord {
+impl ContainerView {
     /// The UUID the container sees for `device` (its per-device variable).
     pub fn device_uuid(&self, device: &str) -> Option<&str> {
         self.env_value(&device_uuid_variable(device))
     }
 
-    /// Checks that the container got the driver's files exactly once: `libcuda.so.<version>`
-    /// and `libnvidia-ml.so.<version>` bind-mounted read-only from `driver_root` (a host
-    /// path) at their path in the root, one `create-symlinks` hook (`nvidia-cdi-hook` at
-    /// `hook_path`) linking the sonames `libcuda.so.1` / `libnvidia-ml.so.1` to them, one
-    /// `update-ldcache` hook for their directory, one `enable-cuda-compat` hook for the
-    /// driver version and one `disable-device-node-modification` hook, no mount destination
-    /// twice, and `NVIDIA_VISIBLE_DEVICES=void`.
-    pub fn check_driver_files(
-        &self,
-        driver_root: &Path,
-        version: &str,
-        hook_path: &str,
-    ) -> anyhow::Result<()> {
+    /// An environment variable's value.
+    pub fn env_value(&self, name: &str) -> Option<&str> {
+        self.env.get(name).map(String::as_str)
+    }
+
+    /// The values of the container's `MIGDRA_DEVICE_UUID_*` variables.
+    pub fn device_uuids(&self) -> Vec<&str> {
+        self.env
+            .iter()
+            .filter(|(k, _)| k.starts_with("MIGDRA_DEVICE_UUID_"))
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+
+    /// The character devices in the container's `/dev/nvidia*` and `/dev/nvidia-caps`.
+    pub fn device_nodes(&self) -> Vec<&DeviceView> {
+        self.devices.iter().filter(|d| d.kind == "c").collect()
+    }
+
+    /// The paths of the container's character devices.
+    pub fn device_paths(&self) -> Vec<&str> {
+        self.device_nodes().into_iter().map(|d| d.path.as_str()).collect()
+    }
+
+    /// The minors of the container's MIG capability nodes (`/dev/nvidia-caps/*`).
+    pub fn capability_minors(&self) -> Vec<i64> {
+        self.device_nodes()
+            .into_iter()
+            .filter(|d| d.path.starts_with("/dev/nvidia-caps/"))
+            .filter_map(|d| d.minor)
+            .collect()
+    }
+
+    /// Checks that the container got the driver's files once and can use them, as it sees
+    /// them: the sonames `libcuda.so.1` and `libnvidia-ml.so.1` resolve, through the dynamic
+    /// linker, to `libcuda.so.<version>` / `libnvidia-ml.so.<version>` in the library
+    /// directory (the links nvidia-cdi-hook's create-symlinks makes); each of those files is
+    /// mounted exactly once, read-only, from its path under `driver_root` (a host path); no
+    /// mount point appears twice; and `NVIDIA_VISIBLE_DEVICES=void`.
+    pub fn check_driver_files(&self, driver_root: &Path, version: &str) -> anyhow::Result<()> {
         const LIB_DIR: &str = "/usr/lib/x86_64-linux-gnu";
-        let mut destinations: Vec<&str> = self.mounts.iter().map(|m| m.destination.as_str()).collect();
-        destinations.sort_unstable();
-        let before = destinations.len();
-        destinations.dedup();
-        if destinations.len() != before {
-            bail!("a mount destination appears twice: {:?}", self.mounts);
+        let mut points: Vec<&str> = self.mounts.iter().map(|m| m.path.as_str()).collect();
+        points.sort_unstable();
+        if let Some(twice) = points.windows(2).find(|w| w[0] == w[1]) {
+            bail!("{} is mounted twice: {:?}", twice[0], self.mounts);
         }
         for library in ["libcuda", "libnvidia-ml"] {
-            let destination = format!("{LIB_DIR}/{library}.so.{version}");
-            let mount = self
-                .mounts
-                .iter()
-                .find(|m| m.destination == destination)
-                .with_context(|| format!("no mount of {destination} in {:?}", self.mounts))?;
-            let source = driver_root.join(destination.trim_start_matches('/'));
-            if Path::new(&mount.source) != source {
+            let file = format!("{LIB_DIR}/{library}.so.{version}");
+            let soname = format!("{library}.so.1");
+            let seen = self
+                .libraries
+                .get(&soname)
+                .with_context(|| format!("the probe reported no {soname}"))?;
+            if seen.resolved.as_deref() != Some(file.as_str()) {
+                bail!("the dynamic linker does not resolve {soname} to {file}: {seen:?}");
+            }
+            let mounts: Vec<&MountView> = self.mounts.iter().filter(|m| m.path == file).collect();
+            let [mount] = mounts[..] else {
+                bail!("{file} is mounted {} times, not once: {mounts:?}", mounts.len());
+            };
+            // mountinfo names the file by its real path, symlinks resolved.
+            let source = driver_root
+                .canonicalize()
+                .with_context(|| format!("resolving {}", driver_root.display()))?
+                .join(file.trim_start_matches('/'));
+            if mount.root == "/" || !source.ends_with(mount.root.trim_start_matches('/')) {
                 bail!(
-                    "{destination} mounted from {}, not {}",
-                    mount.source,
+                    "{file} is mounted from {:?}, not from {}",
+                    mount.root,
                     source.display()
                 );
             }
-            if !mount.options.iter().any(|o| o == "ro") || !mount.options.iter().any(|o| o == "rbind") {
-                bail!("{destination} is not a read-only bind mount: {:?}", mount.options);
+            if !mount.ro {
+                bail!("{file} is mounted read-write: {mount:?}");
             }
         }
-        let hooks = |name: &str| -> Vec<&HookRecord> {
-            self.hooks
-                .iter()
-                .filter(|h| h.args.get(1).map(String::as_str) == Some(name))
-                .collect()
-        };
-        let symlinks = hooks("create-symlinks");
-        if symlinks.len() != 1 {
-            bail!("expected one create-symlinks hook, got {:?}", self.hooks);
+        match self.env_value("NVIDIA_VISIBLE_DEVICES") {
+            Some("void") => Ok(()),
+            other => bail!("NVIDIA_VISIBLE_DEVICES is {other:?}, expected \"void\""),
         }
-        let symlinks = symlinks[0];
-        if symlinks.path != hook_path || symlinks.stage != "createContainer" {
-            bail!("create-symlinks hook {symlinks:?} is not {hook_path} at createContainer");
-        }
-        for (soname, library) in [("libcuda.so.1", "libcuda"), ("libnvidia-ml.so.1", "libnvidia-ml")] {
-            let link = format!("{library}.so.{version}::{LIB_DIR}/{soname}");
-            if !symlinks.args.contains(&link) {
-                bail!("create-symlinks does not link {soname}: {:?}", symlinks.args);
-            }
-        }
-        let ldcache = hooks("update-ldcache");
-        if ldcache.len() != 1 || !ldcache[0].args.iter().any(|a| a == LIB_DIR) || ldcache[0].path != hook_path
-        {
-            bail!(
-                "expected one update-ldcache hook for {LIB_DIR}, got {:?}",
-                self.hooks
-            );
-        }
-        let compat = hooks("enable-cuda-compat");
-        let host_version = format!("--host-driver-version={version}");
-        if compat.len() != 1 || compat[0].args[2..] != [host_version] || compat[0].path != hook_path {
-            bail!(
-                "expected one enable-cuda-compat hook for driver {version}, got {:?}",
-                self.hooks
-            );
-        }
-        let device_nodes = hooks("disable-device-node-modification");
-        if device_nodes.len() != 1 || device_nodes[0].path != hook_path {
-            bail!(
-                "expected one disable-device-node-modification hook, got {:?}",
-                self.hooks
-            );
-        }
-        let visible: Vec<&String> = self
-            .env
-            .iter()
-            .filter(|e| e.starts_with("NVIDIA_VISIBLE_DEVICES="))
-            .collect();
-        if visible != [&"NVIDIA_VISIBLE_DEVICES=void".to_string()] {
-            bail!("NVIDIA_VISIBLE_DEVICES entries {visible:?}, expected exactly \"void\"");
-        }
-        Ok(())
-    }
-
-    /// An environment variable's value.
-    pub fn env_value(&self, name: &str) -> Option<&str> {
-        self.env
-            .iter()
-            .find_map(|e| e.strip_prefix(name).and_then(|rest| rest.strip_prefix('=')))
     }
 }
 
-/// The latest record of a pod's container.
-pub fn container_record(records_dir: &Path, pod: &str, container: &str) -> anyhow::Result<ContainerRecord> {
-    let prefix = format!("{NAMESPACE}_{pod}_{container}_");
-    let mut newest: Option<(std::time::SystemTime, ContainerRecord)> = None;
-    for entry in std::fs::read_dir(records_dir)? {
-        let entry = entry?;
-        let name = entry.file_name().to_string_lossy().to_string();
-        if !name.starts_with(&prefix) || !name.ends_with(".json") {
-            continue;
+/// The first JSON value of a container's log: the gpu-probe's report, once complete.
+fn parse_report(log: &str) -> Option<ContainerView> {
+    serde_json::Deserializer::from_str(log)
+        .into_iter::<ContainerView>()
+        .next()?
+        .ok()
+}
+
+/// What a pod's container reports from inside (see [`ContainerView`]): waits until the
+/// container has started (running, or finished) and its log holds the whole report. After
+/// restarts, the report of the current container.
+pub async fn container_view(client: &Client, pod: &str, container: &str) -> anyhow::Result<ContainerView> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    // The restart count of the container once it has started (running, or finished).
+    let started = |p: &Pod| {
+        let status = p
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .into_iter()
+            .flatten()
+            .find(|s| s.name == container)?;
+        let state = status.state.as_ref()?;
+        (state.running.is_some() || state.terminated.is_some()).then_some(status.restart_count)
+    };
+    let params = LogParams {
+        container: Some(container.to_string()),
+        ..LogParams::default()
+    };
+    let view = wait_until(Duration::from_secs(60), || async {
+        let restart_count = started(&pods.get(pod).await.ok()?)?;
+        let view = parse_report(&pods.logs(pod, &params).await.ok()?)?;
+        Some(ContainerView {
+            pod: pod.to_string(),
+            container: container.to_string(),
+            restart_count,
+            ..view
+        })
+    })
+    .await;
+    match view {
+        Ok(view) => Ok(view),
+        Err(_) => {
+            let log = pods.logs(pod, &params).await;
+            bail!("{pod}/{container} reported nothing from inside (log: {log:?})")
         }
-        let modified = entry.metadata()?.modified()?;
-        let record: ContainerRecord = serde_json::from_slice(&std::fs::read(entry.path())?)?;
-        if newest.as_ref().is_none_or(|(t, _)| modified > *t) {
-            newest = Some((modified, record));
-        }
-    }
-    match newest {
-        Some((_, record)) => Ok(record),
-        None => bail!("no container record for {pod}/{container}"),
     }
 }

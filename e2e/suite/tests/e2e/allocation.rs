@@ -34,27 +34,24 @@ async fn two_claims_in_one_container_get_both_devices_and_one_set_of_driver_file
     create_template(&c, "pair-2g", mig(&[profile_is("2g.20gb")]), None).await?;
     workload::create_pod_with_claims(&c, "pair", &["pair-1g", "pair-2g"]).await?;
     wait_phase(&c, "pair", "Running", SHORT).await?;
-    let record = workload::container_record(&cluster.layout.records_dir, "pair", "main")?;
+    let view = workload::container_view(&c, "pair", "main").await?;
     let mut devices = Vec::new();
+    let mut uids = Vec::new();
     for name in ["claim-0", "claim-1"] {
         let claim = workload::pod_claim_named(&c, "pair", name).await?;
         let allocated = workload::allocated(&claim);
         ensure!(allocated.len() == 1, "{name}: {allocated:?}");
         devices.push(allocated[0].1.clone());
+        uids.push(claim.metadata.uid.clone().unwrap_or_default());
     }
     let state = cluster.gpus()?;
+    let caps = view.capability_minors();
     for device in &devices {
         // Each device's capability nodes (GI and CI) and its own UUID variable are there.
-        let nodes: Vec<i64> = record
-            .device_nodes
-            .iter()
-            .filter(|n| n.path.starts_with("/dev/nvidia-caps/"))
-            .map(|n| n.minor)
-            .collect();
         for minor in capability_minors(cluster, device)? {
             ensure!(
-                nodes.contains(&minor),
-                "{device}: capability minor {minor} not in {nodes:?}"
+                caps.contains(&minor),
+                "{device}: capability minor {minor} not in {caps:?}"
             );
         }
         let DeviceName::Mig { minor, start, .. } = device.parse::<DeviceName>()? else {
@@ -69,39 +66,23 @@ async fn two_claims_in_one_container_get_both_devices_and_one_set_of_driver_file
             .map(|ci| ci.uuid.clone())
             .context("no instance")?;
         ensure!(
-            record.device_uuid(device) == Some(uuid.as_str()),
+            view.device_uuid(device) == Some(uuid.as_str()),
             "{device}: env {:?}",
-            record.env
+            view.env
         );
     }
-    let caps = record
-        .device_nodes
-        .iter()
-        .filter(|n| n.path.starts_with("/dev/nvidia-caps/"))
-        .count();
     ensure!(
-        caps == 4,
+        caps.len() == 4,
         "two GI and two CI capability nodes: {:?}",
-        record.device_nodes
+        view.devices
     );
-    // Both claims name the driver device; the runtime resolves it once.
-    let driver_device = format!("{DRIVER}/driver=files");
-    ensure!(
-        record.cdi_devices.iter().filter(|d| **d == driver_device).count() == 2,
-        "CDI devices {:?}",
-        record.cdi_devices
-    );
-    ensure!(
-        record
-            .injected_cdi_devices
-            .iter()
-            .filter(|d| **d == driver_device)
-            .count()
-            == 1,
-        "injected {:?}",
-        record.injected_cdi_devices
-    );
-    check_driver_files(cluster, &record)?;
+    // Both claims' specs are in the CDI directory; each names the driver's files (the
+    // driver device) for the container. The container got those files once.
+    for uid in &uids {
+        let spec = cluster.layout.cdi_dir.join(format!("{DRIVER}-claim_{uid}.json"));
+        ensure!(spec.exists(), "no CDI spec {}", spec.display());
+    }
+    check_driver_files(cluster, &view)?;
     settle(cluster).await
 }
 
@@ -134,27 +115,20 @@ async fn mig_pod_gets_exactly_its_instance(cluster: &mut Cluster) -> anyhow::Res
         instances(cluster, minor)
     );
     let mig_uuid = on_gpu[0].2.first().context("no compute instance")?.clone();
-    // The container received exactly that instance.
-    let record = workload::container_record(&cluster.layout.records_dir, "mig-3g", "main")?;
+    // The container received exactly that instance, its claim's CDI spec applied.
+    let view = workload::container_view(&c, "mig-3g", "main").await?;
     ensure!(
-        record.device_uuid(device) == Some(mig_uuid.as_str()),
+        view.device_uuid(device) == Some(mig_uuid.as_str()),
         "env {:?}",
-        record.env
+        view.env
     );
     let uid = claim.metadata.uid.clone().unwrap_or_default();
-    ensure!(
-        record.cdi_devices
-            == vec![
-                format!("{DRIVER}/claim={uid}-{device}"),
-                format!("{DRIVER}/driver=files")
-            ],
-        "CDI devices {:?}",
-        record.cdi_devices
-    );
-    // Plain runc gets a CUDA-capable container: the driver's libraries, hooks, and no
-    // second injection by a NVIDIA runtime.
-    check_driver_files(cluster, &record)?;
-    let paths: Vec<&str> = record.device_nodes.iter().map(|n| n.path.as_str()).collect();
+    let spec = cluster.layout.cdi_dir.join(format!("{DRIVER}-claim_{uid}.json"));
+    ensure!(spec.exists(), "no CDI spec {}", spec.display());
+    // Plain runc gets a CUDA-capable container: the driver's libraries, found by the
+    // dynamic linker, and no second injection by a NVIDIA runtime.
+    check_driver_files(cluster, &view)?;
+    let paths = view.device_paths();
     for expected in [
         format!("/dev/nvidia{minor}"),
         "/dev/nvidiactl".into(),
@@ -165,11 +139,7 @@ async fn mig_pod_gets_exactly_its_instance(cluster: &mut Cluster) -> anyhow::Res
             "missing {expected} in {paths:?}"
         );
     }
-    let caps: Vec<_> = record
-        .device_nodes
-        .iter()
-        .filter(|n| n.path.starts_with("/dev/nvidia-caps/"))
-        .collect();
+    let caps = view.capability_minors();
     ensure!(caps.len() == 2, "GI and CI capability nodes: {caps:?}");
     // Their minors are the ones of this instance's capability files.
     let state = cluster.gpus()?;
@@ -194,7 +164,7 @@ async fn mig_pod_gets_exactly_its_instance(cluster: &mut Cluster) -> anyhow::Res
         .trim()
         .parse()?;
     ensure!(
-        caps.iter().any(|n| n.minor == gi_minor),
+        caps.contains(&gi_minor),
         "GI capability minor {gi_minor} not in {caps:?}"
     );
     // The kubelet shows the device's health from the plugin's health stream.

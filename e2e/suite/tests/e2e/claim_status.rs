@@ -116,8 +116,12 @@ async fn mig_and_whole_gpu_claims_report_their_devices(cluster: &mut Cluster) ->
     let reason = ready_reason(&entry, claim.metadata.generation)?;
     ensure!(reason == "MigDeviceCreated", "{reason}");
     // The container sees the UUID the status names.
-    let record = workload::container_record(&cluster.layout.records_dir, "status-mig", "main")?;
-    ensure!(record.device_uuid(&device) == Some(mig_uuid.as_str()));
+    let view = workload::container_view(&c, "status-mig", "main").await?;
+    ensure!(
+        view.device_uuid(&device) == Some(mig_uuid.as_str()),
+        "status-mig sees env {:?}",
+        view.env
+    );
     // Written by the plugin's own field manager, on the status subresource.
     let claims: Api<ResourceClaim> = Api::namespaced(c.clone(), workload::NAMESPACE);
     let stored = claims.get(&name).await?;
@@ -262,9 +266,8 @@ async fn watch_a_gpu_in_use(cluster: &Cluster) -> anyhow::Result<()> {
     ensure!(mig_on(cluster)?, "MIG mode was switched");
     // The GPU's device nodes, the MIG monitor capability (so the agent sees every instance)
     // and no instance capability, and the GPU's UUID.
-    let record = workload::container_record(&cluster.layout.records_dir, "watch", "main")
-        .context("reading the container record of watch/main")?;
-    let paths: Vec<&str> = record.device_nodes.iter().map(|n| n.path.as_str()).collect();
+    let view = workload::container_view(&c, "watch", "main").await?;
+    let paths = view.device_paths();
     for expected in [
         format!("/dev/nvidia{minor}").as_str(),
         "/dev/nvidiactl",
@@ -272,17 +275,12 @@ async fn watch_a_gpu_in_use(cluster: &Cluster) -> anyhow::Result<()> {
     ] {
         ensure!(paths.contains(&expected), "missing {expected} in {paths:?}");
     }
-    let caps: Vec<i64> = record
-        .device_nodes
-        .iter()
-        .filter(|n| n.path.starts_with("/dev/nvidia-caps/"))
-        .map(|n| n.minor)
-        .collect();
+    let caps = view.capability_minors();
     ensure!(caps == [2], "only the monitor capability (minor 2): {caps:?}");
     ensure!(
-        record.device_uuid(&device) == Some(uuid.as_str()),
+        view.device_uuid(&device) == Some(uuid.as_str()),
         "the GPU's UUID in the container's env {:?}",
-        record.env
+        view.env
     );
     let name = claim.metadata.name.clone().unwrap_or_default();
     let entry = status_entry(&c, &name, &device).await?;

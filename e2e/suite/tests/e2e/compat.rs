@@ -9,7 +9,7 @@ use k8s_openapi::api::{core::v1::Pod, resource::v1::ResourceClaim};
 use kube::{Api, api::PostParams};
 use migdra_api::device_name::DeviceName;
 use migdra_e2e::{
-    cluster::{Cluster, DRIVER, wait_until},
+    cluster::{Cluster, DRIVER, probe_image, wait_until},
     workload::{self, NAMESPACE, create_pod, create_template, on_gpu, profile_is, wait_phase},
 };
 use serde_json::json;
@@ -30,12 +30,12 @@ fn mig_resource(profile: &str) -> String {
 }
 
 /// Creates a pod as a device-plugin user writes it: one container `main` with
-/// `resources.limits: {<resource>: 1}`, no resource claims.
+/// `resources.limits: {<resource>: 1}`, no resource claims, running the gpu-probe with `args`.
 async fn create_limits_pod(
     cluster: &Cluster,
     name: &str,
     resource: &str,
-    command: &[&str],
+    args: &[&str],
     restart_never: bool,
 ) -> anyhow::Result<()> {
     let pod: Pod = serde_json::from_value(json!({
@@ -48,8 +48,8 @@ async fn create_limits_pod(
             "terminationGracePeriodSeconds": 1,
             "containers": [{
                 "name": "main",
-                "image": "registry.k8s.io/e2e-test-images/busybox:1.36",
-                "command": command,
+                "image": probe_image(),
+                "args": args,
                 "resources": {"limits": {resource: "1"}},
             }],
         }
@@ -115,34 +115,18 @@ async fn device_plugin_mig_request_gets_an_instance_on_demand(cluster: &mut Clus
         cluster.gpus()?.gpus
     );
     let (capability_minors, mig_uuid) = mig_instance(cluster, minor, start)?;
-    let record = workload::container_record(&cluster.layout.records_dir, "dp-mig", "main")?;
+    let view = workload::container_view(&c, "dp-mig", "main").await?;
     ensure!(
-        record.device_uuid(&device) == Some(mig_uuid.as_str()),
+        view.device_uuid(&device) == Some(mig_uuid.as_str()),
         "{device}: env {:?}",
-        record.env
+        view.env
     );
-    let caps: Vec<i64> = record
-        .device_nodes
-        .iter()
-        .filter(|n| n.path.starts_with("/dev/nvidia-caps/"))
-        .map(|n| n.minor)
-        .collect();
-    ensure!(
-        caps.len() == 2,
-        "GI and CI capability nodes: {:?}",
-        record.device_nodes
-    );
+    let caps = view.capability_minors();
+    ensure!(caps.len() == 2, "GI and CI capability nodes: {:?}", view.devices);
     for m in capability_minors {
         ensure!(caps.contains(&m), "capability minor {m} not in {caps:?}");
     }
-    ensure!(
-        record
-            .cdi_devices
-            .contains(&format!("{DRIVER}/claim={uid}-{device}")),
-        "CDI devices {:?}",
-        record.cdi_devices
-    );
-    check_driver_files(cluster, &record)?;
+    check_driver_files(cluster, &view)?;
     // The pod ends: its instance and the claim's CDI spec go.
     wait_phase(&c, "dp-mig", "Succeeded", SHORT).await?;
     wait_until(SHORT, || async {
@@ -179,23 +163,19 @@ async fn device_plugin_gpu_request_gets_a_whole_gpu(cluster: &mut Cluster) -> an
         !gpu.mig_enabled && gpu.gpu_instances.is_empty(),
         "a whole GPU has MIG off and no instances"
     );
-    let record = workload::container_record(&cluster.layout.records_dir, "dp-gpu", "main")?;
+    let view = workload::container_view(&c, "dp-gpu", "main").await?;
     ensure!(
-        record.device_uuid(&device) == Some(uuid.as_str()),
+        view.device_uuid(&device) == Some(uuid.as_str()),
         "env {:?}",
-        record.env
+        view.env
     );
     let nvidia = format!("/dev/nvidia{minor}");
     ensure!(
-        record.device_nodes.iter().any(|n| n.path == nvidia)
-            && !record
-                .device_nodes
-                .iter()
-                .any(|n| n.path.starts_with("/dev/nvidia-caps/")),
+        view.device_paths().contains(&nvidia.as_str()) && view.capability_minors().is_empty(),
         "{:?}",
-        record.device_nodes
+        view.devices
     );
-    check_driver_files(cluster, &record)?;
+    check_driver_files(cluster, &view)?;
     workload::delete_pods(&c, &["dp-gpu"]).await?;
     // Leave the GPU as the next tests expect it, in MIG mode: a partition on it switches MIG
     // back on.

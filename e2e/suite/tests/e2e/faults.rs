@@ -49,8 +49,19 @@ async fn kubelet_restart_republishes_slices_and_keeps_pods(cluster: &mut Cluster
     .context("slices were not wiped and re-created")?;
     cluster.wait_published(Duration::from_secs(60)).await?;
     ensure!(workload::phase(&c, "survivor").await.as_deref() == Some("Running"));
-    let record = workload::container_record(&cluster.layout.records_dir, "survivor", "main")?;
-    ensure!(record.state == "running", "container state {}", record.state);
+    // The container the kubelet found still runs (never restarted) and still sees its MIG device.
+    let view = workload::container_view(&c, "survivor", "main").await?;
+    ensure!(
+        view.restart_count == 0,
+        "survivor/main restarted {} times",
+        view.restart_count
+    );
+    let uuids = view.device_uuids();
+    ensure!(
+        uuids.len() == 1 && uuids[0].starts_with("MIG-"),
+        "one MIG UUID expected in the env: {:?}",
+        view.env
+    );
     ensure!(
         total_instances(cluster) == instances_before,
         "instances changed across the kubelet restart"
@@ -136,11 +147,11 @@ async fn plugin_killed_mid_prepare_converges(cluster: &mut Cluster) -> anyhow::R
         all[0].start == start && all[0].compute_instances.len() == 1,
         "{all:?} vs {device}"
     );
-    let record = workload::container_record(&cluster.layout.records_dir, "crashy", "main")?;
+    let view = workload::container_view(&c, "crashy", "main").await?;
     ensure!(
-        record.device_uuid(&device) == Some(all[0].compute_instances[0].uuid.as_str()),
+        view.device_uuid(&device) == Some(all[0].compute_instances[0].uuid.as_str()),
         "env {:?}",
-        record.env
+        view.env
     );
     ensure!(
         cluster

@@ -78,30 +78,26 @@ async fn whole_gpu_and_partitions_exclude_each_other(cluster: &mut Cluster) -> a
         !gpu.mig_enabled && gpu.gpu_instances.is_empty(),
         "whole GPU needs MIG off and no instances"
     );
-    let record = workload::container_record(&cluster.layout.records_dir, "whole-1", "main")?;
+    let view = workload::container_view(&c, "whole-1", "main").await?;
     ensure!(
-        record.device_uuid("gpu-1") == Some(uuid.as_str()),
+        view.device_uuid("gpu-1") == Some(uuid.as_str()),
         "env {:?}",
-        record.env
+        view.env
     );
     // A whole GPU gets its device node and the same driver files as a partition.
     ensure!(
-        record
-            .device_nodes
+        view.device_nodes()
             .iter()
-            .any(|n| n.path == "/dev/nvidia1" && n.minor == 1),
+            .any(|n| n.path == "/dev/nvidia1" && n.minor == Some(1)),
         "{:?}",
-        record.device_nodes
+        view.devices
     );
     ensure!(
-        !record
-            .device_nodes
-            .iter()
-            .any(|n| n.path.starts_with("/dev/nvidia-caps/")),
+        view.capability_minors().is_empty(),
         "a whole GPU has no MIG capability nodes: {:?}",
-        record.device_nodes
+        view.devices
     );
-    check_driver_files(cluster, &record)?;
+    check_driver_files(cluster, &view)?;
     create_pod(&c, "part-2", "part", &["sleep", "3600"], false).await?;
     workload::wait_unschedulable(&c, "part-2", SHORT)
         .await
@@ -153,13 +149,12 @@ async fn first_available_falls_back_when_no_2g_fits(cluster: &mut Cluster) -> an
         "{allocated:?}"
     );
     ensure!(allocated[0].1 == "gpu-2-mig-1g5gb-6", "{allocated:?}");
-    let record = workload::container_record(&cluster.layout.records_dir, "fallback", "main")?;
+    let view = workload::container_view(&c, "fallback", "main").await?;
     ensure!(
-        record
-            .device_uuid("gpu-2-mig-1g5gb-6")
+        view.device_uuid("gpu-2-mig-1g5gb-6")
             .is_some_and(|v| v.starts_with("MIG-")),
         "env {:?}",
-        record.env
+        view.env
     );
     settle(cluster).await
 }

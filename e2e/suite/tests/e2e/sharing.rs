@@ -132,11 +132,11 @@ async fn share_one_instance(cluster: &Cluster) -> anyhow::Result<()> {
     ensure!(on_gpu.len() == 1, "one instance: {:?}", instances(cluster, minor));
     let mig_uuid = on_gpu[0].2.first().context("no compute instance")?.clone();
     for pod in ["share-a", "share-b"] {
-        let record = workload::container_record(&cluster.layout.records_dir, pod, "main")?;
+        let view = workload::container_view(&c, pod, "main").await?;
         ensure!(
-            record.device_uuid(&device) == Some(mig_uuid.as_str()),
+            view.device_uuid(&device) == Some(mig_uuid.as_str()),
             "{pod} sees {mig_uuid}: env {:?}",
-            record.env
+            view.env
         );
     }
 

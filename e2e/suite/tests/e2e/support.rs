@@ -12,17 +12,16 @@ use k8s_openapi::api::{
 use kube::{Api, ResourceExt, api::ListParams};
 use migdra_api::inventory::pool_name;
 use migdra_e2e::{
-    cluster::{CONTROLLER, Cluster, DRIVER, HOOK_PATH, MigdraMode, NODE, Registrations, Runtime, wait_until},
-    workload::{self, ContainerRecord, Request},
+    cluster::{CONTROLLER, Cluster, DRIVER, MigdraMode, NODE, Registrations, Runtime, wait_until},
+    workload::{self, ContainerView, Request},
 };
 
-/// Checks that a container got the simulated host's driver files once (see
-/// [`ContainerRecord::check_driver_files`]), of the version the fake NVML reports.
-pub(crate) fn check_driver_files(cluster: &Cluster, record: &ContainerRecord) -> anyhow::Result<()> {
+/// Checks that a container sees the simulated host's driver files once (see
+/// [`ContainerView::check_driver_files`]), of the version the fake NVML reports.
+pub(crate) fn check_driver_files(cluster: &Cluster, view: &ContainerView) -> anyhow::Result<()> {
     let version = cluster.gpus()?.driver_version;
-    record
-        .check_driver_files(&cluster.layout.driver_root(), &version, HOOK_PATH)
-        .with_context(|| format!("container {}/{}", record.pod_name, record.container_name))
+    view.check_driver_files(&cluster.layout.driver_root(), &version)
+        .with_context(|| format!("container {}/{}", view.pod, view.container))
 }
 
 /// One end-to-end test: its name in the results, the module it is in, and its body, run on
