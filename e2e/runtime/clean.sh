@@ -7,7 +7,8 @@
 # shims, the socat relays and the loopback registry (crane serving DIR/registry) (the processes
 # whose command line names DIR or an ALIAS), unmounts everything
 # below DIR (the node's network namespace; containerd's own mounts are in its mount
-# namespace, which ends with it) and the run's kubelet root (DIR/../kubelet), removes the
+# namespace, which ends with it) and the run's kubelet root (DIR/../kubelet, and the short
+# directory DIR/kubelet-root names, which it then removes), removes the
 # kubelet's cgroup root (DIR/cgroup-root names it, in every cgroup hierarchy) and the
 # cgroups the run created above it (DIR/cgroups-created), containerd's state and the
 # registry's blobs; keeps the configs and the logs. Writes DIR/cleaned when done; fails if mounts stay.
@@ -29,8 +30,16 @@ for a in "${@:2}"; do patterns+=("${a%/}/"); done
 bin=$("$here/build.sh")
 rt_stop_runtime "$bin/runc" "$real/runc" "${patterns[@]}"
 rt_unmount_under "$real"
-# The run made its kubelet root a shared bind mount on itself (for containerd's namespace).
+# The run made its kubelet root a shared bind mount (for containerd's namespace): on itself,
+# or on the short directory DIR/kubelet-root names, which goes too.
 rt_unmount_under "$(dirname "$real")/kubelet"
+if [[ -f $real/kubelet-root ]]; then
+  short_root=$(cat "$real/kubelet-root")
+  if [[ $short_root == /tmp/mk-* ]]; then
+    rt_unmount_under "$short_root"
+    rmdir "$short_root" 2>/dev/null || true
+  fi
+fi
 
 if [[ -f $real/cgroup-root ]]; then
   root=$(cat "$real/cgroup-root")

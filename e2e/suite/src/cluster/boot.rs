@@ -117,15 +117,15 @@ impl Cluster {
         std::os::unix::fs::symlink(&run_dir, &short).context("creating the short run-dir link")?;
         // The chart's plugin names its registration socket with its pod's UID
         // (plugins_registry/<driver>-<pod UID>-reg.sock), 115 bytes under the run dir's
-        // kubelet root: a shorter link for it (removed at teardown).
+        // kubelet root: a shorter path for it, a directory the run dir's kubelet root is
+        // bind-mounted on ([`Cluster::start_containerd`]; unmounted and removed at teardown).
         let kubelet_root = match migdra_mode {
             MigdraMode::HostProcesses => short.join("kubelet"),
             MigdraMode::Chart => {
                 fs::create_dir_all(run_dir.join("kubelet"))?;
-                let link = PathBuf::from(format!("/tmp/mk-{stamp}"));
-                std::os::unix::fs::symlink(run_dir.join("kubelet"), &link)
-                    .context("creating the short kubelet-root link")?;
-                link
+                let dir = PathBuf::from(format!("/tmp/mk-{stamp}"));
+                fs::create_dir(&dir).context("creating the short kubelet-root directory")?;
+                dir
             }
         };
         // The chart's plugin keeps its state in its default dir, under the kubelet's.

@@ -308,13 +308,30 @@ impl Cluster {
                 .arg(format!("--net={}", netns.display()))
                 .args(["ip", "addr", "add", &format!("{API_SERVICE_IP}/32"), "dev", "lo"]),
         )?;
-        // The kubelet root becomes a shared mount (a bind mount on itself), so that the
-        // volumes the kubelet mounts there reach containerd's mount namespace (below).
-        let kubelet_root = fs::canonicalize(&self.layout.kubelet_root)?;
+        // The kubelet root becomes a shared mount, so that the volumes the kubelet mounts
+        // there reach containerd's mount namespace (below): the run dir's kubelet dir
+        // bind-mounted on the kubelet's `--root-dir` itself when that is a directory outside
+        // the run dir (chart mode), else on itself. The kubelet bind-mounts its root again at
+        // every start unless that path is a shared mount point (by the path it was given, not
+        // the one symlinks resolve to), and each bind on a shared mount doubles the stack:
+        // a tmpfs volume mounted below it then survives its unmount, and the pod never goes.
+        let run_kubelet = fs::canonicalize(self.layout.run_dir.join("kubelet"))?;
+        let kubelet_root = if self.layout.kubelet_root.starts_with(&self.layout.run_dir) {
+            run_kubelet.clone()
+        } else {
+            write(
+                &ctrd.join("kubelet-root"),
+                self.layout
+                    .kubelet_root
+                    .to_str()
+                    .context("non-UTF-8 kubelet root")?,
+            )?;
+            self.layout.kubelet_root.clone()
+        };
         run_checked(
             Command::new("mount")
                 .arg("--bind")
-                .arg(&kubelet_root)
+                .arg(&run_kubelet)
                 .arg(&kubelet_root),
         )?;
         run_checked(Command::new("mount").arg("--make-shared").arg(&kubelet_root))?;
@@ -574,6 +591,21 @@ impl Cluster {
         let bin = PathBuf::from(run_script("build.sh", &[])?);
         self.stop("containerd", Duration::from_secs(10));
         self.spawn_containerd(&bin)
+    }
+
+    /// How many mounts sit at the kubelet's root dir (in this mount namespace): one, the
+    /// run's shared bind mount, unless a kubelet start stacked its own on it.
+    pub fn kubelet_root_mounts(&self) -> anyhow::Result<usize> {
+        let root = self
+            .layout
+            .kubelet_root
+            .to_str()
+            .context("non-UTF-8 kubelet root")?;
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo")?;
+        Ok(mountinfo
+            .lines()
+            .filter(|l| l.split(' ').nth(4) == Some(root))
+            .count())
     }
 
     /// The host pid of a container's main process (`containerd://<id>` or the bare id, as in

@@ -89,7 +89,8 @@ impl Cluster {
             let _ = fs::remove_dir(dir); // only succeeds when empty
         }
         if !self.layout.kubelet_root.starts_with(&self.layout.run_dir) {
-            let _ = fs::remove_file(&self.layout.kubelet_root); // its own short symlink
+            // Its own short directory, unmounted above (clean.sh).
+            let _ = fs::remove_dir(&self.layout.kubelet_root);
         }
         let _ = fs::remove_file(&self.layout.run_dir); // the short symlink
     }

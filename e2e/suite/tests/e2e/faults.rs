@@ -48,6 +48,15 @@ async fn kubelet_restart_republishes_slices_and_keeps_pods(cluster: &mut Cluster
     .await
     .context("slices were not wiped and re-created")?;
     cluster.wait_published(Duration::from_secs(60)).await?;
+    // The kubelet found its root a shared mount and stacked no bind mount of its own on it:
+    // each one doubles the stack, and a pod's tmpfs volume mounted below then outlives its
+    // unmount, which keeps the pod Terminating for ever (the plugin's, in a rolling update).
+    let mounts = cluster.kubelet_root_mounts()?;
+    ensure!(
+        mounts == 1,
+        "{mounts} mounts at the kubelet's root {} after its restart",
+        cluster.layout.kubelet_root.display()
+    );
     ensure!(workload::phase(&c, "survivor").await.as_deref() == Some("Running"));
     // The container the kubelet found still runs (never restarted) and still sees its MIG device.
     let view = workload::container_view(&c, "survivor", "main").await?;
