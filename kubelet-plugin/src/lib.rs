@@ -56,6 +56,9 @@ use dra_kubelet::{PluginServer, PluginServerConfig, PluginServing, RegistrationS
 /// registration before it reports status regardless.
 const JOIN_REGISTRATION_WAIT: Duration = Duration::from_secs(60);
 
+/// How long after serving the plugin warns that the kubelet has not registered it.
+const REGISTRATION_WARNING_AFTER: Duration = Duration::from_secs(60);
+
 /// How long the start waits for this node's GpuNode when recovering a lost checkpoint.
 const PUBLISHED_INVENTORY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -166,6 +169,11 @@ pub async fn run(args: cli::Args) -> anyhow::Result<()> {
         shutdown.clone(),
     )));
     tracing::info!("serving the kubelet");
+    tasks.push(tokio::spawn(warn_while_unregistered(
+        registration.clone(),
+        peer_config.registration_socket(),
+        shutdown.clone(),
+    )));
     if joining {
         wait_for_registration(registration, &shutdown).await;
     }
@@ -431,6 +439,37 @@ async fn wait_for_registration(
             tracing::warn!("the kubelet did not register this instance in time; reporting status anyway");
         },
         () = shutdown.cancelled() => {}
+    }
+}
+
+/// Says, once, that the kubelet has not registered the plugin [`REGISTRATION_WARNING_AFTER`]
+/// after its registration socket appeared. A kubelet that runs does so within seconds; when it
+/// never does, the socket is almost always where the kubelet does not look (a
+/// `kubeletRootDir` that is not the kubelet's `--root-dir`, or its `plugins_registry` not
+/// mounted into the container at that path), and the node's pool stays unpublished.
+async fn warn_while_unregistered(
+    mut registration: watch::Receiver<RegistrationState>,
+    socket: std::path::PathBuf,
+    shutdown: CancellationToken,
+) {
+    let registered = tokio::select! {
+        outcome = tokio::time::timeout(
+            REGISTRATION_WARNING_AFTER,
+            registration.wait_for(|r| r.registered),
+        ) => outcome.is_ok(),
+        () = shutdown.cancelled() => return,
+    };
+    if !registered {
+        let error = registration.borrow().error.clone();
+        tracing::warn!(
+            socket = %socket.display(),
+            kubelet_error = error.as_deref().unwrap_or("none"),
+            "the kubelet has not registered the plugin {}s after its registration socket appeared; \
+             the kubelet looks for it in <its --root-dir>/plugins_registry on the host: check that \
+             kubeletRootDir is the kubelet's root dir and that this directory is the host's (mounted \
+             into the plugin container at the same path). Until then the node's pool is not published",
+            REGISTRATION_WARNING_AFTER.as_secs()
+        );
     }
 }
 

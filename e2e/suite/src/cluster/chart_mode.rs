@@ -105,7 +105,7 @@ impl Cluster {
     }
 
     /// `kubectl get pods -o wide` and the events of the chart's namespace, for a failure report.
-    fn chart_pods_summary(&self) -> String {
+    pub(super) fn chart_pods_summary(&self) -> String {
         let kubectl = self.layout.upstream_bin.join("kubectl");
         let run = |args: &[&str]| {
             std::process::Command::new(&kubectl)

@@ -245,7 +245,15 @@ impl Cluster {
             (current == expected && expected > 0).then_some(())
         })
         .await
-        .context("migdra did not publish the node's pool")
+        .with_context(|| {
+            // In chart mode the plugin's own log says why (its last lines are in the summary).
+            let details = if self.layout.migdra_mode == super::MigdraMode::Chart {
+                self.chart_pods_summary()
+            } else {
+                String::new()
+            };
+            format!("migdra did not publish the node's pool{details}")
+        })
     }
 
     /// A client authenticated as the kubelet plugin (its node-bound ServiceAccount token).
