@@ -424,18 +424,6 @@ pub struct NvidiaSmiView {
     pub output: String,
 }
 
-/// The device UUIDs in the environment the gpu-probe image reported
-/// (`e2e/runtime/gpu-probe`): the values of its `MIGDRA_DEVICE_UUID_*` variables.
-pub fn probe_device_uuids(report: &Value) -> Vec<&str> {
-    report["env"]
-        .as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(k, _)| k.starts_with("MIGDRA_DEVICE_UUID_"))
-        .filter_map(|(_, v)| v.as_str())
-        .collect()
-}
-
 /// The variable that carries a device's UUID in its containers (the plugin's contract):
 /// `MIGDRA_DEVICE_UUID_` and the device name upper-cased, other characters as `_`.
 pub fn device_uuid_variable(device: &str) -> String {
@@ -470,6 +458,19 @@ impl ContainerView {
             .filter(|(k, _)| k.starts_with("MIGDRA_DEVICE_UUID_"))
             .map(|(_, v)| v.as_str())
             .collect()
+    }
+
+    /// Fails unless the container's environment names exactly one device UUID, a MIG one.
+    pub fn ensure_one_mig_uuid(&self) -> anyhow::Result<()> {
+        let uuids = self.device_uuids();
+        anyhow::ensure!(
+            uuids.len() == 1 && uuids[0].starts_with("MIG-"),
+            "one MIG UUID expected in the env of {}/{}: {:?}",
+            self.pod,
+            self.container,
+            self.env
+        );
+        Ok(())
     }
 
     /// The character devices in the container's `/dev/nvidia*` and `/dev/nvidia-caps`.

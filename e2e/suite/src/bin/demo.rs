@@ -11,17 +11,11 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use k8s_openapi::api::core::v1::Pod;
-use kube::{
-    Api,
-    api::{LogParams, PostParams},
-};
 use migdra_e2e::{
-    cluster::{Cluster, ClusterConfig, MigdraMode, Runtime, probe_image, wait_until},
+    cluster::{Cluster, ClusterConfig, MigdraMode, Runtime},
     layout,
-    workload::{self, NAMESPACE, Request, create_template, profile_is, wait_phase},
+    workload::{self, Request, create_template, profile_is, wait_phase},
 };
-use serde_json::json;
 
 const MIG: &str = "mig.migdra.dev";
 
@@ -40,47 +34,19 @@ async fn create_probe_pod(
     template: &str,
     containers: &[&str],
 ) -> anyhow::Result<()> {
-    let containers: Vec<serde_json::Value> = containers
-        .iter()
-        .map(|c| json!({"name": c, "image": probe_image(), "args": ["sleep"], "resources": {"claims": [{"name": "gpu"}]}}))
-        .collect();
-    let pod: Pod = serde_json::from_value(json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app.kubernetes.io/part-of": "migdra-e2e"}},
-        "spec": {
-            "automountServiceAccountToken": false,
-            "terminationGracePeriodSeconds": 1,
-            "containers": containers,
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
-        }
-    }))?;
-    Api::<Pod>::namespaced(cluster.client.clone(), NAMESPACE)
-        .create(&PostParams::default(), &pod)
-        .await?;
-    Ok(())
+    let sleep: &[&str] = &["sleep"];
+    let containers: Vec<(&str, &[&str])> = containers.iter().map(|c| (*c, sleep)).collect();
+    workload::create_pod_with(&cluster.client, name, template, &containers, false).await
 }
 
-/// One line of what a container saw, from the probe's report (its log): the GPU device nodes,
-/// the MIG capability nodes and the device UUIDs migdra put in its environment.
+/// One line of what a container saw, from the probe's report: the GPU device nodes, the MIG
+/// capability nodes and the device UUIDs migdra put in its environment.
 async fn container_saw(cluster: &Cluster, pod: &str, container: &str) -> anyhow::Result<String> {
-    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), NAMESPACE);
-    let params = LogParams {
-        container: Some(container.into()),
-        ..LogParams::default()
-    };
-    let report: serde_json::Value = wait_until(Duration::from_secs(30), || async {
-        serde_json::from_str(&pods.logs(pod, &params).await.ok()?).ok()
-    })
-    .await
-    .with_context(|| format!("no report from the probe in {pod}/{container}"))?;
+    let view = workload::container_view(&cluster.client, pod, container).await?;
     let names = |prefix: &str| -> Vec<String> {
-        report["devices"]
-            .as_array()
+        view.device_paths()
             .into_iter()
-            .flatten()
-            .filter(|d| d["type"] == "c")
-            .filter_map(|d| d["path"].as_str()?.strip_prefix(prefix).map(str::to_string))
+            .filter_map(|p| p.strip_prefix(prefix).map(str::to_string))
             .collect()
     };
     let gpus: Vec<String> = names("/dev/")
@@ -88,12 +54,11 @@ async fn container_saw(cluster: &Cluster, pod: &str, container: &str) -> anyhow:
         .filter(|n| n.strip_prefix("nvidia").is_some_and(|d| d.parse::<u32>().is_ok()))
         .collect();
     let caps = names("/dev/nvidia-caps/");
-    let uuids = migdra_e2e::workload::probe_device_uuids(&report);
     Ok(format!(
         "/dev/{{{}}}, nvidia-caps {{{}}}, {}",
         gpus.join(","),
         caps.join(","),
-        uuids.join(", ")
+        view.device_uuids().join(", ")
     ))
 }
 

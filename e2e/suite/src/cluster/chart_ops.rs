@@ -17,9 +17,6 @@ pub const CHART_DIR_ENV: &str = "MIGDRA_E2E_CHART";
 const RELEASE: &str = "migdra";
 /// The release's pods (controller and plugin).
 const RELEASE_POD_SELECTOR: &str = "app.kubernetes.io/instance=migdra";
-/// The plugin DaemonSet's pods (the chart's selector labels, release `migdra`).
-const PLUGIN_POD_SELECTOR: &str =
-    "app.kubernetes.io/instance=migdra,app.kubernetes.io/component=kubelet-plugin";
 
 /// The chart the launcher installs and upgrades: [`CHART_DIR_ENV`], else `charts/migdra`.
 pub(super) fn chart_dir() -> std::path::PathBuf {
@@ -128,11 +125,15 @@ impl Cluster {
 
     /// The plugin DaemonSet's pods, terminating ones included.
     pub async fn plugin_pods(&self) -> anyhow::Result<Vec<Pod>> {
+        self.release_pods("kubelet-plugin").await
+    }
+
+    /// The release's pods of one `component` (the chart's `app.kubernetes.io/component`
+    /// label: `kubelet-plugin` or `controller`), terminating ones included.
+    pub(super) async fn release_pods(&self, component: &str) -> anyhow::Result<Vec<Pod>> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), CHART_NAMESPACE);
-        Ok(pods
-            .list(&ListParams::default().labels(PLUGIN_POD_SELECTOR))
-            .await?
-            .items)
+        let selector = format!("{RELEASE_POD_SELECTOR},app.kubernetes.io/component={component}");
+        Ok(pods.list(&ListParams::default().labels(&selector)).await?.items)
     }
 
     /// The last lines of each of the release's containers (of its last run, for one waiting

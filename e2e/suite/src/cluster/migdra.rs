@@ -74,11 +74,7 @@ impl PluginIdentities {
             Some((node.to_string(), uid.to_string())),
         )
         .await?;
-        let kubeconfig = kube::config::Kubeconfig::from_yaml(&kubeconfig_yaml(self.apiserver_port, &token))?;
-        Ok(
-            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
-                .await?,
-        )
+        super::token_config(self.apiserver_port, &token).await
     }
 }
 

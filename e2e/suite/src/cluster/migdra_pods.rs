@@ -17,19 +17,16 @@ use std::{
 
 use anyhow::{Context, bail, ensure};
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
-use kube::{Api, api::ListParams};
+use kube::Api;
 
 use super::{CHART_NAMESPACE, Cluster, MigdraMode, PLUGIN, containerd::node_netns, wait_until};
 
 /// What the plugin logs once the kubelet accepted its registration.
-pub const REGISTERED: &str = "kubelet registered the plugin";
+const REGISTERED: &str = "kubelet registered the plugin";
 /// The plugin's container in the chart's DaemonSet.
 pub const PLUGIN_CONTAINER: &str = "kubelet-plugin";
 /// The controller's component name (host process and log file; the chart's Deployment).
 pub const CONTROLLER: &str = "migdra-controller";
-/// The controller's pods (the chart's selector labels, release `migdra`).
-const CONTROLLER_POD_SELECTOR: &str =
-    "app.kubernetes.io/instance=migdra,app.kubernetes.io/component=controller";
 /// The node label [`Cluster::plugin_down`] makes the plugin DaemonSet require: no node has it.
 const PLUGIN_DOWN_SELECTOR: &str = r#"kubeletPlugin.nodeSelector={"migdra-e2e/plugin-down":"true"}"#;
 /// How long the plugin may take to come back (a pod start with an image pull included).
@@ -153,15 +150,19 @@ impl Cluster {
         let text: String = self
             .component_log_files(component)
             .iter()
-            .map(|f| {
-                if self.chart_mode() {
-                    cri_log_text(f)
-                } else {
-                    fs::read_to_string(f).unwrap_or_default()
-                }
-            })
+            .map(|f| self.component_log_text(f))
             .collect();
         super::strip_ansi(&text)
+    }
+
+    /// What one of [`Cluster::component_log_files`] holds: the host process's log as written,
+    /// or a container log's messages.
+    fn component_log_text(&self, file: &Path) -> String {
+        if self.chart_mode() {
+            cri_log_text(file)
+        } else {
+            fs::read_to_string(file).unwrap_or_default()
+        }
     }
 
     /// What one pod's container wrote, across its restarts (those the kubelet still keeps),
@@ -186,12 +187,7 @@ impl Cluster {
             self.component_log_files(component)
                 .into_iter()
                 .map(|f| {
-                    let text = if self.chart_mode() {
-                        cri_log_text(&f)
-                    } else {
-                        fs::read_to_string(&f).unwrap_or_default()
-                    };
-                    let count = text.matches(REGISTERED).count();
+                    let count = self.component_log_text(&f).matches(REGISTERED).count();
                     (f, count)
                 })
                 .collect(),
@@ -383,10 +379,7 @@ impl Cluster {
         let pods = if component == PLUGIN {
             self.plugin_pods().await?
         } else {
-            Api::<Pod>::namespaced(self.client.clone(), CHART_NAMESPACE)
-                .list(&ListParams::default().labels(CONTROLLER_POD_SELECTOR))
-                .await?
-                .items
+            self.release_pods("controller").await?
         };
         let ready = |p: &Pod| {
             p.metadata.deletion_timestamp.is_none()

@@ -32,7 +32,7 @@ pub use k8s_minor::{K8S_MINOR_ENV, K8sMinor};
 pub use kueue::{GPU_MEMORY, KUEUE, KUEUE_API_VERSION, KUEUE_NAMESPACE, kueue_api, kueue_resource};
 pub use migdra::{PLUGIN, PluginIdentities, STALE_CLAIM_GC_INTERVAL_SECONDS};
 pub use migdra_pods::{
-    CONTROLLER, KilledPlugin, PLUGIN_CONTAINER, REGISTERED, Registrations, plugin_container, plugin_ready,
+    CONTROLLER, KilledPlugin, PLUGIN_CONTAINER, Registrations, plugin_container, plugin_ready,
 };
 pub use registry::{REGISTRY, probe_image, pulled_name};
 
@@ -251,6 +251,13 @@ contexts:
 current-context: e2e
 "
     )
+}
+
+/// The client configuration of a kubeconfig for the API server on loopback `port` with
+/// bearer `token`.
+async fn token_config(port: u16, token: &str) -> anyhow::Result<kube::Config> {
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&kubeconfig_yaml(port, token))?;
+    Ok(kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default()).await?)
 }
 
 impl Cluster {

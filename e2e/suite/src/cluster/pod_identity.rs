@@ -7,14 +7,9 @@
 use std::fs;
 
 use anyhow::{Context, bail};
-use k8s_openapi::api::core::v1::Pod;
-use kube::{
-    Api, Client,
-    api::ListParams,
-    config::{KubeConfigOptions, Kubeconfig},
-};
+use kube::Client;
 
-use super::{CHART_NAMESPACE, Cluster, kubeconfig_yaml};
+use super::Cluster;
 
 impl Cluster {
     /// A client with the token of the running kubelet plugin pod.
@@ -30,11 +25,8 @@ impl Cluster {
     /// A client with the token of a pod of the release's `component` whose container
     /// `container` is Ready.
     async fn running_pod_client(&self, component: &str, container: &str) -> anyhow::Result<Client> {
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), CHART_NAMESPACE);
-        let selector = format!("app.kubernetes.io/instance=migdra,app.kubernetes.io/component={component}");
-        let list = pods.list(&ListParams::default().labels(&selector)).await?;
-        let pod = list
-            .items
+        let pods = self.release_pods(component).await?;
+        let pod = pods
             .iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
             .find(|p| {
@@ -45,8 +37,8 @@ impl Cluster {
             })
             .with_context(|| {
                 format!(
-                    "no pod of {selector} has its {container} container Ready (of {} pods)",
-                    list.items.len()
+                    "no {component} pod has its {container} container Ready (of {} pods)",
+                    pods.len()
                 )
             })?;
         let uid = pod.metadata.uid.as_deref().context("a pod without a uid")?;
@@ -66,7 +58,7 @@ impl Cluster {
                     .find_map(|s| s.service_account_token.as_ref())?;
                 Some((v.name.clone(), token.path.clone()))
             })
-            .with_context(|| format!("pod {selector} has no projected ServiceAccount token"))?;
+            .with_context(|| format!("the {component} pod has no projected ServiceAccount token"))?;
         let path = self
             .layout
             .kubelet_root
@@ -80,8 +72,7 @@ impl Cluster {
         if token.trim().is_empty() {
             bail!("the {component} pod's token at {} is empty", path.display());
         }
-        let kubeconfig = Kubeconfig::from_yaml(&kubeconfig_yaml(self.layout.apiserver_port, token.trim()))?;
-        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+        let config = super::token_config(self.layout.apiserver_port, token.trim()).await?;
         Ok(Client::try_from(config)?)
     }
 }

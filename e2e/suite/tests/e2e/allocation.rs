@@ -6,11 +6,13 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use migdra_api::device_name::DeviceName;
 use migdra_e2e::{
-    cluster::{Cluster, DRIVER, wait_until},
+    cluster::{Cluster, wait_until},
     workload::{self, create_pod, create_template, profile_is, wait_phase},
 };
 
-use crate::support::{SHORT, check_driver_files, device_health, instances, mig, mig_instance, settle};
+use crate::support::{
+    SHORT, check_driver_files, claim_spec, device_health, instances, mig, mig_instance, settle,
+};
 
 tests![
     mig_pod_gets_exactly_its_instance,
@@ -79,7 +81,7 @@ async fn two_claims_in_one_container_get_both_devices_and_one_set_of_driver_file
     // Both claims' specs are in the CDI directory; each names the driver's files (the
     // driver device) for the container. The container got those files once.
     for uid in &uids {
-        let spec = cluster.layout.cdi_dir.join(format!("{DRIVER}-claim_{uid}.json"));
+        let spec = claim_spec(cluster, uid);
         ensure!(spec.exists(), "no CDI spec {}", spec.display());
     }
     check_driver_files(cluster, &view)?;
@@ -123,7 +125,7 @@ async fn mig_pod_gets_exactly_its_instance(cluster: &mut Cluster) -> anyhow::Res
         view.env
     );
     let uid = claim.metadata.uid.clone().unwrap_or_default();
-    let spec = cluster.layout.cdi_dir.join(format!("{DRIVER}-claim_{uid}.json"));
+    let spec = claim_spec(cluster, &uid);
     ensure!(spec.exists(), "no CDI spec {}", spec.display());
     // Plain runc gets a CUDA-capable container: the driver's libraries, found by the
     // dynamic linker, and no second injection by a NVIDIA runtime.
@@ -200,7 +202,7 @@ async fn finished_pod_releases_its_instance(cluster: &mut Cluster) -> anyhow::Re
     })
     .await
     .context("the instance was not destroyed after the pod finished")?;
-    let spec = cluster.layout.cdi_dir.join(format!("{DRIVER}-claim_{uid}.json"));
+    let spec = claim_spec(cluster, &uid);
     wait_until(SHORT, || async { (!spec.exists()).then_some(()) })
         .await
         .context("CDI spec not removed")?;

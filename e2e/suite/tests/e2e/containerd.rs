@@ -16,11 +16,11 @@ use migdra_e2e::{
         API_SERVICE_IP, BUSYBOX_IMAGE, CHART_NAMESPACE, Cluster, POD_SUBNET, REGISTRY, Runtime, probe_image,
         wait_until,
     },
-    workload::{NAMESPACE, create_pod, create_template, delete_pods, profile_is, wait_phase},
+    workload::{self, NAMESPACE, create_pod, create_template, delete_pods, profile_is, wait_phase},
 };
 use serde_json::json;
 
-use crate::support::{mig, require_chart, settle};
+use crate::support::{claim_specs, mig, require_chart, settle};
 
 tests![
     containerd_runs_a_plain_pod,
@@ -255,7 +255,7 @@ async fn containerd_applies_a_mig_claims_cdi_spec(cluster: &mut Cluster) -> anyh
     )
     .await?;
     let ended = wait_until(Duration::from_secs(120), || async {
-        let phase = workload_phase(cluster, name).await?;
+        let phase = workload::phase(&cluster.client, name).await?;
         matches!(phase.as_str(), "Succeeded" | "Failed").then_some(phase)
     })
     .await;
@@ -288,10 +288,6 @@ async fn containerd_applies_a_mig_claims_cdi_spec(cluster: &mut Cluster) -> anyh
     );
     delete_pods(&c, &[name]).await?;
     settle(cluster).await
-}
-
-async fn workload_phase(cluster: &Cluster, pod: &str) -> Option<String> {
-    migdra_e2e::workload::phase(&cluster.client, pod).await
 }
 
 /// Checks that the kubelet pulled `image` from the run's registry for a pod of `namespace`: an
@@ -396,26 +392,13 @@ async fn containerd_chart_probe_sees_exactly_its_spec(cluster: &mut Cluster) -> 
     Api::<Pod>::namespaced(c.clone(), NAMESPACE)
         .create(&PostParams::default(), &pod)
         .await?;
-    let seen: serde_json::Value = wait_until(Duration::from_secs(120), || async {
-        if workload_phase(cluster, name).await? != "Running" {
-            return None;
-        }
-        serde_json::from_str(&kubectl_logs(cluster, name, "main").ok()?).ok()
-    })
-    .await
-    .context("the probe pod printed no report while running")?;
-    eprintln!("e2e: the probe in {name} saw:\n{seen:#}");
+    wait_phase(&c, name, "Running", Duration::from_secs(120)).await?;
+    let seen = workload::container_view(&c, name, "main").await?;
+    eprintln!("e2e: the probe in {name} saw:\n{seen:#?}");
     pulled_from_registry(cluster, NAMESPACE, &probe_image()).await?;
 
     // The claim's spec, as the plugin's pod wrote it to the CDI directory containerd reads.
-    let specs: Vec<_> = std::fs::read_dir(&cluster.layout.cdi_dir)?
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().contains("-claim_"))
-        })
-        .collect();
+    let specs = claim_specs(cluster)?;
     ensure!(specs.len() == 1, "expected one claim spec, found {specs:?}");
     let spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&specs[0])?)?;
     let all_edits = spec["devices"]
@@ -424,13 +407,13 @@ async fn containerd_chart_probe_sees_exactly_its_spec(cluster: &mut Cluster) -> 
         .flatten()
         .map(|d| &d["containerEdits"])
         .chain(std::iter::once(&spec["containerEdits"]));
-    let wanted: Vec<(String, u64, u64)> = all_edits
+    let wanted: Vec<(String, i64, i64)> = all_edits
         .flat_map(|e| e["deviceNodes"].as_array().cloned().unwrap_or_default())
         .filter_map(|n| {
             Some((
                 n["path"].as_str()?.to_string(),
-                n["major"].as_u64()?,
-                n["minor"].as_u64()?,
+                n["major"].as_i64()?,
+                n["minor"].as_i64()?,
             ))
         })
         .collect();
@@ -438,25 +421,19 @@ async fn containerd_chart_probe_sees_exactly_its_spec(cluster: &mut Cluster) -> 
         wanted.iter().any(|(p, _, _)| p.starts_with("/dev/nvidia-caps/")),
         "the spec names no MIG capability node: {spec}"
     );
-    let devices = seen["devices"]
-        .as_array()
-        .context("no devices in the probe's output")?;
+    let devices = &seen.devices;
     for (path, major, minor) in &wanted {
-        let found = devices.iter().find(|d| d["path"] == path.as_str());
+        let found = devices.iter().find(|d| d.path == *path);
         let found = found.with_context(|| format!("{path} is not in the container: {devices:?}"))?;
         ensure!(
-            found["type"] == "c" && found["major"] == *major && found["minor"] == *minor,
-            "{path} in the container is {found}, the spec says c {major}:{minor}"
+            found.kind == "c" && found.major == Some(*major) && found.minor == Some(*minor),
+            "{path} in the container is {found:?}, the spec says c {major}:{minor}"
         );
     }
     // No capability node of another instance: the container sees only its own.
     let caps_seen = devices
         .iter()
-        .filter(|d| {
-            d["path"]
-                .as_str()
-                .is_some_and(|p| p.starts_with("/dev/nvidia-caps/nvidia-cap"))
-        })
+        .filter(|d| d.path.starts_with("/dev/nvidia-caps/nvidia-cap"))
         .count();
     let caps_wanted = wanted
         .iter()
@@ -468,32 +445,27 @@ async fn containerd_chart_probe_sees_exactly_its_spec(cluster: &mut Cluster) -> 
     );
 
     ensure!(
-        seen["env"]["NVIDIA_VISIBLE_DEVICES"] == "void",
-        "env: {}",
-        seen["env"]
+        seen.env_value("NVIDIA_VISIBLE_DEVICES") == Some("void"),
+        "env: {:?}",
+        seen.env
     );
-    let uuids = migdra_e2e::workload::probe_device_uuids(&seen);
-    ensure!(
-        uuids.len() == 1 && uuids[0].starts_with("MIG-"),
-        "one MIG UUID expected in the env: {}",
-        seen["env"]
-    );
+    seen.ensure_one_mig_uuid()?;
     // The dynamic linker resolves the driver's libraries to the files the spec mounts from the
     // driver root. The fake driver's libraries are stubs, not ELF, so dlopen names the file
     // it found and refuses it ("file too short"), and ldconfig leaves them out of its cache.
     for soname in ["libnvidia-ml.so.1", "libcuda.so.1"] {
-        let library = &seen["libraries"][soname];
-        let error = library["error"].as_str().unwrap_or_default();
+        let library = seen.libraries.get(soname);
+        let error = library.and_then(|l| l.error.as_deref()).unwrap_or_default();
         ensure!(
             error.contains(&format!("/{soname}: file too short")),
-            "the dynamic linker did not find the driver's {soname}: {library}"
+            "the dynamic linker did not find the driver's {soname}: {library:?}"
         );
     }
     // The fake driver root's nvidia-smi, mounted by the spec, runs in the container.
     ensure!(
-        seen["nvidia_smi"]["exit_code"] == 0,
-        "nvidia-smi: {}",
-        seen["nvidia_smi"]
+        seen.nvidia_smi.as_ref().is_some_and(|n| n.exit_code == 0),
+        "nvidia-smi: {:?}",
+        seen.nvidia_smi
     );
     delete_pods(&c, &[name]).await?;
     settle(cluster).await

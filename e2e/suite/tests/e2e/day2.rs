@@ -25,8 +25,8 @@ use migdra_e2e::{
 };
 
 use crate::support::{
-    SHORT, bound_node, controller_sample, gpu_uuid, gpunode_events, instances, mig, plain_log,
-    published_devices, registrations, settle, slices, wait_registered, wait_unschedulable,
+    SHORT, bound_node, controller_sample, gpu_uuid, gpunode_events, heartbeat_withdrawals, instances, mig,
+    published_devices, settle, slices, wait_unschedulable,
 };
 
 tests![
@@ -51,17 +51,6 @@ fn mig_placement(claim: &ResourceClaim) -> anyhow::Result<(String, u32, u32)> {
         bail!("{device} is not a MIG device")
     };
     Ok((device, minor, start))
-}
-
-/// How often the controller's log says it withdrew the node's pool because the plugin's
-/// heartbeat expired (the log is appended across the suite, so callers compare counts).
-fn heartbeat_withdrawals(cluster: &Cluster) -> usize {
-    plain_log(cluster, "migdra-controller")
-        .lines()
-        .filter(|l| {
-            l.contains("withdrawing the pool") && l.contains("last heartbeat") && l.contains("is older than")
-        })
-        .count()
 }
 
 /// The controller's slice deletions and the deletions it saw someone else make (the
@@ -274,9 +263,9 @@ impl HeldClaim {
 /// (the kubelet wipes the node's slices when it starts). It unprepares the claims it still
 /// remembers (the plugin answers for claims it no longer has) and removes their containers.
 async fn bring_back_the_kubelet(cluster: &mut Cluster) -> anyhow::Result<()> {
-    let registered_before = registrations(cluster, PLUGIN);
+    let registered_before = cluster.registrations(PLUGIN);
     cluster.start_kubelet()?;
-    wait_registered(cluster, PLUGIN, registered_before).await?;
+    cluster.wait_registered_since(PLUGIN, &registered_before).await?;
     cluster.wait_node_ready().await?;
     cluster.wait_published(Duration::from_secs(90)).await
 }

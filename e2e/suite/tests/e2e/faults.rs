@@ -65,12 +65,7 @@ async fn kubelet_restart_republishes_slices_and_keeps_pods(cluster: &mut Cluster
         "survivor/main restarted {} times",
         view.restart_count
     );
-    let uuids = view.device_uuids();
-    ensure!(
-        uuids.len() == 1 && uuids[0].starts_with("MIG-"),
-        "one MIG UUID expected in the env: {:?}",
-        view.env
-    );
+    view.ensure_one_mig_uuid()?;
     ensure!(
         total_instances(cluster) == instances_before,
         "instances changed across the kubelet restart"

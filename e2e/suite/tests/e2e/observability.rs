@@ -24,7 +24,7 @@ use migdra_e2e::{
     workload::{self, create_pod, create_template, profile_is, wait_phase},
 };
 
-use crate::support::{SHORT, mig, scrape, settle};
+use crate::support::{SHORT, mig, settle};
 
 tests![metrics_and_gpunode_status_show_each_instance_with_its_pod];
 
@@ -110,7 +110,7 @@ async fn metrics_and_gpunode_status_show_each_instance_with_its_pod(
 
     // The plugin's info series names the instance and the pod using it (the plugin read the
     // claim's reservedFor at prepare).
-    let plugin = scrape(cluster, PLUGIN).await?;
+    let plugin = cluster.scrape_metrics(PLUGIN).await?;
     let expected = format!(
         "migdra_kubelet_plugin_mig_instance_info{{node=\"{NODE}\",gpu_uuid=\"{}\",gpu=\"{}\",gpu_minor=\"{minor}\",gi=\"{}\",ci=\"{}\",mig_uuid=\"{}\",profile=\"2g.20gb\",placement=\"{start}\",namespace=\"default\",pod=\"observed\",claim=\"{claim_name}\"}} 1",
         gpu.uuid, gpu.index, gi.id, ci.id, ci.uuid
@@ -126,14 +126,14 @@ async fn metrics_and_gpunode_status_show_each_instance_with_its_pod(
     );
     // The per-GPU series follow the inventory, refreshed every heartbeat.
     wait_until(SHORT, || async {
-        let text = scrape(cluster, PLUGIN).await.ok()?;
+        let text = cluster.scrape_metrics(PLUGIN).await.ok()?;
         text.lines().any(|l| l == used).then_some(())
     })
     .await
     .with_context(|| format!("no {used} in\n{plugin}"))?;
 
     // The controller publishes this node's pool and sees its plugin live.
-    let controller = scrape(cluster, CONTROLLER).await?;
+    let controller = cluster.scrape_metrics(CONTROLLER).await?;
     for line in [
         format!("migdra_controller_plugin_live{{node=\"{NODE}\"}} 1"),
         "migdra_controller_published_pools 1".to_string(),
@@ -249,7 +249,7 @@ async fn metrics_and_gpunode_status_show_each_instance_with_its_pod(
     );
     let regarding_uid = event.regarding.as_ref().and_then(|r| r.uid.clone());
     ensure!(regarding_uid == rejected.metadata.uid, "{event:?}");
-    let plugin = scrape(cluster, PLUGIN).await?;
+    let plugin = cluster.scrape_metrics(PLUGIN).await?;
     let failures = format!(
         "migdra_kubelet_plugin_claim_failures_total{{node=\"{NODE}\",operation=\"prepare\",reason=\"InvalidConfig\"}} "
     );
@@ -263,7 +263,7 @@ async fn metrics_and_gpunode_status_show_each_instance_with_its_pod(
     );
 
     // Every name the dashboard and alerts may use is one the real processes expose.
-    let controller = scrape(cluster, CONTROLLER).await?;
+    let controller = cluster.scrape_metrics(CONTROLLER).await?;
     let mut names = sample_names(&plugin)?;
     names.extend(sample_names(&controller)?);
     let path = repo_root().join(NAMES_FILE);
@@ -287,7 +287,7 @@ async fn metrics_and_gpunode_status_show_each_instance_with_its_pod(
     // Gone with the pod: the info series leaves the scrape.
     workload::delete_pods(&c, &["observed", "rejected"]).await?;
     wait_until(Duration::from_secs(120), || async {
-        let text = scrape(cluster, PLUGIN).await.ok()?;
+        let text = cluster.scrape_metrics(PLUGIN).await.ok()?;
         samples(&text, "migdra_kubelet_plugin_mig_instance_info")
             .is_empty()
             .then_some(())

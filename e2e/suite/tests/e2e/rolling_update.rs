@@ -23,7 +23,9 @@ use migdra_e2e::{
     workload::{self, create_pod, create_template, profile_is, wait_phase},
 };
 
-use crate::support::{SHORT, controller_sample, mig, require_chart, settle, total_instances};
+use crate::support::{
+    SHORT, claim_specs, controller_sample, mig, name, require_chart, settle, total_instances, uid,
+};
 
 tests![plugin_rolling_update_keeps_claims_flowing];
 
@@ -134,23 +136,6 @@ async fn cycle_served_by(
     Ok(())
 }
 
-fn uid(pod: &Pod) -> String {
-    pod.metadata.uid.clone().unwrap_or_default()
-}
-
-fn name(pod: &Pod) -> String {
-    pod.metadata.name.clone().unwrap_or_default()
-}
-
-/// The CDI spec files of claims.
-fn claim_specs(cluster: &Cluster) -> anyhow::Result<Vec<String>> {
-    Ok(std::fs::read_dir(&cluster.layout.cdi_dir)?
-        .filter_map(Result::ok)
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains("-claim_"))
-        .collect())
-}
-
 /// Every MIG instance: GPU minor, placement start, compute instance UUIDs.
 fn all_instances(cluster: &Cluster) -> anyhow::Result<Vec<(u32, u32, Vec<String>)>> {
     Ok(cluster
@@ -223,7 +208,7 @@ async fn roll(
         .with_context(|| format!("no MIG instance for {keeper_device}"))?;
     let keeper_spec = claim_specs(cluster)?
         .into_iter()
-        .find(|spec| spec.contains(&keeper_uid))
+        .find(|spec| spec.to_string_lossy().contains(&keeper_uid))
         .with_context(|| format!("no CDI spec of the keeper's claim {keeper_uid}"))?;
 
     let marker = format!("r{}", std::process::id());
@@ -244,7 +229,8 @@ async fn roll(
     );
     ensure!(
         all_instances(cluster)?.contains(&keeper_instance) && claim_specs(cluster)?.contains(&keeper_spec),
-        "the keeper's instance {keeper_instance:?} or CDI spec {keeper_spec} changed in the rollout: instances {:?}, specs {:?}",
+        "the keeper's instance {keeper_instance:?} or CDI spec {} changed in the rollout: instances {:?}, specs {:?}",
+        keeper_spec.display(),
         all_instances(cluster)?,
         claim_specs(cluster)?
     );

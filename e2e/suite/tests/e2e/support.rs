@@ -1,7 +1,7 @@
 //! What the theme modules share: the test table entry, the device classes, queries on the
 //! simulated GPUs and the published pool, and the cleanup every test ends with.
 
-use std::time::Duration;
+use std::{path::PathBuf, time::Duration};
 
 use anyhow::{Context, ensure};
 use futures::future::BoxFuture;
@@ -12,7 +12,7 @@ use k8s_openapi::api::{
 use kube::{Api, ResourceExt, api::ListParams};
 use migdra_api::inventory::pool_name;
 use migdra_e2e::{
-    cluster::{CONTROLLER, Cluster, DRIVER, MigdraMode, NODE, Registrations, Runtime, wait_until},
+    cluster::{CONTROLLER, Cluster, DRIVER, MigdraMode, NODE, Runtime, wait_until},
     workload::{self, ContainerView, Request},
 };
 
@@ -86,6 +86,33 @@ pub(crate) fn total_instances(cluster: &Cluster) -> usize {
         .iter()
         .map(|g| g.gpu_instances.len())
         .sum()
+}
+
+/// The CDI spec the plugin writes for the claim with UID `uid`.
+pub(crate) fn claim_spec(cluster: &Cluster, uid: &str) -> PathBuf {
+    cluster.layout.cdi_dir.join(format!("{DRIVER}-claim_{uid}.json"))
+}
+
+/// The CDI specs of claims in the CDI directory.
+pub(crate) fn claim_specs(cluster: &Cluster) -> anyhow::Result<Vec<PathBuf>> {
+    Ok(std::fs::read_dir(&cluster.layout.cdi_dir)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().contains("-claim_"))
+        })
+        .collect())
+}
+
+/// A pod's UID (empty when it has none yet).
+pub(crate) fn uid(pod: &Pod) -> String {
+    pod.metadata.uid.clone().unwrap_or_default()
+}
+
+/// A pod's name.
+pub(crate) fn name(pod: &Pod) -> String {
+    pod.metadata.name.clone().unwrap_or_default()
 }
 
 /// The ResourceSlices of this node's pool, by name.
@@ -274,33 +301,16 @@ impl Test {
     }
 }
 
-/// A component's log ([`PLUGIN`](migdra_e2e::cluster::PLUGIN) or
-/// [`CONTROLLER`](migdra_e2e::cluster::CONTROLLER)) without the terminal colour codes tracing
-/// writes around field names (`claim=default/x` reads as written): the host process's log, or
-/// its pods' container logs. Empty when there is no log yet.
-pub(crate) fn plain_log(cluster: &Cluster, component: &str) -> String {
-    cluster.component_log(component)
-}
-
-/// How often the component's logs say the kubelet registered it (callers wait for a new
-/// registration with [`wait_registered`]).
-pub(crate) fn registrations(cluster: &Cluster, component: &str) -> Registrations {
-    cluster.registrations(component)
-}
-
-/// Waits until a log of the component says the kubelet registered it since `before`.
-pub(crate) async fn wait_registered(
-    cluster: &Cluster,
-    component: &str,
-    before: Registrations,
-) -> anyhow::Result<()> {
-    cluster.wait_registered_since(component, &before).await
-}
-
-/// GETs `/metrics` from a component ([`PLUGIN`](migdra_e2e::cluster::PLUGIN) or
-/// [`CONTROLLER`](migdra_e2e::cluster::CONTROLLER)), as Prometheus would.
-pub(crate) async fn scrape(cluster: &Cluster, component: &str) -> anyhow::Result<String> {
-    cluster.scrape_metrics(component).await
+/// How often the controller's log says it withdrew the node's pool because the plugin's
+/// heartbeat expired (the logs are kept across the suite, so callers compare counts).
+pub(crate) fn heartbeat_withdrawals(cluster: &Cluster) -> usize {
+    cluster
+        .component_log(CONTROLLER)
+        .lines()
+        .filter(|l| {
+            l.contains("withdrawing the pool") && l.contains("last heartbeat") && l.contains("is older than")
+        })
+        .count()
 }
 
 /// The value of sample `sample` of the controller's metric family `family` (e.g. family
@@ -309,7 +319,7 @@ pub(crate) async fn scrape(cluster: &Cluster, component: &str) -> anyhow::Result
 /// series yet. An error when the controller does not declare the family, so an assertion on
 /// it cannot pass with the metric gone.
 pub(crate) async fn controller_sample(cluster: &Cluster, family: &str, sample: &str) -> anyhow::Result<f64> {
-    let text = scrape(cluster, CONTROLLER).await?;
+    let text = cluster.scrape_metrics(CONTROLLER).await?;
     ensure!(
         text.lines().any(|l| l.starts_with(&format!("# TYPE {family} "))),
         "the controller exposes no metric {family}"
